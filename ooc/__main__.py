@@ -1,0 +1,5 @@
+import sys
+
+from ooc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,302 @@
+"""The variable sequence: what one training step does to memory, in execution order.
+
+This is the contract between the recorder (``ooc.trace`` or the runtime's first step) and
+the planners. A step is a list of functions (aten ops, in order); each function uses
+variables (storages: every view of a storage is the same variable) for reading or writing.
+
+Lifetimes follow eager PyTorch:
+- a variable with ``live_in`` exists before the first function (parameters, optimizer state,
+  the input batch); any other variable comes into existence at its first use, which must be
+  a write (the op that allocates it);
+- a variable with ``live_out`` must still exist after the last function (parameters,
+  optimizer state, gradients kept for accumulation); any other variable dies right after
+  its last use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import Any, Iterable
+
+from scheduler.errors import SequenceFormatError
+
+SCHEMA = "ooc.sequence"
+VERSION = 1
+
+
+class Kind(str, Enum):
+    PARAM = "param"
+    GRAD = "grad"
+    ACTIVATION = "activation"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUT = "input"
+    TEMPORARY = "temporary"
+
+
+class Access(str, Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    id: int
+    nbytes: int
+    kind: Kind
+    name: str = ""
+    live_in: bool = False
+    live_out: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    var: int
+    access: Access
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a function costs: FLOPs and bytes for a roofline, or seconds when measured."""
+
+    flops: float = 0.0
+    bytes: int = 0
+    seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    index: int
+    name: str
+    uses: tuple[Use, ...]
+    cost: Cost = Cost()
+
+    @property
+    def var_ids(self) -> tuple[int, ...]:
+        """The distinct variables this function touches, in first-use order."""
+        return tuple(dict.fromkeys(u.var for u in self.uses))
+
+
+@dataclass(frozen=True)
+class VariableSequence:
+    """Functions in execution order plus the variable table, validated on construction."""
+
+    functions: tuple[Function, ...]
+    variables: dict[int, Variable]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- derived facts the planners share -------------------------------------------------
+
+    @cached_property
+    def uses_of(self) -> dict[int, tuple[int, ...]]:
+        """Variable id -> sorted indices of the functions that use it."""
+        out: dict[int, list[int]] = {v: [] for v in self.variables}
+        for f in self.functions:
+            for v in f.var_ids:
+                out[v].append(f.index)
+        return {v: tuple(ix) for v, ix in out.items()}
+
+    @cached_property
+    def first_use(self) -> dict[int, int]:
+        return {v: ix[0] for v, ix in self.uses_of.items() if ix}
+
+    @cached_property
+    def last_use(self) -> dict[int, int]:
+        return {v: ix[-1] for v, ix in self.uses_of.items() if ix}
+
+    def working_set_bytes(self, index: int) -> int:
+        """Bytes that must be resident while function ``index`` runs."""
+        return sum(self.variables[v].nbytes for v in self.functions[index].var_ids)
+
+    @cached_property
+    def live_bytes(self) -> tuple[int, ...]:
+        """Live bytes during each function when nothing is swapped (eager PyTorch)."""
+        n = len(self.functions)
+        delta = [0] * (n + 1)
+        for v, var in self.variables.items():
+            ix = self.uses_of[v]
+            if not var.live_in and not ix:
+                continue
+            start = 0 if var.live_in else ix[0]
+            end = n if var.live_out else (ix[-1] + 1 if ix else start)
+            if end > start:
+                delta[start] += var.nbytes
+                delta[end] -= var.nbytes
+        out, cur = [], 0
+        for i in range(n):
+            cur += delta[i]
+            out.append(cur)
+        return tuple(out)
+
+    @cached_property
+    def in_core_peak_bytes(self) -> int:
+        """Peak live bytes with nothing swapped and every variable freed after its last use."""
+        live = self.live_bytes
+        return max(live) if live else sum(v.nbytes for v in self.variables.values() if v.live_in)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(v.nbytes for v in self.variables.values())
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "meta": self.meta,
+            "variables": [
+                {"id": v.id, "nbytes": v.nbytes, "kind": v.kind.value, "name": v.name,
+                 "live_in": v.live_in, "live_out": v.live_out}
+                for v in self.variables.values()
+            ],
+            "functions": [
+                {"name": f.name,
+                 "uses": [[u.var, "w" if u.access is Access.WRITE else "r"] for u in f.uses],
+                 "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds}
+                for f in self.functions
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "sequence") -> "VariableSequence":
+        return _sequence_from_dict(data, where)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        _write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> "VariableSequence":
+        return cls.from_dict(read_json(path, SCHEMA), where=os.fspath(path))
+
+
+# -- validation and parsing ---------------------------------------------------------------
+
+
+def _validate(seq: VariableSequence) -> None:
+    for i, f in enumerate(seq.functions):
+        if f.index != i:
+            raise SequenceFormatError(f"functions[{i}]: index is {f.index}, expected {i}")
+        for j, u in enumerate(f.uses):
+            if u.var not in seq.variables:
+                raise SequenceFormatError(
+                    f"functions[{i}] ({f.name}).uses[{j}]: unknown variable {u.var}")
+    for v, var in seq.variables.items():
+        if var.id != v:
+            raise SequenceFormatError(f"variables: key {v} holds variable id {var.id}")
+        if var.nbytes < 0:
+            raise SequenceFormatError(f"variables[{v}]: nbytes {var.nbytes} is negative")
+    # A variable that does not exist at the start must be created by a write.
+    seen: set[int] = set()
+    for f in seq.functions:
+        for u in f.uses:
+            if u.var in seen:
+                continue
+            seen.add(u.var)
+            var = seq.variables[u.var]
+            if not var.live_in and u.access is not Access.WRITE:
+                raise SequenceFormatError(
+                    f"functions[{f.index}] ({f.name}): variable {u.var} ({var.name or var.kind.value})"
+                    f" is read before anything writes it and is not live_in")
+
+
+def read_json(path: str | os.PathLike[str], schema: str, version: int = VERSION) -> dict[str, Any]:
+    """Load a JSON file of ours, with one clear error for a missing, broken or foreign file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise SequenceFormatError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SequenceFormatError(f"{path}: not a JSON file ({exc})") from None
+    except OSError as exc:
+        raise SequenceFormatError(f"{path}: cannot read ({exc.strerror})") from None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise SequenceFormatError(f"{path}: not an {schema} file (schema is {found!r})")
+    if data.get("version") != version:
+        raise SequenceFormatError(
+            f"{path}: {schema} version {data.get('version')!r} is not supported (this ooc reads {version})")
+    return data
+
+
+def _write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def field_of(obj: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
+    """``obj[key]`` checked for type, or a SequenceFormatError that says where."""
+    if not isinstance(obj, dict):
+        raise SequenceFormatError(f"{where}: expected an object, got {type(obj).__name__}")
+    if key not in obj:
+        raise SequenceFormatError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise SequenceFormatError(f"{where}.{key}: expected {_names(types)}, got a boolean")
+    if not isinstance(value, types):
+        raise SequenceFormatError(f"{where}.{key}: expected {_names(types)}, got {type(value).__name__}")
+    return value
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in ts)
+
+
+def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
+    variables: dict[int, Variable] = {}
+    for k, raw in enumerate(field_of(data, "variables", list, where)):
+        w = f"{where}: variables[{k}]"
+        kind_s = field_of(raw, "kind", str, w)
+        try:
+            kind = Kind(kind_s)
+        except ValueError:
+            raise SequenceFormatError(
+                f"{w}.kind: {kind_s!r} is not one of {[x.value for x in Kind]}") from None
+        vid = field_of(raw, "id", int, w)
+        if vid in variables:
+            raise SequenceFormatError(f"{w}.id: duplicate variable id {vid}")
+        variables[vid] = Variable(
+            id=vid, nbytes=field_of(raw, "nbytes", int, w), kind=kind,
+            name=str(raw.get("name", "")), live_in=bool(raw.get("live_in", False)),
+            live_out=bool(raw.get("live_out", False)))
+    functions: list[Function] = []
+    for i, raw in enumerate(field_of(data, "functions", list, where)):
+        w = f"{where}: functions[{i}]"
+        uses = []
+        for j, u in enumerate(field_of(raw, "uses", list, w)):
+            if (not isinstance(u, list) or len(u) != 2 or not isinstance(u[0], int)
+                    or isinstance(u[0], bool) or u[1] not in ("r", "w")):
+                raise SequenceFormatError(f"{w}.uses[{j}]: expected [variable id, 'r' or 'w'], got {u!r}")
+            uses.append(Use(u[0], Access.WRITE if u[1] == "w" else Access.READ))
+        seconds = raw.get("seconds")
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)):
+            raise SequenceFormatError(f"{w}.seconds: expected a number or null")
+        functions.append(Function(
+            index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
+            cost=Cost(flops=float(raw.get("flops", 0) or 0), bytes=int(raw.get("bytes", 0) or 0),
+                      seconds=None if seconds is None else float(seconds))))
+    meta = data.get("meta", {}) if isinstance(data, dict) else {}
+    return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
+
+
+def build_sequence(
+    functions: Iterable[tuple[str, Iterable[tuple[int, str]], Cost]],
+    variables: Iterable[Variable],
+    meta: dict[str, Any] | None = None,
+) -> VariableSequence:
+    """Convenience constructor: ``functions`` as (name, [(var, 'r'|'w'), ...], cost)."""
+    fs = tuple(
+        Function(i, name, tuple(Use(v, Access.WRITE if a in ("w", Access.WRITE) else Access.READ)
+                                for v, a in uses), cost)
+        for i, (name, uses, cost) in enumerate(functions))
+    return VariableSequence(fs, {v.id: v for v in variables}, dict(meta or {}))

@@ -1,0 +1,153 @@
+"""A schedule: for every function, the transfers before it and after it.
+
+Semantics (what ``check`` proves and the runtime executes), per variable:
+
+- ``swap_in v`` (before f_i): device memory for v is taken now and a copy from the slower
+  tier starts. v is *in flight in* until ``wait_in v``; only then may a function use it.
+- ``wait_in v`` (before f_i): block until that copy is done; v is resident.
+- ``swap_out v`` (after f_i): a copy of v to the slower tier starts. v's device memory stays
+  taken, and v may not be used, until ``wait_out v``; then the memory is given back.
+- ``wait_out v`` (before f_i, or after f_i): block until that copy is done; memory is freed.
+- ``drop v`` (after f_i): discard the device copy of v without a transfer, because the
+  slower tier already holds the same bytes (v was swapped in and only read since).
+- ``free v`` (after f_i): v is dead (never used again); its memory is given back.
+
+Device memory counts every resident variable, every transfer in flight in either direction,
+and the variables a function creates (first write) while it runs. A schedule is safe when
+that never exceeds ``budget``, every use finds its variable resident, and the step ends in
+the state it started in (``initial_resident`` for live-out variables, nothing in flight).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from typing import Any
+
+from scheduler.errors import SequenceFormatError
+from scheduler.ir import VariableSequence, _write_json, field_of, read_json
+
+SCHEMA = "ooc.schedule"
+VERSION = 1
+
+
+class Op(str, Enum):
+    SWAP_IN = "swap_in"
+    WAIT_IN = "wait_in"
+    SWAP_OUT = "swap_out"
+    WAIT_OUT = "wait_out"
+    DROP = "drop"
+    FREE = "free"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    op: Op
+    var: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A plan for one step, carrying its sequence so a plan file stands alone."""
+
+    sequence: VariableSequence
+    budget: int
+    policy: str
+    window: int
+    before: tuple[tuple[Action, ...], ...]
+    after: tuple[tuple[Action, ...], ...]
+    initial_resident: frozenset[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.sequence.functions)
+        if len(self.before) != n or len(self.after) != n:
+            raise SequenceFormatError(
+                f"schedule has {len(self.before)}/{len(self.after)} action lists for {n} functions")
+        for lists in (self.before, self.after):
+            for i, acts in enumerate(lists):
+                for a in acts:
+                    if a.var not in self.sequence.variables:
+                        raise SequenceFormatError(f"actions of function {i}: unknown variable {a.var}")
+
+    def _moved(self, op: Op) -> int:
+        nb = self.sequence.variables
+        return sum(nb[a.var].nbytes for acts in (*self.before, *self.after) for a in acts if a.op is op)
+
+    @cached_property
+    def bytes_in(self) -> int:
+        """Bytes copied from the slower tier to the device in one step."""
+        return self._moved(Op.SWAP_IN)
+
+    @cached_property
+    def bytes_out(self) -> int:
+        """Bytes copied from the device to the slower tier in one step."""
+        return self._moved(Op.SWAP_OUT)
+
+    @cached_property
+    def peak_resident_bytes(self) -> int:
+        """Peak device bytes the schedule needs (replayed by ``check``)."""
+        from scheduler.check import check
+
+        return check(self).peak_bytes
+
+    def summary(self) -> dict[str, Any]:
+        """The fields ``ooc plan --json`` prints: plain data, stable keys."""
+        return {
+            "policy": self.policy,
+            "budget": self.budget,
+            "window": self.window,
+            "functions": len(self.sequence.functions),
+            "variables": len(self.sequence.variables),
+            "in_core_peak_bytes": self.sequence.in_core_peak_bytes,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        enc = lambda lists: [[[a.op.value, a.var] for a in acts] for acts in lists]  # noqa: E731
+        return {
+            "schema": SCHEMA, "version": VERSION, "policy": self.policy, "budget": self.budget,
+            "window": self.window, "initial_resident": sorted(self.initial_resident),
+            "before": enc(self.before), "after": enc(self.after),
+            "sequence": self.sequence.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "schedule") -> "Schedule":
+        seq = VariableSequence.from_dict(field_of(data, "sequence", dict, where), where=f"{where}: sequence")
+
+        def dec(key: str) -> tuple[tuple[Action, ...], ...]:
+            out = []
+            for i, acts in enumerate(field_of(data, key, list, where)):
+                if not isinstance(acts, list):
+                    raise SequenceFormatError(f"{where}: {key}[{i}]: expected a list of actions")
+                row = []
+                for j, a in enumerate(acts):
+                    if (not isinstance(a, list) or len(a) != 2 or a[0] not in Op._value2member_map_
+                            or not isinstance(a[1], int) or isinstance(a[1], bool)):
+                        raise SequenceFormatError(
+                            f"{where}: {key}[{i}][{j}]: expected [op, variable id] with op one of "
+                            f"{[o.value for o in Op]}, got {a!r}")
+                    row.append(Action(Op(a[0]), a[1]))
+                out.append(tuple(row))
+            return tuple(out)
+
+        initial = field_of(data, "initial_resident", list, where)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in initial):
+            raise SequenceFormatError(f"{where}: initial_resident must be a list of variable ids")
+        return cls(
+            sequence=seq, budget=field_of(data, "budget", int, where),
+            policy=field_of(data, "policy", str, where), window=field_of(data, "window", int, where),
+            before=dec("before"), after=dec("after"), initial_resident=frozenset(initial))
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        _write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> "Schedule":
+        return cls.from_dict(read_json(path, SCHEMA, VERSION), where=os.fspath(path))
