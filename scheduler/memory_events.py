@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduler.errors import ScheduleError
+from scheduler.ir import VariableSequence
 from scheduler.schedule import Op, Schedule
 
 if TYPE_CHECKING:  # vmm is imported lazily: ``import scheduler`` must not need it
@@ -85,7 +86,7 @@ def allocation_events(schedule: Schedule) -> list["Event"]:
     return events
 
 
-def creations(schedule_or_seq) -> tuple[tuple[int, ...], ...]:
+def creations(schedule_or_seq: Schedule | VariableSequence) -> tuple[tuple[int, ...], ...]:
     """For each function, the variables it creates: its first use of a non-live-in variable."""
     seq = getattr(schedule_or_seq, "sequence", schedule_or_seq)
     variables = seq.variables
