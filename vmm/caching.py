@@ -1,0 +1,454 @@
+"""A model of PyTorch's CUDA caching allocator (best-fit with block splitting), to compare.
+
+This reproduces the default behaviour of ``c10/cuda/CUDACachingAllocator.cpp``
+(``DeviceCachingAllocator::malloc`` / ``free``, one stream, no expandable segments):
+
+- every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
+- requests of at most 1 MiB (``kSmallSize``) come from the **small pool**, whose segments
+  are 2 MiB (``kSmallBuffer``); larger ones from the **large pool**: a request below
+  10 MiB (``kMinLargeAlloc``) gets a new 20 MiB segment (``kLargeBuffer``), a larger one a
+  segment of its own size rounded up to 2 MiB (``kRoundLarge``);
+- the block search is **best fit**: the smallest free block of the pool that is large
+  enough, ties broken by the lower address (``BlockComparatorSize``);
+- a found block is **split** if the rest is worth keeping: in the small pool if at least
+  512 bytes remain, in the large pool if more than 1 MiB remains;
+- a freed block **coalesces** with free neighbours of the same segment;
+- segments are kept (cached) until :meth:`CachingAllocator.empty_cache`; when a new
+  segment cannot be had (the device is full), the allocator frees every cached segment
+  that holds no allocated block and retries once, then raises
+  :class:`vmm.pool.BudgetExceeded` (an :class:`vmm.OutOfBudget`), like PyTorch's
+  "CUDA out of memory. Tried to allocate ...".
+
+``max_split_size`` (``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb``) is modelled too: blocks
+at least that large are never split and are not handed to smaller requests.
+
+Each segment is one ``cudaMalloc`` in PyTorch; here it is one chunk of the segment's size
+mapped onto its own reserved range of the backend (sim for planning at device scale,
+host for real bytes), so ``map_calls`` counts segment allocations. Free blocks sit in
+sorted lists keyed by (size, address) (bisect: O(log n) search), which makes a replay run
+at a few hundred thousand events per second.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Any
+
+from vmm.backend import Backend
+from vmm.errors import OutOfBudget, VMMError
+from vmm.pool import BudgetExceeded
+from vmm.units import format_size
+
+K_MIN_BLOCK_SIZE = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+_SHIFT = 64  # free-list key = size << 64 | address: one int compares faster than a tuple
+
+
+class CachingAllocatorError(VMMError):
+    """Misuse of the caching allocator: double free, a foreign or split-away block."""
+
+
+def round_size(nbytes: int) -> int:
+    """PyTorch's ``round_size``: at least 512, else up to a multiple of 512."""
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+def allocation_size(size: int) -> int:
+    """PyTorch's ``get_allocation_size``: the segment a rounded request would get."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+class _Segment:
+    __slots__ = ("address", "size", "handle", "small", "active", "first")
+
+    def __init__(self, address: int, size: int, handle: Any, small: bool) -> None:
+        self.address = address
+        self.size = size
+        self.handle = handle
+        self.small = small
+        self.active = 0  # allocated blocks in this segment
+        self.first: Block | None = None  # the block at the segment's start
+
+
+class Block:
+    """A block of a segment: ``address``, ``size`` (rounded, after splitting) and, while
+    allocated, ``requested`` (the bytes asked for). What :meth:`CachingAllocator.alloc`
+    returns and :meth:`CachingAllocator.free` takes."""
+
+    __slots__ = ("address", "size", "requested", "allocated", "prev", "next", "segment")
+
+    def __init__(self, address: int, size: int, segment: _Segment | None,
+                 prev: "Block | None" = None, next: "Block | None" = None) -> None:
+        self.address = address
+        self.size = size
+        self.requested = 0
+        self.allocated = False
+        self.prev = prev
+        self.next = next
+        self.segment = segment
+
+    @property
+    def nbytes(self) -> int:
+        return self.requested
+
+    def __repr__(self) -> str:
+        state = "allocated" if self.allocated else "free"
+        return f"<Block 0x{self.address:x} size={self.size} requested={self.requested} {state}>"
+
+
+class CachingAllocator:
+    """PyTorch's best-fit caching allocator over a backend (see the module docstring).
+
+    Args:
+        backend: where segments come from (a :class:`vmm.SimBackend` to model a device).
+        capacity_bytes: device memory; getting a segment fails once the segments would
+            exceed it. ``None``: unlimited (only the backend's own limit applies).
+        max_split_size: PyTorch's ``max_split_size_mb`` in bytes (``None``: unlimited, the
+            default there too).
+
+    ``alloc(nbytes) -> Block`` and ``free(block)`` mirror ``malloc`` / ``free``;
+    :meth:`empty_cache` releases every segment with no allocated block.
+    """
+
+    def __init__(self, backend: Backend, capacity_bytes: int | None = None, *,
+                 max_split_size: int | None = None) -> None:
+        self.backend = backend
+        self.capacity_bytes = capacity_bytes
+        self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
+        self._granularity = backend.granularity
+        self._free_small: list[int] = []   # keys (size << 64 | address), sorted
+        self._free_large: list[int] = []
+        self._free_blocks: dict[int, Block] = {}  # address -> free block
+        self._segments: dict[int, _Segment] = {}
+        # Counters (plain attributes: replay reads them per event).
+        self.requested_bytes = 0
+        self.allocated_bytes = 0
+        self.mapped_bytes = 0          # = reserved segment bytes
+        self.small_pool_bytes = 0
+        self.active_segments = 0       # segments holding at least one allocated block
+        self.live_allocations = 0
+        self.peak_requested_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.peak_mapped_bytes = 0
+        self.peak_segments = 0
+        self.peak_live_allocations = 0
+        self.map_calls = 0
+        self.unmap_calls = 0
+        self.alloc_count = 0
+        self.free_count = 0
+        self.num_alloc_retries = 0
+        self.ooms = 0
+
+    # -- public API --------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Block:
+        """PyTorch's ``malloc``: best-fit search, else a new segment (retry after freeing
+        cached segments once), then split. Raises BudgetExceeded when nothing works."""
+        if nbytes <= 0:
+            if nbytes == 0:  # PyTorch hands out a null pointer and allocates nothing
+                block = Block(0, 0, None)
+                block.allocated = True
+                self.alloc_count += 1
+                self.live_allocations += 1
+                return block
+            raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
+        size = K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
+            -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        small = size <= K_SMALL_SIZE
+        free = self._free_small if small else self._free_large
+        block = None
+        i = bisect_left(free, size << _SHIFT)
+        if i < len(free):
+            key = free[i]
+            found = key >> _SHIFT
+            mss = self.max_split_size
+            # "Do not return an oversized block for a large request" (both PyTorch checks).
+            if not ((size < mss and found >= mss) or
+                    (size >= mss and found >= size + K_LARGE_BUFFER)):
+                del free[i]
+                block = self._free_blocks.pop(key & _MASK)
+        if block is None:
+            block = self._alloc_block(size, small, nbytes)
+        remaining = block.size - size
+        if small:
+            split = remaining >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split_size and remaining > K_SMALL_SIZE
+        if split:
+            rest = Block(block.address + size, remaining, block.segment, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._free_blocks[rest.address] = rest
+            insort(free, remaining << _SHIFT | rest.address)
+        block.allocated = True
+        block.requested = nbytes
+        seg = block.segment
+        if not seg.active:
+            self.active_segments += 1
+        seg.active += 1
+        self.alloc_count += 1
+        self.live_allocations += 1
+        if self.live_allocations > self.peak_live_allocations:
+            self.peak_live_allocations = self.live_allocations
+        self.requested_bytes += nbytes
+        if self.requested_bytes > self.peak_requested_bytes:
+            self.peak_requested_bytes = self.requested_bytes
+        self.allocated_bytes += block.size
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+        return block
+
+    malloc = alloc
+
+    def free(self, block: Block) -> None:
+        """PyTorch's ``free``: mark free, coalesce with free neighbours, back to its pool."""
+        if not block.allocated:
+            raise CachingAllocatorError(f"double free (or free of a block never handed out): "
+                                        f"{block!r}")
+        block.allocated = False
+        self.free_count += 1
+        self.live_allocations -= 1
+        seg = block.segment
+        if seg is None:  # zero-byte block
+            return
+        if self._segments.get(seg.address) is not seg:
+            raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
+        self.requested_bytes -= block.requested
+        self.allocated_bytes -= block.size
+        block.requested = 0
+        seg.active -= 1
+        if not seg.active:
+            self.active_segments -= 1
+        free = self._free_small if seg.small else self._free_large
+        free_blocks = self._free_blocks
+        prev = block.prev
+        if prev is not None and not prev.allocated:
+            # Merge the free block before us into us (PyTorch's try_merge_blocks).
+            del free[bisect_left(free, prev.size << _SHIFT | prev.address)]
+            del free_blocks[prev.address]
+            block.address = prev.address
+            block.size += prev.size
+            block.prev = prev.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                seg.first = block
+        nxt = block.next
+        if nxt is not None and not nxt.allocated:
+            del free[bisect_left(free, nxt.size << _SHIFT | nxt.address)]
+            del free_blocks[nxt.address]
+            block.size += nxt.size
+            block.next = nxt.next
+            if block.next is not None:
+                block.next.prev = block
+        free_blocks[block.address] = block
+        insort(free, block.size << _SHIFT | block.address)
+
+    def empty_cache(self) -> int:
+        """Release every cached segment that holds no allocated block (PyTorch's
+        ``release_cached_blocks``); return the bytes released."""
+        freed = 0
+        for free in (self._free_small, self._free_large):
+            keep = []
+            for key in free:
+                block = self._free_blocks[key & _MASK]
+                if block.prev is None and block.next is None:
+                    del self._free_blocks[block.address]
+                    freed += self._release_segment(block.segment)
+                else:
+                    keep.append(key)
+            free[:] = keep
+        return freed
+
+    def largest_free_block(self) -> int:
+        """Size of the largest cached free block (either pool)."""
+        best = 0
+        for free in (self._free_small, self._free_large):
+            if free:
+                best = max(best, free[-1] >> _SHIFT)
+        return best
+
+    def stats(self) -> dict[str, int]:
+        """Memory statistics as a plain dict with stable keys (all sizes in bytes).
+
+        The keys shared with :meth:`vmm.VirtualAllocator.stats`, read for this model:
+
+        - ``requested_bytes``: bytes asked for by live blocks (before rounding).
+        - ``mapped_bytes``: bytes of all reserved segments (PyTorch's "reserved"), the
+          memory the device really holds; ``reserved_bytes`` and ``physical_bytes`` are
+          the same number (a segment's address space is all mapped).
+        - ``chunks_in_use`` / ``chunks_cached``: segments with / without an allocated block.
+        - ``internal_fragmentation_bytes``: ``mapped_bytes - requested_bytes``: everything
+          reserved but not asked for (rounding, split remainders and free blocks that are
+          too small or in the wrong pool; for this allocator it includes external
+          fragmentation).
+        - ``peak_requested_bytes``, ``peak_mapped_bytes``, ``peak_reserved_bytes``
+          (= ``peak_mapped_bytes``), ``peak_allocations``: maxima so far.
+        - ``map_calls`` / ``unmap_calls``: segments allocated / released (``cudaMalloc`` /
+          ``cudaFree`` in PyTorch).
+
+        And the model's own:
+
+        - ``allocated_bytes``, ``peak_allocated_bytes``: block bytes after rounding/splits.
+        - ``reserved_segment_bytes``: = ``mapped_bytes``; ``segments``: how many;
+          ``peak_segments``; ``small_pool_bytes`` / ``large_pool_bytes``: per pool.
+        - ``largest_free_block``: the largest cached free block.
+        - ``inactive_split_bytes``: free bytes in segments that also hold allocated blocks
+          (PyTorch's "inactive_split": the fragmentation ``empty_cache`` cannot return).
+        - ``capacity_bytes``: the device size given (0 = unlimited).
+        - ``allocations``, ``alloc_count``, ``free_count``, ``num_alloc_retries`` (segment
+          requests that needed the free-cached-segments retry), ``ooms``.
+        """
+        mapped = self.mapped_bytes
+        cached_segments = len(self._segments) - self.active_segments
+        whole_free = sum(s.size for s in self._segments.values() if not s.active)
+        return {
+            "requested_bytes": self.requested_bytes,
+            "mapped_bytes": mapped,
+            "reserved_bytes": mapped,
+            "physical_bytes": mapped,
+            "chunks_in_use": self.active_segments,
+            "chunks_cached": cached_segments,
+            "internal_fragmentation_bytes": mapped - self.requested_bytes,
+            "peak_requested_bytes": self.peak_requested_bytes,
+            "peak_mapped_bytes": self.peak_mapped_bytes,
+            "peak_reserved_bytes": self.peak_mapped_bytes,
+            "peak_allocations": self.peak_live_allocations,
+            "map_calls": self.map_calls,
+            "unmap_calls": self.unmap_calls,
+            "allocated_bytes": self.allocated_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "reserved_segment_bytes": mapped,
+            "segments": len(self._segments),
+            "peak_segments": self.peak_segments,
+            "small_pool_bytes": self.small_pool_bytes,
+            "large_pool_bytes": mapped - self.small_pool_bytes,
+            "largest_free_block": self.largest_free_block(),
+            "inactive_split_bytes": mapped - self.allocated_bytes - whole_free,
+            "capacity_bytes": self.capacity_bytes or 0,
+            "allocations": self.live_allocations,
+            "alloc_count": self.alloc_count,
+            "free_count": self.free_count,
+            "num_alloc_retries": self.num_alloc_retries,
+            "ooms": self.ooms,
+        }
+
+    def segments(self) -> list[dict[str, Any]]:
+        """A snapshot like ``torch.cuda.memory_snapshot()``: one dict per segment with
+        ``address``, ``total_size``, ``pool`` ("small"/"large") and ``blocks`` (each
+        ``address``, ``size``, ``requested``, ``state``), in address order."""
+        out = []
+        for seg in sorted(self._segments.values(), key=lambda s: s.address):
+            blocks = []
+            b = seg.first
+            while b is not None:
+                blocks.append({"address": b.address, "size": b.size, "requested": b.requested,
+                               "state": "active_allocated" if b.allocated else "inactive"})
+                b = b.next
+            out.append({"address": seg.address, "total_size": seg.size,
+                        "pool": "small" if seg.small else "large", "blocks": blocks})
+        return out
+
+    def close(self) -> None:
+        """Release every segment; refuses while blocks are allocated."""
+        if self.live_allocations:
+            raise CachingAllocatorError(f"close() with {self.live_allocations} live block(s)")
+        self.empty_cache()
+
+    def __repr__(self) -> str:
+        return (f"<CachingAllocator {self.live_allocations} live, "
+                f"{format_size(self.requested_bytes)} requested, "
+                f"{format_size(self.mapped_bytes)} reserved in {len(self._segments)} segments>")
+
+    # -- internals ---------------------------------------------------------------------
+    def _alloc_block(self, size: int, small: bool, nbytes: int) -> Block:
+        """A new segment for the request; on failure free cached segments, retry once."""
+        seg_size = allocation_size(size)
+        g = self._granularity
+        if seg_size % g:
+            seg_size = -(-seg_size // g) * g
+        seg = self._new_segment(seg_size, small)
+        if seg is None:
+            self.num_alloc_retries += 1
+            self.empty_cache()
+            seg = self._new_segment(seg_size, small)
+            if seg is None:
+                self.ooms += 1
+                raise self._oom(nbytes, size, seg_size)
+        block = Block(seg.address, seg.size, seg)
+        seg.first = block
+        return block
+
+    def _new_segment(self, seg_size: int, small: bool) -> _Segment | None:
+        cap = self.capacity_bytes
+        if cap is not None and self.mapped_bytes + seg_size > cap:
+            return None
+        backend = self.backend
+        address = handle = None
+        try:
+            address = backend.reserve_range(seg_size)
+            handle = backend.create_chunk(seg_size)
+            backend.map(address, handle, seg_size)
+            backend.set_access(address, seg_size)
+        except OutOfBudget:  # the backend itself is full (DeviceOutOfMemory)
+            if handle is not None:
+                backend.release_chunk(handle)
+            if address is not None:
+                backend.free_range(address, seg_size)
+            return None
+        seg = _Segment(address, seg_size, handle, small)
+        self._segments[address] = seg
+        self.map_calls += 1
+        self.mapped_bytes += seg_size
+        if small:
+            self.small_pool_bytes += seg_size
+        if self.mapped_bytes > self.peak_mapped_bytes:
+            self.peak_mapped_bytes = self.mapped_bytes
+        if len(self._segments) > self.peak_segments:
+            self.peak_segments = len(self._segments)
+        return seg
+
+    def _release_segment(self, seg: _Segment) -> int:
+        backend = self.backend
+        backend.unmap(seg.address, seg.size)
+        backend.release_chunk(seg.handle)
+        backend.free_range(seg.address, seg.size)
+        del self._segments[seg.address]
+        self.unmap_calls += 1
+        self.mapped_bytes -= seg.size
+        if seg.small:
+            self.small_pool_bytes -= seg.size
+        return seg.size
+
+    def _oom(self, nbytes: int, size: int, seg_size: int) -> BudgetExceeded:
+        cap = self.capacity_bytes
+        reserved = self.mapped_bytes
+        largest = self.largest_free_block()
+        room = (cap - reserved) if cap is not None else 0
+        fit = max(largest, room)
+        cap_text = format_size(cap) if cap is not None else "unlimited"
+        return BudgetExceeded(
+            f"caching allocator out of memory: tried to allocate {format_size(nbytes)} "
+            f"({nbytes} B, rounded to {size} B, needs a new {format_size(seg_size)} segment); "
+            f"device capacity {cap_text}; {format_size(reserved)} reserved in "
+            f"{len(self._segments)} segments, of which {format_size(self.allocated_bytes)} "
+            f"allocated ({format_size(self.requested_bytes)} requested) and "
+            f"{format_size(reserved - self.allocated_bytes)} reserved but unallocated "
+            f"(fragmentation); largest free block {format_size(largest)}; the largest request "
+            f"that fits now is about {format_size(fit)}.",
+            requested=nbytes, in_use=self.requested_bytes, budget=cap or 0, largest_fit=fit)
+
+
+_MASK = (1 << _SHIFT) - 1

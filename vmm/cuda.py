@@ -1,0 +1,241 @@
+"""Device chunks through the CUDA virtual memory management driver API (cuda-python).
+
+The calls, in the order the driver wants them (``from cuda.bindings import driver``,
+imported lazily by the constructor, so the rest of ``vmm`` works without cuda-python):
+
+- setup: ``cuInit(0)``; ``cuDeviceGet(device)``; ``cuDevicePrimaryCtxRetain`` +
+  ``cuCtxSetCurrent`` (the primary context is the one PyTorch uses, so pointers mapped
+  here are valid in its kernels); ``cuMemGetAllocationGranularity`` for pinned device
+  memory on that device (``CU_MEM_ALLOC_GRANULARITY_MINIMUM``, 2 MiB on current GPUs).
+- chunks: ``cuMemCreate(size, prop, 0)`` / ``cuMemRelease(handle)``.
+- ranges: ``cuMemAddressReserve(size, alignment, 0, 0)`` / ``cuMemAddressFree``.
+- mapping: ``cuMemMap(ptr, size, 0, handle, 0)`` per chunk, then ``cuMemSetAccess`` over
+  the mapped span (read/write for the device: a new mapping is not accessible until
+  then); unmapping: ``cuCtxSynchronize`` (or ``cuStreamSynchronize`` on the stream given)
+  so no kernel still reads the memory, then ``cuMemUnmap`` per chunk (the driver unmaps
+  only whole mappings).
+
+Every call returns ``(err, *values)``; every ``err`` is checked and a failure raises
+:class:`vmm.backend.BackendCallError` (``DeviceOutOfMemory`` for
+``CUDA_ERROR_OUT_OF_MEMORY``) naming the call, its arguments and the error name. An
+exception raised inside cuda-python (no driver library, say) is wrapped the same way.
+
+No GPU exists on the project's machines: this module is tested against the fake driver in
+``tests/fakes/fake_cuda_driver.py``, which enforces the same contract, and by GPU tests
+that skip without a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from vmm.backend import Backend, BackendCallError, DeviceOutOfMemory, Ledger
+from vmm.errors import VMMError
+
+
+def _import_driver() -> Any:
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python layout
+        except ImportError as exc:
+            raise VMMError("the cuda backend needs cuda-python: pip install 'ooc[cuda]' "
+                           "(or use SimBackend to plan without a GPU)") from exc
+    return driver
+
+
+def allocation_prop(driver: Any, device: int) -> Any:
+    """``CUmemAllocationProp`` for pinned memory on ``device``."""
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    return prop
+
+
+def access_desc(driver: Any, device: int) -> Any:
+    """``CUmemAccessDesc`` granting ``device`` read/write access."""
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+class CudaBackend(Backend):
+    """Physical chunks of GPU memory mapped into reserved device address ranges.
+
+    Args:
+        device: CUDA device ordinal.
+        driver: the ``cuda.bindings.driver`` module, or a stand-in with the same
+            interface (tests pass a fake). Default: imported here.
+        stream: a ``CUstream`` to synchronize before unmapping instead of the whole
+            context (only correct if every kernel touching this memory runs on it).
+
+    The primary context is made current in the constructing thread; call
+    :meth:`make_current` in another thread before using the backend there.
+    :meth:`close` unmaps, releases and frees everything, then releases the context.
+    Handles given to the allocators are ints (``int(CUmemGenericAllocationHandle)``).
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, *, driver: Any = None, stream: Any = None) -> None:
+        self._drv = driver if driver is not None else _import_driver()
+        self._success = self._drv.CUresult.CUDA_SUCCESS
+        self.device = device
+        self.calls: dict[str, int] = {}
+        self._stream = stream
+        self._ctx = None
+        self._call("cuInit", 0)
+        self._dev = self._call("cuDeviceGet", device)
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
+        self._call("cuCtxSetCurrent", self._ctx)
+        self._prop = allocation_prop(self._drv, device)
+        self.granularity = int(self._call(
+            "cuMemGetAllocationGranularity", self._prop,
+            self._drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        self._access = [access_desc(self._drv, device)]
+        self.ledger = Ledger(self.granularity, "cuda")
+        self._handles: dict[int, Any] = {}  # int handle -> the driver's handle object
+        self._closed = False
+
+    # -- the one place driver calls go through -----------------------------------------
+    def _call(self, name: str, *args: Any) -> Any:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        try:
+            result = getattr(self._drv, name)(*args)
+        except Exception as exc:
+            raise BackendCallError(f"cuda backend: {name}({_fmt(args)}) raised "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        err = result[0]
+        if err != self._success:
+            cls = DeviceOutOfMemory if _name_of(err) == "CUDA_ERROR_OUT_OF_MEMORY" else \
+                BackendCallError
+            raise cls(f"cuda backend: {name}({_fmt(args)}) failed with "
+                      f"{self._error_name(err)} on device {self.device}")
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _error_name(self, err: Any) -> str:
+        try:
+            e2, text = self._drv.cuGetErrorName(err)
+            if e2 == self._success and text:
+                return text.decode() if isinstance(text, bytes) else str(text)
+        except Exception:  # the name lookup must never hide the original error
+            pass
+        return f"{_name_of(err)} ({int(err)})"
+
+    def make_current(self) -> None:
+        """Make this backend's (primary) context current in the calling thread."""
+        self._call("cuCtxSetCurrent", self._ctx)
+
+    # -- chunks ------------------------------------------------------------------------
+    def create_chunk(self, nbytes: int) -> int:
+        self._check_open()
+        self.ledger.check_size("create_chunk", nbytes)
+        handle = self._call("cuMemCreate", nbytes, self._prop, 0)
+        key = int(handle)
+        self._handles[key] = handle
+        self.ledger.add_chunk(key, nbytes)
+        return key
+
+    def release_chunk(self, handle: Any) -> None:
+        self.ledger.remove_chunk(handle)
+        self._call("cuMemRelease", self._handles.pop(handle))
+
+    # -- address ranges ----------------------------------------------------------------
+    def reserve_range(self, nbytes: int, alignment: int = 0) -> int:
+        self._check_open()
+        self.ledger.check_size("reserve_range", nbytes)
+        address = int(self._call("cuMemAddressReserve", nbytes, alignment, 0, 0))
+        self.ledger.add_range(address, nbytes)
+        return address
+
+    def free_range(self, address: int, nbytes: int) -> None:
+        self.ledger.remove_range(address, nbytes)
+        self._call("cuMemAddressFree", address, nbytes)
+
+    # -- mappings ----------------------------------------------------------------------
+    def map(self, address: int, handle: Any, nbytes: int) -> None:
+        self.map_many(address, (handle,), nbytes)
+
+    def map_many(self, address: int, handles: Sequence[Any], chunk_bytes: int) -> None:
+        self._check_open()
+        self.ledger.add_mappings(address, handles, chunk_bytes)
+        done = 0
+        try:
+            for i, handle in enumerate(handles):
+                self._call("cuMemMap", address + i * chunk_bytes, chunk_bytes, 0,
+                           self._handles[handle], 0)
+                done += 1
+        except BackendCallError:
+            self.ledger.remove_mappings(address, len(handles) * chunk_bytes)
+            for i in range(done):  # undo the mappings that did succeed
+                self._drv.cuMemUnmap(address + i * chunk_bytes, chunk_bytes)
+            raise
+
+    def set_access(self, address: int, nbytes: int) -> None:
+        # Mappings start inaccessible; one call covers the whole mapped span.
+        self._call("cuMemSetAccess", address, nbytes, self._access, len(self._access))
+
+    def unmap(self, address: int, nbytes: int) -> None:
+        removed = self.ledger.remove_mappings(address, nbytes)
+        # A kernel queued earlier may still read or write these pages: wait for it before
+        # the physical memory can be mapped elsewhere.
+        self.synchronize()
+        for start, end, _ in removed:
+            self._call("cuMemUnmap", start, end - start)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._call("cuStreamSynchronize", self._stream)
+        else:
+            self._call("cuCtxSynchronize")
+
+    # -- lifetime ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VMMError("cuda backend: used after close()")
+
+    def close(self) -> None:
+        """Synchronize, unmap every chunk, release every chunk, free every range, release
+        the primary context. Safe to call twice."""
+        if self._closed:
+            return
+        mappings = self.ledger.mappings()
+        if mappings:
+            self.synchronize()
+            for address, nbytes, _ in mappings:
+                self.ledger.remove_mappings(address, nbytes)
+                self._call("cuMemUnmap", address, nbytes)
+        for handle in list(self.ledger.chunks):
+            self.release_chunk(handle)
+        for address, nbytes in self.ledger.ranges():
+            self.free_range(address, nbytes)
+        self._closed = True
+        if self._ctx is not None:
+            self._call("cuDevicePrimaryCtxRelease", self._dev)
+            self._ctx = None
+
+    def __repr__(self) -> str:
+        return (f"<CudaBackend device={self.device} granularity={self.granularity} "
+                f"chunks={len(self.ledger.chunks)} ranges={len(self.ledger.ranges())}>")
+
+
+def _name_of(err: Any) -> str:
+    return getattr(err, "name", None) or str(err)
+
+
+def _fmt(args: tuple) -> str:
+    out = []
+    for a in args:
+        if isinstance(a, int) and a >= 1 << 32:  # an address
+            out.append(f"0x{a:x}")
+        elif isinstance(a, (int, float, str)):
+            out.append(repr(a))
+        else:
+            out.append(type(a).__name__)
+    return ", ".join(out)

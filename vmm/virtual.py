@@ -1,0 +1,598 @@
+"""Contiguous virtual ranges over interchangeable physical chunks: no external fragmentation.
+
+A request of m bytes gets k = ceil(m / chunk) chunks from the :class:`vmm.ChunkPool`, in
+whatever order they come, mapped back to back onto one reserved virtual range, so the
+caller sees contiguous memory while the device pool only ever deals in whole chunks. The
+waste is inside the last chunk of each allocation: less than one chunk per allocation,
+less than N_max x chunk in total (N_max = allocations live at once), never holes between
+allocations (Hayakawa & Narihira, "Out-of-core training ... adaptive window-based
+scheduling", the virtual-addressing half).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from bisect import bisect_left, bisect_right, insort
+from typing import Any
+
+from vmm.errors import VMMError
+from vmm.pool import BudgetExceeded, Chunk, ChunkPool
+from vmm.units import format_size
+
+
+class AllocationError(VMMError):
+    """Misuse of an allocation: double free, a foreign allocation, a negative size."""
+
+
+class BufferInUse(AllocationError):
+    """``free()`` of an allocation while a buffer exported from it is still referenced."""
+
+
+class _Range:
+    """One reserved virtual range: ``capacity`` chunks of address space, the first
+    ``len(chunks)`` of them mapped (the chunks in mapping order)."""
+
+    __slots__ = ("address", "capacity", "chunks", "rid")
+
+    def __init__(self, address: int, capacity: int, rid: int) -> None:
+        self.address = address
+        self.capacity = capacity
+        self.chunks: list[Chunk] = []
+        self.rid = rid
+
+
+class Allocation:
+    """A live allocation: ``address`` (contiguous, aligned to the backend granularity),
+    ``nbytes`` (requested), ``mapped_bytes`` (k whole chunks), ``chunks`` (in mapping order).
+
+    Lifetime rule for :meth:`buffer`: a buffer is a zero-copy window onto the mapped range
+    and is valid exactly while the allocation is live. The allocator refuses to free an
+    allocation while any buffer exported from it (or a numpy array / torch tensor /
+    memoryview made from such a buffer, which all hold a reference to it) is still alive,
+    raising :class:`BufferInUse`; drop them first. A raw ``address`` carries no such guard:
+    code that uses the address directly must stop before calling ``free``.
+    """
+
+    __slots__ = ("address", "nbytes", "mapped_bytes", "_range", "_owner", "_exports",
+                 "__weakref__")
+
+    def __init__(self, address: int, nbytes: int, mapped_bytes: int, rng: _Range | None,
+                 owner: "VirtualAllocator") -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.mapped_bytes = mapped_bytes
+        self._range = rng
+        self._owner = owner
+        self._exports: list[weakref.ref] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._range is not None
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The physical chunks behind the range, in address order (empty once freed)."""
+        rng = self._range
+        return tuple(rng.chunks) if rng is not None else ()
+
+    @property
+    def alignment(self) -> int:
+        """What ``address`` is a multiple of (the backend granularity: 4096 on the host)."""
+        return self._owner.alignment
+
+    def buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
+        """A writable, zero-copy buffer over ``[offset, offset + nbytes)`` of the allocation.
+
+        Host backend only (a ctypes ``c_char`` array: works with ``memoryview``,
+        ``numpy.frombuffer`` and ``torch.frombuffer``). The buffer keeps this allocation
+        object alive, and ``free()`` raises :class:`BufferInUse` while the buffer or anything
+        made from it is referenced (see the class docstring). ``nbytes`` defaults to the rest
+        of the requested size; up to ``mapped_bytes`` may be asked for.
+        """
+        if self._range is None:
+            raise AllocationError(f"buffer() of a freed allocation (was at 0x{self.address:x})")
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.mapped_bytes:
+            raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the "
+                                  f"{self.mapped_bytes} mapped bytes of allocation 0x{self.address:x}")
+        buf = self._owner.backend.buffer(self.address + offset, nbytes)
+        buf._ooc_allocation = self  # the buffer keeps the allocation (and its backend) alive
+        if self._exports is None:
+            self._exports = []
+        else:
+            self._exports = [r for r in self._exports if r() is not None]
+        self._exports.append(weakref.ref(buf))
+        return buf
+
+    def exports_alive(self) -> int:
+        """How many buffers exported by :meth:`buffer` are still referenced."""
+        return 0 if not self._exports else sum(r() is not None for r in self._exports)
+
+    def free(self) -> None:
+        """Same as ``allocator.free(self)``."""
+        self._owner.free(self)
+
+    def __repr__(self) -> str:
+        state = "live" if self._range is not None else "freed"
+        return (f"<Allocation 0x{self.address:x} {format_size(self.nbytes)} requested, "
+                f"{format_size(self.mapped_bytes)} mapped, {state}>")
+
+
+class VirtualAllocator:
+    """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
+
+    ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
+    returns an :class:`Allocation`; ``free(allocation)`` gives them back. The physical
+    budget is the pool's: when its chunks run out, :class:`vmm.pool.BudgetExceeded`
+    (an :class:`vmm.OutOfBudget`) says the requested bytes, the bytes in use, the budget
+    and the largest request that would fit. Since chunks are interchangeable, a request
+    fails only if fewer than k chunks are left in the whole budget: never because of
+    holes (no external fragmentation).
+
+    Range reuse (what happens to a freed range), chosen so that the steady state of a
+    swap schedule (the same sizes freed and allocated again every step) costs no map or
+    unmap call at all, while the budget stays exact:
+
+    - ``free`` keeps the range reserved **and mapped** ("parked") when ``keep_mapped``
+      (default). Parked chunks are not in use: they count as cached, exactly like chunks
+      in the pool's free list, and any request may take them back (below), so parking
+      never makes a request fail that would have fit. With ``keep_mapped=False`` the
+      chunks are unmapped and returned to the pool at once (the paper's plain scheme; the
+      range stays reserved for reuse).
+    - ``alloc`` of k chunks tries, in order:
+
+      1. **exact reuse**: a parked range with exactly k chunks mapped (most recently
+         parked first): no call to the backend;
+      2. **shrink a larger one**: the parked range with the fewest mapped chunks m, if
+         k < m < 2k: unmap its last m - k chunks (fewer calls than mapping k fresh ones);
+      3. **grow in place**: a free range reserved for exactly k chunks but holding fewer
+         (some were stolen, below): map only the missing ones;
+      4. **new range**: reserve k chunks of address space and map k chunks.
+
+      Chunks for steps 3-4 come from the pool (cached, then newly created up to the
+      budget); if the pool has too few, they are **stolen** from the parked ranges, least
+      recently parked first, by unmapping the tail of the range (a partly stolen range
+      stays parked with fewer chunks and can later grow back in place).
+
+    The budget is the limit of physical memory, and by default the allocator uses it as a
+    cache: physical bytes grow (lazily) up to the budget, as a caching allocator's do,
+    which keeps most requests of a repeating schedule at zero map calls. ``lean=True``
+    steals parked chunks *before* creating new ones, so physical bytes never exceed the
+    peak of mapped bytes (for a host where resident memory is what is measured), at the
+    price of more map/unmap calls. ``keep_mapped=False`` parks nothing.
+
+    Address space is never the limit (reserved ranges cost no memory): the ranges of
+    capacity k number at most the peak count of live k-chunk allocations. :meth:`trim`
+    unmaps parked chunks, frees unused ranges and releases cached chunks to the backend.
+
+    Counting: ``map_calls`` / ``unmap_calls`` count chunk mappings made / removed (one per
+    chunk, whatever the backend batches into one system call).
+
+    Zero-byte requests get an ``Allocation`` at address 0 with no chunks.
+    """
+
+    def __init__(self, pool: ChunkPool, *, keep_mapped: bool = True, lean: bool = False) -> None:
+        self.pool = pool
+        self.backend = pool.backend
+        self.chunk_bytes = pool.chunk_bytes
+        self.alignment = self.backend.granularity
+        self.keep_mapped = keep_mapped
+        self.lean = lean
+        # Live accounting (plain attributes: replay reads them per event).
+        self.requested_bytes = 0
+        self.mapped_bytes = 0      # chunks under live allocations x chunk_bytes
+        self.reserved_bytes = 0    # virtual bytes of every reserved range
+        self.live_chunks = 0
+        self.parked_chunks = 0
+        self.live_allocations = 0
+        self.peak_requested_bytes = 0
+        self.peak_mapped_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.peak_chunks_in_use = 0
+        self.peak_live_allocations = 0
+        self.map_calls = 0
+        self.unmap_calls = 0
+        self.reserve_calls = 0
+        self.free_range_calls = 0
+        self.alloc_count = 0
+        self.free_count = 0
+        self.reuse_exact = 0
+        self.reuse_shrink = 0
+        self.reuse_grow = 0
+        self.reuse_range = 0
+        self.new_ranges = 0
+        self.steals = 0
+        self.ooms = 0
+        # Free ranges. _parked: mapped count m > 0 -> {rid: range}, ordered by park time;
+        # _parked_sizes: sorted keys of _parked; _lru: every parked range by park time;
+        # _by_capacity: capacity -> {rid: range} for every free range (parked or empty).
+        self._parked: dict[int, dict[int, _Range]] = {}
+        self._parked_sizes: list[int] = []
+        self._lru: dict[int, _Range] = {}
+        self._by_capacity: dict[int, dict[int, _Range]] = {}
+        self._ranges: dict[int, _Range] = {}
+        self._next_rid = 0
+
+    # -- public API --------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Allocation:
+        """Map ceil(nbytes / chunk) chunks onto one contiguous range (see the class doc)."""
+        chunk = self.chunk_bytes
+        if nbytes <= 0:
+            if nbytes == 0:
+                return self._account(Allocation(0, 0, 0, _EMPTY, self), 0, 0)
+            raise AllocationError(f"alloc of a negative size ({nbytes} bytes)")
+        k = (nbytes + chunk - 1) // chunk
+        bucket = self._parked.get(k)
+        if bucket:
+            # 1. exact reuse (the hot path of a repeating schedule): no backend call.
+            rid, rng = bucket.popitem()
+            if not bucket:
+                del self._parked[k]
+                del self._parked_sizes[bisect_left(self._parked_sizes, k)]
+            del self._lru[rid]
+            by_cap = self._by_capacity[rng.capacity]
+            del by_cap[rid]
+            if not by_cap:
+                del self._by_capacity[rng.capacity]
+            self.parked_chunks -= k
+            self.reuse_exact += 1
+        else:
+            rng = self._place(k, nbytes)
+        # Accounting, inline: this runs once per event of a million-event replay.
+        mapped = k * chunk
+        self.alloc_count += 1
+        live = self.live_allocations = self.live_allocations + 1
+        if live > self.peak_live_allocations:
+            self.peak_live_allocations = live
+        requested = self.requested_bytes = self.requested_bytes + nbytes
+        self.live_chunks += k
+        if requested > self.peak_requested_bytes:
+            self.peak_requested_bytes = requested
+        total = self.mapped_bytes = self.mapped_bytes + mapped
+        if total > self.peak_mapped_bytes:
+            self.peak_mapped_bytes = total
+            self.peak_chunks_in_use = self.live_chunks
+        return Allocation(rng.address, nbytes, mapped, rng, self)
+
+    def free(self, allocation: Allocation) -> None:
+        """Give an allocation's chunks back (parked or to the pool, see the class doc).
+
+        Raises :class:`AllocationError` for a double free or an allocation of another
+        allocator, :class:`BufferInUse` while a buffer exported from it is referenced.
+        """
+        rng = allocation._range
+        if allocation._owner is not self:
+            raise AllocationError(f"free of {allocation!r}, which belongs to another allocator")
+        if rng is None:
+            raise AllocationError(f"double free of the allocation at 0x{allocation.address:x} "
+                                  f"({format_size(allocation.nbytes)})")
+        if allocation._exports:
+            self._check_exports(allocation)
+        allocation._range = None
+        self.free_count += 1
+        self.live_allocations -= 1
+        if rng is _EMPTY:
+            return
+        k = len(rng.chunks)
+        self.requested_bytes -= allocation.nbytes
+        self.mapped_bytes -= k * self.chunk_bytes
+        self.live_chunks -= k
+        rid = rng.rid
+        if self.keep_mapped:
+            bucket = self._parked.get(k)   # park (inline _park: the hot path)
+            if bucket is None:
+                self._parked[k] = {rid: rng}
+                insort(self._parked_sizes, k)
+            else:
+                bucket[rid] = rng
+            self._lru[rid] = rng
+            self.parked_chunks += k
+        else:
+            self._unmap_tail(rng, 0)
+        by_cap = self._by_capacity.get(rng.capacity)
+        if by_cap is None:
+            self._by_capacity[rng.capacity] = {rid: rng}
+        else:
+            by_cap[rid] = rng
+
+    def largest_fit(self) -> int:
+        """Bytes of the largest request that would succeed now (whole chunks)."""
+        return (self.pool.max_chunks - self.live_chunks) * self.chunk_bytes
+
+    def trim(self) -> int:
+        """Unmap parked chunks, free every unused range, release cached chunks.
+
+        Returns the physical bytes given back to the backend. Live allocations are untouched.
+        """
+        for rng in list(self._lru.values()):
+            self._detach_parked(rng)
+            self._unmap_tail(rng, 0)
+        for by_cap in self._by_capacity.values():
+            for rng in by_cap.values():
+                self.backend.free_range(rng.address, rng.capacity * self.chunk_bytes)
+                self.free_range_calls += 1
+                self.reserved_bytes -= rng.capacity * self.chunk_bytes
+                del self._ranges[rng.rid]
+        self._by_capacity.clear()
+        return self.pool.trim()
+
+    def close(self) -> None:
+        """Trim everything; refuses while allocations are live (free them first)."""
+        if self.live_allocations:
+            raise AllocationError(f"close() with {self.live_allocations} live allocation(s) "
+                                  f"({format_size(self.requested_bytes)}): free them first")
+        self.trim()
+
+    def stats(self) -> dict[str, int]:
+        """Memory statistics as a plain dict with stable keys (all sizes in bytes).
+
+        - ``requested_bytes``: bytes asked for by live allocations.
+        - ``mapped_bytes``: chunks mapped under live allocations x chunk size.
+        - ``reserved_bytes``: virtual address space reserved (live and free ranges).
+        - ``physical_bytes``: chunks that exist (in use, parked or cached) x chunk size:
+          the memory the device really holds.
+        - ``budget_bytes``, ``chunk_bytes``, ``max_chunks``: the pool's limits.
+        - ``chunks_in_use``: chunks under live allocations.
+        - ``chunks_cached``: chunks that exist but serve no live allocation (pool cache +
+          parked); any request can take them.
+        - ``chunks_parked``: the part of ``chunks_cached`` still mapped in parked ranges.
+        - ``internal_fragmentation_bytes``: ``mapped_bytes - requested_bytes`` (< one chunk
+          per live allocation).
+        - ``largest_fit_bytes``: the largest request that would succeed now.
+        - ``peak_requested_bytes``, ``peak_mapped_bytes``, ``peak_reserved_bytes``,
+          ``peak_physical_bytes``, ``peak_chunks_in_use``, ``peak_allocations``: maxima
+          since construction.
+        - ``allocations``: live allocations now; ``alloc_count``, ``free_count``: calls so far.
+        - ``map_calls``, ``unmap_calls``: chunk mappings made / removed so far.
+        - ``reserve_calls``, ``free_range_calls``: address ranges reserved / freed.
+        - ``reuse_exact``, ``reuse_shrink``, ``reuse_grow``, ``reuse_range``,
+          ``new_ranges``: how each ``alloc`` found its range (steps 1-4 of the class doc;
+          ``reuse_range`` is step 3 on a range with no chunk left mapped); ``steals``:
+          ranges that lost chunks to another request; ``ooms``: requests refused.
+        """
+        chunk = self.chunk_bytes
+        pool = self.pool
+        return {
+            "requested_bytes": self.requested_bytes,
+            "mapped_bytes": self.mapped_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "physical_bytes": pool.created * chunk,
+            "budget_bytes": pool.budget_bytes,
+            "chunk_bytes": chunk,
+            "max_chunks": pool.max_chunks,
+            "chunks_in_use": self.live_chunks,
+            "chunks_cached": pool.created - self.live_chunks,
+            "chunks_parked": self.parked_chunks,
+            "internal_fragmentation_bytes": self.mapped_bytes - self.requested_bytes,
+            "largest_fit_bytes": self.largest_fit(),
+            "peak_requested_bytes": self.peak_requested_bytes,
+            "peak_mapped_bytes": self.peak_mapped_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_physical_bytes": pool.peak_created * chunk,
+            "peak_chunks_in_use": self.peak_chunks_in_use,
+            "peak_allocations": self.peak_live_allocations,
+            "allocations": self.live_allocations,
+            "alloc_count": self.alloc_count,
+            "free_count": self.free_count,
+            "map_calls": self.map_calls,
+            "unmap_calls": self.unmap_calls,
+            "reserve_calls": self.reserve_calls,
+            "free_range_calls": self.free_range_calls,
+            "reuse_exact": self.reuse_exact,
+            "reuse_shrink": self.reuse_shrink,
+            "reuse_grow": self.reuse_grow,
+            "reuse_range": self.reuse_range,
+            "new_ranges": self.new_ranges,
+            "steals": self.steals,
+            "ooms": self.ooms,
+        }
+
+    def check(self) -> None:
+        """Verify the internal invariants (for tests); raises AssertionError if broken."""
+        pool = self.pool
+        live = self.live_chunks
+        parked = sum(len(r.chunks) for r in self._lru.values())
+        assert parked == self.parked_chunks, (parked, self.parked_chunks)
+        assert pool.handed_out == live + parked, (pool.handed_out, live, parked)
+        assert pool.created == pool.handed_out + pool.cached
+        assert pool.created <= pool.max_chunks
+        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
+        for m, bucket in self._parked.items():
+            assert bucket and m in self._parked_sizes
+            for r in bucket.values():
+                assert len(r.chunks) == m and r.rid in self._lru
+        assert sorted(self._parked) == self._parked_sizes
+        for cap, bucket in self._by_capacity.items():
+            for r in bucket.values():
+                assert r.capacity == cap and len(r.chunks) <= cap
+
+    def __repr__(self) -> str:
+        return (f"<VirtualAllocator {self.live_allocations} live, "
+                f"{format_size(self.requested_bytes)} requested, "
+                f"{format_size(self.mapped_bytes)} mapped, budget "
+                f"{format_size(self.pool.budget_bytes)} in {format_size(self.chunk_bytes)} chunks>")
+
+    # -- internals ---------------------------------------------------------------------
+    def _account(self, allocation: Allocation, nbytes: int, k: int) -> Allocation:
+        self.alloc_count += 1
+        self.live_allocations += 1
+        if self.live_allocations > self.peak_live_allocations:
+            self.peak_live_allocations = self.live_allocations
+        if k:
+            self.requested_bytes += nbytes
+            self.mapped_bytes += k * self.chunk_bytes
+            self.live_chunks += k
+            if self.requested_bytes > self.peak_requested_bytes:
+                self.peak_requested_bytes = self.requested_bytes
+            if self.mapped_bytes > self.peak_mapped_bytes:
+                self.peak_mapped_bytes = self.mapped_bytes
+                self.peak_chunks_in_use = self.live_chunks
+        return allocation
+
+    def _place(self, k: int, nbytes: int) -> _Range:
+        """Steps 2-4 of the class doc: find or make a range holding k mapped chunks."""
+        chunk = self.chunk_bytes
+        sizes = self._parked_sizes
+        # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps.
+        i = bisect_right(sizes, k)
+        if i < len(sizes) and sizes[i] < 2 * k:
+            rng = next(reversed(self._parked[sizes[i]].values()))
+            self._detach_parked(rng)
+            self._remove_free(rng)
+            self._unmap_tail(rng, k)
+            self.reuse_shrink += 1
+            return rng
+        # 3. grow a range of capacity k in place (it holds fewer than k chunks).
+        target = None
+        have = 0
+        by_cap = self._by_capacity.get(k)
+        if by_cap:
+            target = next(reversed(by_cap.values()))
+            have = len(target.chunks)
+            if have:
+                self._detach_parked(target)
+            self._remove_free(target)
+        need = k - have
+        pool = self.pool
+        if need > pool.available + self.parked_chunks:
+            if target is not None:
+                self._restore_free(target)
+            self.ooms += 1
+            raise self._oom(nbytes, k)
+        if self.lean:
+            # Cached chunks first, then parked ones, and only then new ones: physical
+            # memory grows only when every chunk is under a live allocation.
+            take = min(need, pool.cached)
+        else:
+            # Cached and new chunks first (up to the budget), parked ones last: parked
+            # ranges survive for exact reuse as long as the budget allows.
+            take = min(need, pool.available)
+        got = pool.acquire(take) if take else []
+        if take < need:
+            steal = min(need - take, self.parked_chunks)
+            if steal:
+                got.extend(self._steal(steal))
+            if take + steal < need:
+                got.extend(pool.acquire(need - take - steal))
+        try:
+            if target is None:
+                address = self.backend.reserve_range(k * chunk)
+                self.reserve_calls += 1
+                target = _Range(address, k, self._next_rid)
+                self._next_rid += 1
+                self._ranges[target.rid] = target
+                self.reserved_bytes += k * chunk
+                if self.reserved_bytes > self.peak_reserved_bytes:
+                    self.peak_reserved_bytes = self.reserved_bytes
+                self.new_ranges += 1
+            elif have:
+                self.reuse_grow += 1
+            else:
+                self.reuse_range += 1
+            start = target.address + have * chunk
+            self.backend.map_many(start, [c.handle for c in got], chunk)
+            self.backend.set_access(start, need * chunk)
+        except BaseException:
+            pool.release(got)
+            if target is not None and target.rid in self._ranges:
+                if target.chunks:
+                    self._unmap_tail(target, 0)
+                self._restore_free(target)
+            raise
+        target.chunks.extend(got)
+        self.map_calls += need
+        return target
+
+    def _steal(self, count: int) -> list[Chunk]:
+        """Take ``count`` chunks from parked ranges, least recently parked first."""
+        chunk = self.chunk_bytes
+        out: list[Chunk] = []
+        while count:
+            rng = next(iter(self._lru.values()))
+            m = len(rng.chunks)
+            take = min(count, m)
+            keep = m - take
+            self._detach_parked(rng)
+            self.backend.unmap(rng.address + keep * chunk, take * chunk)
+            self.unmap_calls += take
+            out.extend(rng.chunks[keep:])
+            del rng.chunks[keep:]
+            if keep:
+                self._park(rng)
+            count -= take
+            self.steals += 1
+        return out
+
+    def _unmap_tail(self, rng: _Range, keep: int) -> None:
+        """Unmap the range's chunks past the first ``keep`` and return them to the pool."""
+        drop = len(rng.chunks) - keep
+        if drop > 0:
+            self.backend.unmap(rng.address + keep * self.chunk_bytes, drop * self.chunk_bytes)
+            self.unmap_calls += drop
+            self.pool.release(rng.chunks[keep:])
+            del rng.chunks[keep:]
+
+    def _park(self, rng: _Range) -> None:
+        m = len(rng.chunks)
+        bucket = self._parked.get(m)
+        if bucket is None:
+            self._parked[m] = {rng.rid: rng}
+            insort(self._parked_sizes, m)
+        else:
+            bucket[rng.rid] = rng
+        self._lru[rng.rid] = rng
+        self.parked_chunks += m
+
+    def _detach_parked(self, rng: _Range) -> None:
+        m = len(rng.chunks)
+        bucket = self._parked[m]
+        del bucket[rng.rid]
+        if not bucket:
+            del self._parked[m]
+            del self._parked_sizes[bisect_left(self._parked_sizes, m)]
+        del self._lru[rng.rid]
+        self.parked_chunks -= m
+
+    def _remove_free(self, rng: _Range) -> None:
+        by_cap = self._by_capacity[rng.capacity]
+        del by_cap[rng.rid]
+        if not by_cap:
+            del self._by_capacity[rng.capacity]
+
+    def _restore_free(self, rng: _Range) -> None:
+        if rng.chunks:
+            self._park(rng)
+        self._by_capacity.setdefault(rng.capacity, {})[rng.rid] = rng
+
+    def _check_exports(self, allocation: Allocation) -> None:
+        alive = allocation.exports_alive()
+        if alive:
+            gc.collect()  # a buffer kept only by a reference cycle is not really in use
+            alive = allocation.exports_alive()
+        if alive:
+            raise BufferInUse(
+                f"free of the allocation at 0x{allocation.address:x} "
+                f"({format_size(allocation.nbytes)}) while {alive} buffer(s) exported from it "
+                "are still referenced (numpy arrays, tensors or memoryviews made from "
+                "allocation.buffer()): drop them first, their memory would be reused")
+        allocation._exports = None
+
+    def _oom(self, nbytes: int, k: int) -> BudgetExceeded:
+        chunk = self.chunk_bytes
+        pool = self.pool
+        fit = self.largest_fit()
+        return BudgetExceeded(
+            f"out of budget: cannot allocate {format_size(nbytes)} ({nbytes} B, {k} chunk(s) "
+            f"of {format_size(chunk)}); {format_size(self.requested_bytes)} "
+            f"({self.requested_bytes} B) in use by {self.live_allocations} live allocation(s) "
+            f"in {self.live_chunks} chunks, of a budget of {format_size(pool.budget_bytes)} "
+            f"({pool.budget_bytes} B, {pool.max_chunks} chunks); the largest request that "
+            f"fits now is {format_size(fit)} ({fit} B). Free allocations or raise the "
+            f"budget to at least {format_size((self.live_chunks + k) * chunk)}.",
+            requested=nbytes, in_use=self.requested_bytes, budget=pool.budget_bytes,
+            largest_fit=fit)
+
+
+_EMPTY = _Range(0, 0, -1)  # the range of every zero-byte allocation (never mapped)
