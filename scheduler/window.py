@@ -1,0 +1,573 @@
+"""Adaptive window-based scheduling (Hayakawa & Narihira, "Out-of-core training with
+adaptive window-based scheduling"; nnabla's ``SwapInOutScheduler``), and our refinement.
+
+Both planners walk the functions f_0 .. f_{n-1} of one training step and decide, around each
+function, which variables move between the device (the budgeted pool) and the slower tier.
+The paper's loop, per function f_i, has four steps, and the code below is written in them:
+
+(a) **swap-in**: prefetch every swapped-out variable whose use lies within the next
+    ``window`` bytes of the flattened use list v[...] (the uses of all functions in order);
+(b) **wait for swap-outs**: when a prefetch would exceed the physical budget, first wait for
+    the oldest pending swap-outs (FIFO), which gives their memory back;
+(c) **schedule swap-out**: after f_i, swap out the variables it used;
+(d) **skip redundant transfers**: no swap-out for a variable that is never used again (free
+    it) or that is already scheduled back in within the window (keep it resident).
+
+Two policies live here:
+
+``"window-paper"`` (:func:`plan_window_paper`) is the paper's algorithm as nnabla implements
+it: every variable is swapped out after the use that is its last one inside the window; the
+step starts and ends with every variable in the slower tier; default window 1.5 x budget.
+
+``"window"`` (:func:`plan_window`, the default policy) moves only what the budget forces
+out. It replays the step keeping every variable resident, and only when the next function
+would overflow the budget does it choose victims, Belady-style: the resident variables whose
+next use is farthest away (in training, the activations saved first in the forward, which
+the backward needs last). A victim's swap-out is placed right after its last use, where (c)
+would have put it, so it overlaps the functions in between; its memory comes back at the
+overflow point, step (b). Victims with a current host copy are dropped, with no transfer, and
+variables that start resident and are evicted before their first use simply start in the
+slower tier, step (d). Then step (a) prefetches each swap-in as early as both the window and
+the budget allow. With a budget of at least ``in_core_peak_bytes`` it moves nothing.
+
+Both raise :class:`~scheduler.errors.BudgetTooSmall` when one function's working set alone
+exceeds the budget; above that they always succeed. ``scheduler.planner.plan`` is the entry
+point: it validates arguments and proves every schedule with ``scheduler.check``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import deque
+
+import numpy as np
+
+from scheduler.errors import BudgetTooSmall
+from scheduler.ir import Access, VariableSequence
+from scheduler.schedule import Action, Op, Schedule
+
+__all__ = ["plan_window", "plan_window_paper", "default_window", "require_working_sets_fit", "working_sets"]
+
+log = logging.getLogger(__name__)
+
+INF = float("inf")
+
+# Residency while planning (the planners resolve transfers at known points, see check.py
+# for the full state machine the schedule must satisfy).
+_ABSENT, _RESIDENT, _HOST, _OUT, _RESERVED = range(5)
+
+
+def default_window(budget: int) -> int:
+    """nnabla's default prefetch window: 1.5 x the budget ("according to ResNet50 experiment")."""
+    return int(budget * 1.5)
+
+
+def working_sets(seq: VariableSequence) -> list[int]:
+    """Bytes each function needs resident at once (its distinct variables)."""
+    nb = {v: var.nbytes for v, var in seq.variables.items()}
+    return [sum(nb[v] for v in f.var_ids) for f in seq.functions]
+
+
+def require_working_sets_fit(seq: VariableSequence, budget: int, sizes: list[int] | None = None) -> int:
+    """Return the largest working set; raise ``BudgetTooSmall`` at the first function above ``budget``.
+
+    No schedule can run a function whose own variables do not fit at once, so the largest
+    working set is a lower bound on every policy's minimum budget (and the exact minimum of
+    both window planners).
+    """
+    if sizes is None:
+        sizes = working_sets(seq)
+    largest = max(sizes, default=0)
+    if largest > budget:
+        i = next(k for k, b in enumerate(sizes) if b > budget)
+        raise BudgetTooSmall(function=i, name=seq.functions[i].name, working_set=sizes[i],
+                             budget=budget, minimum=largest)
+    return largest
+
+
+class Infeasible(Exception):
+    """A planner could not place function ``index`` under the budget (internal signal)."""
+
+    def __init__(self, index: int, needed: int) -> None:
+        super().__init__(f"function {index} needs {needed} B")
+        self.index = index
+        self.needed = needed
+
+
+# =============================================================================================
+# "window-paper": the paper's algorithm
+# =============================================================================================
+
+
+def plan_window_paper(seq: VariableSequence, budget: int, window: int | None = None) -> Schedule:
+    """The adaptive window scheduler as published (policy ``"window-paper"``).
+
+    Follows nnabla's ``SwapInOutScheduler::schedule``: a queue over the flattened use list
+    ``v`` runs from the current function to ``head`` (the paper's l, the first use not yet
+    prefetched); ``count[x]`` is how many uses of x sit in the queue. At f_i:
+
+    (a) advance ``head`` while the distinct variables in the queue stay within ``window``
+        bytes and the device within ``budget``: swap in each variable that is in the slower
+        tier, reserve memory for each one f_i.. will create (no transfer needed), and cancel
+        the pending swap-out of one that is on its way out;
+    (b) before each swap-in, wait for the oldest pending swap-outs until it fits;
+    (c) after f_i, swap out each of its variables whose use at f_i is its last in the queue;
+    (d) unless it is never used again (free it, or swap it out if it is ``live_out``), or the
+        queue holds a later use of it (it is scheduled back in within the window: keep it).
+
+    Deviations from nnabla, all conservative: the uses of f_i itself are always admitted
+    (nnabla fails when the window is smaller than a function); memory for a creation is
+    reserved when it enters the window instead of backtracking later; no dtype casts. Every
+    variable starts and ends the step in the slower tier (nnabla waits for all swap-outs at
+    the end of an iteration), so ``initial_resident`` is empty.
+    """
+    if window is None:
+        window = default_window(budget)
+    require_working_sets_fit(seq, budget)
+    functions = seq.functions
+    variables = seq.variables
+    n = len(functions)
+    nbytes = {v: var.nbytes for v, var in variables.items()}
+    last_use = seq.last_use
+
+    # The flattened use list v[...] and where each function's uses end in it.
+    order: list[tuple[int, int]] = []
+    func_end: list[int] = []
+    var_ids: list[tuple[int, ...]] = []
+    for f in functions:
+        ids = f.var_ids
+        var_ids.append(ids)
+        order.extend((f.index, v) for v in ids)
+        func_end.append(len(order))
+
+    state = {v: (_HOST if var.live_in else _ABSENT) for v, var in variables.items()}
+    count = dict.fromkeys(variables, 0)
+    before: list[list[Action]] = [[] for _ in range(n)]
+    after: list[list[Action]] = [[] for _ in range(n)]
+    in_flight_in: set[int] = set()
+    pending_out: deque[list] = deque()      # [var, function index of its swap_out, cancelled?]
+    pending_entry: dict[int, list] = {}
+    swap_in_bytes = 0    # device bytes of resident, incoming and reserved variables
+    swap_out_bytes = 0   # device bytes still held by pending swap-outs
+    prefetch_bytes = 0   # distinct bytes in the queue: what the window limits
+    head = 0
+
+    def wait_for_swap_outs(i: int, nb: int) -> bool:
+        """(b) wait for the oldest pending swap-outs until ``nb`` more bytes fit."""
+        nonlocal swap_out_bytes
+        while swap_in_bytes + swap_out_bytes + nb > budget and pending_out:
+            v, _, cancelled = pending_out.popleft()
+            if cancelled:
+                continue
+            del pending_entry[v]
+            before[i].append(Action(Op.WAIT_OUT, v))
+            state[v] = _HOST
+            swap_out_bytes -= nbytes[v]
+        return swap_in_bytes + swap_out_bytes + nb <= budget
+
+    for i in range(n):
+        # (a) swap-in: fill the window v[head:r] ahead of f_i.
+        while head < len(order):
+            f, v = order[head]
+            if count[v] == 0:
+                nb = nbytes[v]
+                own = f == i  # f_i's own uses must come in, whatever the window says
+                if not own and (prefetch_bytes + nb > window or swap_in_bytes + nb > budget):
+                    break
+                st = state[v]
+                if st == _OUT:
+                    # (d) skip redundant transfers: it is on its way out and needed again
+                    # within the window; cancel the swap-out (its memory was never given back).
+                    entry = pending_entry.pop(v)
+                    entry[2] = True
+                    after[entry[1]].remove(Action(Op.SWAP_OUT, v))
+                    swap_out_bytes -= nb
+                    swap_in_bytes += nb
+                    state[v] = _RESIDENT
+                elif st == _ABSENT:
+                    # Created by a write at its first use: memory, but no transfer.
+                    if not wait_for_swap_outs(i, nb):
+                        if own:
+                            raise Infeasible(i, swap_in_bytes + swap_out_bytes + nb)
+                        break
+                    swap_in_bytes += nb
+                    state[v] = _RESERVED
+                elif st == _HOST:
+                    if not wait_for_swap_outs(i, nb):
+                        if own:
+                            raise Infeasible(i, swap_in_bytes + swap_out_bytes + nb)
+                        break
+                    before[i].append(Action(Op.SWAP_IN, v))
+                    in_flight_in.add(v)
+                    swap_in_bytes += nb
+                    state[v] = _RESIDENT
+                prefetch_bytes += nb
+            count[v] += 1
+            head += 1
+        if head < func_end[i]:  # pragma: no cover - own uses are always admitted above
+            raise Infeasible(i, seq.working_set_bytes(i))
+
+        # f_i runs once its swap-ins have landed: wait_in right before the function.
+        for v in var_ids[i]:
+            if v in in_flight_in:
+                in_flight_in.discard(v)
+                before[i].append(Action(Op.WAIT_IN, v))
+            state[v] = _RESIDENT
+
+        # (c) schedule swap-out of f_i's variables whose last queued use this is ...
+        for v in var_ids[i]:
+            if count[v] == 1:
+                nb = nbytes[v]
+                if last_use[v] == i and not variables[v].live_out:
+                    # (d) ... skipping variables never used again: free, no transfer.
+                    after[i].append(Action(Op.FREE, v))
+                    state[v] = _ABSENT
+                else:
+                    after[i].append(Action(Op.SWAP_OUT, v))
+                    entry = [v, i, False]
+                    pending_out.append(entry)
+                    pending_entry[v] = entry
+                    state[v] = _OUT
+                    swap_out_bytes += nb
+                swap_in_bytes -= nb
+                prefetch_bytes -= nb
+            # else (d): a later use is already in the window; it stays resident.
+            count[v] -= 1
+
+    # The end of the iteration: wait for every pending swap-out (nnabla's "wait for all").
+    if n:
+        for v, _, cancelled in pending_out:
+            if not cancelled:
+                after[n - 1].append(Action(Op.WAIT_OUT, v))
+    return Schedule(
+        sequence=seq, budget=budget, policy="window-paper", window=window,
+        before=tuple(map(tuple, before)), after=tuple(map(tuple, after)),
+        initial_resident=frozenset())
+
+
+# =============================================================================================
+# "window": move only what the budget forces out
+# =============================================================================================
+
+
+def plan_window(seq: VariableSequence, budget: int, window: int | None = None) -> Schedule:
+    """The default policy: the window scheduler moving only what the budget forces out.
+
+    Starts with every ``live_in`` variable that the step needs resident, replays the step,
+    and at a function that would overflow the budget evicts the resident variables whose
+    next use is farthest (Belady), placing each swap-out right after its last use. The start
+    state is refined once: a variable that the first plan had to swap back in at the end to
+    restore it is tried starting in the slower tier instead, and the plan moving fewer bytes
+    wins (ties go to the first). See the module docstring for steps (a)-(d).
+    """
+    if window is None:
+        window = default_window(budget)
+    prep = _Prepared(seq)
+    require_working_sets_fit(seq, budget, prep.working_sets)
+    variables = seq.variables
+    uses_of = seq.uses_of
+    start = [v for v, var in variables.items() if var.live_in and (uses_of[v] or var.live_out)]
+    if not seq.functions:
+        # Nothing runs, so nothing can move: start (and end) resident if it all fits.
+        fits = sum(variables[v].nbytes for v in start) <= budget
+        return Schedule(sequence=seq, budget=budget, policy="window", window=window,
+                        before=(), after=(), initial_resident=frozenset(start if fits else ()))
+
+    best: _BudgetWindow | None = None
+    tried: set[frozenset[int]] = set()
+    resident_at_start = frozenset(start)
+    for _ in range(2):
+        if resident_at_start in tried:
+            break
+        tried.add(resident_at_start)
+        planner = _BudgetWindow(prep, budget, window, resident_at_start)
+        planner.decide()
+        log.debug("window: start with %d resident -> %d B moved", len(resident_at_start), planner.moved)
+        if best is None or planner.moved < best.moved:
+            best = planner
+        # Variables restored at the end of the step cost a swap-in there: try starting them
+        # in the slower tier instead.
+        resident_at_start = frozenset(planner.start_set - planner.restored)
+    assert best is not None
+    return best.schedule()
+
+
+class _Prepared:
+    """Per-sequence facts both passes of policy "window" share (computed once)."""
+
+    def __init__(self, seq: VariableSequence) -> None:
+        self.seq = seq
+        variables = seq.variables
+        self.nbytes = {v: var.nbytes for v, var in variables.items()}
+        self.live_in = {v for v, var in variables.items() if var.live_in}
+        self.live_out = {v for v, var in variables.items() if var.live_out}
+        self.ids = [f.var_ids for f in seq.functions]
+        self.writes = [{u.var for u in f.uses if u.access is Access.WRITE} for f in seq.functions]
+        nb = self.nbytes
+        self.working_sets = [sum(nb[v] for v in ids) for ids in self.ids]
+        # next_after[i][k]: the next function after i that uses ids[i][k] (INF if none).
+        upcoming: dict[int, float] = {}
+        next_after: list[tuple[float, ...]] = [()] * len(self.ids)
+        for i in range(len(self.ids) - 1, -1, -1):
+            ids = self.ids[i]
+            next_after[i] = tuple(upcoming.get(v, INF) for v in ids)
+            for v in ids:
+                upcoming[v] = i
+        self.next_after = next_after
+        self.first_use = upcoming
+
+
+class _BudgetWindow:
+    """One pass of policy "window" for a given set of variables resident at the start.
+
+    Phase 1 (steps (b), (c), (d)) replays the step with Belady eviction and records, per
+    function, the device bytes while it runs (``during``); phase 2 (step (a)) moves each
+    swap-in as early as the window and the recorded bytes allow.
+    """
+
+    def __init__(self, prep: _Prepared, budget: int, window: int, resident: frozenset[int]) -> None:
+        self.prep = prep
+        self.seq = prep.seq
+        self.working_sets = prep.working_sets
+        self.budget = budget
+        self.window = window
+        self.resident_at_start = resident
+        self.restored: set[int] = set()
+        self.moved = 0  # bytes swapped in + swapped out
+
+    def decide(self) -> None:
+        """Phase 1: which variables leave the device, where their transfers go, bytes moved."""
+        prep, seq, budget = self.prep, self.seq, self.budget
+        variables = seq.variables
+        n = len(seq.functions)
+        nbytes, live_in, live_out = prep.nbytes, prep.live_in, prep.live_out
+
+        state = {v: _HOST if v in live_in else _ABSENT for v in variables}
+        clean: dict[int, bool] = {}       # resident and the host copy is current
+        untouched: set[int] = set()       # resident since the start, not used yet
+        in_start_set: set[int] = set()    # still in initial_resident
+        anchor: dict[int, int] = {}       # the function that last used it
+        ready: dict[int, int] = dict.fromkeys(live_in, 0)  # earliest before[k] where it is in host
+        stamp = dict.fromkeys(variables, 0)                # invalidates older heap entries
+        # Belady's order: the farthest next use pops first; among equals, what can leave
+        # for free (a current host copy, or never touched) before what needs a transfer;
+        # then the larger first.
+        heap: list[tuple[float, int, int, int, int]] = []
+        mem = 0
+
+        for v in sorted(self.resident_at_start):
+            state[v] = _RESIDENT
+            clean[v] = False
+            untouched.add(v)
+            in_start_set.add(v)
+            mem += nbytes[v]
+            heap.append((-prep.first_use.get(v, INF), 0, nbytes[v], v, 0))
+        heapq.heapify(heap)
+
+        waits: list[list[int]] = [[] for _ in range(n + 1)]     # (b) wait_out before f_i
+        demand: list[list[int]] = [[] for _ in range(n + 1)]    # swap-ins f_i cannot run without
+        demand_ready: list[list[int]] = [[] for _ in range(n + 1)]
+        after: list[list[Action]] = [[] for _ in range(n)]
+        during = [0] * n
+
+        def evict(excess: int, i: int) -> None:
+            """(c) schedule swap-out of Belady's victims, with (d) and (b), freeing ``excess`` bytes."""
+            nonlocal mem
+            while excess > 0:
+                if not heap:
+                    raise Infeasible(i, mem + excess)
+                key = heapq.heappop(heap)
+                v = key[3]
+                if state[v] != _RESIDENT or key[4] != stamp[v]:
+                    continue  # stale entry
+                if -key[0] <= i:
+                    # Everything left is needed by f_i itself: the working-set check makes
+                    # this unreachable, but never return an unsafe plan.
+                    raise Infeasible(i, mem + excess)
+                nb = nbytes[v]
+                if v in untouched:
+                    # (d) skip the transfer: never used so far, so it can simply start the
+                    # step in the slower tier.
+                    untouched.discard(v)
+                    in_start_set.discard(v)
+                    ready[v] = 0
+                elif clean.get(v):
+                    # (d) skip the transfer: the host copy is current; drop it right after
+                    # its last use.
+                    after[anchor[v]].append(Action(Op.DROP, v))
+                    ready[v] = anchor[v] + 1
+                else:
+                    # (c) swap out right after its last use, so the copy overlaps the
+                    # functions in between; (b) its memory comes back here, at wait_out.
+                    after[anchor[v]].append(Action(Op.SWAP_OUT, v))
+                    waits[i].append(v)
+                    ready[v] = i
+                    self.moved += nb
+                state[v] = _HOST
+                mem -= nb
+                excess -= nb
+
+        ids_of, writes_of, next_of = prep.ids, prep.writes, prep.next_after
+        heappush = heapq.heappush
+        for i in range(n):
+            ids = ids_of[i]
+            incoming = []
+            created = []
+            extra = 0
+            for v in ids:
+                st = state[v]
+                if st == _HOST:
+                    incoming.append(v)
+                    extra += nbytes[v]
+                elif st == _ABSENT:
+                    created.append(v)
+                    extra += nbytes[v]
+            if mem + extra > budget:
+                evict(mem + extra - budget, i)
+            for v in incoming:
+                demand[i].append(v)
+                demand_ready[i].append(ready[v])
+                state[v] = _RESIDENT
+                clean[v] = True
+            for v in created:
+                state[v] = _RESIDENT
+                clean[v] = False
+            mem += extra
+            during[i] = mem
+            written = writes_of[i]
+            for v, nxt in zip(ids, next_of[i]):
+                if untouched:
+                    untouched.discard(v)
+                anchor[v] = i
+                if v in written:
+                    clean[v] = False
+                if nxt == INF and v not in live_out:
+                    # (d) never used again: free it, no transfer.
+                    after[i].append(Action(Op.FREE, v))
+                    state[v] = _ABSENT
+                    mem -= nbytes[v]
+                else:
+                    stamp[v] += 1
+                    heappush(heap, (-nxt, 0 if clean[v] else 1, nbytes[v], v, stamp[v]))
+
+        # The end of the step must match its start: what started resident is resident again,
+        # what started in the slower tier is back there.
+        start_set = set(in_start_set)
+        for v in sorted(v for v in live_in & live_out if state[v] == _RESIDENT and v not in start_set):
+            self._leave(v, n, clean, anchor, after, waits)
+            state[v] = _HOST
+            mem -= nbytes[v]
+        missing = [v for v in sorted(start_set) if v in live_out and state[v] != _RESIDENT]
+        need = sum(nbytes[v] for v in missing)
+        if mem + need > budget:
+            # Variables created this step and kept (live_out) may end in either tier: move the
+            # largest out until the restored start set fits.
+            extra_out = sorted((v for v in live_out - live_in if state[v] == _RESIDENT),
+                               key=lambda v: (-nbytes[v], v))
+            for v in extra_out:
+                if mem + need <= budget:
+                    break
+                self._leave(v, n, clean, anchor, after, waits)
+                state[v] = _HOST
+                mem -= nbytes[v]
+        if mem + need > budget:  # pragma: no cover - the start set fitted at the start
+            raise Infeasible(n - 1, mem + need)
+        for v in missing:
+            demand[n].append(v)
+            demand_ready[n].append(ready[v])
+        self.restored = set(missing)
+        self.moved += sum(nbytes[v] for d in demand for v in d)
+        self.start_set = frozenset(start_set)
+        self.waits, self.demand, self.demand_ready = waits, demand, demand_ready
+        self.after, self.during = after, during
+
+    def schedule(self) -> Schedule:
+        """Phase 2, step (a): prefetch through the window, then assemble the action lists."""
+        n = len(self.seq.functions)
+        waits, demand, after = self.waits, self.demand, self.after
+        prefetch = self._prefetch(self.during, demand, self.demand_ready, self.prep.nbytes)
+
+        # Assemble: before f_i, (b) wait for swap-outs, then swap-ins (demanded, then
+        # prefetched for later functions), then wait_in for f_i's own.
+        before_out: list[tuple[Action, ...]] = []
+        for i in range(n):
+            acts = [Action(Op.WAIT_OUT, v) for v in waits[i]]
+            acts += [Action(Op.SWAP_IN, v) for v, hoisted in demand[i] if not hoisted]
+            acts += [Action(Op.SWAP_IN, v) for v in prefetch[i]]
+            acts += [Action(Op.WAIT_IN, v) for v, _ in demand[i]]
+            before_out.append(tuple(acts))
+        end = [Action(Op.WAIT_OUT, v) for v in waits[n]]
+        end += [Action(Op.SWAP_IN, v) for v, hoisted in demand[n] if not hoisted]
+        end += [Action(Op.WAIT_IN, v) for v, _ in demand[n]]
+        after[n - 1].extend(end)
+        return Schedule(
+            sequence=self.seq, budget=self.budget, policy="window", window=self.window,
+            before=tuple(before_out), after=tuple(map(tuple, after)),
+            initial_resident=self.start_set)
+
+    def _leave(self, v: int, n: int, clean: dict[int, bool], anchor: dict[int, int],
+               after: list[list[Action]], waits: list[list[int]]) -> None:
+        """Send ``v`` to the slower tier by the end of the step (drop if its host copy is current)."""
+        # Only variables that were used get here: one resident since the start is in the
+        # start set, and anything else became resident by a use.
+        assert v in anchor, v
+        if clean.get(v):
+            after[anchor[v]].append(Action(Op.DROP, v))
+        else:
+            after[anchor[v]].append(Action(Op.SWAP_OUT, v))
+            waits[n].append(v)
+            self.moved += self.prep.nbytes[v]
+
+    def _prefetch(self, during: list[int], demand: list[list], demand_ready: list[list[int]],
+                  nbytes: dict[int, int]) -> list[list[int]]:
+        """(a) swap-in through the window: issue each demanded swap-in as early as allowed.
+
+        A swap-in needed by f_u may move to before f_k (k < u) when the variable is in the
+        slower tier by then (``ready``), the uses of f_k .. f_u fit in ``window`` bytes, and
+        the device bytes recorded for f_k .. f_{u-1} plus the variable stay within the
+        budget. Earlier needs are placed first. Rewrites ``demand[u]`` to (var, hoisted).
+        """
+        seq, budget, window = self.seq, self.budget, self.window
+        n = len(seq.functions)
+        prefix = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.working_sets, out=prefix[1:])
+        level = np.asarray(during, dtype=np.int64)
+        prefetch: list[list[int]] = [[] for _ in range(n)]
+        lo_window = 0
+        for u in range(n + 1):
+            if not demand[u]:
+                continue
+            # The earliest function from which f_u's uses are within the window.
+            top = int(prefix[min(u + 1, n)])
+            lo_window = int(np.searchsorted(prefix, top - window, side="left"))
+            out = []
+            for v, ready in zip(demand[u], demand_ready[u]):
+                nb = nbytes[v]
+                start = _earliest_fit(level, max(lo_window, ready), u, budget - nb)
+                if start < u:
+                    prefetch[start].append(v)
+                    level[start:u] += nb
+                    out.append((v, True))
+                else:
+                    out.append((v, False))
+            demand[u] = out
+        return prefetch
+
+
+def _earliest_fit(level: "np.ndarray", lo: int, hi: int, limit: int) -> int:
+    """Smallest k in [lo, hi] with ``level[k:hi] <= limit`` everywhere.
+
+    Searches backwards from ``hi`` in growing blocks, so the cost is proportional to the
+    distance found, not to the window.
+    """
+    k_hi = hi
+    step = 256
+    while k_hi > lo:
+        k_lo = max(lo, k_hi - step)
+        over = np.flatnonzero(level[k_lo:k_hi] > limit)
+        if over.size:
+            return k_lo + int(over[-1]) + 1
+        k_hi = k_lo
+        step *= 8
+    return lo
