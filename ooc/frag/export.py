@@ -77,7 +77,7 @@ def build_snapshot(trace: Trace, *, chunk_bytes: int | None = None,
                 h = allocator.alloc(ev.nbytes)
             except OutOfBudget:
                 free = (device_memory - allocator.mapped_bytes) if device_memory is not None else 0
-                add({"action": "oom", "addr": 0, "size": ev.nbytes, "stream": 0, "time_us": t,
+                add({"action": "oom", "size": ev.nbytes, "stream": 0, "time_us": t,
                      "device_free": max(0, free), "frames": frames(key)})
                 oom_event = i
                 break

@@ -7,7 +7,7 @@ from typing import Any
 
 from vmm.units import format_size
 
-from ooc.frag.report import FragReport
+from ooc.frag.report import ENVELOPE_BINS, FragReport
 
 __all__ = ["plot_timeline"]
 
@@ -34,22 +34,54 @@ def plot_timeline(rep: FragReport, path: str | os.PathLike[str], *, dpi: int = 1
     fig.savefig(os.fspath(path), dpi=dpi)
 
 
+def _series(a: Any, total: int) -> tuple[Any, Any, Any, Any, bool]:
+    """x, live (max), reserved (max), reserved (min) of one allocator's replay, and whether
+    they are per-bin envelopes. Short traces: the replay's samples (every event). Long ones:
+    the envelope the analysis recorded over every event (a periodic trace drawn point by
+    point would paint a solid block, and decimated samples miss spikes)."""
+    s = a.result.samples
+    env = a.envelope
+    if total > 2 * ENVELOPE_BINS and env is not None and len(env):
+        return env[:, 0], env[:, 1], env[:, 2], env[:, 3], True
+    return s[:, 0], s[:, 1], s[:, 2], s[:, 2], False
+
+
+_WINDOW = 15  # bins (1.25% of the trace) over which the lines of long traces take the maximum
+
+
+def _rolling_max(v: Any, k: int) -> Any:
+    """Maximum of v over a centred window of k values (shrinking at the ends)."""
+    import numpy as np
+
+    if len(v) <= 1 or k <= 1:
+        return v
+    h = k // 2
+    padded = np.concatenate([np.full(h, v.min()), v, np.full(h, v.min())])
+    return np.lib.stride_tricks.sliding_window_view(padded, 2 * h + 1).max(axis=1)
+
+
 def _draw(ax: Any, rep: FragReport, FuncFormatter: Any) -> None:
     trace = rep.trace
+    total = len(trace.events)
     furthest = max(rep.allocators, key=lambda a: a.events)
-    s = furthest.result.samples
-    if len(s):
-        ax.fill_between(s[:, 0], s[:, 1] / _GIB, step="post", color="0.8", label="live (requested)",
-                        zorder=1)
+    x, live, _, _, binned = _series(furthest, total)
+    if len(x):
+        ax.fill_between(x, live / _GIB, step="post", color="0.8", label="live (requested)", zorder=1)
     colors = {"caching": "tab:red"}
     palette = iter(["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:cyan"])
     for a in rep.allocators:
         c = colors.get(a.name) or next(palette, "tab:gray")
-        s = a.result.samples
         what = "reserved" if a.kind == "caching" else "mapped"
         label = f"{a.name} {what} (peak {format_size(a.peak_reserved_bytes)})"
-        if len(s):
-            ax.step(s[:, 0], s[:, 2] / _GIB, where="post", color=c, lw=1.4, label=label, zorder=3)
+        x, _, hi, lo, b = _series(a, total)
+        if len(x):
+            if b:
+                # The range within each bin, faint; the line is the maximum over a window of
+                # bins: a per-bin maximum of a periodic trace zigzags into a solid block.
+                ax.fill_between(x, lo / _GIB, hi / _GIB, step="post", color=c, alpha=0.15,
+                                lw=0, zorder=2)
+                hi = _rolling_max(hi, _WINDOW)
+            ax.step(x, hi / _GIB, where="post", color=c, lw=1.4, label=label, zorder=3)
         if a.oom is not None:
             ax.plot([a.oom.event], [a.oom.reserved_bytes / _GIB], marker="X", ms=11, color=c,
                     markeredgecolor="black", zorder=5, linestyle="none",
@@ -66,13 +98,16 @@ def _draw(ax: Any, rep: FragReport, FuncFormatter: Any) -> None:
     for k, m in enumerate(trace.ooms):
         ax.axvline(m.index, color="crimson", lw=1.2, ls="-.", zorder=2,
                    label=(f"recorded OOM ({format_size(m.nbytes)} requested)" if k == 0 else None))
-    ax.set_xlim(0, max(1, len(trace.events)))
+    ax.set_xlim(0, max(1, total))
     ax.set_ylim(bottom=0)
     ax.set_xlabel("event (allocation or free, in trace order)")
     ax.set_ylabel("device memory (GiB)")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}"))
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"ooc frag: {trace.name} ({len(trace.events):,} events): live vs reserved/mapped")
+    per = -(-total // ENVELOPE_BINS)
+    binned_txt = (f"\nlines: maximum over {per * _WINDOW:,} events; bands: range within each "
+                  f"{per:,} events" if binned else "")
+    ax.set_title(f"ooc frag: {trace.name} ({total:,} events): live vs reserved/mapped{binned_txt}")
     # Outside the axes: the curves fill the plot, and a legend on top would hide them.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)

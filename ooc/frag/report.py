@@ -45,6 +45,7 @@ GRANULARITY = 2 << 20  # CUDA VMM granularity on current GPUs; chunks are multip
 DEFAULT_CHUNKS = (2 << 20, 20 << 20, 40 << 20)
 # Pool capacity standing for "unlimited" (a pool makes chunks lazily: nothing is allocated).
 _UNLIMITED = 1 << 60
+ENVELOPE_BINS = 1200  # the plot's resolution along the events (about one bin per pixel)
 SCHEMA = "ooc.frag"
 VERSION = 1
 
@@ -104,8 +105,12 @@ class AllocatorReport:
     recorded_oom_fits: bool | None  # did that request succeed here?
     map_calls: int
     unmap_calls: int
-    seconds: float
+    seconds: float  # wall-clock time of the replay
+    cpu_seconds: float  # CPU time of this process during it (steadier on a shared machine)
     result: ReplayResult = field(repr=False, compare=False)
+    # int64 (k, 4): first event of the bin, max live, max reserved, min reserved (every
+    # state of the replay, not decimated: what the plot draws for long traces).
+    envelope: np.ndarray = field(repr=False, compare=False, default=None)
 
     @property
     def completed(self) -> bool:
@@ -205,10 +210,13 @@ def analyze(trace: Trace, *, chunks: Sequence[int] = DEFAULT_CHUNKS, device_memo
 
 class _Watched:
     """The events, handed to ``replay`` one by one while watching the allocator between
-    them: the moment its reserved bytes peak, and its state at each recorded OOM.
+    them: the moment its reserved bytes peak, its state at each recorded OOM, and the
+    envelope of live and reserved bytes (max and min per bin of events) for the plot:
+    ``replay``'s own samples are decimated, and would miss short spikes on long traces.
 
     ``replay`` stays the only driver of the allocator; this only reads plain counters
     (O(1) per event) and calls ``largest_free_block`` at the few marked events.
+    Call :meth:`close` after the replay (it may stop early at an OOM).
     """
 
     def __init__(self, events: list[Event], allocator: Any, kind: str, marks: Sequence[int]):
@@ -218,31 +226,66 @@ class _Watched:
         self.marks = sorted(set(marks))
         self.peak: tuple[int, int, int, int] | None = None  # event, requested, allocated, mapped
         self.at_marks: dict[int, Moment] = {}
+        self.envelope: list[tuple[int, int, int, int]] = []  # (first event, live max, resv max, resv min)
+        self._gen: Any = None
 
     def __len__(self) -> int:
         return len(self.events)
 
     def __iter__(self) -> Iterator[Event]:
+        self._gen = self._run()
+        return self._gen
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()  # runs the generator's ``finally``: the last bin is kept
+
+    def _run(self) -> Iterator[Event]:
         a = self.allocator
         caching = self.kind == "caching"
         best = -1
         marks = self.marks
         next_mark = marks[0] if marks else -1
         mi = 0
-        i = -1
-        for i, ev in enumerate(self.events):
-            m = a.mapped_bytes
+        width = max(1, -(-len(self.events) // ENVELOPE_BINS))
+        cut = width
+        first = 0
+        hi_r = hi_m = -1
+        lo_m = 1 << 62
+        env = self.envelope
+        i = 0
+        try:
+            # State i is the allocator after events[:i], seen just before events[i] is applied.
+            for i, ev in enumerate(self.events):
+                m = a.mapped_bytes
+                if m > best:
+                    best = m
+                    self.peak = (i, a.requested_bytes, a.allocated_bytes if caching else m, m)
+                r = a.requested_bytes
+                if i == cut:
+                    env.append((first, hi_r, hi_m, lo_m))
+                    first, cut = i, cut + width
+                    hi_r, hi_m, lo_m = r, m, m
+                else:
+                    if m > hi_m:
+                        hi_m = m
+                    if m < lo_m:
+                        lo_m = m
+                    if r > hi_r:
+                        hi_r = r
+                if i == next_mark:
+                    self.at_marks[i] = self._moment(i)
+                    mi += 1
+                    next_mark = marks[mi] if mi < len(marks) else -1
+                yield ev
+            i = len(self.events)  # all events applied: the final state
+            m, r = a.mapped_bytes, a.requested_bytes
             if m > best:
-                best = m
-                self.peak = (i, a.requested_bytes, a.allocated_bytes if caching else m, m)
-            if i == next_mark:
-                self.at_marks[i] = self._moment(i)
-                mi += 1
-                next_mark = marks[mi] if mi < len(marks) else -1
-            yield ev
-        if a.mapped_bytes > best:  # after the last event
-            self.peak = (i + 1, a.requested_bytes, a.allocated_bytes if caching else a.mapped_bytes,
-                         a.mapped_bytes)
+                self.peak = (i, r, a.allocated_bytes if caching else m, m)
+            hi_m, lo_m, hi_r = max(hi_m, m), min(lo_m, m), max(hi_r, r)
+        finally:
+            if hi_m >= 0:
+                env.append((first, hi_r, hi_m, lo_m))
 
     def _moment(self, i: int) -> Moment:
         a = self.allocator
@@ -261,9 +304,10 @@ def _replay_one(trace: Trace, chunk: int | None, capacity: int | None,
     allocator = make_allocator(chunk, capacity)
     watched = _Watched(trace.events, allocator, kind, [m.index for m in trace.ooms])
     with gc_paused():  # the events and blocks all stay alive: nothing for the collector to find
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = replay(watched, allocator, name=name, progress=progress)
-        seconds = time.perf_counter() - t0
+        watched.close()
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     log.info("%s: %d events in %.2f s", name, res.events, seconds)
 
     samples = res.samples
@@ -301,7 +345,9 @@ def _replay_one(trace: Trace, chunk: int | None, capacity: int | None,
         ratio_at_peak=(res.peak_reserved_bytes / res.peak_live_bytes) if res.peak_live_bytes else None,
         ratio_mean=ratio_mean, ratio_max=ratio_max, at_peak=at_peak, oom=oom,
         oom_request=res.oom_request, at_recorded_oom=at_rec, recorded_oom_fits=fits,
-        map_calls=res.map_calls, unmap_calls=res.unmap_calls, seconds=seconds, result=res)
+        map_calls=res.map_calls, unmap_calls=res.unmap_calls, seconds=seconds,
+        cpu_seconds=cpu_seconds, result=res,
+        envelope=np.array(watched.envelope, dtype=np.int64).reshape(-1, 4))
 
 
 def _pick_best(reports: Sequence[AllocatorReport]) -> AllocatorReport | None:

@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from ooc import frag
+import ooc.frag.report
 from ooc.cli import main
 from ooc.frag.inputs import sequence_events, snapshot_to_trace
 from ooc.frag.safe_pickle import UnsafePickleError, safe_load
@@ -76,7 +77,7 @@ def _checkerboard_snapshot(path, *, device_free=80 * MiB, traces_for_two_devices
     for sa in starts:
         entry(action="free_requested", addr=sa, size=8 * MiB)
         entry(action="free_completed", addr=sa, size=8 * MiB)
-    entry(action="oom", addr=0, size=160 * MiB, device_free=device_free)
+    entry(action="oom", size=160 * MiB, device_free=device_free)  # OOM entries carry no addr
     entry(action="snapshot", addr=0, size=0)
     segments = []
     for sa in starts:
@@ -501,3 +502,28 @@ def test_plot_writes_a_png(tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert f"timeline: {png}" in out
+
+
+def test_envelope_sees_every_event_and_the_oom(tmp_path):
+    """Long traces are drawn from the per-bin envelope the analysis records over every state
+    (replay's own samples are decimated): its maxima are the exact peaks, and a replay cut
+    short by an OOM keeps its last bin."""
+    from vmm.replay import swap_trace
+
+    events = swap_trace(30_000, layers=12, max_bytes=24 * MiB, jitter=0.1, seed=3)
+    trace = frag.Trace(name="syn", kind="csv", events=events)
+    rep = frag.analyze(trace, chunks=[2 * MiB])
+    for a in rep.allocators:
+        env = a.envelope
+        assert len(env) <= frag.report.ENVELOPE_BINS + 1
+        assert env[:, 1].max() == a.peak_live_bytes
+        assert env[:, 2].max() == a.peak_reserved_bytes
+        assert (env[:, 3] <= env[:, 2]).all()
+    caching = rep.by_name("caching")
+    tight = frag.analyze(trace, chunks=[2 * MiB], device_memory=caching.peak_live_bytes)
+    c = tight.by_name("caching")
+    assert c.oom is not None
+    assert c.envelope[-1, 0] <= c.oom.event < c.envelope[-1, 0] + 30_000 // 1200 + 1
+    png = tmp_path / "long.png"
+    frag.plot_timeline(tight, png)
+    assert png.stat().st_size > 20_000
