@@ -15,7 +15,8 @@ Measures, with medians of ``--runs`` repetitions (5 in full mode):
    ``SimBackend`` on a synthetic swap trace of 1,000,000 events (``vmm.replay.swap_trace``:
    48 layers, sizes 64 KiB-96 MiB, with and without 30% size jitter); target >= 200,000/s.
    Peaks are reported too: the trace's live bytes, the caching allocator's reserved
-   segments, the virtual allocator's mapped chunks.
+   segments, the virtual allocator's mapped chunks, physical memory held; then the same
+   trace on a device of peak live + 10%: does it fit?
 
 ``--quick`` (a few seconds): 64 MiB only, 3 runs, 50,000 events. Writes a Markdown table
 to benchmarks/results/vmm.md (``--quick``: vmm-quick.md).
@@ -59,8 +60,31 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores; uname: {u.system} {u.node} {u.release} {u.machine}"
 
 
-def _median_us(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e6
+class Clock:
+    """Wall-clock and CPU time (this process, user + system) of one measured span.
+
+    The machine is shared: wall-clock medians include waiting for a core while other jobs
+    run; CPU time does not (system calls count, since the kernel works on our behalf)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def __enter__(self) -> "Clock":
+        self._w, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall.append(time.perf_counter() - self._w)
+        self.cpu.append(time.process_time() - self._c)
+
+    def us(self, per: int = 1) -> tuple[float, float]:
+        """Medians in microseconds (per ``per`` items): (wall, cpu)."""
+        return (statistics.median(self.wall) * 1e6 / per, statistics.median(self.cpu) * 1e6 / per)
+
+
+def _fmt_us(pair: tuple[float, float], digits: int = 1) -> str:
+    return f"{pair[0]:,.{digits}f} us (CPU {pair[1]:,.{digits}f})"
 
 
 def bench_host_alloc(size: int, runs: int) -> dict:
@@ -69,36 +93,34 @@ def bench_host_alloc(size: int, runs: int) -> dict:
     # map + unmap: chunks come from the pool's cache, are mapped at alloc, unmapped at free.
     va = VirtualAllocator(ChunkPool(backend, CHUNK, size), keep_mapped=False)
     va.free(va.alloc(size))                      # create the chunks once (not timed)
-    times = []
+    calls0 = backend.calls["mmap"]
+    clock = Clock()
     for _ in range(runs):
-        t = time.perf_counter()
-        va.free(va.alloc(size))
-        times.append(time.perf_counter() - t)
-    out["map_unmap_us"] = _median_us(times)
-    out["mmap_syscalls"] = backend.calls["mmap"]
+        with clock:
+            va.free(va.alloc(size))
+    out["map_unmap"] = clock.us()
+    out["mmap_per_alloc"] = (backend.calls["mmap"] - calls0) / runs
     va.close()
     # exact reuse: the default; the freed range stays mapped for the next equal request.
     va = VirtualAllocator(ChunkPool(backend, CHUNK, size))
     va.free(va.alloc(size))
-    times = []
+    clock = Clock()
     for _ in range(runs):
-        t = time.perf_counter()
-        va.free(va.alloc(size))
-        times.append(time.perf_counter() - t)
-    out["reuse_us"] = _median_us(times)
+        with clock:
+            va.free(va.alloc(size))
+    out["reuse"] = clock.us()
     # first touch of every page, for scale (page faults + zeroing, not the allocator).
-    times = []
+    clock = Clock()
     for _ in range(max(1, min(runs, 3))):
         a = va.alloc(size)
         view = np.frombuffer(a.buffer(), dtype=np.uint8)
-        t = time.perf_counter()
-        view[::4096] = 1
-        times.append(time.perf_counter() - t)
+        with clock:
+            view[::4096] = 1
         del view
         gc.collect()
         va.free(a)
         va.trim()                                 # punch the pages out so the next run faults
-    out["touch_us"] = _median_us(times)
+    out["touch"] = clock.us()
     va.close()
     backend.close()
     return out
@@ -109,48 +131,62 @@ def bench_map_rate(n_chunks: int, runs: int) -> dict:
     handles = [backend.create_chunk(CHUNK) for _ in range(n_chunks)]
     rng = random.Random(0)
     base = backend.reserve_range(n_chunks * CHUNK)
-    map_t, unmap_t, batch_t = [], [], []
+    maps, unmaps, batch = Clock(), Clock(), Clock()
     for _ in range(runs):
         order = handles[:]
-        rng.shuffle(order)
-        t = time.perf_counter()
-        for i, h in enumerate(order):
-            backend.map(base + i * CHUNK, h, CHUNK)
-        map_t.append((time.perf_counter() - t) / n_chunks)
-        t = time.perf_counter()
-        for i in range(n_chunks):
-            backend.unmap(base + i * CHUNK, CHUNK)
-        unmap_t.append((time.perf_counter() - t) / n_chunks)
-        t = time.perf_counter()                   # in file order: one mmap for all
-        backend.map_many(base, handles, CHUNK)
-        batch_t.append((time.perf_counter() - t) / n_chunks)
+        rng.shuffle(order)                        # no two neighbours share a system call
+        with maps:
+            for i, h in enumerate(order):
+                backend.map(base + i * CHUNK, h, CHUNK)
+        with unmaps:
+            for i in range(n_chunks):
+                backend.unmap(base + i * CHUNK, CHUNK)
+        with batch:                               # in file order: one mmap for all
+            backend.map_many(base, handles, CHUNK)
         backend.unmap(base, n_chunks * CHUNK)
     backend.close()
-    return {"map_us": _median_us(map_t), "unmap_us": _median_us(unmap_t),
-            "batch_us": _median_us(batch_t)}
+    return {"map": maps.us(n_chunks), "unmap": unmaps.us(n_chunks), "batch": batch.us(n_chunks)}
 
 
 def bench_replay(events: list, runs: int) -> list[dict]:
+    """Replay ``events`` through each allocator; the two the target is about get ``runs``
+    repetitions, the others one. A second group runs under a tight budget: 10% above the
+    trace's peak live bytes (rounded up to whole chunks)."""
+    unlimited = 80 * GiB
+
+    def vmm_maker(capacity: int, **kw):
+        return lambda: VirtualAllocator(ChunkPool(SimBackend(), CHUNK, capacity), **kw)
+
     makers = [
-        ("caching", lambda: CachingAllocator(SimBackend())),
-        ("vmm-2MiB", lambda: VirtualAllocator(ChunkPool(SimBackend(), CHUNK, 80 * GiB))),
-        ("vmm-2MiB lean", lambda: VirtualAllocator(ChunkPool(SimBackend(), CHUNK, 80 * GiB),
-                                                   lean=True)),
-        ("vmm-2MiB keep_mapped=False", lambda: VirtualAllocator(
-            ChunkPool(SimBackend(), CHUNK, 80 * GiB), keep_mapped=False)),
+        ("caching", "80 GiB", lambda: CachingAllocator(SimBackend(), unlimited), runs),
+        ("vmm-2MiB", "80 GiB", vmm_maker(unlimited), runs),
+        ("vmm-2MiB lean", "80 GiB", vmm_maker(unlimited, lean=True), 1),
+        ("vmm-2MiB keep_mapped=False", "80 GiB", vmm_maker(unlimited, keep_mapped=False), 1),
     ]
-    rows = []
-    for name, make in makers:
-        rates, result = [], None
-        for _ in range(runs):
-            alloc = make()
-            gc.collect()
-            t = time.perf_counter()
-            result = replay(events, alloc, name=name)
-            rates.append(len(events) / (time.perf_counter() - t))
-        rows.append({"name": name, "rate": statistics.median(rates), "min": min(rates),
-                     "max": max(rates), "result": result})
+    rows = [_replay_row(events, name, budget, make, n) for name, budget, make, n in makers]
+    live = rows[0]["result"].peak_live_bytes
+    tight = -(-int(live * 1.10) // CHUNK) * CHUNK
+    label = f"{format_size(tight)} (live +10%)"
+    makers = [
+        ("caching", label, lambda: CachingAllocator(SimBackend(), tight), 1),
+        ("vmm-2MiB", label, vmm_maker(tight), 1),
+        ("vmm-2MiB lean", label, vmm_maker(tight, lean=True), 1),
+    ]
+    rows += [_replay_row(events, name, budget, make, n) for name, budget, make, n in makers]
     return rows
+
+
+def _replay_row(events: list, name: str, budget: str, make, runs: int) -> dict:
+    clock, result = Clock(), None
+    for _ in range(runs):
+        alloc = make()
+        gc.collect()
+        with clock:
+            result = replay(events, alloc, name=name)
+    n = result.events
+    return {"name": name, "budget": budget, "runs": runs, "result": result,
+            "rate": n / statistics.median(clock.wall), "cpu_rate": n / statistics.median(clock.cpu),
+            "min": n / max(clock.wall), "max": n / min(clock.wall)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,31 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     n_events = 50_000 if args.quick else 1_000_000
     replay_runs = 1 if args.quick else 3
 
+    load_before = os.getloadavg()
     host_rows = []
     for size in sizes:
         r = bench_host_alloc(size, runs)
         r["size"] = size
         host_rows.append(r)
-        print(f"host alloc+free {format_size(size):>8}: map+unmap {r['map_unmap_us']:9.1f} us, "
-              f"exact reuse {r['reuse_us']:6.1f} us, first touch {r['touch_us']:9.1f} us",
+        print(f"host alloc+free {format_size(size):>8}: map+unmap {_fmt_us(r['map_unmap'])}, "
+              f"exact reuse {_fmt_us(r['reuse'])}, first touch {_fmt_us(r['touch'], 0)}",
               flush=True)
     rate = bench_map_rate(32 if args.quick else 512, runs)
-    print(f"host map {rate['map_us']:.2f} us/chunk, unmap {rate['unmap_us']:.2f} us/chunk, "
-          f"map in file order {rate['batch_us']:.3f} us/chunk", flush=True)
+    print(f"host per chunk: map {_fmt_us(rate['map'], 2)}, unmap {_fmt_us(rate['unmap'], 2)}, "
+          f"map in file order {_fmt_us(rate['batch'], 3)}", flush=True)
 
     traces = []
     for jitter in (0.0, 0.3):
-        t = time.perf_counter()
         events = swap_trace(n_events, jitter=jitter, seed=0)
-        gen = time.perf_counter() - t
         rows = bench_replay(events, replay_runs)
         for row in rows:
             res = row["result"]
-            print(f"replay jitter={jitter:.1f} {row['name']:<28} {row['rate']:>10,.0f} events/s  "
-                  f"peak live {format_size(res.peak_live_bytes)}, peak reserved/mapped "
-                  f"{format_size(res.peak_reserved_bytes)} (x{res.overhead:.2f}), "
-                  f"map calls {res.map_calls:,}", flush=True)
-        traces.append((jitter, gen, rows))
+            oom = "" if res.oom_index is None else f", OUT OF MEMORY at event {res.oom_index:,}"
+            print(f"replay jitter={jitter:.1f} {row['name']:<28} budget {row['budget']:<22} "
+                  f"{row['rate']:>10,.0f} events/s (CPU {row['cpu_rate']:,.0f})  peak live "
+                  f"{format_size(res.peak_live_bytes)}, peak reserved/mapped "
+                  f"{format_size(res.peak_reserved_bytes)} (x{res.overhead:.2f}), map calls "
+                  f"{res.map_calls:,}{oom}", flush=True)
+        traces.append((jitter, rows))
+    load_after = os.getloadavg()
 
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -198,62 +236,87 @@ def main(argv: list[str] | None = None) -> int:
         f"- Python {platform.python_version()}, numpy {np.__version__}",
         f"- date: {now}",
         f"- mode: {'quick' if args.quick else 'full'}; medians of {runs} run(s) (replays: "
-        f"{replay_runs}); 2 MiB chunks. Machine shared with other jobs: wall-clock times.",
+        f"{replay_runs} for the two targeted allocators, 1 for the others); 2 MiB chunks.",
+        f"- load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
+        f"{os.cpu_count()} cores: the machine is shared with other jobs. Every time is given "
+        "as wall-clock (median) and as this process's CPU time (user + system, median), which "
+        "does not count waiting for a core.",
         "",
         "## Host backend (memfd + mmap MAP_FIXED): alloc + free through VirtualAllocator",
         "",
-        "| size | chunks | map + unmap (keep_mapped=False) | per chunk | exact reuse (default) "
-        "| first touch of every page |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| size | chunks | map + unmap (keep_mapped=False) | per chunk | mmap calls per alloc "
+        "| exact reuse (default) | first touch of every page |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in host_rows:
         n = r["size"] // CHUNK
-        lines.append(f"| {format_size(r['size'])} | {n} | {r['map_unmap_us']:,.1f} us | "
-                     f"{r['map_unmap_us'] / n:.2f} us | {r['reuse_us']:.1f} us | "
-                     f"{r['touch_us']:,.0f} us |")
+        w, c = r["map_unmap"]
+        lines.append(f"| {format_size(r['size'])} | {n} | {_fmt_us(r['map_unmap'])} | "
+                     f"{w / n:.2f} us (CPU {c / n:.2f}) | {r['mmap_per_alloc']:.0f} | "
+                     f"{_fmt_us(r['reuse'])} | {_fmt_us(r['touch'], 0)} |")
     lines += [
         "",
-        "Map + unmap: chunks already exist (cached in the pool); `alloc` maps consecutive "
-        "file chunks with one `mmap` call where it can, `free` maps PROT_NONE over the range. "
+        "Map + unmap: chunks already exist (cached in the pool); `alloc` maps chunks that are "
+        "consecutive in the memfd with one `mmap` call (a range freed and allocated again gets "
+        "its chunks back in the same order), `free` maps PROT_NONE over the range in one call. "
         "Exact reuse: the freed range stays mapped (parked) and the next equal request takes "
-        "it without a system call.",
+        "it without a system call. First touch: writing one byte per page (page faults and "
+        "zeroing by the kernel), for scale.",
         "",
         "## Host chunk mapping rate (one `mmap(MAP_FIXED)` per chunk)",
         "",
-        "| map, shuffled chunks | unmap (PROT_NONE over it) | map in file order (one call) "
-        "| target |",
+        "| map, chunks in shuffled order | unmap (PROT_NONE over it) | map in file order "
+        "(one call) | target < 10 us per chunk |",
         "|---:|---:|---:|---|",
-        f"| {rate['map_us']:.2f} us/chunk ({1e6 / rate['map_us']:,.0f} maps/s) | "
-        f"{rate['unmap_us']:.2f} us/chunk | {rate['batch_us']:.3f} us/chunk | < 10 us per "
-        f"chunk: {'met' if rate['map_us'] < 10 else 'NOT met'} |",
+        f"| {_fmt_us(rate['map'], 2)} per chunk ({1e6 / rate['map'][0]:,.0f} maps/s) | "
+        f"{_fmt_us(rate['unmap'], 2)} | {_fmt_us(rate['batch'], 3)} | wall: "
+        f"{'met' if rate['map'][0] < 10 else 'NOT met'}, CPU: "
+        f"{'met' if rate['map'][1] < 10 else 'NOT met'} |",
         "",
         f"## Replay of a synthetic swap trace over SimBackend ({n_events:,} events)",
         "",
-        "| trace | allocator | events/s (median) | min-max | peak live | peak reserved / "
-        "mapped | overhead | map calls | unmap calls |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| trace | allocator | budget | events/s (median) | CPU events/s | min-max (runs) "
+        "| fits? | peak live | peak reserved / mapped | overhead | peak physical held "
+        "| map calls | unmap calls |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for jitter, gen, rows in traces:
+    for jitter, rows in traces:
         label = f"swap, jitter {int(jitter * 100)}%"
         for row in rows:
             res = row["result"]
+            fits = "yes" if res.oom_index is None else \
+                f"**no**: OOM at event {res.oom_index:,}"
+            spread = (f"{row['min']:,.0f}-{row['max']:,.0f} ({row['runs']})" if row["runs"] > 1
+                      else "(1)")
             lines.append(
-                f"| {label} | {row['name']} | **{row['rate']:,.0f}** | {row['min']:,.0f}-"
-                f"{row['max']:,.0f} | {format_size(res.peak_live_bytes)} | "
-                f"{format_size(res.peak_reserved_bytes)} | x{res.overhead:.3f} | "
+                f"| {label} | {row['name']} | {row['budget']} | **{row['rate']:,.0f}** | "
+                f"{row['cpu_rate']:,.0f} | {spread} | {fits} | "
+                f"{format_size(res.peak_live_bytes)} | {format_size(res.peak_reserved_bytes)} | "
+                f"x{res.overhead:.3f} | {format_size(res.final_stats['peak_physical_bytes'])} | "
                 f"{res.map_calls:,} | {res.unmap_calls:,} |")
-    worst = min(row["rate"] for _, _, rows in traces for row in rows[:2])
+    targeted = [row for _, rows in traces for row in rows[:2]]
+    worst, worst_cpu = min(r["rate"] for r in targeted), min(r["cpu_rate"] for r in targeted)
     lines += [
         "",
         "Caching = the model of PyTorch's best-fit caching allocator (peak reserved = segment "
         "bytes); vmm = VirtualAllocator (peak mapped = chunks under live allocations; the "
         "default keeps freed ranges mapped for reuse within the budget, `lean` reclaims them "
-        "before creating chunks, `keep_mapped=False` unmaps at every free). Map calls count "
-        "segment allocations (caching) or chunk mappings (vmm). Trace generation is not "
-        "timed.",
+        "before creating chunks, `keep_mapped=False` unmaps at every free). Peak physical "
+        "held: memory the device really holds (caching: segments; vmm: every chunk created, "
+        "in use, parked or cached). With an 80 GiB budget the default VirtualAllocator keeps "
+        "parked ranges as a cache (as the caching allocator keeps segments); under a real "
+        "budget it steals them back before a request would fail, and `lean` holds no more "
+        "than the peak mapped bytes. The tight-budget rows give each allocator a device of "
+        "the trace's peak live bytes + 10%: the caching allocator runs out of memory (it "
+        "needs its peak reserved bytes), virtual addressing fits (it needs peak live + less "
+        "than one chunk per live allocation), at the cost of map/unmap calls. Events/s counts "
+        "the events applied (up to an OOM). Map calls count segment allocations (caching) or "
+        "chunk mappings (vmm). Trace generation is not timed.",
         "",
-        f"Target (>= 200,000 events/s for CachingAllocator and the default VirtualAllocator): "
-        f"{'met' if worst >= 200_000 else 'NOT met'} (slowest {worst:,.0f} events/s).",
+        f"Target (>= 200,000 events/s for CachingAllocator and the default VirtualAllocator "
+        f"with the 80 GiB budget): wall-clock {'met' if worst >= 200_000 else 'NOT met'} "
+        f"(slowest {worst:,.0f} events/s), CPU time {'met' if worst_cpu >= 200_000 else 'NOT met'}"
+        f" (slowest {worst_cpu:,.0f} events/s).",
         "",
     ]
     out = args.out or RESULTS / ("vmm-quick.md" if args.quick else "vmm.md")

@@ -27,6 +27,15 @@ from __future__ import annotations
 
 import abc
 from bisect import bisect_left, bisect_right, insort
+from collections import Counter
+
+try:  # Counter.update's C core, without its Python-level type checks (hot path)
+    from collections import _count_elements
+except ImportError:  # pragma: no cover - other Pythons
+    def _count_elements(mapping, iterable):  # type: ignore[no-redef]
+        for elem in iterable:
+            mapping[elem] = mapping.get(elem, 0) + 1
+from operator import itemgetter
 from typing import Any, Sequence
 
 from vmm.errors import OutOfBudget, VMMError
@@ -121,20 +130,24 @@ class Backend(abc.ABC):
 class Ledger:
     """Reservations, chunks and mappings of one backend, with the contract checked.
 
-    Shared by the host and sim backends (the CUDA backend keeps the same records and the
-    fake driver in the tests checks them independently). All checks are O(log n):
-    reservations are found by bisecting their sorted start addresses, and each
-    reservation keeps its own sorted list of mapping starts.
+    Shared by the host, sim and CUDA backends (the fake driver in the tests checks the
+    CUDA calls independently). Lookups are O(log n): reservations are found by bisecting
+    their sorted start addresses, and each reservation keeps its own sorted list of mapping
+    starts. The per-chunk work of mapping k chunks is done by bulk dict/list operations.
     """
 
-    __slots__ = ("granularity", "backend_name", "chunks", "_starts", "_ranges")
+    __slots__ = ("granularity", "backend_name", "chunks", "_mapped_in", "_mapped_out", "_starts",
+                 "_ranges")
 
     def __init__(self, granularity: int, backend_name: str) -> None:
         self.granularity = granularity
         self.backend_name = backend_name
-        # handle -> [nbytes, number of live mappings]
-        self.chunks: dict[Any, list[int]] = {}
-        self._starts: list[int] = []  # sorted reservation starts
+        self.chunks: dict[Any, int] = {}            # handle -> nbytes
+        # Live mappings of a handle = _mapped_in[h] - _mapped_out[h]: two Counters, because
+        # Counter.update counts a batch in C while a decrement loop would run in Python.
+        self._mapped_in: Counter = Counter()
+        self._mapped_out: Counter = Counter()
+        self._starts: list[int] = []                # sorted reservation starts
         # start -> (end, sorted mapping starts, {mapping start: (end, handle)})
         self._ranges: dict[int, tuple[int, list[int], dict[int, tuple[int, Any]]]] = {}
 
@@ -159,17 +172,24 @@ class Ledger:
 
     # -- chunks ------------------------------------------------------------------------
     def add_chunk(self, handle: Any, nbytes: int) -> None:
-        self.chunks[handle] = [nbytes, 0]
+        self.chunks[handle] = nbytes
 
     def remove_chunk(self, handle: Any) -> int:
-        rec = self.chunks.get(handle)
-        if rec is None:
+        nbytes = self.chunks.get(handle)
+        if nbytes is None:
             raise self.fail(f"release of unknown or already released chunk {handle!r}")
-        if rec[1]:
+        mapped = self.mapcount(handle)
+        if mapped:
             raise self.fail(f"release of chunk {handle!r} while it is still mapped "
-                            f"{rec[1]} time(s): unmap it first")
+                            f"{mapped} time(s): unmap it first")
         del self.chunks[handle]
-        return rec[0]
+        self._mapped_in.pop(handle, None)
+        self._mapped_out.pop(handle, None)
+        return nbytes
+
+    def mapcount(self, handle: Any) -> int:
+        """How many live mappings the chunk has."""
+        return self._mapped_in.get(handle, 0) - self._mapped_out.get(handle, 0)
 
     # -- ranges ------------------------------------------------------------------------
     def add_range(self, address: int, nbytes: int) -> None:
@@ -185,8 +205,7 @@ class Ledger:
             raise self.fail(f"free of range 0x{address:x} while {len(entry[1])} chunk(s) "
                             "are still mapped in it: unmap first")
         del self._ranges[address]
-        i = bisect_right(self._starts, address) - 1
-        del self._starts[i]
+        del self._starts[bisect_left(self._starts, address)]
 
     def ranges(self) -> list[tuple[int, int]]:
         return [(s, self._ranges[s][0] - s) for s in self._starts]
@@ -213,31 +232,42 @@ class Ledger:
         if i < len(starts) and starts[i] < address + total:
             raise self.fail(f"map at 0x{starts[i]:x}: already mapped (double map)")
         chunks = self.chunks
-        for handle in handles:
-            rec = chunks.get(handle)
-            if rec is None:
-                raise self.fail(f"map of unknown or released chunk {handle!r}")
-            if rec[0] != chunk_bytes:
-                raise self.fail(f"map of chunk {handle!r}: it is {rec[0]} bytes, not "
-                                f"{chunk_bytes}")
-        if len(handles) == 1:
+        if len(handles) == 1:  # the per-chunk path: no bulk machinery
+            handle = handles[0]
+            if chunks.get(handle) != chunk_bytes:
+                raise self.fail(f"map of chunk {handle!r}: unknown, released, or not "
+                                f"{chunk_bytes} bytes (it is {chunks.get(handle)})")
             starts.insert(i, address)
-            maps[address] = (address + chunk_bytes, handles[0])
-            chunks[handles[0]][1] += 1
+            maps[address] = (address + chunk_bytes, handle)
+            mapped_in = self._mapped_in
+            mapped_in[handle] = mapped_in.get(handle, 0) + 1
             return
+        if set(map(chunks.get, handles)) != {chunk_bytes}:
+            for handle in handles:
+                if handle not in chunks:
+                    raise self.fail(f"map of unknown or released chunk {handle!r}")
+                if chunks[handle] != chunk_bytes:
+                    raise self.fail(f"map of chunk {handle!r}: it is {chunks[handle]} bytes, "
+                                    f"not {chunk_bytes}")
         new = range(address, address + total, chunk_bytes)
         starts[i:i] = new
-        for a, handle in zip(new, handles):
-            maps[a] = (a + chunk_bytes, handle)
-            chunks[handle][1] += 1
+        maps.update(zip(new, zip(range(address + chunk_bytes, address + total + 1, chunk_bytes),
+                                 handles)))
+        _count_elements(self._mapped_in, handles)
 
-    def remove_mappings(self, address: int, nbytes: int) -> list[tuple[int, int, Any]]:
-        """Check and forget the mappings covering exactly whole mappings in the span.
+    def remove_mappings(self, address: int, nbytes: int) -> list[tuple[int, tuple[int, Any]]]:
+        """Check and forget the mappings of a span that covers whole mappings only.
 
-        Returns ``(start, end, handle)`` for each removed mapping, in address order.
+        Returns ``(start, (end, handle))`` for each removed mapping, in address order.
         """
-        _, (end, starts, maps) = self._range_of("unmap", address, nbytes)
         stop = address + nbytes
+        starts_r = self._starts
+        r = bisect_right(starts_r, address) - 1
+        entry = self._ranges[starts_r[r]] if r >= 0 else None
+        if entry is None or stop > entry[0]:
+            raise self.fail(f"unmap: [0x{address:x}, 0x{stop:x}) is not inside one reserved "
+                            "address range")
+        _, starts, maps = entry
         i = bisect_left(starts, address)  # first mapping starting at or after address
         if i and maps[starts[i - 1]][0] > address:
             raise self.fail(f"unmap at 0x{address:x} cuts the mapping at 0x{starts[i - 1]:x}")
@@ -247,29 +277,39 @@ class Ledger:
         if maps[starts[j - 1]][0] > stop:
             raise self.fail(f"unmap of [0x{address:x}, 0x{stop:x}) cuts the mapping "
                             f"at 0x{starts[j - 1]:x}")
-        removed = [(a, *maps.pop(a)) for a in starts[i:j]]
+        if j == i + 1:  # one mapping: the per-chunk path
+            key = starts.pop(i)
+            value = maps.pop(key)
+            mapped_out = self._mapped_out
+            mapped_out[value[1]] = mapped_out.get(value[1], 0) + 1
+            return [(key, value)]
+        keys = starts[i:j]
         del starts[i:j]
-        chunks = self.chunks
-        for _, _, handle in removed:
-            chunks[handle][1] -= 1
-        return removed
+        values = list(map(maps.pop, keys))
+        _count_elements(self._mapped_out, map(itemgetter(1), values))
+        return list(zip(keys, values))
 
-    def is_mapped(self, address: int, nbytes: int) -> bool:
-        """True if every byte of the span is mapped."""
+    def is_mapped(self, address: int, nbytes: int, *, whole: bool = False) -> bool:
+        """True if every byte of the span is mapped (``whole``: by mappings that start and
+        end inside it, as ``cuMemSetAccess`` requires)."""
         try:
             _, (end, starts, maps) = self._range_of("check", address, nbytes)
         except ContractError:
             return False
-        pos, stop = address, address + nbytes
-        i = bisect_right(starts, address) - 1
+        stop = address + nbytes
+        i = bisect_right(starts, address) - 1   # the mapping that would hold ``address``
         if i < 0:
             return False
-        while pos < stop:
-            if i >= len(starts) or starts[i] > pos or maps[starts[i]][0] <= pos:
-                return False
-            pos = maps[starts[i]][0]
-            i += 1
-        return True
+        j = bisect_left(starts, stop, i)        # mappings i..j-1 start before ``stop``
+        first, last_end = starts[i], maps[starts[j - 1]][0]
+        if maps[first][0] <= address or last_end < stop:
+            return False
+        if whole and (first != address or last_end != stop):
+            return False
+        # Mappings never overlap, so there is no gap iff their lengths add up.
+        keys = starts[i:j]
+        covered = sum(map(itemgetter(0), map(maps.__getitem__, keys))) - sum(keys)
+        return covered == last_end - first
 
     def mappings(self) -> list[tuple[int, int, Any]]:
         out = []

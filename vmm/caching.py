@@ -217,14 +217,14 @@ class CachingAllocator:
         if not block.allocated:
             raise CachingAllocatorError(f"double free (or free of a block never handed out): "
                                         f"{block!r}")
+        seg = block.segment
+        if seg is not None and self._segments.get(seg.address) is not seg:
+            raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
         block.allocated = False
         self.free_count += 1
         self.live_allocations -= 1
-        seg = block.segment
         if seg is None:  # zero-byte block
             return
-        if self._segments.get(seg.address) is not seg:
-            raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
         self.requested_bytes -= block.requested
         self.allocated_bytes -= block.size
         block.requested = 0
@@ -294,8 +294,9 @@ class CachingAllocator:
           reserved but not asked for (rounding, split remainders and free blocks that are
           too small or in the wrong pool; for this allocator it includes external
           fragmentation).
-        - ``peak_requested_bytes``, ``peak_mapped_bytes``, ``peak_reserved_bytes``
-          (= ``peak_mapped_bytes``), ``peak_allocations``: maxima so far.
+        - ``peak_requested_bytes``, ``peak_mapped_bytes``, ``peak_reserved_bytes`` and
+          ``peak_physical_bytes`` (both = ``peak_mapped_bytes``), ``peak_allocations``:
+          maxima so far.
         - ``map_calls`` / ``unmap_calls``: segments allocated / released (``cudaMalloc`` /
           ``cudaFree`` in PyTorch).
 
@@ -325,6 +326,7 @@ class CachingAllocator:
             "peak_requested_bytes": self.peak_requested_bytes,
             "peak_mapped_bytes": self.peak_mapped_bytes,
             "peak_reserved_bytes": self.peak_mapped_bytes,
+            "peak_physical_bytes": self.peak_mapped_bytes,
             "peak_allocations": self.peak_live_allocations,
             "map_calls": self.map_calls,
             "unmap_calls": self.unmap_calls,

@@ -186,7 +186,7 @@ class CudaBackend(Backend):
         # A kernel queued earlier may still read or write these pages: wait for it before
         # the physical memory can be mapped elsewhere.
         self.synchronize()
-        for start, end, _ in removed:
+        for start, (end, _) in removed:
             self._call("cuMemUnmap", start, end - start)
 
     def synchronize(self) -> None:

@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-MADV_REMOVE = 9
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 
@@ -57,7 +56,7 @@ def _errname(err: int) -> str:
 
 
 class _Libc:
-    """The four libc calls we need, typed, with errno captured."""
+    """The libc calls we need (mmap, munmap, fallocate), typed, with errno captured."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -71,9 +70,6 @@ class _Libc:
         self.fallocate = lib.fallocate
         self.fallocate.restype = ctypes.c_int
         self.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        self.madvise = lib.madvise
-        self.madvise.restype = ctypes.c_int
-        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 _LIBC: _Libc | None = None
@@ -96,20 +92,23 @@ _FLAG_NAMES = ((MAP_SHARED, "MAP_SHARED"), (MAP_PRIVATE, "MAP_PRIVATE"), (MAP_FI
                (MAP_ANONYMOUS, "MAP_ANONYMOUS"), (MAP_NORESERVE, "MAP_NORESERVE"))
 
 
+def _mmap_error(result: int | None, err: int, addr: int | None, length: int, prot: int,
+                flags: int, fd: int, offset: int) -> BackendCallError:
+    """The error for a failed mmap call, naming it (built only on failure)."""
+    where = "NULL" if addr is None else f"0x{addr:x}"
+    names = "|".join(n for bit, n in _FLAG_NAMES if flags & bit)
+    call = (f"mmap({where}, {length}, {_PROT_NAMES.get(prot, prot)}, {names}, "
+            f"{'memfd' if fd >= 0 else -1}, {offset})")
+    if result is None or result == _MAP_FAILED:
+        return _call_error(call, err)
+    return BackendCallError(f"host backend: {call} returned 0x{result:x}, not the fixed address")
+
+
 def _mmap_checked(libc: _Libc, addr: int | None, length: int, prot: int, flags: int,
                   fd: int, offset: int) -> int:
     result = libc.mmap(addr, length, prot, flags, fd, offset)
     if result is None or result == _MAP_FAILED or (flags & MAP_FIXED and result != addr):
-        err = ctypes.get_errno()
-        # The message is built only on failure: this is the per-chunk hot path.
-        where = "NULL" if addr is None else f"0x{addr:x}"
-        names = "|".join(n for bit, n in _FLAG_NAMES if flags & bit)
-        call = (f"mmap({where}, {length}, {_PROT_NAMES.get(prot, prot)}, {names}, "
-                f"{'memfd' if fd >= 0 else -1}, {offset})")
-        if result is None or result == _MAP_FAILED:
-            raise _call_error(call, err)
-        raise BackendCallError(f"host backend: {call} returned 0x{result:x}, not the fixed "
-                               "address")
+        raise _mmap_error(result, ctypes.get_errno(), addr, length, prot, flags, fd, offset)
     return result
 
 
@@ -152,6 +151,8 @@ class HostBackend(Backend):
         self.calls: dict[str, int] = dict.fromkeys(
             ("create_chunk", "release_chunk", "reserve_range", "free_range", "map",
              "mmap", "set_access", "unmap"), 0)
+        self._mmap = self._libc.mmap  # bound once: the per-chunk hot path
+        self._closed = False
         self._finalizer = weakref.finalize(self, _teardown, self._libc, self.ledger, self._fd)
 
     def _open_file(self, use_memfd: bool, directory: str | None) -> int:
@@ -174,7 +175,7 @@ class HostBackend(Backend):
 
     # -- chunks ------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if not self._finalizer.alive:
+        if self._closed:
             raise VMMError("host backend: used after close()")
 
     def create_chunk(self, nbytes: int) -> int:
@@ -251,7 +252,20 @@ class HostBackend(Backend):
 
     # -- mappings ----------------------------------------------------------------------
     def map(self, address: int, handle: Any, nbytes: int) -> None:
-        self.map_many(address, (handle,), nbytes)
+        # One chunk, one mmap: the per-chunk path, kept free of the batching logic.
+        if self._closed:
+            raise VMMError("host backend: used after close()")
+        calls = self.calls
+        calls["map"] += 1
+        calls["mmap"] += 1
+        self.ledger.add_mappings(address, (handle,), nbytes)  # checks before the syscall
+        result = self._mmap(address, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                            self._fd, handle)
+        if result != address:
+            err = ctypes.get_errno()
+            self.ledger.remove_mappings(address, nbytes)
+            raise _mmap_error(result, err, address, nbytes, PROT_READ | PROT_WRITE,
+                              MAP_SHARED | MAP_FIXED, self._fd, handle)
 
     def map_many(self, address: int, handles: Sequence[Any], chunk_bytes: int) -> None:
         self._check_open()
@@ -280,7 +294,10 @@ class HostBackend(Backend):
     def unmap(self, address: int, nbytes: int) -> None:
         self.calls["unmap"] += 1
         self.ledger.remove_mappings(address, nbytes)
-        self._protect_none(address, nbytes)
+        result = self._mmap(address, nbytes, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)
+        if result != address:
+            raise _mmap_error(result, ctypes.get_errno(), address, nbytes, PROT_NONE,
+                              _RESERVE_FLAGS | MAP_FIXED, -1, 0)
 
     def _protect_none(self, address: int, nbytes: int) -> None:
         _mmap_checked(self._libc, address, nbytes, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)
@@ -297,18 +314,10 @@ class HostBackend(Backend):
                                 "which is not fully mapped")
         return (ctypes.c_char * nbytes).from_address(address)
 
-    def release_pages(self, address: int, nbytes: int) -> None:
-        """Drop the pages behind a mapped span now (``madvise(MADV_REMOVE)``), keep the mapping.
-
-        The bytes read back as zeros afterwards. Used to return memory of chunks that stay
-        mapped; released chunks are punched out of the file instead.
-        """
-        if self._libc.madvise(address, nbytes, MADV_REMOVE) != 0:
-            raise _call_error(f"madvise(0x{address:x}, {nbytes}, MADV_REMOVE)", ctypes.get_errno())
-
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
         """Unmap every chunk, free every range, close the file (its memory goes with it)."""
+        self._closed = True
         if self._finalizer.alive:
             self._finalizer()
 

@@ -59,7 +59,7 @@ class ChunkPool:
         capacity_bytes: the physical budget. The pool never holds more than
             ``max_chunks = capacity_bytes // chunk_bytes`` chunks (the remainder is unused).
 
-    Chunks given back with :meth:`release` are cached (LIFO, the most recently used first);
+    Chunks given back with :meth:`release` are cached (the most recently released first);
     :meth:`trim` returns the cached ones to the backend.
     """
 
@@ -115,9 +115,11 @@ class ChunkPool:
                 budget=self.budget_bytes, largest_fit=fit)
         cache = self._cache
         take = min(count, len(cache))
+        # The most recently cached chunks, in the order they were released: a range freed
+        # and allocated again gets its chunks back in the same order, so a host backend
+        # can map chunks that are consecutive in its file with one call.
         out = cache[len(cache) - take:]
         del cache[len(cache) - take:]
-        out.reverse()  # most recently cached first
         try:
             for _ in range(count - take):
                 out.append(self._create())

@@ -92,7 +92,7 @@ class SimBackend(Backend):
 
     def set_access(self, address: int, nbytes: int) -> None:
         self.calls["set_access"] += 1
-        if not self.ledger.is_mapped(address, nbytes):
+        if not self.ledger.is_mapped(address, nbytes, whole=True):
             raise ContractError(f"sim backend: set_access on [0x{address:x}, +{nbytes}) "
                                 "which is not fully mapped")
 

@@ -16,7 +16,7 @@ import weakref
 from bisect import bisect_left, bisect_right, insort
 from typing import Any
 
-from vmm.errors import VMMError
+from vmm.errors import OutOfBudget, VMMError
 from vmm.pool import BudgetExceeded, Chunk, ChunkPool
 from vmm.units import format_size
 
@@ -146,15 +146,25 @@ class VirtualAllocator:
       1. **exact reuse**: a parked range with exactly k chunks mapped (most recently
          parked first): no call to the backend;
       2. **shrink a larger one**: the parked range with the fewest mapped chunks m, if
-         k < m < 2k: unmap its last m - k chunks (fewer calls than mapping k fresh ones);
+         k < m < 2k (fewer calls than mapping k fresh ones) and the pool cannot supply k
+         chunks without stealing anyway: unmap its last m - k chunks;
       3. **grow in place**: a free range reserved for exactly k chunks but holding fewer
          (some were stolen, below): map only the missing ones;
       4. **new range**: reserve k chunks of address space and map k chunks.
 
       Chunks for steps 3-4 come from the pool (cached, then newly created up to the
-      budget); if the pool has too few, they are **stolen** from the parked ranges, least
-      recently parked first, by unmapping the tail of the range (a partly stolen range
-      stays parked with fewer chunks and can later grow back in place).
+      budget); if the pool has too few (or the device itself is full before the budget
+      is), they are **stolen** from the parked ranges, least recently parked first, by
+      unmapping the tail of the range (a partly stolen range stays parked with fewer
+      chunks and can later grow back in place).
+
+    Why these: the reference implementation (nnabla's virtual caching allocator) reuses an
+    exact-size range, grows an adjacent one, or steals chunks from a larger one. Exact
+    reuse is what a repeating training step hits, so it is first and free. Shrinking and
+    stealing take chunks off the *tail* of a parked range (one unmap per surplus chunk).
+    Growth happens only inside a range's own reservation, never into a neighbouring
+    range, whose address space may be in use: every range stays one reservation that can
+    be freed as a unit, and no address bookkeeping beyond ranges is needed.
 
     The budget is the limit of physical memory, and by default the allocator uses it as a
     cache: physical bytes grow (lazily) up to the budget, as a caching allocator's do,
@@ -170,7 +180,8 @@ class VirtualAllocator:
     Counting: ``map_calls`` / ``unmap_calls`` count chunk mappings made / removed (one per
     chunk, whatever the backend batches into one system call).
 
-    Zero-byte requests get an ``Allocation`` at address 0 with no chunks.
+    Zero-byte requests get an ``Allocation`` at address 0 with no chunks. Not thread-safe:
+    callers on several threads hold one lock around ``alloc``/``free``.
     """
 
     def __init__(self, pool: ChunkPool, *, keep_mapped: bool = True, lean: bool = False) -> None:
@@ -435,9 +446,11 @@ class VirtualAllocator:
         """Steps 2-4 of the class doc: find or make a range holding k mapped chunks."""
         chunk = self.chunk_bytes
         sizes = self._parked_sizes
-        # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps.
+        # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps
+        # and the chunks would otherwise have to be stolen from parked ranges anyway.
         i = bisect_right(sizes, k)
-        if i < len(sizes) and sizes[i] < 2 * k:
+        if (i < len(sizes) and sizes[i] < 2 * k
+                and (self.pool.cached if self.lean else self.pool.available) < k):
             rng = next(reversed(self._parked[sizes[i]].values()))
             self._detach_parked(rng)
             self._remove_free(rng)
@@ -461,22 +474,39 @@ class VirtualAllocator:
                 self._restore_free(target)
             self.ooms += 1
             raise self._oom(nbytes, k)
-        if self.lean:
-            # Cached chunks first, then parked ones, and only then new ones: physical
-            # memory grows only when every chunk is under a live allocation.
-            take = min(need, pool.cached)
-        else:
-            # Cached and new chunks first (up to the budget), parked ones last: parked
-            # ranges survive for exact reuse as long as the budget allows.
-            take = min(need, pool.available)
-        got = pool.acquire(take) if take else []
-        if take < need:
-            steal = min(need - take, self.parked_chunks)
-            if steal:
-                got.extend(self._steal(steal))
-            if take + steal < need:
-                got.extend(pool.acquire(need - take - steal))
+        got: list[Chunk] = []
         try:
+            # Where the chunks come from: the pool's cache first (free, unmapped); then,
+            # by default, new chunks up to the budget before parked ones (parked ranges
+            # survive for exact reuse as long as the budget allows), or with ``lean``,
+            # parked ones before new ones (physical memory grows only when every chunk is
+            # under a live allocation).
+            take = min(need, pool.cached)
+            if take:
+                got = pool.acquire(take)
+            rest = need - take
+            if rest and not self.lean:
+                create = min(rest, pool.max_chunks - pool.created)
+                if create:
+                    try:
+                        got.extend(pool.acquire(create))
+                        rest -= create
+                    except OutOfBudget:
+                        # The device is full before the budget is: use what was created,
+                        # then parked chunks (a request that fits must not fail for this).
+                        extra = min(rest, pool.cached)
+                        if extra:
+                            got.extend(pool.acquire(extra))
+                            rest -= extra
+                        if rest > self.parked_chunks:
+                            raise
+            if rest:
+                steal = min(rest, self.parked_chunks)
+                if steal:
+                    got.extend(self._steal(steal))
+                    rest -= steal
+                if rest:
+                    got.extend(pool.acquire(rest))
             if target is None:
                 address = self.backend.reserve_range(k * chunk)
                 self.reserve_calls += 1
@@ -493,16 +523,19 @@ class VirtualAllocator:
                 self.reuse_range += 1
             start = target.address + have * chunk
             self.backend.map_many(start, [c.handle for c in got], chunk)
+            target.chunks.extend(got)
+            self.map_calls += need
+            got = []
             self.backend.set_access(start, need * chunk)
         except BaseException:
+            # A backend failure (device out of memory, a driver error): every chunk taken
+            # goes back to the pool unmapped, the range back to the free ranges.
             pool.release(got)
-            if target is not None and target.rid in self._ranges:
+            if target is not None:
                 if target.chunks:
                     self._unmap_tail(target, 0)
                 self._restore_free(target)
             raise
-        target.chunks.extend(got)
-        self.map_calls += need
         return target
 
     def _steal(self, count: int) -> list[Chunk]:

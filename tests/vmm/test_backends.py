@@ -34,7 +34,7 @@ def test_sim_map_unmap_round_trip() -> None:
     (lambda b, h, r: b.map(r - 2 * MiB, h, 2 * MiB), "not inside one reserved"),
     (lambda b, h, r: b.create_chunk(3 * MiB), "not a positive multiple"),
     (lambda b, h, r: b.reserve_range(MiB), "not a positive multiple"),
-    (lambda b, h, r: b.map(r, 12345, 2 * MiB), "unknown or released"),
+    (lambda b, h, r: b.map(r, 12345, 2 * MiB), "unknown, released"),
 ])
 def test_sim_rejects_misuse(misuse, match) -> None:
     b = SimBackend()
@@ -90,9 +90,14 @@ def test_ledger_is_mapped_spans_several_mappings() -> None:
     led.add_range(0x10000, 0x10000)
     led.add_mappings(0x10000, ["a"], 4096)
     led.add_mappings(0x11000, ["b"], 8192)
-    assert led.is_mapped(0x10000, 3 * 4096)
+    assert led.is_mapped(0x10000, 3 * 4096) and led.is_mapped(0x10000, 3 * 4096, whole=True)
+    assert led.is_mapped(0x10800, 4096)                  # a part of two mappings
+    assert not led.is_mapped(0x10800, 4096, whole=True)
     assert not led.is_mapped(0x10000, 4 * 4096)
     assert not led.is_mapped(0x20000, 4096)
+    led.add_mappings(0x14000, ["a"], 4096)               # after a gap
+    assert not led.is_mapped(0x10000, 5 * 4096)
+    assert led.is_mapped(0x14000, 4096)
 
 
 # -- host: real memory ----------------------------------------------------------------------

@@ -122,6 +122,29 @@ def test_fake_driver_out_of_memory_is_out_of_budget() -> None:
     assert fake.used_bytes == 0 and fake.outstanding()["handles"] == 0
 
 
+@pytest.mark.parametrize("mode", [{"lean": True}, {}])
+def test_fake_driver_failure_after_stealing_loses_no_chunk(mode) -> None:
+    """FAKE driver: a request that first steals parked chunks and then fails in the
+    driver (out of memory, or cuMemSetAccess refused) leaves every chunk accounted for."""
+    fake = FakeDriver(memory_bytes=8 * MiB)
+    backend = CudaBackend(driver=fake)
+    va = VirtualAllocator(ChunkPool(backend, 2 * MiB, 64 * MiB), **mode)
+    va.free(va.alloc(4 * MiB))                    # 2 chunks parked
+    with pytest.raises(DeviceOutOfMemory):
+        va.alloc(10 * MiB)                        # 5 chunks: 2 stolen (lean) + 3 new > 8 MiB
+    va.check()
+    fake.fail_next("cuMemSetAccess", CUresult.CUDA_ERROR_INVALID_VALUE)
+    with pytest.raises(BackendCallError, match="cuMemSetAccess"):
+        va.alloc(6 * MiB)
+    va.check()
+    a = va.alloc(8 * MiB)                         # all four chunks the device has
+    va.free(a)
+    va.close()
+    backend.close()
+    assert fake.outstanding() == {"handles": 0, "reservations": 0, "mappings": 0,
+                                  "retained_contexts": 0}
+
+
 def test_fake_driver_setup_errors() -> None:
     """FAKE driver: a bad device ordinal / no device fail at construction, named."""
     with pytest.raises(BackendCallError, match="cuDeviceGet.*CUDA_ERROR_INVALID_DEVICE"):
