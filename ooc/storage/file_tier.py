@@ -1,0 +1,512 @@
+"""The CPU slower tier: swap bytes to one private, unlinked file with background I/O threads.
+
+The runtime engine swaps a tensor out with :meth:`FileTier.write_async`, releases the tensor's
+memory once the returned future resolves, and brings it back with :meth:`FileTier.read_async`
+into a buffer of its pool. Everything else here — where the bytes live in the file, which
+descriptor moves them, checksums, errors — is invisible to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+import time
+import traceback
+import weakref
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ooc.errors import StorageError
+from ooc.storage.extents import Extents
+from ooc.storage.private_dir import make_private_dir, remove_private_dir
+from ooc.storage.swapfile import ALIGN, Fault, ShortTransfer, SwapFile, buffer_address
+from vmm.units import format_size
+
+__all__ = ["FileTier"]
+
+log = logging.getLogger(__name__)
+
+_THREAD_PREFIX = "ooc-swap-io"  # names of the tier's I/O threads
+
+
+@dataclass(slots=True, eq=False)
+class _Record:
+    """One key's bytes in the file. A new write of the key makes a new record; an old record's
+    pieces return to the free list only when no transfer still uses them (``refs == 0``)."""
+
+    nbytes: int
+    pieces: list[tuple[int, int]]
+    crcs: list[int] | None
+    refs: int = 1  # transfers submitted and not finished; the write counts as one
+    retired: bool = False  # discarded or overwritten: free the pieces when refs reaches 0
+    write: Future | None = None
+
+
+class FileTier:
+    """A swap file on local storage, with ``threads`` background I/O threads.
+
+    ``write_async(key, src, nbytes)`` copies the first ``nbytes`` of ``src`` into the tier and
+    ``read_async(key, dst)`` copies them back into ``dst``; both return a
+    :class:`concurrent.futures.Future` that resolves (to ``None``) when the transfer is done, or
+    raises :class:`~ooc.errors.StorageError` from ``future.result()`` in the caller's thread
+    when it failed. I/O errors never escape any other way, and never hang.
+
+    Guarantees:
+
+    * *Private*: the file lives in ``<directory>/ooc-swap-<pid>-<random>/`` (mode 0700,
+      ``directory=None`` means $TMPDIR or /tmp), has mode 0600 and no name (O_TMPFILE, else
+      unlinked right after creation). Killed with SIGKILL, the process leaves no swap bytes on
+      disk, at most that empty directory, which the next tier on the same parent removes.
+      A parent anyone may write to without the sticky bit, a symlink owned by someone other than
+      us or root, or a non-directory is refused.
+    * *Ordering*: a read waits for the key's last write; a discard or an overwrite while a
+      transfer of the old bytes is in flight defers reusing their space until it finishes.
+      ``write_async``, ``read_async`` and ``discard`` may be called from any thread.
+    * *Space*: file offsets and lengths are 4096-aligned; freed space is reused and the file
+      grows only when the free space cannot hold a request, so it never exceeds the peak of live
+      bytes (each rounded up to 4096). It is not shrunk implicitly (rewriting allocated blocks is
+      cheaper than extending the file); :meth:`trim` gives the free tail back.
+    * *Cost is real*: transfers whose buffer address is 4096-aligned (pages of the runtime's
+      pool) go through O_DIRECT when the file system supports it; others (torch's CPU allocator
+      aligns to 64) are buffered and their pages written back and dropped from the page cache
+      before the future resolves, so neither the page cache nor a dirty backlog hides the cost.
+    * ``verify=True`` keeps a CRC-32 per ``chunk_bytes`` of each key, computed from the source
+      at write and checked at read: a mismatch raises StorageError naming the key and chunk.
+
+    The caller keeps ``src`` alive and unchanged until the write's future resolves, and does
+    not touch ``dst`` until the read's future resolves. The tier holds no reference to either
+    after that (its memoryviews are released before the future resolves).
+
+    Example::
+
+        import numpy as np
+        from ooc.storage import FileTier
+
+        with FileTier(threads=2) as tier:
+            a = np.arange(1 << 20, dtype=np.float32)
+            tier.write_async(7, a, a.nbytes).result()
+            b = np.empty_like(a)
+            tier.read_async(7, b).result()
+            assert (a == b).all()
+            tier.discard(7)
+
+    ``src`` and ``dst`` are C-contiguous buffer-protocol objects (numpy arrays, memoryviews,
+    mmaps, bytearrays) or contiguous CPU torch tensors (any dtype, bfloat16 too).
+    ``_fault`` is a test hook, see :data:`ooc.storage.swapfile.Fault`; ``_flush="fdatasync"``
+    selects the slower write-back of buffered writes for the benchmark's comparison.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, *, threads: int = 2,
+                 verify: bool = False, direct: bool | None = None, chunk_bytes: int = 2 << 20,
+                 _fault: Fault | None = None, _flush: str = "range") -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError(
+                f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+        if _flush not in ("range", "fdatasync"):
+            raise ValueError(f"_flush must be 'range' or 'fdatasync', got {_flush!r}")
+        self.verify = bool(verify)
+        self.chunk_bytes = int(chunk_bytes)
+        self.threads = int(threads)
+        self._flush = _flush
+        self.directory, dir_fd = make_private_dir(directory)
+        try:
+            self._file = SwapFile(dir_fd, self.directory, direct=direct, fault=_fault)
+        except OSError as e:
+            remove_private_dir(self.directory, dir_fd)
+            raise StorageError(f"cannot create the swap file in {self.directory!r}: {e}") from e
+        if direct is True and self._file.direct_fd is None:
+            reason = self._file.direct_error
+            _cleanup(None, self._file, self.directory, dir_fd)
+            raise StorageError(
+                f"direct=True but O_DIRECT does not work in {self.directory!r} ({reason}); "
+                "pass direct=None to fall back to buffered I/O")
+        self._lock = threading.Lock()
+        self._records: dict[int, _Record] = {}
+        self._extents = Extents(ALIGN)
+        self._closed = False
+        self._live_bytes = 0
+        self._peak_live_bytes = 0
+        self._stats = dict(bytes_written=0, bytes_read=0, writes=0, reads=0, write_s=0.0,
+                           read_s=0.0, direct_transfers=0, buffered_transfers=0)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=_THREAD_PREFIX)
+        # Runs at close(), at garbage collection, or at interpreter exit (after the pool's own
+        # exit hook has drained its queue): descriptors closed, private directory removed.
+        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self._file, self.directory,
+                                           dir_fd)
+        log.debug("FileTier in %s: O_TMPFILE=%s, O_DIRECT=%s", self.directory,
+                  self._file.tmpfile, self.direct_io)
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def direct_io(self) -> bool:
+        """True when aligned transfers go through O_DIRECT."""
+        return self._file.direct_fd is not None
+
+    def write_async(self, key: int, src, nbytes: int) -> Future:
+        """Copy ``src[:nbytes]`` to the tier under ``key`` (replacing its old bytes, if any)."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        base, view = _byte_view(src, writable=False)
+        if len(view) < nbytes:
+            base.release()
+            raise ValueError(f"key {key}: src holds {len(view)} bytes, fewer than nbytes={nbytes}")
+        view = view[:nbytes]
+        direct = self.direct_io and buffer_address(view) % ALIGN == 0
+        with self._lock:
+            self._check_open()
+            old = self._records.pop(key, None)
+            if old is not None:
+                self._retire(old)
+            pieces = self._extents.allocate(nbytes) if nbytes else []
+            nchunks = -(-nbytes // self.chunk_bytes)
+            rec = _Record(nbytes, pieces, [0] * nchunks if self.verify else None)
+            self._records[key] = rec
+            self._live_bytes += nbytes
+            self._peak_live_bytes = max(self._peak_live_bytes, self._live_bytes)
+            rec.write = self._submit(self._run_write, key, rec, base, view, direct)
+            return rec.write
+
+    def read_async(self, key: int, dst) -> Future:
+        """Copy ``key``'s bytes into the start of ``dst`` (which holds at least that many)."""
+        base, view = _byte_view(dst, writable=True)
+        with self._lock:
+            self._check_open()
+            rec = self._records.get(key)
+            if rec is None:
+                base.release()
+                raise KeyError(f"FileTier: key {key} was never written, or was discarded")
+            if len(view) < rec.nbytes:
+                base.release()
+                raise ValueError(f"key {key}: dst holds {len(view)} bytes, the key {rec.nbytes}")
+            view = view[:rec.nbytes]
+            direct = self.direct_io and buffer_address(view) % ALIGN == 0
+            rec.refs += 1
+            return self._submit(self._run_read, key, rec, base, view, direct)
+
+    def discard(self, key: int) -> None:
+        """Forget ``key``; its space is reused once no transfer of it is in flight.
+        Discarding an unknown key does nothing."""
+        with self._lock:
+            rec = self._records.pop(key, None)
+            if rec is not None:
+                self._retire(rec)
+
+    def __contains__(self, key: int) -> bool:
+        with self._lock:
+            return key in self._records
+
+    def nbytes(self, key: int) -> int:
+        """Bytes stored under ``key`` (KeyError if none)."""
+        with self._lock:
+            return self._records[key].nbytes
+
+    def trim(self) -> int:
+        """Give the free space at the end of the file back to the file system; return the new
+        file size. Worth calling when the tier will stay small for a while (it costs the next
+        writes there the slower, file-extending path)."""
+        with self._lock:
+            self._check_open()
+            end = self._extents.trim_end()
+            os.ftruncate(self._file.fd, end)
+            return end
+
+    def stats(self) -> dict:
+        """Counters as a plain dict with stable keys.
+
+        bytes_written, bytes_read, writes, reads: completed transfers (payload bytes).
+        write_s, read_s: busy time of the I/O threads, summed over threads (can exceed wall time).
+        file_bytes, peak_file_bytes: the file's size (allocated space) now and at most.
+        live_bytes, peak_live_bytes, keys: bytes and keys held now, and the peak of bytes.
+        direct_io: aligned transfers use O_DIRECT; direct_io_reason: why not, else None.
+        direct_transfers, buffered_transfers: how transfers actually went.
+        verify, threads, chunk_bytes, directory, o_tmpfile: the configuration.
+        """
+        with self._lock:
+            out = dict(self._stats)
+            out.update(
+                file_bytes=self._extents.end, peak_file_bytes=self._extents.peak_end,
+                live_bytes=self._live_bytes, peak_live_bytes=self._peak_live_bytes,
+                keys=len(self._records), direct_io=self.direct_io,
+                direct_io_reason=self._file.direct_error, verify=self.verify,
+                threads=self.threads, chunk_bytes=self.chunk_bytes, directory=self.directory,
+                o_tmpfile=self._file.tmpfile,
+            )
+        return out
+
+    def close(self) -> None:
+        """Cancel transfers not yet started (their futures are cancelled), wait for running
+        ones, join the threads, close the file (its blocks return to the file system) and
+        remove the private directory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> FileTier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._records)} keys"
+        return (f"FileTier({self.directory!r}, {state}, direct_io={self.direct_io}, "
+                f"threads={self.threads}, verify={self.verify})")
+
+    # -- bookkeeping (under self._lock) ----------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("FileTier is closed")
+
+    def _submit(self, fn, key: int, rec: _Record, base: memoryview, view: memoryview,
+                direct: bool) -> Future:
+        try:
+            return self._pool.submit(fn, key, rec, base, view, direct)
+        except RuntimeError as e:  # the pool is shutting down (interpreter exit)
+            rec.refs -= 1
+            view.release()
+            base.release()
+            raise StorageError(f"FileTier cannot start a transfer of key {key}: {e}") from e
+
+    def _retire(self, rec: _Record) -> None:
+        rec.retired = True
+        self._live_bytes -= rec.nbytes
+        if rec.refs == 0:
+            self._extents.free(rec.pieces)
+
+    def _done(self, rec: _Record, kind: str, nbytes: int, seconds: float, ok: bool,
+              direct: bool) -> None:
+        with self._lock:
+            rec.refs -= 1
+            if rec.retired and rec.refs == 0:
+                self._extents.free(rec.pieces)
+            self._stats[f"{kind}_s"] += seconds
+            if ok:
+                self._stats["bytes_written" if kind == "write" else "bytes_read"] += nbytes
+                self._stats[f"{kind}s"] += 1
+                self._stats["direct_transfers" if direct else "buffered_transfers"] += 1
+
+    # -- the I/O threads -------------------------------------------------------------------
+
+    def _run_write(self, key: int, rec: _Record, base: memoryview, view: memoryview,
+                   direct: bool) -> None:
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            self._transfer("pwrite", key, rec, view, direct)
+            ok = True
+        except OSError as e:
+            _forget_buffers(e)
+            raise self._error("write", key, rec.nbytes, e) from e
+        finally:
+            # Release our views of the caller's buffer before the future resolves, so the
+            # caller may free or resize it the moment it sees the result.
+            view.release()
+            base.release()
+            self._done(rec, "write", rec.nbytes, time.perf_counter() - t0, ok, direct)
+
+    def _run_read(self, key: int, rec: _Record, base: memoryview, view: memoryview,
+                  direct: bool) -> None:
+        t0 = None
+        ok = False
+        try:
+            # The key's write was queued before this read (FIFO pool), so it is running or
+            # done: this wait is short and cannot deadlock, even with one thread.
+            exc = rec.write.exception()
+            if exc is not None:
+                raise StorageError(f"cannot read key {key}: its write failed: {exc}") from exc
+            t0 = time.perf_counter()
+            self._transfer("pread", key, rec, view, direct)
+            ok = True
+        except OSError as e:
+            _forget_buffers(e)
+            if isinstance(e, StorageError):
+                raise
+            raise self._error("read", key, rec.nbytes, e) from e
+        finally:
+            view.release()
+            base.release()
+            seconds = 0.0 if t0 is None else time.perf_counter() - t0
+            self._done(rec, "read", rec.nbytes, seconds, ok, direct)
+
+    def _transfer(self, op: str, key: int, rec: _Record, view: memoryview, direct: bool) -> None:
+        """Move the key's bytes piece by piece, in steps that never cross a chunk boundary of
+        the key's bytes (so each step feeds exactly one CRC)."""
+        f, chunk, nbytes = self._file, self.chunk_bytes, rec.nbytes
+        writing = op == "pwrite"
+        crc_now: dict[int, int] = {}
+        chunk_file_off: dict[int, int] = {}
+        pos = 0  # bytes of the key moved so far
+        for off, plen in rec.pieces:
+            data = min(plen, nbytes - pos)  # the last piece ends with < 4096 bytes of padding
+            s = 0
+            while s < data:
+                step = min(data - s, chunk - (pos + s) % chunk)
+                part = view[pos + s:pos + s + step]
+                try:  # released on every path: a live slice would pin the caller's buffer
+                    foff = off + s
+                    idx = (pos + s) // chunk
+                    chunk_file_off.setdefault(idx, foff)
+                    if writing and rec.crcs is not None:
+                        rec.crcs[idx] = zlib.crc32(part, rec.crcs[idx])
+                    if direct:
+                        self._direct_step(op, key, part, foff)
+                    else:
+                        f.transfer(op, key, False, part, foff)
+                        if writing:
+                            if self._flush == "range":  # start write-back now, wait at the end
+                                f.start_writeback(key, foff, step)
+                        else:  # clean pages: drop them at once
+                            f.drop_cache(key, foff, step, dirty=False)
+                    if not writing and rec.crcs is not None:
+                        crc_now[idx] = zlib.crc32(part, crc_now.get(idx, 0))
+                        end = min((idx + 1) * chunk, nbytes)
+                        if pos + s + step == end and crc_now[idx] != rec.crcs[idx]:
+                            raise StorageError(
+                                f"FileTier: key {key} is corrupted: CRC-32 mismatch in the "
+                                f"chunk at byte {idx * chunk} of the key ({end - idx * chunk} "
+                                f"bytes, file offset {chunk_file_off[idx]}); the bytes changed "
+                                "on storage after they were written (disk, file system or "
+                                "memory fault)")
+                finally:
+                    part.release()
+                s += step
+            if writing and not direct:
+                written = data
+                if data < plen:  # zero the padding so the file covers the extent (O_DIRECT reads)
+                    f.transfer(op, key, False, memoryview(bytes(plen - data)), off + data)
+                    written = plen
+                # DONTNEED only drops clean pages: wait for the write-back, then drop.
+                if self._flush == "range":
+                    f.drop_cache(key, off, written, dirty=True)
+                else:
+                    f.fdatasync_range(key, off, written)
+            pos += data
+
+    def _direct_step(self, op: str, key: int, part: memoryview, foff: int) -> None:
+        """An O_DIRECT step: the aligned body straight from/to the caller's buffer, the last
+        partial page through a page of our own (the caller's buffer may end mid-page)."""
+        f = self._file
+        body = len(part) - len(part) % ALIGN
+        if body:
+            f.transfer(op, key, True, part[:body], foff)
+        tail = len(part) - body
+        if tail:
+            page = f.bounce_page(threading.get_ident())
+            if op == "pwrite":
+                page[:tail] = part[body:]
+                page[tail:] = bytes(ALIGN - tail)
+                f.transfer(op, key, True, memoryview(page), foff + body)
+            else:
+                f.transfer(op, key, True, memoryview(page), foff + body)
+                part[body:] = page[:tail]
+
+    def _error(self, op: str, key: int, nbytes: int, e: OSError) -> StorageError:
+        if isinstance(e, StorageError):
+            return e
+        where = _filesystem(self.directory)
+        if e.errno == errno.ENOSPC:
+            err = StorageError(
+                f"FileTier: no space left on the file system at {where['mount']} "
+                f"({format_size(where['free'])} free; swap directory {self.directory}) while "
+                f"writing key {key}: it needs {format_size(nbytes)} ({nbytes} bytes); the swap "
+                f"file has {format_size(self._extents.end)} allocated. Free space there, pass "
+                "FileTier(directory=...) on a larger disk, or raise the budget so less is swapped")
+        else:
+            kind = "short transfer" if isinstance(e, ShortTransfer) else "error"
+            err = StorageError(
+                f"FileTier: {op} of key {key} ({format_size(nbytes)}, {nbytes} bytes) failed "
+                f"with an I/O {kind}: {e.strerror or e} [errno {e.errno}] (file system at "
+                f"{where['mount']}, swap directory {self.directory})")
+        err.errno = e.errno
+        return err
+
+
+def _forget_buffers(e: BaseException) -> None:
+    """Clear the locals of the failed transfer's frames. The exception lives on in the future,
+    and its traceback would otherwise keep slices of the caller's buffer (and so the buffer's
+    export) alive: an mmap could not be closed, a bytearray not resized."""
+    if e.__traceback__ is not None:
+        traceback.clear_frames(e.__traceback__.tb_next or e.__traceback__)
+
+
+def _cleanup(pool: ThreadPoolExecutor | None, file: SwapFile, directory: str, dir_fd: int) -> None:
+    if pool is not None:
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            # The tier was garbage-collected inside one of its own I/O threads (its last
+            # reference was a queued task): a thread cannot join itself, so clean up from
+            # a helper thread once the pool has drained.
+            threading.Thread(target=_cleanup, args=(pool, file, directory, dir_fd),
+                             name="ooc-swap-cleanup", daemon=True).start()
+            return
+        pool.shutdown(wait=True, cancel_futures=True)
+    file.close()
+    remove_private_dir(directory, dir_fd)
+
+
+def _filesystem(path: str) -> dict:
+    """Mount point and free bytes of the file system holding ``path`` (for error messages)."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount) and mount != os.path.dirname(mount):
+        mount = os.path.dirname(mount)
+    try:
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    return {"mount": mount, "free": free}
+
+
+def _byte_view(obj, *, writable: bool) -> tuple[memoryview, memoryview]:
+    """(base, bytes) memoryviews of a C-contiguous buffer or a contiguous CPU torch tensor.
+    Both must be released by the caller (base last)."""
+    if hasattr(obj, "untyped_storage") and hasattr(obj, "data_ptr"):  # a torch tensor
+        obj = _tensor_bytes(obj)
+    base = memoryview(obj)
+    if not base.c_contiguous:
+        base.release()
+        raise ValueError("FileTier needs a C-contiguous buffer")
+    if writable and base.readonly:
+        base.release()
+        raise ValueError("FileTier.read_async needs a writable dst buffer")
+    if base.format == "B" and base.ndim == 1:
+        return base, base[:]
+    try:
+        return base, base.cast("B")
+    except TypeError:  # a format cast() refuses (non-native byte order, complex): numpy can
+        base.release()
+        import numpy as np
+
+        base = memoryview(np.frombuffer(obj, dtype=np.uint8))
+        return base, base[:]
+
+
+def _tensor_bytes(tensor):
+    """The bytes of a contiguous CPU tensor as a ctypes array over its data pointer.
+
+    Not ``tensor.numpy()``: a numpy export marks the storage non-resizable for good, and the
+    runtime releases swapped storages with ``resize_(0)``. The array keeps the tensor alive
+    while the tier's views of it exist.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("FileTier needs a contiguous CPU tensor")
+    n = tensor.numel() * tensor.element_size()
+    if n == 0:
+        return bytearray()
+    arr = (ctypes.c_char * n).from_address(tensor.data_ptr())
+    arr._ooc_owner = tensor
+    return arr
