@@ -1,0 +1,454 @@
+"""``OutOfCore``: train a model whose working memory exceeds a budget, bit for bit as in core."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import scheduler
+from ooc.errors import OOCError
+from ooc.runtime import slots as sl
+from ooc.runtime.pool import DevicePool
+from ooc.runtime.slots import Slot, State
+from ooc.runtime.stepper import Stepper
+from scheduler.errors import BudgetTooSmall
+from scheduler.ir import Kind
+from scheduler.schedule import Schedule
+from vmm.units import format_size, parse_size
+
+log = logging.getLogger(__name__)
+
+KINDS = ("activations", "params", "grads", "optimizer_state")
+
+
+class _Mode(TorchDispatchMode):
+    """Routes every aten op of the step through the stepper."""
+
+    def __init__(self, stepper: Stepper) -> None:
+        super().__init__()
+        self.stepper = stepper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.stepper.on_op(func, args, kwargs or {})
+
+
+class OutOfCore:
+    """Run training steps under a memory budget by swapping managed tensors to a slower tier.
+
+    The first step records every aten op (forward, backward, optimizer) and the managed
+    tensors each one touches, while keeping nothing resident that it does not need (slow,
+    but within the budget). The recorded sequence goes to ``scheduler.plan``; the plan is
+    proven safe by ``scheduler.check``; every later step executes exactly that plan, with
+    transfers on background threads overlapping compute. A step that does something else
+    (another batch shape, data-dependent control flow) is noticed at its first differing
+    op, finished on demand, and re-planned. Swapping copies bytes: parameters come out
+    bitwise identical to in-core training.
+
+    Args:
+        model: the ``nn.Module`` to train, on ``device``.
+        optimizer: its optimizer. With ``params``/``grads``/``optimizer_state`` managed it is
+            switched to its per-parameter implementation (``foreach=False``) so that one op
+            never needs every parameter at once.
+        budget: bytes (int) or a size string ("512MiB", "2GB") for the managed tensors.
+        device: ``"cpu"`` (slower tier: a private swap file). CUDA is not supported by the
+            runtime yet; see README.
+        storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
+        window: prefetch window in bytes or a size string (default: the scheduler's).
+        chunk: physical chunk size of the device pool.
+        manage: which tensors may leave the device: any of "activations" (saved for
+            backward), "params", "grads", "optimizer_state". Default: activations.
+        policy: the scheduler policy ("window" moves only what the budget forces out).
+        verify: checksum swapped bytes and raise ``StorageError`` on corruption.
+        min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2).
+
+    Example::
+
+        engine = ooc.OutOfCore(model, opt, budget="256MiB")
+        for x, y in batches:
+            with engine.step():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                engine.optimizer_step()
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
+                 window: int | str | None = None, chunk: int | str = "2MiB",
+                 manage: tuple[str, ...] | list[str] | str = ("activations",), policy: str = "window",
+                 verify: bool = False, min_bytes: int | str | None = None, threads: int = 2) -> None:
+        self.budget = parse_size(budget, what="budget")
+        self.chunk = parse_size(chunk, what="chunk")
+        if self.budget < self.chunk:
+            raise OOCError(f"budget {format_size(self.budget)} is smaller than one chunk "
+                           f"({format_size(self.chunk)}); raise the budget or lower chunk")
+        self.window = None if window is None else parse_size(window, what="window")
+        self.min_bytes = self.chunk // 2 if min_bytes is None else parse_size(min_bytes, what="min_bytes")
+        manage = (manage,) if isinstance(manage, str) else tuple(manage)
+        unknown = [m for m in manage if m not in KINDS]
+        if unknown:
+            raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
+        self.manage = frozenset(manage)
+        if policy not in scheduler.POLICIES:
+            raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
+        self.policy = policy
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise OOCError(f"device {self.device}: the runtime executes plans on the CPU only in this "
+                           "version (the CUDA VMM backend exists in vmm/, its runtime tier does not)")
+        for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if p.device != self.device:
+                raise OOCError(f"{name} is on {p.device}, but the engine manages {self.device}: "
+                               f"move the model with model.to('{self.device}') first")
+        self.model, self.optimizer = model, optimizer
+        if optimizer is not None and self.manage & {"params", "grads", "optimizer_state"}:
+            for group in optimizer.param_groups:   # one op touches one parameter's tensors
+                if "foreach" in group:
+                    group["foreach"] = False
+                if group.get("fused"):
+                    raise OOCError("a fused optimizer updates every parameter in one op; "
+                                   "create it with fused=False to manage params/grads/state")
+        from ooc.storage import FileTier
+
+        self.pool = DevicePool(self.budget, self.chunk)   # checks chunk against the granularity
+        self.tier = FileTier(storage, threads=threads, verify=verify, chunk_bytes=self.chunk)
+        self._ids = itertools.count()
+        self.persistent: dict[int, Slot] = {}
+        # A plan holds for the state a step starts in: which parameters, grads and optimizer
+        # state exist. Gradient accumulation alternates two such states, so plans are kept
+        # per starting state (the set of persistent variables) instead of one.
+        self.plans: dict[frozenset[int], tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        self.schedule: Schedule | None = None
+        self.binding: dict[tuple[int, int], int] = {}
+        self.counters: Counter = Counter()
+        self.last: dict[str, Any] = {}
+        self.events: list[tuple[str, str, float, float, int]] = []
+        self._stepper: Stepper | None = None
+        self._hooks: list = []
+        self._closed = False
+        if "params" in self.manage:
+            for name, p in model.named_parameters():
+                self._adopt(p, Kind.PARAM, name)
+        if "grads" in self.manage:
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+
+    # -- persistent tensors ------------------------------------------------------------------
+
+    def new_var(self) -> int:
+        return next(self._ids)
+
+    def _adopt(self, t: torch.Tensor, kind: Kind, name: str) -> Slot | None:
+        s = t.untyped_storage()
+        for slot in self.persistent.values():
+            if slot.storage is s:
+                return slot
+        if s.nbytes() < self.min_bytes:
+            return None
+        slot = Slot(self.new_var(), kind, s.nbytes(), name, in_place=True,
+                    state=State.RESIDENT, storage=s)
+        self.persistent[slot.var] = slot
+        return slot
+
+    def _grad_hook(self, name: str):
+        def hook(p: torch.nn.Parameter) -> None:
+            st = self._stepper
+            if st is None or p.grad is None:
+                return
+            with _disable_current_modes():
+                promote(st, p)
+
+        def promote(st: Stepper, p: torch.nn.Parameter) -> None:
+            s = p.grad.untyped_storage()
+            b = st.rec.live_birth(id(s))
+            if b is not None and b.var is None and st.slot_of(p.grad) is None:
+                var = self.new_var()
+                st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
+                st._register(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
+                                  state=State.RESIDENT, storage=s))
+                st._account(b.nbytes)
+        return hook
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One training step. The first records and plans; later ones execute the plan."""
+        if self._closed:
+            raise OOCError("this engine is closed; create a new OutOfCore")
+        if self._stepper is not None:
+            raise OOCError("engine.step() is already active; steps do not nest")
+        t0 = time.perf_counter()
+        self.schedule, self.binding = self.plans.get(frozenset(self.persistent), (None, {}))
+        self._reconcile()
+        st = Stepper(self, self.schedule, self.binding)
+        st.start_key = frozenset(self.persistent)
+        self._stepper = st
+        buffers = self._snapshot_buffers() if self.schedule is None else None
+        ok = False
+        try:
+            with contextlib.ExitStack() as stack:
+                if "activations" in self.manage:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(st.pack, st.unpack))
+                stack.enter_context(_Mode(st))
+                yield
+            ok = True
+        except BudgetTooSmall:
+            if buffers is not None:
+                self._restore_buffers(buffers)
+            raise
+        finally:
+            self._stepper = None
+            self._finish(st, ok, time.perf_counter() - t0)
+
+    def optimizer_step(self) -> None:
+        """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
+
+        In the recording step it first checks that the budget is feasible, so that a budget
+        that is too small fails before any parameter changes.
+        """
+        if self.optimizer is None:
+            raise OOCError("this engine was created without an optimizer")
+        st = self._stepper
+        if st is None:
+            raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
+        if st.schedule is None:
+            self._check_feasible(st)
+            if st.overflow is not None:   # feasible with a plan: only the unplanned step overflowed
+                log.warning("the recording step went over the pool once (%s); planned steps stay "
+                            "within the budget", st.overflow)
+                st.overflow = None
+        st.rec.optimizer_start = len(st.rec.names)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _check_feasible(self, st: Stepper) -> None:
+        """Plan what was recorded so far (forward, backward) plus the optimizer's needs."""
+        seq = st.rec.sequence({})
+        scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
+        need, who = 0, ""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                managed = [t for t in [p, p.grad, *state.values()] if isinstance(t, torch.Tensor)
+                           and t.untyped_storage().nbytes() >= self.min_bytes
+                           and self._is_managed_kind(t is p, t is p.grad)]
+                if not state and "optimizer_state" in self.manage:
+                    managed = managed + [p, p]  # first step: assume two state tensors (Adam-like)
+                nb = sum(t.untyped_storage().nbytes() for t in managed)
+                if nb > need:
+                    need, who = nb, f"optimizer step of a {tuple(p.shape)} parameter"
+        if need > self.budget:
+            raise BudgetTooSmall(function=len(st.rec.names), name=who, working_set=need,
+                                 budget=self.budget, minimum=need)
+
+    def _is_managed_kind(self, is_param: bool, is_grad: bool) -> bool:
+        if is_param:
+            return "params" in self.manage
+        if is_grad:
+            return "grads" in self.manage
+        return "optimizer_state" in self.manage
+
+    def _reconcile(self) -> None:
+        """Bring persistent tensors to where the plan expects them at the start of a step."""
+        if self.schedule is None:
+            return
+        want = self.schedule.initial_resident
+        for slot in self.persistent.values():
+            if slot.var in want and slot.state is State.HOST:
+                sl.start_swap_in(slot, self.tier, self.pool)
+                sl.finish_swap_in(slot)
+                self.counters["bytes_in"] += slot.nbytes
+            elif slot.var not in want and slot.state is State.RESIDENT:
+                if slot.host_current:
+                    sl.release(slot)
+                else:
+                    sl.start_swap_out(slot, self.tier)
+                    sl.finish_swap_out(slot)
+                    self.counters["bytes_out"] += slot.nbytes
+                slot.state = State.HOST
+
+    def _finish(self, st: Stepper, ok: bool, seconds: float) -> None:
+        """Drain transfers, keep what outlives the step, and re-plan if the step was not planned."""
+        st.close_node()
+        for slot in list(st.slots.values()):
+            if slot.state is State.IN:
+                sl.finish_swap_in(slot)
+            if slot.state is State.OUT:
+                sl.finish_swap_out(slot)
+        st.in_flight_out.clear()
+        live = self._live_out(st)
+        for var, slot in list(self.persistent.items()):
+            if var not in live:
+                del self.persistent[var]
+        for var, slot in live.items():
+            self.persistent[var] = slot
+        for var, v in st.rec.variables.items():
+            if v.live_out != (var in live):
+                st.rec.set_live_out(var, var in live)
+        for slot in st.slots.values():
+            if not slot.in_place:
+                slot.storage = None
+                if slot.host_current:
+                    self.tier.discard(slot.key)
+        self.pool.reap()
+        self.counters["steps"] += 1
+        for tr, name, t0, t1 in st.events:
+            self.events.append((tr, name, t0, t1, self.counters["steps"]))
+        del self.events[:-200_000]
+        self.last = {"step_s": seconds, "stall_s": st.stall_s, "planned": st.planned,
+                     "diverged_at": st.diverged_at, "resident_peak_bytes": st.peak}
+        if not ok:
+            return
+        if st.schedule is None or st.diverged_at is not None:
+            self._replan(st)
+        if st.overflow is not None:   # an on-demand step needed more than the pool could give
+            raise st.overflow
+
+    def _live_out(self, st: Stepper) -> dict[int, Slot]:
+        """The managed tensors that exist after the step: parameters, kept grads, state."""
+        live: dict[int, Slot] = {}
+        by_storage = {id(s.storage): s for s in [*self.persistent.values(), *st.slots.values()]
+                      if s.in_place and s.storage is not None}
+        candidates: list[tuple[torch.Tensor, Kind, str]] = []
+        names = {p: n for n, p in self.model.named_parameters()}
+        for p, name in names.items():
+            if "params" in self.manage:
+                candidates.append((p, Kind.PARAM, name))
+            if "grads" in self.manage and p.grad is not None:
+                candidates.append((p.grad, Kind.GRAD, f"{name}.grad"))
+            if "optimizer_state" in self.manage and self.optimizer is not None:
+                for key, t in self.optimizer.state.get(p, {}).items():
+                    if isinstance(t, torch.Tensor):
+                        candidates.append((t, Kind.OPTIMIZER_STATE, f"{name}.{key}"))
+        for t, kind, name in candidates:
+            s = t.untyped_storage()
+            slot = by_storage.get(id(s))
+            if slot is None:
+                b = st.rec.live_birth(id(s))
+                if b is None or b.nbytes < self.min_bytes:
+                    continue
+                var = b.var if b.var is not None else self.new_var()
+                if b.var is None:
+                    st.rec.promote(b, var, kind, name)
+                slot = Slot(var, kind, b.nbytes, name, in_place=True, state=State.RESIDENT, storage=s)
+                by_storage[id(s)] = slot
+            live[slot.var] = slot
+        return live
+
+    def _replan(self, st: Stepper) -> None:
+        seq = st.rec.sequence({"policy": self.policy, "chunk": self.chunk})
+        seq = _round_activations(seq, self.chunk)
+        t0 = time.perf_counter()
+        schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
+        scheduler.check(schedule)
+        self.schedule = schedule
+        self.binding = {where: var for var, where in st.rec.born_at.items()}
+        self.plans[st.start_key] = (self.schedule, self.binding)
+        self.counters["plans"] += 1
+        log.info("planned %d ops in %.3fs: %s in, %s out per step", len(seq.functions),
+                 time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out))
+
+    # -- buffers (BatchNorm running stats) are restored if step 1 fails on the budget -------
+
+    def _snapshot_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(b, b.detach().clone()) for b in self.model.buffers()]
+
+    @staticmethod
+    def _restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+
+    # -- outside the step --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Bring every managed parameter, grad and state tensor back, e.g. to evaluate or save.
+
+        Only needed when params/grads/optimizer_state are managed; the next step puts them
+        back where its plan wants them.
+        """
+        for slot in self.persistent.values():
+            if slot.state is State.HOST:
+                sl.start_swap_in(slot, self.tier, self.pool)
+                sl.finish_swap_in(slot)
+        yield
+
+    def stats(self) -> dict[str, Any]:
+        """Plain data with stable keys: what moved, what stalled, what the plan says."""
+        tier = self.tier.stats()
+        plan = self.schedule.summary() if self.schedule is not None else None
+        return {
+            "steps": self.counters["steps"],
+            "plans": self.counters["plans"],
+            "bytes_in": self.counters["bytes_in"],
+            "bytes_out": self.counters["bytes_out"],
+            "last_step_s": self.last.get("step_s"),
+            "last_stall_s": self.last.get("stall_s"),
+            "last_planned": self.last.get("planned"),
+            "last_diverged_at": self.last.get("diverged_at"),
+            "resident_peak_bytes": self.last.get("resident_peak_bytes"),
+            "pool_peak_mapped_bytes": self.pool.stats().get("peak_mapped_bytes"),
+            "budget": self.budget,
+            "tier": tier,
+            "plan": plan,
+        }
+
+    def set_budget(self, budget: int | str) -> None:
+        """Change the budget; the next step records again and re-plans under it."""
+        new = parse_size(budget, what="budget")
+        if new < self.chunk:
+            raise OOCError(f"budget {format_size(new)} is smaller than one chunk ({format_size(self.chunk)})")
+        with self.resident():
+            pass
+        self.budget = new
+        self.pool = DevicePool(new, self.chunk)
+        self.plans.clear()
+        self.schedule = None
+        self.binding = {}
+
+    def timeline(self, path: str) -> None:
+        """Write the recorded steps as a Chrome/Perfetto trace (compute, swap, wait tracks)."""
+        from scheduler.timeline import Event, write_chrome_trace
+
+        if not self.events:
+            raise OOCError("no step has run yet: nothing to put on a timeline")
+        t0 = self.events[0][2]
+        write_chrome_trace([Event(track=tr, name=n, start_s=a - t0, end_s=b - t0, step=s)
+                            for tr, n, a, b, s in self.events], path)
+
+    def close(self) -> None:
+        """Leave model and optimizer as ordinary PyTorch objects, everything resident."""
+        if self._closed:
+            return
+        with self.resident():
+            pass
+        for h in self._hooks:
+            h.remove()
+        self.persistent.clear()
+        self.tier.close()
+        self._closed = True
+
+    def __enter__(self) -> "OutOfCore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _round_activations(seq: scheduler.VariableSequence, chunk: int) -> scheduler.VariableSequence:
+    """Activations come back into pool ranges of whole chunks: plan with those sizes."""
+    from scheduler.ir import Variable, VariableSequence
+
+    variables = {
+        v: (Variable(x.id, -(-x.nbytes // chunk) * chunk, x.kind, x.name, x.live_in, x.live_out)
+            if x.kind is Kind.ACTIVATION else x)
+        for v, x in seq.variables.items()}
+    return VariableSequence(seq.functions, variables, seq.meta)

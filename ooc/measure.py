@@ -1,0 +1,256 @@
+"""Measure training honestly: each case in a fresh process, memory from the kernel.
+
+Why a subprocess per case: the process's peak resident set (VmHWM) is the only memory
+figure that counts what PyTorch, the allocator, the page cache mappings and ooc's own pool
+really took, and it only ever grows. A fresh process per case, with the peak reset (``echo
+5 > /proc/self/clear_refs``) once model, optimizer and data are built, gives "the memory
+training needs" as ``peak_rise_bytes``; ``peak_total_bytes`` is the whole process beside it.
+
+Methods: ``incore`` (plain PyTorch), ``ooc`` (``OutOfCore`` under ``budget``),
+``checkpoint`` (``torch.utils.checkpoint`` around every block) and ``checkpoint2`` (every
+other block). Every case trains the same batches from the same seed, so final parameters
+can be compared bit for bit (``params_out``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from typing import Any, Callable
+
+METHODS = ("incore", "ooc", "checkpoint", "checkpoint2")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    method: str
+    steps: int = 5
+    budget: int | None = None
+    manage: tuple[str, ...] = ("activations",)
+    optimizer: str = "sgd"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    storage: str | None = None
+    chunk: int = 2 << 20
+    threads: int = 2
+    params_out: str | None = None
+    seed: int = 0
+    policy: str = "window"
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    step_s: tuple[float, ...]
+    baseline_rss_bytes: int
+    peak_rise_bytes: int
+    peak_total_bytes: int
+    losses: tuple[float, ...]
+    stats: dict[str, Any] | None   # ooc engine stats, for method "ooc"
+
+    @property
+    def median_step_s(self) -> float:
+        """Median over the steady steps: the first two (warm-up; ooc's recording and its
+        one re-plan for lazily created optimizer state) are left out when there are more."""
+        steady = self.step_s[2:] if len(self.step_s) > 3 else self.step_s[1:] or self.step_s
+        return median(steady)
+
+
+def run_case(case: Case, *, on_step: Callable[[int], None] | None = None,
+             timeout: float = 1800) -> CaseResult:
+    """Run ``case`` in a fresh Python process and return what it measured."""
+    if case.method not in METHODS:
+        raise ValueError(f"method {case.method!r} is not one of {METHODS}")
+    cmd = [sys.executable, "-m", "ooc.measure", json.dumps(asdict(case))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = None
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("OOC-STEP ") and on_step is not None:
+            on_step(int(line.split()[1]))
+        elif line.startswith("OOC-RESULT "):
+            result = json.loads(line[len("OOC-RESULT "):])
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    err = proc.stderr.read() if proc.stderr else ""
+    code = proc.wait()
+    if code != 0 or result is None:
+        last = err.strip().splitlines()[-1] if err.strip() else f"exit status {code}"
+        from ooc.errors import OOCError
+
+        raise OOCError(f"{case.method} case of {case.model} (batch {case.batch}) failed: {last}")
+    return CaseResult(case=case, step_s=tuple(result["step_s"]),
+                      baseline_rss_bytes=result["baseline_rss"], peak_rise_bytes=result["peak_rise"],
+                      peak_total_bytes=result["peak_total"], losses=tuple(result["losses"]),
+                      stats=result.get("stats"))
+
+
+# -- the child process ---------------------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def checkpoint_blocks(model, every: int = 1) -> int:
+    """Wrap every ``every``-th block of a zoo model in ``torch.utils.checkpoint``.
+
+    A block is a residual/dense/transformer unit (the modules whose class name says so);
+    for VGG, each conv-ReLU(-pool) run of ``features``. Returns how many were wrapped.
+    """
+    import functools
+
+    import torch.utils.checkpoint as cp
+    from torch import nn
+
+    names = ("Bottleneck", "_DenseLayer", "Block", "ConvBlock", "DoubleConv")
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks and hasattr(model, "features") and isinstance(model.features, nn.Sequential):
+        blocks = _vgg_runs(model.features)
+    chosen = blocks[::every]
+    for m in chosen:
+        m.forward = functools.partial(cp.checkpoint, m.forward, use_reentrant=False)
+    return len(chosen)
+
+
+def _vgg_runs(features):
+    """Group a VGG ``features`` Sequential into conv+activation(+pool) modules in place."""
+    from torch import nn
+
+    groups, current = [], []
+    for layer in features:
+        if isinstance(layer, nn.Conv2d) and current:
+            groups.append(current)
+            current = []
+        current.append(layer)
+    if current:
+        groups.append(current)
+    runs = [nn.Sequential(*g) for g in groups]
+    features._modules.clear()
+    for k, run in enumerate(runs):
+        features.add_module(str(k), run)
+    return runs
+
+
+def _child(spec: dict[str, Any]) -> None:
+    import torch
+
+    import ooc
+    from ooc import models
+
+    case = Case(**{**spec, "manage": tuple(spec["manage"])})
+    torch.manual_seed(case.seed)
+    model = models.get(case.model, **case.model_kwargs)
+    if case.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = models.example_batch(case.model, case.batch, "cpu", seed=case.seed, **case.model_kwargs)
+    loss_fn = models.loss_fn(case.model)
+    if case.method.startswith("checkpoint"):
+        checkpoint_blocks(model, every=2 if case.method == "checkpoint2" else 1)
+    engine = None
+    if case.method == "ooc":
+        engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage,
+                               storage=case.storage, chunk=case.chunk, threads=case.threads,
+                               policy=case.policy)
+    before = _status()
+    exact = _reset_peak()
+    baseline = _status()["VmRSS"] if exact else before["VmHWM"]
+    times, losses = [], []
+    for step in range(case.steps):
+        torch.manual_seed(case.seed + 1 + step)
+        t0 = time.perf_counter()
+        if engine is None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with engine.step():
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                engine.optimizer_step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        print(f"OOC-STEP {step}", flush=True)
+    peak = _status()["VmHWM"]
+    stats = engine.stats() if engine is not None else None
+    if engine is not None:
+        engine.close()
+    if case.params_out:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, case.params_out)
+    print("OOC-RESULT " + json.dumps({
+        "step_s": times, "baseline_rss": baseline, "peak_rise": peak - baseline,
+        "peak_total": peak, "losses": losses, "stats": stats}, default=str), flush=True)
+
+
+def same_parameters(path_a: str, path_b: str) -> bool:
+    """Bitwise comparison of two saved state dicts (loaded with ``weights_only``)."""
+    import torch
+
+    a = torch.load(path_a, weights_only=True)
+    b = torch.load(path_b, weights_only=True)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+if __name__ == "__main__":  # the child side of run_case
+    _child(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def managed_peak(model: str, batch: int, *, manage: tuple[str, ...] = ("activations",),
+                 optimizer: str = "sgd", chunk: int = 2 << 20, min_bytes: int | None = None,
+                 model_kwargs: dict[str, Any] | None = None) -> int:
+    """In-core peak of the tensors ``OutOfCore`` would manage, from a trace on ``meta``.
+
+    Same rules as the engine: tensors below ``min_bytes`` (default chunk / 2) stay with
+    PyTorch, and activations are counted in whole chunks (they come back into pool ranges).
+    """
+    import torch
+
+    from ooc import models
+    from ooc.trace import trace
+    from scheduler.ir import Function, Kind, Variable, VariableSequence
+
+    kinds = {"activations": Kind.ACTIVATION, "params": Kind.PARAM, "grads": Kind.GRAD,
+             "optimizer_state": Kind.OPTIMIZER_STATE}
+    wanted = {kinds[m] for m in manage}
+    floor = chunk // 2 if min_bytes is None else min_bytes
+    kw = model_kwargs or {}
+    with torch.device("meta"):
+        net = models.get(model, **kw)
+    x, y = models.example_batch(model, batch, "meta", **kw)
+    seq = trace(net, x, targets=y, loss_fn=models.loss_fn(model), optimizer=optimizer, device="meta")
+    keep = {}
+    for v, var in seq.variables.items():
+        if var.kind in wanted and var.nbytes >= floor and not var.name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            nbytes = -(-var.nbytes // chunk) * chunk if var.kind is Kind.ACTIVATION else var.nbytes
+            keep[v] = Variable(v, nbytes, var.kind, var.name, var.live_in, var.live_out)
+    functions = tuple(Function(f.index, f.name, tuple(u for u in f.uses if u.var in keep), f.cost)
+                      for f in seq.functions)
+    return VariableSequence(functions, keep, {}).in_core_peak_bytes

@@ -1,0 +1,49 @@
+"""Device memory for swapped-in tensors, taken from a ``vmm`` chunk pool sized to the budget.
+
+Why a pool and not ``torch.empty``: the pool's physical size *is* the budget (going over is
+``OutOfBudget``, never a silent overflow), its ranges are page-aligned so reads can use
+O_DIRECT, and chunks are reused without fragmenting.
+
+Lifetime rule (a violation is a segfault, not an exception): a pool range is returned only
+when the last tensor viewing it is gone. ``torch.from_numpy`` keeps the numpy array alive as
+long as any tensor uses its storage, so a ``weakref.finalize`` on that array frees the range
+exactly when PyTorch lets go of it. The range is handed back to the allocator at the next
+``take`` or ``reap`` (not inside the finalizer, which runs while numpy still holds its buffer
+view and possibly on an I/O thread).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+import vmm
+
+
+class DevicePool:
+    """Page-aligned byte buffers for managed tensors, backed by ``vmm.VirtualAllocator``."""
+
+    def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None) -> None:
+        self.backend = backend if backend is not None else vmm.HostBackend()
+        capacity = max(chunk, budget // chunk * chunk)
+        self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
+        self.allocator = vmm.VirtualAllocator(self.pool)
+        self._dead: list[vmm.Allocation] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 CPU tensor of ``nbytes`` over a fresh pool range (raises OutOfBudget)."""
+        self.reap()
+        allocation = self.allocator.alloc(nbytes)
+        array = np.frombuffer(allocation.buffer(), dtype=np.uint8, count=nbytes)
+        weakref.finalize(array, self._dead.append, allocation)
+        return torch.from_numpy(array)
+
+    def reap(self) -> None:
+        """Hand back the ranges whose last tensor died since the previous call."""
+        while self._dead:
+            self.allocator.free(self._dead.pop())
+
+    def stats(self) -> dict:
+        return self.allocator.stats()

@@ -1,0 +1,115 @@
+"""One managed storage at run time, and the byte moves that swap it.
+
+Two kinds of slot, because PyTorch holds them differently:
+
+- *Saved activations* are held only through autograd's saved-tensor hooks: the engine owns
+  the one reference that matters. Swapping out writes the bytes and drops that reference
+  (the memory goes back the moment the forward no longer holds the tensor); swapping in
+  reads into a fresh pool range, and unpack rebuilds each saved view on it. The original
+  storage is never modified, so a swap can never corrupt what the forward still uses.
+- *Persistent tensors* (parameters, gradients, optimizer state) are held by the model and
+  the optimizer, and views of them sit in the autograd graph. They keep their storage
+  object: swapping out writes the bytes and resizes the storage to 0 bytes in place,
+  swapping in resizes it back and reads into it (what FSDP does). Every view follows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.ir import Kind
+
+
+class State(enum.Enum):
+    ABSENT = "absent"      # not created yet in this step, or freed
+    RESIDENT = "resident"  # bytes on the device, usable
+    IN = "in"              # swap-in in flight: memory taken, not usable yet
+    OUT = "out"            # swap-out in flight: memory still taken, not usable
+    HOST = "host"          # only the slower tier holds the bytes
+
+
+def byte_view(storage: torch.UntypedStorage) -> memoryview:
+    """A zero-copy, writable view of a CPU storage's bytes for the I/O threads.
+
+    Built from the data pointer, not ``Tensor.numpy()``: numpy export marks the storage
+    non-resizable, and persistent storages must be resized to release their bytes. The
+    caller keeps ``storage`` alive while the view is in use (``Slot.pending``).
+    """
+    n = storage.nbytes()
+    return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
+
+
+@dataclass(eq=False)
+class Slot:
+    """A managed variable: its plan id, bytes, where its bytes are, and its storage."""
+
+    var: int
+    kind: Kind
+    nbytes: int
+    name: str
+    in_place: bool                             # held by model/optimizer: resize in place
+    state: State = State.ABSENT
+    storage: torch.UntypedStorage | None = None
+    host_current: bool = False                 # the slower tier holds the current bytes
+    future: Future | None = None
+    pending: list = field(default_factory=list)  # keeps sources/destinations alive during I/O
+
+    @property
+    def key(self) -> int:
+        return id(self)
+
+    def usable(self) -> bool:
+        return self.state is State.RESIDENT
+
+
+def start_swap_out(slot: Slot, tier) -> None:
+    """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
+    view = byte_view(slot.storage)
+    slot.pending = [slot.storage, view]
+    slot.future = tier.write_async(slot.key, view, slot.nbytes)
+    slot.state = State.OUT
+
+
+def finish_swap_out(slot: Slot) -> None:
+    """Wait for the write, then give the device bytes back."""
+    slot.future.result()
+    slot.future = None
+    slot.pending = []
+    slot.host_current = True
+    release(slot)
+    slot.state = State.HOST
+
+
+def release(slot: Slot) -> None:
+    """Give the device bytes back (the caller knows the slower tier or nobody needs them)."""
+    if slot.in_place and slot.storage is not None:
+        slot.storage.resize_(0)
+    else:
+        slot.storage = None
+
+
+def start_swap_in(slot: Slot, tier, pool) -> None:
+    """Take device memory and begin reading the slot's bytes back into it."""
+    if slot.in_place:
+        slot.storage.resize_(slot.nbytes)
+        dest = slot.storage
+    else:
+        dest = pool.take(slot.nbytes).untyped_storage()
+    view = byte_view(dest)
+    slot.pending = [dest, view]
+    slot.future = tier.read_async(slot.key, view)
+    if not slot.in_place:
+        slot.storage = dest
+    slot.state = State.IN
+
+
+def finish_swap_in(slot: Slot) -> None:
+    slot.future.result()
+    slot.future = None
+    slot.pending = []
+    slot.state = State.RESIDENT

@@ -1,0 +1,458 @@
+"""Running one training step: every aten op passes through here.
+
+The step is a sequence of functions (aten ops, as a ``TorchDispatchMode`` sees them, forward,
+backward and optimizer alike). Op i runs as:
+
+1. the schedule's actions *before* op i (swap-in, wait for swap-in, wait for swap-out);
+2. a residency check of every managed storage op i touches (a mismatch with the plan is a
+   divergence: the rest of the step runs on demand, and the engine re-plans);
+3. op i itself, timed;
+4. the schedule's actions *after* op i (swap-out, drop, free), and the binding of the
+   variables op i created to their plan ids.
+
+Autograd's unpack hook for the node about to run happens *before* that node's first op,
+so unpack runs step 1 early for the next op: nothing else happens in between.
+
+Two ways to run: ``planned`` executes a checked ``Schedule``; ``on demand`` (the recording
+step, and the rest of a diverged step) keeps nothing it does not need: saved activations
+are written out as soon as autograd saves them, persistent tensors leave after each op,
+and everything comes back synchronously at its use. On demand is slow, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ooc.runtime import slots as sl
+from ooc.runtime.labels import label
+from ooc.runtime.recording import Recording
+from ooc.runtime.slots import Slot, State
+from scheduler.ir import Access, Kind
+from scheduler.schedule import Op, Schedule
+from vmm.errors import OutOfBudget
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+_WRITTEN_ARGS: dict[Any, tuple[int, ...]] = {}
+
+
+def _written_args(func) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place (from its schema's alias info)."""
+    out = _WRITTEN_ARGS.get(func)
+    if out is None:
+        out = tuple(i for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+        _WRITTEN_ARGS[func] = out
+    return out
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def _name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results, in order (a fast pytree flatten: this
+    runs twice per op)."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                _tensors(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors(x, out)
+    return out
+
+
+class _Unbudgeted:
+    """Memory outside the pool, for an on-demand step that has already failed its budget."""
+
+    @staticmethod
+    def take(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Packed:
+    """What autograd keeps for a saved activation: the slot and how to rebuild the view."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset", "tensor")
+
+    def __init__(self, slot: Slot, t: torch.Tensor) -> None:
+        self.slot = slot
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+
+class Stepper:
+    """The state of one step: op counter, plan cursor, recording, slots by storage."""
+
+    def __init__(self, engine, schedule: Schedule | None, binding: dict) -> None:
+        self.e = engine
+        self.schedule = schedule
+        self.planned = schedule is not None
+        self.binding = binding            # (op, out) -> var, for variables born in the step
+        self.rec = Recording()
+        self.i = 0                        # index of the next op
+        self.done_before = -1             # last op whose before-actions ran
+        self.by_storage: dict[int, Slot] = {}   # id(storage) -> slot, for this step
+        self.slots: dict[int, Slot] = {}        # var -> slot
+        self.diverged_at: int | None = None
+        self.in_flight_out: list[Slot] = []     # on-demand writes, oldest first
+        self.resident = 0                       # managed device bytes, as the plan counts them
+        self.peak = 0
+        self.stall_s = 0.0
+        self.events: list[tuple[str, str, float, float]] = []  # (track, name, t0, t1)
+        self.unpacked: list[int] = []            # vars unpacked for the next op
+        self.overflow: OutOfBudget | None = None # an on-demand need the pool could not meet
+        self.node_vars: list[int] = []           # vars unpacked by the backward node now running
+        self.ops_since_unpack = 0
+        for slot in engine.persistent.values():
+            self._register(slot)
+            self.rec.add_persistent(slot.var, slot.nbytes, slot.kind, slot.name, live_out=True)
+            if slot.state in (State.RESIDENT, State.IN, State.OUT):
+                self.resident += slot.nbytes
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _register(self, slot: Slot) -> None:
+        self.slots[slot.var] = slot
+        if slot.storage is not None:
+            self.by_storage[id(slot.storage)] = slot
+
+    def slot_of(self, t: torch.Tensor) -> Slot | None:
+        s = t.untyped_storage()
+        slot = self.by_storage.get(id(s))
+        if slot is not None and slot.storage is not s:
+            del self.by_storage[id(s)]   # a dead storage's id was reused
+            return None
+        return slot
+
+    def _account(self, delta: int) -> None:
+        self.resident += delta
+        self.peak = max(self.peak, self.resident)
+
+    # -- schedule actions --------------------------------------------------------------------
+
+    def _timed(self, track: str, name: str, fn, *args) -> None:
+        """Block on a transfer; the time counts as stall and shows on the timeline."""
+        t0 = time.perf_counter()
+        with label(f"ooc.{name}"):
+            fn(*args)
+        t1 = time.perf_counter()
+        self.stall_s += t1 - t0
+        self.events.append((track, name, t0, t1))
+
+    def run_actions(self, actions, where: int) -> None:
+        for a in actions:
+            if not self.planned:
+                return   # diverged: the rest of the step runs on demand
+            slot = self.slots.get(a.var)
+            if slot is None:
+                self._diverge(where, f"variable {a.var} of the plan is not bound")
+                return
+            self.apply(a.op, slot, where)
+
+    def apply(self, op: Op, slot: Slot, where: int) -> None:
+        e = self.e
+        if op is Op.SWAP_IN:
+            if slot.state is not State.HOST:
+                self._diverge(where, f"swap_in of {slot.name} in state {slot.state.value}")
+                return
+            self._account(slot.nbytes)
+            with label(f"ooc.swap_in {slot.name}"):
+                self._swap_in(slot, where)
+            e.counters["bytes_in"] += slot.nbytes
+        elif op is Op.WAIT_IN:
+            if slot.state is State.IN:
+                self._timed("wait", f"wait_in {slot.name}", sl.finish_swap_in, slot)
+                self._register(slot)
+        elif op is Op.SWAP_OUT:
+            if slot.state is State.RESIDENT:
+                with label(f"ooc.swap_out {slot.name}"):
+                    sl.start_swap_out(slot, e.tier)
+                e.counters["bytes_out"] += slot.nbytes
+        elif op is Op.WAIT_OUT:
+            if slot.state is State.OUT:
+                self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+                self._account(-slot.nbytes)
+        elif op is Op.DROP:
+            if slot.state is State.RESIDENT and slot.host_current:
+                sl.release(slot)
+                slot.state = State.HOST
+                self._account(-slot.nbytes)
+        elif op is Op.FREE:
+            self._free(slot)
+
+    def _swap_in(self, slot: Slot, where: int) -> None:
+        try:
+            sl.start_swap_in(slot, self.e.tier, self.e.pool)
+        except OutOfBudget as exc:
+            error = OutOfBudget(
+                f"op {where} ({self._name(where)}): swapping in {slot.name} ({format_size(slot.nbytes)}, "
+                f"{slot.nbytes} B) does not fit the {format_size(self.e.budget)} pool: {exc}")
+            if self.planned:
+                raise error from None
+            # On demand (no plan yet, or a diverged step) the bytes are needed now: take them
+            # outside the pool, finish the step, and fail it at its end with the plan's verdict
+            # (BudgetTooSmall with the minimum) or this error.
+            if self.overflow is None:
+                self.overflow = error
+            sl.start_swap_in(slot, self.e.tier, _Unbudgeted)
+
+    def _free(self, slot: Slot) -> None:
+        if slot.state is State.OUT:
+            sl.finish_swap_out(slot)
+            self._account(-slot.nbytes)
+        elif slot.state in (State.RESIDENT, State.IN):
+            if slot.state is State.IN:
+                sl.finish_swap_in(slot)
+            if not slot.in_place:
+                slot.storage = None
+            self._account(-slot.nbytes)
+        if slot.host_current:
+            self.e.tier.discard(slot.key)
+            slot.host_current = False
+        slot.state = State.ABSENT
+
+    def _name(self, i: int) -> str:
+        if self.schedule is not None and i < len(self.schedule.sequence.functions):
+            return self.schedule.sequence.functions[i].name
+        return self.rec.names[i] if i < len(self.rec.names) else "end of step"
+
+    # -- the per-op protocol -----------------------------------------------------------------
+
+    def before(self, i: int) -> None:
+        """Run the plan's actions before op ``i`` once (from unpack or from the op itself)."""
+        if self.done_before >= i:
+            return
+        self.done_before = i
+        if self.planned and i < len(self.schedule.before):
+            self.run_actions(self.schedule.before[i], i)
+
+    def ensure(self, slot: Slot, i: int) -> None:
+        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged."""
+        if slot.state is State.RESIDENT:
+            return
+        if self.planned:
+            self._diverge(i, f"{slot.name} is {slot.state.value} at its use")
+        if slot.state is State.OUT:
+            if not slot.in_place:
+                return  # the engine still holds the source: reading it while it is written is safe
+            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+            self._account(-slot.nbytes)
+        if slot.state is State.HOST:
+            self._account(slot.nbytes)
+            self._swap_in(slot, i)
+            self.e.counters["bytes_in"] += slot.nbytes
+        if slot.state is State.IN:
+            self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
+            self._register(slot)
+
+    def _diverge(self, i: int, why: str) -> None:
+        """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
+        if self.planned:
+            log.warning("step diverged from its plan at op %d (%s): %s; finishing on demand, "
+                        "re-planning next step", i, self._name(i), why)
+            self.planned = False
+            self.diverged_at = i
+            for slot in self.slots.values():   # on demand keeps no activation it need not
+                if not slot.in_place and slot.state is State.RESIDENT and not slot.host_current:
+                    sl.start_swap_out(slot, self.e.tier)
+                    self.e.counters["bytes_out"] += slot.nbytes
+                    self.in_flight_out.append(slot)
+
+    def on_op(self, func, args, kwargs) -> Any:
+        i = self.rec.begin_op(_name(func))
+        self.i = i
+        for var in self.unpacked:
+            self.rec.use(i, var, Access.READ)
+        self.unpacked.clear()
+        self.ops_since_unpack += 1
+        if self.planned:
+            expected = self._name(i) if i < len(self.schedule.sequence.functions) else None
+            if expected != self.rec.names[i]:
+                self._diverge(i, f"expected {expected}, got {self.rec.names[i]}")
+        self.before(i)
+        ins = _tensors((args, kwargs))
+        touched: list[Slot] = []
+        in_ids = set()
+        for t in ins:
+            s = t.untyped_storage()
+            in_ids.add(id(s))
+            slot = self.by_storage.get(id(s))
+            if slot is not None and slot.storage is s:
+                self.ensure(slot, i)
+                self.rec.use(i, slot.var, Access.READ)
+                touched.append(slot)
+            else:
+                b = self.rec.live_birth(id(s))
+                if b is not None:
+                    if b.var is None:
+                        b.reads.append(i)      # replayed if it becomes managed later
+                    else:
+                        self.rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+        for pos in _written_args(func):
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                slot = self.slot_of(args[pos])
+                if slot is not None:
+                    slot.host_current = False
+                    self.rec.use(i, slot.var, Access.WRITE)
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        t1 = time.perf_counter()
+        self.rec.seconds[i] = t1 - t0
+        self.events.append(("compute", self.rec.names[i], t0, t1))
+        for k, t in enumerate(_tensors(out)):
+            s = t.untyped_storage()
+            if id(s) in in_ids or t.device.type == "meta":
+                continue
+            nbytes = s.nbytes()
+            if nbytes >= self.e.min_bytes:
+                self.rec.birth(id(s), StorageWeakRef(s), i, k, nbytes)
+                var = self.binding.get((i, k)) if self.planned else None
+                if var is not None:
+                    self._bind_born(var, s, nbytes, i)
+        self.after(i, touched)
+        return out
+
+    def _bind_born(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> None:
+        v = self.schedule.sequence.variables[var]
+        planned_bytes = -(-nbytes // self.e.chunk) * self.e.chunk if v.kind is Kind.ACTIVATION else nbytes
+        if planned_bytes != v.nbytes:   # same ops, other shapes (a new batch size)
+            self._diverge(i, f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B")
+            return
+        slot = Slot(var, v.kind, nbytes, v.name, in_place=v.kind is not Kind.ACTIVATION,
+                    state=State.RESIDENT, storage=s)
+        self._account(nbytes)
+        self._register(slot)
+        b = self.rec.live_birth(id(s))
+        if b is not None:   # recorded too, in case the step diverges later and is re-planned
+            self.rec.promote(b, var, v.kind, v.name)
+
+    def after(self, i: int, touched: list[Slot]) -> None:
+        if self.planned:
+            self.run_actions(self.schedule.after[i], i)
+        else:
+            self._on_demand_after(touched)
+        if self.resident > self.e.budget and self.planned:
+            raise OutOfBudget(
+                f"op {i} ({self._name(i)}): managed tensors take {format_size(self.resident)} "
+                f"({self.resident} B), over the {format_size(self.e.budget)} budget")
+        self.e.pool.reap()
+
+    # -- on demand ---------------------------------------------------------------------------
+
+    def _on_demand_after(self, touched: list[Slot]) -> None:
+        """Keep nothing: persistent tensors leave after the op that used them."""
+        for slot in dict.fromkeys(touched):
+            if slot.in_place and slot.state is State.RESIDENT:
+                if slot.host_current:
+                    sl.release(slot)
+                    slot.state = State.HOST
+                    self._account(-slot.nbytes)
+                else:
+                    sl.start_swap_out(slot, self.e.tier)
+                    self.e.counters["bytes_out"] += slot.nbytes
+                    self.in_flight_out.append(slot)
+        self._reap_writes(block=False)
+
+    def _reap_writes(self, block: bool) -> None:
+        """Finish on-demand writes, oldest first; block while too many bytes are in flight."""
+        limit = self.e.budget // 2
+        while self.in_flight_out:
+            slot = self.in_flight_out[0]
+            if slot.state is not State.OUT:
+                self.in_flight_out.pop(0)
+                continue
+            in_flight = sum(s.nbytes for s in self.in_flight_out)
+            if not (block or slot.future.done() or in_flight > limit):
+                break
+            self.in_flight_out.pop(0)
+            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+            self._account(-slot.nbytes)
+
+    # -- autograd hooks ----------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        with _disable_current_modes():
+            return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        slot = self.slot_of(t)
+        if slot is None:
+            s = t.untyped_storage()
+            b = self.rec.live_birth(id(s))
+            if b is not None and b.var is not None and b.var in self.slots:
+                slot = self.slots[b.var]   # saved again after the engine let go of its bytes
+                return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
+            if b is None or self.planned:
+                return t   # not born in this step (input, buffer), too small, or not in the plan
+            var = self.e.new_var()
+            name = f"{self.rec.names[b.op]}#{b.op}"
+            self.rec.promote(b, var, Kind.ACTIVATION, name)
+            slot = Slot(var, Kind.ACTIVATION, b.nbytes, name, in_place=False,
+                        state=State.RESIDENT, storage=s)
+            self._register(slot)
+            self._account(b.nbytes)
+        if slot.kind is not Kind.ACTIVATION:
+            return t
+        if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
+            sl.start_swap_out(slot, self.e.tier)     # on demand: write it out at once
+            self.e.counters["bytes_out"] += slot.nbytes
+            self.in_flight_out.append(slot)
+        return Packed(slot, t)
+
+    def close_node(self) -> None:
+        """The backward node that unpacked ``node_vars`` has returned by the time the next
+        node unpacks: autograd held those tensors until then, so they count as used up to
+        the last op that ran (the plan must not give their memory back earlier)."""
+        last = len(self.rec.names) - 1
+        if last >= 0:
+            for var in self.node_vars:
+                self.rec.use(last, var, Access.READ)
+        self.node_vars.clear()
+        self.ops_since_unpack = 0
+
+    def unpack(self, p: Any) -> torch.Tensor:
+        if not isinstance(p, Packed):
+            return p
+        with _disable_current_modes():
+            return self._unpack(p)
+
+    def _unpack(self, p: Packed) -> torch.Tensor:
+        nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
+        if self.ops_since_unpack:
+            self.close_node()
+        self.before(nxt)
+        slot = p.slot
+        self.unpacked.append(slot.var)
+        self.node_vars.append(slot.var)
+        self.ensure(slot, nxt)
+        t = torch.empty(0, dtype=p.dtype).set_(slot.storage, p.offset, p.size, p.stride)
+        if not self.planned and slot.state is State.RESIDENT and slot.host_current:
+            # On demand keeps nothing: the tensor handed to autograd holds the bytes as long
+            # as the backward node needs them; the next unpack reads them again.
+            sl.release(slot)
+            slot.state = State.HOST
+            self._account(-slot.nbytes)
+        return t
