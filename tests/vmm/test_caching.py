@@ -274,3 +274,17 @@ def test_seeded_heavy_mix_matches_invariants() -> None:
             live.append(ca.alloc(rng.choice([rng.randint(1, 4096), rng.randint(1, 3 * MiB),
                                               rng.randint(1, 40 * MiB)])))
     _check(ca)
+
+
+def test_backend_out_of_memory_is_a_failed_segment() -> None:
+    """A device smaller than the model's capacity: the backend's own OOM takes the same
+    free-cached-segments-and-retry path, then raises OutOfBudget."""
+    ca = CachingAllocator(SimBackend(capacity_bytes=40 * MiB))
+    ca.free(ca.alloc(24 * MiB))
+    a = ca.alloc(30 * MiB)                               # backend full: empty_cache, retry
+    assert ca.stats()["num_alloc_retries"] == 1 and ca.stats()["segments"] == 1
+    with pytest.raises(OutOfBudget, match="tried to allocate"):
+        ca.alloc(12 * MiB)
+    ca.free(a)
+    ca.empty_cache()
+    assert ca.backend.physical_bytes == 0 and ca.backend.ledger.ranges() == []

@@ -298,3 +298,11 @@ def test_random_ops_keep_invariants(mode, ops) -> None:
         va.free(a)
     va.trim()
     assert va.backend.physical_bytes == 0 and va.backend.ledger.mapped_count == 0
+
+
+def test_sim_allocations_have_no_host_buffer() -> None:
+    va = make()
+    a = va.alloc(MiB)
+    with pytest.raises(VMMError, match="no host-visible memory"):
+        a.buffer()
+    va.free(a)
