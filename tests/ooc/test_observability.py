@@ -1,0 +1,77 @@
+"""What a training run shows to people and tools: a Chrome/Perfetto timeline of compute,
+swaps and waits, profiler ranges around the runtime's own work, and the report picture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ooc.cli import main
+from ooc.engine import OutOfCore
+from test_engine import CHUNK, _data, _fresh, _loss, managed_peak
+
+
+def _run(engine: OutOfCore, model: torch.nn.Module, steps: int) -> None:
+    for step in range(steps):
+        x, y = _data("cnn", step)
+        with engine.step():
+            _loss("cnn", model(x), y).backward()
+            engine.optimizer_step()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    model, opt = _fresh("cnn", "sgd")
+    budget = managed_peak("cnn", "sgd", ("activations",)) // 4
+    engine = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096)
+    _run(engine, model, 4)
+    yield engine, model
+    engine.close()
+
+
+def test_timeline_has_compute_swap_and_wait_tracks_per_step(trained, tmp_path) -> None:
+    engine, _ = trained
+    path = tmp_path / "timeline.json"
+    engine.timeline(str(path))
+    data = json.loads(path.read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    threads = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert {"compute", "wait"} <= threads
+    slices = [e for e in events if e.get("ph") == "X"]
+    compute = [e for e in slices if e["name"].startswith("aten.")]
+    assert len(compute) > 100 and all(e["dur"] >= 0 for e in slices)
+    steps = {e["name"] for e in slices if e["name"].startswith("step ")}
+    assert len(steps) == 4, steps
+
+
+def test_timeline_before_any_step_is_a_clear_error(tmp_path) -> None:
+    model, opt = _fresh("cnn", "sgd")
+    with OutOfCore(model, opt, budget="64MiB", chunk=CHUNK) as engine:
+        with pytest.raises(Exception, match="no step has run yet"):
+            engine.timeline(str(tmp_path / "t.json"))
+
+
+def test_swaps_and_waits_show_up_in_the_pytorch_profiler() -> None:
+    model, opt = _fresh("cnn", "sgd")
+    budget = managed_peak("cnn", "sgd", ("activations",)) // 4
+    with OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096) as engine:
+        _run(engine, model, 3)   # planned from here on
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _run(engine, model, 1)
+        assert engine.schedule.bytes_in > 0
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("ooc.swap_in ") for n in names), sorted(n for n in names if "ooc" in n)
+    assert any(n.startswith("ooc.swap_out ") for n in names)
+
+
+def test_report_draws_a_plan_and_plans_a_trace(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.json"
+    assert main(["trace", "small_cnn", "--batch", "4", "-o", str(trace)]) == 0
+    png = tmp_path / "r.png"
+    assert main(["report", str(trace), "--budget", "8MiB", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["report", str(trace), "-o", str(png)]) == 2
+    assert "give --budget" in capsys.readouterr().err
