@@ -1,0 +1,268 @@
+"""``ooc plan TRACE --budget SIZE``: plan when each tensor leaves the device and comes back.
+
+Reads a variable sequence (``ooc trace ... -o trace.json``; a plan file works too: its
+sequence is planned again), runs ``scheduler.plan`` (which proves the schedule safe with
+``scheduler.check`` before returning it), writes the Schedule with ``-o`` and prints a
+table: policy, budget, window, in-core peak, peak resident, bytes in/out, transfers, plan time.
+
+``--json`` prints one JSON object: the keys of ``Schedule.summary()`` (policy, budget,
+window, functions, variables, in_core_peak_bytes, peak_resident_bytes, bytes_in,
+bytes_out) plus ``plan_seconds``, ``transfers_in``, ``transfers_out`` and ``output``.
+
+``--compare`` plans every policy at the same budget and prints them side by side (with
+``--json``: ``{"budget", "window", "policies": [...]}``, one entry per policy, either its
+summary or ``{"policy", "feasible": false, "minimum_bytes"}``). ``-o`` still writes the
+``--policy`` schedule.
+
+Errors the user can fix (missing or foreign file, a size such as "sixteen", a budget below
+what the step needs, an unknown policy) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_POLICY = "window"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="plan swap-outs and swap-ins of a traced step within a device budget",
+        description="Plan one training step (a trace from `ooc trace -o`) within a device memory "
+                    "budget, prove the plan safe, and write it as JSON.")
+    p.add_argument("input", metavar="TRACE", help="variable sequence JSON (ooc trace -o), or a plan JSON")
+    p.add_argument("--budget", required=True, metavar="SIZE",
+                   help="device bytes the plan may use, e.g. 16GiB, 15.5GB, 512MiB")
+    p.add_argument("--window", metavar="SIZE",
+                   help="prefetch window of the window policies (default 1.5 x budget)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME",
+                   help="window (default), window-paper, vdnn, lms or none")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the schedule as JSON here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--compare", action="store_true",
+                   help="plan every policy at this budget and print them side by side")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.errors import BudgetTooSmall
+    from scheduler.planner import POLICIES
+    from vmm.units import parse_size
+
+    policy = check_policy(args.policy)
+    budget = parse_size(args.budget, what="--budget")
+    window = parse_size(args.window, what="--window") if args.window is not None else None
+    check_output(args.output, "-o")
+    policies = POLICIES if args.compare else (policy,)
+    with Progress(1 + len(policies) + bool(args.output), disable=args.no_progress) as bar:
+        bar.stage(f"loading {args.input}")
+        seq = load_sequence(args.input)
+        rows: dict[str, dict[str, Any]] = {}
+        schedule = None
+        for name in policies:
+            bar.stage(f"planning ({name})")
+            try:
+                s, info = plan_and_summarize(seq, budget, window, name)
+            except BudgetTooSmall as exc:
+                if not args.compare:
+                    raise
+                rows[name] = {"policy": name, "feasible": False, "minimum_bytes": exc.minimum}
+                continue
+            rows[name] = {**info, "feasible": True} if args.compare else info
+            if name == policy:
+                schedule = s
+        if args.output:
+            if schedule is None:  # --compare, and the chosen policy does not fit: say why
+                plan_and_summarize(seq, budget, window, policy)
+            bar.stage(f"writing {args.output}")
+            schedule.to_json(args.output)
+    if args.compare:
+        if args.json:
+            print(json.dumps({"budget": budget, "window": window, "policies": list(rows.values()),
+                              "output": args.output}))
+        else:
+            print(_compare_table(seq, budget, window, rows, policy, args.output))
+        return 0
+    info = {**rows[policy], "output": args.output}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(_table(info))
+    return 0
+
+
+# -- shared with ``ooc simulate`` ------------------------------------------------------------
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it is a planner policy, else an OOCError listing the policies (exit 2)."""
+    from scheduler.planner import POLICIES
+    from vmm.errors import OOCError
+
+    if name not in POLICIES:
+        raise OOCError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return name
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Fail early (before any planning) when an output file cannot be created."""
+    from vmm.errors import OOCError
+
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OOCError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise OOCError(f"{flag} {path}: directory {parent} does not exist")
+
+
+def load(path: str) -> Any:
+    """A trace or a plan file: a ``VariableSequence`` or a ``Schedule``, by its schema.
+
+    Missing, unreadable, non-JSON and foreign files raise ``SequenceFormatError`` with one
+    line that names the file (the CLI exits 2 with it).
+    """
+    from scheduler import ir, schedule
+    from scheduler.errors import SequenceFormatError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise SequenceFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SequenceFormatError(f"{path}: is a directory, not a trace or plan file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SequenceFormatError(f"{path}: not a JSON file ({exc})") from None
+    except OSError as exc:
+        raise SequenceFormatError(f"{path}: cannot read ({exc.strerror})") from None
+    kinds = {ir.SCHEMA: (ir.VERSION, ir.VariableSequence),
+             schedule.SCHEMA: (schedule.VERSION, schedule.Schedule)}
+    found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+    if found not in kinds:
+        raise SequenceFormatError(
+            f"{path}: not an ooc trace or plan (schema is {found!r}; expected "
+            f"{ir.SCHEMA!r} from `ooc trace -o` or {schedule.SCHEMA!r} from `ooc plan -o`)")
+    version, cls = kinds[found]
+    if data.get("version") != version:
+        raise SequenceFormatError(f"{path}: {found} version {data.get('version')!r} is not "
+                                  f"supported (this ooc reads {version})")
+    return cls.from_dict(data, where=os.fspath(path))
+
+
+def load_sequence(path: str) -> Any:
+    """The variable sequence in ``path`` (a plan file gives the sequence it planned)."""
+    from scheduler.schedule import Schedule
+
+    obj = load(path)
+    return obj.sequence if isinstance(obj, Schedule) else obj
+
+
+def plan_and_summarize(seq: Any, budget: int, window: int | None, policy: str) -> tuple[Any, dict[str, Any]]:
+    """``scheduler.plan`` timed, and its summary: ``Schedule.summary()`` + plan_seconds +
+    transfers_in/transfers_out. ``window`` is passed to the window policies only."""
+    from scheduler.planner import plan
+    from scheduler.schedule import Op
+
+    t0 = time.perf_counter()
+    s = plan(seq, budget, window if policy.startswith("window") else None, policy)
+    seconds = time.perf_counter() - t0
+    n_in = n_out = 0
+    for acts in (*s.before, *s.after):
+        for a in acts:
+            n_in += a.op is Op.SWAP_IN
+            n_out += a.op is Op.SWAP_OUT
+    return s, {**s.summary(), "plan_seconds": round(seconds, 4),
+               "transfers_in": n_in, "transfers_out": n_out}
+
+
+class Progress:
+    """A stage-by-stage tqdm bar on stderr, only on a terminal (never in pipes or tests)."""
+
+    def __init__(self, total: int, *, disable: bool = False) -> None:
+        self._bar = None
+        if disable or not sys.stderr.isatty():
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a dependency; a bar is a nicety
+            return
+        self._bar = tqdm(total=total, file=sys.stderr, leave=False, unit="step",
+                         bar_format="{desc} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+        self._started = False
+
+    def stage(self, what: str) -> None:
+        if self._bar is None:
+            return
+        if self._started:
+            self._bar.update(1)
+        self._started = True
+        self._bar.set_description_str(what)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# -- tables ---------------------------------------------------------------------------------
+
+
+def _table(info: dict[str, Any]) -> str:
+    from vmm.units import format_size as fs
+
+    def size(n: int) -> str:
+        return f"{fs(n)}  ({n} B)"
+
+    rows = [
+        ("policy", info["policy"]),
+        ("budget", size(info["budget"])),
+        ("window", size(info["window"]) if info["window"] else "-"),
+        ("functions", f"{info['functions']:,}"),
+        ("variables", f"{info['variables']:,}"),
+        ("in-core peak", size(info["in_core_peak_bytes"])),
+        ("peak resident", size(info["peak_resident_bytes"])),
+        ("bytes in", size(info["bytes_in"])),
+        ("bytes out", size(info["bytes_out"])),
+        ("transfers", f"{info['transfers_in']:,} in, {info['transfers_out']:,} out"),
+        ("plan time", f"{info['plan_seconds']:.3f} s (planned and checked)"),
+    ]
+    lines = [f"{k:<15}{v}" for k, v in rows]
+    if info["bytes_in"] == 0 and info["bytes_out"] == 0:
+        lines.append("nothing moves: the step fits in the budget as is")
+    if info.get("output"):
+        lines.append(f"wrote {info['output']}")
+    return "\n".join(lines)
+
+
+def _compare_table(seq: Any, budget: int, window: int | None, rows: dict[str, dict[str, Any]],
+                   chosen: str, output: str | None) -> str:
+    from vmm.units import format_size as fs
+
+    lines = [
+        f"{len(seq.functions):,} functions, in-core peak {fs(seq.in_core_peak_bytes)}; "
+        f"budget {fs(budget)}" + (f", window {fs(window)}" if window else ""),
+        "",
+        f"{'policy':<14}{'bytes in':>12}{'bytes out':>12}{'transfers':>11}"
+        f"{'peak resident':>15}{'plan s':>9}",
+    ]
+    for name, r in rows.items():
+        if not r.get("feasible", True):
+            lines.append(f"{name:<14}  infeasible (min {fs(r['minimum_bytes'])})")
+            continue
+        lines.append(
+            f"{name:<14}{fs(r['bytes_in']):>12}{fs(r['bytes_out']):>12}"
+            f"{r['transfers_in'] + r['transfers_out']:>11,}{fs(r['peak_resident_bytes']):>15}"
+            f"{r['plan_seconds']:>9.3f}")
+    if output:
+        lines.append(f"wrote {output} ({chosen})")
+    return "\n".join(lines)

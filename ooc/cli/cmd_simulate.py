@@ -1,0 +1,145 @@
+"""``ooc simulate PLAN --hardware NAME``: predict a plan's step time and memory on given hardware.
+
+Runs ``scheduler.simulate`` (a discrete-event model: one compute stream, one copy channel
+per direction, the hardware preset's datasheet figures) on a plan from ``ooc plan -o``, or
+on a trace with ``--budget`` (planned first, as ``ooc plan`` would). The results are
+*predictions*, not measurements. Prints a table: step time, compute, stall, lower bound,
+peak device bytes, bytes in/out, speed relative to compute only (the paper's "55% of
+in-core speed" is 0.55), and with ``--allocator`` whether the allocation stream fits the
+device's memory under PyTorch's caching allocator or fixed-size chunks (``vmm``, ``--chunk``).
+
+``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()``;
+``--timeline FILE`` writes the predicted timeline as a Chrome/Perfetto trace.
+
+Errors the user can fix print one line and exit 2 (see ``ooc plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+DEFAULT_HARDWARE = "v100-16gb-nvlink"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="predict step time and device memory of a plan on given hardware",
+        description="Predict the time and device memory of one training step of a plan (or of a "
+                    "trace, planned first with --budget) on a hardware preset: a simulation, "
+                    "not a measurement.")
+    p.add_argument("input", metavar="PLAN", help="plan JSON (ooc plan -o), or a trace JSON with --budget")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME",
+                   help=f"hardware preset (default {DEFAULT_HARDWARE}); see scheduler.hardware.PRESETS")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="usable device memory instead of the preset's nominal size, e.g. 15.25GiB")
+    p.add_argument("--allocator", metavar="NAME",
+                   help="also replay the allocations: caching (PyTorch's) or vmm (fixed chunks)")
+    p.add_argument("--chunk", metavar="SIZE", help="chunk size of --allocator vmm (default 2MiB)")
+    p.add_argument("--timeline", metavar="FILE", help="write the timeline as a Chrome trace JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--budget", metavar="SIZE", help="plan a trace input within this budget first")
+    p.add_argument("--window", metavar="SIZE", help="with --budget: prefetch window (window policies)")
+    p.add_argument("--policy", metavar="NAME", help="with --budget: planner policy (default window)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.hardware import PRESETS, hardware
+    from scheduler.schedule import Schedule
+    from scheduler.simulate import ALLOCATORS, simulate
+    from scheduler.timeline import write_chrome_trace
+    from vmm.errors import OOCError
+    from vmm.units import format_size, parse_size
+
+    from ooc.cli.cmd_plan import (DEFAULT_POLICY, Progress, check_output, check_policy, load,
+                                  plan_and_summarize)
+
+    # Every flag is checked before any work, so a typo costs nothing.
+    if args.hardware not in PRESETS:
+        raise OOCError(f"unknown hardware {args.hardware!r}; presets: {', '.join(sorted(PRESETS))}")
+    overrides = {}
+    if args.device_memory is not None:
+        overrides["device_bytes"] = parse_size(args.device_memory, what="--device-memory")
+    hw = hardware(args.hardware, **overrides)
+    if args.allocator is not None and args.allocator not in ALLOCATORS:
+        raise OOCError(f"unknown allocator {args.allocator!r}; choose one of {', '.join(ALLOCATORS)}")
+    chunk = None
+    if args.chunk is not None:
+        if args.allocator != "vmm":
+            raise OOCError("--chunk sets the chunk size of --allocator vmm; add --allocator vmm")
+        chunk = parse_size(args.chunk, what="--chunk")
+    budget = parse_size(args.budget, what="--budget") if args.budget is not None else None
+    window = parse_size(args.window, what="--window") if args.window is not None else None
+    policy = check_policy(args.policy) if args.policy is not None else DEFAULT_POLICY
+    if budget is None and (args.window is not None or args.policy is not None):
+        raise OOCError("--window and --policy plan a trace: give --budget too")
+    check_output(args.timeline, "--timeline")
+
+    with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
+        bar.stage(f"loading {args.input}")
+        obj = load(args.input)
+        bar.stage("planning")
+        if isinstance(obj, Schedule):
+            if budget is not None:
+                raise OOCError(
+                    f"{args.input} is already a plan (policy {obj.policy}, budget {format_size(obj.budget)}); "
+                    f"--budget/--window/--policy apply to a trace: re-plan with `ooc plan`")
+            schedule = obj
+        else:
+            if budget is None:
+                raise OOCError(f"{args.input} is a trace, not a plan: give --budget SIZE to plan it "
+                               f"first, or run `ooc plan` and simulate its -o file")
+            schedule, _ = plan_and_summarize(obj, budget, window, policy)
+        bar.stage(f"simulating on {hw.name}")
+        result = simulate(schedule, hw, allocator=args.allocator, chunk_bytes=chunk,
+                          timeline=bool(args.timeline))
+        if args.timeline:
+            bar.stage(f"writing {args.timeline}")
+            write_chrome_trace(result.timeline, args.timeline,
+                               process_name=f"ooc simulate ({hw.name}, {schedule.policy})")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(_table(result, schedule, args.timeline))
+    return 0
+
+
+def _table(r: Any, schedule: Any, timeline: str | None) -> str:
+    from vmm.units import format_size as fs
+
+    def ms(s: float) -> str:
+        return f"{s * 1e3:,.2f} ms"
+
+    hw = r.hardware
+    lines = [
+        f"simulated on {hw.name} ({fs(hw.device_bytes)} device, "
+        f"{hw.h2d_bandwidth / 1e9:.3g}/{hw.d2h_bandwidth / 1e9:.3g} GB/s in/out): a prediction, "
+        f"not a measurement",
+        f"plan: policy {r.policy}, budget {fs(r.budget)}, {len(schedule.sequence.functions):,} functions",
+        "",
+        f"{'step time':<16}{ms(r.total_s)}",
+        f"{'compute':<16}{ms(r.compute_s)}  (in-core step: nothing swapped)",
+        f"{'stall':<16}{ms(r.stall_s)}  (compute waiting for copies)",
+        f"{'lower bound':<16}{ms(r.lower_bound_s)}  (perfect overlap of these transfers)",
+        f"{'relative speed':<16}{r.relative_speed:.3f}  (compute / step time)",
+        f"{'peak':<16}{fs(r.peak_bytes)}  ({r.peak_bytes} B, at function {r.peak_function})",
+        f"{'bytes in':<16}{fs(r.bytes_in)}  in {r.transfers_in:,} copies, "
+        f"link busy {ms(r.h2d_busy_s)}",
+        f"{'bytes out':<16}{fs(r.bytes_out)}  in {r.transfers_out:,} copies, "
+        f"link busy {ms(r.d2h_busy_s)}",
+    ]
+    if r.allocator is not None:
+        name = r.allocator if r.allocator == "caching" else f"vmm, {fs(r.chunk_bytes)} chunks"
+        lines.append(f"{'allocator':<16}{name}: reserved peak {fs(r.reserved_peak_bytes)}")
+    if r.fits:
+        lines.append(f"{'fits':<16}yes, within {fs(hw.device_bytes)}")
+    else:
+        where = f" at function {r.oom_function}" if r.oom_function is not None else ""
+        hint = "lower the budget" + (", or try --allocator vmm" if r.allocator == "caching" else "")
+        lines.append(f"{'fits':<16}NO: out of device memory{where} ({hint})")
+    if timeline:
+        lines.append(f"wrote {timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""``ooc plan`` and ``ooc simulate`` end to end, on a small CNN traced once on meta."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ooc.cli import main
+from scheduler.check import check
+from scheduler.ir import VariableSequence
+from scheduler.planner import POLICIES
+from scheduler.schedule import Schedule
+
+SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core_peak_bytes",
+                "peak_resident_bytes", "bytes_in", "bytes_out"}
+SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
+            "bytes_out", "hardware", "policy", "budget"}
+ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
+HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "trace.json"
+    assert main(["trace", "small_cnn", "--batch", "2", "-o", str(path), "--json", "--no-progress"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def tight(trace_file):
+    """A budget the window planner meets only by swapping: 3/4 of the in-core peak."""
+    seq = VariableSequence.from_json(trace_file)
+    return seq.in_core_peak_bytes * 3 // 4
+
+
+def _json(capsys):
+    captured = capsys.readouterr()
+    out = captured.out.strip()
+    assert "\n" not in out, "--json must print exactly one line"
+    return json.loads(out)
+
+
+def test_plan_json_at_a_tight_budget_moves_bytes_and_writes_a_safe_plan(trace_file, tight, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "-o", str(out), "--json"]) == 0
+    info = _json(capsys)
+    assert SUMMARY_KEYS | {"plan_seconds"} <= set(info)
+    assert info["policy"] == "window" and info["budget"] == tight
+    assert info["window"] == tight * 3 // 2  # the default window, 1.5 x budget
+    assert info["bytes_in"] > 0 and info["bytes_out"] > 0
+    assert info["transfers_in"] > 0
+    assert info["peak_resident_bytes"] <= tight < info["in_core_peak_bytes"]
+    assert 0 <= info["plan_seconds"] < 10
+    schedule = Schedule.from_json(out)
+    assert schedule.summary() == {k: info[k] for k in SUMMARY_KEYS}
+    assert check(schedule).peak_bytes == info["peak_resident_bytes"]
+
+
+def test_plan_at_a_huge_budget_moves_nothing(trace_file, capsys):
+    assert main(["plan", str(trace_file), "--budget", HUGE, "--json", "--policy", "window"]) == 0
+    info = _json(capsys)
+    assert info["policy"] == "window"
+    assert info["bytes_in"] == info["bytes_out"] == 0
+    assert main(["plan", str(trace_file), "--budget", "1TiB", "--window", "2GiB"]) == 0
+    text = capsys.readouterr().out
+    for label in ("policy", "budget", "in-core peak", "peak resident", "bytes in", "bytes out",
+                  "transfers", "plan time", "nothing moves"):
+        assert label in text
+    assert "2 GiB" in text
+
+
+def test_plan_compare_lists_every_policy(trace_file, tight, tmp_path, capsys):
+    out = tmp_path / "chosen.json"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "--compare", "--json",
+                 "--policy", "lms", "-o", str(out)]) == 0
+    info = _json(capsys)
+    rows = {r["policy"]: r for r in info["policies"]}
+    assert list(rows) == list(POLICIES)
+    assert rows["none"] == {"policy": "none", "feasible": False,
+                            "minimum_bytes": VariableSequence.from_json(trace_file).in_core_peak_bytes}
+    assert rows["window"]["feasible"] and rows["window"]["bytes_in"] > 0
+    assert Schedule.from_json(out).policy == "lms"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "--compare"]) == 0
+    text = capsys.readouterr().out
+    assert "none" in text and "infeasible (min" in text and "window-paper" in text
+
+
+def test_simulate_a_plan_json_and_timeline(trace_file, tight, tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    timeline = tmp_path / "timeline.json"
+    assert main(["simulate", str(plan_file), "--hardware", "v100-16gb-nvlink", "--allocator", "vmm",
+                 "--chunk", "2MiB", "--timeline", str(timeline), "--json"]) == 0
+    info = _json(capsys)
+    assert set(info) == SIM_KEYS | ALLOCATOR_KEYS
+    assert info["hardware"] == "v100-16gb-nvlink" and info["policy"] == "window"
+    assert info["allocator"] == "vmm" and info["chunk_bytes"] == 2 << 20 and info["fits"] is True
+    assert info["bytes_in"] > 0 and info["total_s"] >= info["lower_bound_s"] >= info["compute_s"] > 0
+    assert info["peak_bytes"] <= tight
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e.get("name") == "thread_name"} >= {"compute", "swap-in"}
+
+    assert main(["simulate", str(plan_file), "--hardware", "a100-40gb-pcie4"]) == 0
+    text = capsys.readouterr().out
+    for label in ("a prediction", "step time", "compute", "stall", "lower bound", "relative speed",
+                  "peak", "bytes in", "bytes out", "fits"):
+        assert label in text
+
+
+def test_simulate_a_trace_with_budget(trace_file, capsys):
+    assert main(["simulate", str(trace_file), "--budget", HUGE, "--json"]) == 0
+    info = _json(capsys)
+    assert set(info) == SIM_KEYS  # no allocator modelled: exactly the base fields
+    assert info["bytes_in"] == info["bytes_out"] == 0
+    assert info["total_s"] == pytest.approx(info["compute_s"])
+    assert info["budget"] == 1 << 40
+    assert main(["simulate", str(trace_file), "--budget", "30MiB", "--policy", "lms",
+                 "--allocator", "caching", "--device-memory", "1GiB", "--json"]) == 0
+    info = _json(capsys)
+    assert info["policy"] == "lms" and info["allocator"] == "caching" and info["bytes_in"] > 0
+    assert set(info) == SIM_KEYS | ALLOCATOR_KEYS
+
+
+@pytest.fixture()
+def bad_files(tmp_path):
+    (tmp_path / "not.json").write_text("this is not json\n")
+    (tmp_path / "foreign.json").write_text(json.dumps({"schema": "someone.else", "version": 1}))
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    return tmp_path
+
+
+BAD = [
+    ["plan", "{dir}/missing.json", "--budget", "16GiB"],
+    ["plan", "{dir}/not.json", "--budget", "16GiB"],
+    ["plan", "{dir}/foreign.json", "--budget", "16GiB"],
+    ["plan", "{dir}/list.json", "--budget", "16GiB"],
+    ["plan", "{trace}", "--budget", "sixteen"],
+    ["plan", "{trace}", "--budget", "0"],
+    ["plan", "{trace}", "--budget", "1KiB"],
+    ["plan", "{trace}", "--budget", "16GiB", "--policy", "magic"],
+    ["plan", "{trace}", "--budget", "16GiB", "--window", "wide"],
+    ["plan", "{trace}", "--budget", "16GiB", "-o", "{dir}/no/such/dir/plan.json"],
+    ["simulate", "{dir}/missing.json", "--budget", "16GiB"],
+    ["simulate", "{dir}/foreign.json"],
+    ["simulate", "{trace}"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--hardware", "h200"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--allocator", "buddy"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--chunk", "2MiB"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--allocator", "vmm", "--chunk", "3MiB"],
+    ["simulate", "{trace}", "--budget", "1KiB"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--policy", "magic"],
+    ["simulate", "{trace}", "--policy", "lms"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD, ids=[" ".join(a[:1] + a[2:]) for a in BAD])
+def test_bad_input_is_one_line_and_exit_2(argv, trace_file, bad_files, capsys):
+    args = [a.format(dir=bad_files, trace=trace_file) for a in argv]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == ""
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"ooc {argv[0]}: error: ") and "Traceback" not in err
+
+
+def test_a_plan_file_is_accepted_where_a_trace_is(trace_file, tight, tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(plan_file), "--budget", HUGE, "--json"]) == 0  # re-plans its sequence
+    assert _json(capsys)["bytes_in"] == 0
+    assert main(["simulate", str(plan_file), "--budget", HUGE]) == 2  # a plan already has a budget
+    assert "already a plan" in capsys.readouterr().err
