@@ -88,9 +88,9 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
       stream on that device at each transfer, or the driver's default stream 0 when
       ``driver`` is given.
 
-    ``driver`` replaces ``cuda.bindings.driver`` (tests pass a fake); without it CUDA needs
-    cuda-python, and a missing one raises :class:`~ooc.errors.OOCError` saying
-    ``pip install 'ooc[cuda]'``.
+    ``driver`` replaces ``cuda.bindings.driver`` (tests pass a fake; the pool then hands out
+    :class:`DevicePtr`). Without it CUDA needs cuda-python, cupy and a CUDA build of PyTorch;
+    a missing one raises :class:`~ooc.errors.OOCError` (``pip install 'ooc[cuda]'``).
     """
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -116,7 +116,10 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
         torch.cuda.current_device() if real else 0)
     if compute_stream is None:
         compute_stream = (lambda: torch.cuda.current_stream(index).cuda_stream) if real else 0
-    pool = CudaDevicePool(budget, chunk, driver=driver, device=index)
+    # On a GPU the engine needs pool ranges as torch tensors (cupy bridges them): refuse
+    # clearly here rather than hand it DevicePtrs. A fake driver gets DevicePtrs.
+    pool = CudaDevicePool(budget, chunk, driver=driver, device=index,
+                          as_tensor=True if real else None)
     try:
         tier = PinnedTier(driver=driver, device=index, capacity_bytes=pinned_capacity,
                           verify=verify, compute_stream=compute_stream)
