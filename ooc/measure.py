@@ -71,7 +71,12 @@ def run_case(case: Case, *, on_step: Callable[[int], None] | None = None,
     # Every method runs with PyTorch's large CPU allocations page-aligned (read by c10 at
     # start-up): then swap-outs can bypass the page cache with O_DIRECT. Same for all cases,
     # so the comparison stays fair.
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
+    # glibc's malloc raises its mmap threshold to 32 MiB as large blocks are freed, and then
+    # keeps freed activations in a fragmented heap: RSS stops following live bytes, for
+    # in-core training as much as for ooc. A fixed 1 MiB threshold (what OutOfCore sets in
+    # its own process) makes every method's peak its live bytes.
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     result = None
     deadline = time.monotonic() + timeout

@@ -45,5 +45,15 @@ class DevicePool:
         while self._dead:
             self.allocator.free(self._dead.pop())
 
+    def trim(self) -> int:
+        """Give the physical pages of every unused chunk back (at the end of a step).
+
+        Without this, chunks the backward's swap-ins touched stay resident through the next
+        forward, whose own activations then come on top: the process would hold up to
+        twice the budget.
+        """
+        self.reap()
+        return self.allocator.trim()
+
     def stats(self) -> dict:
         return self.allocator.stats()

@@ -1,0 +1,37 @@
+"""Make freed CPU tensors give their memory back to the operating system.
+
+glibc serves blocks below its mmap threshold from its heap, and raises that threshold (up
+to 32 MiB) every time a large mmapped block is freed. After a few steps, activations of a
+few MiB live in the heap, and the holes they leave when ooc swaps them out are rarely
+returned to the system: the process keeps the memory swapping was meant to save. A fixed
+threshold of 1 MiB stops the adjustment; blocks at or above it are mmapped and unmapped on
+free. Set once per process, and only if the user did not choose (MALLOC_MMAP_THRESHOLD_).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3
+_done = False
+
+
+def release_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes; True if it was set here."""
+    global _done
+    if _done or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    _done = True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
+        return False
+    ok = bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    log.info("glibc mmap threshold fixed at %d bytes so freed activations return to the OS", threshold)
+    return ok
