@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "under a budget (default: 1/4 of the in-core peak of the managed "
                                    "tensors), each in a fresh process, and print them side by side.")
     p.add_argument("--model", default="small_cnn", help="zoo model (default: small_cnn)")
-    p.add_argument("--batch", type=int, default=32, help="batch size (default: 32)")
+    p.add_argument("--batch", type=int, default=16, help="batch size (default: 16)")
     p.add_argument("--steps", type=int, default=5, help="training steps per run (default: 5)")
     p.add_argument("--budget", help="budget for managed tensors, e.g. 96MiB (default: 1/4 of their in-core peak)")
     p.add_argument("--fraction", type=float, default=4.0, help="budget = peak / FRACTION (default: 4)")

@@ -29,8 +29,8 @@ class ConvBlock(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, num_classes: int = 10, width: int = 32, blocks: int = 6,
-                 per_stage: int = 2) -> None:
+    def __init__(self, num_classes: int = 10, width: int = 32, blocks: int = 8,
+                 per_stage: int = 4) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(width), nn.ReLU(inplace=True))
@@ -49,7 +49,7 @@ class SmallCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
 
 
-def small_cnn(num_classes: int = 10, width: int = 32, blocks: int = 6, per_stage: int = 2) -> SmallCNN:
+def small_cnn(num_classes: int = 10, width: int = 32, blocks: int = 8, per_stage: int = 4) -> SmallCNN:
     """Residual conv-BN-ReLU blocks on 64x64 inputs, ``per_stage`` at each resolution.
 
     The demo model: activations dominate its memory (as in the CNNs people run out of core),
