@@ -22,9 +22,7 @@ Target: at least 200,000 events/s replayed. Writes benchmarks/results/frag.md
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import ooc
 from ooc import frag
 from ooc.frag.inputs import Trace, gc_paused
@@ -39,53 +38,18 @@ from ooc.frag.report import DEFAULT_CHUNKS, allocator_name, make_allocator
 from vmm.replay import replay, swap_trace
 from vmm.units import format_size
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 200_000
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem = float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def load_average() -> str:
-    try:
-        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="200k events, one run")
-    ap.add_argument("--events", type=int, help="events in the synthetic snapshot (default 1M)")
+    ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    ap.add_argument("--events", type=int,
+                    help="events in the synthetic snapshot (default 1M; quick 200k)")
     ap.add_argument("--runs", type=int, help="runs per measurement (default 3; quick 1)")
-    ap.add_argument("--out", type=Path, help="Markdown output (default results/frag.md)")
     args = ap.parse_args(argv)
     n = args.events or (200_000 if args.quick else 1_000_000)
     runs = max(1, args.runs or (1 if args.quick else 3))
-    load0 = load_average()
+    load0 = common.load_average()
 
     t0 = time.perf_counter()
     events = swap_trace(n, jitter=0.05, seed=0)
@@ -100,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(generated {gen_s:.1f} s, exported {export_s:.1f} s)", flush=True)
     del events
 
+    # Not common.median_of: it would hold the previous trace while loading the next one.
     load_t: list[float] = []
     trace = None
     for _ in range(runs):
@@ -140,64 +105,55 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(raw_rate[k]):>10,.0f} in vmm.replay alone "
               f"({statistics.median(raw_cpu[k]):,.0f} per CPU s)", flush=True)
 
-    e2e_t: list[float] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "ooc", "frag", str(snap_path), "--json",
-                        "--no-progress"], check=True, stdout=subprocess.DEVNULL, env=env)
-        e2e_t.append(time.perf_counter() - t0)
-    print(f"end to end: {statistics.median(e2e_t):.2f} s", flush=True)
+    e2e = common.median_of(
+        lambda: subprocess.run([sys.executable, "-m", "ooc", "frag", str(snap_path), "--json",
+                                "--no-progress"], check=True, stdout=subprocess.DEVNULL, env=env),
+        runs)
+    print(f"end to end: {e2e.median:.2f} s", flush=True)
     snap_path.unlink()
     tmp.rmdir()
 
-    out = args.out or RESULTS / ("frag-quick.md" if args.quick else "frag.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
     med = statistics.median
-    lines = [
-        "# `ooc frag`: replay speed and end-to-end time",
-        "",
-        f"- machine: {machine()}",
-        f"- Python {platform.python_version()}, numpy {__import__('numpy').__version__}, "
-        f"ooc {ooc.__version__}, commit {commit()}",
-        f"- date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}; load average "
-        f"(1/5/15 min) at start {load0}, at end {load_average()} (machine shared with other jobs: "
-        f"times are wall-clock)",
-        f"- input: synthetic snapshot, {n:,} events ({info.entries:,} trace entries, "
+    lines = common.header("`ooc frag`: replay speed and end-to-end time", quick=args.quick, notes=[
+        f"ooc {ooc.__version__}",
+        f"load average (1/5/15 min) at start {load0}, at end {common.load_average()} (machine "
+        f"shared with other jobs: times are wall-clock)",
+        f"input: synthetic snapshot, {n:,} events ({info.entries:,} trace entries, "
         f"{format_size(size)} pickle): `vmm.replay.swap_trace({n}, jitter=0.05)` exported through "
         f"the caching allocator model; medians of {runs} run(s)",
-        "",
+    ])
+    lines += [
         "Wall-clock events/s is what a user waits for; events per CPU second (time.process_time of "
         "the process) is the same run with the other jobs' share of the 2 cores taken out.",
         "",
-        "| allocator | events/s in `ooc frag` (median, wall) | min-max | per CPU s "
-        "| `vmm.replay` alone, wall | alone, per CPU s | peak live | peak reserved/mapped "
-        "| map / unmap | target 200k/s (wall) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    table = []
     for k in names:
         r = frag_rate[k]
         live, resv, maps, unmaps = peaks[k]
         ok = "met" if med(r) >= TARGET else "**not met**"
-        lines.append(f"| {k} | **{med(r):,.0f}** | {min(r):,.0f}-{max(r):,.0f} | {med(frag_cpu[k]):,.0f} "
-                     f"| {med(raw_rate[k]):,.0f} | {med(raw_cpu[k]):,.0f} "
-                     f"| {format_size(live)} | {format_size(resv)} | {maps:,} / {unmaps:,} | {ok} |")
+        table.append([k, f"**{med(r):,.0f}**", f"{min(r):,.0f}-{max(r):,.0f}",
+                      f"{med(frag_cpu[k]):,.0f}", f"{med(raw_rate[k]):,.0f}",
+                      f"{med(raw_cpu[k]):,.0f}", format_size(live), format_size(resv),
+                      f"{maps:,} / {unmaps:,}", ok])
+    lines += common.md_table(
+        ["allocator", "events/s in `ooc frag` (median, wall)", "min-max", "per CPU s",
+         "`vmm.replay` alone, wall", "alone, per CPU s", "peak live", "peak reserved/mapped",
+         "map / unmap", "target 200k/s (wall)"], table, align="lrrrrrrrrl")
     total = n * len(names)
-    lines += [
-        "",
-        "| stage | median s | min-max s | events/s |",
-        "|---|---:|---:|---:|",
-        f"| load (safe unpickle + parse) | {med(load_t):.2f} | {min(load_t):.2f}-{max(load_t):.2f} "
-        f"| {n / med(load_t):,.0f} |",
-        f"| analyze (4 replays) | {med(analyze_t):.2f} | {min(analyze_t):.2f}-{max(analyze_t):.2f} "
-        f"| {total / med(analyze_t):,.0f} (over {len(names)} x {n:,}) |",
-        f"| end to end, `python -m ooc frag SNAPSHOT --json` | {med(e2e_t):.2f} "
-        f"| {min(e2e_t):.2f}-{max(e2e_t):.2f} | {n / med(e2e_t):,.0f} |",
-        f"| (setup) export of the snapshot through the caching model | {export_s:.2f} | | "
-        f"{n / export_s:,.0f} |",
-        "",
-    ]
+    lines += [""] + common.md_table(["stage", "median s", "min-max s", "events/s"], [
+        ["load (safe unpickle + parse)", f"{med(load_t):.2f}",
+         f"{min(load_t):.2f}-{max(load_t):.2f}", f"{n / med(load_t):,.0f}"],
+        ["analyze (4 replays)", f"{med(analyze_t):.2f}",
+         f"{min(analyze_t):.2f}-{max(analyze_t):.2f}",
+         f"{total / med(analyze_t):,.0f} (over {len(names)} x {n:,})"],
+        ["end to end, `python -m ooc frag SNAPSHOT --json`", f"{e2e.median:.2f}",
+         f"{e2e.min:.2f}-{e2e.max:.2f}", f"{n / e2e.median:,.0f}"],
+        ["(setup) export of the snapshot through the caching model", f"{export_s:.2f}", "",
+         f"{n / export_s:,.0f}"],
+    ]) + [""]
     slow = [k for k in names if med(frag_rate[k]) < TARGET]
     if slow:
         lines.append(f"Target (>= {TARGET:,} events/s replayed) not met for: {', '.join(slow)}. "
@@ -205,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"`vmm.replay alone` column is their speed without ooc frag's watcher.")
     else:
         lines.append(f"Target (>= {TARGET:,} events/s replayed through every allocator): met.")
-    lines.append("")
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+    common.write_report(args.out or common.result_path("frag", args.quick), lines)
     return 0
 
 

@@ -18,11 +18,9 @@ Writes a Markdown table to benchmarks/results/storage.md.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import mmap
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,7 @@ import zlib
 
 import numpy as np
 
+import common
 from ooc.storage import FileTier
 
 MiB = 1 << 20
@@ -217,32 +216,17 @@ def _fs_info(path: str) -> str:
     return f"{best[2]} on {best[0]} mounted at {best[1]}, {free:.0f} GB free"
 
 
-def _machine() -> str:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Linux "
-            f"{platform.release()}, Python {platform.python_version()}, numpy {np.__version__}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="128 MiB per run, 3 runs")
     ap.add_argument("--dir", default=None, help="parent of the swap directory (default $TMPDIR)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "storage.md"))
+    ap.add_argument("--out", help="Markdown output (default benchmarks/results/storage.md, "
+                                   "also with --quick)")
     args = ap.parse_args(argv)
     total, runs = (128 * MiB, 3) if args.quick else (512 * MiB, 5)
     directory = args.dir or tempfile.gettempdir()
     started = time.time()
-    load_before = os.getloadavg()
+    load_before = common.load_average()
 
     with FileTier(directory) as probe:
         direct_here = probe.direct_io
@@ -303,53 +287,41 @@ def main(argv: list[str] | None = None) -> int:
     for name, gbs in sums.items():
         print(f"{name}: {gbs:.2f} GB/s")
 
-    lines = [
-        "# Storage tier (FileTier) throughput",
-        "",
-        f"- date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- machine: {_machine()}",
-        f"- swap directory parent: `{directory}` — {_fs_info(directory)}",
-        f"- O_DIRECT here: {'yes' if direct_here else 'no (' + str(reason) + ')'}; "
+    lines = common.header("Storage tier (FileTier) throughput", quick=args.quick, notes=[
+        f"swap directory parent: `{directory}` — {_fs_info(directory)}",
+        f"O_DIRECT here: {'yes' if direct_here else 'no (' + str(reason) + ')'}; "
         f"on /tmp: {'yes' if direct_tmp else 'no'}",
-        f"- method: `python benchmarks/bench_storage.py{' --quick' if args.quick else ''}`; "
+        f"method: `python benchmarks/bench_storage.py{' --quick' if args.quick else ''}`; "
         f"{total // MiB} MiB per run, median of {runs} runs after one warm-up pass, the "
         "configurations of a table interleaved run by run; writes all "
         f"submitted at once, reads {WINDOW} in flight; GB = 1e9 bytes. CPU s/GB = process CPU "
         "time per GB moved (what the I/O takes from compute threads).",
-        f"- load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} "
-        f"on {os.cpu_count()} cores (other jobs share this machine; I/O threads and checksums "
-        "need CPU, so a busy machine lowers every figure).",
-        "- caveat: a virtual disk may be cached by the host; these are the numbers this "
+        f"load average (1/5/15 min) {load_before} before, {common.load_average()} after "
+        "(other jobs share this machine; I/O threads and checksums need CPU, so a busy machine "
+        "lowers every figure).",
+        "caveat: a virtual disk may be cached by the host; these are the numbers this "
         "machine's planner should use, not the device's datasheet.",
-        "",
-        "Median (min–max) over the runs.",
-        "",
-        "| transfer | I/O path | threads | verify | write GB/s | read GB/s "
-        "| write CPU s/GB | read CPU s/GB |",
-        "|---:|---|---:|---|---:|---:|---:|---:|",
-    ]
-    for size_mib, path, threads, verify, c in rows:
-        if not c.supported:
-            continue
-        lines.append(f"| {size_mib} MiB | {path} | {threads} | {'on' if verify else 'off'} | "
-                     f"{c.cell(c.w)} | {c.cell(c.r)} | {c.median(c.wc):.2f} | "
-                     f"{c.median(c.rc):.2f} |")
-    lines += ["", "## Variants (16 MiB transfers, 2 threads unless said)", "",
-              "| variant | write GB/s | read GB/s | write CPU s/GB | note |",
-              "|---|---:|---:|---:|---|"]
-    for name, c, note in extra:
-        lines.append(f"| {name} | {c.cell(c.w)} | {c.cell(c.r)} | {c.median(c.wc):.2f} | "
-                     f"{note} |")
-    lines += ["", "## Checksums (one thread, 2 MiB chunks, 64 MiB)", "",
-              "| checksum | GB/s |", "|---|---:|"]
-    for name, gbs in sums.items():
-        lines.append(f"| {name} | {gbs:.2f} |")
+    ])
+    lines += ["Median (min–max) over the runs.", ""]
+    lines += common.md_table(
+        ["transfer", "I/O path", "threads", "verify", "write GB/s", "read GB/s", "write CPU s/GB",
+         "read CPU s/GB"],
+        [[f"{size_mib} MiB", path, threads, "on" if verify else "off", c.cell(c.w), c.cell(c.r),
+          f"{c.median(c.wc):.2f}", f"{c.median(c.rc):.2f}"]
+         for size_mib, path, threads, verify, c in rows if c.supported],
+        align="rlrlrrrr")
+    lines += ["", "## Variants (16 MiB transfers, 2 threads unless said)", ""]
+    lines += common.md_table(
+        ["variant", "write GB/s", "read GB/s", "write CPU s/GB", "note"],
+        [[name, c.cell(c.w), c.cell(c.r), f"{c.median(c.wc):.2f}", note]
+         for name, c, note in extra], align="lrrrl")
+    lines += ["", "## Checksums (one thread, 2 MiB chunks, 64 MiB)", ""]
+    lines += common.md_table(["checksum", "GB/s"],
+                             [[name, f"{gbs:.2f}"] for name, gbs in sums.items()])
     lines += ["", "## Summary (computed from the tables above)", ""] + _summary(rows, extra)
     lines += ["", f"Total benchmark time {time.time() - started:.0f} s.", ""]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {args.out}")
+    # Unlike the other benchmarks, --quick writes storage.md too (as it always has).
+    common.write_report(args.out or common.result_path("storage", False), lines)
     return 0
 
 

@@ -12,23 +12,17 @@ Writes a Markdown table to benchmarks/results/trace.md (``--quick``: trace-quick
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+import common
 import ooc
 from ooc import models
 from ooc.trace import summary
 from vmm.units import format_size
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # (label, zoo name, model keywords, batch, optimizer, note)
 FULL = [
@@ -50,47 +44,18 @@ QUICK = [
 ]
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem = float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def bench(label: str, name: str, kw: dict, batch: int, opt: str, runs: int) -> dict:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = models.get(name, **kw)
     build = time.perf_counter() - t0
     x, y = models.example_batch(name, batch, "meta", **kw)
-    times, seq = [], None
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        seq = ooc.trace(model, x, y, loss_fn=models.loss_fn(name), optimizer=opt, name=name)
-        times.append(time.perf_counter() - t0)
-    info = summary(seq)
+    t = common.median_of(
+        lambda: ooc.trace(model, x, y, loss_fn=models.loss_fn(name), optimizer=opt, name=name),
+        runs)
+    info = summary(t.value)
     return {**info, "label": label, "batch": batch, "optimizer": opt, "build": build,
-            "cold": times[0], "median": statistics.median(times), "min": min(times),
-            "max": max(times), "runs": runs}
+            "cold": t.times[0], "median": t.median, "min": t.min, "max": t.max, "runs": runs}
 
 
 def flops(n: float) -> str:
@@ -98,10 +63,8 @@ def flops(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, one run each")
+    ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--runs", type=int, default=3, help="traces per model in full mode (default 3)")
-    ap.add_argument("--out", type=Path, help="Markdown output (default results/trace.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     cases = QUICK if args.quick else FULL
@@ -115,39 +78,32 @@ def main(argv: list[str] | None = None) -> int:
               f"peak {format_size(r['in_core_peak_bytes']):>10}  trace {r['median']:.2f} s "
               f"(cold {r['cold']:.2f} s, build {r['build']:.2f} s)", flush=True)
 
-    out = args.out or RESULTS / ("trace-quick.md" if args.quick else "trace.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [
-        "# Time to trace one training step on meta (`ooc.trace`)",
-        "",
-        f"- machine: {machine()}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, ooc {ooc.__version__}, "
-        f"commit {commit()}",
-        f"- date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- mode: {'quick' if args.quick else 'full'}; trace time = median of {runs} run(s) of "
-        f"`ooc.trace(model, x, y, optimizer=...)` on meta (warm-up step + recorded step + "
-        f"building the sequence); cold = first run in the process; build = constructing the "
-        f"model on meta. Machine shared with other jobs: times are wall-clock.",
-        "",
-        "| model | batch | optimizer | functions | variables | in-core peak | FLOPs/step "
-        "| build s | trace s (median) | min-max s | cold s | ops/s | note |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    lines = common.header("Time to trace one training step on meta (`ooc.trace`)",
+                          quick=args.quick, notes=[
+        f"ooc {ooc.__version__}",
+        f"trace time = median of {runs} run(s) of `ooc.trace(model, x, y, optimizer=...)` on "
+        f"meta (warm-up step + recorded step + building the sequence); cold = first run in the "
+        f"process; build = constructing the model on meta. Machine shared with other jobs: "
+        f"times are wall-clock.",
+    ])
+    table = []
     for r in rows:
         n_vars = sum(k["count"] for k in r["variables"].values())
-        lines.append(
-            f"| {r['label']} | {r['batch']} | {r['optimizer']} | {r['functions']} | {n_vars} "
-            f"| {format_size(r['in_core_peak_bytes'])} | {flops(r['flops'])} "
-            f"| {r['build']:.2f} | **{r['median']:.2f}** | {r['min']:.2f}-{r['max']:.2f} "
-            f"| {r['cold']:.2f} | {r['functions'] / r['median']:,.0f} | {r['note']} |")
+        table.append([r["label"], r["batch"], r["optimizer"], r["functions"], n_vars,
+                      format_size(r["in_core_peak_bytes"]), flops(r["flops"]),
+                      f"{r['build']:.2f}", f"**{r['median']:.2f}**",
+                      f"{r['min']:.2f}-{r['max']:.2f}", f"{r['cold']:.2f}",
+                      f"{r['functions'] / r['median']:,.0f}", r["note"]])
+    lines += common.md_table(
+        ["model", "batch", "optimizer", "functions", "variables", "in-core peak", "FLOPs/step",
+         "build s", "trace s (median)", "min-max s", "cold s", "ops/s", "note"],
+        table, align="lrlrrrrrrrrrl")
     resnet = next((r for r in rows if r["label"] == "ResNet-50" and r["batch"] == 1440), None)
     if resnet is not None:
         verdict = "met" if resnet["median"] < 30 else "NOT met"
         lines += ["", f"Target (ResNet-50, batch 1440, on meta, < 30 s): {verdict} "
                       f"({resnet['median']:.2f} s)."]
-    lines.append("")
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+    common.write_report(args.out or common.result_path("trace", args.quick), lines)
     return 0
 
 

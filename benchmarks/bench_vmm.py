@@ -25,10 +25,7 @@ to benchmarks/results/vmm.md (``--quick``: vmm-quick.md).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import os
-import platform
 import random
 import statistics
 import sys
@@ -37,27 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+import common
 from vmm import CachingAllocator, ChunkPool, HostBackend, SimBackend, VirtualAllocator
 from vmm.replay import replay, swap_trace
 from vmm.units import format_size
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 2 * MiB
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    u = platform.uname()
-    return f"{cpu}, {os.cpu_count()} cores; uname: {u.system} {u.node} {u.release} {u.machine}"
 
 
 class Clock:
@@ -209,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     n_events = 50_000 if args.quick else 1_000_000
     replay_runs = 1 if args.quick else 3
 
-    load_before = os.getloadavg()
+    load_before = common.load_average()
     host_rows = []
     for size in sizes:
         r = bench_host_alloc(size, runs)
@@ -236,37 +219,33 @@ def main(argv: list[str] | None = None) -> int:
                   f"{format_size(res.peak_reserved_bytes)} (x{res.overhead:.2f}), map calls "
                   f"{res.map_calls:,}{oom}", flush=True)
         traces.append((jitter, rows))
-    load_after = os.getloadavg()
+    load_after = common.load_average()
 
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# Virtual-memory allocator: host mapping costs and replay rates (`bench_vmm.py`)",
-        "",
-        f"- machine: {machine()}",
-        f"- Python {platform.python_version()}, numpy {np.__version__}",
-        f"- date: {now}",
-        f"- mode: {'quick' if args.quick else 'full'}; medians of {runs} run(s) (replays: "
-        f"{replay_runs} for the two targeted allocators, 1 for the others); 2 MiB chunks.",
-        f"- load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
-        f"{os.cpu_count()} cores: the machine is shared with other jobs. Every time is given "
-        "as wall-clock (median) and as this process's CPU time (user + system, median), which "
-        "does not count waiting for a core.",
-        "",
-        "## Host backend (memfd + mmap MAP_FIXED): alloc + free through VirtualAllocator",
-        "",
-        "| size | chunks | map + unmap (keep_mapped=False) | per chunk | mmap calls per alloc "
-        "| map + unmap, chunks scattered in the file | per chunk | exact reuse (default) "
-        "| first touch of every page |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = common.header(
+        "Virtual-memory allocator: host mapping costs and replay rates (`bench_vmm.py`)",
+        quick=args.quick, notes=[
+            f"medians of {runs} run(s) (replays: {replay_runs} for the two targeted allocators, "
+            f"1 for the others); 2 MiB chunks.",
+            f"load average (1/5/15 min) {load_before} before, {load_after} after: the machine is "
+            "shared with other jobs. Every time is given as wall-clock (median) and as this "
+            "process's CPU time (user + system, median), which does not count waiting for a "
+            "core.",
+        ])
+    table = []
     for r in host_rows:
         n = r["size"] // CHUNK
         w, c = r["map_unmap"]
-        lines.append(f"| {format_size(r['size'])} | {n} | {_fmt_us(r['map_unmap'])} | "
-                     f"{w / n:.2f} us (CPU {c / n:.2f}) | {r['mmap_per_alloc']:.0f} | "
-                     f"{_fmt_us(r['scattered'])} | {r['scattered'][0] / n:.2f} us (CPU "
-                     f"{r['scattered'][1] / n:.2f}) | {_fmt_us(r['reuse'])} | "
-                     f"{_fmt_us(r['touch'], 0)} |")
+        table.append([format_size(r["size"]), n, _fmt_us(r["map_unmap"]),
+                      f"{w / n:.2f} us (CPU {c / n:.2f})", f"{r['mmap_per_alloc']:.0f}",
+                      _fmt_us(r["scattered"]),
+                      f"{r['scattered'][0] / n:.2f} us (CPU {r['scattered'][1] / n:.2f})",
+                      _fmt_us(r["reuse"]), _fmt_us(r["touch"], 0)])
+    lines += ["## Host backend (memfd + mmap MAP_FIXED): alloc + free through VirtualAllocator",
+              ""]
+    lines += common.md_table(
+        ["size", "chunks", "map + unmap (keep_mapped=False)", "per chunk", "mmap calls per alloc",
+         "map + unmap, chunks scattered in the file", "per chunk", "exact reuse (default)",
+         "first touch of every page"], table, align="r" * 9)
     lines += [
         "",
         "Map + unmap: chunks already exist (cached in the pool); `alloc` maps chunks that are "
@@ -280,21 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Host chunk mapping rate (one `mmap(MAP_FIXED)` per chunk)",
         "",
-        "| map, chunks in shuffled order | unmap (PROT_NONE over it) | map in file order "
-        "(one call) | target < 10 us per chunk |",
-        "|---:|---:|---:|---|",
-        f"| {_fmt_us(rate['map'], 2)} per chunk ({1e6 / rate['map'][0]:,.0f} maps/s) | "
-        f"{_fmt_us(rate['unmap'], 2)} | {_fmt_us(rate['batch'], 3)} | wall: "
-        f"{'met' if rate['map'][0] < 10 else 'NOT met'}, CPU: "
-        f"{'met' if rate['map'][1] < 10 else 'NOT met'} |",
-        "",
-        f"## Replay of a synthetic swap trace over SimBackend ({n_events:,} events)",
-        "",
-        "| trace | allocator | budget | events/s (median) | CPU events/s | min-max (runs) "
-        "| fits? | peak live | peak reserved / mapped | overhead | peak physical held "
-        "| map calls | unmap calls |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    lines += common.md_table(
+        ["map, chunks in shuffled order", "unmap (PROT_NONE over it)",
+         "map in file order (one call)", "target < 10 us per chunk"],
+        [[f"{_fmt_us(rate['map'], 2)} per chunk ({1e6 / rate['map'][0]:,.0f} maps/s)",
+          _fmt_us(rate["unmap"], 2), _fmt_us(rate["batch"], 3),
+          f"wall: {'met' if rate['map'][0] < 10 else 'NOT met'}, "
+          f"CPU: {'met' if rate['map'][1] < 10 else 'NOT met'}"]], align="rrrl")
+    lines += ["", f"## Replay of a synthetic swap trace over SimBackend ({n_events:,} events)", ""]
+    table = []
     for jitter, rows in traces:
         label = f"swap, jitter {int(jitter * 100)}%"
         for row in rows:
@@ -303,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"**no**: OOM at event {res.oom_index:,}"
             spread = (f"{row['min']:,.0f}-{row['max']:,.0f} ({row['runs']})" if row["runs"] > 1
                       else "(1)")
-            lines.append(
-                f"| {label} | {row['name']} | {row['budget']} | **{row['rate']:,.0f}** | "
-                f"{row['cpu_rate']:,.0f} | {spread} | {fits} | "
-                f"{format_size(res.peak_live_bytes)} | {format_size(res.peak_reserved_bytes)} | "
-                f"x{res.overhead:.3f} | {format_size(res.final_stats['peak_physical_bytes'])} | "
-                f"{res.map_calls:,} | {res.unmap_calls:,} |")
+            table.append([label, row["name"], row["budget"], f"**{row['rate']:,.0f}**",
+                          f"{row['cpu_rate']:,.0f}", spread, fits,
+                          format_size(res.peak_live_bytes), format_size(res.peak_reserved_bytes),
+                          f"x{res.overhead:.3f}",
+                          format_size(res.final_stats["peak_physical_bytes"]),
+                          f"{res.map_calls:,}", f"{res.unmap_calls:,}"])
+    lines += common.md_table(
+        ["trace", "allocator", "budget", "events/s (median)", "CPU events/s", "min-max (runs)",
+         "fits?", "peak live", "peak reserved / mapped", "overhead", "peak physical held",
+         "map calls", "unmap calls"], table, align="lllrrrlrrrrrr")
     targeted = [row for _, rows in traces for row in rows[:2]]
     worst, worst_cpu = min(r["rate"] for r in targeted), min(r["cpu_rate"] for r in targeted)
     lines += [
@@ -332,12 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         f"with the 80 GiB budget): wall-clock {'met' if worst >= 200_000 else 'NOT met'} "
         f"(slowest {worst:,.0f} events/s), CPU time {'met' if worst_cpu >= 200_000 else 'NOT met'}"
         f" (slowest {worst_cpu:,.0f} events/s).",
-        "",
     ]
-    out = args.out or RESULTS / ("vmm-quick.md" if args.quick else "vmm.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+    common.write_report(args.out or common.result_path("vmm", args.quick), lines)
     return 0
 
 

@@ -104,6 +104,15 @@ def git_commit() -> str:
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages as ``"5.2 / 5.6 / 4.4"`` (``"unknown"`` where the
+    system gives none). On a shared machine a report notes it at the start and at the end."""
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def header(title: str, *, quick: bool, notes: Iterable[str] = ()) -> list[str]:
     """The first lines of a report: ``# title``, then one bullet per fact, then ``notes``."""
     m = machine_info()
