@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="128 MiB per run, 3 runs")
     ap.add_argument("--dir", default=None, help="parent of the swap directory (default $TMPDIR)")
     ap.add_argument("--out", help="Markdown output (default benchmarks/results/storage.md, "
-                                   "also with --quick)")
+                                   "storage-quick.md with --quick)")
     args = ap.parse_args(argv)
     total, runs = (128 * MiB, 3) if args.quick else (512 * MiB, 5)
     directory = args.dir or tempfile.gettempdir()
@@ -320,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                              [[name, f"{gbs:.2f}"] for name, gbs in sums.items()])
     lines += ["", "## Summary (computed from the tables above)", ""] + _summary(rows, extra)
     lines += ["", f"Total benchmark time {time.time() - started:.0f} s.", ""]
-    # Unlike the other benchmarks, --quick writes storage.md too (as it always has).
-    common.write_report(args.out or common.result_path("storage", False), lines)
+    common.write_report(common.result_path("storage", args.quick, out=args.out), lines)
     return 0
 
 
