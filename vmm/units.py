@@ -57,6 +57,7 @@ def format_size(nbytes: int | float) -> str:
         if n < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{sign}{int(n)} B"
-            return f"{sign}{n:.3g} {unit}"
+            # three significant digits, but never an exponent ("1010 MiB", not "1.01e+03")
+            return f"{sign}{n:.0f} {unit}" if n >= 100 else f"{sign}{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -61,3 +61,15 @@ def test_not_json_and_missing(tmp_path) -> None:
         VariableSequence.from_json(bad)
     with pytest.raises(SequenceFormatError, match="no such file"):
         VariableSequence.from_json(tmp_path / "missing.json")
+
+
+def test_sizes_print_without_exponents_and_parse_both_unit_families() -> None:
+    from scheduler import format_size, parse_size
+
+    assert format_size(1010 << 20) == "1010 MiB"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 << 30) == "3 GiB"
+    assert parse_size("16GiB") == 16 << 30 and parse_size("16 GB") == 16 * 10**9
+    for bad in ("sixteen", "0", "-5", "16 GBs", 0, -1, True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
