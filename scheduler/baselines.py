@@ -1,4 +1,4 @@
-"""Baseline policies to compare the window scheduler against: "none", "vdnn", "lms".
+"""Baseline policies to compare the window scheduler against: "none", "vdnn", "lms", "on-demand".
 
 Each baseline applies a fixed rule that does not look at the budget. The budget is then
 honoured the only honest way: the schedule is replayed, and if the rule's own peak exceeds
@@ -24,6 +24,19 @@ does and reports the rule's peak as the minimum budget (a baseline never silentl
   current: TFLMS reuses the host copy for every later consumer), and swapped back in
   ``swapin_ahead`` functions before that next use. As in TFLMS, which rewrites tensors and
   never touches variables, ``live_out`` variables (parameters, optimizer state) stay put.
+- ``"on-demand"`` (NNTrainer's on-demand swap, Moon et al., "A New Frontier of AI: On-Device
+  AI Training and Personalization", ICSE-SEIP 2024; ``MemorySwap`` without lookahead):
+  nothing is kept that the next function does not use, and nothing is fetched ahead.
+  After each use of a variable that is used again later, but not by the very next function,
+  the variable leaves the device: ``swap_out`` + ``wait_out`` at once (a synchronous write,
+  as NNTrainer's cache flush is), or ``drop`` when its host copy is current (read only since
+  it came in). Right before its next use, ``swap_in`` + ``wait_in``: the function waits for
+  the whole read. ``live_in`` variables start in the slower tier and ``live_out`` ones are
+  put back there after their last use, since the next step uses them again (NNTrainer keeps
+  weights in its swap file between iterations too). A variable used by two consecutive
+  functions stays resident between them (NNTrainer flushes everything except what the
+  current execution order uses). Every transfer is a stall; the rule's peak is close to
+  the largest working set of two neighbouring functions, its cost is the I/O time.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.ir import Access, Kind, VariableSequence
 from scheduler.schedule import Action, Op, Schedule
 
-__all__ = ["plan_none", "plan_vdnn", "plan_lms", "backward_start"]
+__all__ = ["plan_none", "plan_vdnn", "plan_lms", "plan_on_demand", "backward_start"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +118,39 @@ def plan_lms(seq: VariableSequence, budget: int, *, swapout_threshold: int = LMS
     _free_after_last_use(seq, after)
     before = [ins + acts for ins, acts in zip(swap_ins, before)]
     return _fit(seq, budget, "lms", before, after, _needed_live_in(seq))
+
+
+def plan_on_demand(seq: VariableSequence, budget: int) -> Schedule:
+    """NNTrainer's on-demand swap: out after every use, back in synchronously at the next."""
+    before, after = _empty(seq)
+    writes = [{u.var for u in f.uses if u.access is Access.WRITE} for f in seq.functions]
+    for v, var in seq.variables.items():
+        uses = seq.uses_of[v]
+        if not uses:
+            continue  # never used: a live_in one stays in the slower tier, where it started
+        # The host copy is current for a live_in variable (it starts in the slower tier);
+        # a variable created in the step has none until its first swap-out.
+        clean = var.live_in
+        if var.live_in:
+            # (a) swap-in, synchronous: fetched right before its first use, no prefetch.
+            before[uses[0]] += [Action(Op.SWAP_IN, v), Action(Op.WAIT_IN, v)]
+        nexts = list(uses[1:]) + ([None] if var.live_out else [])
+        for j, nxt in zip(uses, nexts):
+            if v in writes[j]:
+                clean = False
+            if nxt is not None and nxt == j + 1:
+                continue  # the next function uses it too: it stays
+            # (c) swap-out right after the use, waited for at once; (d) skip the write
+            # when the slower tier already holds these bytes.
+            if clean:
+                after[j].append(Action(Op.DROP, v))
+            else:
+                after[j] += [Action(Op.SWAP_OUT, v), Action(Op.WAIT_OUT, v)]
+                clean = True
+            if nxt is not None:
+                before[nxt] += [Action(Op.SWAP_IN, v), Action(Op.WAIT_IN, v)]
+    _free_after_last_use(seq, after)
+    return _fit(seq, budget, "on-demand", before, after, frozenset())
 
 
 def backward_start(seq: VariableSequence) -> int:

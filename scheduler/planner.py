@@ -18,7 +18,8 @@ Policies (``POLICIES``):
   nothing when ``budget >= seq.in_core_peak_bytes``. See ``scheduler.window``.
 - ``"window-paper"``: the same paper's algorithm as published (nnabla): swap out after every
   use that is the last inside the window. See ``scheduler.window``.
-- ``"vdnn"``, ``"lms"``, ``"none"``: baselines, see ``scheduler.baselines``.
+- ``"vdnn"``, ``"lms"``, ``"none"``, ``"on-demand"`` (NNTrainer's synchronous swap, no
+  prefetch): baselines, see ``scheduler.baselines``.
 
 Guarantees: the result is deterministic (same input, same schedule), and ``check`` has
 replayed it (``plan`` raises instead of returning an unsafe schedule). When no schedule of
@@ -34,7 +35,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from scheduler.baselines import LMS_SWAPIN_AHEAD, LMS_SWAPOUT_THRESHOLD, plan_lms, plan_none, plan_vdnn
+from scheduler.baselines import (LMS_SWAPIN_AHEAD, LMS_SWAPOUT_THRESHOLD, plan_lms, plan_none,
+                                 plan_on_demand, plan_vdnn)
 from scheduler.check import check
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
@@ -45,7 +47,7 @@ __all__ = ["plan", "POLICIES"]
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("window", "window-paper", "vdnn", "lms", "none")
+POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand")
 
 _OPTIONS: dict[str, dict[str, Any]] = {
     "window": {},
@@ -53,6 +55,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "vdnn": {"backward_start": None},
     "lms": {"swapout_threshold": LMS_SWAPOUT_THRESHOLD, "swapin_ahead": LMS_SWAPIN_AHEAD},
     "none": {},
+    "on-demand": {},
 }
 
 
@@ -129,6 +132,8 @@ def _plan(seq: VariableSequence, budget: int | None, window: int | None, policy:
         schedule = plan_vdnn(seq, budget, **opts)
     elif policy == "lms":
         schedule = plan_lms(seq, budget, **opts)
+    elif policy == "on-demand":
+        schedule = plan_on_demand(seq, budget)
     else:
         if budget is not None and seq.in_core_peak_bytes > budget:
             live = seq.live_bytes
