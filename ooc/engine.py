@@ -7,13 +7,14 @@ import itertools
 import logging
 import time
 from collections import Counter
+from concurrent import futures
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import scheduler
-from ooc.errors import OOCError
+from ooc.errors import OOCError, StorageError
 from ooc.runtime import slots as sl
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.slots import Slot, State
@@ -105,18 +106,21 @@ class OutOfCore:
             if p.device != self.device:
                 raise OOCError(f"{name} is on {p.device}, but the engine manages {self.device}: "
                                f"move the model with model.to('{self.device}') first")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise OOCError(f"threads must be a positive int (I/O threads of the swap tier), got {threads!r}")
         self.model, self.optimizer = model, optimizer
-        if optimizer is not None and self.manage & {"params", "grads", "optimizer_state"}:
-            for group in optimizer.param_groups:   # one op touches one parameter's tensors
-                if "foreach" in group:
-                    group["foreach"] = False
-                if group.get("fused"):
-                    raise OOCError("a fused optimizer updates every parameter in one op; "
-                                   "create it with fused=False to manage params/grads/state")
+        per_parameter = optimizer is not None and bool(self.manage & {"params", "grads", "optimizer_state"})
+        if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
+            raise OOCError("a fused optimizer updates every parameter in one op; "
+                           "create it with fused=False to manage params/grads/state")
         from ooc.storage import FileTier
 
         self.pool = DevicePool(self.budget, self.chunk)   # checks chunk against the granularity
         self.tier = FileTier(storage, threads=threads, verify=verify, chunk_bytes=self.chunk)
+        if per_parameter:   # every argument is valid: now change the optimizer
+            for group in optimizer.param_groups:   # one op touches one parameter's tensors
+                if "foreach" in group:
+                    group["foreach"] = False
         self._ids = itertools.count()
         self.persistent: dict[int, Slot] = {}
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
@@ -131,6 +135,7 @@ class OutOfCore:
         self._stepper: Stepper | None = None
         self._hooks: list = []
         self._closed = False
+        self._optimizer_stepped = False   # the optimizer's state exists (its size is known)
         if "params" in self.manage:
             for name, p in model.named_parameters():
                 self._adopt(p, Kind.PARAM, name)
@@ -190,22 +195,18 @@ class OutOfCore:
         st = Stepper(self, self.schedule, self.binding)
         st.start_key = frozenset(self.persistent)
         self._stepper = st
-        buffers = self._snapshot_buffers() if self.schedule is None else None
-        ok = False
         try:
             with contextlib.ExitStack() as stack:
                 if "activations" in self.manage:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(st.pack, st.unpack))
                 stack.enter_context(_Mode(st))
                 yield
-            ok = True
-        except BudgetTooSmall:
-            if buffers is not None:
-                self._restore_buffers(buffers)
-            raise
-        finally:
+        except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
-            self._finish(st, ok, time.perf_counter() - t0)
+            self._finish(st, exc, time.perf_counter() - t0)
+            raise
+        self._stepper = None
+        self._finish(st, None, time.perf_counter() - t0)
 
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
@@ -224,9 +225,61 @@ class OutOfCore:
                 log.warning("the recording step went over the pool once (%s); planned steps stay "
                             "within the budget", st.overflow)
                 st.overflow = None
+        self._commit_point(st)
         st.rec.optimizer_start = len(st.rec.names)
-        self.optimizer.step()
+        st.undo = None   # from here on the step is not rolled back: drop the undo copies
+        try:
+            self.optimizer.step()
+        except StorageError as e:
+            if not self.manage & {"params", "optimizer_state"}:
+                raise
+            err = StorageError(
+                f"{e}. This happened during the optimizer step, which swaps managed parameters and "
+                "state: parameters it had already updated keep their new values, the others their "
+                "old ones. Restore model and optimizer from a checkpoint before training on")
+            err.errno = e.errno
+            raise err from e
+        self._optimizer_stepped = True
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _commit_point(self, st: Stepper) -> None:
+        """Make sure nothing the step did so far can fail once parameters start changing.
+
+        Waits for every transfer in flight: a failed one raises here, naming its variable,
+        while model and optimizer are still as before the step (the step is rolled back).
+        Then reserves on the tier the room that the updated parameters and optimizer state
+        may need, so that a full disk fails here and not halfway through the update.
+        """
+        busy = [s for s in st.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
+        if busy:
+            st._timed("wait", "commit point", futures.wait, [s.future for s in busy])
+        for s in busy:
+            if sl.failed(s):   # raises the transfer's error, named
+                (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)
+        self.tier.reserve(self._writes_ahead(st))
+
+    def _writes_ahead(self, st: Stepper) -> list[tuple[int | None, int]]:
+        """(tier key, or None for a new one; bytes) of each managed tensor the optimizer step
+        may write to the tier: the updated parameters and the optimizer state."""
+        out: list[tuple[int | None, int]] = []
+        if not self.manage & {"params", "optimizer_state"}:
+            return out
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                slot = st.slot_of(p)
+                nbytes = slot.nbytes if slot is not None else p.untyped_storage().nbytes()
+                if "params" in self.manage and slot is not None:
+                    out.append((slot.key, slot.nbytes))
+                if "optimizer_state" not in self.manage:
+                    continue
+                state = [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+                for t in state:
+                    s = st.slot_of(t)
+                    if s is not None:
+                        out.append((s.key, s.nbytes))
+                if not state and not self._optimizer_stepped and nbytes >= self.min_bytes:
+                    out += [(None, nbytes)] * 2   # created now: assume two like p (Adam), as above
+        return out
 
     def _check_feasible(self, st: Stepper) -> None:
         """Plan what was recorded so far (forward, backward) plus the optimizer's needs."""
@@ -260,29 +313,62 @@ class OutOfCore:
         if self.schedule is None:
             return
         want = self.schedule.initial_resident
-        for slot in self.persistent.values():
-            if slot.var in want and slot.state is State.HOST:
-                sl.start_swap_in(slot, self.tier, self.pool)
-                sl.finish_swap_in(slot)
-                self.counters["bytes_in"] += slot.nbytes
-            elif slot.var not in want and slot.state is State.RESIDENT:
-                if slot.host_current:
-                    sl.release(slot)
-                else:
-                    sl.start_swap_out(slot, self.tier)
-                    sl.finish_swap_out(slot)
-                    self.counters["bytes_out"] += slot.nbytes
-                slot.state = State.HOST
+        try:
+            for slot in self.persistent.values():
+                if slot.var in want and slot.state is State.HOST:
+                    sl.start_swap_in(slot, self.tier, self.pool)
+                    sl.finish_swap_in(slot)
+                    self.counters["bytes_in"] += slot.nbytes
+                elif slot.var not in want and slot.state is State.RESIDENT:
+                    if slot.host_current:
+                        sl.release(slot)
+                    else:
+                        sl.start_swap_out(slot, self.tier)
+                        sl.finish_swap_out(slot)
+                        self.counters["bytes_out"] += slot.nbytes
+                    slot.state = State.HOST
+        except BaseException:
+            self._settle(self.persistent.values())   # nothing changed yet: every slot consistent
+            raise
 
-    def _finish(self, st: Stepper, ok: bool, seconds: float) -> None:
-        """Drain transfers, keep what outlives the step, and re-plan if the step was not planned."""
+    def _settle(self, slots) -> list[BaseException]:
+        """Wait for the transfers of ``slots``; leave each resident or on the tier. Returns the
+        transfers' errors; a KeyboardInterrupt during the wait is raised once all are done."""
+        errors: list[BaseException] = []
+        interrupt: BaseException | None = None
+        for slot in list(slots):
+            try:
+                e = sl.settle(slot, self.tier)
+            except BaseException as exc:  # noqa: B036 - an interrupt: re-raised below
+                interrupt = interrupt or exc
+                continue
+            if e is not None:
+                errors.append(e)
+        if interrupt is not None:
+            raise interrupt
+        return errors
+
+    def _finish(self, st: Stepper, exc: BaseException | None, seconds: float) -> None:
+        """Drain transfers, keep what outlives the step, and re-plan if the step was not planned.
+
+        A step that failed before its optimizer step (``exc``: the user's exception, a swap
+        failure, Ctrl-C; or a transfer that fails here) is rolled back: the buffers it wrote
+        (BatchNorm statistics) get their old bytes, the gradients it created are dropped, and
+        every managed tensor is left either in memory or on the tier, so the next step can
+        run as if this one had not.
+        """
         st.close_node()
-        for slot in list(st.slots.values()):
-            if slot.state is State.IN:
-                sl.finish_swap_in(slot)
-            if slot.state is State.OUT:
-                sl.finish_swap_out(slot)
+        interrupt: BaseException | None = None
+        try:
+            errors = self._settle(st.slots.values())
+        except BaseException as e:  # noqa: B036 - every slot is settled; raised at the end
+            interrupt, errors = e, []
         st.in_flight_out.clear()
+        failed = exc is not None or bool(errors) or interrupt is not None
+        if failed and st.rec.optimizer_start is None:
+            note = st.roll_back()
+            if note and exc is not None and hasattr(exc, "add_note"):
+                exc.add_note(note)
         live = self._live_out(st)
         for var, slot in list(self.persistent.items()):
             if var not in live:
@@ -293,19 +379,29 @@ class OutOfCore:
             if v.live_out != (var in live):
                 st.rec.set_live_out(var, var in live)
         for slot in st.slots.values():
+            if slot.host_current and slot.var not in live:   # activations, dropped grads
+                self.tier.discard(slot.key)
+                slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
-                if slot.host_current:
-                    self.tier.discard(slot.key)
-        self.pool.reap()
+        self.pool.trim()
         self.counters["steps"] += 1
         for tr, name, t0, t1 in st.events:
             self.events.append((tr, name, t0, t1, self.counters["steps"]))
         del self.events[:-200_000]
         self.last = {"step_s": seconds, "stall_s": st.stall_s, "planned": st.planned,
                      "diverged_at": st.diverged_at, "resident_peak_bytes": st.peak}
-        if not ok:
-            return
+        if interrupt is not None:
+            raise interrupt
+        if exc is not None:
+            return   # step() re-raises it; the transfers' errors are its consequences
+        if errors:
+            err = errors[0]
+            if st.rec.optimizer_start is not None:
+                err = StorageError(f"{err}. The step's update had completed and nothing was lost: "
+                                   "a tensor whose write failed kept its bytes in memory")
+                err.errno = errors[0].errno
+            raise err
         if st.schedule is None or st.diverged_at is not None:
             self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
@@ -355,17 +451,6 @@ class OutOfCore:
         log.info("planned %d ops in %.3fs: %s in, %s out per step", len(seq.functions),
                  time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out))
 
-    # -- buffers (BatchNorm running stats) are restored if step 1 fails on the budget -------
-
-    def _snapshot_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(b, b.detach().clone()) for b in self.model.buffers()]
-
-    @staticmethod
-    def _restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for b, copy in saved:
-                b.copy_(copy)
-
     # -- outside the step --------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -375,10 +460,14 @@ class OutOfCore:
         Only needed when params/grads/optimizer_state are managed; the next step puts them
         back where its plan wants them.
         """
-        for slot in self.persistent.values():
-            if slot.state is State.HOST:
-                sl.start_swap_in(slot, self.tier, self.pool)
-                sl.finish_swap_in(slot)
+        try:
+            for slot in self.persistent.values():
+                if slot.state is State.HOST:
+                    sl.start_swap_in(slot, self.tier, self.pool)
+                    sl.finish_swap_in(slot)
+        except BaseException:
+            self._settle(self.persistent.values())
+            raise
         yield
 
     def stats(self) -> dict[str, Any]:
@@ -428,13 +517,15 @@ class OutOfCore:
         """Leave model and optimizer as ordinary PyTorch objects, everything resident."""
         if self._closed:
             return
-        with self.resident():
-            pass
-        for h in self._hooks:
-            h.remove()
-        self.persistent.clear()
-        self.tier.close()
-        self._closed = True
+        try:
+            with self.resident():
+                pass
+        finally:   # even if a tensor cannot be read back (the error names it): no thread, no file
+            for h in self._hooks:
+                h.remove()
+            self.persistent.clear()
+            self.tier.close()
+            self._closed = True
 
     def __enter__(self) -> "OutOfCore":
         return self

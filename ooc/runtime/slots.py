@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
 
+from ooc.errors import StorageError
 from scheduler.ir import Kind
+from vmm.units import format_size
 
 
 class State(enum.Enum):
@@ -77,7 +79,7 @@ def start_swap_out(slot: Slot, tier) -> None:
 
 def finish_swap_out(slot: Slot) -> None:
     """Wait for the write, then give the device bytes back."""
-    slot.future.result()
+    _result(slot, "out")
     slot.future = None
     slot.pending = []
     slot.host_current = True
@@ -109,7 +111,65 @@ def start_swap_in(slot: Slot, tier, pool) -> None:
 
 
 def finish_swap_in(slot: Slot) -> None:
-    slot.future.result()
+    _result(slot, "in")
     slot.future = None
     slot.pending = []
     slot.state = State.RESIDENT
+
+
+def _result(slot: Slot, direction: str) -> None:
+    """The transfer's outcome; a tier failure comes back naming the variable (the tier only
+    knows its key)."""
+    try:
+        slot.future.result()
+    except StorageError as e:
+        err = StorageError(f"swap-{direction} of {slot.name} ({slot.kind.value}, "
+                           f"{format_size(slot.nbytes)}) failed: {e}")
+        err.errno = e.errno
+        raise err from e
+
+
+def failed(slot: Slot) -> bool:
+    """The slot's transfer has finished and failed (its ``finish_*`` would raise)."""
+    return slot.future is not None and slot.future.done() and slot.future.exception() is not None
+
+
+def settle(slot: Slot, tier) -> BaseException | None:
+    """Wait for the slot's transfer in flight, if any, and leave the slot consistent whatever
+    happened: RESIDENT (its bytes in memory) or HOST (the tier holds them). Returns the
+    transfer's error, named, or None. Used when a step ends, failed or not.
+
+    The wait is not given up for a KeyboardInterrupt (or a signal handler's SystemExit): the
+    I/O thread may still be copying into or out of the slot's buffer, which must stay alive
+    until it is done (freeing it early is a segfault, not an exception). The interrupt is
+    raised once the transfer is over; transfers never hang (the tier raises instead).
+    """
+    if slot.future is None or slot.state not in (State.IN, State.OUT):
+        return None
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait([slot.future])
+            break
+        except BaseException as e:  # noqa: B036 - re-raised below, after the buffer is free
+            interrupt = interrupt or e
+    error: BaseException | None = None
+    try:
+        (finish_swap_in if slot.state is State.IN else finish_swap_out)(slot)
+    except Exception as e:
+        error = e
+        slot.future = None
+        slot.pending = []
+        if slot.state is State.IN:
+            # The read failed: the bytes in memory are not the variable's. The tier still
+            # holds them (a retry reads them again), unless they are what was corrupted.
+            release(slot)
+            slot.state = State.HOST
+        else:
+            # The write failed: the bytes are still in memory, the tier's copy is not valid.
+            slot.host_current = False
+            tier.discard(slot.key)
+            slot.state = State.RESIDENT
+    if interrupt is not None:
+        raise interrupt
+    return error

@@ -124,6 +124,15 @@ class Stepper:
         self.overflow: OutOfBudget | None = None # an on-demand need the pool could not meet
         self.node_vars: list[int] = []           # vars unpacked by the backward node now running
         self.ops_since_unpack = 0
+        # What a rollback needs if the step fails before its optimizer step: the buffers it
+        # may write in place (BatchNorm statistics), copied at their first use (data_ptr ->
+        # (buffer, copy); None once the optimizer starts), and the grads it creates.
+        self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
+        self.buffers = {b.untyped_storage().data_ptr(): b for b in engine.model.buffers()
+                        if b.untyped_storage().nbytes()}
+        params = list(engine.model.parameters())
+        self.grads_were_none = [p for p in params if p.grad is None]
+        self.grad_versions = {p: p.grad._version for p in params if p.grad is not None}
         for slot in engine.persistent.values():
             self._register(slot)
             self.rec.add_persistent(slot.var, slot.nbytes, slot.kind, slot.name, live_out=True)
@@ -309,6 +318,9 @@ class Stepper:
                         b.reads.append(i)      # replayed if it becomes managed later
                     else:
                         self.rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+        if self.undo is not None and self.buffers:
+            for t in ins:
+                self._save_before_write(t)
         for pos in _written_args(func):
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 slot = self.slot_of(args[pos])
@@ -332,6 +344,39 @@ class Stepper:
                     self._bind_born(var, s, nbytes, i)
         self.after(i, touched)
         return out
+
+    def _save_before_write(self, t: torch.Tensor) -> None:
+        """Copy a buffer before the step's first op that touches it, for a rollback. Not only
+        before a write: some ops change arguments their schema does not mark as written
+        (``native_batch_norm`` updates the running statistics), so any use counts."""
+        key = t.untyped_storage().data_ptr()
+        b = self.buffers.get(key)
+        if b is not None and key not in self.undo:
+            self.undo[key] = (b, b.detach().clone())   # the mode is off inside its handler
+
+    def roll_back(self) -> str | None:
+        """Undo what a step that failed before its optimizer step did to the model: buffers
+        get their old bytes, gradients it created are dropped. Gradients that existed before
+        the step (accumulation over steps) and that its backward already added to cannot be
+        restored without a copy of each (memory the budget does not have): returns a note
+        naming them, else None."""
+        with torch.no_grad():
+            for b, copy in (self.undo or {}).values():
+                b.copy_(copy)
+        self.undo = None
+        for p in self.grads_were_none:
+            p.grad = None
+        names = {p: n for n, p in self.e.model.named_parameters()}
+        touched = [names.get(p, "?") for p, v in self.grad_versions.items()
+                   if p.grad is not None and p.grad._version != v]
+        if not touched:
+            return None
+        note = (f"ooc: the failed step's backward had already added to the gradients of "
+                f"{len(touched)} parameter(s) accumulated by earlier steps ({', '.join(touched[:4])}"
+                f"{', ...' if len(touched) > 4 else ''}): call optimizer.zero_grad() and redo the "
+                "accumulation; everything else is as before the step")
+        log.warning("%s", note)
+        return note
 
     def _bind_born(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> None:
         v = self.schedule.sequence.variables[var]

@@ -106,6 +106,15 @@ class Extents:
                 self._lengths[i] += self._lengths.pop(i + 1)
                 self._offsets.pop(i + 1)
 
+    def grow(self, new_end: int) -> None:
+        """Extend the file to ``new_end`` (aligned); the new space is free."""
+        if new_end % self.align:
+            raise ValueError(f"new end {new_end} is not a multiple of {self.align}")
+        if new_end > self.end:
+            old, self.end = self.end, new_end
+            self.peak_end = max(self.peak_end, self.end)
+            self.free([(old, new_end - old)])
+
     def trim_end(self) -> int:
         """Drop the free extent touching the end of the file; return the new end."""
         if self._offsets and self._offsets[-1] + self._lengths[-1] == self.end:

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ooc.errors import StorageError
-from ooc.storage.extents import Extents
+from ooc.storage.extents import Extents, round_up
 from ooc.storage.private_dir import make_private_dir, remove_private_dir
 from ooc.storage.swapfile import ALIGN, Fault, ShortTransfer, SwapFile, buffer_address
 from vmm.units import format_size
@@ -199,6 +199,35 @@ class FileTier:
             if rec is not None:
                 self._retire(rec)
 
+    def reserve(self, writes) -> None:
+        """Make sure that ``writes``, pairs ``(key, nbytes)`` (``key=None``: a new key), will
+        find room in the file without growing it, by growing it now if they would not.
+
+        A rewrite of a key whose transfers are finished reuses its space, so only the excess
+        counts. The space is allocated on the file system at once (``posix_fallocate``): when
+        it is full, this raises the ENOSPC :class:`~ooc.errors.StorageError` (naming the file
+        system and the bytes) *before* the caller changes anything, and later writes into the
+        reserved space cannot fail for want of space on file systems that allocate in place
+        (ext4, xfs, tmpfs; copy-on-write ones such as btrfs may still refuse a write).
+        """
+        with self._lock:
+            self._check_open()
+            need = 0
+            for key, nbytes in writes:
+                rec = self._records.get(key) if key is not None else None
+                have = round_up(rec.nbytes, ALIGN) if rec is not None and rec.refs == 0 else 0
+                need += max(0, round_up(int(nbytes), ALIGN) - have)
+            grow = need - self._extents.free_bytes
+            if grow <= 0:
+                return
+            end = self._extents.end
+            try:
+                reserved = self._file.reserve(end, grow)
+            except OSError as e:
+                raise self._error("reserve", -1, grow, e) from e
+            if reserved:
+                self._extents.grow(end + grow)
+
     def __contains__(self, key: int) -> bool:
         with self._lock:
             return key in self._records
@@ -328,7 +357,9 @@ class FileTier:
             # done: this wait is short and cannot deadlock, even with one thread.
             exc = rec.write.exception()
             if exc is not None:
-                raise StorageError(f"cannot read key {key}: its write failed: {exc}") from exc
+                err = StorageError(f"cannot read key {key}: its write failed: {exc}")
+                err.errno = getattr(exc, "errno", None)
+                raise err from exc
             t0 = time.perf_counter()
             self._transfer("pread", key, rec, view, direct)
             ok = True
@@ -420,12 +451,15 @@ class FileTier:
             return e
         where = _filesystem(self.directory)
         if e.errno == errno.ENOSPC:
+            doing = ("reserving room for the writes ahead" if op == "reserve"
+                     else f"writing key {key}")
             err = StorageError(
                 f"FileTier: no space left on the file system at {where['mount']} "
                 f"({format_size(where['free'])} free; swap directory {self.directory}) while "
-                f"writing key {key}: it needs {format_size(nbytes)} ({nbytes} bytes); the swap "
-                f"file has {format_size(self._extents.end)} allocated. Free space there, pass "
-                "FileTier(directory=...) on a larger disk, or raise the budget so less is swapped")
+                f"{doing}: it needs {format_size(nbytes)} ({nbytes} bytes); the swap "
+                f"file has {format_size(self._extents.end)} allocated. Free space there, point the "
+                "swap directory (OutOfCore(storage=...), FileTier(directory=...)) at a larger "
+                "disk, or raise the budget so less is swapped")
         else:
             kind = "short transfer" if isinstance(e, ShortTransfer) else "error"
             err = StorageError(

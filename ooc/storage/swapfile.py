@@ -45,7 +45,7 @@ __all__ = ["ALIGN", "Fault", "ShortTransfer", "SwapFile", "buffer_address"]
 ALIGN = 4096
 # Test hook: fault(op, key, offset, length) -> None (no fault) | int (pretend the call moved
 # only that many bytes) ; raising OSError simulates the call failing. ops: "pwrite", "pread",
-# "sync", "open_tmpfile", "open_direct".
+# "sync", "open_tmpfile", "open_direct", "reserve" (allocating file space ahead: offset, length).
 Fault = Callable[[str, int, int, int], "int | None"]
 
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
@@ -211,6 +211,19 @@ class SwapFile:
                         f"{offset + done}")
             else:
                 stalls = 0
+
+    def reserve(self, offset: int, length: int) -> bool:
+        """Allocate ``[offset, offset + length)`` of the file on the file system now, so that
+        writes there later cannot fail for want of space. ENOSPC raises; a file system that
+        cannot preallocate returns False (its writes may still fail for space later)."""
+        self._hook("reserve", -1, offset, length)
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return False
+            raise
+        return True
 
     def start_writeback(self, key: int, offset: int, length: int) -> None:
         """Begin writing a buffered range back, without waiting (pipelines with the next copy)."""

@@ -1,0 +1,740 @@
+"""Issue 7, reliability: a swap failure never corrupts a model silently.
+
+Each test is one promise of GUARANTEES.md: storage faults (full disk, I/O errors, short
+transfers, corrupted bytes), exceptions and interrupts in the middle of a step, killed
+processes, budget changes, bad arguments, and models the runtime cannot plan for. Faults
+are injected through :class:`~ooc.storage.FileTier`'s ``_fault`` hook, by giving the engine
+a tier made with it (:func:`faulty_engine`). "Unchanged" and "identical" are checked bitwise,
+against the state before the failed step and against in-core training on the same data.
+
+The model is a small conv-BN-ReLU stack (a training step takes a few milliseconds) whose
+activations, parameters and optimizer state are all larger than ``min_bytes``, so a quarter
+of its in-core peak swaps every kind of tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import gc
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+from ooc.engine import OutOfCore
+from ooc.errors import OOCError, StorageError
+from ooc.storage import FileTier
+from ooc.storage.file_tier import _filesystem
+from ooc.storage.private_dir import PREFIX
+
+CHUNK = 16 << 10
+ALL = ("activations", "params", "grads", "optimizer_state")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- a small model, its data, in-core references -------------------------------------------
+
+
+class Tiny(nn.Module):
+    """conv-BN-ReLU blocks and a linear head. ``fail`` makes a step fail on purpose:
+    "forward" (after the BatchNorm statistics changed), "loss", "backward" (in the middle of
+    it, after some gradients exist) or "interrupt" (a KeyboardInterrupt in the forward)."""
+
+    def __init__(self, width: int = 16, blocks: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        cin = 3
+        for _ in range(blocks):
+            layers += [nn.Conv2d(cin, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+            cin = width
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width * 16, 10)
+        self.fail: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.fail == "forward":
+            raise RuntimeError("shape mismatch (on purpose)")
+        if self.fail == "interrupt":
+            raise KeyboardInterrupt
+        if self.fail == "backward":
+            h.register_hook(_raise_in_backward)
+        return self.head(F.adaptive_avg_pool2d(h, 4).flatten(1))
+
+
+def _raise_in_backward(grad: torch.Tensor) -> None:
+    raise RuntimeError("failure in the backward (on purpose)")
+
+
+def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+class MLP(nn.Module):
+    """Parameters and optimizer state dominate (activations are small): under a quarter of its
+    peak the optimizer step itself swaps parameters and state in and out."""
+
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(192, width), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(F.avg_pool2d(x, 2).flatten(1))
+
+
+def fresh(opt: str = "adam", kind: str = "cnn", **kw) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tiny(**kw) if kind == "cnn" else MLP(**kw)
+    if opt == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def run_step(model: nn.Module, opt, step: int, engine: OutOfCore | None = None,
+             loss_fail: bool = False) -> torch.Tensor:
+    """One training step, in core (``engine=None``) or through the engine."""
+    x, y = batch(step)
+    ctx = engine.step() if engine is not None else contextlib.nullcontext()
+    with ctx:
+        loss = F.cross_entropy(model(x), y)
+        if loss_fail:
+            raise ValueError("the loss failed (on purpose)")
+        loss.backward()
+        if engine is not None:
+            engine.optimizer_step()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def state_of(model: nn.Module, opt, engine: OutOfCore | None = None) -> dict:
+    """Bitwise copy of parameters, buffers, grads and optimizer state."""
+    with engine.resident() if engine is not None else contextlib.nullcontext():
+        return {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            "opt": copy.deepcopy(opt.state_dict()),
+        }
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), f"{what}: {k} differs"
+    for k, v in a["grads"].items():
+        w = b["grads"][k]
+        assert (v is None) == (w is None) and (v is None or torch.equal(v, w)), f"{what}: grad of {k} differs"
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys(), f"{what}: optimizer state has other entries"
+    for i in sa:
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f"{what}: state {i}.{k}"
+    hyper = lambda s: [{k: v for k, v in g.items() if k != "foreach"} for g in s["param_groups"]]  # noqa: E731
+    assert hyper(a["opt"]) == hyper(b["opt"]), f"{what}: hyperparameters differ"   # the engine sets foreach
+
+
+_REF: dict = {}
+
+
+def reference(opt: str, steps: int, **kw) -> list[dict]:
+    """In-core states after steps 0..steps-1 (cached)."""
+    key = (opt, steps, tuple(sorted(kw.items())))
+    if key not in _REF:
+        model, o = fresh(opt, **kw)
+        out = []
+        for step in range(steps):
+            run_step(model, o, step)
+            out.append(state_of(model, o))
+        _REF[key] = out
+    return _REF[key]
+
+
+_PEAK: dict = {}
+
+
+def managed_peak(opt: str, manage: tuple[str, ...], **kw) -> int:
+    key = (opt, manage, tuple(sorted(kw.items())))
+    if key not in _PEAK:
+        model, o = fresh(opt, **kw)
+        with OutOfCore(model, o, budget="1GiB", chunk=CHUNK, min_bytes=4096, manage=manage) as e:
+            for step in range(2):
+                run_step(model, o, step, e)
+            _PEAK[key] = e.schedule.sequence.in_core_peak_bytes
+    return _PEAK[key]
+
+
+class Faults:
+    """A switchable ``FileTier._fault`` hook: ``self.fn(op, key, offset, length)`` decides."""
+
+    def __init__(self) -> None:
+        self.fn = None
+
+    def __call__(self, op: str, key: int, offset: int, length: int):
+        fn = self.fn
+        return None if fn is None else fn(op, key, offset, length)
+
+
+def faulty_engine(model, opt, faults: Faults, storage, *, fraction: int = 4,
+                  manage: tuple[str, ...] = ("activations",), verify: bool = False,
+                  opt_name: str = "adam", kind: str = "cnn") -> OutOfCore:
+    """An engine at ``1/fraction`` of the in-core managed peak whose tier has the fault hook
+    (the engine's own tier is closed and replaced before any step)."""
+    budget = managed_peak(opt_name, manage, kind=kind) // fraction
+    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=manage,
+                  storage=str(storage), verify=verify)
+    e.tier.close()
+    e.tier = FileTier(storage, threads=2, verify=verify, chunk_bytes=CHUNK, _fault=faults)
+    return e
+
+
+def enospc(op, key, offset, length):
+    if op in ("pwrite", "reserve"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def disk_of(room: list[int]):
+    """A file system with ``room[0]`` bytes for the swap file: writes and reservations that
+    would reach past it fail with ENOSPC, writes into space already held succeed."""
+    def fault(op, key, offset, length):
+        if op in ("pwrite", "reserve") and offset + length > room[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return fault
+
+
+def live_pool_allocations(engine: OutOfCore) -> int:
+    gc.collect()
+    engine.pool.reap()
+    return engine.pool.stats()["allocations"]
+
+
+def assert_storage_error_names_the_filesystem(err: StorageError, storage) -> None:
+    msg = str(err)
+    assert "no space left on the file system at" in msg
+    assert _filesystem(str(storage))["mount"] in msg
+    assert re.search(r"needs [\d.]+ \w*B \(\d+ bytes\)", msg), msg
+    assert err.errno == errno.ENOSPC
+
+
+# -- faults: full disk ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_in_the_forward_fails_the_step_before_the_optimizer_and_a_retry_matches(tmp_path):
+    """Every write fails with ENOSPC from step 2 on: the step raises StorageError naming the file
+    system, the swapped variable and the bytes; parameters, buffers, grads and optimizer state are
+    bitwise as before the step; with room again, the retried step and the next match in core."""
+    model, opt = fresh()
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, tmp_path)
+    ref = reference("adam", 4)
+    for step in range(2):
+        run_step(model, opt, step, e)
+    before = state_of(model, opt, e)
+    faults.fn = enospc
+    with pytest.raises(StorageError) as err:
+        run_step(model, opt, 2, e)
+    assert_storage_error_names_the_filesystem(err.value, tmp_path)
+    assert re.search(r"swap-(out|in) of aten\.\w+\.\w+#\d+ \(activation", str(err.value)), str(err.value)
+    assert_same(before, state_of(model, opt, e), "after the failed step")
+    del err
+    assert live_pool_allocations(e) == 0 and e.tier.stats()["keys"] == 0, "transfers and pool released"
+    faults.fn = None
+    for step in (2, 3):
+        run_step(model, opt, step, e)
+        assert_same(ref[step], state_of(model, opt, e), f"step {step} after the retry")
+    assert e.stats()["last_planned"], "the plan survives a failed step"
+    e.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_full_disk_with_managed_state_fails_before_the_update_then_room_again(tmp_path):
+    """manage=all (the optimizer step itself swaps): a disk too small for what the update will
+    write fails at the commit point of ``optimizer_step`` (the room for updated parameters and
+    state is reserved before the first one changes), never halfway through the update. Given
+    room, the retry trains as in core; a disk that is full after that (the swap file already has
+    its room) does not disturb the planned steps."""
+    ref = reference("adam", 5, kind="mlp")
+    # Trial run: how big the swap file is when the first optimizer step starts.
+    model, opt = fresh(kind="mlp")
+    probe = Faults()
+    e = faulty_engine(model, opt, probe, tmp_path, manage=ALL, kind="mlp")
+    x, y = batch(0)
+    with e.step():
+        F.cross_entropy(model(x), y).backward()
+        before_update = e.tier.stats()["file_bytes"]
+        e.optimizer_step()
+    e.close()
+
+    model, opt = fresh(kind="mlp")
+    room = [before_update + (256 << 10)]   # the forward fits (with slack), the update does not
+    faults = Faults()
+    faults.fn = disk_of(room)
+    e = faulty_engine(model, opt, faults, tmp_path, manage=ALL, kind="mlp")
+    before = state_of(model, opt, e)
+    with pytest.raises(StorageError) as err:
+        run_step(model, opt, 0, e)
+    assert_storage_error_names_the_filesystem(err.value, tmp_path)
+    assert "reserving room" in str(err.value), "the commit point reserves before the update"
+    assert not opt.state, "the optimizer must not have run"
+    assert_same(before, state_of(model, opt, e), "after the failed step")
+    del err
+    room[0] = 1 << 40
+    for step in range(3):
+        run_step(model, opt, step, e)
+        assert_same(ref[step], state_of(model, opt, e), f"step {step}")
+    room[0] = e.tier.stats()["file_bytes"]   # the disk is full now
+    for step in (3, 4):
+        run_step(model, opt, step, e)
+        assert e.stats()["last_planned"]
+    assert_same(ref[4], state_of(model, opt, e), "steps on a full disk")
+    e.close()
+
+
+def test_reserve_fails_before_anything_and_then_writes_cannot_fail_for_space(tmp_path):
+    """FileTier.reserve: ENOSPC raised (with the file system and bytes) while nothing changed;
+    once it succeeds, writes up to the reserved room never grow the file."""
+    import numpy as np
+
+    room = [1 << 20]
+    with FileTier(tmp_path, _fault=disk_of(room)) as t:
+        with pytest.raises(StorageError) as err:
+            t.reserve([(None, 2 << 20)])
+        assert_storage_error_names_the_filesystem(err.value, tmp_path)
+        assert t.stats()["file_bytes"] == 0 and t.stats()["keys"] == 0
+        t.reserve([(1, 600 << 10), (2, 400 << 10)])
+        assert t.stats()["file_bytes"] == 1000 << 10
+        room[0] = t.stats()["file_bytes"]   # the disk is full: writes into the reserved room succeed
+        a = np.arange(600 << 8, dtype=np.float32)
+        b = np.arange(400 << 8, dtype=np.float32)
+        t.write_async(1, a, a.nbytes).result()
+        t.write_async(2, b, b.nbytes).result()
+        t.write_async(1, a, a.nbytes).result()   # a rewrite reuses its room
+        t.reserve([(1, a.nbytes), (2, b.nbytes)])   # nothing more needed
+        assert t.stats()["file_bytes"] == 1000 << 10
+        out = np.empty_like(a)
+        t.read_async(1, out).result()
+        assert (out == a).all()
+
+
+# -- faults: I/O errors, short transfers, corruption -----------------------------------------
+
+
+def _eio(which):
+    def fault(op, key, offset, length):
+        if op == which:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return fault
+
+
+def _short(which):
+    def fault(op, key, offset, length):
+        if op == which:
+            return 0   # the call moves nothing: a short read at once, a stalled write
+    return fault
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["pwrite", "pread"])
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_io_error_or_short_transfer_raises_in_the_training_thread(tmp_path, op, kind):
+    """An I/O error or a short transfer on swap-out (pwrite) or swap-in (pread) is raised by the
+    step in the training thread (at the next wait, at the latest at the commit point before the
+    optimizer), never lost in an I/O thread, never a hang; the step is rolled back and the next
+    one trains as in core."""
+    model, opt = fresh()
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, tmp_path)
+    ref = reference("adam", 4)
+    for step in range(2):
+        run_step(model, opt, step, e)
+    before = state_of(model, opt, e)
+    faults.fn = (_eio if kind == "eio" else _short)(op)
+    with pytest.raises(StorageError) as err:
+        run_step(model, opt, 2, e)
+    msg = str(err.value)
+    assert re.search(r"swap-(in|out) of aten\.\w+\.\w+#\d+", msg), msg
+    assert ("short transfer" if kind == "short" else "Input/output error") in msg, msg
+    assert_same(before, state_of(model, opt, e), "after the failed step")
+    faults.fn = None
+    for step in (2, 3):
+        run_step(model, opt, step, e)
+    assert_same(ref[3], state_of(model, opt, e), "after the retry")
+    e.close()
+
+
+@pytest.mark.timeout(60)
+def test_io_error_during_a_swapping_optimizer_step_is_raised_and_says_so(tmp_path):
+    """manage=all: an I/O error on a read *during* the optimizer step (parameters and state are
+    swapped in one by one) cannot be rolled back (GUARANTEES.md says so); it is raised in the
+    training thread, says that the update was partial, and the engine closes cleanly."""
+    baseline = set(threading.enumerate())
+    model, opt = fresh(kind="mlp")
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, tmp_path, manage=ALL, kind="mlp")
+    for step in range(2):
+        run_step(model, opt, step, e)
+    started = threading.Event()
+    opt.register_step_pre_hook(lambda *a: started.set())   # runs after the commit point
+    faults.fn = lambda op, key, off, n: _eio("pread")(op, key, off, n) if started.is_set() else None
+    with pytest.raises(StorageError) as err:
+        run_step(model, opt, 2, e)
+    assert "during the optimizer step" in str(err.value) and "checkpoint" in str(err.value)
+    faults.fn = None
+    del err
+    e.close()
+    assert set(threading.enumerate()) <= baseline
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_swap_bytes_are_detected_and_named(tmp_path):
+    """verify=True: one byte flipped in the swap file between swap-out and swap-in raises
+    StorageError naming the variable (the plan's name of the activation) and the chunk; the step
+    is rolled back and the next one trains as in core."""
+    model, opt = fresh()
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, tmp_path, verify=True)
+    ref = reference("adam", 4)
+    for step in range(2):
+        run_step(model, opt, step, e)
+    before = state_of(model, opt, e)
+    flipped = []
+
+    def flip(op, key, offset, length):
+        if op == "pread" and not flipped:   # the bytes on storage change before they are read
+            fd = os.open(f"/proc/self/fd/{e.tier._file.fd}", os.O_RDWR)
+            try:
+                b = os.pread(fd, 1, offset)
+                os.pwrite(fd, bytes([b[0] ^ 0x40]), offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            flipped.append(offset)
+
+    faults.fn = flip
+    with pytest.raises(StorageError) as err:
+        run_step(model, opt, 2, e)
+    msg = str(err.value)
+    assert flipped and "corrupted" in msg and "CRC-32 mismatch" in msg, msg
+    name = re.search(r"swap-in of (\S+) \(activation", msg).group(1)
+    assert name in {v.name for v in e.schedule.sequence.variables.values()}, name
+    assert_same(before, state_of(model, opt, e), "after the failed step")
+    faults.fn = None
+    for step in (2, 3):
+        run_step(model, opt, step, e)
+    assert_same(ref[3], state_of(model, opt, e), "after the retry")
+    e.close()
+
+
+# -- exceptions and interrupts in the middle of a step ----------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where, manage", [
+    ("forward", ("activations",)), ("loss", ("activations",)), ("backward", ("activations",)),
+    ("forward", ALL), ("backward", ALL), ("interrupt", ("activations",)),
+])
+def test_exception_in_the_step_rolls_back_and_training_continues(tmp_path, where, manage):
+    """An exception in the user's forward (after BatchNorm updated its statistics), in the loss,
+    or in the middle of the backward (after some gradients exist), or a KeyboardInterrupt, on
+    step 3: the same exception reaches the caller; transfers are finished, the pool and the
+    tier hold nothing of the step; parameters, buffers, grads and optimizer state are bitwise
+    as before; the next steps train exactly as in core."""
+    model, opt = fresh()
+    e = faulty_engine(model, opt, Faults(), tmp_path, manage=manage)
+    ref = reference("adam", 5)
+    for step in range(3):
+        run_step(model, opt, step, e)
+    persistent_keys = e.tier.stats()["keys"]
+    before = state_of(model, opt, e)
+    model.fail = None if where == "loss" else where
+    expected = {"forward": RuntimeError, "backward": RuntimeError, "loss": ValueError,
+                "interrupt": KeyboardInterrupt}[where]
+    with pytest.raises(expected):
+        run_step(model, opt, 3, e, loss_fail=where == "loss")
+    model.fail = None
+    assert_same(before, state_of(model, opt, e), f"after a failure in the {where}")
+    assert live_pool_allocations(e) == 0
+    assert e.tier.stats()["keys"] <= persistent_keys, "the failed step's activations left the tier"
+    for step in (3, 4):
+        run_step(model, opt, step, e)
+    assert_same(ref[4], state_of(model, opt, e), "after the failed step")
+    e.close()
+
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_leaves_no_thread_and_no_file(tmp_path):
+    baseline = set(threading.enumerate())
+    model, opt = fresh()
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
+                  manage=ALL, storage=str(tmp_path))
+    for step in range(2):
+        run_step(model, opt, step, e)
+    assert set(threading.enumerate()) > baseline, "the tier's I/O threads run"
+    model.fail = "interrupt"
+    with pytest.raises(KeyboardInterrupt):
+        run_step(model, opt, 2, e)
+    e.close()
+    assert set(threading.enumerate()) <= baseline
+    assert os.listdir(tmp_path) == []
+
+
+# Subprocess scenarios: a child trains the tiny model, prints "ready" from inside a step, and
+# the parent signals it (no timing: the child waits for the signal there).
+_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, time
+    sys.path.insert(0, {tests!r})
+    import torch
+    from test_reliability import fresh, run_step, managed_peak, ALL, CHUNK
+    from ooc.engine import OutOfCore
+
+    mode, storage = sys.argv[1], sys.argv[2]
+    if mode == "sigterm-exit":   # the user's choice: turn SIGTERM into SystemExit
+        signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))
+    model, opt = fresh()
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
+                  manage=ALL, storage=storage)
+    for step in range(2):
+        run_step(model, opt, step, e)
+
+    def wait_here(module, inputs, output):
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds.append(os.readlink(f"/proc/self/fd/{{fd}}"))
+            except OSError:   # the descriptor listdir itself used
+                pass
+        inside = [f for f in fds if f.startswith(e.tier.directory + "/")]   # files, not the dir
+        print("ready", json.dumps(inside), flush=True)
+        while True:
+            time.sleep(0.05)
+
+    model.body[6].register_forward_hook(wait_here)   # mid-forward, swaps in flight
+    run_step(model, opt, 2, e)
+""")
+
+
+def _signal_child(tmp_path, mode: str, sig: int) -> tuple[int, str, str]:
+    storage = tmp_path / "swap"
+    storage.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)), mode, str(storage)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("ready"), child.stderr.read()
+        swap_fds = json.loads(line.split(" ", 1)[1])
+        assert swap_fds and all("(deleted)" in f for f in swap_fds), swap_fds
+        os.kill(child.pid, sig)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, str(storage), err
+
+
+def _files_under(path: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_mid_step_leaves_no_swapped_bytes_and_the_next_engine_sweeps(tmp_path, sig):
+    """SIGTERM (no handler: the engine installs none, see GUARANTEES.md) or SIGKILL in the
+    middle of a step: the swap file was unlinked from birth, so no file is left; only the
+    empty private directory remains, and the next engine on the same parent removes it."""
+    code, storage, err = _signal_child(tmp_path, "plain", sig)
+    assert code == -sig, err
+    assert _files_under(storage) == [], "no swapped byte may stay on disk"
+    left = os.listdir(storage)
+    assert len(left) == 1 and left[0].startswith(PREFIX)
+    model, opt = fresh()
+    e = OutOfCore(model, opt, budget="1MiB", chunk=CHUNK, storage=storage)
+    assert left[0] not in os.listdir(storage), "the stale directory of the dead process is swept"
+    e.close()
+    assert os.listdir(storage) == []
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_turned_into_exit_by_the_user_cleans_up_everything(tmp_path):
+    """With the usual handler (SIGTERM -> sys.exit), the step unwinds like any exception and
+    the interpreter's exit closes the engine: the storage directory is empty."""
+    code, storage, err = _signal_child(tmp_path, "sigterm-exit", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert os.listdir(storage) == [], "nothing left, not even the private directory"
+
+
+# -- budget changes ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_budget_changes_between_steps_replan_and_stay_identical(tmp_path):
+    model, opt = fresh()
+    peak = managed_peak("adam", ALL)
+    e = OutOfCore(model, opt, budget=peak // 2, chunk=CHUNK, min_bytes=4096, manage=ALL,
+                  storage=str(tmp_path))
+    ref = reference("adam", 8)
+    budgets = {2: peak // 4, 4: peak * 2, 6: peak // 3}
+    for step in range(8):
+        if step in budgets:
+            plans = e.stats()["plans"]
+            e.set_budget(budgets[step])
+        run_step(model, opt, step, e)
+        if step in budgets:
+            assert e.stats()["plans"] > plans and e.stats()["budget"] == budgets[step]
+            assert e.schedule.budget == budgets[step]
+        assert_same(ref[step], state_of(model, opt, e), f"step {step}")
+    assert e.stats()["plan"]["peak_resident_bytes"] <= peak // 3
+    e.close()
+
+
+# -- bad input: arguments ---------------------------------------------------------------------
+
+
+def test_budget_units_are_distinct_and_both_valid(tmp_path):
+    model, opt = fresh()
+    with OutOfCore(model, opt, budget="16 GB", storage=str(tmp_path)) as a:
+        assert a.budget == 16 * 10**9
+    with OutOfCore(model, opt, budget="16GiB", storage=str(tmp_path)) as b:
+        assert b.budget == 16 * 2**30
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"budget": None}, "expected a byte size"), ({"budget": True}, "expected a byte size"),
+    ({"budget": float("nan")}, "positive"), ({"budget": "-1GiB"}, "not a size"),
+    ({"budget": ""}, "not a size"), ({"budget": "1 GiBs"}, "not a size"),
+    ({"budget": "1GiB", "chunk": 0}, "chunk must be"), ({"budget": "1GiB", "chunk": "1000"}, "granularity"),
+    ({"budget": "1GiB", "window": -1}, "window must be"), ({"budget": "1GiB", "min_bytes": "lots"}, "not a size"),
+    ({"budget": "1GiB", "threads": 0}, "threads must be"), ({"budget": "1GiB", "policy": "lru"}, "policy"),
+    ({"budget": "1GiB", "manage": "everything"}, "unknown kind"),
+])
+def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
+    """Extends test_engine.py's list: one clear OOCError, and nothing done — no directory, no
+    thread, the optimizer untouched."""
+    model, opt = fresh()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    threads = set(threading.enumerate())
+    with pytest.raises(OOCError, match=words):
+        OutOfCore(model, opt, storage=str(tmp_path), manage=bad.pop("manage", ALL), **bad)
+    assert os.listdir(tmp_path) == [] and set(threading.enumerate()) <= threads
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+
+
+def test_bad_budget_in_set_budget_keeps_the_old_one(tmp_path):
+    model, opt = fresh()
+    with OutOfCore(model, opt, budget="1MiB", chunk=CHUNK, storage=str(tmp_path)) as e:
+        for bad in (0, -1, "x", "1 KiB"):
+            with pytest.raises(OOCError):
+                e.set_budget(bad)
+        assert e.budget == 1 << 20
+        run_step(model, opt, 0, e)
+
+
+def test_model_on_another_device_is_refused(tmp_path):
+    model, opt = fresh()
+    model.to("meta")
+    with pytest.raises(OOCError, match="is on meta.*model.to"):
+        OutOfCore(model, opt, budget="1GiB", storage=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+# -- models the plan cannot foresee ------------------------------------------------------------
+
+
+class Branchy(Tiny):
+    """Data-dependent control flow: an extra block when the batch mean is positive."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=3)
+        self.extra = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if x.mean() > 0:
+            h = h + self.extra(h)
+        return self.head(F.adaptive_avg_pool2d(h, 4).flatten(1))
+
+
+@pytest.mark.timeout(60)
+def test_data_dependent_branch_diverges_and_stays_identical(tmp_path):
+    torch.manual_seed(0)
+    ref, ref_opt = Branchy(), None
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    branches = [bool(batch(s)[0].mean() > 0) for s in range(8)]
+    assert len(set(branches)) == 2, "the data must take both branches"
+    e = OutOfCore(model, opt, budget=managed_peak("sgd", ALL) // 2, chunk=CHUNK, min_bytes=4096,
+                  manage=ALL, storage=str(tmp_path))
+    diverged = 0
+    for step in range(8):
+        run_step(ref, ref_opt, step)
+        run_step(model, opt, step, e)
+        diverged += e.stats()["last_diverged_at"] is not None
+        assert_same(state_of(ref, ref_opt), state_of(model, opt, e), f"step {step}")
+    assert diverged >= 1
+    e.close()
+
+
+@pytest.mark.timeout(60)
+def test_activation_held_by_the_user_across_steps_stays_correct(tmp_path):
+    """The user keeps an activation of step k (one the plan swaps out and releases) and reads it
+    in step k+1. Swapping copies bytes out and never writes into the user's tensor: it keeps its
+    value (checked against a copy after each step), and training stays identical to in core
+    doing the same."""
+    def train(engine_kw):
+        model, opt = fresh()
+        held: list[torch.Tensor] = []
+        model.body[3].register_forward_hook(lambda m, i, o: held.append(o))
+        e = OutOfCore(model, opt, **engine_kw) if engine_kw else None
+        prev = prev_copy = None
+        reads = []
+        for step in range(5):
+            x, y = batch(step)
+            with e.step() if e else contextlib.nullcontext():
+                if prev is not None:   # read last step's activation inside this step
+                    reads.append(prev.detach().double().sum())
+                loss = F.cross_entropy(model(x), y)
+                cur = held.pop()
+                cur_copy = cur.detach().clone()
+                loss.backward()
+                if e:
+                    e.optimizer_step()
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            assert torch.equal(cur, cur_copy), f"step {step}: the held activation changed"
+            if prev is not None:
+                assert torch.equal(prev, prev_copy), f"step {step}: last step's activation changed"
+            prev, prev_copy = cur, cur_copy
+        if e:
+            assert e.stats()["bytes_out"] > 0
+            e.close()
+        return state_of(model, opt), reads
+
+    ref_state, ref_reads = train(None)
+    state, reads = train({"budget": managed_peak("adam", ALL) // 4, "chunk": CHUNK, "min_bytes": 4096,
+                          "manage": ALL, "storage": str(tmp_path)})
+    assert_same(ref_state, state, "holding an activation")
+    assert len(reads) == len(ref_reads) == 4
+    assert all(torch.equal(a, b) for a, b in zip(ref_reads, reads))
