@@ -283,10 +283,21 @@ def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
             raise SequenceFormatError(f"{w}.seconds: expected a number or null")
         functions.append(Function(
             index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
-            cost=Cost(flops=float(raw.get("flops", 0) or 0), bytes=int(raw.get("bytes", 0) or 0),
+            cost=Cost(flops=_count(raw, "flops", w), bytes=int(_count(raw, "bytes", w)),
                       seconds=None if seconds is None else float(seconds))))
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
     return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
+
+
+def _count(raw: dict[str, Any], key: str, where: str) -> float:
+    """An optional non-negative finite number (FLOPs, bytes); missing or null is 0."""
+    value = raw.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise SequenceFormatError(f"{where}.{key}: expected a non-negative number or null, "
+                                  f"got {value!r:.40}")
+    return float(value)
 
 
 def build_sequence(
