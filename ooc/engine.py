@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import slots as sl
+from ooc.runtime.malloc import release_freed_memory
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
@@ -115,6 +116,7 @@ class OutOfCore:
                            "create it with fused=False to manage params/grads/state")
         from ooc.storage import FileTier
 
+        release_freed_memory()   # else glibc keeps swapped-out activations in its heap
         self.pool = DevicePool(self.budget, self.chunk)   # checks chunk against the granularity
         self.tier = FileTier(storage, threads=threads, verify=verify, chunk_bytes=self.chunk)
         if per_parameter:   # every argument is valid: now change the optimizer
