@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import logging
@@ -28,6 +29,9 @@ from vmm.units import format_size, parse_size
 log = logging.getLogger(__name__)
 
 KINDS = ("activations", "params", "grads", "optimizer_state")
+# The timeline keeps the events of this many recent steps (and at most 200,000 events), so
+# that a long run's memory does not grow with its number of steps.
+TIMELINE_STEPS = 32
 
 
 class _Mode(TorchDispatchMode):
@@ -390,6 +394,8 @@ class OutOfCore:
         self.counters["steps"] += 1
         for tr, name, t0, t1 in st.events:
             self.events.append((tr, name, t0, t1, self.counters["steps"]))
+        oldest = self.counters["steps"] - TIMELINE_STEPS
+        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
         del self.events[:-200_000]
         self.last = {"step_s": seconds, "stall_s": st.stall_s, "planned": st.planned,
                      "diverged_at": st.diverged_at, "resident_peak_bytes": st.peak}
@@ -506,7 +512,8 @@ class OutOfCore:
         self.binding = {}
 
     def timeline(self, path: str) -> None:
-        """Write the recorded steps as a Chrome/Perfetto trace (compute, swap, wait tracks)."""
+        """Write the last steps (up to ``TIMELINE_STEPS``) as a Chrome/Perfetto trace (compute,
+        swap, wait tracks)."""
         from scheduler.timeline import Event, write_chrome_trace
 
         if not self.events:

@@ -45,6 +45,17 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny ops: on a shared 2-core machine OpenMP's second thread only contends (a step of
+    these models takes ~40x longer with 2 threads). Results are compared under one setting;
+    test_long_run.py checks both settings."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # -- a small model, its data, in-core references -------------------------------------------
 
 
@@ -155,8 +166,8 @@ _REF: dict = {}
 
 
 def reference(opt: str, steps: int, **kw) -> list[dict]:
-    """In-core states after steps 0..steps-1 (cached)."""
-    key = (opt, steps, tuple(sorted(kw.items())))
+    """In-core states after steps 0..steps-1 (cached; results depend on the thread count)."""
+    key = (opt, steps, tuple(sorted(kw.items())), torch.get_num_threads())
     if key not in _REF:
         model, o = fresh(opt, **kw)
         out = []
@@ -504,6 +515,7 @@ _CHILD = textwrap.dedent("""
     import json, os, signal, sys, time
     sys.path.insert(0, {tests!r})
     import torch
+    torch.set_num_threads(1)
     from test_reliability import fresh, run_step, managed_peak, ALL, CHUNK
     from ooc.engine import OutOfCore
 
