@@ -369,6 +369,10 @@ class OutOfCore:
             errors = self._settle(st.slots.values())
         except BaseException as e:  # noqa: B036 - every slot is settled; raised at the end
             interrupt, errors = e, []
+        try:   # also a transfer whose future an interrupt kept from reaching its slot
+            self.tier.drain()
+        except BaseException as e:  # noqa: B036 - raised at the end
+            interrupt = interrupt or e
         st.in_flight_out.clear()
         failed = exc is not None or bool(errors) or interrupt is not None
         if failed and st.rec.optimizer_start is None:

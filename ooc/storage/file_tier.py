@@ -17,7 +17,7 @@ import time
 import traceback
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ooc.errors import StorageError
@@ -135,6 +135,7 @@ class FileTier:
         self._stats = dict(bytes_written=0, bytes_read=0, writes=0, reads=0, write_s=0.0,
                            read_s=0.0, direct_transfers=0, buffered_transfers=0)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=_THREAD_PREFIX)
+        self._inflight: set[Future] = set()   # submitted, not finished (for drain)
         # Runs at close(), at garbage collection, or at interpreter exit (after the pool's own
         # exit hook has drained its queue): descriptors closed, private directory removed.
         self._finalizer = weakref.finalize(self, _cleanup, self._pool, self._file, self.directory,
@@ -304,12 +305,29 @@ class FileTier:
     def _submit(self, fn, key: int, rec: _Record, base: memoryview, view: memoryview,
                 direct: bool) -> Future:
         try:
-            return self._pool.submit(fn, key, rec, base, view, direct)
+            future = self._pool.submit(fn, key, rec, base, view, direct)
         except RuntimeError as e:  # the pool is shutting down (interpreter exit)
             rec.refs -= 1
             view.release()
             base.release()
             raise StorageError(f"FileTier cannot start a transfer of key {key}: {e}") from e
+        self._inflight.add(future)   # set operations are atomic under the GIL: no lock needed
+        future.add_done_callback(self._inflight.discard)
+        return future
+
+    def drain(self) -> None:
+        """Wait until every transfer submitted so far has finished (or was cancelled), whether
+        or not its caller still holds the future: afterwards no I/O thread touches any buffer
+        handed to the tier. A KeyboardInterrupt during the wait is raised once it is over."""
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                wait(set(self._inflight))
+                break
+            except BaseException as e:  # noqa: B036 - re-raised below
+                interrupt = interrupt or e
+        if interrupt is not None:
+            raise interrupt
 
     def _retire(self, rec: _Record) -> None:
         rec.retired = True

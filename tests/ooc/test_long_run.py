@@ -31,7 +31,7 @@ ALIGN = 4096
 
 
 class MLP(nn.Module):
-    def __init__(self, width: int = 128, depth: int = 4) -> None:
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
         for _ in range(depth):
@@ -67,8 +67,9 @@ def _child(storage: str) -> None:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    with OutOfCore(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.01), budget="1GiB", chunk=ALIGN,
-                   min_bytes=ALIGN, manage=ALL, storage=storage) as probe:   # the in-core peak
+    pm = MLP()
+    with OutOfCore(pm, torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9), budget="1GiB",
+                   chunk=ALIGN, min_bytes=ALIGN, manage=ALL, storage=storage) as probe:   # in-core peak
         m = probe.model
         for step in range(2):
             x, y = _batch(step)
@@ -192,12 +193,13 @@ def test_torch_thread_count_does_not_change_the_result(tmp_path, threads):
     torch.set_num_threads(1 if threads == 1 else before)
     try:
         torch.manual_seed(0)
-        ref = MLP(depth=3)
-        model = MLP(depth=3)
+        ref = MLP()
+        model = MLP()
         model.load_state_dict(ref.state_dict())
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        with OutOfCore(MLP(depth=3), torch.optim.Adam(MLP(depth=3).parameters()), budget="1GiB",
+        pm = MLP()
+        with OutOfCore(pm, torch.optim.Adam(pm.parameters()), budget="1GiB",
                        chunk=ALIGN, min_bytes=ALIGN, manage=ALL, storage=str(tmp_path)) as probe:
             _run(probe.model, probe.optimizer, 2, probe)
             peak = probe.schedule.sequence.in_core_peak_bytes

@@ -596,6 +596,62 @@ def test_sigterm_turned_into_exit_by_the_user_cleans_up_everything(tmp_path):
     assert os.listdir(storage) == [], "nothing left, not even the private directory"
 
 
+_SIGINT_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    from test_reliability import (ALL, Faults, assert_same, faulty_engine, fresh, reference, run_step,
+                                  state_of)
+
+    storage = sys.argv[1]
+    baseline = set(threading.enumerate())
+    model, opt = fresh()
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, storage, manage=ALL)
+    for step in range(2):
+        run_step(model, opt, step, e)
+    before = state_of(model, opt, e)
+    sent = []
+
+    def interrupt_then_stall(op, key, offset, length):
+        if op == "pread" and not sent:   # Ctrl-C while the training thread waits for this read
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+
+    faults.fn = interrupt_then_stall
+    try:
+        run_step(model, opt, 2, e)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    faults.fn = None
+    assert_same(before, state_of(model, opt, e), "after the interrupt")
+    for step in (2, 3):
+        run_step(model, opt, step, e)
+    assert_same(reference("adam", 4)[3], state_of(model, opt, e), "after the retry")
+    e.close()
+    print(json.dumps({{"interrupted": interrupted, "sent": bool(sent),
+                      "threads_left": sorted(t.name for t in set(threading.enumerate()) - baseline)}}))
+""")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_waiting_for_a_transfer_is_rolled_back(tmp_path):
+    """SIGINT arrives while the training thread waits for a swap-in that is still running: the
+    engine waits for the transfer before it lets go of its buffer, rolls the step back and
+    raises KeyboardInterrupt; the next steps train as in core; close leaves no thread, no file.
+    (In a child process: a stray KeyboardInterrupt must not stop this test session.)"""
+    child = subprocess.run(
+        [sys.executable, "-c", _SIGINT_CHILD.format(tests=str(Path(__file__).parent)), str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=100)
+    assert child.returncode == 0, child.stderr[-3000:]
+    r = json.loads(child.stdout.strip().splitlines()[-1])
+    assert r == {"interrupted": True, "sent": True, "threads_left": []}, r
+    assert os.listdir(tmp_path) == []
+
+
 # -- budget changes ------------------------------------------------------------------------
 
 
