@@ -190,7 +190,14 @@ class OutOfCore:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """One training step. The first records and plans; later ones execute the plan."""
+        """One training step. The first records and plans; later ones execute the plan.
+
+        A step that raises before ``optimizer_step()`` (an exception in the user's code, a
+        swap failure, Ctrl-C) is rolled back as it unwinds: its transfers are waited for, the
+        buffers it touched get their old bytes, the gradients it created are dropped, and
+        the same exception reaches the caller. The next step runs as if it had not happened.
+        What is and is not guaranteed, test by test: GUARANTEES.md.
+        """
         if self._closed:
             raise OOCError("this engine is closed; create a new OutOfCore")
         if self._stepper is not None:
@@ -218,7 +225,10 @@ class OutOfCore:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
 
         In the recording step it first checks that the budget is feasible, so that a budget
-        that is too small fails before any parameter changes.
+        that is too small fails before any parameter changes. Then, the commit point: every
+        transfer still in flight is waited for (a failed one raises here) and the room the
+        update will write is reserved on the swap file (a full disk raises here), so that
+        neither failure can stop the update halfway.
         """
         if self.optimizer is None:
             raise OOCError("this engine was created without an optimizer")
