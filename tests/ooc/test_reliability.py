@@ -493,6 +493,27 @@ def test_exception_in_the_step_rolls_back_and_training_continues(tmp_path, where
 
 
 @pytest.mark.timeout(60)
+def test_failed_step_during_gradient_accumulation_names_the_partial_gradients(tmp_path):
+    """The limit GUARANTEES.md states: gradients accumulated by earlier steps that the failed
+    backward already added to cannot be restored; the exception says which, everything else
+    is rolled back."""
+    model, opt = fresh()
+    e = faulty_engine(model, opt, Faults(), tmp_path)
+    x, y = batch(0)
+    with e.step():   # accumulate, no optimizer step
+        F.cross_entropy(model(x), y).backward()
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    model.fail = "backward"
+    with pytest.raises(RuntimeError) as err:
+        with e.step():
+            F.cross_entropy(model(x), y).backward()
+    notes = getattr(err.value, "__notes__", [])
+    assert any("head.weight" in n and "zero_grad" in n for n in notes), notes
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in buffers.items())
+    e.close()
+
+
+@pytest.mark.timeout(60)
 def test_keyboard_interrupt_leaves_no_thread_and_no_file(tmp_path):
     baseline = set(threading.enumerate())
     model, opt = fresh()
