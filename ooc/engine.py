@@ -18,7 +18,7 @@ import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import slots as sl
 from ooc.runtime.malloc import release_freed_memory
-from ooc.runtime.pool import DevicePool
+from ooc.runtime.devices import make_pool, make_tier_and_pool
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
 from scheduler.errors import BudgetTooSmall
@@ -104,9 +104,11 @@ class OutOfCore:
             raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
         self.policy = policy
         self.device = torch.device(device)
-        if self.device.type != "cpu":
-            raise OOCError(f"device {self.device}: the runtime executes plans on the CPU only in this "
-                           "version (the CUDA VMM backend exists in vmm/, its runtime tier does not)")
+        if self.device.type not in ("cpu", "cuda"):
+            raise OOCError(f"device {self.device}: the runtime runs on 'cpu' or 'cuda'")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise OOCError(f"device {self.device}: this PyTorch has no usable CUDA (torch "
+                           f"{torch.__version__}); install a CUDA build and 'ooc[cuda]', or use device='cpu'")
         for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
             if p.device != self.device:
                 raise OOCError(f"{name} is on {p.device}, but the engine manages {self.device}: "
@@ -118,11 +120,11 @@ class OutOfCore:
         if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
             raise OOCError("a fused optimizer updates every parameter in one op; "
                            "create it with fused=False to manage params/grads/state")
-        from ooc.storage import FileTier
-
         release_freed_memory()   # else glibc keeps swapped-out activations in its heap
-        self.pool = DevicePool(self.budget, self.chunk)   # checks chunk against the granularity
-        self.tier = FileTier(storage, threads=threads, verify=verify, chunk_bytes=self.chunk)
+        # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
+        # checks the chunk against the backend's granularity before anything else is made.
+        self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
+                                                  threads, verify)
         if per_parameter:   # every argument is valid: now change the optimizer
             for group in optimizer.param_groups:   # one op touches one parameter's tensors
                 if "foreach" in group:
@@ -133,6 +135,7 @@ class OutOfCore:
         # state exist. Gradient accumulation alternates two such states, so plans are kept
         # per starting state (the set of persistent variables) instead of one.
         self.plans: dict[frozenset[int], tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        self.plan_runs: dict[int, int] = {}
         self.schedule: Schedule | None = None
         self.binding: dict[tuple[int, int], int] = {}
         self.counters: Counter = Counter()
@@ -204,6 +207,8 @@ class OutOfCore:
             raise OOCError("engine.step() is already active; steps do not nest")
         t0 = time.perf_counter()
         self.schedule, self.binding = self.plans.get(frozenset(self.persistent), (None, {}))
+        if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
+            self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
         st = Stepper(self, self.schedule, self.binding)
         st.start_key = frozenset(self.persistent)
@@ -520,7 +525,7 @@ class OutOfCore:
         with self.resident():
             pass
         self.budget = new
-        self.pool = DevicePool(new, self.chunk)
+        self.pool = make_pool(self.device, new, self.chunk)
         self.plans.clear()
         self.schedule = None
         self.binding = {}

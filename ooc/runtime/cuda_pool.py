@@ -134,6 +134,12 @@ class CudaDevicePool:
             while self._dead:
                 self.allocator.free(self._dead.pop())
 
+    def trim(self) -> int:
+        """Give unused chunks back to the driver at the end of a step (as the CPU pool does)."""
+        with self._lock:
+            self.reap()
+            return self.allocator.trim()
+
     def stats(self) -> dict:
         """The allocator's statistics (see ``vmm.VirtualAllocator.stats``)."""
         with self._lock:

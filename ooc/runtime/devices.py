@@ -30,7 +30,7 @@ import torch
 
 from ooc.errors import OOCError
 
-__all__ = ["DevicePtr", "byte_view_for", "make_tier_and_pool"]
+__all__ = ["DevicePtr", "byte_view_for", "make_pool", "make_tier_and_pool"]
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -127,3 +127,16 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
         pool.close()
         raise
     return tier, pool
+
+
+def make_pool(device: "str | torch.device", budget: int, chunk: int) -> Any:
+    """A fresh budgeted pool for ``device`` (``set_budget`` swaps pools between steps)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        from ooc.runtime.pool import DevicePool
+
+        return DevicePool(budget, chunk)
+    from ooc.runtime.cuda_pool import CudaDevicePool
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return CudaDevicePool(budget, chunk, device=index, as_tensor=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ooc.errors import StorageError
+from ooc.runtime.devices import byte_view_for
 from scheduler.ir import Kind
 from vmm.units import format_size
 
@@ -71,7 +72,7 @@ class Slot:
 
 def start_swap_out(slot: Slot, tier) -> None:
     """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
-    view = byte_view(slot.storage)
+    view = byte_view_for(slot.storage)
     slot.pending = [slot.storage, view]
     slot.future = tier.write_async(slot.key, view, slot.nbytes)
     slot.state = State.OUT
@@ -102,7 +103,7 @@ def start_swap_in(slot: Slot, tier, pool) -> None:
         dest = slot.storage
     else:
         dest = pool.take(slot.nbytes).untyped_storage()
-    view = byte_view(dest)
+    view = byte_view_for(dest)
     slot.pending = [dest, view]
     slot.future = tier.read_async(slot.key, view)
     if not slot.in_place:

@@ -196,7 +196,7 @@ class Stepper:
         elif op is Op.SWAP_OUT:
             if slot.state is State.RESIDENT:
                 with label(f"ooc.swap_out {slot.name}"):
-                    sl.start_swap_out(slot, e.tier)
+                    self._start_out(slot)
                 e.counters["bytes_out"] += slot.nbytes
         elif op is Op.WAIT_OUT:
             if slot.state is State.OUT:
@@ -209,6 +209,19 @@ class Stepper:
                 self._account(-slot.nbytes)
         elif op is Op.FREE:
             self._free(slot)
+
+    def _start_out(self, slot: Slot) -> None:
+        sl.start_swap_out(slot, self.e.tier)
+        self._trace_transfer(slot, "swap-out")
+
+    def _trace_transfer(self, slot: Slot, track: str) -> None:
+        """Put the transfer on the timeline from issue to completion (the I/O threads do it,
+        so only their completion callback knows when it ended)."""
+        future = slot.future
+        if future is None or not hasattr(future, "add_done_callback"):
+            return
+        t0, name, events = time.perf_counter(), f"{track} {slot.name}", self.events
+        future.add_done_callback(lambda _: events.append((track, name, t0, time.perf_counter())))
 
     def _swap_in(self, slot: Slot, where: int) -> None:
         try:
@@ -225,6 +238,7 @@ class Stepper:
             if self.overflow is None:
                 self.overflow = error
             sl.start_swap_in(slot, self.e.tier, _Unbudgeted)
+        self._trace_transfer(slot, "swap-in")
 
     def _free(self, slot: Slot) -> None:
         if slot.state is State.OUT:
@@ -278,13 +292,17 @@ class Stepper:
     def _diverge(self, i: int, why: str) -> None:
         """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
         if self.planned:
-            log.warning("step diverged from its plan at op %d (%s): %s; finishing on demand, "
-                        "re-planning next step", i, self._name(i), why)
+            # A fresh plan's first run often meets what its recording step could not see
+            # (optimizer state the optimizer creates on its first step): routine, say it
+            # quietly. A plan that ran before and now diverges is worth a warning.
+            level = logging.WARNING if self.e.plan_runs.get(id(self.schedule), 0) else logging.INFO
+            log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
+                    "re-planning next step", i, self._name(i), why)
             self.planned = False
             self.diverged_at = i
             for slot in self.slots.values():   # on demand keeps no activation it need not
                 if not slot.in_place and slot.state is State.RESIDENT and not slot.host_current:
-                    sl.start_swap_out(slot, self.e.tier)
+                    self._start_out(slot)
                     self.e.counters["bytes_out"] += slot.nbytes
                     self.in_flight_out.append(slot)
 
@@ -414,7 +432,7 @@ class Stepper:
                     slot.state = State.HOST
                     self._account(-slot.nbytes)
                 else:
-                    sl.start_swap_out(slot, self.e.tier)
+                    self._start_out(slot)
                     self.e.counters["bytes_out"] += slot.nbytes
                     self.in_flight_out.append(slot)
         self._reap_writes(block=False)
@@ -462,7 +480,7 @@ class Stepper:
         if slot.kind is not Kind.ACTIVATION:
             return t
         if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
-            sl.start_swap_out(slot, self.e.tier)     # on demand: write it out at once
+            self._start_out(slot)     # on demand: write it out at once
             self.e.counters["bytes_out"] += slot.nbytes
             self.in_flight_out.append(slot)
         return Packed(slot, t)
@@ -493,7 +511,8 @@ class Stepper:
         self.unpacked.append(slot.var)
         self.node_vars.append(slot.var)
         self.ensure(slot, nxt)
-        t = torch.empty(0, dtype=p.dtype).set_(slot.storage, p.offset, p.size, p.stride)
+        t = torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
+            slot.storage, p.offset, p.size, p.stride)
         if not self.planned and slot.state is State.RESIDENT and slot.host_current:
             # On demand keeps nothing: the tensor handed to autograd holds the bytes as long
             # as the backward node needs them; the next unpack reads them again.

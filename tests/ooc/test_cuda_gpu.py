@@ -102,14 +102,13 @@ def test_gpu_route_allocations_into_the_pool(driver) -> None:
 
 def test_gpu_tiny_out_of_core_step() -> None:
     """REAL GPU: a tiny OutOfCore training step on cuda matches in-core training bitwise.
-    Expected to fail (xfail) until the engine is wired to make_tier_and_pool."""
+    Not yet run on hardware (no GPU on this project's machines)."""
     pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python: pip install 'ooc[cuda]'")
     import copy
 
     import torch.nn as nn
 
     from ooc.engine import OutOfCore
-    from ooc.errors import OOCError
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
@@ -119,13 +118,7 @@ def test_gpu_tiny_out_of_core_step() -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(512, 256, device="cuda")
     target = torch.randint(0, 10, (512,), device="cuda")
-    try:
-        engine = OutOfCore(model, opt, budget="4MiB", device="cuda", chunk="2MiB",
-                           min_bytes=4096)
-    except OOCError as e:
-        if "CPU only" in str(e) or "runtime tier does not" in str(e):
-            pytest.xfail("the engine is not wired to the CUDA tier yet")
-        raise
+    engine = OutOfCore(model, opt, budget="4MiB", device="cuda", chunk="2MiB", min_bytes=4096)
     for _ in range(3):
         with engine.step():
             nn.functional.cross_entropy(model(x), target).backward()

@@ -326,7 +326,8 @@ def test_gradient_accumulation_over_steps() -> None:
     ({"budget": "sixteen"}, "not a size"), ({"budget": "16 GBs"}, "not a size"),
     ({"budget": "4KiB"}, "smaller than one chunk"), ({"budget": "1GiB", "chunk": "3000"}, "granularity"),
     ({"budget": "1GiB", "manage": ("weights",)}, "unknown kind"),
-    ({"budget": "1GiB", "device": "cuda"}, "CPU only"),
+    ({"budget": "1GiB", "device": "cuda"}, r"ooc\[cuda\]|no usable CUDA"),
+    ({"budget": "1GiB", "device": "mps"}, "runs on 'cpu' or 'cuda'"),
 ])
 def test_bad_arguments_fail_before_any_work(bad: dict, words: str) -> None:
     model, opt = _fresh("cnn", "sgd")

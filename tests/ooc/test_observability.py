@@ -38,7 +38,9 @@ def test_timeline_has_compute_swap_and_wait_tracks_per_step(trained, tmp_path) -
     data = json.loads(path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     threads = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    assert {"compute", "wait"} <= threads
+    assert {"compute", "wait", "swap-in", "swap-out"} <= threads
+    transfers = [e for e in events if e.get("ph") == "X" and e["name"].startswith(("swap-in ", "swap-out "))]
+    assert transfers and all(e["dur"] >= 0 for e in transfers)
     slices = [e for e in events if e.get("ph") == "X"]
     compute = [e for e in slices if e["name"].startswith("aten.")]
     assert len(compute) > 100 and all(e["dur"] >= 0 for e in slices)
