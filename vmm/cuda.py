@@ -107,13 +107,13 @@ class CudaBackend(Backend):
         try:
             result = getattr(self._drv, name)(*args)
         except Exception as exc:
-            raise BackendCallError(f"cuda backend: {name}({_fmt(args)}) raised "
+            raise BackendCallError(f"cuda backend: {name}({format_call_args(args)}) raised "
                                    f"{type(exc).__name__}: {exc}") from exc
         err = result[0]
         if err != self._success:
             cls = DeviceOutOfMemory if _name_of(err) == "CUDA_ERROR_OUT_OF_MEMORY" else \
                 BackendCallError
-            raise cls(f"cuda backend: {name}({_fmt(args)}) failed with "
+            raise cls(f"cuda backend: {name}({format_call_args(args)}) failed with "
                       f"{self._error_name(err)} on device {self.device}")
         if len(result) == 1:
             return None
@@ -229,7 +229,8 @@ def _name_of(err: Any) -> str:
     return getattr(err, "name", None) or str(err)
 
 
-def _fmt(args: tuple) -> str:
+def format_call_args(args: tuple) -> str:
+    """Driver-call arguments for an error message: addresses in hex, handles by type."""
     out = []
     for a in args:
         if isinstance(a, int) and a >= 1 << 32:  # an address

@@ -52,6 +52,7 @@ from typing import Any
 from ooc.errors import OOCError, StorageError
 from ooc.runtime.labels import label
 from ooc.storage.extents import Extents, round_up
+from vmm.cuda import format_call_args
 from vmm.units import format_size, parse_size
 
 __all__ = ["PinnedTier", "CopyFuture", "import_driver"]
@@ -747,7 +748,7 @@ class PinnedTier:
         try:
             return getattr(self._drv, name)(*args)
         except Exception as exc:
-            raise StorageError(f"PinnedTier: {name}({_fmt(args)}) raised "
+            raise StorageError(f"PinnedTier: {name}({format_call_args(args)}) raised "
                                f"{type(exc).__name__}: {exc} on device {self.device}") from exc
 
     def _call(self, name: str, *args: Any, op: str = "setup", key: int | None = None,
@@ -766,7 +767,7 @@ class PinnedTier:
         what = {"write": "swapping out", "read": "swapping in"}.get(op, op)
         where = f" while {what} key {key}" if key is not None else f" ({what})"
         size = f" ({format_size(nbytes)}, {nbytes} bytes)" if nbytes is not None else ""
-        e = StorageError(f"PinnedTier: {name}({_fmt(args)}) failed with "
+        e = StorageError(f"PinnedTier: {name}({format_call_args(args)}) failed with "
                          f"{_error_name(self._drv, err)}{where}{size} on device {self.device}")
         e.cuda_error = err
         e.call = name
@@ -805,15 +806,3 @@ def _error_name(drv: Any, err: Any) -> str:
         pass
     name = getattr(err, "name", None)
     return f"{name} ({int(err)})" if name else f"CUresult {err}"
-
-
-def _fmt(args: tuple) -> str:
-    out = []
-    for a in args:
-        if isinstance(a, int) and a >= 1 << 32:  # an address
-            out.append(f"0x{a:x}")
-        elif isinstance(a, (int, float, str)):
-            out.append(repr(a))
-        else:
-            out.append(type(a).__name__)
-    return ", ".join(out)
