@@ -249,6 +249,12 @@ class Stepper:
                 sl.finish_swap_in(slot)
             if not slot.in_place:
                 slot.storage = None
+            elif slot.storage is not None and slot.storage.resizable():
+                # A gradient dead for the rest of the step (the plan frees only variables that
+                # are not live-out and never used again): give its bytes back now. Otherwise
+                # p.grad keeps them until zero_grad, and every gradient of the model piles up
+                # through the optimizer step, outside the budget.
+                slot.storage.resize_(0)
             self._account(-slot.nbytes)
         if slot.host_current:
             self.e.tier.discard(slot.key)
