@@ -1,0 +1,464 @@
+"""Out-of-core training on this CPU: step time and process memory against in-core and checkpointing.
+
+    python benchmarks/bench_cpu.py [--quick] [--rounds N] [--steps N] [--out PATH]
+
+For a CNN (small_cnn) and a GPT-2 style transformer, each at a batch where saved activations
+dominate memory, trains the same batches from the same seed with:
+
+- ``incore``: plain PyTorch;
+- ``ooc`` (``OutOfCore``, activations managed, policy "window") at budgets of 1, 1/2, 1/4 and
+  1/8 of the in-core peak of the managed tensors (``ooc.measure.managed_peak``, a meta
+  trace); a budget below what the plan needs is reported as "infeasible (min X)";
+- ``checkpoint``: ``torch.utils.checkpoint`` around every block, and around every other block;
+- ``ooc`` at 1/4 with ``verify=True`` (a checksum per swapped chunk), for the CNN.
+
+Every case runs in a fresh process (``ooc.measure.run_case``): peak memory is the kernel's
+VmHWM, as a rise above the footprint once model, optimizer and data are built (the memory
+training needs), with the whole process's peak beside it. Step time is the median of the
+steps after the first two (warm-up: ooc records its first step and re-plans once after the
+optimizer creates its state). Cases run in ``--rounds`` rounds, methods interleaved in each
+round, so every round yields an in-core time measured minutes apart at most; the ratio is
+the median over rounds of (case / in-core of the same round). Parameters after the run are
+compared bit for bit with in-core's (``params_out`` + ``same_parameters``).
+
+Every child runs with the harness's allocator settings (``THP_MEM_ALLOC_ENABLE=1``,
+``MALLOC_MMAP_THRESHOLD_`` = 1 MiB, the same for every method; see ``ooc.measure``).
+
+Then the issue 4 targets (CNN at 1/4: step <= 1.15x in-core, peak rise >= 50 % below
+in-core, faster than checkpointing at equal or lower peak memory) are checked and stated,
+with where ooc's extra time goes: the ``ooc 1`` row moves nothing (the engine's per-op
+dispatch and bookkeeping), the stall column is time spent waiting for transfers, and one
+more CNN row at 1/4 with a single I/O thread shows what two I/O threads cost the two compute
+threads on two cores. The verify and single-thread rows run in the first round only.
+
+``--quick``: tiny models, fewer cases, one round of 3 steps (for the smoke test).
+Writes benchmarks/results/cpu.md and cpu.png (``--quick``: cpu-quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+from ooc.errors import OOCError  # noqa: E402
+from ooc.measure import Case, CaseResult, managed_peak, run_case, same_parameters  # noqa: E402
+from vmm.units import format_size  # noqa: E402
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Model:
+    label: str
+    name: str
+    batch: int
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    chunk: int = 2 * MiB
+    verify: bool = False   # add the verify=True and 1-I/O-thread rows at 1/4
+
+    def describe(self) -> str:
+        kw = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"{self.name}({kw}) batch {self.batch}" if kw else f"{self.name} batch {self.batch}"
+
+
+GPT_FULL = dict(depth=6, width=256, heads=4, seq_len=256, vocab=8192)
+FULL = (Model("CNN", "small_cnn", 32, verify=True),
+        Model("GPT", "gpt2", 8, GPT_FULL))
+QUICK = (Model("CNN", "small_cnn", 4, dict(width=16, blocks=4), chunk=256 << 10, verify=True),
+         Model("GPT", "gpt2", 2, dict(depth=2, width=64, heads=2, seq_len=128, vocab=512),
+               chunk=256 << 10))
+
+FRACTIONS = ((1, "1"), (2, "1/2"), (4, "1/4"), (8, "1/8"))
+#: --quick runs fewer cases (each is a fresh process importing torch: ~3 s before any work).
+QUICK_FRACTIONS = {"CNN": (4, 8), "GPT": (4,)}
+
+
+@dataclass
+class Row:
+    """One method on one model, over every round."""
+
+    label: str
+    case: Case
+    verify: bool = False
+    once: bool = False     # first round only (diagnostic rows)
+    results: list[CaseResult] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    infeasible: str | None = None
+    error: str | None = None
+    identical: str | None = None
+
+    def med(self, fn) -> float:
+        return median(fn(r) for r in self.results)
+
+    @property
+    def step_s(self) -> float:
+        return self.med(lambda r: r.median_step_s)
+
+    @property
+    def ratio(self) -> float:
+        return median(self.ratios)
+
+    @property
+    def rise(self) -> int:
+        return int(self.med(lambda r: r.peak_rise_bytes))
+
+    @property
+    def total(self) -> int:
+        return int(self.med(lambda r: r.peak_total_bytes))
+
+    def stat(self, key: str) -> Any:
+        st = self.results[-1].stats or {}
+        return st.get(key)
+
+
+# -- running cases -------------------------------------------------------------------------------
+
+
+def run_verify_case(case: Case, timeout: float = 1800) -> CaseResult:
+    """``run_case`` with ``OutOfCore(..., verify=True)``: ``Case`` has no ``verify`` field, so
+    the child is ``ooc.measure``'s own, with ``ooc.OutOfCore`` wrapped before it runs."""
+    code = ("import functools, json, sys, ooc\n"
+            "from ooc import measure\n"
+            "ooc.OutOfCore = functools.partial(ooc.OutOfCore, verify=True)\n"
+            "measure._child(json.loads(sys.argv[1]))\n"
+            "sys.stdout.flush()\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(case))],
+                          capture_output=True, text=True, timeout=timeout, env=harness_env())
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("OOC-RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        err = proc.stderr.strip().splitlines()
+        raise OOCError(f"verify case of {case.model} failed: {err[-1] if err else proc.returncode}")
+    res = json.loads(line[len("OOC-RESULT "):])
+    return CaseResult(case=case, step_s=tuple(res["step_s"]), baseline_rss_bytes=res["baseline_rss"],
+                      peak_rise_bytes=res["peak_rise"], peak_total_bytes=res["peak_total"],
+                      losses=tuple(res["losses"]), stats=res.get("stats"))
+
+
+def harness_env() -> dict[str, str]:
+    """The environment ``ooc.measure.run_case`` gives its children (same for every method)."""
+    return {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
+
+
+def _minimum(message: str) -> str | None:
+    """The minimum budget named by a BudgetTooSmall message, if it is one."""
+    m = re.search(r"at least ([0-9.]+ [KMGT]?i?B)", message)
+    return m.group(1) if m else None
+
+
+def build_rows(model: Model, steps: int, tmp: Path, quick: bool) -> tuple[list[Row], int]:
+    peak = managed_peak(model.name, model.batch, chunk=model.chunk, model_kwargs=model.kwargs)
+    base = Case(model.name, model.batch, "incore", steps=steps, model_kwargs=model.kwargs,
+                chunk=model.chunk)
+    out = lambda tag: str(tmp / f"{model.label}-{tag}.pt")  # noqa: E731
+    rows = [Row("in-core", replace(base, params_out=out("incore")))]
+    for div, frac in FRACTIONS:
+        if quick and div not in QUICK_FRACTIONS[model.label]:
+            continue
+        rows.append(Row(f"ooc {frac}", replace(base, method="ooc", budget=peak // div,
+                                               params_out=out(f"ooc{div}"))))
+    if not quick or model.label == "CNN":
+        rows.append(Row("checkpoint (every block)", replace(base, method="checkpoint", params_out=out("cp1"))))
+    if not quick or model.label == "GPT":
+        rows.append(Row("checkpoint (every 2nd block)", replace(base, method="checkpoint2",
+                                                            params_out=out("cp2"))))
+    if model.verify:
+        rows.append(Row("ooc 1/4 + verify", replace(base, method="ooc", budget=peak // 4,
+                                                    params_out=out("verify")), verify=True, once=True))
+        if not quick:
+            rows.append(Row("ooc 1/4, 1 I/O thread", replace(base, method="ooc", budget=peak // 4, threads=1,
+                                                             params_out=out("t1")), once=True))
+    return rows, peak
+
+
+def run_rounds(plans: list[tuple[Model, list[Row]]], rounds: int, log) -> None:
+    for r in range(rounds):
+        for model, rows in plans:
+            # Rotate the order each round, so that no method always runs first (cold caches)
+            # or always right after the heaviest one.
+            order = rows[r % len(rows):] + rows[:r % len(rows)]
+            done: dict[str, CaseResult] = {}
+            for row in order:
+                if row.infeasible or row.error or (row.once and r > 0):
+                    continue
+                case = row.case if r == 0 else replace(row.case, params_out=None)
+                t0 = time.perf_counter()
+                try:
+                    res = run_verify_case(case) if row.verify else run_case(case)
+                except OOCError as exc:
+                    minimum = _minimum(str(exc))
+                    if minimum:
+                        row.infeasible = f"infeasible (min {minimum})"
+                    else:
+                        row.error = str(exc)[-300:]
+                    log(f"  {model.label} {row.label}: {row.infeasible or row.error}")
+                    continue
+                row.results.append(res)
+                done[row.label] = res
+                log(f"  round {r + 1} {model.label} {row.label}: step {res.median_step_s:.3f} s, "
+                    f"rise {res.peak_rise_bytes / MiB:.0f} MiB ({time.perf_counter() - t0:.0f} s)")
+            incore = done.get("in-core")
+            if incore is not None:
+                for row in rows:
+                    if row.label in done:
+                        row.ratios.append(done[row.label].median_step_s / incore.median_step_s)
+
+
+def check_identical(rows: list[Row]) -> None:
+    """Bitwise comparison with in-core's final state dict; when it differs, say whether the
+    parameters differ or only buffers (BatchNorm's running statistics, which checkpointing's
+    recomputed forward updates a second time)."""
+    import torch
+
+    ref = rows[0].case.params_out
+    if not rows[0].results or not ref or not os.path.exists(ref):
+        return
+    for row in rows[1:]:
+        if row.results and row.case.params_out and os.path.exists(row.case.params_out):
+            if same_parameters(ref, row.case.params_out):
+                row.identical = "yes"
+                continue
+            a = torch.load(ref, weights_only=True)
+            b = torch.load(row.case.params_out, weights_only=True)
+            diff = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+            only_stats = all(k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in diff)
+            row.identical = ("parameters yes; BN running stats differ" if only_stats
+                             else f"**NO** ({len(diff)} tensors differ)")
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.0f}"
+
+
+def table(model: Model, rows: list[Row], peak: int) -> list[str]:
+    inc = rows[0]
+    out = []
+    for row in rows:
+        budget = "-" if row.case.budget is None else format_size(row.case.budget)
+        if not row.results:
+            out.append([row.label, budget, row.infeasible or f"failed: {row.error}"] + [""] * 7)
+            continue
+        plan = row.stat("plan") or {}
+        moved = (plan.get("bytes_in", 0) + plan.get("bytes_out", 0)) if plan else None
+        stall = row.stat("last_stall_s")
+        planned = row.stat("last_planned")
+        ident = row.identical or "-"
+        if row is inc:
+            ident = "(reference)"
+        rel = row.rise / inc.rise - 1 if inc.results and inc.rise else float("nan")
+        out.append([
+            row.label + ("" if planned in (None, True) else " (not planned!)"), budget,
+            f"{row.step_s:.3f}", f"{row.ratio:.2f}x" + (f" ({min(row.ratios):.2f}-{max(row.ratios):.2f})"
+                                                         if len(row.ratios) > 1 else ""), _mib(row.rise), f"{rel:+.0%}", _mib(row.total),
+            "-" if stall is None else f"{stall:.3f}",
+            "-" if moved is None else f"{moved / MiB:,.0f}", ident])
+    head = ["method", "budget", "step s", "vs in-core (range over rounds)", "peak rise MiB", "rise vs in-core",
+            "peak total MiB", "stall s/step", "MiB moved/step", "params bitwise = in-core"]
+    return [f"### {model.label}: {model.describe()}", "",
+            f"In-core peak of the managed tensors (activations >= {format_size(model.chunk // 2)}, "
+            f"meta trace): {format_size(peak)}.", ""] + common.md_table(head, out)
+
+
+def targets(rows: list[Row]) -> tuple[list[str], dict[str, bool | None]]:
+    by = {r.label: r for r in rows}
+    inc, q = by["in-core"], by["ooc 1/4"]
+    lines = ["## Issue 4 targets (CNN, ooc at 1/4 of the managed peak)", ""]
+    if not q.results or not inc.results:
+        lines += [f"- not measured: ooc 1/4 {q.infeasible or q.error}", ""]
+        return lines, {"time": None, "memory": None, "checkpoint": None}
+    word = lambda ok: "**PASS**" if ok else "**FAIL**"  # noqa: E731
+    saved = 1 - q.rise / inc.rise
+    cps = [r for r in rows if r.label.startswith("checkpoint") and r.results]
+    beats = {cp.label: (q.ratio < cp.ratio, q.rise <= cp.rise) for cp in cps}   # same-round ratios
+    verdict = {"time": q.ratio <= 1.15, "memory": saved >= 0.5,
+               "checkpoint": bool(cps) and all(f and s for f, s in beats.values())}
+    lines += [
+        f"- step time <= 1.15x in-core: {word(verdict['time'])} ({q.ratio:.2f}x, rounds "
+        f"{min(q.ratios):.2f}-{max(q.ratios):.2f}x; {q.step_s:.3f} s vs {inc.step_s:.3f} s)",
+        f"- peak memory >= 50 % below in-core: {word(verdict['memory'])} (peak rise {_mib(q.rise)} "
+        f"vs {_mib(inc.rise)} MiB: {saved:.0%} below; whole process {_mib(q.total)} vs {_mib(inc.total)} MiB)",
+        f"- faster than torch.utils.checkpoint at equal or lower peak memory (ooc 1/4 both faster "
+        f"and not larger than each checkpoint variant): {word(verdict['checkpoint'])}",
+    ]
+    oocs = [r for r in rows if r.label.startswith("ooc") and r.results and "verify" not in r.label
+            and "thread" not in r.label]
+    for cp in cps:
+        faster, smaller = beats[cp.label]
+        within = [r for r in oocs if r.rise <= cp.rise]
+        best = min(within, key=lambda r: r.ratio, default=None)
+        tail = ""
+        if best is not None:
+            tail = (f"; the fastest ooc point within its memory is {best.label} ({_mib(best.rise)} MiB, "
+                    f"{best.ratio / cp.ratio - 1:+.1%} time)")
+        lines.append(f"  - vs {cp.label} ({cp.ratio:.2f}x in-core, rise {_mib(cp.rise)} MiB): ooc 1/4 takes "
+                     f"{q.ratio / cp.ratio - 1:+.1%} time at {q.rise / cp.rise - 1:+.0%} memory"
+                     f" ({'faster' if faster else 'slower'}, {'not larger' if smaller else 'larger'}){tail}")
+    dom = []
+    for cp in cps:
+        winners = [r.label for r in oocs if r.ratio <= cp.ratio and r.rise <= cp.rise]
+        dom.append(f"{cp.label}: {', '.join(winners) if winners else 'no ooc point'}")
+    lines += ["", "Frontier (ooc points at least as fast and as small as each checkpoint point): "
+              + "; ".join(dom) + ". Differences of a few per cent are within this machine's "
+              "round-to-round noise (see the ranges).", ""]
+    lines += breakdown(rows)
+    return lines, verdict
+
+
+def breakdown(rows: list[Row]) -> list[str]:
+    """Where ooc 1/4's extra time goes, from the rows themselves."""
+    by = {r.label: r for r in rows if r.results}
+    inc, full, q = by.get("in-core"), by.get("ooc 1"), by.get("ooc 1/4")
+    if not (inc and full and q):
+        return []
+    stall = q.stat("last_stall_s") or 0.0
+    plan = q.stat("plan") or {}
+    moved = plan.get("bytes_in", 0) + plan.get("bytes_out", 0)
+    out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
+           f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
+           f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
+           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step)",
+           f"- waiting for transfers (stall, last step): {stall:.3f} s",
+           f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: compute slowed "
+           f"by the I/O threads sharing {os.cpu_count()} cores, copies and page faults of pool memory",
+           f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
+    resident = (plan.get("peak_resident_bytes") or 0)
+    out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "
+               f"tensors (the plan's resident peak, within the {_mib(q.case.budget)} MiB budget) + "
+               f"{_mib(q.rise - resident)} MiB that PyTorch allocates outside the budget (gradients "
+               f"flowing backward, workspaces, weights' grads and momentum, saved tensors < "
+               f"{format_size(q.case.chunk // 2)}); in core the same outside part is "
+               f"~{_mib(inc.rise - (full.stat('plan') or {}).get('peak_resident_bytes', 0))} MiB; ooc's pool "
+               f"mapped at most {_mib(q.stat('pool_peak_mapped_bytes') or 0)} MiB")
+    one = by.get("ooc 1/4, 1 I/O thread")
+    if one:
+        out.append(f"- with 1 I/O thread instead of 2 (first round only): {one.step_s:.3f} s vs "
+                   f"{q.results[0].median_step_s:.3f} s in the same round, stall "
+                   f"{one.stat('last_stall_s') or 0:.3f} s")
+    return out + [""]
+
+
+def plot(results: list[tuple[Model, list[Row]]], path: Path) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], results):
+        def pts(prefix: str, exclude: str = "\0") -> list[Row]:
+            return [r for r in rows if r.label.startswith(prefix) and exclude not in r.label
+                    and "thread" not in r.label and r.results]
+        for label, sel, style in (("in-core", pts("in-core"), "ks"),
+                                  ("ooc (window)", pts("ooc", "verify"), "o-"),
+                                  ("checkpoint", pts("checkpoint"), "^--"),
+                                  ("ooc 1/4 + verify", pts("ooc 1/4 + verify"), "D")):
+            if not sel:
+                continue
+            xs, ys = [r.rise / MiB for r in sel], [r.ratio for r in sel]
+            ax.plot(xs, ys, style, label=label)
+            for r, x, y in zip(sel, xs, ys):
+                tag = r.label.replace("ooc ", "").replace("checkpoint ", "").replace(" + verify", "")
+                if label != "in-core":
+                    ax.annotate(tag.strip("()"), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_title(f"{model.label}: {model.describe()}", fontsize=9)
+        ax.set_xlabel("peak memory rise (MiB, VmHWM above the built model)")
+        ax.set_ylabel("step time / in-core")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Step time vs peak memory (lower-left is better)")
+    common.save_plot(fig, path)
+
+
+def main() -> None:
+    ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
+    ap.add_argument("--steps", type=int, help="steps per case (default 4: 2 warm-up + 2 timed; quick 3)")
+    args = ap.parse_args()
+    rounds = max(1, args.rounds or (1 if args.quick else 3))
+    steps = max(3, args.steps or (3 if args.quick else 4))
+    models = QUICK if args.quick else FULL
+    log = functools.partial(print, flush=True)
+    load0 = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        plans = []
+        for model in models:
+            rows, peak = build_rows(model, steps, Path(tmp), args.quick)
+            log(f"{model.label}: {model.describe()}, managed peak {format_size(peak)}")
+            plans.append((model, rows, peak))
+        run_rounds([(m, rows) for m, rows, _ in plans], rounds, log)
+        for _, rows, _ in plans:
+            check_identical(rows)
+    load1 = os.getloadavg()[0]
+    elapsed = time.perf_counter() - t_start
+
+    lines = common.header("Out-of-core training on this CPU: step time and peak memory", quick=args.quick, notes=[
+        f"command: `python benchmarks/bench_cpu.py{' --quick' if args.quick else ''}`; {rounds} round(s), "
+        f"{steps} steps per case (median of the steps after the first two), methods interleaved; "
+        f"ratios are medians over rounds of case / in-core in the same round",
+        "memory: VmHWM of a fresh process per case, as a rise above the footprint after model, "
+        "optimizer and data are built (reset through /proc/self/clear_refs), and the whole "
+        "process's peak; MiB moved/step = the plan's swap-in + swap-out bytes",
+        "ooc: activations managed, policy window, 2 I/O threads, swap file in $TMPDIR; the budget "
+        "bounds the managed tensors only (PyTorch's other allocations are not in it)",
+        f"load average (1 min) before/after: {load0:.2f} / {load1:.2f} on {os.cpu_count()} cores; "
+        f"wall time {elapsed / 60:.1f} min",
+    ])
+    verdict = None
+    for model, rows, peak in plans:
+        lines += table(model, rows, peak) + [""]
+        if model.label == "CNN":
+            tlines, verdict = targets(rows)
+            lines += tlines
+    lines += ANALYSIS
+    path = common.result_path("cpu", args.quick, out=args.out)
+    common.write_report(path, lines)
+    plot([(m, rows) for m, rows, _ in plans], common.result_path("cpu", args.quick, ".png", out=args.out))
+    print("\n".join(lines[lines.index(next(ln for ln in lines if ln.startswith("### "))):]))
+    if verdict is not None:
+        print("issue 4 targets:", {k: ("PASS" if v else "FAIL" if v is not None else "n/a") for k, v in verdict.items()})
+
+
+ANALYSIS = [
+    "## Reading the figures",
+    "",
+    "- The budget bounds only the tensors ooc manages (saved activations of at least half a "
+    "chunk). Everything else PyTorch allocates during the step stays outside it, so the peak "
+    "rise falls by less than the budget does: halving the budget again saves less each time.",
+    "- ooc's extra time is not waiting: the stall column is small. It is the engine's per-op "
+    "work in Python (visible at budget 1, where nothing moves) and the CPU the transfers take "
+    "from the two compute threads (copies into and out of the pool, the I/O threads, page "
+    "faults of memory mapped and unmapped every step) on a machine with two cores. A GPU "
+    "moves bytes with DMA engines beside the compute; here every moved byte costs CPU time, "
+    "which is why the 1.15x target is hard on this machine and why the time grows with the "
+    "bytes moved per step more than with the budget.",
+    "- torch.utils.checkpoint pays a recomputed forward per wrapped block, whatever the "
+    "memory; ooc pays per byte moved. At budgets that move little, ooc is the cheaper way to "
+    "the same memory; at deep cuts the bytes add up.",
+    "- verify=True adds a CRC32 per chunk on the I/O threads (see storage.md for its CPU cost "
+    "per GB): more CPU taken from the compute threads.",
+    "- Bitwise: ooc copies bytes, so every ooc row ends with in-core's exact parameters. "
+    "Checkpointing's recomputed forward runs BatchNorm in training mode again: the parameters "
+    "match, the running statistics are updated twice and do not.",
+    "- Timings on this machine are noisy (other jobs share its two cores): read the ratios, "
+    "measured against in-core in the same round, rather than absolute seconds.",
+]
+
+
+if __name__ == "__main__":
+    main()
