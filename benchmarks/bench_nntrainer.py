@@ -385,10 +385,10 @@ ANALYSIS = [
     "## Why the figures differ from NNTrainer's",
     "",
     "- What is measured: NNTrainer's figure is the peak resident memory of the whole process "
-    "on an ARM board, its C++ runtime included (a few MiB). Ours is the steady-state peak above "
-    "a Python process that has imported PyTorch (the 'before the model' footprint in the notes, "
-    "hundreds of MiB on its own, and PyTorch maps more kernel code once it has run a step), "
-    "with the whole process's peak beside it.",
+    "on an ARM board, its C++ runtime included (a few MiB). Ours (training memory) is the steady-state peak above "
+    "a Python process that has imported PyTorch and run one small step (the 'before the model' "
+    "footprint in the notes, hundreds of MiB on its own), with the whole process's peak "
+    "beside it.",
     "- No swap is not the same baseline: NNTrainer plans every tensor of the step ahead of time "
     "into one memory pool and reuses buffers across layers (its 181 MiB is already optimized); "
     "eager PyTorch allocates each tensor when an op asks for it, keeps every parameter's "
