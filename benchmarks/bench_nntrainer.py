@@ -138,7 +138,7 @@ def _child(spec: dict[str, Any]) -> None:
 
     import ooc
     from ooc import models
-    from ooc.measure import _reset_peak, _status
+    from ooc.measure import _reset_peak, _status, train_step
 
     c = spec["case"]
     case = Case(**{**c, "manage": tuple(c["manage"])})
@@ -173,16 +173,7 @@ def _child(spec: dict[str, Any]) -> None:
             _reset_peak()
         torch.manual_seed(case.seed + 1 + step)
         t1 = time.perf_counter()
-        if engine is None:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            with engine.step():
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                engine.optimizer_step()
+        loss = train_step(model, opt, engine, loss_fn, x, y)
         times.append(time.perf_counter() - t1)
         losses.append(float(loss.detach()))
     peak_steady = _status()["VmHWM"] if case.steps > warm else 0

@@ -124,6 +124,22 @@ def _reset_peak() -> bool:
         return False
 
 
+def train_step(model, optimizer, engine, loss_fn, x, y):
+    """One training step, in plain PyTorch or under ``engine``: the same ops either way, so
+    the two can be compared bit for bit. Returns the loss."""
+    if engine is None:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        with engine.step():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            engine.optimizer_step()
+    return loss
+
+
 def checkpoint_blocks(model, every: int = 1) -> int:
     """Wrap every ``every``-th block of a zoo model in ``torch.utils.checkpoint``.
 
@@ -193,16 +209,7 @@ def _child(spec: dict[str, Any]) -> None:
     for step in range(case.steps):
         torch.manual_seed(case.seed + 1 + step)
         t0 = time.perf_counter()
-        if engine is None:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            with engine.step():
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                engine.optimizer_step()
+        loss = train_step(model, opt, engine, loss_fn, x, y)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         print(f"OOC-STEP {step}", flush=True)
