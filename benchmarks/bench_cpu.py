@@ -350,7 +350,8 @@ def breakdown(rows: list[Row]) -> list[str]:
                f"mapped at most {_mib(q.stat('pool_peak_mapped_bytes') or 0)} MiB")
     one = by.get("ooc 1/4, 1 I/O thread")
     if one:
-        out.append(f"- with 1 I/O thread instead of 2 (first round only): {one.step_s:.3f} s vs "
+        out.append(f"- with 1 I/O thread instead of 2 (first round only, one sample each: read it with "
+                   f"the noise in mind): {one.step_s:.3f} s vs "
                    f"{q.results[0].median_step_s:.3f} s in the same round, stall "
                    f"{one.stat('last_stall_s') or 0:.3f} s")
     return out + [""]
@@ -440,7 +441,8 @@ ANALYSIS = [
     "- The budget bounds only the tensors ooc manages (saved activations of at least half a "
     "chunk). Everything else PyTorch allocates during the step stays outside it, so the peak "
     "rise falls by less than the budget does: halving the budget again saves less each time.",
-    "- ooc's extra time is not waiting: the stall column is small. It is the engine's per-op "
+    "- Down to 1/4, ooc's extra time is not waiting: the stall column is small (at 1/8 "
+    "waiting starts to show). It is the engine's per-op "
     "work in Python (visible at budget 1, where nothing moves) and the CPU the transfers take "
     "from the two compute threads (copies into and out of the pool, the I/O threads, page "
     "faults of memory mapped and unmapped every step) on a machine with two cores. A GPU "
