@@ -25,9 +25,9 @@ process before the model was built (Python + PyTorch + ooc imported, and warmed 
 in-core step of the same model at batch 2, then freed, so that the code and thread pools
 PyTorch maps on its first step count as framework): the part NNTrainer's figure measures
 beside its own, much smaller, runtime. Latency is the median steady step,
-as a ratio to no swap in the same round (rounds interleave the methods). Children run with
-``ooc.measure``'s allocator settings (page-aligned large allocations, glibc mmap threshold
-fixed at 1 MiB), the same for every method.
+as a ratio to no swap in the same round (rounds interleave the methods). Children run in the
+caller's environment, untouched (``ooc.measure.child_env``): no swap as PyTorch runs by
+default, ooc with what the engine sets up itself.
 
 ``run_steady`` (the measuring child) is shared with bench_model_size.py.
 ``--quick``: batch 4, one round of 3 steps, no 1/2 and 1/4 rows. Writes benchmarks/results/nntrainer.md
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 
 from ooc.errors import OOCError  # noqa: E402
-from ooc.measure import Case, managed_peak, same_parameters  # noqa: E402
+from ooc.measure import Case, child_env, managed_peak, same_parameters  # noqa: E402
 from vmm.units import format_size  # noqa: E402
 
 MiB = 1 << 20
@@ -114,11 +114,8 @@ def run_steady(case: Case, *, warm: int = 2, verify: bool = False, timeout: floa
     code and thread pools PyTorch maps on its first step count as framework, not training.
     """
     spec = json.dumps({"case": asdict(case), "warm": warm, "verify": verify, "warmup": warmup})
-    # The allocator settings ``ooc.measure.run_case`` gives every child, whatever the method.
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
-           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", spec],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=child_env())
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("STEADY ")), None)
     if proc.returncode != 0 or line is None:
         err = proc.stderr.strip().splitlines()

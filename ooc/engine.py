@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import scheduler
 from ooc.errors import OOCError, StorageError
-from ooc.runtime import slots as sl
+from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.malloc import release_freed_memory
 from ooc.runtime.devices import make_pool, make_tier_and_pool
 from ooc.runtime.slots import Slot, State
@@ -121,7 +121,10 @@ class OutOfCore:
         if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
             raise OOCError("a fused optimizer updates every parameter in one op; "
                            "create it with fused=False to manage params/grads/state")
-        release_freed_memory()   # else glibc keeps swapped-out activations in its heap
+        # CPU: recycle the step's large blocks (see ooc/runtime/cpu_allocator.py); without the
+        # compiled allocator, make glibc unmap them (else it keeps swapped-out activations).
+        if not (self.device.type == "cpu" and cpu_allocator.acquire()):
+            release_freed_memory()
         # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
         self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
@@ -185,9 +188,8 @@ class OutOfCore:
             if b is not None and b.var is None and st.slot_of(p.grad) is None:
                 var = self.new_var()
                 st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
-                st._register(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
-                                  state=State.RESIDENT, storage=s))
-                st._account(b.nbytes)
+                st.adopt_grad(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
+                                   state=State.RESIDENT, storage=s))
         return hook
 
     # -- the step ------------------------------------------------------------------------------
@@ -213,6 +215,8 @@ class OutOfCore:
         self._reconcile()
         st = Stepper(self, self.schedule, self.binding)
         st.start_key = frozenset(self.persistent)
+        if self.device.type == "cpu":
+            cpu_allocator.begin(self, _recycle_bytes(self.budget))
         self._stepper = st
         try:
             with contextlib.ExitStack() as stack:
@@ -331,27 +335,46 @@ class OutOfCore:
         return "optimizer_state" in self.manage
 
     def _reconcile(self) -> None:
-        """Bring persistent tensors to where the plan expects them at the start of a step."""
-        if self.schedule is None:
-            return
-        want = self.schedule.initial_resident
+        """Bring persistent tensors to where the plan expects them at the start of a step;
+        with no plan for this start (a step on demand), within the budget."""
         try:
+            if self.schedule is None:
+                self._fit_persistent()
+                return
+            want = self.schedule.initial_resident
             for slot in self.persistent.values():
                 if slot.var in want and slot.state is State.HOST:
                     sl.start_swap_in(slot, self.tier, self.pool)
                     sl.finish_swap_in(slot)
                     self.counters["bytes_in"] += slot.nbytes
                 elif slot.var not in want and slot.state is State.RESIDENT:
-                    if slot.host_current:
-                        sl.release(slot)
-                    else:
-                        sl.start_swap_out(slot, self.tier)
-                        sl.finish_swap_out(slot)
-                        self.counters["bytes_out"] += slot.nbytes
-                    slot.state = State.HOST
+                    self._to_tier(slot)
         except BaseException:
             self._settle(self.persistent.values())   # nothing changed yet: every slot consistent
             raise
+
+    def _fit_persistent(self) -> None:
+        """Before a step on demand, move resident persistent tensors to the tier until the rest
+        fits the budget: the whole model is resident before the first step, the optimizer
+        state the first update created may be after it. The last registered go first (a
+        forward uses parameters roughly in their order); the step evicts the rest as needed."""
+        resident = [s for s in self.persistent.values() if s.state is State.RESIDENT]
+        excess = sum(s.nbytes for s in resident) - self.budget
+        for slot in reversed(resident):
+            if excess <= 0:
+                break
+            self._to_tier(slot)
+            excess -= slot.nbytes
+
+    def _to_tier(self, slot: Slot) -> None:
+        """Give a resident persistent slot's memory back, writing it out first if needed."""
+        if slot.host_current:
+            sl.release(slot)
+        else:
+            sl.start_swap_out(slot, self.tier)
+            sl.finish_swap_out(slot)
+            self.counters["bytes_out"] += slot.nbytes
+        slot.state = State.HOST
 
     def _settle(self, slots) -> list[BaseException]:
         """Wait for the transfers of ``slots``; leave each resident or on the tier. Returns the
@@ -380,6 +403,8 @@ class OutOfCore:
         run as if this one had not.
         """
         st.close_node()
+        if self.device.type == "cpu":
+            cpu_allocator.end(self)   # unmaps the blocks cached for reuse during the step
         interrupt: BaseException | None = None
         try:
             errors = self._settle(st.slots.values())
@@ -396,6 +421,7 @@ class OutOfCore:
             if note and exc is not None and hasattr(exc, "add_note"):
                 exc.add_note(note)
         live = self._live_out(st)
+        st.hand_back(live)
         for var, slot in list(self.persistent.items()):
             if var not in live:
                 del self.persistent[var]
@@ -463,6 +489,8 @@ class OutOfCore:
                     st.rec.promote(b, var, kind, name)
                 slot = Slot(var, kind, b.nbytes, name, in_place=True, state=State.RESIDENT, storage=s)
                 by_storage[id(s)] = slot
+            elif slot.name != name and slot.var not in self.persistent:
+                st.rename(slot, name)   # optimizer state written out on demand before it had a name
             live[slot.var] = slot
         return live
 
@@ -516,6 +544,7 @@ class OutOfCore:
             "budget": self.budget,
             "tier": tier,
             "plan": plan,
+            "cpu_allocator": cpu_allocator.stats() if self.device.type == "cpu" else None,
         }
 
     def set_budget(self, budget: int | str) -> None:
@@ -561,6 +590,13 @@ class OutOfCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _recycle_bytes(budget: int) -> int:
+    """How many bytes of freed blocks the CPU allocator may keep for reuse during a step: a
+    quarter of the budget, at least 32 MiB (a few activations) and at most 256 MiB. They
+    count in the process's memory, outside the budget, like PyTorch's other allocations."""
+    return min(max(budget // 4, 32 << 20), 256 << 20)
 
 
 def _round_activations(seq: scheduler.VariableSequence, chunk: int) -> scheduler.VariableSequence:

@@ -62,22 +62,27 @@ class CaseResult:
         return median(steady)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of every measuring child: the caller's, untouched.
+
+    Each method runs as its users run it: in-core training and checkpointing with PyTorch's
+    and glibc's defaults, ooc with what ``OutOfCore`` sets up inside its own process (its
+    recycling CPU allocator, or glibc's mmap threshold where that cannot be built). An
+    earlier harness fixed glibc's mmap threshold at 1 MiB for every method "for fairness";
+    on the measuring machine that made plain PyTorch ~30% slower (every large tensor on
+    fresh, kernel-zeroed pages) and flattered ooc's step-time ratios.
+    """
+    return dict(os.environ)
+
+
 def run_case(case: Case, *, on_step: Callable[[int], None] | None = None,
              timeout: float = 1800) -> CaseResult:
     """Run ``case`` in a fresh Python process and return what it measured."""
     if case.method not in METHODS:
         raise ValueError(f"method {case.method!r} is not one of {METHODS}")
     cmd = [sys.executable, "-m", "ooc.measure", json.dumps(asdict(case))]
-    # Every method runs with PyTorch's large CPU allocations page-aligned (read by c10 at
-    # start-up): then swap-outs can bypass the page cache with O_DIRECT. Same for all cases,
-    # so the comparison stays fair.
-    # glibc's malloc raises its mmap threshold to 32 MiB as large blocks are freed, and then
-    # keeps freed activations in a fragmented heap: RSS stops following live bytes, for
-    # in-core training as much as for ooc. A fixed 1 MiB threshold (what OutOfCore sets in
-    # its own process) makes every method's peak its live bytes.
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
-           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
     result = None
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None

@@ -14,13 +14,18 @@ Autograd's unpack hook for the node about to run happens *before* that node's fi
 so unpack runs step 1 early for the next op: nothing else happens in between.
 
 Two ways to run: ``planned`` executes a checked ``Schedule``; ``on demand`` (the recording
-step, and the rest of a diverged step) keeps nothing it does not need: saved activations
-are written out as soon as autograd saves them, persistent tensors leave after each op,
-and everything comes back synchronously at its use. On demand is slow, never wrong.
+step, a step with no plan for the state it starts in, and the rest of a diverged step) keeps
+nothing it does not need: saved activations and gradients are written out as soon as
+autograd saves or accumulates them, persistent tensors leave after each op, and everything
+comes back synchronously at its use. On demand is slow, never wrong, and within the budget
+too: before anything becomes resident, the least recently used managed tensors the op does
+not need make room (``Stepper._make_room``). Only an op whose own tensors exceed the budget
+goes over it, counted as such, and fails its step at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
 from ooc.runtime.labels import label
-from ooc.runtime.recording import Recording
+from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
 from scheduler.schedule import Op, Schedule
@@ -82,6 +87,13 @@ def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tens
     return out
 
 
+def _use_count(s: torch.UntypedStorage) -> int:
+    """How many references hold ``s``'s bytes (tensors and the one of the Python storage);
+    2 when this PyTorch cannot say, which errs towards keeping the bytes."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(s._cdata) if count is not None else 2
+
+
 class _Unbudgeted:
     """Memory outside the pool, for an on-demand step that has already failed its budget."""
 
@@ -122,6 +134,15 @@ class Stepper:
         self.events: list[tuple[str, str, float, float]] = []  # (track, name, t0, t1)
         self.unpacked: list[int] = []            # vars unpacked for the next op
         self.overflow: OutOfBudget | None = None # an on-demand need the pool could not meet
+        # On demand: what may hold managed memory, least recently used first (slots, and the
+        # optimizer's new storages in ``fresh``); the activations the running backward node
+        # unpacked (autograd holds them until it returns: never evicted); the optimizer's new
+        # storages not managed yet (counted: they are its state, or die as temporaries); and
+        # those written out to make room (see ``hand_back``).
+        self.recent: dict[Slot | Birth, None] = {}
+        self.held: dict[Slot, None] = {}
+        self.fresh: dict[Birth, None] = {}
+        self.adopted: list[Slot] = []
         self.node_vars: list[int] = []           # vars unpacked by the backward node now running
         self.ops_since_unpack = 0
         # What a rollback needs if the step fails before its optimizer step: the buffers it
@@ -138,6 +159,11 @@ class Stepper:
             self.rec.add_persistent(slot.var, slot.nbytes, slot.kind, slot.name, live_out=True)
             if slot.state in (State.RESIDENT, State.IN, State.OUT):
                 self.resident += slot.nbytes
+        if not self.planned:   # the last registered leave first: a forward uses them in order
+            for slot in reversed(engine.persistent.values()):
+                if slot.state in (State.RESIDENT, State.IN, State.OUT):
+                    self.recent[slot] = None
+        self.peak = self.resident   # the engine brought the start within the budget (_reconcile)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -276,9 +302,12 @@ class Stepper:
         if self.planned and i < len(self.schedule.before):
             self.run_actions(self.schedule.before[i], i)
 
-    def ensure(self, slot: Slot, i: int) -> None:
-        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged."""
+    def ensure(self, slot: Slot, i: int, keep: set | tuple = ()) -> None:
+        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged.
+        On demand, room is made first, evicting nothing in ``keep`` (the op's other inputs)."""
         if slot.state is State.RESIDENT:
+            if not self.planned:
+                self._touch(slot)
             return
         if self.planned:
             self._diverge(i, f"{slot.name} is {slot.state.value} at its use")
@@ -287,7 +316,9 @@ class Stepper:
                 return  # the engine still holds the source: reading it while it is written is safe
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
             self._account(-slot.nbytes)
+        self._touch(slot)
         if slot.state is State.HOST:
+            self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")
             self._account(slot.nbytes)
             self._swap_in(slot, i)
             self.e.counters["bytes_in"] += slot.nbytes
@@ -306,11 +337,12 @@ class Stepper:
                     "re-planning next step", i, self._name(i), why)
             self.planned = False
             self.diverged_at = i
+            self.recent = {s: None for s in self.slots.values()
+                           if s.state in (State.RESIDENT, State.IN, State.OUT)}
             for slot in self.slots.values():   # on demand keeps no activation it need not
-                if not slot.in_place and slot.state is State.RESIDENT and not slot.host_current:
-                    self._start_out(slot)
-                    self.e.counters["bytes_out"] += slot.nbytes
-                    self.in_flight_out.append(slot)
+                if (not slot.in_place and slot.state is State.RESIDENT and not slot.host_current
+                        and slot not in self.held):
+                    self._write_out(slot)
 
     def on_op(self, func, args, kwargs) -> Any:
         i = self.rec.begin_op(_name(func))
@@ -324,15 +356,17 @@ class Stepper:
             if expected != self.rec.names[i]:
                 self._diverge(i, f"expected {expected}, got {self.rec.names[i]}")
         self.before(i)
+        if self.fresh:
+            self._prune_fresh()
         ins = _tensors((args, kwargs))
         touched: list[Slot] = []
+        keep: set[Slot | Birth] = set()   # what op i uses: on demand, never evicted for it
         in_ids = set()
         for t in ins:
             s = t.untyped_storage()
             in_ids.add(id(s))
             slot = self.by_storage.get(id(s))
             if slot is not None and slot.storage is s:
-                self.ensure(slot, i)
                 self.rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
             else:
@@ -340,8 +374,14 @@ class Stepper:
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
+                        if b in self.fresh:
+                            keep.add(b)
+                            self._touch(b)
                     else:
                         self.rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+        keep.update(touched)
+        for slot in touched:
+            self.ensure(slot, i, keep)
         if self.undo is not None and self.buffers:
             for t in ins:
                 self._save_before_write(t)
@@ -356,6 +396,7 @@ class Stepper:
         t1 = time.perf_counter()
         self.rec.seconds[i] = t1 - t0
         self.events.append(("compute", self.rec.names[i], t0, t1))
+        tracked = set() if self._tracking() else None
         for k, t in enumerate(_tensors(out)):
             s = t.untyped_storage()
             if id(s) in in_ids or t.device.type == "meta":
@@ -366,6 +407,9 @@ class Stepper:
                 var = self.binding.get((i, k)) if self.planned else None
                 if var is not None:
                     self._bind_born(var, s, nbytes, i)
+                elif tracked is not None and id(s) not in tracked:   # once per storage
+                    tracked.add(id(s))
+                    keep.add(self._track_fresh(self.rec.births[id(s)], keep, i))
         self.after(i, touched)
         return out
 
@@ -438,10 +482,181 @@ class Stepper:
                     slot.state = State.HOST
                     self._account(-slot.nbytes)
                 else:
-                    self._start_out(slot)
-                    self.e.counters["bytes_out"] += slot.nbytes
-                    self.in_flight_out.append(slot)
+                    self._write_out(slot)
         self._reap_writes(block=False)
+
+    def _write_out(self, slot: Slot) -> None:
+        """On demand: start writing ``slot`` out; its bytes count until the write is reaped."""
+        self._start_out(slot)
+        self.e.counters["bytes_out"] += slot.nbytes
+        self.in_flight_out.append(slot)
+
+    def adopt(self, slot: Slot, what: str) -> None:
+        """A storage of this step becomes managed (a saved activation, a gradient): count its
+        bytes, after making room for them on demand."""
+        if not self.planned:
+            self._make_room_for(slot.nbytes, (), self.i, what)
+            self._touch(slot)
+        self._register(slot)
+        self._account(slot.nbytes)
+
+    def adopt_grad(self, slot: Slot) -> None:
+        """A gradient autograd has finished accumulating becomes managed. On demand it is
+        written out at once, like a saved activation: its next use is the optimizer step,
+        after the rest of the backward, and keeping every gradient until then is what took
+        on-demand steps over their budget."""
+        self.adopt(slot, f"the gradient {slot.name}")
+        if not self.planned:
+            self._write_out(slot)
+            self._reap_writes(block=False)
+
+    # -- on demand: the budget ----------------------------------------------------------------
+
+    def _touch(self, x: Slot | Birth) -> None:
+        """On demand: ``x`` was just used; eviction takes the least recently used first."""
+        if not self.planned:
+            self.recent.pop(x, None)
+            self.recent[x] = None
+
+    def _make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str) -> None:
+        """On demand: make ``nbytes`` fit the budget before they become resident.
+
+        If evicting everything that may go still leaves too little (op ``where``'s own
+        tensors exceed the budget), the step carries on over the budget, counted as such
+        (``peak``), and fails at its end with ``overflow`` or the plan's BudgetTooSmall: an
+        unplanned step cannot take back an op half done, but it must not hide the excess.
+        """
+        if self._make_room(nbytes, keep):
+            return
+        why = (f"what it cannot do without already takes {format_size(self.resident)} "
+               f"({self.resident} B: {self._kept_names()})" if self.resident else "alone it is larger")
+        error = OutOfBudget(
+            f"op {where} ({self._name(where)}): {what} ({format_size(nbytes)}, {nbytes} B) does "
+            f"not fit the {format_size(self.e.budget)} budget: {why}; raise the budget to at "
+            f"least {format_size(self.resident + nbytes)}")
+        if self.overflow is None:
+            log.warning("%s", error)
+            self.overflow = error
+
+    def _make_room(self, nbytes: int, keep: set | tuple) -> bool:
+        """Evict until ``nbytes`` more fit the budget; False if they cannot.
+
+        Candidates are the managed tensors the op does not use (``keep``) and the running
+        backward node does not hold (``held``), least recently used first: finished writes
+        are reaped, a write in flight is waited for, a tensor the slower tier holds is
+        released, any other is written out and waited for (the waits count as stall).
+        """
+        budget = self.e.budget
+        if self.resident + nbytes <= budget:
+            return True
+        self._reap_writes(block=False)
+        excess = self.resident + nbytes - budget
+        victims = []
+        for x in self.recent:          # stale entries (already gone) are victims of 0 bytes
+            if excess <= 0:
+                break
+            if x in keep or x in self.held:
+                continue
+            victims.append(x)
+            excess -= self._evictable_bytes(x)
+        for x in victims:
+            del self.recent[x]
+            if isinstance(x, Birth):
+                self._evict_fresh(x)
+            else:
+                self._evict(x)
+        return self.resident + nbytes <= budget
+
+    def _evictable_bytes(self, x: Slot | Birth) -> int:
+        """The bytes evicting ``x`` gives back (0 for an entry already gone)."""
+        if isinstance(x, Birth):
+            return x.nbytes if x in self.fresh else 0
+        return x.nbytes if x.state in (State.RESIDENT, State.IN, State.OUT) else 0
+
+    def _evict(self, slot: Slot) -> None:
+        """Give a slot's memory back: wait for its write in flight, release it if the slower
+        tier holds its bytes, else write it out and wait."""
+        if slot.state is State.IN:
+            self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
+        if slot.state is State.RESIDENT and slot.host_current:
+            sl.release(slot)
+            slot.state = State.HOST
+            self._account(-slot.nbytes)
+            return
+        if slot.state is State.RESIDENT:
+            self._start_out(slot)
+            self.e.counters["bytes_out"] += slot.nbytes
+        if slot.state is State.OUT:
+            self._timed("wait", f"evict {slot.name}", sl.finish_swap_out, slot)
+            self._account(-slot.nbytes)
+
+    def _kept_names(self) -> str:
+        """What stayed resident after evicting all that could go, for an overflow message."""
+        names = [x.name if isinstance(x, Slot) else f"{self.rec.names[x.op]}#{x.op}"
+                 for x in self.recent if self._evictable_bytes(x)]
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    # -- on demand: the optimizer's new storages ---------------------------------------------
+
+    def _tracking(self) -> bool:
+        """Whether new storages count as managed from birth: on demand, during the optimizer
+        step, with its state managed. The optimizer creates its state there (Adam all of it
+        before its first update; SGD's momentum buffers join ``optimizer.state`` only when
+        ``step()`` returns), and it is managed memory the budget must hold from the start."""
+        return (not self.planned and self.rec.optimizer_start is not None
+                and "optimizer_state" in self.e.manage)
+
+    def _track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
+        """Count a storage the optimizer just created, after making room for it."""
+        self._make_room_for(b.nbytes, keep, i, f"a new tensor of {self.rec.names[i]}")
+        self.fresh[b] = None
+        self._account(b.nbytes)
+        self._touch(b)
+        return b
+
+    def _prune_fresh(self) -> None:
+        """Forget the optimizer's new storages that died (its temporaries): bytes given back."""
+        for b in [b for b in self.fresh if b.ref.expired()]:
+            del self.fresh[b]
+            self.recent.pop(b, None)
+            self._account(-b.nbytes)
+
+    def _evict_fresh(self, b: Birth) -> None:
+        """Write out a storage the optimizer created: it becomes a managed variable now
+        (``_live_out`` names it as the state it turns out to be, ``hand_back`` returns it
+        if it is not state but something still holds it)."""
+        del self.fresh[b]
+        s = torch.UntypedStorage._new_with_weak_ptr(b.ref.cdata)   # None if it just died
+        if s is None:
+            self._account(-b.nbytes)
+            return
+        var = self.e.new_var()
+        name = f"{self.rec.names[b.op]}#{b.op}"
+        self.rec.promote(b, var, Kind.OPTIMIZER_STATE, name)
+        slot = Slot(var, Kind.OPTIMIZER_STATE, b.nbytes, name, in_place=True,
+                    state=State.RESIDENT, storage=s)
+        self._register(slot)
+        self.adopted.append(slot)
+        self._evict(slot)
+
+    def rename(self, slot: Slot, name: str) -> None:
+        """Give a variable adopted before it had a name (``_evict_fresh``) its real one."""
+        slot.name = name
+        v = self.rec.variables.get(slot.var)
+        if v is not None:
+            self.rec.variables[slot.var] = dataclasses.replace(v, name=name)
+
+    def hand_back(self, live: dict[int, Slot]) -> None:
+        """At the end of the step: bring back the optimizer's new storages that were written
+        out to make room but are not managed after the step (not its state), if anything
+        still holds them. The engine must not keep bytes nobody will ask it for."""
+        for slot in self.adopted:
+            if slot.var in live or slot.state is not State.HOST or slot.storage is None:
+                continue
+            if _use_count(slot.storage) > 1:   # more than the slot holds it
+                sl.start_swap_in(slot, self.e.tier, _Unbudgeted)
+                sl.finish_swap_in(slot)
+                self.e.counters["bytes_in"] += slot.nbytes
 
     def _reap_writes(self, block: bool) -> None:
         """Finish on-demand writes, oldest first; block while too many bytes are in flight."""
@@ -481,14 +696,11 @@ class Stepper:
             self.rec.promote(b, var, Kind.ACTIVATION, name)
             slot = Slot(var, Kind.ACTIVATION, b.nbytes, name, in_place=False,
                         state=State.RESIDENT, storage=s)
-            self._register(slot)
-            self._account(b.nbytes)
+            self.adopt(slot, f"the saved activation {name}")
         if slot.kind is not Kind.ACTIVATION:
             return t
         if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
-            self._start_out(slot)     # on demand: write it out at once
-            self.e.counters["bytes_out"] += slot.nbytes
-            self.in_flight_out.append(slot)
+            self._write_out(slot)     # on demand: write it out at once
         return Packed(slot, t)
 
     def close_node(self) -> None:
@@ -501,6 +713,18 @@ class Stepper:
                 self.rec.use(last, var, Access.READ)
         self.node_vars.clear()
         self.ops_since_unpack = 0
+        if not self.planned:
+            self._release_held()
+        self.held.clear()
+
+    def _release_held(self) -> None:
+        """On demand: the node's unpacked activations count until it returns (autograd held
+        them); then their bytes go back, the slower tier keeps a copy."""
+        for slot in self.held:
+            if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
+                sl.release(slot)
+                slot.state = State.HOST
+                self._account(-slot.nbytes)
 
     def unpack(self, p: Any) -> torch.Tensor:
         if not isinstance(p, Packed):
@@ -517,12 +741,8 @@ class Stepper:
         self.unpacked.append(slot.var)
         self.node_vars.append(slot.var)
         self.ensure(slot, nxt)
-        t = torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
+        # On demand keeps nothing, but the tensor handed to autograd holds the bytes as long
+        # as the backward node runs: they count until it returns (close_node releases them).
+        self.held[slot] = None
+        return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
-        if not self.planned and slot.state is State.RESIDENT and slot.host_current:
-            # On demand keeps nothing: the tensor handed to autograd holds the bytes as long
-            # as the backward node needs them; the next unpack reads them again.
-            sl.release(slot)
-            slot.state = State.HOST
-            self._account(-slot.nbytes)
-        return t
