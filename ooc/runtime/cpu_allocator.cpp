@@ -4,8 +4,8 @@
 //
 // Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages,
 // and page-aligned so the swap file can use O_DIRECT on them). A freed large block goes to a
-// cache keyed by its rounded size while the cache holds less than `cap` bytes; otherwise it is
-// unmapped. The Python side raises `cap` while a step runs and drops it to 0 at the step's
+// cache keyed by its rounded size; when the cache would hold more than `cap` bytes, its oldest
+// blocks are unmapped first. A request takes the most recently freed block of its size. The Python side raises `cap` while a step runs and drops it to 0 at the step's
 // end, which unmaps everything cached: between steps the process holds only live bytes.
 //
 // One deleter serves every pointer this allocator returned (raw_deleter must: oneDNN frees
@@ -20,7 +20,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <map>
+#include <list>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -40,23 +40,34 @@ struct Counters {
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
 };
 
+struct Block {
+  void* ptr;
+  size_t size;
+};
+using Order = std::list<Block>;
+
 std::mutex mu;
 Counters c;
-std::unordered_map<void*, size_t> live;           // large block -> rounded size
-std::map<size_t, std::vector<void*>> cache;       // rounded size -> freed blocks
+std::unordered_map<void*, size_t> live;                  // large block -> rounded size
+Order order;                                             // cached blocks, oldest free first
+std::unordered_map<size_t, std::vector<Order::iterator>> by_size;  // newest last
 
 void unmap_locked(void* p, size_t n) {
   munmap(p, n);
   c.mapped -= n;
 }
 
+// Unmap cached blocks, oldest first, until at most `target` bytes stay cached. The newest
+// frees are kept: a step allocates like a stack (what was just freed is asked for again
+// soon), so the oldest block is the one least likely to be reused.
 void shrink_locked(size_t target) {
-  for (auto it = cache.rbegin(); it != cache.rend() && c.cached > target; ++it) {
-    while (!it->second.empty() && c.cached > target) {
-      unmap_locked(it->second.back(), it->first);
-      it->second.pop_back();
-      c.cached -= it->first;
-    }
+  while (c.cached > target && !order.empty()) {
+    Block b = order.front();
+    auto& same = by_size[b.size];
+    same.erase(same.begin());   // the oldest of its size is the list's oldest of that size
+    order.pop_front();
+    c.cached -= b.size;
+    unmap_locked(b.ptr, b.size);
   }
 }
 
@@ -73,22 +84,25 @@ void recycle_free(void* p) {
   }
   size_t n = it->second;
   live.erase(it);
-  if (c.enabled && c.cached + n <= c.cap) {
-    cache[n].push_back(p);
-    c.cached += n;
-  } else {
+  if (!c.enabled || n > c.cap) {
     unmap_locked(p, n);
+    return;
   }
+  shrink_locked(c.cap - n);   // make room by dropping the oldest cached blocks
+  by_size[n].push_back(order.insert(order.end(), Block{p, n}));
+  c.cached += n;
 }
 
 void* take_large(size_t n) {
   size_t r = (n + kRound - 1) / kRound * kRound;
   {
     std::lock_guard<std::mutex> g(mu);
-    auto it = cache.find(r);
-    if (it != cache.end() && !it->second.empty()) {
-      void* p = it->second.back();
+    auto it = by_size.find(r);
+    if (it != by_size.end() && !it->second.empty()) {
+      Order::iterator b = it->second.back();   // the most recently freed: warmest in cache
+      void* p = b->ptr;
       it->second.pop_back();
+      order.erase(b);
       c.cached -= r;
       c.hits++;
       live[p] = r;

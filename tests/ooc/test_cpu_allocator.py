@@ -72,6 +72,26 @@ def test_the_cache_never_holds_more_than_its_cap():
 
 
 @needs_compiler
+def test_a_full_cache_drops_its_oldest_blocks_for_the_newest():
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    owner = object()
+    cpu_allocator.begin(owner, 14 << 20)
+    try:
+        a, b, c = (torch.empty(n << 20, dtype=torch.uint8) for n in (4, 6, 8))
+        del a, b, c   # freed oldest first: 4, 6, 8 MiB; only 6 + 8 fit the 14 MiB cap
+        assert cpu_allocator.stats()["cached_bytes"] == 14 << 20
+        before = cpu_allocator.stats()
+        keep = [torch.empty(8 << 20, dtype=torch.uint8), torch.empty(6 << 20, dtype=torch.uint8)]
+        mid = cpu_allocator.stats()
+        keep.append(torch.empty(4 << 20, dtype=torch.uint8))
+        after = cpu_allocator.stats()
+        assert mid["hits"] - before["hits"] == 2          # the two newest were kept
+        assert after["misses"] - mid["misses"] == 1       # the oldest had been unmapped
+    finally:
+        cpu_allocator.end(owner)
+
+
+@needs_compiler
 def test_outside_a_step_requests_go_to_pytorch_unchanged():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
     before = cpu_allocator.stats()
