@@ -245,6 +245,9 @@ class OutOfCore:
         st = self._stepper
         if st is None:
             raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
+        # The backward is over: its last node returned, so the activations it unpacked are no
+        # longer held by autograd (on demand, their bytes go back before the update needs room).
+        st.close_node()
         if st.schedule is None:
             self._check_feasible(st)
             if st.overflow is not None:   # feasible with a plan: only the unplanned step overflowed
