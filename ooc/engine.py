@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
-from ooc.runtime.malloc import release_freed_memory
+from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import make_pool, make_tier_and_pool
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
@@ -444,6 +444,8 @@ class OutOfCore:
             if not slot.in_place:
                 slot.storage = None
         self.pool.trim()
+        if self.device.type == "cpu":
+            give_back_heap()   # parameters built before the engine left their pages in glibc's heap
         self.counters["steps"] += 1
         for tr, name, t0, t1 in st.events:
             self.events.append((tr, name, t0, t1, self.counters["steps"]))
