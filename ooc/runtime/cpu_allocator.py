@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "cap_bytes", "enabled")
 
+_TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -87,7 +88,10 @@ def acquire() -> bool:
             _reason = "disabled by OOC_CPU_ALLOCATOR=0"
         else:
             try:
-                lib = ctypes.CDLL(str(_built()))
+                path = _built()
+                lib = ctypes.CDLL(str(path))
+                if path.parent.name.startswith(_TEMP_PREFIX):   # not cached: leave nothing behind
+                    shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
                 if lib.ooc_cpu_allocator_install(64) != 1:
                     raise _Unavailable("another CPU allocator of higher priority is installed")
                 lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
@@ -183,7 +187,7 @@ def _built() -> Path:
 def _cache_dir() -> Path:
     """``$XDG_CACHE_HOME/ooc`` (or ``~/.cache/ooc``) if it is ours and private, else a fresh
     private temporary directory: a library loaded into the process must not be writable by
-    anyone else."""
+    anyone else. The temporary directory is removed as soon as the library is loaded."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ooc"
     try:
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -191,7 +195,7 @@ def _cache_dir() -> Path:
         return base
     except (OSError, _Unavailable) as e:
         log.info("not caching the CPU allocator in %s (%s)", base, e)
-        return Path(tempfile.mkdtemp(prefix="ooc-alloc-"))
+        return Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
 
 
 def _check_private(path: Path) -> None:

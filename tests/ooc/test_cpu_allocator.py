@@ -154,9 +154,12 @@ def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path):
     shared = tmp_path / "ooc"
     shared.mkdir()
     shared.chmod(0o777)
-    out = _child(TRAIN, {"XDG_CACHE_HOME": str(tmp_path)})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = _child(TRAIN, {"XDG_CACHE_HOME": str(tmp_path), "TMPDIR": str(scratch)})
     assert out["used"] is True          # built in a private temporary directory instead
     assert not list(shared.iterdir())   # and nothing loaded from, or written to, the shared one
+    assert not list(scratch.glob("ooc-alloc-*"))   # the temporary build is gone once loaded
 
 
 @needs_compiler
