@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 
 from ooc.errors import OOCError  # noqa: E402
-from ooc.measure import Case, child_env, managed_peak, same_parameters  # noqa: E402
+from ooc.measure import Case, build, child_env, managed_peak, same_parameters  # noqa: E402
 from vmm.units import format_size  # noqa: E402
 
 MiB = 1 << 20
@@ -134,7 +134,6 @@ def _child(spec: dict[str, Any]) -> None:
     import torch
 
     import ooc
-    from ooc import models
     from ooc.measure import _reset_peak, _status, train_step
 
     c = spec["case"]
@@ -145,14 +144,7 @@ def _child(spec: dict[str, Any]) -> None:
         _warm_up(case, spec["warmup"])
     rss_bare = _status()["VmRSS"]
     t0 = time.perf_counter()
-    torch.manual_seed(case.seed)
-    model = models.get(case.model, **case.model_kwargs)
-    if case.optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = models.example_batch(case.model, case.batch, "cpu", seed=case.seed, **case.model_kwargs)
-    loss_fn = models.loss_fn(case.model)
+    model, opt, x, y, loss_fn = build(case)
     engine = None
     if case.method == "ooc":
         engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage, policy=case.policy,

@@ -185,13 +185,14 @@ def _vgg_runs(features):
     return runs
 
 
-def _child(spec: dict[str, Any]) -> None:
+def build(case: Case) -> tuple[Any, Any, Any, Any, Callable]:
+    """The case's model, optimizer, batch and loss, from its seed: every measuring child
+    (this module's and bench_nntrainer's) trains exactly the same thing, so results compare
+    bit for bit. Returns ``(model, optimizer, x, y, loss_fn)``."""
     import torch
 
-    import ooc
     from ooc import models
 
-    case = Case(**{**spec, "manage": tuple(spec["manage"])})
     torch.manual_seed(case.seed)
     model = models.get(case.model, **case.model_kwargs)
     if case.optimizer == "adam":
@@ -199,7 +200,16 @@ def _child(spec: dict[str, Any]) -> None:
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = models.example_batch(case.model, case.batch, "cpu", seed=case.seed, **case.model_kwargs)
-    loss_fn = models.loss_fn(case.model)
+    return model, opt, x, y, models.loss_fn(case.model)
+
+
+def _child(spec: dict[str, Any]) -> None:
+    import torch
+
+    import ooc
+
+    case = Case(**{**spec, "manage": tuple(spec["manage"])})
+    model, opt, x, y, loss_fn = build(case)
     if case.method.startswith("checkpoint"):
         checkpoint_blocks(model, every=2 if case.method == "checkpoint2" else 1)
     engine = None
