@@ -3,10 +3,20 @@
 // for why it exists. Blocks below kLarge go to PyTorch's own alloc_cpu/free_cpu unchanged.
 //
 // Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages,
-// and page-aligned so the swap file can use O_DIRECT on them). A freed large block goes to a
-// cache keyed by its rounded size; when the cache would hold more than `cap` bytes, its oldest
-// blocks are unmapped first. A request takes the most recently freed block of its size. The Python side raises `cap` while a step runs and drops it to 0 at the step's
-// end, which unmaps everything cached: between steps the process holds only live bytes.
+// and page-aligned so the swap file can use O_DIRECT on them). While enabled (an engine step
+// runs), a freed large block is kept, merged with cached neighbours in the address space, and
+// a request takes the smallest cached block that holds it (best fit), splitting off the rest.
+// Keeping a freed block maps nothing new, so the cache only has to shrink when a request
+// misses and fresh memory must be mapped: then the oldest cached blocks are unmapped until the
+// mapped total stays within the most live bytes seen so far (or live + `floor`, whichever is
+// more). The cache therefore never lifts the process above a peak its live tensors already
+// reached.
+//
+// Between steps (disabled) nothing new is cached: a large request is served from the cache if
+// a block fits, else the cache first gives back as many bytes as the request needs and the
+// request goes to alloc_cpu; a freed block is unmapped. So the next step finds its blocks
+// still populated (no page faults, no zeroing), and memory used between steps (evaluation)
+// replaces the cache instead of adding to it. release() unmaps the whole cache.
 //
 // One deleter serves every pointer this allocator returned (raw_deleter must: oneDNN frees
 // through it), so it looks the pointer up: a large block it mapped, or a small one from
@@ -18,12 +28,15 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
-#include <list>
+#include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
-#include <vector>
+#include <utility>
 
 namespace {
 
@@ -36,79 +49,121 @@ struct Counters {
   size_t peak_mapped = 0;
   size_t hits = 0;         // large allocations served from the cache
   size_t misses = 0;       // large allocations that mapped fresh memory
-  size_t cap = 0;          // most bytes the cache may hold
+  size_t floor = 0;        // bytes the cache may hold even above the live peak
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
+  size_t peak_live = 0;    // most bytes of large blocks live at once, ever
 };
 
-struct Block {
-  void* ptr;
+using Addr = char*;
+struct Free {
   size_t size;
+  uint64_t age;            // when it was freed: the oldest go first
 };
-using Order = std::list<Block>;
 
 std::mutex mu;
 Counters c;
-std::unordered_map<void*, size_t> live;                  // large block -> rounded size
-Order order;                                             // cached blocks, oldest free first
-std::unordered_map<size_t, std::vector<Order::iterator>> by_size;  // newest last
+uint64_t clock_ = 0;
+std::unordered_map<void*, size_t> live;        // large block -> rounded size
+std::map<Addr, Free> by_addr;                  // cached blocks, for merging neighbours
+std::set<std::pair<size_t, Addr>> by_size;     // for best fit
+std::set<std::pair<uint64_t, Addr>> by_age;    // for dropping the oldest
 
-void unmap_locked(void* p, size_t n) {
-  munmap(p, n);
-  c.mapped -= n;
-}
+size_t live_bytes() { return c.mapped - c.cached; }
 
-// Unmap cached blocks, oldest first, until at most `target` bytes stay cached. The newest
-// frees are kept: a step allocates like a stack (what was just freed is asked for again
-// soon), so the oldest block is the one least likely to be reused.
-void shrink_locked(size_t target) {
-  while (c.cached > target && !order.empty()) {
-    Block b = order.front();
-    auto& same = by_size[b.size];
-    same.erase(same.begin());   // the oldest of its size is the list's oldest of that size
-    order.pop_front();
-    c.cached -= b.size;
-    unmap_locked(b.ptr, b.size);
-  }
-}
-
-void recycle_free(void* p) {
-  if (p == nullptr) {
-    return;
-  }
-  std::unique_lock<std::mutex> g(mu);
-  auto it = live.find(p);
-  if (it == live.end()) {
-    g.unlock();
-    c10::free_cpu(p);
-    return;
-  }
-  size_t n = it->second;
-  live.erase(it);
-  if (!c.enabled || n > c.cap) {
-    unmap_locked(p, n);
-    return;
-  }
-  shrink_locked(c.cap - n);   // make room by dropping the oldest cached blocks
-  by_size[n].push_back(order.insert(order.end(), Block{p, n}));
+void keep_locked(Addr p, size_t n, uint64_t age) {
+  by_addr.emplace(p, Free{n, age});
+  by_size.emplace(n, p);
+  by_age.emplace(age, p);
   c.cached += n;
 }
 
+Free forget_locked(std::map<Addr, Free>::iterator it) {
+  Free f = it->second;
+  by_size.erase({f.size, it->first});
+  by_age.erase({f.age, it->first});
+  by_addr.erase(it);
+  c.cached -= f.size;
+  return f;
+}
+
+// Unmap cached blocks, oldest first, until at most `target` bytes stay cached. A step
+// allocates like a stack (what was just freed is asked for again soon), so the oldest block
+// is the one least likely to be reused.
+void shrink_locked(size_t target) {
+  while (c.cached > target && !by_age.empty()) {
+    Addr p = by_age.begin()->second;
+    Free f = forget_locked(by_addr.find(p));
+    munmap(p, f.size);
+    c.mapped -= f.size;
+  }
+}
+
+// The most the cache may hold with `extra` bytes about to be mapped: whatever keeps the mapped
+// total within the live peak, or `floor`, whichever is more.
+size_t allowance_locked(size_t extra) {
+  size_t want = live_bytes() + extra;
+  return std::max(c.floor, c.peak_live > want ? c.peak_live - want : 0);
+}
+
+void recycle_free(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  std::unique_lock<std::mutex> g(mu);
+  auto it = live.find(ptr);
+  if (it == live.end()) {
+    g.unlock();
+    c10::free_cpu(ptr);
+    return;
+  }
+  Addr p = static_cast<Addr>(ptr);
+  size_t n = it->second;
+  live.erase(it);
+  if (!c.enabled) {
+    munmap(p, n);
+    c.mapped -= n;
+    return;
+  }
+  auto next = by_addr.find(p + n);   // merge with cached neighbours: larger blocks fit more
+  if (next != by_addr.end()) {
+    n += forget_locked(next).size;
+  }
+  auto prev = by_addr.lower_bound(p);
+  if (prev != by_addr.begin() && (--prev)->first + prev->second.size == p) {
+    p = prev->first;
+    n += forget_locked(prev).size;
+  }
+  keep_locked(p, n, ++clock_);
+}
+
+size_t rounded(size_t n) { return (n + kRound - 1) / kRound * kRound; }
+
+// The smallest cached block that holds r bytes, split to size; nullptr if none does.
+void* from_cache_locked(size_t r) {
+  auto fit = by_size.lower_bound({r, nullptr});
+  if (fit == by_size.end()) {
+    return nullptr;
+  }
+  Addr p = fit->second;
+  Free f = forget_locked(by_addr.find(p));
+  if (f.size > r) {
+    keep_locked(p + r, f.size - r, f.age);   // the rest stays cached, as old as it was
+  }
+  c.hits++;
+  live[p] = r;
+  c.peak_live = std::max(c.peak_live, live_bytes());
+  return p;
+}
+
 void* take_large(size_t n) {
-  size_t r = (n + kRound - 1) / kRound * kRound;
+  size_t r = rounded(n);
   {
     std::lock_guard<std::mutex> g(mu);
-    auto it = by_size.find(r);
-    if (it != by_size.end() && !it->second.empty()) {
-      Order::iterator b = it->second.back();   // the most recently freed: warmest in cache
-      void* p = b->ptr;
-      it->second.pop_back();
-      order.erase(b);
-      c.cached -= r;
-      c.hits++;
-      live[p] = r;
+    if (void* p = from_cache_locked(r)) {
       return p;
     }
     c.misses++;
+    shrink_locked(allowance_locked(r));
   }
   void* p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
@@ -122,21 +177,30 @@ void* take_large(size_t n) {
   madvise(p, r, MADV_HUGEPAGE);   // fewer page faults; harmless where THP is off
   std::lock_guard<std::mutex> g(mu);
   c.mapped += r;
-  if (c.mapped > c.peak_mapped) {
-    c.peak_mapped = c.mapped;
-  }
+  c.peak_mapped = std::max(c.peak_mapped, c.mapped);
   live[p] = r;
+  c.peak_live = std::max(c.peak_live, live_bytes());
   return p;
 }
 
 struct RecyclingAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    bool large;
-    {
+    void* p = nullptr;
+    bool enabled = false;
+    if (n >= kLarge) {
       std::lock_guard<std::mutex> g(mu);
-      large = c.enabled && n >= kLarge;
+      enabled = c.enabled;
+      if (!enabled && c.cached > 0) {   // between steps: use the cache up, never fill it
+        size_t r = rounded(n);
+        p = from_cache_locked(r);
+        if (p == nullptr) {
+          shrink_locked(c.cached > r ? c.cached - r : 0);
+        }
+      }
     }
-    void* p = large ? take_large(n) : c10::alloc_cpu(n);
+    if (p == nullptr) {
+      p = enabled ? take_large(n) : c10::alloc_cpu(n);
+    }
     return {p, p, &recycle_free, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &recycle_free; }
@@ -157,16 +221,21 @@ int ooc_cpu_allocator_install(int priority) {
   return c10::GetCPUAllocator() == &instance;
 }
 
-// Route large allocations here (enabled != 0) and let the cache hold up to cap bytes;
-// shrinking the cap unmaps what no longer fits.
-void ooc_cpu_allocator_configure(int enabled, size_t cap) {
+// Route large allocations here and cache freed ones (enabled != 0), the cache holding at
+// least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.
+void ooc_cpu_allocator_configure(int enabled, size_t floor) {
   std::lock_guard<std::mutex> g(mu);
   c.enabled = enabled;
-  c.cap = enabled ? cap : 0;
-  shrink_locked(c.cap);
+  c.floor = enabled ? floor : 0;
 }
 
-// cached, mapped, peak_mapped, hits, misses, cap, enabled
+// Unmap every cached block.
+void ooc_cpu_allocator_release() {
+  std::lock_guard<std::mutex> g(mu);
+  shrink_locked(0);
+}
+
+// cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live
 void ooc_cpu_allocator_stats(size_t* out) {
   std::lock_guard<std::mutex> g(mu);
   out[0] = c.cached;
@@ -174,8 +243,9 @@ void ooc_cpu_allocator_stats(size_t* out) {
   out[2] = c.peak_mapped;
   out[3] = c.hits;
   out[4] = c.misses;
-  out[5] = c.cap;
+  out[5] = c.floor;
   out[6] = static_cast<size_t>(c.enabled);
+  out[7] = c.peak_live;
 }
 
 }  // extern "C"

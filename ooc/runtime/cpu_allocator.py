@@ -6,10 +6,15 @@ save. glibc either keeps freed blocks in its heap (fast, but the heap does not s
 saving) or, with a fixed mmap threshold, unmaps every large block on free, and the kernel then
 zeroes fresh pages for the next allocation of the same size. On the 2-core VM this project is
 measured on, zeroing runs at about 1 GB/s: plain PyTorch training slows by ~30% under that
-threshold. This allocator keeps a bounded cache of freed large blocks, by size, while a step
-runs (the next tensor of that size reuses the block without a page fault) and unmaps the
-cache when the step ends. Blocks are 2 MiB-rounded anonymous mmaps: transparent huge pages
-where the kernel allows (``madvise``), page-aligned for the swap file's O_DIRECT.
+threshold. This allocator keeps freed large blocks while a step runs and hands them to the
+next requests (best fit, split, neighbours merged), so the step's tensors land on pages that
+are already there. The cache is bounded by the step's own live peak: before mapping anything
+new it drops its oldest blocks until the mapped total is within the most live bytes seen (or
+live + a small floor), so it never makes the process larger than its tensors already did.
+Between steps it only shrinks (it serves large requests, then gives back what they need),
+and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
+transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's
+O_DIRECT.
 
 PyTorch lets only C++ replace its CPU allocator (``c10::SetCPUAllocator``), so the source is
 compiled against the installed torch's headers with the system's C++ compiler (about a second),
@@ -19,8 +24,9 @@ smoke test) is logged and the engine falls back to glibc with a fixed mmap thres
 (:func:`ooc.runtime.malloc.release_freed_memory`): slower, same results. ``OOC_CPU_ALLOCATOR=0``
 in the environment skips it.
 
-Once installed the allocator stays for the life of the process (tensors hold its deleter), but
-outside engine steps it hands every request to PyTorch's ``alloc_cpu`` unchanged.
+Once installed the allocator stays for the life of the process (tensors hold its deleter);
+outside engine steps it caches nothing new and otherwise hands requests to PyTorch's
+``alloc_cpu`` unchanged.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
-STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "cap_bytes", "enabled")
+STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "floor_bytes", "enabled",
+             "peak_live_bytes")
 
 _TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
 _lock = threading.Lock()
@@ -110,18 +117,27 @@ def unavailable() -> str | None:
     return _reason
 
 
-def begin(owner: object, cache_bytes: int) -> None:
-    """A step of ``owner`` starts: recycle large blocks, caching up to ``cache_bytes``."""
+def begin(owner: object, floor_bytes: int) -> None:
+    """A step of ``owner`` starts: recycle large blocks. The cache may hold ``floor_bytes``
+    even where that takes the mapped total above the live peak (the first steps, small models)."""
     with _lock:
-        _active[id(owner)] = int(cache_bytes)
+        _active[id(owner)] = int(floor_bytes)
         _configure_locked()
 
 
 def end(owner: object) -> None:
-    """``owner``'s step is over: when no step runs, unmap the cache and stop recycling."""
+    """``owner``'s step is over: when no step runs, stop caching; the cache stays for the next
+    step and shrinks as requests between steps use it."""
     with _lock:
         _active.pop(id(owner), None)
         _configure_locked()
+
+
+def release() -> None:
+    """Unmap every cached block (an engine closes: no next step to keep them for)."""
+    with _lock:
+        if _lib is not None and not _active:
+            _lib.ooc_cpu_allocator_release()
 
 
 def stats() -> dict[str, int] | None:

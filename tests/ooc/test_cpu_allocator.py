@@ -1,5 +1,6 @@
-"""The recycling CPU allocator (ooc/runtime/cpu_allocator.py): reuse inside a step, memory
-back to the system at its end, and a clean fallback wherever it cannot be built or trusted.
+"""The recycling CPU allocator (ooc/runtime/cpu_allocator.py): reuse inside a step, a cache
+bounded by the live peak and given back on release, and a clean fallback wherever it cannot
+be built or trusted.
 
 Installing it is process-wide and permanent, so every case that must start without it (or
 with a broken build) runs in a child process.
@@ -37,63 +38,111 @@ def _child(code: str, env: dict[str, str]) -> dict:
 
 
 @needs_compiler
-def test_a_step_reuses_freed_blocks_and_gives_them_back_at_its_end():
+def test_a_step_reuses_freed_blocks_and_keeps_them_until_released():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
     owner = object()
     before = cpu_allocator.stats()
-    cpu_allocator.begin(owner, 128 << 20)
+    cpu_allocator.begin(owner, 0)
     try:
         for _ in range(6):   # 6 rounds of 8 x 8 MiB, freed after each round
             blocks = [torch.ones(2 << 20) for _ in range(8)]   # 8 MiB each, touched
             del blocks
-        during = cpu_allocator.stats()
-        rss_cached = _rss()
     finally:
         cpu_allocator.end(owner)
-    after = cpu_allocator.stats()
-    assert during["hits"] - before["hits"] >= 40          # rounds 2..6 come from the cache
-    assert during["misses"] - before["misses"] <= 8
-    assert during["cached_bytes"] == 64 << 20
-    assert after["cached_bytes"] == 0 and after["enabled"] == 0
-    assert rss_cached - _rss() >= 48 << 20                 # the kernel really got them back
+    after_step = cpu_allocator.stats()
+    assert after_step["hits"] - before["hits"] >= 40          # rounds 2..6 come from the cache
+    assert after_step["misses"] - before["misses"] <= 8
+    assert after_step["cached_bytes"] == 64 << 20              # kept for the next step
+    rss_cached = _rss()
+    cpu_allocator.release()
+    assert cpu_allocator.stats()["cached_bytes"] == 0
+    assert rss_cached - _rss() >= 48 << 20                     # the kernel really got them back
 
 
 @needs_compiler
-def test_the_cache_never_holds_more_than_its_cap():
+def test_a_larger_cached_block_is_split_and_freed_neighbours_merge():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
     owner = object()
-    cpu_allocator.begin(owner, 16 << 20)
+    cpu_allocator.begin(owner, 0)
     try:
-        blocks = [torch.ones(2 << 20) for _ in range(8)]
-        del blocks
-        assert cpu_allocator.stats()["cached_bytes"] <= 16 << 20
+        big = torch.empty(12 << 20, dtype=torch.uint8)
+        del big                                                # cached: one 12 MiB block
+        s0 = cpu_allocator.stats()
+        parts = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(3)]   # split from it
+        s1 = cpu_allocator.stats()
+        assert (s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]) == (3, 0)
+        for i in (0, 2, 1):   # the middle one last: it joins both neighbours
+            parts[i] = None
+        assert cpu_allocator.stats()["cached_bytes"] == 12 << 20
+        again = torch.empty(12 << 20, dtype=torch.uint8)       # fits only if merged back
+        s2 = cpu_allocator.stats()
+        assert (s2["hits"] - s1["hits"], s2["misses"] - s1["misses"]) == (1, 0)
+        del again
     finally:
         cpu_allocator.end(owner)
+        cpu_allocator.release()
+
+
+BOUND = """
+    import json, random, torch
+    from ooc.runtime import cpu_allocator
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    rng = random.Random(0)
+    owner = object()
+    cpu_allocator.begin(owner, 0)
+    live, worst = [], 0
+    for _ in range(400):   # a step-like mix: bursts of allocations, frees in any order
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live)))
+        else:
+            live.append(torch.empty(rng.randint(1, 24) << 20, dtype=torch.uint8))
+        s = cpu_allocator.stats()
+        worst = max(worst, s["mapped_bytes"] - s["peak_live_bytes"])
+    s = cpu_allocator.stats()
+    print(json.dumps({"worst": worst, "hits": s["hits"], "misses": s["misses"],
+                      "peak_mapped": s["peak_mapped_bytes"], "peak_live": s["peak_live_bytes"]}))
+"""
 
 
 @needs_compiler
-def test_a_full_cache_drops_its_oldest_blocks_for_the_newest():
+def test_the_cache_never_maps_more_than_the_live_peak():
+    """The cache keeps freed blocks without a cap, so it must shrink before anything new is
+    mapped: at no point may the mapped total exceed the most bytes that were live at once
+    (with a floor of 0), i.e. recycling never makes the process larger than its tensors did."""
+    out = _child(BOUND, {})
+    assert out["worst"] <= 0 and out["peak_mapped"] <= out["peak_live"]
+    assert out["hits"] > out["misses"]   # and it still recycles most requests (random sizes)
+
+
+@needs_compiler
+def test_between_steps_the_cache_only_shrinks():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
     owner = object()
-    cpu_allocator.begin(owner, 14 << 20)
-    try:
-        a, b, c = (torch.empty(n << 20, dtype=torch.uint8) for n in (4, 6, 8))
-        del a, b, c   # freed oldest first: 4, 6, 8 MiB; only 6 + 8 fit the 14 MiB cap
-        assert cpu_allocator.stats()["cached_bytes"] == 14 << 20
-        before = cpu_allocator.stats()
-        keep = [torch.empty(8 << 20, dtype=torch.uint8), torch.empty(6 << 20, dtype=torch.uint8)]
-        mid = cpu_allocator.stats()
-        keep.append(torch.empty(4 << 20, dtype=torch.uint8))
-        after = cpu_allocator.stats()
-        assert mid["hits"] - before["hits"] == 2          # the two newest were kept
-        assert after["misses"] - mid["misses"] == 1       # the oldest had been unmapped
-    finally:
-        cpu_allocator.end(owner)
+    cpu_allocator.begin(owner, 0)
+    blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(2)]
+    del blocks
+    cpu_allocator.end(owner)
+    s0 = cpu_allocator.stats()
+    assert s0["cached_bytes"] >= 16 << 20 and s0["enabled"] == 0
+    t = torch.empty(8 << 20, dtype=torch.uint8)   # outside a step: served from the cache
+    s1 = cpu_allocator.stats()
+    assert s1["hits"] == s0["hits"] + 1 and s1["cached_bytes"] == s0["cached_bytes"] - (8 << 20)
+    del t                                           # and not cached again
+    assert cpu_allocator.stats()["cached_bytes"] == s1["cached_bytes"]
+    u = torch.empty(64 << 20, dtype=torch.uint8)   # too large for it: the cache makes room
+    s2 = cpu_allocator.stats()
+    assert s2["cached_bytes"] == 0 and s2["misses"] == s1["misses"]   # PyTorch's allocator served it
+    del u
+    cpu_allocator.release()
 
 
 @needs_compiler
 def test_outside_a_step_requests_go_to_pytorch_unchanged():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
     before = cpu_allocator.stats()
     t = torch.ones(4 << 20)
     del t
@@ -102,13 +151,13 @@ def test_outside_a_step_requests_go_to_pytorch_unchanged():
 
 
 @needs_compiler
-def test_with_two_engines_the_cache_lasts_until_the_last_step_ends():
+def test_with_two_engines_recycling_lasts_until_the_last_step_ends():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
     a, b = object(), object()
     cpu_allocator.begin(a, 32 << 20)
     cpu_allocator.begin(b, 64 << 20)
     cpu_allocator.end(a)
-    assert cpu_allocator.stats()["enabled"] == 1 and cpu_allocator.stats()["cap_bytes"] == 64 << 20
+    assert cpu_allocator.stats()["enabled"] == 1 and cpu_allocator.stats()["floor_bytes"] == 64 << 20
     cpu_allocator.end(b)
     assert cpu_allocator.stats()["enabled"] == 0
 
@@ -129,7 +178,9 @@ TRAIN = """
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 engine.optimizer_step()
         stats = engine.stats()["cpu_allocator"]
+    after = cpu_allocator.stats()
     print(json.dumps({"used": stats is not None, "reason": cpu_allocator.unavailable(),
+                      "cached_after_close": after and after["cached_bytes"],
                       "weight_sum": float(model[0].weight.double().sum())}))
 """
 
@@ -139,6 +190,7 @@ def test_switched_off_the_engine_trains_the_same_without_it(tmp_path):
     off = _child(TRAIN, {"OOC_CPU_ALLOCATOR": "0", "XDG_CACHE_HOME": str(tmp_path / "b")})
     assert off["used"] is False and "OOC_CPU_ALLOCATOR=0" in off["reason"]
     assert on["weight_sum"] == off["weight_sum"]
+    assert on["used"] is True and on["cached_after_close"] == 0   # close() gives the cache back
     assert not (tmp_path / "b" / "ooc").exists()   # nothing built when switched off
 
 
