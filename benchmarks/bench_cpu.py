@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -74,7 +75,7 @@ class Model:
     chunk: int = 2 * MiB
     verify: bool = False   # add the verify=True and 1-I/O-thread rows at 1/4
     target: bool = False   # the CNN: its 1/4 row is checked against the targets
-    fractions: tuple[int, ...] = (1, 2, 4, 8)
+    fractions: tuple[str, ...] = ("1", "1/2", "1/4", "1/8")   # budgets, of the managed peak
 
     def describe(self) -> str:
         kw = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
@@ -85,7 +86,7 @@ GPT_FULL = dict(depth=6, width=256, heads=4, seq_len=256, vocab=8192)
 # The CNN is "a ResNet or VGG from the zoo": ResNet-50 at 224 px, batch 8 (activations
 # ~8x its parameters). The small CNN (64 px, 32 channels) moves more bytes per FLOP: the
 # harder case for swapping, and the one the verify and I/O-thread rows are run on.
-FULL = (Model("ResNet-50", "resnet50", 8, target=True, fractions=(1, 2, 4)),
+FULL = (Model("ResNet-50", "resnet50", 8, target=True, fractions=("1", "3/4", "1/2", "1/4")),
         Model("CNN", "small_cnn", 32, verify=True),
         Model("GPT", "gpt2", 8, GPT_FULL))
 QUICK = (Model("CNN", "small_cnn", 4, dict(width=16, blocks=4), chunk=256 << 10, verify=True,
@@ -93,9 +94,8 @@ QUICK = (Model("CNN", "small_cnn", 4, dict(width=16, blocks=4), chunk=256 << 10,
          Model("GPT", "gpt2", 2, dict(depth=2, width=64, heads=2, seq_len=128, vocab=512),
                chunk=256 << 10))
 
-FRACTIONS = ((1, "1"), (2, "1/2"), (4, "1/4"), (8, "1/8"))
 #: --quick runs fewer cases (each is a fresh process importing torch: ~3 s before any work).
-QUICK_FRACTIONS = {"CNN": (4, 8), "GPT": (4,)}
+QUICK_FRACTIONS = {"CNN": ("1/4", "1/8"), "GPT": ("1/4",)}
 
 
 @dataclass
@@ -171,11 +171,9 @@ def build_rows(model: Model, steps: int, tmp: Path, quick: bool) -> tuple[list[R
                 chunk=model.chunk)
     out = lambda tag: str(tmp / f"{model.label}-{tag}.pt")  # noqa: E731
     rows = [Row("in-core", replace(base, params_out=out("incore")))]
-    for div, frac in FRACTIONS:
-        if div not in (QUICK_FRACTIONS[model.label] if quick else model.fractions):
-            continue
-        rows.append(Row(f"ooc {frac}", replace(base, method="ooc", budget=peak // div,
-                                               params_out=out(f"ooc{div}"))))
+    for frac in QUICK_FRACTIONS[model.label] if quick else model.fractions:
+        rows.append(Row(f"ooc {frac}", replace(base, method="ooc", budget=int(peak * Fraction(frac)),
+                                               params_out=out("ooc" + frac.replace("/", "of")))))
     if not quick or model.target:
         rows.append(Row("checkpoint (every block)", replace(base, method="checkpoint", params_out=out("cp1"))))
     if not quick or model.label == "GPT":
