@@ -336,11 +336,12 @@ def breakdown(rows: list[Row]) -> list[str]:
     out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
            f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
            f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
-           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step), and the memory "
-           "ooc gives back at each step's end is faulted in (zeroed by the kernel) again next step",
+           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step) and saved "
+           "tensors through pack/unpack hooks",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
            f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: compute slowed "
-           f"by the I/O threads sharing {os.cpu_count()} cores, copies and page faults of pool memory",
+           f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
+           "preempted by them), and pool chunks zeroed again after each step's trim",
            f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
     resident = (plan.get("peak_resident_bytes") or 0)
     out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "
@@ -451,15 +452,17 @@ ANALYSIS = [
     "pages are zeroed by the kernel at about 1 GB/s on this VM) and ooc's ratios look better "
     "than they were (small CNN at 1/4: 1.29x then, 1.36x here against PyTorch's defaults).",
     "- Down to 1/4, ooc's extra time is not waiting: the stall column is small (at 1/8 "
-    "waiting starts to show). Profiled with perf (small CNN and ResNet-50, ooc vs in-core): "
-    "the engine's per-op work in Python (visible at budget 1, where nothing moves: +1% on the "
-    "small CNN, +11% on ResNet-50 with 1,383 ops per step), pages faulted and zeroed again "
-    "after ooc gives memory back (the pool's chunks after each step's trim, fresh blocks the "
-    "allocator's cache could not serve), the I/O threads' kernel work (O_DIRECT page pinning), "
-    "and OpenMP's second thread spinning between ops while the main thread runs Python. On two "
-    "cores all of it comes out of the compute threads. A GPU moves bytes with DMA engines beside "
-    "the compute; here every moved byte costs CPU time, which is why the 1.15x target is not "
-    "reached on this machine.",
+    "waiting starts to show). Profiled on ResNet-50 (perf, and per-thread CPU and run-queue "
+    "time from /proc): at budget 1, where nothing moves, ooc runs at in-core speed; the +11% "
+    "measured there before was the allocator's cache unmapped at each step's end and faulted in "
+    "(zeroed by the kernel) again, gone since the cache is kept between steps. What 1/4 adds "
+    "with ~1.2 GB moved per step: the I/O threads' CPU (~0.2 s per step: O_DIRECT page pinning "
+    "and the Python around each transfer), the main thread off its core ~0.3 s per step "
+    "(preempted by the woken I/O threads, or waiting for the GIL they hold), pool chunks "
+    "trimmed at each step's end and zeroed again by the next step's swap-ins (~110 MiB), and "
+    "OpenMP's second thread spinning at barriers meanwhile. On two cores all of it comes out "
+    "of the compute threads. A GPU moves bytes with DMA engines beside the compute; here every "
+    "moved byte costs CPU time, which is why the 1.15x target is not reached on this machine.",
     "- torch.utils.checkpoint pays a recomputed forward per wrapped block, whatever the "
     "memory; ooc pays per byte moved. At budgets that move little, ooc is the cheaper way to "
     "the same memory; at deep cuts the bytes add up.",

@@ -7,10 +7,11 @@
 // runs), a freed large block is kept, merged with cached neighbours in the address space, and
 // a request takes the smallest cached block that holds it (best fit), splitting off the rest.
 // Keeping a freed block maps nothing new, so the cache only has to shrink when a request
-// misses and fresh memory must be mapped: then the oldest cached blocks are unmapped until the
-// mapped total stays within the most live bytes seen so far (or live + `floor`, whichever is
-// more). The cache therefore never lifts the process above a peak its live tensors already
-// reached.
+// misses and fresh memory must be mapped, or when ooc's device pool (memory beside this
+// allocator, reported with ooc_cpu_allocator_external) grows: then the oldest cached blocks are
+// unmapped until mapped + pool stays within the most live bytes (live blocks + pool) seen in
+// this step or the one before, or live + `floor`, whichever is more. The cache therefore
+// never lifts the process above a peak its live tensors already reached.
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache if
 // a block fits, else the cache first gives back as many bytes as the request needs and the
@@ -51,7 +52,10 @@ struct Counters {
   size_t misses = 0;       // large allocations that mapped fresh memory
   size_t floor = 0;        // bytes the cache may hold even above the live peak
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
-  size_t peak_live = 0;    // most bytes of large blocks live at once, ever
+  size_t external = 0;     // bytes held beside this allocator (ooc's device pool)
+  size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
+  size_t step_peak = 0;    // the same, in the step that runs (or ran last)
+  size_t last_peak = 0;    // the same, in the step before it
 };
 
 using Addr = char*;
@@ -60,15 +64,18 @@ struct Free {
   uint64_t age;            // when it was freed: the oldest go first
 };
 
-std::mutex mu;
+// Made once and never destroyed: tensors that C++ statics hold are freed through
+// recycle_free while the process exits, after this library's own statics would be gone.
+std::mutex& mu = *new std::mutex;
 Counters c;
 uint64_t clock_ = 0;
-std::unordered_map<void*, size_t> live;        // large block -> rounded size
-std::map<Addr, Free> by_addr;                  // cached blocks, for merging neighbours
-std::set<std::pair<size_t, Addr>> by_size;     // for best fit
-std::set<std::pair<uint64_t, Addr>> by_age;    // for dropping the oldest
+auto& live = *new std::unordered_map<void*, size_t>;          // large block -> rounded size
+auto& by_addr = *new std::map<Addr, Free>;                    // cached, for merging neighbours
+auto& by_size = *new std::set<std::pair<size_t, Addr>>;       // for best fit
+auto& by_age = *new std::set<std::pair<uint64_t, Addr>>;      // for dropping the oldest
 
-size_t live_bytes() { return c.mapped - c.cached; }
+// What the process holds for tensors besides the cache: live large blocks and the pool.
+size_t live_bytes() { return c.mapped - c.cached + c.external; }
 
 void keep_locked(Addr p, size_t n, uint64_t age) {
   by_addr.emplace(p, Free{n, age});
@@ -98,11 +105,19 @@ void shrink_locked(size_t target) {
   }
 }
 
+void note_live_locked() {
+  size_t now = live_bytes();
+  c.peak_live = std::max(c.peak_live, now);
+  c.step_peak = std::max(c.step_peak, now);
+}
+
 // The most the cache may hold with `extra` bytes about to be mapped: whatever keeps the mapped
-// total within the live peak, or `floor`, whichever is more.
+// total within the live peak of this step or the one before (steps repeat; an older, larger
+// peak such as the recording step's is no excuse), or `floor`, whichever is more.
 size_t allowance_locked(size_t extra) {
   size_t want = live_bytes() + extra;
-  return std::max(c.floor, c.peak_live > want ? c.peak_live - want : 0);
+  size_t peak = std::max(c.step_peak, c.last_peak);
+  return std::max(c.floor, peak > want ? peak - want : 0);
 }
 
 void recycle_free(void* ptr) {
@@ -151,7 +166,7 @@ void* from_cache_locked(size_t r) {
   }
   c.hits++;
   live[p] = r;
-  c.peak_live = std::max(c.peak_live, live_bytes());
+  note_live_locked();
   return p;
 }
 
@@ -179,7 +194,7 @@ void* take_large(size_t n) {
   c.mapped += r;
   c.peak_mapped = std::max(c.peak_mapped, c.mapped);
   live[p] = r;
-  c.peak_live = std::max(c.peak_live, live_bytes());
+  note_live_locked();
   return p;
 }
 
@@ -225,8 +240,21 @@ int ooc_cpu_allocator_install(int priority) {
 // least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.
 void ooc_cpu_allocator_configure(int enabled, size_t floor) {
   std::lock_guard<std::mutex> g(mu);
+  if (enabled && !c.enabled) {   // a step starts: the one before it sets the bound
+    c.last_peak = c.step_peak;
+    c.step_peak = live_bytes();
+  }
   c.enabled = enabled;
   c.floor = enabled ? floor : 0;
+}
+
+// The device pool now holds `n` bytes: they count as live, so the cache shrinks as the pool
+// grows (the two must not together exceed the live peak).
+void ooc_cpu_allocator_external(size_t n) {
+  std::lock_guard<std::mutex> g(mu);
+  c.external = n;
+  note_live_locked();
+  shrink_locked(allowance_locked(0));
 }
 
 // Unmap every cached block.
@@ -235,17 +263,15 @@ void ooc_cpu_allocator_release() {
   shrink_locked(0);
 }
 
-// cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live
-void ooc_cpu_allocator_stats(size_t* out) {
+// cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live, external: the first
+// `n` of them into out[0..n) (the caller says how many it has room for).
+void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   std::lock_guard<std::mutex> g(mu);
-  out[0] = c.cached;
-  out[1] = c.mapped;
-  out[2] = c.peak_mapped;
-  out[3] = c.hits;
-  out[4] = c.misses;
-  out[5] = c.floor;
-  out[6] = static_cast<size_t>(c.enabled);
-  out[7] = c.peak_live;
+  const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,
+                        static_cast<size_t>(c.enabled), c.peak_live, c.external};
+  for (size_t i = 0; i < n && i < sizeof(all) / sizeof(all[0]); i++) {
+    out[i] = all[i];
+  }
 }
 
 }  // extern "C"

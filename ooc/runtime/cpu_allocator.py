@@ -9,8 +9,9 @@ measured on, zeroing runs at about 1 GB/s: plain PyTorch training slows by ~30% 
 threshold. This allocator keeps freed large blocks while a step runs and hands them to the
 next requests (best fit, split, neighbours merged), so the step's tensors land on pages that
 are already there. The cache is bounded by the step's own live peak: before mapping anything
-new it drops its oldest blocks until the mapped total is within the most live bytes seen (or
-live + a small floor), so it never makes the process larger than its tensors already did.
+new, and whenever ooc's device pool grows (:func:`external`), it drops its oldest blocks until
+its blocks plus the pool are within the most live bytes seen (live blocks + pool; or live + a
+small floor), so it never makes the process larger than its tensors already did.
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
 transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "floor_bytes", "enabled",
-             "peak_live_bytes")
+             "peak_live_bytes", "external_bytes")
 
 _TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
 _lock = threading.Lock()
@@ -77,7 +78,7 @@ for _ in range(3):
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "results differ"
 out = (ctypes.c_size_t * 7)()
-lib.ooc_cpu_allocator_stats(out)
+lib.ooc_cpu_allocator_stats(out, ctypes.c_size_t(7))
 assert out[3] > 0, "no block was reused"
 lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0))
 """
@@ -101,8 +102,9 @@ def acquire() -> bool:
                     shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
                 if lib.ooc_cpu_allocator_install(64) != 1:
                     raise _Unavailable("another CPU allocator of higher priority is installed")
-                lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
+                lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
                 lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t]
+                lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t]
                 _lib = lib
             except (_Unavailable, OSError) as e:
                 _reason = str(e)
@@ -133,6 +135,13 @@ def end(owner: object) -> None:
         _configure_locked()
 
 
+def external(nbytes: int) -> None:
+    """ooc's device pool now holds ``nbytes``: the cache makes room as the pool grows, so
+    that pool and cache together stay within the live peak."""
+    if _lib is not None:
+        _lib.ooc_cpu_allocator_external(nbytes)
+
+
 def release() -> None:
     """Unmap every cached block (an engine closes: no next step to keep them for)."""
     with _lock:
@@ -145,7 +154,7 @@ def stats() -> dict[str, int] | None:
     if _lib is None:
         return None
     out = (ctypes.c_size_t * len(STAT_KEYS))()
-    _lib.ooc_cpu_allocator_stats(out)
+    _lib.ooc_cpu_allocator_stats(out, len(STAT_KEYS))
     return dict(zip(STAT_KEYS, (int(v) for v in out)))
 
 

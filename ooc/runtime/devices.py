@@ -97,7 +97,9 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
         from ooc.runtime.pool import DevicePool
         from ooc.storage import FileTier
 
-        pool = DevicePool(budget, chunk)
+        from ooc.runtime import cpu_allocator
+
+        pool = DevicePool(budget, chunk, on_physical=cpu_allocator.external)
         return FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk), pool
     if dev.type != "cuda":
         raise OOCError(f"device {dev}: the runtime handles 'cpu' and 'cuda' devices only")

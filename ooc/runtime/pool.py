@@ -15,6 +15,7 @@ view and possibly on an I/O thread).
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,20 +26,32 @@ import vmm
 class DevicePool:
     """Page-aligned byte buffers for managed tensors, backed by ``vmm.VirtualAllocator``."""
 
-    def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None) -> None:
+    def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None, *,
+                 on_physical: Callable[[int], None] | None = None) -> None:
+        """``on_physical(nbytes)`` hears the pool's physical size (chunks that exist) whenever
+        it changes: the CPU allocator's cache makes room as the pool grows."""
         self.backend = backend if backend is not None else vmm.HostBackend()
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
         self.allocator = vmm.VirtualAllocator(self.pool)
         self._dead: list[vmm.Allocation] = []
+        self._on_physical = on_physical
+        self._physical = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 CPU tensor of ``nbytes`` over a fresh pool range (raises OutOfBudget)."""
         self.reap()
         allocation = self.allocator.alloc(nbytes)
+        self._report()
         array = np.frombuffer(allocation.buffer(), dtype=np.uint8, count=nbytes)
         weakref.finalize(array, self._dead.append, allocation)
         return torch.from_numpy(array)
+
+    def _report(self) -> None:
+        physical = self.pool.created * self.pool.chunk_bytes
+        if physical != self._physical and self._on_physical is not None:
+            self._on_physical(physical)
+        self._physical = physical
 
     def reap(self) -> None:
         """Hand back the ranges whose last tensor died since the previous call."""
@@ -53,7 +66,9 @@ class DevicePool:
         twice the budget.
         """
         self.reap()
-        return self.allocator.trim()
+        freed = self.allocator.trim()
+        self._report()
+        return freed
 
     def stats(self) -> dict:
         return self.allocator.stats()

@@ -116,6 +116,52 @@ def test_the_cache_never_maps_more_than_the_live_peak():
     assert out["hits"] > out["misses"]   # and it still recycles most requests (random sizes)
 
 
+POOL = """
+    import json, torch
+    from ooc.runtime import cpu_allocator
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    MiB, owner, out = 1 << 20, object(), {}
+    cached = lambda: cpu_allocator.stats()["cached_bytes"] // MiB
+    cpu_allocator.begin(owner, 0)
+    blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
+    del blocks
+    out["freed"] = cached()
+    cpu_allocator.external(16 * MiB)     # the device pool grows by 16 MiB
+    out["pool_16"] = cached()
+    cpu_allocator.external(32 * MiB)
+    out["pool_32"] = cached()
+    cpu_allocator.external(0)
+    cpu_allocator.end(owner)
+    cpu_allocator.release()
+    # An older, larger peak (a recording step's) does not let the cache grow in later steps.
+    cpu_allocator.begin(owner, 0)
+    big = torch.empty(64 * MiB, dtype=torch.uint8)
+    del big
+    cpu_allocator.end(owner)
+    cpu_allocator.begin(owner, 0)
+    small = torch.empty(8 * MiB, dtype=torch.uint8)   # served from the 64 MiB block
+    del small
+    cpu_allocator.end(owner)
+    cpu_allocator.begin(owner, 0)
+    cpu_allocator.external(0)            # any growth check now bounds the cache by 8 MiB
+    out["after_small_step"] = cached()
+    cpu_allocator.end(owner)
+    print(json.dumps(out))
+"""
+
+
+@needs_compiler
+def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
+    """Pool and cache together stay within the live peak (32 MiB here): the cache gives back
+    what the pool takes. The bound is the live peak of this step or the one before, not an
+    older one: after a step that needed 8 MiB, a 64 MiB block cached by the step before it
+    must go at the next check."""
+    out = _child(POOL, {})
+    assert out["freed"] == 32
+    assert out["pool_16"] <= 16 and out["pool_32"] == 0
+    assert out["after_small_step"] <= 8
+
+
 @needs_compiler
 def test_between_steps_the_cache_only_shrinks():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
@@ -270,3 +316,19 @@ def test_the_heap_gives_back_what_swapped_out_parameters_left_in_it():
     instead of 2.6) until the engine returned the heap's free pages at each step's end."""
     out = _child(HEAP, {"OOC_CPU_ALLOCATOR": "0"})
     assert out["given_back"] >= 12 << 20
+
+
+def test_the_device_pool_reports_its_physical_size_as_it_changes():
+    """What the allocator's bound hears about the pool: chunks that exist, on growth and trim."""
+    from ooc.runtime.pool import DevicePool
+
+    heard: list[int] = []
+    chunk = 1 << 20
+    pool = DevicePool(8 * chunk, chunk, on_physical=heard.append)
+    a = pool.take(3 * chunk)
+    b = pool.take(chunk // 2)
+    assert heard == [3 * chunk, 4 * chunk]
+    del a, b
+    pool.trim()
+    assert heard[-1] == 0
+    pool.allocator.close()
