@@ -10,8 +10,8 @@
 // misses and fresh memory must be mapped, or when ooc's device pool (memory beside this
 // allocator, reported with ooc_cpu_allocator_external) grows: then the oldest cached blocks are
 // unmapped until mapped + pool stays within the most live bytes (live blocks + pool) seen in
-// this step or the one before, or live + `floor`, whichever is more. The cache therefore
-// never lifts the process above a peak its live tensors already reached.
+// this step or the one before, or live + `floor`, whichever is more, and never above `cap`.
+// The cache therefore never lifts the process above a peak its live tensors already reached.
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache if
 // a block fits, else the cache first gives back as many bytes as the request needs and the
@@ -51,6 +51,7 @@ struct Counters {
   size_t hits = 0;         // large allocations served from the cache
   size_t misses = 0;       // large allocations that mapped fresh memory
   size_t floor = 0;        // bytes the cache may hold even above the live peak
+  size_t cap = SIZE_MAX;   // bytes the cache may hold at most
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
   size_t external = 0;     // bytes held beside this allocator (ooc's device pool)
   size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
@@ -117,7 +118,7 @@ void note_live_locked() {
 size_t allowance_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);
-  return std::max(c.floor, peak > want ? peak - want : 0);
+  return std::min(c.cap, std::max(c.floor, peak > want ? peak - want : 0));
 }
 
 void recycle_free(void* ptr) {
@@ -149,6 +150,7 @@ void recycle_free(void* ptr) {
     n += forget_locked(prev).size;
   }
   keep_locked(p, n, ++clock_);
+  shrink_locked(c.cap);
 }
 
 size_t rounded(size_t n) { return (n + kRound - 1) / kRound * kRound; }
@@ -238,7 +240,7 @@ int ooc_cpu_allocator_install(int priority) {
 
 // Route large allocations here and cache freed ones (enabled != 0), the cache holding at
 // least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.
-void ooc_cpu_allocator_configure(int enabled, size_t floor) {
+void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap) {
   std::lock_guard<std::mutex> g(mu);
   if (enabled && !c.enabled) {   // a step starts: the one before it sets the bound
     c.last_peak = c.step_peak;
@@ -246,6 +248,10 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor) {
   }
   c.enabled = enabled;
   c.floor = enabled ? floor : 0;
+  if (enabled) {
+    c.cap = cap;
+    shrink_locked(c.cap);
+  }
 }
 
 // The device pool now holds `n` bytes: they count as live, so the cache shrinks as the pool

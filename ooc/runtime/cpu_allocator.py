@@ -11,7 +11,9 @@ next requests (best fit, split, neighbours merged), so the step's tensors land o
 are already there. The cache is bounded by the step's own live peak: before mapping anything
 new, and whenever ooc's device pool grows (:func:`external`), it drops its oldest blocks until
 its blocks plus the pool are within the most live bytes seen (live blocks + pool; or live + a
-small floor), so it never makes the process larger than its tensors already did.
+small floor), so it never makes the process larger than its tensors already did; and it never
+holds more than a cap (the engine's: half the budget, at most 256 MiB), because PyTorch's other
+memory peaks at its own moments.
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
 transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's
@@ -73,14 +75,14 @@ def run():
 ref = run()
 lib = ctypes.CDLL(sys.argv[1])
 assert lib.ooc_cpu_allocator_install(64) == 1, "not installed"
-lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20))
+lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20), ctypes.c_size_t(1 << 40))
 for _ in range(3):
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "results differ"
 out = (ctypes.c_size_t * 7)()
 lib.ooc_cpu_allocator_stats(out, ctypes.c_size_t(7))
 assert out[3] > 0, "no block was reused"
-lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0))
+lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0), ctypes.c_size_t(0))
 """
 
 
@@ -103,7 +105,7 @@ def acquire() -> bool:
                 if lib.ooc_cpu_allocator_install(64) != 1:
                     raise _Unavailable("another CPU allocator of higher priority is installed")
                 lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
-                lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t]
+                lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
                 lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t]
                 _lib = lib
             except (_Unavailable, OSError) as e:
@@ -119,11 +121,12 @@ def unavailable() -> str | None:
     return _reason
 
 
-def begin(owner: object, floor_bytes: int) -> None:
+def begin(owner: object, floor_bytes: int, cap_bytes: int = 1 << 62) -> None:
     """A step of ``owner`` starts: recycle large blocks. The cache may hold ``floor_bytes``
-    even where that takes the mapped total above the live peak (the first steps, small models)."""
+    even where that takes the mapped total above the live peak (the first steps, small models),
+    and never more than ``cap_bytes``."""
     with _lock:
-        _active[id(owner)] = int(floor_bytes)
+        _active[id(owner)] = (int(floor_bytes), int(cap_bytes))
         _configure_locked()
 
 
@@ -160,7 +163,9 @@ def stats() -> dict[str, int] | None:
 
 def _configure_locked() -> None:
     if _lib is not None:
-        _lib.ooc_cpu_allocator_configure(int(bool(_active)), max(_active.values(), default=0))
+        floor = max((f for f, _ in _active.values()), default=0)
+        cap = max((c for _, c in _active.values()), default=0)
+        _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor, cap)
 
 
 class _Unavailable(Exception):

@@ -163,6 +163,21 @@ def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
 
 
 @needs_compiler
+def test_the_cache_never_holds_more_than_its_cap():
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
+    owner = object()
+    cpu_allocator.begin(owner, 0, 16 << 20)
+    try:
+        blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(4)]
+        del blocks
+        assert cpu_allocator.stats()["cached_bytes"] <= 16 << 20
+    finally:
+        cpu_allocator.end(owner)
+        cpu_allocator.release()
+
+
+@needs_compiler
 def test_between_steps_the_cache_only_shrinks():
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
     cpu_allocator.release()
