@@ -336,8 +336,9 @@ def breakdown(rows: list[Row]) -> list[str]:
     out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
            f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
            f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
-           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step) and saved "
-           "tensors through pack/unpack hooks",
+           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step), saved "
+           "tensors through pack/unpack hooks, and memory the allocator's capped cache did not "
+           "keep is faulted in (zeroed) again",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
            f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: compute slowed "
            f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
@@ -453,9 +454,10 @@ ANALYSIS = [
     "than they were (small CNN at 1/4: 1.29x then, 1.36x here against PyTorch's defaults).",
     "- Down to 1/4, ooc's extra time is not waiting: the stall column is small (at 1/8 "
     "waiting starts to show). Profiled on ResNet-50 (perf, and per-thread CPU and run-queue "
-    "time from /proc): at budget 1, where nothing moves, ooc runs at in-core speed; the +11% "
-    "measured there before was the allocator's cache unmapped at each step's end and faulted in "
-    "(zeroed by the kernel) again, gone since the cache is kept between steps. What 1/4 adds "
+    "time from /proc): at budget 1, where nothing moves, the cost is memory faulted in and zeroed "
+    "by the kernel again: with the allocator's cache uncapped and kept between steps, budget 1 "
+    "ran at in-core speed (0.99x at e3fdb54); capped at half the budget, at most 256 MiB (for "
+    "memory, see cpu_allocator.py), it is +10% again. What 1/4 adds "
     "with ~1.2 GB moved per step: the I/O threads' CPU (~0.2 s per step: O_DIRECT page pinning "
     "and the Python around each transfer), the main thread off its core ~0.3 s per step "
     "(preempted by the woken I/O threads, or waiting for the GIL they hold), pool chunks "

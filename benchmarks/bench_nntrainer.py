@@ -196,6 +196,11 @@ def _warm_up(case: Case, warmup: dict[str, Any]) -> None:
     opt.step()
     del model, opt, x, y
     gc.collect()
+    # glibc keeps some of what the warm-up freed in its heap, a different amount each run (the
+    # bare size then varied by ~80 MiB between runs of the same case): give it back, so that
+    # "training memory" (peak minus the bare size) measures training, not the warm-up.
+    from ooc.runtime.malloc import give_back_heap
+    give_back_heap()
 
 
 # -- the experiment ----------------------------------------------------------------------------
