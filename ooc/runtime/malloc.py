@@ -34,23 +34,27 @@ def release_freed_memory(threshold: int = 1 << 20) -> bool:
     if _done or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     _done = True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
+    libc = _glibc()
+    if libc is None:   # not glibc (musl, macOS): nothing to tune
         return False
-    ok = bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
     log.info("glibc mmap threshold fixed at %d bytes so freed activations return to the OS", threshold)
     return ok
 
 
 def give_back_heap() -> bool:
     """Return the free pages inside glibc's heaps to the system; True if any were."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library if it is glibc (it has mallopt and malloc_trim), loaded once; else None."""
     global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim   # noqa: B018 - glibc only
+            _libc.mallopt, _libc.malloc_trim   # noqa: B018 - glibc only
         except (OSError, AttributeError):
             _libc = False
-    return bool(_libc and _libc.malloc_trim(0))
+    return _libc or None

@@ -8,6 +8,7 @@ with a broken build) runs in a child process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,20 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@contextlib.contextmanager
+def _step(cap_bytes: int = 1 << 62):
+    """One engine-like step (floor 0) on an empty cache; the step ends whatever happens, and
+    what it cached stays, as after an engine's step."""
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    cpu_allocator.release()
+    owner = object()
+    cpu_allocator.begin(owner, 0, cap_bytes)
+    try:
+        yield
+    finally:
+        cpu_allocator.end(owner)
+
+
 def _child(code: str, env: dict[str, str]) -> dict:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=300, env={**os.environ, **env})
@@ -39,17 +54,11 @@ def _child(code: str, env: dict[str, str]) -> dict:
 
 @needs_compiler
 def test_a_step_reuses_freed_blocks_and_keeps_them_until_released():
-    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
-    cpu_allocator.release()
-    owner = object()
-    before = cpu_allocator.stats()
-    cpu_allocator.begin(owner, 0)
-    try:
+    with _step():
+        before = cpu_allocator.stats()
         for _ in range(6):   # 6 rounds of 8 x 8 MiB, freed after each round
             blocks = [torch.ones(2 << 20) for _ in range(8)]   # 8 MiB each, touched
             del blocks
-    finally:
-        cpu_allocator.end(owner)
     after_step = cpu_allocator.stats()
     assert after_step["hits"] - before["hits"] >= 40          # rounds 2..6 come from the cache
     assert after_step["misses"] - before["misses"] <= 8
@@ -62,11 +71,7 @@ def test_a_step_reuses_freed_blocks_and_keeps_them_until_released():
 
 @needs_compiler
 def test_a_larger_cached_block_is_split_and_freed_neighbours_merge():
-    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
-    cpu_allocator.release()
-    owner = object()
-    cpu_allocator.begin(owner, 0)
-    try:
+    with _step():
         big = torch.empty(12 << 20, dtype=torch.uint8)
         del big                                                # cached: one 12 MiB block
         s0 = cpu_allocator.stats()
@@ -80,9 +85,7 @@ def test_a_larger_cached_block_is_split_and_freed_neighbours_merge():
         s2 = cpu_allocator.stats()
         assert (s2["hits"] - s1["hits"], s2["misses"] - s1["misses"]) == (1, 0)
         del again
-    finally:
-        cpu_allocator.end(owner)
-        cpu_allocator.release()
+    cpu_allocator.release()
 
 
 BOUND = """
@@ -164,28 +167,18 @@ def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
 
 @needs_compiler
 def test_the_cache_never_holds_more_than_its_cap():
-    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
-    cpu_allocator.release()
-    owner = object()
-    cpu_allocator.begin(owner, 0, 16 << 20)
-    try:
+    with _step(cap_bytes=16 << 20):
         blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(4)]
         del blocks
         assert cpu_allocator.stats()["cached_bytes"] <= 16 << 20
-    finally:
-        cpu_allocator.end(owner)
-        cpu_allocator.release()
+    cpu_allocator.release()
 
 
 @needs_compiler
 def test_between_steps_the_cache_only_shrinks():
-    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
-    cpu_allocator.release()
-    owner = object()
-    cpu_allocator.begin(owner, 0)
-    blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(2)]
-    del blocks
-    cpu_allocator.end(owner)
+    with _step():
+        blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(2)]
+        del blocks
     s0 = cpu_allocator.stats()
     assert s0["cached_bytes"] >= 16 << 20 and s0["enabled"] == 0
     t = torch.empty(8 << 20, dtype=torch.uint8)   # outside a step: served from the cache
