@@ -127,8 +127,11 @@ class OutOfCore:
         # heap keeps every byte swapping gives back (and so does a process without the
         # compiled allocator).
         release_freed_memory()
-        if self.device.type == "cpu":
-            cpu_allocator.acquire()
+        # With it, the pool's chunks stay populated across steps (its idle ones bounded with the
+        # allocator's cache); ``pool_excess`` says how much to give back before the next op.
+        self.pool_excess = None
+        if self.device.type == "cpu" and cpu_allocator.acquire():
+            self.pool_excess = cpu_allocator.pool_excess
         # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
         self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
@@ -443,7 +446,8 @@ class OutOfCore:
                 slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
-        self.pool.trim()
+        if self.pool_excess is None:   # no allocator bounds the pool's idle chunks: drop them
+            self.pool.trim()
         if self.device.type == "cpu":
             give_back_heap()   # parameters built before the engine left their pages in glibc's heap
         self.counters["steps"] += 1
@@ -564,6 +568,7 @@ class OutOfCore:
         with self.resident():
             pass
         self.budget = new
+        self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
         self.pool = make_pool(self.device, new, self.chunk)
         self.plans.clear()
         self.schedule = None
@@ -587,6 +592,7 @@ class OutOfCore:
         try:
             with self.resident():
                 pass
+            self.pool.trim()   # its idle chunks: no next step to reuse them
         finally:   # even if a tensor cannot be read back (the error names it): no thread, no file
             for h in self._hooks:
                 h.remove()

@@ -144,11 +144,14 @@ class ChunkPool:
         self.handed_out -= len(chunks)
         self._cache.extend(chunks)
 
-    def trim(self) -> int:
-        """Release every cached chunk to the backend; return the bytes given back."""
+    def trim(self, limit: int | None = None) -> int:
+        """Release cached chunks to the backend (every one, or the oldest cached ones up to
+        ``limit`` bytes, whole chunks only); return the bytes given back."""
         freed = 0
-        while self._cache:
-            chunk = self._cache.pop()
+        count = len(self._cache) if limit is None else min(len(self._cache), limit // self.chunk_bytes)
+        oldest, self._cache[:count] = self._cache[:count], []
+        while oldest:
+            chunk = oldest.pop()
             self.backend.release_chunk(chunk.handle)
             self.release_calls += 1
             self.created -= 1

@@ -312,11 +312,17 @@ class VirtualAllocator:
         """Bytes of the largest request that would succeed now (whole chunks)."""
         return (self.pool.max_chunks - self.live_chunks) * self.chunk_bytes
 
-    def trim(self) -> int:
+    def trim(self, limit: int | None = None) -> int:
         """Unmap parked chunks, free every unused range, release cached chunks.
 
         Returns the physical bytes given back to the backend. Live allocations are untouched.
+        With ``limit``, give back only enough whole chunks to cover ``limit`` bytes (fewer if
+        fewer are unused): the pool's cached chunks first, then those of the least recently
+        parked ranges, whose address ranges stay reserved. A caller that must shed some memory
+        keeps the rest of its chunks populated for the next allocations.
         """
+        if limit is not None:
+            return self._trim_some(-(-max(0, limit) // self.chunk_bytes))
         for rng in list(self._lru.values()):
             self._detach_parked(rng)
             self._unmap_tail(rng, 0)
@@ -537,6 +543,15 @@ class VirtualAllocator:
                 self._restore_free(target)
             raise
         return target
+
+    def _trim_some(self, count: int) -> int:
+        from_cache = min(count, self.pool.cached)
+        freed = self.pool.trim(from_cache * self.chunk_bytes)
+        stolen = min(count - from_cache, self.parked_chunks)
+        if stolen:
+            self.pool.release(self._steal(stolen))
+            freed += self.pool.trim(stolen * self.chunk_bytes)
+        return freed
 
     def _steal(self, count: int) -> list[Chunk]:
         """Take ``count`` chunks from parked ranges, least recently parked first."""

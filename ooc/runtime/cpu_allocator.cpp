@@ -8,10 +8,16 @@
 // a request takes the smallest cached block that holds it (best fit), splitting off the rest.
 // Keeping a freed block maps nothing new, so the cache only has to shrink when a request
 // misses and fresh memory must be mapped, or when ooc's device pool (memory beside this
-// allocator, reported with ooc_cpu_allocator_external) grows: then the oldest cached blocks are
-// unmapped until mapped + pool stays within the most live bytes (live blocks + pool) seen in
-// this step or the one before, or live + `floor`, whichever is more, and never above `cap`.
-// The cache therefore never lifts the process above a peak its live tensors already reached.
+// allocator, reported with ooc_cpu_allocator_external) grows. Idle memory is the cache plus
+// the pool's idle chunks (they exist but hold no tensor); it may fill what separates the live
+// bytes (live blocks + the pool's used bytes) from their peak in this step or the one before,
+// or `floor`, whichever is more; the cache alone never holds more than `cap`. When idle memory
+// is over that, the oldest cached blocks are unmapped first; if the cache is empty and the
+// pool's idle chunks alone are over, the excess is posted (ooc_cpu_allocator_pool_excess) and
+// the engine gives those chunks back before its next op. Idle memory therefore never lifts the
+// process above a peak its live tensors already reached (by more than one op's allocations),
+// and the pool's chunks stay populated from one step to the next where that fits: a swap-in
+// landing on them costs no page faults.
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache if
 // a block fits, else the cache first gives back as many bytes as the request needs and the
@@ -30,6 +36,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -53,7 +60,8 @@ struct Counters {
   size_t floor = 0;        // bytes the cache may hold even above the live peak
   size_t cap = SIZE_MAX;   // bytes the cache may hold at most
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
-  size_t external = 0;     // bytes held beside this allocator (ooc's device pool)
+  size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
+  size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
   size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
   size_t step_peak = 0;    // the same, in the step that runs (or ran last)
   size_t last_peak = 0;    // the same, in the step before it
@@ -69,6 +77,7 @@ struct Free {
 // recycle_free while the process exits, after this library's own statics would be gone.
 std::mutex& mu = *new std::mutex;
 Counters c;
+std::atomic<size_t> pool_excess{0};   // idle pool bytes over the bound, for the engine to drop
 uint64_t clock_ = 0;
 auto& live = *new std::unordered_map<void*, size_t>;          // large block -> rounded size
 auto& by_addr = *new std::map<Addr, Free>;                    // cached, for merging neighbours
@@ -112,13 +121,20 @@ void note_live_locked() {
   c.step_peak = std::max(c.step_peak, now);
 }
 
-// The most the cache may hold with `extra` bytes about to be mapped: whatever keeps the mapped
-// total within the live peak of this step or the one before (steps repeat; an older, larger
-// peak such as the recording step's is no excuse), or `floor`, whichever is more.
-size_t allowance_locked(size_t extra) {
+// Bring idle memory within its bound with `extra` bytes about to be mapped: the bound keeps
+// everything mapped within the live peak of this step or the one before (steps repeat; an
+// older, larger peak such as the recording step's is no excuse), or `floor`, whichever is
+// more. The cache goes first (its blocks are one munmap away; the pool's chunks are reused by
+// the backward's swap-ins, whose pages would otherwise be faulted in again one by one), and
+// never holds more than `cap`; what the pool's idle chunks alone exceed is posted.
+void bound_idle_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);
-  return std::min(c.cap, std::max(c.floor, peak > want ? peak - want : 0));
+  size_t idle = std::max(c.floor, peak > want ? peak - want : 0);
+  size_t for_cache = idle > c.idle_external ? idle - c.idle_external : 0;
+  shrink_locked(std::min(c.cap, for_cache));
+  pool_excess.store(c.idle_external > idle ? c.idle_external - idle : 0,
+                    std::memory_order_relaxed);
 }
 
 void recycle_free(void* ptr) {
@@ -180,7 +196,7 @@ void* take_large(size_t n) {
       return p;
     }
     c.misses++;
-    shrink_locked(allowance_locked(r));
+    bound_idle_locked(r);
   }
   void* p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
@@ -254,14 +270,18 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap) {
   }
 }
 
-// The device pool now holds `n` bytes: they count as live, so the cache shrinks as the pool
-// grows (the two must not together exceed the live peak).
-void ooc_cpu_allocator_external(size_t n) {
+// The device pool now holds tensors in `used` bytes and has `idle` bytes of chunks holding
+// none: the used bytes count as live, the idle ones share the bound with the cache.
+void ooc_cpu_allocator_external(size_t used, size_t idle) {
   std::lock_guard<std::mutex> g(mu);
-  c.external = n;
+  c.external = used;
+  c.idle_external = idle;
   note_live_locked();
-  shrink_locked(allowance_locked(0));
+  bound_idle_locked(0);
 }
+
+// Bytes of the pool's idle chunks over the bound (0: none): the engine gives them back.
+size_t ooc_cpu_allocator_pool_excess() { return pool_excess.load(std::memory_order_relaxed); }
 
 // Unmap every cached block.
 void ooc_cpu_allocator_release() {
@@ -269,12 +289,14 @@ void ooc_cpu_allocator_release() {
   shrink_locked(0);
 }
 
-// cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live, external: the first
-// `n` of them into out[0..n) (the caller says how many it has room for).
+// cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live, external,
+// idle_external, the bound's peak: the first `n` of them into out[0..n) (the caller says how
+// many it has room for).
 void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   std::lock_guard<std::mutex> g(mu);
   const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,
-                        static_cast<size_t>(c.enabled), c.peak_live, c.external};
+                        static_cast<size_t>(c.enabled), c.peak_live, c.external,
+                        c.idle_external, std::max(c.step_peak, c.last_peak)};
   for (size_t i = 0; i < n && i < sizeof(all) / sizeof(all[0]); i++) {
     out[i] = all[i];
   }

@@ -94,12 +94,9 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     """
     dev = torch.device(device)
     if dev.type == "cpu":
-        from ooc.runtime.pool import DevicePool
         from ooc.storage import FileTier
 
-        from ooc.runtime import cpu_allocator
-
-        pool = DevicePool(budget, chunk, on_physical=cpu_allocator.external)
+        pool = make_pool(dev, budget, chunk)
         return FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk), pool
     if dev.type != "cuda":
         raise OOCError(f"device {dev}: the runtime handles 'cpu' and 'cuda' devices only")
@@ -135,9 +132,11 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int) -> Any:
     """A fresh budgeted pool for ``device`` (``set_budget`` swaps pools between steps)."""
     dev = torch.device(device)
     if dev.type == "cpu":
+        from ooc.runtime import cpu_allocator
         from ooc.runtime.pool import DevicePool
 
-        return DevicePool(budget, chunk)
+        # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
+        return DevicePool(budget, chunk, on_physical=cpu_allocator.external)
     from ooc.runtime.cuda_pool import CudaDevicePool
 
     index = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -27,16 +27,17 @@ class DevicePool:
     """Page-aligned byte buffers for managed tensors, backed by ``vmm.VirtualAllocator``."""
 
     def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None, *,
-                 on_physical: Callable[[int], None] | None = None) -> None:
-        """``on_physical(nbytes)`` hears the pool's physical size (chunks that exist) whenever
-        it changes: the CPU allocator's cache makes room as the pool grows."""
+                 on_physical: Callable[[int, int], None] | None = None) -> None:
+        """``on_physical(used, idle)`` hears, whenever they change, the bytes of chunks under
+        live tensors and of chunks that exist but hold none: the CPU allocator counts the used
+        ones as live and bounds the idle ones together with its cache."""
         self.backend = backend if backend is not None else vmm.HostBackend()
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
         self.allocator = vmm.VirtualAllocator(self.pool)
         self._dead: list[vmm.Allocation] = []
         self._on_physical = on_physical
-        self._physical = 0
+        self._reported = (0, 0)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 CPU tensor of ``nbytes`` over a fresh pool range (raises OutOfBudget)."""
@@ -48,18 +49,30 @@ class DevicePool:
         return torch.from_numpy(array)
 
     def _report(self) -> None:
-        physical = self.pool.created * self.pool.chunk_bytes
-        if physical != self._physical and self._on_physical is not None:
-            self._on_physical(physical)
-        self._physical = physical
+        used = self.allocator.mapped_bytes
+        now = (used, self.pool.created * self.pool.chunk_bytes - used)
+        if now != self._reported and self._on_physical is not None:
+            self._on_physical(*now)
+        self._reported = now
 
     def reap(self) -> None:
         """Hand back the ranges whose last tensor died since the previous call."""
-        while self._dead:
-            self.allocator.free(self._dead.pop())
+        if self._dead:
+            while self._dead:
+                self.allocator.free(self._dead.pop())
+            self._report()
+
+    def give_back(self, nbytes: int) -> int:
+        """Give the physical pages of unused chunks covering ``nbytes`` back (fewer if fewer
+        are unused); the others stay populated. Returns the bytes given back."""
+        self.reap()
+        freed = self.allocator.trim(nbytes)
+        self._report()
+        return freed
 
     def trim(self) -> int:
-        """Give the physical pages of every unused chunk back (at the end of a step).
+        """Give the physical pages of every unused chunk back (``engine.close()``, and where no
+        CPU allocator bounds the idle chunks: the end of each step).
 
         Without this, chunks the backward's swap-ins touched stay resident through the next
         forward, whose own activations then come on top: the process would hold up to

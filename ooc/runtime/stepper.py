@@ -345,6 +345,10 @@ class Stepper:
                     self._write_out(slot)
 
     def on_op(self, func, args, kwargs) -> Any:
+        if self.e.pool_excess is not None:
+            excess = self.e.pool_excess()
+            if excess:   # the last op's allocations met the pool's idle chunks: shed them
+                self.e.pool.give_back(excess)
         i = self.rec.begin_op(_name(func))
         self.i = i
         for var in self.unpacked:

@@ -129,11 +129,11 @@ POOL = """
     blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
     del blocks
     out["freed"] = cached()
-    cpu_allocator.external(16 * MiB)     # the device pool grows by 16 MiB
+    cpu_allocator.external(16 * MiB, 0)  # the device pool holds 16 MiB of tensors
     out["pool_16"] = cached()
-    cpu_allocator.external(32 * MiB)
+    cpu_allocator.external(32 * MiB, 0)
     out["pool_32"] = cached()
-    cpu_allocator.external(0)
+    cpu_allocator.external(0, 0)
     cpu_allocator.end(owner)
     cpu_allocator.release()
     # An older, larger peak (a recording step's) does not let the cache grow in later steps.
@@ -146,7 +146,7 @@ POOL = """
     del small
     cpu_allocator.end(owner)
     cpu_allocator.begin(owner, 0)
-    cpu_allocator.external(0)            # any growth check now bounds the cache by 8 MiB
+    cpu_allocator.external(0, 0)         # any growth check now bounds the cache by 8 MiB
     out["after_small_step"] = cached()
     cpu_allocator.end(owner)
     print(json.dumps(out))
@@ -163,6 +163,42 @@ def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
     assert out["freed"] == 32
     assert out["pool_16"] <= 16 and out["pool_32"] == 0
     assert out["after_small_step"] <= 8
+
+
+IDLE = """
+    import json, torch
+    from ooc.runtime import cpu_allocator
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    MiB, owner, out = 1 << 20, object(), {}
+    cached = lambda: cpu_allocator.stats()["cached_bytes"] // MiB
+    cpu_allocator.begin(owner, 0)
+    blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
+    del blocks
+    cpu_allocator.external(0, 16 * MiB)   # the pool has 16 MiB of chunks holding no tensor
+    out["idle_16"] = (cached(), cpu_allocator.pool_excess() // MiB)
+    cpu_allocator.external(0, 40 * MiB)
+    out["idle_40"] = (cached(), cpu_allocator.pool_excess() // MiB)
+    cpu_allocator.external(0, 24 * MiB)   # the engine gave 16 MiB back: within the bound again
+    out["idle_24"] = (cached(), cpu_allocator.pool_excess() // MiB)
+    t = torch.empty(16 * MiB, dtype=torch.uint8)   # a miss: live 16 + idle 24 > 32
+    out["miss"] = (cached(), cpu_allocator.pool_excess() // MiB)
+    cpu_allocator.external(0, 0)
+    cpu_allocator.end(owner)
+    print(json.dumps(out))
+"""
+
+
+@needs_compiler
+def test_the_pools_idle_chunks_share_the_bound_and_the_cache_goes_first():
+    """Idle memory (cached blocks + the pool's chunks that hold no tensor) stays within the
+    live peak (32 MiB): the cache gives way first; what the pool's idle chunks alone exceed is
+    posted for the engine to give back, and cleared once it has."""
+    out = _child(IDLE, {})
+    cached, excess = out["idle_16"]
+    assert cached <= 16 and excess == 0   # the cache made room (whole blocks: maybe all of it)
+    assert out["idle_40"] == [0, 8]
+    assert out["idle_24"] == [0, 0]
+    assert out["miss"] == [0, 8]   # 16 live + 24 idle: 8 MiB of the pool's must go
 
 
 @needs_compiler
@@ -232,9 +268,12 @@ TRAIN = """
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 engine.optimizer_step()
         stats = engine.stats()["cpu_allocator"]
+        pool_between_steps = engine.pool.stats()["physical_bytes"]
     after = cpu_allocator.stats()
     print(json.dumps({"used": stats is not None, "reason": cpu_allocator.unavailable(),
                       "cached_after_close": after and after["cached_bytes"],
+                      "pool_between_steps": pool_between_steps,
+                      "pool_after_close": engine.pool.stats()["physical_bytes"],
                       "weight_sum": float(model[0].weight.double().sum())}))
 """
 
@@ -245,7 +284,41 @@ def test_switched_off_the_engine_trains_the_same_without_it(tmp_path):
     assert off["used"] is False and "OOC_CPU_ALLOCATOR=0" in off["reason"]
     assert on["weight_sum"] == off["weight_sum"]
     assert on["used"] is True and on["cached_after_close"] == 0   # close() gives the cache back
+    # The pool's chunks stay populated between steps where the allocator bounds them, and are
+    # given back at each step's end without it; close() gives them back either way.
+    assert on["pool_between_steps"] > 0 and off["pool_between_steps"] == 0
+    assert on["pool_after_close"] == off["pool_after_close"] == 0
     assert not (tmp_path / "b" / "ooc").exists()   # nothing built when switched off
+
+
+@needs_compiler
+def test_the_engine_gives_the_pools_excess_back_before_its_next_op():
+    """The allocator posts the idle pool bytes over its bound; the engine must act on them at
+    the next op (it is the only one that may touch the pool), and only then."""
+    import ooc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Flatten(),
+                                torch.nn.Linear(16 * 32 * 32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    with ooc.OutOfCore(model, opt, budget="2MiB", chunk="64KiB") as engine:
+        def step():
+            with engine.step():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                engine.optimizer_step()
+
+        for _ in range(2):
+            step()
+        assert engine.pool_excess is not None and engine.pool.stats()["physical_bytes"] > 0
+        posted = [3 * 65536 + 1]
+        given: list[int] = []
+        engine.pool_excess = lambda: posted.pop() if posted else 0
+        give_back = engine.pool.give_back
+        engine.pool.give_back = lambda n: given.append(n) or give_back(n)
+        step()
+        assert given == [3 * 65536 + 1]
 
 
 def test_a_compiler_that_fails_means_a_fallback_not_an_error(tmp_path):
@@ -326,17 +399,26 @@ def test_the_heap_gives_back_what_swapped_out_parameters_left_in_it():
     assert out["given_back"] >= 12 << 20
 
 
-def test_the_device_pool_reports_its_physical_size_as_it_changes():
-    """What the allocator's bound hears about the pool: chunks that exist, on growth and trim."""
+def test_the_device_pool_reports_its_used_and_idle_bytes_as_they_change():
+    """What the allocator's bound hears about the pool: bytes under tensors and bytes of
+    chunks holding none, on growth, when tensors die, on a partial and a full trim."""
+    import gc
+
     from ooc.runtime.pool import DevicePool
 
-    heard: list[int] = []
+    heard: list[tuple[int, int]] = []
     chunk = 1 << 20
-    pool = DevicePool(8 * chunk, chunk, on_physical=heard.append)
+    pool = DevicePool(8 * chunk, chunk, on_physical=lambda used, idle: heard.append((used, idle)))
     a = pool.take(3 * chunk)
     b = pool.take(chunk // 2)
-    assert heard == [3 * chunk, 4 * chunk]
+    assert heard == [(3 * chunk, 0), (4 * chunk, 0)]
     del a, b
+    gc.collect()
+    assert pool.give_back(chunk + 1) == 2 * chunk   # whole chunks covering the request
+    assert heard[-2:] == [(0, 4 * chunk), (0, 2 * chunk)]
+    c = pool.take(2 * chunk)                         # served by the chunks still populated
+    assert heard[-1] == (2 * chunk, 0) and pool.pool.create_calls == 4
+    del c
     pool.trim()
-    assert heard[-1] == 0
+    assert heard[-1] == (0, 0)
     pool.allocator.close()

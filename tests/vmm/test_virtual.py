@@ -240,6 +240,30 @@ def test_trim_releases_everything_unused() -> None:
     assert va.backend.physical_bytes == 0 and va.backend.ledger.ranges() == []
 
 
+def test_a_limited_trim_gives_back_whole_chunks_cached_first_then_least_recently_parked() -> None:
+    va = make(keep_mapped=True)
+    keep = va.alloc(2 * MiB)
+    old, new = va.alloc(4 * MiB), va.alloc(6 * MiB)   # 2 + 3 chunks, parked in this order
+    va.free(old)
+    va.free(new)
+    va.pool.release(va.pool.acquire(1))   # and one chunk waits in the pool's cache
+    assert va.stats()["chunks_cached"] == 6 and va.stats()["chunks_parked"] == 5
+    physical = va.stats()["physical_bytes"]
+    assert va.trim(CHUNK + 1) == 2 * CHUNK   # covers the request: the cached chunk, then old's
+    s = va.stats()
+    assert s["physical_bytes"] == physical - 2 * CHUNK
+    assert s["chunks_parked"] == 4 and va._parked_sizes == [1, 3]   # `new` keeps its 3 chunks
+    assert s["reserved_bytes"] == 12 * MiB                          # address ranges stay
+    assert va.trim(0) == 0 and va.trim(100 * MiB) == 4 * CHUNK      # never more than is unused
+    assert va.stats()["physical_bytes"] == 2 * MiB
+    again = va.alloc(6 * MiB)          # a trimmed range is filled again on demand
+    assert va.stats()["physical_bytes"] == 8 * MiB
+    for a in (again, keep):
+        va.free(a)
+    va.close()
+    assert va.backend.physical_bytes == 0
+
+
 def test_close_refuses_live_allocations() -> None:
     va = make()
     a = va.alloc(MiB)
