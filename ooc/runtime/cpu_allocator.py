@@ -65,6 +65,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
 _active: dict[int, int] = {}   # id(owner) -> cache bytes it asked for, while its step runs
+_pools: dict[int, tuple[int, int]] = {}   # pool -> (used, idle) bytes it last reported
 
 _SMOKE_TEST = """
 import ctypes, sys, torch
@@ -143,12 +144,19 @@ def end(owner: object) -> None:
         _configure_locked()
 
 
-def external(used: int, idle: int) -> None:
-    """ooc's device pool now holds tensors in ``used`` bytes and has ``idle`` bytes of chunks
-    that hold none. The used bytes count as live; the idle ones share the bound with the cache,
-    which makes room for them first (see :func:`pool_excess`)."""
-    if _lib is not None:
-        _lib.ooc_cpu_allocator_external(used, idle)
+def external(used: int, idle: int, source: int = 0) -> None:
+    """ooc's device pool ``source`` now holds tensors in ``used`` bytes and has ``idle`` bytes
+    of chunks that hold none (the allocator hears the sum over pools: two engines, two pools).
+    The used bytes count as live; the idle ones share the bound with the cache, which makes
+    room for them first (see :func:`pool_excess`)."""
+    with _lock:
+        if used or idle:
+            _pools[source] = (used, idle)
+        else:
+            _pools.pop(source, None)
+        if _lib is not None:
+            _lib.ooc_cpu_allocator_external(sum(u for u, _ in _pools.values()),
+                                            sum(i for _, i in _pools.values()))
 
 
 def pool_excess() -> int:

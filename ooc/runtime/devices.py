@@ -23,6 +23,8 @@ tests in ``tests/ooc/test_cuda_gpu.py`` skip on machines without CUDA.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,8 @@ import torch
 from ooc.errors import OOCError
 
 __all__ = ["DevicePtr", "byte_view_for", "make_pool", "make_tier_and_pool"]
+
+_pool_ids = itertools.count(1)   # names each CPU pool to the allocator's bound
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -136,7 +140,8 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int) -> Any:
         from ooc.runtime.pool import DevicePool
 
         # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
-        return DevicePool(budget, chunk, on_physical=cpu_allocator.external)
+        return DevicePool(budget, chunk,
+                          on_physical=functools.partial(cpu_allocator.external, source=next(_pool_ids)))
     from ooc.runtime.cuda_pool import CudaDevicePool
 
     index = dev.index if dev.index is not None else torch.cuda.current_device()

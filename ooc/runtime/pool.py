@@ -38,6 +38,8 @@ class DevicePool:
         self._dead: list[vmm.Allocation] = []
         self._on_physical = on_physical
         self._reported = (0, 0)
+        if on_physical is not None:   # a pool dropped without trim() holds nothing any more
+            weakref.finalize(self, on_physical, 0, 0)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 CPU tensor of ``nbytes`` over a fresh pool range (raises OutOfBudget)."""

@@ -202,6 +202,28 @@ def test_the_pools_idle_chunks_share_the_bound_and_the_cache_goes_first():
 
 
 @needs_compiler
+def test_two_pools_count_together_and_a_dropped_pool_counts_no_more():
+    from ooc.runtime.devices import make_pool
+
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    chunk = 1 << 20
+    a, b = make_pool("cpu", 8 * chunk, chunk), make_pool("cpu", 8 * chunk, chunk)
+    ta, tb = a.take(3 * chunk), b.take(2 * chunk)
+    s = cpu_allocator.stats()
+    assert (s["external_bytes"], s["idle_external_bytes"]) == (5 * chunk, 0)
+    del tb
+    b.reap()
+    s = cpu_allocator.stats()
+    assert (s["external_bytes"], s["idle_external_bytes"]) == (3 * chunk, 2 * chunk)
+    del b
+    s = cpu_allocator.stats()
+    assert (s["external_bytes"], s["idle_external_bytes"]) == (3 * chunk, 0)
+    del ta
+    a.trim()
+    assert cpu_allocator.stats()["external_bytes"] == 0
+
+
+@needs_compiler
 def test_the_cache_never_holds_more_than_its_cap():
     with _step(cap_bytes=16 << 20):
         blocks = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(4)]
