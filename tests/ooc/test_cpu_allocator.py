@@ -119,7 +119,8 @@ def test_the_cache_never_maps_more_than_the_live_peak():
     assert out["hits"] > out["misses"]   # and it still recycles most requests (random sizes)
 
 
-POOL = """
+# A child process whose step reached a live peak of 32 MiB, all of it now cached.
+FULL_CACHE = """
     import json, torch
     from ooc.runtime import cpu_allocator
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
@@ -128,6 +129,9 @@ POOL = """
     cpu_allocator.begin(owner, 0)
     blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
     del blocks
+"""
+
+POOL = FULL_CACHE + """
     out["freed"] = cached()
     cpu_allocator.external(16 * MiB, 0)  # the device pool holds 16 MiB of tensors
     out["pool_16"] = cached()
@@ -165,15 +169,7 @@ def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
     assert out["after_small_step"] <= 8
 
 
-IDLE = """
-    import json, torch
-    from ooc.runtime import cpu_allocator
-    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
-    MiB, owner, out = 1 << 20, object(), {}
-    cached = lambda: cpu_allocator.stats()["cached_bytes"] // MiB
-    cpu_allocator.begin(owner, 0)
-    blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
-    del blocks
+IDLE = FULL_CACHE + """
     cpu_allocator.external(0, 16 * MiB)   # the pool has 16 MiB of chunks holding no tensor
     out["idle_16"] = (cached(), cpu_allocator.pool_excess() // MiB)
     cpu_allocator.external(0, 40 * MiB)
