@@ -59,29 +59,24 @@ class DevicePool:
 
     def reap(self) -> None:
         """Hand back the ranges whose last tensor died since the previous call."""
-        if self._dead:
-            while self._dead:
-                self.allocator.free(self._dead.pop())
-            self._report()
-
-    def give_back(self, nbytes: int) -> int:
-        """Give the physical pages of unused chunks covering ``nbytes`` back (fewer if fewer
-        are unused); the others stay populated. Returns the bytes given back."""
-        self.reap()
-        freed = self.allocator.trim(nbytes)
+        if not self._dead:
+            return
+        while self._dead:
+            self.allocator.free(self._dead.pop())
         self._report()
-        return freed
 
-    def trim(self) -> int:
-        """Give the physical pages of every unused chunk back (``engine.close()``, and where no
-        CPU allocator bounds the idle chunks: the end of each step).
+    def trim(self, limit: int | None = None) -> int:
+        """Give the physical pages of unused chunks back: every one (``engine.close()``, and
+        where no CPU allocator bounds the idle chunks: the end of each step), or whole chunks
+        covering ``limit`` bytes (the allocator's bound asks for them), the others staying
+        populated for the next swap-ins. Returns the bytes given back.
 
-        Without this, chunks the backward's swap-ins touched stay resident through the next
-        forward, whose own activations then come on top: the process would hold up to
-        twice the budget.
+        Without the full trim, chunks the backward's swap-ins touched stay resident through
+        the next forward, whose own activations then come on top: the process would hold up
+        to twice the budget.
         """
         self.reap()
-        freed = self.allocator.trim()
+        freed = self.allocator.trim(limit)
         self._report()
         return freed
 

@@ -348,7 +348,7 @@ class Stepper:
         if self.e.pool_excess is not None:
             excess = self.e.pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
-                self.e.pool.give_back(excess)
+                self.e.pool.trim(excess)
         i = self.rec.begin_op(_name(func))
         self.i = i
         for var in self.unpacked:

@@ -333,8 +333,8 @@ def test_the_engine_gives_the_pools_excess_back_before_its_next_op():
         posted = [3 * 65536 + 1]
         given: list[int] = []
         engine.pool_excess = lambda: posted.pop() if posted else 0
-        give_back = engine.pool.give_back
-        engine.pool.give_back = lambda n: given.append(n) or give_back(n)
+        trim = engine.pool.trim
+        engine.pool.trim = lambda n=None: given.append(n) or trim(n)
         step()
         assert given == [3 * 65536 + 1]
 
@@ -432,7 +432,7 @@ def test_the_device_pool_reports_its_used_and_idle_bytes_as_they_change():
     assert heard == [(3 * chunk, 0), (4 * chunk, 0)]
     del a, b
     gc.collect()
-    assert pool.give_back(chunk + 1) == 2 * chunk   # whole chunks covering the request
+    assert pool.trim(chunk + 1) == 2 * chunk   # whole chunks covering the request
     assert heard[-2:] == [(0, 4 * chunk), (0, 2 * chunk)]
     c = pool.take(2 * chunk)                         # served by the chunks still populated
     assert heard[-1] == (2 * chunk, 0) and pool.pool.create_calls == 4
