@@ -8,7 +8,6 @@ import itertools
 import logging
 import time
 from collections import Counter
-from concurrent import futures
 from typing import Any, Iterator
 
 import torch
@@ -110,6 +109,9 @@ class OutOfCore:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise OOCError(f"device {self.device}: this PyTorch has no usable CUDA (torch "
                            f"{torch.__version__}); install a CUDA build and 'ooc[cuda]', or use device='cpu'")
+        if self.device.type == "cuda" and self.device.index is None:
+            # Parameters say "cuda:0", never "cuda": compare (and allocate) with the index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
             if p.device != self.device:
                 raise OOCError(f"{name} is on {p.device}, but the engine manages {self.device}: "
@@ -126,7 +128,8 @@ class OutOfCore:
         # allocator they were made with, glibc's: make it unmap large blocks on free, else its
         # heap keeps every byte swapping gives back (and so does a process without the
         # compiled allocator).
-        release_freed_memory()
+        if self.device.type == "cpu":
+            release_freed_memory()
         # With it, the pool's chunks stay populated across steps (its idle ones bounded with the
         # allocator's cache); ``pool_excess`` says how much to give back before the next op.
         self.pool_excess = None
@@ -137,9 +140,18 @@ class OutOfCore:
         self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
                                                   threads, verify)
         if per_parameter:   # every argument is valid: now change the optimizer
+            multi_tensor = False
             for group in optimizer.param_groups:   # one op touches one parameter's tensors
                 if "foreach" in group:
+                    multi_tensor |= group["foreach"] is not False
                     group["foreach"] = False
+            if multi_tensor and self.device.type == "cuda":
+                # Measured on an H100: Adam's multi-tensor update (PyTorch's default on CUDA)
+                # rounds differently from its per-parameter one; SGD's does not.
+                log.warning("managed params/grads/optimizer state: the optimizer now runs per "
+                            "parameter (foreach=False); on a GPU its results are bitwise those "
+                            "of in-core training with foreach=False, which for Adam/AdamW differ "
+                            "in rounding from PyTorch's default multi-tensor update")
         self._ids = itertools.count()
         self.persistent: dict[int, Slot] = {}
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
@@ -287,8 +299,8 @@ class OutOfCore:
         may need, so that a full disk fails here and not halfway through the update.
         """
         busy = [s for s in st.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
-        if busy:
-            st._timed("wait", "commit point", futures.wait, [s.future for s in busy])
+        if busy:   # one wait for all of them (on a GPU, one host synchronization)
+            st._timed("wait", "commit point", self.tier.drain)
         for s in busy:
             if sl.failed(s):   # raises the transfer's error, named
                 (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)
@@ -416,14 +428,16 @@ class OutOfCore:
         if self.device.type == "cpu":
             cpu_allocator.end(self)   # the cache stays for the next step, shrinking between
         interrupt: BaseException | None = None
+        try:   # every transfer, also one whose future an interrupt kept from reaching its
+            # slot; first, so that settling the slots below finds them complete (on a GPU: one
+            # host synchronization for the step's end, not one per slot)
+            self.tier.drain()
+        except BaseException as e:  # noqa: B036 - raised at the end
+            interrupt = e
         try:
             errors = self._settle(st.slots.values())
         except BaseException as e:  # noqa: B036 - every slot is settled; raised at the end
-            interrupt, errors = e, []
-        try:   # also a transfer whose future an interrupt kept from reaching its slot
-            self.tier.drain()
-        except BaseException as e:  # noqa: B036 - raised at the end
-            interrupt = interrupt or e
+            interrupt, errors = interrupt or e, []
         st.in_flight_out.clear()
         failed = exc is not None or bool(errors) or interrupt is not None
         if failed and st.rec.optimizer_start is None:
@@ -446,7 +460,10 @@ class OutOfCore:
                 slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
-        if self.pool_excess is None:   # no allocator bounds the pool's idle chunks: drop them
+        if self.device.type == "cpu" and self.pool_excess is None:
+            # no allocator bounds the pool's idle chunks: drop them. A GPU pool keeps its
+            # chunks mapped between steps (within the budget): unmapping synchronizes the
+            # device, and the next step would map them again.
             self.pool.trim()
         if self.device.type == "cpu":
             give_back_heap()   # parameters built before the engine left their pages in glibc's heap
@@ -470,6 +487,7 @@ class OutOfCore:
                 err.errno = errors[0].errno
             raise err
         if st.schedule is None or st.diverged_at is not None:
+            st.book_device_times()
             self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow

@@ -25,6 +25,8 @@ Allocation policy (which chunk goes where, what to cache) belongs to
 
 from __future__ import annotations
 
+import contextlib
+
 import abc
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
@@ -107,6 +109,12 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:
         """Wait until the device no longer uses any memory of this backend (default: no-op)."""
+
+    def one_synchronization(self) -> "contextlib.AbstractContextManager[None]":
+        """Inside the block, the unmaps share one synchronization (the first one's): the
+        caller queues no device work in between, so what the first wait covered still holds.
+        Default: nothing to share."""
+        return contextlib.nullcontext()
 
     def buffer(self, address: int, nbytes: int) -> Any:
         """A host buffer over a mapped span; only backends with host-visible memory have one."""

@@ -27,7 +27,8 @@ that skip without a device.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 from vmm.backend import Backend, BackendCallError, DeviceOutOfMemory, Ledger
 from vmm.errors import VMMError
@@ -88,6 +89,8 @@ class CudaBackend(Backend):
         self.calls: dict[str, int] = {}
         self._stream = stream
         self._ctx = None
+        self._batch = 0          # depth of one_synchronization blocks
+        self._synced = False     # inside one: the device was synchronized already
         self._call("cuInit", 0)
         self._dev = self._call("cuDeviceGet", device)
         self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
@@ -184,10 +187,22 @@ class CudaBackend(Backend):
     def unmap(self, address: int, nbytes: int) -> None:
         removed = self.ledger.remove_mappings(address, nbytes)
         # A kernel queued earlier may still read or write these pages: wait for it before
-        # the physical memory can be mapped elsewhere.
-        self.synchronize()
+        # the physical memory can be mapped elsewhere (once per one_synchronization block).
+        if not self._synced:
+            self.synchronize()
+            self._synced = self._batch > 0
         for start, (end, _) in removed:
             self._call("cuMemUnmap", start, end - start)
+
+    @contextlib.contextmanager
+    def one_synchronization(self) -> Iterator[None]:
+        self._batch += 1
+        try:
+            yield
+        finally:
+            self._batch -= 1
+            if not self._batch:
+                self._synced = False
 
     def synchronize(self) -> None:
         if self._stream is not None:

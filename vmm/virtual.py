@@ -557,21 +557,27 @@ class VirtualAllocator:
         """Take ``count`` chunks from parked ranges, least recently parked first."""
         chunk = self.chunk_bytes
         out: list[Chunk] = []
-        while count:
-            rng = next(iter(self._lru.values()))
-            m = len(rng.chunks)
-            take = min(count, m)
-            keep = m - take
-            self._detach_parked(rng)
-            self.backend.unmap(rng.address + keep * chunk, take * chunk)
-            self.unmap_calls += take
-            out.extend(rng.chunks[keep:])
-            del rng.chunks[keep:]
-            if keep:
-                self._park(rng)
-            count -= take
-            self.steals += 1
+        with self.backend.one_synchronization():   # one device wait for every range below
+            while count:
+                count = self._steal_from_oldest(count, out, chunk)
         return out
+
+    def _steal_from_oldest(self, count: int, out: list[Chunk], chunk: int) -> int:
+        """Move up to ``count`` chunks off the tail of the least recently parked range into
+        ``out``; return how many are still wanted."""
+        rng = next(iter(self._lru.values()))
+        m = len(rng.chunks)
+        take = min(count, m)
+        keep = m - take
+        self._detach_parked(rng)
+        self.backend.unmap(rng.address + keep * chunk, take * chunk)
+        self.unmap_calls += take
+        out.extend(rng.chunks[keep:])
+        del rng.chunks[keep:]
+        if keep:
+            self._park(rng)
+        self.steals += 1
+        return count - take
 
     def _unmap_tail(self, rng: _Range, keep: int) -> None:
         """Unmap the range's chunks past the first ``keep`` and return them to the pool."""

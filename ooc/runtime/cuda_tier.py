@@ -211,6 +211,11 @@ class CopyFuture:
         """Order ``stream`` (a ``CUstream`` or int handle) after the copy, with no host sync."""
         self._tier._stream_wait(self._t, stream)
 
+    def wait_on_device(self) -> None:
+        """Order the tier's compute stream after the copy (see :meth:`wait_on`): what the
+        runtime does to finish a transfer without a host synchronization."""
+        self._tier._stream_wait(self._t, self._tier._compute(None))
+
     def cancel(self) -> bool:
         return False
 
@@ -298,7 +303,7 @@ class PinnedTier:
         self._live_bytes = 0
         self._peak_live_bytes = 0
         self._stats = dict(bytes_written=0, bytes_read=0, writes=0, reads=0, wait_s=0.0,
-                           failed=0)
+                           failed=0, host_syncs=0)
         self._res = _Resources(self._drv)
         self._finalizer = weakref.finalize(self, _finalize, self._res)
         try:
@@ -433,6 +438,65 @@ class PinnedTier:
                 if not t.complete and not t.waiters:
                     self._settle(t)
 
+    def drain(self) -> None:
+        """Block until every copy submitted so far is complete, with one host synchronization
+        at most: the host-to-device stream waits, on the device, for the device-to-host
+        stream's last copy, and the host waits for that stream alone. Nothing in flight (what
+        a poll finds complete is booked first): no synchronization at all. Afterwards no copy
+        touches any range handed to the tier. A closed tier has nothing in flight."""
+        with self._lock:
+            if self._closed:
+                return
+            self._ensure_ctx()
+            self._poll()
+            pending = [t for t in self._inflight.values() if not t.waiters]
+            if not pending:
+                return
+            if any(t.kind == "write" for t in pending):
+                self._call("cuEventRecord", self._ready, self._d2h, op="drain")
+                self._call("cuStreamWaitEvent", self._h2d, self._ready, 0, op="drain")
+            try:
+                self._call("cuStreamSynchronize", self._h2d, op="drain")
+            except StorageError as e:
+                for t in pending:
+                    self._finish(t, e)
+                raise
+            for t in pending:
+                self._finish(t)
+
+    def reserve(self, writes: "list[tuple[int | None, int]]") -> None:
+        """Make sure that ``writes``, pairs ``(key, nbytes)`` (``key=None``: a new key), will
+        find pinned room without allocating, by allocating the slabs now: the engine calls it
+        before the optimizer step, so that a full capacity or a refused ``cuMemHostAlloc``
+        raises StorageError before any parameter changes (as ``FileTier.reserve`` does for a
+        full disk). A rewrite of a key with no copy in flight reuses its room."""
+        with self._lock:
+            self._check_open()
+            self._ensure_ctx()
+            self._poll()
+            need = 0
+            for key, nbytes in writes:
+                rec = self._records.get(key) if key is not None else None
+                have = round_up(rec.nbytes, ALIGN) if rec is not None and rec.refs == 0 else 0
+                need += max(0, round_up(int(nbytes), ALIGN) - have)
+            ext = self._extents
+            if need > ext.free_bytes + self.capacity_bytes - ext.end:
+                self._drain_retired()   # copies of discarded keys may still hold room
+            grow = need - ext.free_bytes
+            if grow <= 0:
+                return
+            if ext.end + grow > self.capacity_bytes:
+                raise StorageError(
+                    f"PinnedTier: reserving room for the optimizer step: it may write "
+                    f"{format_size(need)} ({need} bytes) of pinned memory; "
+                    f"{format_size(self._live_bytes)} are live and the capacity is "
+                    f"{format_size(self.capacity_bytes)} on device {self.device}. Raise "
+                    "capacity_bytes, or raise the budget so less is swapped out")
+            while len(self._res.slabs) * self.slab_bytes < ext.end + grow:
+                n = min(self.slab_bytes, self.capacity_bytes - len(self._res.slabs) * self.slab_bytes)
+                ptr = self._call("cuMemHostAlloc", n, 0, op="reserve", nbytes=need)
+                self._res.slabs.append((int(ptr), n))
+
     def trim(self) -> int:
         """Free the pinned slabs above the highest live byte (waits for retired copies);
         return the pinned bytes still allocated."""
@@ -454,6 +518,8 @@ class PinnedTier:
         when the tier learns of their completion (a poll at each call, a ``result()``).
         wait_s: host time spent blocked in ``result()`` (summed over threads).
         failed: transfers that completed with an error.
+        host_syncs: driver calls that blocked the host until device work was done
+        (``cuEventSynchronize``, ``cuStreamSynchronize``): a step should need O(1).
         live_bytes, peak_live_bytes, keys: bytes and keys held now, and the peak of bytes.
         pinned_bytes, peak_pinned_bytes, slabs: pinned memory allocated now / at most, and
         its slabs (the analogue of FileTier's file_bytes).
@@ -745,6 +811,8 @@ class PinnedTier:
             self._tls.ctx = True
 
     def _raw(self, name: str, *args: Any) -> tuple:
+        if name in _HOST_SYNCS:
+            self._stats["host_syncs"] += 1
         try:
             return getattr(self._drv, name)(*args)
         except Exception as exc:
@@ -776,6 +844,9 @@ class PinnedTier:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("PinnedTier is closed")
+
+
+_HOST_SYNCS = frozenset({"cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize"})
 
 
 def _fresh(err: StorageError) -> StorageError:

@@ -79,7 +79,10 @@ def start_swap_out(slot: Slot, tier) -> None:
 
 
 def finish_swap_out(slot: Slot) -> None:
-    """Wait for the write, then give the device bytes back."""
+    """Wait for the write, then give the device bytes back.
+
+    On a GPU the wait is the compute stream's, not the host's: every kernel queued after it
+    (the only work that may reuse the bytes released here) runs after the copy."""
     _result(slot, "out")
     slot.future = None
     slot.pending = []
@@ -112,6 +115,8 @@ def start_swap_in(slot: Slot, tier, pool) -> None:
 
 
 def finish_swap_in(slot: Slot) -> None:
+    """The bytes are usable: by the host on the CPU; on a GPU by every kernel queued on the
+    compute stream from now on (the stream waits for the copy, the host goes on)."""
     _result(slot, "in")
     slot.future = None
     slot.pending = []
@@ -120,14 +125,29 @@ def finish_swap_in(slot: Slot) -> None:
 
 def _result(slot: Slot, direction: str) -> None:
     """The transfer's outcome; a tier failure comes back naming the variable (the tier only
-    knows its key)."""
+    knows its key). A future that can order the device's compute stream after its copy
+    (``CopyFuture.wait_on_device``) does that instead of blocking the host: the copy's own
+    failure, if any, then surfaces at the next host wait (commit point or step end)."""
     try:
-        slot.future.result()
+        wait_on_device = getattr(slot.future, "wait_on_device", None)
+        if wait_on_device is not None:
+            wait_on_device()
+        else:
+            slot.future.result()
     except StorageError as e:
         err = StorageError(f"swap-{direction} of {slot.name} ({slot.kind.value}, "
                            f"{format_size(slot.nbytes)}) failed: {e}")
         err.errno = e.errno
         raise err from e
+
+
+def block(future: Future) -> None:
+    """Block the host until ``future``'s transfer is over, whatever kind of future the tier
+    returned (a ``concurrent.futures.Future`` or a ``CopyFuture``); never raises its error."""
+    if isinstance(future, Future):
+        wait([future])
+    else:
+        future.exception()
 
 
 def failed(slot: Slot) -> bool:
@@ -150,7 +170,7 @@ def settle(slot: Slot, tier) -> BaseException | None:
     interrupt: BaseException | None = None
     while True:
         try:
-            wait([slot.future])
+            block(slot.future)
             break
         except BaseException as e:  # noqa: B036 - re-raised below, after the buffer is free
             interrupt = interrupt or e

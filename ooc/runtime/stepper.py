@@ -95,11 +95,14 @@ def _use_count(s: torch.UntypedStorage) -> int:
 
 
 class _Unbudgeted:
-    """Memory outside the pool, for an on-demand step that has already failed its budget."""
+    """Memory outside the pool, on the engine's device, for an on-demand step that has
+    already failed its budget."""
 
-    @staticmethod
-    def take(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
 class Packed:
@@ -133,6 +136,10 @@ class Stepper:
         self.stall_s = 0.0
         self.events: list[tuple[str, str, float, float]] = []  # (track, name, t0, t1)
         self.unpacked: list[int] = []            # vars unpacked for the next op
+        # On a GPU an op's host time is its launch, not its run: a step that will be planned
+        # from (recording, on demand) times its ops with CUDA events instead, read at its end.
+        self.gpu_timing = engine.device.type == "cuda" and not self.planned
+        self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
         self.overflow: OutOfBudget | None = None # an on-demand need the pool could not meet
         # On demand: what may hold managed memory, least recently used first (slots, and the
         # optimizer's new storages in ``fresh``); the activations the running backward node
@@ -263,7 +270,7 @@ class Stepper:
             # (BudgetTooSmall with the minimum) or this error.
             if self.overflow is None:
                 self.overflow = error
-            sl.start_swap_in(slot, self.e.tier, _Unbudgeted)
+            sl.start_swap_in(slot, self.e.tier, _Unbudgeted(self.e.device))
         self._trace_transfer(slot, "swap-in")
 
     def _free(self, slot: Slot) -> None:
@@ -337,6 +344,7 @@ class Stepper:
                     "re-planning next step", i, self._name(i), why)
             self.planned = False
             self.diverged_at = i
+            self.gpu_timing = self.e.device.type == "cuda"
             self.recent = {s: None for s in self.slots.values()
                            if s.state in (State.RESIDENT, State.IN, State.OUT)}
             for slot in self.slots.values():   # on demand keeps no activation it need not
@@ -395,10 +403,16 @@ class Stepper:
                 if slot is not None:
                     slot.host_current = False
                     self.rec.use(i, slot.var, Access.WRITE)
+        if self.gpu_timing:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         t1 = time.perf_counter()
         self.rec.seconds[i] = t1 - t0
+        if self.gpu_timing:
+            end.record()
+            self.gpu_events.append((i, start, end))
         self.events.append(("compute", self.rec.names[i], t0, t1))
         tracked = set() if self._tracking() else None
         for k, t in enumerate(_tensors(out)):
@@ -416,6 +430,25 @@ class Stepper:
                     keep.add(self._track_fresh(self.rec.births[id(s)], keep, i))
         self.after(i, touched)
         return out
+
+    def book_device_times(self) -> None:
+        """Replace the recorded ops' launch times by their run times on the GPU (one host
+        synchronization, at the end of a step the engine plans from)."""
+        if self.e.device.type != "cuda":
+            return
+        if self.diverged_at is not None and self.schedule is not None:
+            # The ops before the divergence ran planned, untimed: they are the plan's ops,
+            # whose run times its own recording step measured.
+            functions = self.schedule.sequence.functions
+            for i in range(min(self.diverged_at, len(functions))):
+                if functions[i].cost.seconds is not None:
+                    self.rec.seconds[i] = functions[i].cost.seconds
+        if not self.gpu_events:
+            return
+        self.gpu_events[-1][2].synchronize()
+        for i, start, end in self.gpu_events:
+            self.rec.seconds[i] = start.elapsed_time(end) / 1e3
+        self.gpu_events.clear()
 
     def _save_before_write(self, t: torch.Tensor) -> None:
         """Copy a buffer before the step's first op that touches it, for a rollback. Not only
@@ -658,7 +691,7 @@ class Stepper:
             if slot.var in live or slot.state is not State.HOST or slot.storage is None:
                 continue
             if _use_count(slot.storage) > 1:   # more than the slot holds it
-                sl.start_swap_in(slot, self.e.tier, _Unbudgeted)
+                sl.start_swap_in(slot, self.e.tier, _Unbudgeted(self.e.device))
                 sl.finish_swap_in(slot)
                 self.e.counters["bytes_in"] += slot.nbytes
 

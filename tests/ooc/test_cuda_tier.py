@@ -223,6 +223,78 @@ def test_read_right_after_write_waits_on_the_device(fake, pool, tier) -> None:
     assert w.done() and tier.stats()["in_flight"] == 0
 
 
+def test_drain_waits_for_both_directions_with_one_host_synchronization(fake, pool, tier) -> None:
+    """FAKE driver, paused GPU: ``drain()`` (the engine's wait at the commit point and at
+    the step's end) completes writes and reads in flight with ONE host synchronization (the
+    h2d stream waits on the device for the d2h stream); with nothing in flight it waits for
+    nothing at all."""
+    fake.paused = True
+    a, b, c = pool.take(MiB), pool.take(MiB), pool.take(MiB)
+    fake.write_device(a.address, pattern(MiB, 7))
+    tier.write_async(1, a, MiB).result()
+    fake.write_device(b.address, pattern(MiB, 8))
+    w = tier.write_async(2, b, MiB)
+    r = tier.read_async(1, c)
+    before = tier.stats()["host_syncs"]
+    tier.drain()
+    assert tier.stats()["host_syncs"] - before == 1
+    assert w.done() and r.done() and tier.stats()["in_flight"] == 0
+    assert fake.read_device(c.address, MiB) == pattern(MiB, 7)
+    d = pool.take(MiB)
+    tier.read_async(2, d).result()
+    assert fake.read_device(d.address, MiB) == pattern(MiB, 8)      # the write had completed
+    before = tier.stats()["host_syncs"]
+    tier.drain()
+    assert tier.stats()["host_syncs"] == before                     # nothing in flight
+    assert fake.violations == []
+
+
+def test_wait_on_device_finishes_a_swap_in_without_the_host(fake, pool) -> None:
+    """FAKE driver: the runtime finishes a swap-in with ``wait_on_device()``: kernels queued
+    on the tier's compute stream afterwards see the bytes, and the host never waited; the
+    slot helper ``block`` waits on the host for either kind of future."""
+    from concurrent.futures import Future
+
+    from ooc.runtime.slots import block
+
+    with PinnedTier(driver=fake, capacity_bytes=8 * MiB, compute_stream=lambda: 0) as t:
+        src, dst = pool.take(MiB), pool.take(MiB)
+        fake.write_device(src.address, pattern(MiB, 9))
+        t.write_async(1, src, MiB).result()
+        fake.paused = True                          # the GPU runs only what is waited for
+        f = t.read_async(1, dst)
+        syncs = t.stats()["host_syncs"]
+        f.wait_on_device()
+        assert t.stats()["host_syncs"] == syncs and not f.done()
+        fake.cuStreamSynchronize(0)                 # the compute stream runs: the copy first
+        assert fake.read_device(dst.address, MiB) == pattern(MiB, 9)
+        g = t.read_async(1, pool.take(MiB))
+        block(g)
+        assert g.done()
+        done: Future = Future()
+        done.set_result(None)
+        block(done)                                 # a thread pool's future: returns at once
+
+
+def test_reserve_allocates_pinned_room_before_the_update_or_refuses(fake, pool) -> None:
+    """FAKE driver: ``reserve()`` (the engine's commit point) allocates the pinned slabs the
+    update's writes will need, so those writes allocate nothing; room beyond the capacity is
+    refused with a StorageError naming the bytes before anything is written."""
+    src = pool.take(3 * MiB)
+    with PinnedTier(driver=fake, capacity_bytes=8 * MiB, slab_bytes=2 * MiB) as t:
+        t.write_async(1, src, 2 * MiB).result()
+        t.reserve([(1, 2 * MiB), (None, 3 * MiB)])   # key 1 rewrites in place: 3 MiB more
+        slabs = t.stats()["slabs"]
+        assert slabs * 2 * MiB >= 2 * MiB + 3 * MiB
+        allocs = fake.calls.count("cuMemHostAlloc")
+        t.write_async(1, src, 2 * MiB).result()
+        t.write_async(2, src, 3 * MiB).result()
+        assert fake.calls.count("cuMemHostAlloc") == allocs
+        with pytest.raises(StorageError, match=r"reserving room.*9 MiB"):
+            t.reserve([(None, 9 * MiB)])
+        assert t.stats()["keys"] == 2
+
+
 def test_driver_errors_become_storage_errors(fake, pool, tier) -> None:
     """FAKE driver: a failing call raises StorageError naming the call, the error, the key
     and the bytes; the tier stays usable and leaks no pinned space."""
@@ -365,7 +437,7 @@ def test_stats_keys(tier) -> None:
     st = tier.stats()
     for k in ("bytes_written", "bytes_read", "writes", "reads", "wait_s", "failed", "live_bytes",
               "peak_live_bytes", "keys", "pinned_bytes", "peak_pinned_bytes", "slabs",
-              "in_flight", "capacity_bytes", "slab_bytes", "verify", "device"):
+              "in_flight", "capacity_bytes", "slab_bytes", "verify", "device", "host_syncs"):
         assert k in st
     assert st["capacity_bytes"] == 32 * MiB and st["in_flight"] == 0
 

@@ -145,6 +145,29 @@ def test_fake_driver_failure_after_stealing_loses_no_chunk(mode) -> None:
                                   "retained_contexts": 0}
 
 
+def test_fake_driver_stealing_from_several_ranges_synchronizes_once() -> None:
+    """FAKE driver: a request that steals chunks from three parked ranges unmaps all three
+    after one device synchronization (nothing is queued between the unmaps); two requests
+    that each steal synchronize once each (work may be queued in between)."""
+    fake = FakeDriver()
+    backend = CudaBackend(driver=fake)
+    va = VirtualAllocator(ChunkPool(backend, 2 * MiB, 6 * MiB))
+    parts = [va.alloc(2 * MiB) for _ in range(3)]
+    for a in parts:
+        va.free(a)                                # three one-chunk ranges parked, budget full
+    syncs = fake.calls.count("cuCtxSynchronize")
+    big = va.alloc(6 * MiB)                       # three chunks, all stolen
+    assert fake.calls.count("cuCtxSynchronize") - syncs == 1
+    assert va.stats()["unmap_calls"] == 3
+    va.free(big)
+    small = [va.alloc(2 * MiB) for _ in range(2)]  # each shrinks/steals from the parked range
+    assert fake.calls.count("cuCtxSynchronize") - syncs == 1 + 2
+    for a in small:
+        va.free(a)
+    va.close()
+    backend.close()
+
+
 def test_fake_driver_setup_errors() -> None:
     """FAKE driver: a bad device ordinal / no device fail at construction, named."""
     with pytest.raises(BackendCallError, match="cuDeviceGet.*CUDA_ERROR_INVALID_DEVICE"):
