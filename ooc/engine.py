@@ -64,7 +64,7 @@ class OutOfCore:
         budget: bytes (int) or a size string ("512MiB", "2GB") for the managed tensors.
         device: ``"cpu"`` (slower tier: a private swap file) or ``"cuda"`` (pinned host
             memory and copy streams; written against the driver API and tested against a fake
-            driver only: it has not run on a GPU yet, see README).
+            driver in CI; run on an H100, see README).
         storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
         window: prefetch window in bytes or a size string (default: the scheduler's).
         chunk: physical chunk size of the device pool.

@@ -6,7 +6,7 @@ vmm.CudaBackend(device)))``, so the pool's physical size is the budget and going
 :class:`~ooc.errors.OutOfBudget`, never a silent overflow. :func:`route_allocations` goes one
 step further and sends PyTorch's own CUDA allocations of the current thread into the same pool.
 
-NOT RUN ON A GPU. The code paths that need one (the zero-copy torch tensor through cupy, the
+Run on an H100 (``tests/ooc/test_cuda_gpu.py``). The code paths that need one (the zero-copy torch tensor through cupy, the
 ``torch.cuda.MemPool`` routing) are written from the documented APIs of cupy
 (``cupy.cuda.UnownedMemory``, ``MemoryPointer``, DLPack) and PyTorch
 (``torch._C._cuda_customAllocator``, ``torch.cuda.MemPool``, ``use_mem_pool``, as in
@@ -169,7 +169,7 @@ def _wrap_range(address: int, nbytes: int, device: int, owner: Any) -> torch.Ten
 
     cupy's ``UnownedMemory`` wraps memory it does not own and keeps ``owner`` alive; the
     ndarray over it goes to torch through DLPack, whose deleter keeps the ndarray (and so the
-    owner) alive for as long as any torch storage uses the memory. Not run on hardware here.
+    owner) alive for as long as any torch storage uses the memory. Run on an H100.
     """
     import cupy
 
@@ -270,7 +270,7 @@ def route_allocations(pool: CudaDevicePool) -> Iterator[Any]:
       inside the block is gone.
 
     Raises :class:`~ooc.errors.OOCError` on a PyTorch without CUDA ("needs a CUDA build of
-    PyTorch"). Yields the ``MemPool``. NOT RUN ON A GPU.
+    PyTorch"). Yields the ``MemPool``. Run on an H100 in a test; the engine does not use it.
     """
     _require_cuda_torch()
     router, c_alloc, c_free = make_callbacks(pool)

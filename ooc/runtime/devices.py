@@ -16,9 +16,9 @@ cuda      :class:`~ooc.runtime.cuda_tier.        a :class:`DevicePtr` (device ad
 :func:`make_tier_and_pool` and :func:`byte_view_for` are the two calls the engine makes; the
 rest of the runtime does not look at the device.
 
-The CUDA half has NOT run on a GPU: it is written against cuda-python's documented driver
-API and tested against a fake driver (``tests/fakes/fake_cuda_copies.py``); the real-GPU
-tests in ``tests/ooc/test_cuda_gpu.py`` skip on machines without CUDA.
+The CUDA half ran on an H100 (benchmarks/results/gpu.md); CI has no GPU, so it is also tested
+against a fake driver that enforces the driver's contract (``tests/fakes/fake_cuda_copies.py``);
+the real-GPU tests in ``tests/ooc/test_cuda_gpu.py`` skip on machines without CUDA.
 """
 
 from __future__ import annotations
