@@ -19,6 +19,7 @@ from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import make_pool, make_tier_and_pool
+from ooc.runtime.dry_run import optimizer_need
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
 from scheduler.errors import BudgetTooSmall
@@ -318,31 +319,23 @@ class OutOfCore:
         return out
 
     def _check_feasible(self, st: Stepper) -> None:
-        """Plan what was recorded so far (forward, backward) plus the optimizer's needs."""
+        """Plan what was recorded so far (forward, backward), then measure what the update
+        will need: the first one runs on demand and must find room, op by op, for every
+        managed tensor and every new storage of the optimizer that the op touches. It is
+        measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
+        shapes: here the parameters and grads are on the tier, their storages empty (sizes
+        read from them said 0 bytes, and an overflowing update got through)."""
         seq = st.rec.sequence({})
         scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
-        need, who = 0, ""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                managed = [t for t in [p, p.grad, *state.values()] if isinstance(t, torch.Tensor)
-                           and t.untyped_storage().nbytes() >= self.min_bytes
-                           and self._is_managed_kind(t is p, t is p.grad)]
-                if not state and "optimizer_state" in self.manage:
-                    managed = managed + [p, p]  # first step: assume two state tensors (Adam-like)
-                nb = sum(t.untyped_storage().nbytes() for t in managed)
-                if nb > need:
-                    need, who = nb, f"optimizer step of a {tuple(p.shape)} parameter"
-        if need > self.budget:
-            raise BudgetTooSmall(function=len(st.rec.names), name=who, working_set=need,
-                                 budget=self.budget, minimum=need)
-
-    def _is_managed_kind(self, is_param: bool, is_grad: bool) -> bool:
-        if is_param:
-            return "params" in self.manage
-        if is_grad:
-            return "grads" in self.manage
-        return "optimizer_state" in self.manage
+        counted = self.manage & {"params", "grads", "optimizer_state"}
+        if not counted:
+            return
+        names = {p: n for n, p in self.model.named_parameters()}
+        need = optimizer_need(self.optimizer, names, counted, self.min_bytes, len(st.rec.names))
+        if need is not None and need.nbytes > self.budget:
+            raise BudgetTooSmall(function=need.index,
+                                 name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
+                                 working_set=need.nbytes, budget=self.budget, minimum=need.nbytes)
 
     def _reconcile(self) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;
