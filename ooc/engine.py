@@ -145,8 +145,9 @@ class OutOfCore:
         self.persistent: dict[int, Slot] = {}
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
         # state exist. Gradient accumulation alternates two such states, so plans are kept
-        # per starting state (the set of persistent variables) instead of one.
-        self.plans: dict[frozenset[int], tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        # per starting state (``_start_key``) instead of one.
+        self.plans: dict[tuple[frozenset[int], tuple[bool, ...]],
+                         tuple[Schedule, dict[tuple[int, int], int]]] = {}
         self.plan_runs: dict[int, int] = {}
         self.schedule: Schedule | None = None
         self.binding: dict[tuple[int, int], int] = {}
@@ -217,12 +218,13 @@ class OutOfCore:
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
         t0 = time.perf_counter()
-        self.schedule, self.binding = self.plans.get(frozenset(self.persistent), (None, {}))
+        key = self._start_key()
+        self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
         st = Stepper(self, self.schedule, self.binding)
-        st.start_key = frozenset(self.persistent)
+        st.start_key = key
         if self.device.type == "cpu":
             cpu_allocator.begin(self, _recycle_bytes(self.budget), _cache_cap(self.budget))
         self._stepper = st
@@ -238,6 +240,17 @@ class OutOfCore:
             raise
         self._stepper = None
         self._finish(st, None, time.perf_counter() - t0)
+
+    def _start_key(self) -> tuple[frozenset[int], tuple[bool, ...]]:
+        """The state a step starts in, which decides its ops: the managed persistent tensors,
+        and which parameters have a gradient. Autograd creates a missing gradient (a detach)
+        and adds to an existing one (``add_``): the first micro-batch of an accumulation
+        window and the others run different ops. With grads unmanaged (the default) no
+        persistent variable says which, and the two kinds of step replaced each other's plan
+        at every step. (A step that also calls ``optimizer_step()`` extends the plan of its
+        starting state: it diverges once at the plan's end, and the steps without an update
+        run the longer plan's prefix.)"""
+        return frozenset(self.persistent), tuple(p.grad is not None for p in self.model.parameters())
 
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
