@@ -18,6 +18,7 @@ from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import make_pool, make_tier_and_pool
+from ooc.runtime.dry_run import optimizer_need
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
 from scheduler.errors import BudgetTooSmall
@@ -156,8 +157,9 @@ class OutOfCore:
         self.persistent: dict[int, Slot] = {}
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
         # state exist. Gradient accumulation alternates two such states, so plans are kept
-        # per starting state (the set of persistent variables) instead of one.
-        self.plans: dict[frozenset[int], tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        # per starting state (``_start_key``) instead of one.
+        self.plans: dict[tuple[frozenset[int], tuple[bool, ...]],
+                         tuple[Schedule, dict[tuple[int, int], int]]] = {}
         self.plan_runs: dict[int, int] = {}
         self.schedule: Schedule | None = None
         self.binding: dict[tuple[int, int], int] = {}
@@ -228,12 +230,13 @@ class OutOfCore:
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
         t0 = time.perf_counter()
-        self.schedule, self.binding = self.plans.get(frozenset(self.persistent), (None, {}))
+        key = self._start_key()
+        self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
         st = Stepper(self, self.schedule, self.binding)
-        st.start_key = frozenset(self.persistent)
+        st.start_key = key
         if self.device.type == "cpu":
             cpu_allocator.begin(self, _recycle_bytes(self.budget), _cache_cap(self.budget))
         self._stepper = st
@@ -249,6 +252,17 @@ class OutOfCore:
             raise
         self._stepper = None
         self._finish(st, None, time.perf_counter() - t0)
+
+    def _start_key(self) -> tuple[frozenset[int], tuple[bool, ...]]:
+        """The state a step starts in, which decides its ops: the managed persistent tensors,
+        and which parameters have a gradient. Autograd creates a missing gradient (a detach)
+        and adds to an existing one (``add_``): the first micro-batch of an accumulation
+        window and the others run different ops. With grads unmanaged (the default) no
+        persistent variable says which, and the two kinds of step replaced each other's plan
+        at every step. (A step that also calls ``optimizer_step()`` extends the plan of its
+        starting state: it diverges once at the plan's end, and the steps without an update
+        run the longer plan's prefix.)"""
+        return frozenset(self.persistent), tuple(p.grad is not None for p in self.model.parameters())
 
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
@@ -330,31 +344,23 @@ class OutOfCore:
         return out
 
     def _check_feasible(self, st: Stepper) -> None:
-        """Plan what was recorded so far (forward, backward) plus the optimizer's needs."""
+        """Plan what was recorded so far (forward, backward), then measure what the update
+        will need: the first one runs on demand and must find room, op by op, for every
+        managed tensor and every new storage of the optimizer that the op touches. It is
+        measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
+        shapes: here the parameters and grads are on the tier, their storages empty (sizes
+        read from them said 0 bytes, and an overflowing update got through)."""
         seq = st.rec.sequence({})
         scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
-        need, who = 0, ""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                managed = [t for t in [p, p.grad, *state.values()] if isinstance(t, torch.Tensor)
-                           and t.untyped_storage().nbytes() >= self.min_bytes
-                           and self._is_managed_kind(t is p, t is p.grad)]
-                if not state and "optimizer_state" in self.manage:
-                    managed = managed + [p, p]  # first step: assume two state tensors (Adam-like)
-                nb = sum(t.untyped_storage().nbytes() for t in managed)
-                if nb > need:
-                    need, who = nb, f"optimizer step of a {tuple(p.shape)} parameter"
-        if need > self.budget:
-            raise BudgetTooSmall(function=len(st.rec.names), name=who, working_set=need,
-                                 budget=self.budget, minimum=need)
-
-    def _is_managed_kind(self, is_param: bool, is_grad: bool) -> bool:
-        if is_param:
-            return "params" in self.manage
-        if is_grad:
-            return "grads" in self.manage
-        return "optimizer_state" in self.manage
+        counted = self.manage & {"params", "grads", "optimizer_state"}
+        if not counted:
+            return
+        names = {p: n for n, p in self.model.named_parameters()}
+        need = optimizer_need(self.optimizer, names, counted, self.min_bytes, len(st.rec.names))
+        if need is not None and need.nbytes > self.budget:
+            raise BudgetTooSmall(function=need.index,
+                                 name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
+                                 working_set=need.nbytes, budget=self.budget, minimum=need.nbytes)
 
     def _reconcile(self) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;

@@ -45,16 +45,28 @@ from vmm.units import format_size
 
 log = logging.getLogger(__name__)
 
-_WRITTEN_ARGS: dict[Any, tuple[int, ...]] = {}
+_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _written_args(func) -> tuple[int, ...]:
-    """Positions of the arguments an op writes in place (from its schema's alias info)."""
+def _written_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an op writes in place (from its schema's alias info)."""
     out = _WRITTEN_ARGS.get(func)
     if out is None:
-        out = tuple(i for i, a in enumerate(func._schema.arguments)
+        out = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
         _WRITTEN_ARGS[func] = out
+    return out
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place. Not only a ``Tensor(a!) self`` passed by position:
+    an ``out=`` tensor is a keyword-only argument (it arrives in ``kwargs``), and the foreach
+    ops (``clip_grad_norm_``'s default) write a ``Tensor(a!)[]`` list. A write the stepper
+    does not see leaves the slower tier's stale copy marked current, and the write is lost."""
+    out: list[torch.Tensor] = []
+    for pos, name in _written_args(func):
+        a = args[pos] if pos < len(args) else kwargs.get(name)
+        _tensors(a, out)
     return out
 
 
@@ -397,12 +409,11 @@ class Stepper:
         if self.undo is not None and self.buffers:
             for t in ins:
                 self._save_before_write(t)
-        for pos in _written_args(func):
-            if pos < len(args) and isinstance(args[pos], torch.Tensor):
-                slot = self.slot_of(args[pos])
-                if slot is not None:
-                    slot.host_current = False
-                    self.rec.use(i, slot.var, Access.WRITE)
+        for t in _written(func, args, kwargs):
+            slot = self.slot_of(t)
+            if slot is not None:
+                slot.host_current = False
+                self.rec.use(i, slot.var, Access.WRITE)
         if self.gpu_timing:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -321,6 +321,41 @@ def test_gradient_accumulation_over_steps() -> None:
         assert torch.equal(a, b), k
 
 
+def test_gradient_accumulation_with_unmanaged_grads_is_planned() -> None:
+    """Issue 16, item 5: one step per micro-batch, an update every 4th, activations managed.
+    The first micro-batch of a window creates the grads, the others add to them, the 4th also
+    updates: three op sequences. They used to share one plan (its key, the managed persistent
+    tensors, is empty here) and re-plan at every step; now each starting state keeps its plan,
+    and after the first two windows (the second update meets momentum that now exists)
+    every step runs planned, bitwise as in-core accumulation."""
+    model, opt = _fresh("cnn", "sgd")
+    ref, ref_opt = _fresh("cnn", "sgd")
+    budget = managed_peak("cnn", "sgd", ("activations",)) // 2
+    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096)
+    plans = []
+    for step in range(12):
+        x, y = _data("cnn", step)
+        torch.manual_seed(step)
+        with e.step():
+            _loss("cnn", model(x), y).backward()
+            if step % 4 == 3:
+                e.optimizer_step()
+        torch.manual_seed(step)
+        _loss("cnn", ref(x), y).backward()
+        if step % 4 == 3:
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        stats = e.stats()
+        plans.append(stats["plans"])
+        if step >= 8:
+            assert stats["last_planned"] is True and stats["last_diverged_at"] is None, (step, stats)
+    assert plans[-1] == plans[7], f"plans kept growing after the warm-up: {plans}"
+    assert e.stats()["bytes_out"] > 0, "half the peak must swap activations"
+    e.close()
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.parametrize("bad, words", [
     ({"budget": 0}, "budget must be"), ({"budget": -5}, "budget must be"),
     ({"budget": "sixteen"}, "not a size"), ({"budget": "16 GBs"}, "not a size"),

@@ -1,0 +1,144 @@
+"""What an optimizer step needs resident at once, measured on ``meta`` twins before it runs.
+
+The recording step runs the optimizer on demand: every managed tensor an op touches, and
+every storage the optimizer creates while its state is managed (it may become state), must be
+resident together. Before the first update nothing recorded says how much that is: Adam's
+``addcdiv_`` holds the parameter, ``exp_avg`` and the denominator it just computed, SGD's
+momentum update the parameter and its buffer, another optimizer something else. Guessing
+("two states like the parameter") let a budget through that the update then overflowed,
+after it had changed parameters. Running the same ``step()`` on ``meta`` twins of the
+parameters, gradients and state measures it instead, with no memory and without touching the
+real optimizer, so that a budget too small for the update fails before anything changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OpNeed:
+    """The optimizer op that needs the most managed bytes resident at once."""
+
+    index: int                 # the op's index in the step (``first`` + its position)
+    name: str                  # the aten op
+    nbytes: int
+    tensors: tuple[str, ...]   # what it holds, largest first
+
+
+def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str],
+                   counted: frozenset[str] | set[str], min_bytes: int, first: int = 0) -> OpNeed | None:
+    """Dry-run ``optimizer.step()`` on ``meta`` twins; return its most demanding op.
+
+    ``counted``: the managed kinds ("params", "grads", "optimizer_state"; with the state, the
+    storages the step creates count too, as the on-demand step counts them). Tensors smaller
+    than ``min_bytes`` stay with PyTorch and do not count. Returns None if the optimizer
+    cannot run on ``meta`` (a closure, a data-dependent branch): nothing is known then.
+    ``first``: the index the step's first op will have, to name new storages as the stepper
+    does (``aten.zeros_like.default#53``) until they turn out to be state (``0.weight.exp_avg``).
+    """
+    with _disable_current_modes():   # the engine's mode must not see the twins' ops
+        known: dict[int, tuple[str, str]] = {}
+        twins: dict[torch.Tensor, torch.nn.Parameter] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                twin = twins.get(p)
+                if twin is None:
+                    # Shapes only: on demand a parameter on the tier has an empty storage.
+                    twin = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                    name = names.get(p, "a parameter")
+                    known[twin.untyped_storage()._cdata] = ("params", name)
+                    if p.grad is not None:
+                        twin.grad = torch.empty_like(p.grad, device="meta")
+                        known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
+                    twins[p] = twin
+                params.append(twin)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        try:
+            shadow = type(optimizer)(groups, **optimizer.defaults)
+        except TypeError:
+            shadow = type(optimizer)(groups)
+        for p, state in optimizer.state.items():
+            if p not in twins:
+                continue
+            copied = {}
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    v = torch.empty_like(v, device="meta")
+                    known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
+                elif isinstance(v, torch.Tensor):
+                    v = v.detach().clone()   # Adam's step counter: read with .item()
+                copied[key] = v
+            shadow.state[twins[p]] = copied
+        counter = _Count(known, frozenset(counted), min_bytes, first)
+        try:
+            with counter:
+                shadow.step()
+        except Exception as exc:  # noqa: BLE001 - not runnable on meta: no measurement, not an error
+            log.info("%s.step() does not run on meta tensors (%s): its first update is not "
+                     "measured before it runs", type(optimizer).__name__, exc)
+            return None
+        if counter.most is None:
+            return None
+        index, name, held = counter.most
+        states = {t.untyped_storage()._cdata: f"{names.get(p, '?')}.{key}"
+                  for p, twin in twins.items() for key, t in shadow.state.get(twin, {}).items()
+                  if isinstance(t, torch.Tensor) and t.device.type == "meta"}
+        parts = sorted(((s.nbytes(), states.get(s._cdata, what)) for s, what in held), reverse=True)
+        return OpNeed(index, name, sum(n for n, _ in parts), tuple(f"{w} ({n} B)" for n, w in parts))
+
+
+class _Count(TorchDispatchMode):
+    """Per op, the bytes of the distinct counted storages among its inputs and outputs; keeps
+    the op with the most (its storages too: a meta storage costs no memory)."""
+
+    def __init__(self, known: dict[int, tuple[str, str]], counted: frozenset[str], min_bytes: int,
+                 first: int) -> None:
+        super().__init__()
+        self.known, self.counted, self.min_bytes, self.first = known, counted, min_bytes, first
+        self.i = 0
+        self.total = -1
+        self.most: tuple[int, str, list[tuple[torch.UntypedStorage, str]]] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        at = self.first + self.i
+        for t in _leaves(out):   # a storage born here: named as the stepper names it
+            if t.device.type == "meta":
+                self.known.setdefault(t.untyped_storage()._cdata, ("optimizer_state", f"{func}#{at}"))
+        held: dict[int, tuple[torch.UntypedStorage, str]] = {}
+        for t in _leaves((args, kwargs, out)):
+            if t.device.type != "meta":
+                continue
+            s = t.untyped_storage()
+            if s._cdata in held or s.nbytes() < self.min_bytes:
+                continue
+            kind, name = self.known.get(s._cdata, ("optimizer_state", f"{func}#{at}"))
+            if kind in self.counted:
+                held[s._cdata] = (s, name)
+        total = sum(s.nbytes() for s, _ in held.values())
+        if total > self.total:
+            self.total, self.most = total, (at, str(func), list(held.values()))
+        self.i += 1
+        return out
+
+
+def _leaves(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _leaves(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _leaves(x)
