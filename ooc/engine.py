@@ -156,6 +156,7 @@ class OutOfCore:
         self._hooks: list = []
         self._closed = False
         self._optimizer_stepped = False   # the optimizer's state exists (its size is known)
+        self._between: dict[int, int] = {}   # var -> tensor version at the end of the last step
         if "params" in self.manage:
             for name, p in model.named_parameters():
                 self._adopt(p, Kind.PARAM, name)
@@ -163,6 +164,8 @@ class OutOfCore:
             for name, p in model.named_parameters():
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        if "optimizer_state" in self.manage and optimizer is not None:
+            self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
 
     # -- persistent tensors ------------------------------------------------------------------
 
@@ -180,6 +183,23 @@ class OutOfCore:
                     state=State.RESIDENT, storage=s)
         self.persistent[slot.var] = slot
         return slot
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.load_state_dict`` put new tensors in its state: manage those instead of
+        the ones it replaced (whose tier copies go), from the next step on, which re-plans."""
+        for var, slot in list(self.persistent.items()):
+            if slot.kind is Kind.OPTIMIZER_STATE:
+                if slot.host_current:
+                    self.tier.discard(slot.key)
+                    slot.host_current = False
+                del self.persistent[var]
+        names = {p: n for n, p in self.model.named_parameters()}
+        for p, state in optimizer.state.items():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    if not t.untyped_storage().resizable():   # torch.load's: cannot be released
+                        t = state[key] = t.clone()
+                    self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
     def _grad_hook(self, name: str):
         def hook(p: torch.nn.Parameter) -> None:
@@ -347,6 +367,13 @@ class OutOfCore:
     def _reconcile(self) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;
         with no plan for this start (a step on demand), within the budget."""
+        for var, version in self._versions().items():
+            slot = self.persistent[var]
+            if slot.host_current and self._between.get(var) != version:
+                # Written between steps (load_state_dict's copy_, an in-place edit): the tier's
+                # copy is stale; releasing the bytes now would lose the write.
+                self.tier.discard(slot.key)
+                slot.host_current = False
         try:
             if self.schedule is None:
                 self._fit_persistent()
@@ -446,6 +473,7 @@ class OutOfCore:
                 slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
+        self._bring_back()
         if self.pool_excess is None:   # no allocator bounds the pool's idle chunks: drop them
             self.pool.trim()
         if self.device.type == "cpu":
@@ -526,18 +554,51 @@ class OutOfCore:
     def resident(self) -> Iterator[None]:
         """Bring every managed parameter, grad and state tensor back, e.g. to evaluate or save.
 
-        Only needed when params/grads/optimizer_state are managed; the next step puts them
-        back where its plan wants them.
+        Every step's end already does (see ``_bring_back``): between steps this has nothing
+        left to do and is kept for the code that calls it. The next step puts them back where
+        its plan wants them.
+        """
+        self._bring_back()
+        yield
+
+    def _bring_back(self) -> None:
+        """Read every managed persistent tensor the tier holds back into its storage.
+
+        Called at the end of every step: between steps a released storage has 0 bytes under
+        a tensor that still has its shape, and PyTorch does not check that on a read, so
+        ``torch.save(opt.state_dict())`` wrote empty storages and ``p.sum()`` read freed
+        memory (a segfault). No hook can catch an arbitrary read of a plain tensor, so
+        nothing stays released outside a step. The cost: between steps, managed params,
+        grads and state take the memory in-core PyTorch gives them, and each step reads back
+        what its plan left on the tier (the tier's copies stay current: the next step lets
+        go of them again without writing, unless they were written in between).
         """
         try:
             for slot in self.persistent.values():
                 if slot.state is State.HOST:
                     sl.start_swap_in(slot, self.tier, self.pool)
                     sl.finish_swap_in(slot)
+                    self.counters["bytes_in"] += slot.nbytes
         except BaseException:
             self._settle(self.persistent.values())
             raise
-        yield
+        self._between = self._versions()
+
+    def _versions(self) -> dict[int, int]:
+        """The version counter of the tensor that holds each persistent variable (params,
+        their grads, optimizer state): in-place writes between steps bump it."""
+        by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p, p.grad] if p.grad is not None else [p]
+            if self.optimizer is not None:
+                tensors += [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        out: dict[int, int] = {}
+        for t in tensors:
+            slot = by_storage.get(id(t.untyped_storage()))
+            if slot is not None and slot.storage is t.untyped_storage():
+                out[slot.var] = t._version
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Plain data with stable keys: what moved, what stalled, what the plan says."""
