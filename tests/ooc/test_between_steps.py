@@ -101,7 +101,8 @@ def load_between_steps_and_train_on() -> None:
                                 f"at step {pair.steps}, after loading at step 4")
         # The loaded state is managed again (not left in memory outside the budget).
         managed = {id(s.storage) for s in pair.engine.persistent.values()}
-        state = [t for st in pair.opt.state.values() for t in st.values() if t.numel() > 1]
+        state = [t for st in pair.opt.state.values() for t in st.values()
+                 if t.untyped_storage().nbytes() >= pair.engine.min_bytes]
         assert state and all(id(t.untyped_storage()) in managed for t in state)
     pair.engine.close()
 
