@@ -473,7 +473,11 @@ class OutOfCore:
                 slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
-        self._bring_back()
+        back_error: BaseException | None = None
+        try:
+            self._bring_back()
+        except Exception as e:  # a failed read: the tensor stays on the tier; raised below
+            back_error = e
         if self.pool_excess is None:   # no allocator bounds the pool's idle chunks: drop them
             self.pool.trim()
         if self.device.type == "cpu":
@@ -489,6 +493,8 @@ class OutOfCore:
         if interrupt is not None:
             raise interrupt
         if exc is not None:
+            if back_error is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"ooc: reading managed tensors back after it failed too: {back_error}")
             return   # step() re-raises it; the transfers' errors are its consequences
         if errors:
             err = errors[0]
@@ -497,6 +503,8 @@ class OutOfCore:
                                    "a tensor whose write failed kept its bytes in memory")
                 err.errno = errors[0].errno
             raise err
+        if back_error is not None:   # the step is done; a tensor the tier holds could not come back
+            raise back_error
         if st.schedule is None or st.diverged_at is not None:
             self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
