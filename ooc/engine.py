@@ -170,6 +170,7 @@ class OutOfCore:
         self._hooks: list = []
         self._closed = False
         self._optimizer_stepped = False   # the optimizer's state exists (its size is known)
+        self._between: dict[int, int] = {}   # var -> tensor version at the end of the last step
         if "params" in self.manage:
             for name, p in model.named_parameters():
                 self._adopt(p, Kind.PARAM, name)
@@ -177,6 +178,14 @@ class OutOfCore:
             for name, p in model.named_parameters():
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        if "optimizer_state" in self.manage and optimizer is not None:
+            self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
+        self._warned_released = False
+        if self.manage & {"params", "grads", "optimizer_state"}:
+            self._hooks += [model.register_state_dict_pre_hook(self._bring_back_hook),
+                            model.register_load_state_dict_pre_hook(self._bring_back_hook)]
+            if optimizer is not None:
+                self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
 
     # -- persistent tensors ------------------------------------------------------------------
 
@@ -194,6 +203,23 @@ class OutOfCore:
                     state=State.RESIDENT, storage=s)
         self.persistent[slot.var] = slot
         return slot
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.load_state_dict`` put new tensors in its state: manage those instead of
+        the ones it replaced (whose tier copies go), from the next step on, which re-plans."""
+        for var, slot in list(self.persistent.items()):
+            if slot.kind is Kind.OPTIMIZER_STATE:
+                if slot.host_current:
+                    self.tier.discard(slot.key)
+                    slot.host_current = False
+                del self.persistent[var]
+        names = {p: n for n, p in self.model.named_parameters()}
+        for p, state in optimizer.state.items():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    if not t.untyped_storage().resizable():   # torch.load's: cannot be released
+                        t = state[key] = t.clone()
+                    self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
     def _grad_hook(self, name: str):
         def hook(p: torch.nn.Parameter) -> None:
@@ -365,6 +391,7 @@ class OutOfCore:
     def _reconcile(self) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;
         with no plan for this start (a step on demand), within the budget."""
+        self._note_writes_between()
         try:
             if self.schedule is None:
                 self._fit_persistent()
@@ -466,6 +493,11 @@ class OutOfCore:
                 slot.host_current = False
             if not slot.in_place:
                 slot.storage = None
+        back_error: BaseException | None = None
+        try:
+            self._step_end_bring_back()
+        except Exception as e:  # a failed read: the tensor stays on the tier; raised below
+            back_error = e
         if self.device.type == "cpu" and self.pool_excess is None:
             # no allocator bounds the pool's idle chunks: drop them. A GPU pool keeps its
             # chunks mapped between steps (within the budget): unmapping synchronizes the
@@ -484,6 +516,8 @@ class OutOfCore:
         if interrupt is not None:
             raise interrupt
         if exc is not None:
+            if back_error is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"ooc: reading managed tensors back after it failed too: {back_error}")
             return   # step() re-raises it; the transfers' errors are its consequences
         if errors:
             err = errors[0]
@@ -492,6 +526,8 @@ class OutOfCore:
                                    "a tensor whose write failed kept its bytes in memory")
                 err.errno = errors[0].errno
             raise err
+        if back_error is not None:   # the step is done; a tensor the tier holds could not come back
+            raise back_error
         if st.schedule is None or st.diverged_at is not None:
             st.book_device_times()
             self._replan(st)
@@ -550,18 +586,85 @@ class OutOfCore:
     def resident(self) -> Iterator[None]:
         """Bring every managed parameter, grad and state tensor back, e.g. to evaluate or save.
 
-        Only needed when params/grads/optimizer_state are managed; the next step puts them
-        back where its plan wants them.
+        Needed only when the managed params, grads and state together exceed the budget:
+        otherwise every step's end already brought them back (see ``_step_end_bring_back``),
+        and ``state_dict()``/``load_state_dict()`` of the model and the optimizer bring them
+        back by themselves in any case. The next step puts them where its plan wants them.
         """
+        self._bring_back()
+        yield
+
+    def _step_end_bring_back(self) -> None:
+        """At a step's end, bring the managed persistent tensors back if all of them fit the
+        budget: between steps a released storage has 0 bytes under a tensor that still has
+        its shape, and PyTorch does not check that on a read (``torch.save`` wrote empty
+        storages, ``p.sum()`` read freed memory: a segfault), and no hook can catch an
+        arbitrary read of a plain tensor. Within the budget this costs no memory the budget
+        did not grant. A model whose params, grads and state exceed the budget (the reason to
+        manage them) keeps them on the tier between steps: ``state_dict()`` and
+        ``load_state_dict()`` bring them back through hooks, other reads need
+        ``with engine.resident():`` (README)."""
+        total = sum(s.nbytes for s in self.persistent.values())
+        if total <= self.budget:
+            self._bring_back(between_steps=False)
+            return
+        if not self._warned_released and any(s.state is State.HOST for s in self.persistent.values()):
+            self._warned_released = True
+            log.warning("managed params/grads/optimizer state (%s) exceed the %s budget: between "
+                        "steps they stay on the slower tier; state_dict()/load_state_dict() bring "
+                        "them back, other reads need `with engine.resident():`",
+                        format_size(total), format_size(self.budget))
+        self._between = self._versions()
+
+    def _bring_back(self, *, between_steps: bool = True) -> None:
+        """Read every managed persistent tensor the tier holds back into its storage (the
+        tier's copies stay current: the next step lets go of them again without writing,
+        unless they were written in between)."""
+        if between_steps:   # a step's own writes are the stepper's to track
+            self._note_writes_between()   # before the versions are taken again below
         try:
             for slot in self.persistent.values():
                 if slot.state is State.HOST:
                     sl.start_swap_in(slot, self.tier, self.pool)
                     sl.finish_swap_in(slot)
+                    self.counters["bytes_in"] += slot.nbytes
         except BaseException:
             self._settle(self.persistent.values())
             raise
-        yield
+        self._between = self._versions()
+
+    def _bring_back_hook(self, *args: Any, **kwargs: Any) -> None:
+        """``state_dict()``/``load_state_dict()`` pre-hook: their reads and copies need the
+        bytes (inside a step the stepper brings each tensor back at its use)."""
+        if self._stepper is None and not self._closed:
+            self._bring_back()
+
+    def _note_writes_between(self) -> None:
+        """A persistent tensor written between steps (load_state_dict's copy_, an in-place
+        edit) has a stale copy on the tier: forget it, since releasing the bytes without
+        writing them would lose the write. Runs before anything records new versions."""
+        for var, version in self._versions().items():
+            slot = self.persistent[var]
+            if (slot.state is State.RESIDENT and slot.host_current
+                    and self._between.get(var) != version):
+                self.tier.discard(slot.key)
+                slot.host_current = False
+
+    def _versions(self) -> dict[int, int]:
+        """The version counter of the tensor that holds each persistent variable (params,
+        their grads, optimizer state): in-place writes between steps bump it."""
+        by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p, p.grad] if p.grad is not None else [p]
+            if self.optimizer is not None:
+                tensors += [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        out: dict[int, int] = {}
+        for t in tensors:
+            slot = by_storage.get(id(t.untyped_storage()))
+            if slot is not None and slot.storage is t.untyped_storage():
+                out[slot.var] = t._version
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Plain data with stable keys: what moved, what stalled, what the plan says."""

@@ -27,6 +27,9 @@ class Birth:
     out: int              # position among the op's tensor outputs
     nbytes: int
     reads: list[int] = field(default_factory=list)
+    # The reads that wrote it in place (``out += identity``, ``relu_``): without them the plan
+    # would take a copy written out before them for current and drop the written bytes.
+    writes: list[int] = field(default_factory=list)
     var: int | None = None  # set when it becomes a managed variable
 
 
@@ -69,6 +72,8 @@ class Recording:
         self.uses[birth.op].append((var, Access.WRITE))
         for op in birth.reads:
             self.uses[op].append((var, Access.READ))
+        for op in birth.writes:
+            self.uses[op].append((var, Access.WRITE))
 
     def add_persistent(self, var: int, nbytes: int, kind: Kind, name: str, live_out: bool) -> None:
         self.variables[var] = Variable(var, nbytes, kind, name, live_in=True, live_out=live_out)

@@ -386,6 +386,9 @@ class Stepper:
         touched: list[Slot] = []
         keep: set[Slot | Birth] = set()   # what op i uses: on demand, never evicted for it
         in_ids = set()
+        written_tensors = _written(func, args, kwargs)
+        written = {id(t.untyped_storage()) for t in written_tensors}
+        taken_back: list[tuple[Slot, torch.UntypedStorage]] = []
         for t in ins:
             s = t.untyped_storage()
             in_ids.add(id(s))
@@ -398,18 +401,26 @@ class Stepper:
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
+                        if id(s) in written:
+                            b.writes.append(i)
                         if b in self.fresh:
                             keep.add(b)
                             self._touch(b)
                     else:
                         self.rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+                        slot = self.slots.get(b.var)
+                        if id(s) in written and slot is not None and slot.state is not State.ABSENT:
+                            touched.append(slot)
+                            taken_back.append((slot, s))
         keep.update(touched)
         for slot in touched:
             self.ensure(slot, i, keep)
+        for slot, s in taken_back:
+            self._take_back(slot, s, i)
         if self.undo is not None and self.buffers:
             for t in ins:
                 self._save_before_write(t)
-        for t in _written(func, args, kwargs):
+        for t in written_tensors:
             slot = self.slot_of(t)
             if slot is not None:
                 slot.host_current = False
@@ -460,6 +471,24 @@ class Stepper:
         for i, start, end in self.gpu_events:
             self.rec.seconds[i] = start.elapsed_time(end) / 1e3
         self.gpu_events.clear()
+
+    def _take_back(self, slot: Slot, s: torch.UntypedStorage, i: int) -> None:
+        """Op ``i`` writes in place into the storage activation ``slot`` was born in, after the
+        engine let go of it (wrote it out; maybe read a copy back into the pool). The forward
+        still holds that storage (ResNet's ``out += identity; relu_(out)`` before autograd
+        saves ``out``), so the op's bytes land there, not in the engine's copies: the slot
+        takes the storage back, drops its copy in memory (same bytes until now) and forgets
+        the tier's, which goes stale. Else unpack hands the backward the pre-write bytes."""
+        if slot.storage is s:
+            return   # the storage appears twice among the op's arguments
+        if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
+            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+        if slot.host_current:
+            self.e.tier.discard(slot.key)
+            slot.host_current = False
+        slot.storage = s   # counted as resident already: it replaces the copy, or the copy in flight
+        slot.state = State.RESIDENT
+        self._register(slot)
 
     def _save_before_write(self, t: torch.Tensor) -> None:
         """Copy a buffer before the step's first op that touches it, for a rollback. Not only
