@@ -591,7 +591,8 @@ class OutOfCore:
             pass
         self.budget = new
         self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
-        self.pool = make_pool(self.device, new, self.chunk)
+        old, self.pool = self.pool, make_pool(self.device, new, self.chunk)
+        _close_pool(old)
         self.plans.clear()
         self.schedule = None
         self.binding = {}
@@ -619,7 +620,8 @@ class OutOfCore:
             for h in self._hooks:
                 h.remove()
             self.persistent.clear()
-            self.tier.close()
+            self.tier.close()   # first: its copies may still touch the pool's ranges
+            _close_pool(self.pool)
             if self.device.type == "cpu":
                 cpu_allocator.release()
             self._closed = True
@@ -629,6 +631,15 @@ class OutOfCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _close_pool(pool: Any) -> None:
+    """Give a pool's device memory back for good: a GPU pool also releases its VMM chunks and
+    ranges and the CUDA context it retained (trim alone leaves the context retained). The CPU
+    pool has nothing beyond trim."""
+    close = getattr(pool, "close", None)
+    if close is not None:
+        close()
 
 
 def _recycle_bytes(budget: int) -> int:
