@@ -102,6 +102,10 @@ class CudaRuntime:
         """Whether ``storage`` is device memory (the tier copies it as a :class:`DevicePtr`)."""
         return storage.device.type == "cuda"
 
+    def device_ptr(self, storage: torch.UntypedStorage) -> "DevicePtr":
+        """The :class:`DevicePtr` the tier copies from or into for a device ``storage``."""
+        return DevicePtr(int(storage.data_ptr()), int(storage.nbytes()))
+
     def can_wrap_ranges(self) -> bool:
         """Whether :meth:`wrap_range` works here (a CUDA PyTorch with a device, and cupy)."""
         from ooc.runtime.cuda_pool import _cuda_torch, _has_cupy
@@ -146,7 +150,7 @@ def byte_view_for(storage: torch.UntypedStorage) -> "memoryview | DevicePtr":
     """
     kind = storage.device.type
     if kind == "cuda" or _CUDA.holds(storage):   # under the fake: CPU storages stand for it
-        return DevicePtr(int(storage.data_ptr()), int(storage.nbytes()))
+        return _CUDA.device_ptr(storage)
     if kind == "cpu":
         from ooc.runtime.slots import byte_view
 

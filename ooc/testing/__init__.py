@@ -84,6 +84,10 @@ class FakeCudaRuntime(CudaRuntime):
     def holds(self, storage: torch.UntypedStorage) -> bool:
         return storage.device.type == "cpu"
 
+    def device_ptr(self, storage: torch.UntypedStorage) -> Any:
+        self.fake_driver.register_storage(storage)   # the fake checks copies against it
+        return super().device_ptr(storage)
+
     def can_wrap_ranges(self) -> bool:
         return True
 

@@ -444,8 +444,12 @@ class FakeCopyDriver(base.FakeDriver):
                         "that produce or still read the device bytes")):
                     return v
 
+            guard = self._device_guard(d, n)
+
             def run() -> None:
                 pieces = self._device_pieces(d, n)
+                if guard is not None and not guard():
+                    pieces = None   # the memory it was issued on was freed or resized since
                 if pieces is None or self._pinned_of(h, n) is None:
                     return self._fault(f"{name} of {n} bytes ran after its memory was unmapped "
                                        "or freed")
@@ -573,6 +577,11 @@ class FakeCopyDriver(base.FakeDriver):
             out.append((self.chunk_bytes[m["handle"]], off, hi - lo))
         return out
 
+
+    def _device_guard(self, start: int, size: int) -> Callable[[], bool] | None:
+        """For a copy issued now: a check, at run time, that its device memory is still the
+        memory it was issued on (a subclass that knows PyTorch's memory gives one)."""
+        return None
 
     def _outside_device_pieces(self, start: int, size: int) -> list | None:
         """Device memory outside the VMM ranges (a subclass may know some: see

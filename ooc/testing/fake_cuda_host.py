@@ -13,8 +13,12 @@ address IS a host address.
   wherever it is mapped (as ``vmm.host`` does for the CPU pool); ``cuMemUnmap`` puts the
   ``PROT_NONE`` reservation back over the span; ``cuMemRelease`` closes the memfd.
 - Device memory outside every reserved range is PyTorch's own (the caching allocator's, on a
-  GPU; torch's CPU allocator here): copies may read and write it, unchecked. Inside a
-  reserved range the fake's checks apply (mapped, access set).
+  GPU; torch's CPU allocator here). The fake knows only the storages registered with
+  :meth:`HostBackedFakeDriver.register_storage` (``fake_cuda``'s seam registers each storage
+  the tier is handed): a copy may touch one of those, within its bytes, and when the copy
+  runs that storage must still be alive with those bytes (freed or resized to 0 before the
+  copy ran is a use-after-free: a violation and a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``,
+  not a segfault). Inside a reserved range the VMM checks apply (mapped, access set).
 
 So ``torch.frombuffer`` over a mapped range gives a CPU tensor over the device bytes, the
 pool's ranges can be handed to the engine as tensors, and a copy that has not run when a
@@ -50,6 +54,17 @@ class HostBackedFakeDriver(copies.FakeCopyDriver):
         super().__init__(**kwargs)
         self._host_res: dict[int, tuple[int, int]] = {}   # start -> (mmap base, mmap bytes)
         self._chunk_fd: dict[int, int] = {}               # cuMemCreate handle -> its memfd
+        self._storages: dict[int, tuple[int, Any]] = {}   # address -> (bytes, StorageWeakRef)
+
+    def register_storage(self, storage: Any) -> None:
+        """Make a PyTorch storage (CPU memory standing for device memory) known to the copies."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        with self._mutex:
+            address = int(storage.data_ptr())
+            if len(self._storages) > 4096:   # forget the dead ones now and then
+                self._storages = {a: v for a, v in self._storages.items() if not v[1].expired()}
+            self._storages[address] = (int(storage.nbytes()), StorageWeakRef(storage))
 
     # -- address ranges ----------------------------------------------------------------
     def cuMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int) -> tuple:  # noqa: N802
@@ -105,11 +120,42 @@ class HostBackedFakeDriver(copies.FakeCopyDriver):
             os.close(self._chunk_fd.pop(h))
 
     # -- PyTorch's own device memory ----------------------------------------------------
-    def _outside_device_pieces(self, start: int, size: int) -> list | None:
+    def _storage_at(self, start: int, size: int) -> Any:
+        """The live registered storage whose bytes hold ``[start, start + size)``, or None."""
+        import torch
+
         i = bisect_right(self._res_starts, start + size - 1) - 1
         if i >= 0:
             r = self._res_starts[i]
             if r + self.reservations[r] > start:
                 return None   # inside (or across) a reserved range: the VMM checks apply
+        for address in (start, *self._storages):   # the storage starting here, else any
+            entry = self._storages.get(address)
+            if entry is None or not address <= start or start + size > address + entry[0]:
+                continue
+            s = torch.UntypedStorage._new_with_weak_ptr(entry[1].cdata)
+            if s is not None and s.data_ptr() == address and s.nbytes() >= start + size - address:
+                return s
+        return None
+
+    def _device_guard(self, start: int, size: int) -> Any:
+        s = self._storage_at(start, size)
+        if s is None:
+            return None
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref, address = StorageWeakRef(s), int(s.data_ptr())
+
+        def still_there() -> bool:
+            import torch
+
+            now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            return (now is not None and now.data_ptr() == address
+                    and now.nbytes() >= start + size - address)
+        return still_there
+
+    def _outside_device_pieces(self, start: int, size: int) -> list | None:
+        if self._storage_at(start, size) is None:
+            return None   # not PyTorch memory the fake knows: the VMM checks decide
         view = memoryview((ctypes.c_char * size).from_address(start)).cast("B")
         return [(view, 0, size)]
