@@ -8,7 +8,7 @@ instead of jobs on I/O threads.
 
 NOT RUN ON A GPU. No machine of this project has one: this module is written against the
 documented driver API of cuda-python (``cuda.bindings.driver``) and tested against a fake
-driver that enforces the same contract (``tests/fakes/fake_cuda_copies.py``: copies only
+driver that enforces the same contract (``ooc/testing/fake_cuda_copies.py``: copies only
 within mapped, accessible device ranges and allocated pinned ranges, events recorded before
 they are waited on, destroyed objects unusable, stream order, copies executed lazily so a
 missing wait shows stale bytes). ``tests/ooc/test_cuda_gpu.py`` holds the real-GPU tests;
