@@ -17,7 +17,7 @@ import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
-from ooc.runtime.devices import make_pool, make_tier_and_pool
+from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
@@ -107,16 +107,20 @@ class OutOfCore:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise OOCError(f"device {self.device}: the runtime runs on 'cpu' or 'cuda'")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        # torch.cuda through one seam (ooc.runtime.devices.CudaRuntime): ooc.testing.fake_cuda()
+        # swaps it to run this CUDA path over a fake driver, with the model on the CPU.
+        cuda = cuda_runtime() if self.device.type == "cuda" else None
+        if cuda is not None and not cuda.is_available():
             raise OOCError(f"device {self.device}: this PyTorch has no usable CUDA (torch "
                            f"{torch.__version__}); install a CUDA build and 'ooc[cuda]', or use device='cpu'")
-        if self.device.type == "cuda" and self.device.index is None:
+        if cuda is not None and self.device.index is None:
             # Parameters say "cuda:0", never "cuda": compare (and allocate) with the index.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", cuda.current_device())
+        home = cuda.tensor_device(self.device) if cuda is not None else self.device
         for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
-            if p.device != self.device:
-                raise OOCError(f"{name} is on {p.device}, but the engine manages {self.device}: "
-                               f"move the model with model.to('{self.device}') first")
+            if p.device != home:
+                raise OOCError(f"{name} is on {p.device}, but the engine manages {home}: "
+                               f"move the model with model.to('{home}') first")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise OOCError(f"threads must be a positive int (I/O threads of the swap tier), got {threads!r}")
         self.model, self.optimizer = model, optimizer
@@ -696,7 +700,8 @@ class OutOfCore:
             pass
         self.budget = new
         self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
-        self.pool = make_pool(self.device, new, self.chunk)
+        old, self.pool = self.pool, make_pool(self.device, new, self.chunk)
+        _close_pool(old)
         self.plans.clear()
         self.schedule = None
         self.binding = {}
@@ -724,7 +729,8 @@ class OutOfCore:
             for h in self._hooks:
                 h.remove()
             self.persistent.clear()
-            self.tier.close()
+            self.tier.close()   # first: its copies may still touch the pool's ranges
+            _close_pool(self.pool)
             if self.device.type == "cpu":
                 cpu_allocator.release()
             self._closed = True
@@ -734,6 +740,15 @@ class OutOfCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _close_pool(pool: Any) -> None:
+    """Give a pool's device memory back for good: a GPU pool also releases its VMM chunks and
+    ranges and the CUDA context it retained (trim alone leaves the context retained). The CPU
+    pool has nothing beyond trim."""
+    close = getattr(pool, "close", None)
+    if close is not None:
+        close()
 
 
 def _recycle_bytes(budget: int) -> int:

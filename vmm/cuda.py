@@ -21,8 +21,8 @@ Every call returns ``(err, *values)``; every ``err`` is checked and a failure ra
 exception raised inside cuda-python (no driver library, say) is wrapped the same way.
 
 No GPU exists on the project's machines: this module is tested against the fake driver in
-``tests/fakes/fake_cuda_driver.py``, which enforces the same contract, and by GPU tests
-that skip without a device.
+``ooc/testing/fake_cuda_driver.py`` (shipped with ooc; vmm does not import it), which
+enforces the same contract, and by GPU tests that skip without a device.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch
 
 import vmm
 from ooc.errors import OOCError
-from ooc.runtime.devices import DevicePtr
+from ooc.runtime.devices import DevicePtr, cuda_runtime
 from vmm.errors import OutOfBudget
 
 __all__ = ["CudaDevicePool", "route_allocations", "make_callbacks", "ALLOC_FN", "FREE_FN"]
@@ -81,10 +81,11 @@ class CudaDevicePool:
 
     def __init__(self, budget: int, chunk: int, driver: Any = None, device: int = 0, *,
                  as_tensor: bool | None = None) -> None:
+        # The CUDA seam (ooc.runtime.devices.cuda_runtime): PyTorch's CUDA and cupy, or the
+        # fake of ooc.testing.fake_cuda; kept for the pool's lifetime.
+        self._rt = cuda_runtime()
         if driver is None:
-            from ooc.runtime.cuda_tier import import_driver
-
-            driver = import_driver("CudaDevicePool")
+            driver = self._rt.driver("CudaDevicePool")
             real = True
         else:
             real = False
@@ -98,8 +99,8 @@ class CudaDevicePool:
             raise
         self.allocator = vmm.VirtualAllocator(self.pool)
         if as_tensor is None:
-            as_tensor = real and _cuda_torch() and _has_cupy()
-        elif as_tensor and not (_cuda_torch() and _has_cupy()):
+            as_tensor = real and self._rt.can_wrap_ranges()
+        elif as_tensor and not self._rt.can_wrap_ranges():
             raise OOCError("CudaDevicePool(as_tensor=True) needs a CUDA build of PyTorch with a "
                            "device and cupy: pip install 'ooc[cuda]'")
         self.as_tensor = bool(as_tensor)
@@ -119,7 +120,7 @@ class CudaDevicePool:
             try:
                 if self.as_tensor:
                     owner = _RangeOwner(allocation)
-                    out = _wrap_range(allocation.address, nbytes, self.device, owner)
+                    out = self._rt.wrap_range(allocation.address, nbytes, self.device, owner)
                 else:
                     owner = out = DevicePtr(allocation.address, nbytes)
             except BaseException:

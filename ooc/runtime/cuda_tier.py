@@ -8,7 +8,7 @@ instead of jobs on I/O threads.
 
 Written against the documented driver API of cuda-python (``cuda.bindings.driver``) and run on
 an H100 (benchmarks/results/gpu.md, ``pytest -m gpu``). The project's machines and CI have no
-GPU, so it is also tested against a fake driver that enforces the same contract (``tests/fakes/fake_cuda_copies.py``: copies only
+GPU, so it is also tested against a fake driver that enforces the same contract (``ooc/testing/fake_cuda_copies.py``: copies only
 within mapped, accessible device ranges and allocated pinned ranges, events recorded before
 they are waited on, destroyed objects unusable, stream order, copies executed lazily so a
 missing wait shows stale bytes). ``tests/ooc/test_cuda_gpu.py`` holds the real-GPU tests;

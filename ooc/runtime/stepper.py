@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
+from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
@@ -111,7 +112,8 @@ class _Unbudgeted:
     already failed its budget."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        # where the device's tensors live (the CPU under ooc.testing.fake_cuda)
+        self.device = cuda_runtime().tensor_device(device) if device.type == "cuda" else device
 
     def take(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -426,7 +428,8 @@ class Stepper:
                 slot.host_current = False
                 self.rec.use(i, slot.var, Access.WRITE)
         if self.gpu_timing:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cuda = cuda_runtime()   # torch.cuda.Event, or host timing under the fake
+            start, end = cuda.timing_event(), cuda.timing_event()
             start.record()
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))

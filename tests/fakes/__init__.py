@@ -1,1 +1,2 @@
-"""Test doubles. ``fake_cuda_driver`` is a FAKE cuda-python driver module (no GPU)."""
+"""Test doubles. The FAKE cuda-python driver modules live in ``ooc.testing`` (shipped with the
+package); ``tests.fakes.fake_cuda_driver`` and ``tests.fakes.fake_cuda_copies`` are aliases."""

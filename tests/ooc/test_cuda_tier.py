@@ -1,4 +1,4 @@
-"""The CUDA slower tier and device pool against a FAKE driver (tests/fakes/fake_cuda_copies.py).
+"""The CUDA slower tier and device pool against a FAKE driver (ooc/testing/fake_cuda_copies.py).
 
 Nothing here touches a GPU or CUDA: every test runs ``PinnedTier`` and ``CudaDevicePool`` over
 a fake ``cuda.bindings.driver`` whose device memory is host bytearrays and whose async copies

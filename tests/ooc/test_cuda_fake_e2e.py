@@ -1,0 +1,178 @@
+"""``OutOfCore(device="cuda")`` end to end over the FAKE CUDA driver (``ooc.testing.fake_cuda``).
+
+No GPU and no CUDA: the model and its batches are on the CPU, CPU memory stands for device
+memory, and what runs above the fake is the real CUDA path: ``PinnedTier`` (copy streams,
+events, pinned slabs, drain, reserve), ``CudaDevicePool`` over ``vmm.CudaBackend`` VMM chunks,
+the engine's device-side waits (``CopyFuture.wait_on_device``), op timing through the seam,
+``set_budget`` (a new pool) and ``close``. The fake runs copies lazily, only when something
+waits for them, so a missing or misplaced wait shows as stale bytes (parameters that differ
+from plain training) or as a contract violation; every step is compared bitwise with the
+same training without the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+import ooc.testing
+from ooc.runtime import cuda_tier
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 64 << 10      # the fake's granularity
+SYNC_CALLS = ("cuCtxSynchronize", "cuStreamSynchronize")
+MAX_PLANNED_SYNCS = 3
+
+
+class BNCNN(nn.Module):
+    """conv-BN-ReLU with a residual block and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16))
+            for _ in range(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.2), nn.Linear(16 * 4 * 4, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        return self.head(F.adaptive_avg_pool2d(x, 4))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+CASES = {
+    # name: (model, optimizer, manage, input shape per batch size, the changed batch size)
+    "cnn_sgd_activations": (BNCNN, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                            ("activations",), lambda n: (n, 3, 16, 16), 8),
+    # its activations change size in whole chunks only with a larger batch
+    "mlp_adam_all": (_mlp, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, foreach=False),
+                     ("activations", "params", "grads", "optimizer_state"), lambda n: (n, 256), 40),
+}
+# (batch size, budget change before the step): step 0 records on demand, 1-2 run the plan
+# (or, the first time, meet the optimizer state step 0 created and re-plan), 3 changes the
+# batch size (another op sequence: finished on demand, re-planned), 4 runs the new plan,
+# 5 records again under a smaller budget (set_budget: a new pool), 6 runs that plan.
+SCHEDULE = [(16, None), (16, None), (16, None), ("changed", None), ("changed", None),
+            ("changed", "smaller"), ("changed", None)]
+
+
+def _batch(case: str, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(CASES[case][3](n), generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _fresh(case: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = CASES[case][0]()
+    return model, CASES[case][1](model)
+
+
+def _peak(case: str) -> int:
+    """The in-core peak of the managed tensors, from a plan made with plenty of budget."""
+    model, opt = _fresh(case)
+    e = ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", chunk=CHUNK, min_bytes=4096,
+                      manage=CASES[case][2])
+    x, y = _batch(case, 0, 16)
+    with e.step():   # records, then plans
+        F.cross_entropy(model(x), y).backward()
+        e.optimizer_step()
+    peak = e.schedule.sequence.in_core_peak_bytes
+    e.close()
+    return peak
+
+
+def _assert_same(step: int, ref: tuple, got: tuple) -> None:
+    (ref_loss, ref_model, ref_opt), (loss, model, opt) = ref, got
+    assert torch.equal(ref_loss, loss), f"step {step}: loss {ref_loss.item()} vs {loss.item()}"
+    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"step {step}: {name} differs from training without ooc"
+    for (_, s_ref), s in zip(ref_opt.state.items(), opt.state.values()):
+        for k in s_ref:
+            assert torch.equal(torch.as_tensor(s_ref[k]), torch.as_tensor(s[k])), \
+                f"step {step}: optimizer state {k} differs"
+
+
+def _host_syncs(engine: ooc.OutOfCore) -> int:
+    """Host synchronizations so far: the tier's, plus the pool backend's synchronize calls."""
+    calls = engine.pool.backend.calls
+    return engine.stats()["tier"]["host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
+
+
+def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
+    """Train with and without the engine in lockstep, compare after every step."""
+    peak = _peak(case)
+    budget = max(CHUNK, peak // 2 // CHUNK * CHUNK)
+    model, opt = _fresh(case)
+    ref_model, ref_opt = copy.deepcopy(model), _fresh(case)[1]
+    ref_opt = CASES[case][1](ref_model)
+    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, chunk=CHUNK, min_bytes=4096,
+                      manage=CASES[case][2])
+    assert e.device == torch.device("cuda", 0)
+    assert isinstance(e.tier, cuda_tier.PinnedTier)
+    log = []
+    for step, (n, change) in enumerate(SCHEDULE):
+        if change == "smaller":
+            e.set_budget(max(CHUNK, budget * 3 // 4 // CHUNK * CHUNK))
+        x, y = _batch(case, step, CASES[case][4] if n == "changed" else n)
+        torch.manual_seed(1000 + step)   # dropout
+        loss = F.cross_entropy(ref_model(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        before = _host_syncs(e)
+        torch.manual_seed(1000 + step)
+        with e.step():
+            got = F.cross_entropy(model(x), y)
+            got.backward()
+            e.optimizer_step()
+        stats = e.stats()
+        log.append(dict(step=step, planned=stats["last_planned"], syncs=_host_syncs(e) - before,
+                        diverged=stats["last_diverged_at"], bytes_out=stats["bytes_out"]))
+        with e.resident():   # managed parameters and state are in pinned memory between steps
+            _assert_same(step, (loss.detach(), ref_model, ref_opt), (got.detach(), model, opt))
+    return e, log
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_path_over_the_fake_driver_is_bitwise_in_core(case: str) -> None:
+    with ooc.testing.fake_cuda() as driver:
+        e, log = _train(case)
+        stats = e.stats()
+        e.close()
+        assert driver.violations == []
+        assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    # bytes really moved, through the fake's copies
+    assert stats["bytes_out"] > 0 and stats["bytes_in"] > 0
+    assert stats["tier"]["bytes_written"] > 0 and driver.copies_run > 0
+    assert "cuMemcpyDtoHAsync" in driver.calls and "cuMemcpyHtoDAsync" in driver.calls
+    # the steps did what the schedule says: on demand, planned, diverged, re-planned
+    assert not log[0]["planned"] and log[2]["planned"] and log[2]["diverged"] is None, log
+    assert log[3]["diverged"] is not None, log     # the batch size changed: diverged at once
+    assert log[4]["planned"] and log[6]["planned"] and not log[5]["planned"], log
+    assert stats["plans"] >= 4
+    # a planned step blocks the host a few times at most (commit point, step end)
+    planned = [r["syncs"] for r in log if r["planned"]]
+    assert planned and max(planned) <= MAX_PLANNED_SYNCS, log
+
+
+def test_fake_cuda_restores_the_real_seam() -> None:
+    from ooc.runtime import devices
+
+    real = devices.cuda_runtime()
+    with ooc.testing.fake_cuda() as driver:
+        assert devices.cuda_runtime().fake and devices.cuda_runtime().driver() is driver
+    assert devices.cuda_runtime() is real and not real.fake
