@@ -234,7 +234,46 @@ def _vmm_costs(quick: bool) -> list[str]:
                                 [[f"k = {k}", f"{c * 1e6:.1f} us"] for k, c in per_range]),
                "", f"Target < 10 us per 2 MiB chunk: {'met' if min(c for _, c in per_range) < 10e-6 else 'NOT met'} "
                f"(best: {min(c for _, c in per_range) * 1e6:.1f} us, in ranges of "
-               f"{min(per_range, key=lambda kc: kc[1])[0]} chunks)."])
+               f"{min(per_range, key=lambda kc: kc[1])[0]} chunks).", "",
+               "The other lever: bigger physical chunks (the pool's `chunk`), one cuMemCreate, "
+               "one cuMemMap and one cuMemSetAccess per chunk, host time per 2 MiB mapped:", "",
+               *common.md_table(["chunk", "create per 2 MiB", "map + access per 2 MiB"],
+                                _vmm_chunk_size_costs(32 if quick else 256))])
+
+
+def _vmm_chunk_size_costs(n2: int) -> list[list[str]]:
+    """Per 2 MiB of ``n2 * 2 MiB``, mapped in chunks of 2, 8, 32 and 128 MiB (medians)."""
+    import torch
+
+    from vmm.cuda import CudaBackend
+
+    backend = CudaBackend(torch.cuda.current_device())
+    g = backend.granularity
+    rows = []
+    try:
+        for c in (g, 4 * g, 16 * g, 64 * g):
+            k = max(1, n2 * g // c)
+            create, mapping = [], []
+            base = backend.reserve_range(k * c)
+            handles = []
+            for j in range(k):
+                t0 = time.perf_counter()
+                handles.append(backend.create_chunk(c))
+                create.append((time.perf_counter() - t0) * g / c)
+                t0 = time.perf_counter()
+                backend.map(base + j * c, handles[-1], c)
+                backend.set_access(base + j * c, c)
+                mapping.append((time.perf_counter() - t0) * g / c)
+            torch.cuda.synchronize()
+            backend.unmap(base, k * c)
+            for h in handles:
+                backend.release_chunk(h)
+            backend.free_range(base, k * c)
+            rows.append([common_size(c), f"{statistics.median(create) * 1e6:.1f} us",
+                         f"{statistics.median(mapping) * 1e6:.1f} us"])
+    finally:
+        backend.close()
+    return rows
 
 
 def _vmm_range_costs(n: int) -> list[tuple[int, float]]:

@@ -3,9 +3,8 @@
 The calls, in the order the driver wants them (``from cuda.bindings import driver``,
 imported lazily by the constructor, so the rest of ``vmm`` works without cuda-python):
 
-- setup: ``cuInit(0)``; ``cuDeviceGet(device)``; ``cuDevicePrimaryCtxRetain`` +
-  ``cuCtxSetCurrent`` (the primary context is the one PyTorch uses, so pointers mapped
-  here are valid in its kernels); ``cuMemGetAllocationGranularity`` for pinned device
+- setup: ``cuInit(0)``; ``cuDeviceGet(device)``; ``cuDevicePrimaryCtxRetain`` (the primary
+  context is the one PyTorch uses, so pointers mapped here are valid in its kernels); ``cuMemGetAllocationGranularity`` for pinned device
   memory on that device (``CU_MEM_ALLOC_GRANULARITY_MINIMUM``, 2 MiB on current GPUs).
 - chunks: ``cuMemCreate(size, prop, 0)`` / ``cuMemRelease(handle)``.
 - ranges: ``cuMemAddressReserve(size, alignment, 0, 0)`` / ``cuMemAddressFree``.
@@ -14,6 +13,11 @@ imported lazily by the constructor, so the rest of ``vmm`` works without cuda-py
   then); unmapping: ``cuCtxSynchronize`` (or ``cuStreamSynchronize`` on the stream given)
   so no kernel still reads the memory, then ``cuMemUnmap`` per chunk (the driver unmaps
   only whole mappings).
+
+Context: every public method runs in the device's primary context and leaves the calling
+thread's current context as it found it (:func:`own_context`: ``cuCtxGetCurrent``, and only if
+another context, or none, is current, ``cuCtxSetCurrent`` there and back), so that a process
+that drives another GPU from the same thread is not switched to this one behind its back.
 
 Every call returns ``(err, *values)``; every ``err`` is checked and a failure raises
 :class:`vmm.backend.BackendCallError` (``DeviceOutOfMemory`` for
@@ -28,7 +32,8 @@ enforces the same contract, and by GPU tests that skip without a device.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+import functools
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from vmm.backend import Backend, BackendCallError, DeviceOutOfMemory, Ledger
 from vmm.errors import VMMError
@@ -44,6 +49,50 @@ def _import_driver() -> Any:
             raise VMMError("the cuda backend needs cuda-python: pip install 'ooc[cuda]' "
                            "(or use SimBackend to plan without a GPU)") from exc
     return driver
+
+
+@contextlib.contextmanager
+def own_context(drv: Any, ctx: Any) -> Iterator[None]:
+    """Run the block with ``ctx`` current in the calling thread, then put back the context
+    that was current (or none). Costs one ``cuCtxGetCurrent`` when ``ctx`` is current already
+    (PyTorch's threads on the same device): the common case pays no switch.
+
+    Raises :class:`VMMError` if the driver refuses either call; a failure to switch back is
+    raised only if the block itself succeeded (the block's own error is the one to see)."""
+    ok = drv.CUresult.CUDA_SUCCESS
+    err, prev = drv.cuCtxGetCurrent()
+    if err != ok:
+        raise VMMError(f"cuCtxGetCurrent failed with {_name_of(err)}")
+    if prev is not None and int(prev) == int(ctx):
+        yield
+        return
+    err, = drv.cuCtxSetCurrent(ctx)
+    if err != ok:
+        raise VMMError(f"cuCtxSetCurrent(device's primary context) failed with {_name_of(err)}")
+    try:
+        yield
+    except BaseException:
+        drv.cuCtxSetCurrent(prev)   # best effort: the block's error is the one to see
+        raise
+    err, = drv.cuCtxSetCurrent(prev)
+    if err != ok:
+        raise VMMError(f"cuCtxSetCurrent(back to the caller's context) failed with "
+                       f"{_name_of(err)}")
+
+
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def in_own_context(method: _M) -> _M:
+    """Decorate a method of an object with ``_drv`` and ``_ctx`` (None: not set up, or
+    released) so that it runs under :func:`own_context`."""
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._ctx is None:
+            return method(self, *args, **kwargs)
+        with own_context(self._drv, self._ctx):
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 def allocation_prop(driver: Any, device: int) -> Any:
@@ -74,8 +123,8 @@ class CudaBackend(Backend):
         stream: a ``CUstream`` to synchronize before unmapping instead of the whole
             context (only correct if every kernel touching this memory runs on it).
 
-    The primary context is made current in the constructing thread; call
-    :meth:`make_current` in another thread before using the backend there.
+    Every public method runs in the device's primary context, from any thread, and leaves
+    the thread's current context as it was (:func:`own_context`).
     :meth:`close` unmaps, releases and frees everything, then releases the context.
     Handles given to the allocators are ints (``int(CUmemGenericAllocationHandle)``).
     """
@@ -94,7 +143,11 @@ class CudaBackend(Backend):
         self._call("cuInit", 0)
         self._dev = self._call("cuDeviceGet", device)
         self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
-        self._call("cuCtxSetCurrent", self._ctx)
+        with own_context(self._drv, self._ctx):
+            self._setup()
+
+    def _setup(self) -> None:
+        device = self.device
         self._prop = allocation_prop(self._drv, device)
         self.granularity = int(self._call(
             "cuMemGetAllocationGranularity", self._prop,
@@ -131,11 +184,8 @@ class CudaBackend(Backend):
             pass
         return f"{_name_of(err)} ({int(err)})"
 
-    def make_current(self) -> None:
-        """Make this backend's (primary) context current in the calling thread."""
-        self._call("cuCtxSetCurrent", self._ctx)
-
     # -- chunks ------------------------------------------------------------------------
+    @in_own_context
     def create_chunk(self, nbytes: int) -> int:
         self._check_open()
         self.ledger.check_size("create_chunk", nbytes)
@@ -145,11 +195,13 @@ class CudaBackend(Backend):
         self.ledger.add_chunk(key, nbytes)
         return key
 
+    @in_own_context
     def release_chunk(self, handle: Any) -> None:
         self.ledger.remove_chunk(handle)
         self._call("cuMemRelease", self._handles.pop(handle))
 
     # -- address ranges ----------------------------------------------------------------
+    @in_own_context
     def reserve_range(self, nbytes: int, alignment: int = 0) -> int:
         self._check_open()
         self.ledger.check_size("reserve_range", nbytes)
@@ -157,6 +209,7 @@ class CudaBackend(Backend):
         self.ledger.add_range(address, nbytes)
         return address
 
+    @in_own_context
     def free_range(self, address: int, nbytes: int) -> None:
         self.ledger.remove_range(address, nbytes)
         self._call("cuMemAddressFree", address, nbytes)
@@ -165,6 +218,7 @@ class CudaBackend(Backend):
     def map(self, address: int, handle: Any, nbytes: int) -> None:
         self.map_many(address, (handle,), nbytes)
 
+    @in_own_context
     def map_many(self, address: int, handles: Sequence[Any], chunk_bytes: int) -> None:
         self._check_open()
         self.ledger.add_mappings(address, handles, chunk_bytes)
@@ -180,10 +234,12 @@ class CudaBackend(Backend):
                 self._drv.cuMemUnmap(address + i * chunk_bytes, chunk_bytes)
             raise
 
+    @in_own_context
     def set_access(self, address: int, nbytes: int) -> None:
         # Mappings start inaccessible; one call covers the whole mapped span.
         self._call("cuMemSetAccess", address, nbytes, self._access, len(self._access))
 
+    @in_own_context
     def unmap(self, address: int, nbytes: int) -> None:
         removed = self.ledger.remove_mappings(address, nbytes)
         # A kernel queued earlier may still read or write these pages: wait for it before
@@ -204,6 +260,7 @@ class CudaBackend(Backend):
             if not self._batch:
                 self._synced = False
 
+    @in_own_context
     def synchronize(self) -> None:
         if self._stream is not None:
             self._call("cuStreamSynchronize", self._stream)
@@ -215,6 +272,7 @@ class CudaBackend(Backend):
         if self._closed:
             raise VMMError("cuda backend: used after close()")
 
+    @in_own_context
     def close(self) -> None:
         """Synchronize, unmap every chunk, release every chunk, free every range, release
         the primary context. Safe to call twice."""

@@ -22,6 +22,15 @@ that owner queues the range, and the next ``take`` or ``reap`` hands it back to 
 (never inside the finalizer, which may run on any thread). A range freed while kernels queued
 earlier still use it stays mapped (the allocator parks it) and is reused in stream order; the
 swap-in copy into it waits for the compute stream (see ``PinnedTier``); unmapping synchronizes.
+
+Lock order: :func:`route_allocations`' callbacks run inside PyTorch's caching allocator, with
+its mutex held, and then take the pool's lock. So nothing done under the pool's lock calls
+into PyTorch (a tensor made or freed there could wait for that mutex while the autograd
+engine's device thread, holding it, waits for the pool's lock): ``take`` wraps the range as a
+tensor after letting the lock go, and finalizers only queue ranges. What the lock still
+cannot rule out is Python's cyclic garbage collector freeing some unrelated CUDA tensor while
+it is held; the engine does not route allocations, so only users of ``route_allocations``
+from several threads are exposed to that.
 """
 
 from __future__ import annotations
@@ -112,22 +121,25 @@ class CudaDevicePool:
     def take(self, nbytes: int) -> "torch.Tensor | DevicePtr":
         """A fresh pool range of ``nbytes`` (raises OutOfBudget): a flat uint8 CUDA tensor
         over it, or a :class:`DevicePtr` (see ``as_tensor``). The range goes back when that
-        object (and everything viewing it) is gone."""
+        object (and everything viewing it) is gone.
+
+        The tensor is made outside the pool's lock (see "Lock order" in the module doc)."""
         with self._lock:
             self._check_open()
             self.reap()
             allocation = self.allocator.alloc(nbytes)
-            try:
-                if self.as_tensor:
-                    owner = _RangeOwner(allocation)
-                    out = self._rt.wrap_range(allocation.address, nbytes, self.device, owner)
-                else:
-                    owner = out = DevicePtr(allocation.address, nbytes)
-            except BaseException:
+        try:
+            if self.as_tensor:
+                owner = _RangeOwner(allocation)
+                out = self._rt.wrap_range(allocation.address, nbytes, self.device, owner)
+            else:
+                owner = out = DevicePtr(allocation.address, nbytes)
+        except BaseException:
+            with self._lock:
                 self.allocator.free(allocation)
-                raise
-            weakref.finalize(owner, self._dead.append, allocation)
-            return out
+            raise
+        weakref.finalize(owner, self._dead.append, allocation)
+        return out
 
     def reap(self) -> None:
         """Hand back the ranges whose last user died since the previous call."""

@@ -52,7 +52,7 @@ from typing import Any
 from ooc.errors import OOCError, StorageError
 from ooc.runtime.labels import label
 from ooc.storage.extents import Extents, round_up
-from vmm.cuda import format_call_args
+from vmm.cuda import format_call_args, in_own_context, own_context
 from vmm.units import format_size, parse_size
 
 __all__ = ["PinnedTier", "CopyFuture", "import_driver"]
@@ -143,7 +143,14 @@ class _Resources:
             if err != ok:
                 failed.append(f"{name} failed with {_error_name(drv, err)}")
 
-        if self.ctx is not None:  # a finalizer may run in a thread that never used CUDA
+        prev = None
+        if self.ctx is not None:  # a finalizer may run in any thread: switch there and back
+            try:
+                err, prev = drv.cuCtxGetCurrent()
+            except Exception:  # noqa: BLE001 - teardown must go on
+                err = None
+            if err != ok:
+                prev = None
             step("cuCtxSetCurrent", self.ctx)
         # No copy may still read or write the pinned slabs when they are freed (close() has
         # synchronized already; a garbage-collected tier has not).
@@ -161,6 +168,8 @@ class _Resources:
         if self.ctx_retained:
             step("cuDevicePrimaryCtxRelease", self.dev)
             self.ctx_retained = False
+        if prev is not None:
+            step("cuCtxSetCurrent", prev)
         self.ctx = None
         return failed
 
@@ -294,7 +303,7 @@ class PinnedTier:
         self.verify = bool(verify)
         self.compute_stream = compute_stream
         self._lock = threading.RLock()
-        self._tls = threading.local()
+        self._ctx: Any = None           # the device's primary context, once retained
         self._records: dict[int, _Record] = {}
         self._inflight: dict[int, _Transfer] = {}     # id(transfer) -> transfer, oldest first
         self._extents = Extents(ALIGN)
@@ -318,8 +327,11 @@ class PinnedTier:
         res.dev = self._call("cuDeviceGet", self.device)
         self._ctx = res.ctx = self._call("cuDevicePrimaryCtxRetain", res.dev)
         res.ctx_retained = True
-        self._call("cuCtxSetCurrent", self._ctx)
-        self._tls.ctx = True
+        with own_context(drv, self._ctx):
+            self._make_streams()
+
+    def _make_streams(self) -> None:
+        drv, res = self._drv, self._res
         non_blocking = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
         # Non-blocking: no implicit synchronization with the legacy default stream, so a
         # copy never waits for unrelated compute; the events below order what must be.
@@ -334,6 +346,7 @@ class PinnedTier:
 
     # -- public API ------------------------------------------------------------------------
 
+    @in_own_context
     def write_async(self, key: int, src: Any, nbytes: int, *, stream: Any = None) -> CopyFuture:
         """Copy ``src[:nbytes]`` (device) into pinned memory under ``key``, replacing its old
         bytes. The copy starts after the work already queued on the compute stream
@@ -346,7 +359,6 @@ class PinnedTier:
             raise ValueError(f"key {key}: src holds {size} bytes, fewer than nbytes={nbytes}")
         with label(f"ooc.swap_out key={key}"), self._lock:
             self._check_open()
-            self._ensure_ctx()
             self._poll()
             old = self._records.pop(key, None)
             if old is not None:
@@ -373,13 +385,13 @@ class PinnedTier:
             rec.write = t
             return CopyFuture(self, t)
 
+    @in_own_context
     def read_async(self, key: int, dst: Any, *, stream: Any = None) -> CopyFuture:
         """Copy ``key``'s bytes into the start of the device range ``dst``. The copy starts
         after the key's write and after the work already queued on the compute stream."""
         address, size = _device_range(dst, "dst")
         with label(f"ooc.swap_in key={key}"), self._lock:
             self._check_open()
-            self._ensure_ctx()
             self._poll()
             rec = self._records.get(key)
             if rec is None:
@@ -412,6 +424,7 @@ class PinnedTier:
                 raise
             return CopyFuture(self, t)
 
+    @in_own_context
     def discard(self, key: int) -> None:
         """Forget ``key``; its pinned space is reused once no copy of it is in flight.
         Discarding an unknown key does nothing."""
@@ -429,15 +442,16 @@ class PinnedTier:
         with self._lock:
             return self._records[key].nbytes
 
+    @in_own_context
     def synchronize(self) -> None:
         """Block until every copy submitted so far is complete (errors go to their futures)."""
         with self._lock:
             self._check_open()
-            self._ensure_ctx()
             for t in list(self._inflight.values()):
                 if not t.complete and not t.waiters:
                     self._settle(t)
 
+    @in_own_context
     def drain(self) -> None:
         """Block until every copy submitted so far is complete, with one host synchronization
         at most: the host-to-device stream waits, on the device, for the device-to-host
@@ -447,7 +461,6 @@ class PinnedTier:
         with self._lock:
             if self._closed:
                 return
-            self._ensure_ctx()
             self._poll()
             pending = [t for t in self._inflight.values() if not t.waiters]
             if not pending:
@@ -464,6 +477,7 @@ class PinnedTier:
             for t in pending:
                 self._finish(t)
 
+    @in_own_context
     def reserve(self, writes: "list[tuple[int | None, int]]") -> None:
         """Make sure that ``writes``, pairs ``(key, nbytes)`` (``key=None``: a new key), will
         find pinned room without allocating, by allocating the slabs now: the engine calls it
@@ -472,7 +486,6 @@ class PinnedTier:
         full disk). A rewrite of a key with no copy in flight reuses its room."""
         with self._lock:
             self._check_open()
-            self._ensure_ctx()
             self._poll()
             need = 0
             for key, nbytes in writes:
@@ -497,12 +510,12 @@ class PinnedTier:
                 ptr = self._call("cuMemHostAlloc", n, 0, op="reserve", nbytes=need)
                 self._res.slabs.append((int(ptr), n))
 
+    @in_own_context
     def trim(self) -> int:
         """Free the pinned slabs above the highest live byte (waits for retired copies);
         return the pinned bytes still allocated."""
         with self._lock:
             self._check_open()
-            self._ensure_ctx()
             self._drain_retired()
             end = self._extents.trim_end()
             keep = -(-end // self.slab_bytes)
@@ -511,6 +524,7 @@ class PinnedTier:
                 self._call("cuMemFreeHost", ptr, op="trim", key=None, nbytes=n)
             return sum(n for _, n in self._res.slabs)
 
+    @in_own_context
     def stats(self) -> dict:
         """Counters as a plain dict with stable keys.
 
@@ -528,7 +542,6 @@ class PinnedTier:
         """
         with self._lock:
             if not self._closed:
-                self._ensure_ctx()
                 self._poll()
             out = dict(self._stats)
             out.update(
@@ -542,6 +555,7 @@ class PinnedTier:
             )
         return out
 
+    @in_own_context
     def close(self) -> None:
         """Wait for every copy in flight (their futures resolve), then destroy the events and
         streams, free the pinned memory and release the context. Idempotent. Raises
@@ -552,7 +566,6 @@ class PinnedTier:
             self._closed = True
             failed: list[str] = []
             try:
-                self._ensure_ctx()
                 for s in (self._d2h, self._h2d):
                     try:
                         self._call("cuStreamSynchronize", s, op="close", key=None, nbytes=None)
@@ -563,6 +576,7 @@ class PinnedTier:
                 self._records.clear()
             finally:
                 failed += self._finalizer() or []
+                self._ctx = None   # released: later calls must not switch to it
         if failed:
             raise StorageError("PinnedTier.close: " + "; ".join(failed))
 
@@ -660,6 +674,7 @@ class PinnedTier:
         else:
             self._finish(t)
 
+    @in_own_context
     def _wait(self, t: _Transfer) -> StorageError | None:
         """``result()``: host-synchronize on the transfer's event without holding the lock."""
         with self._lock:
@@ -667,7 +682,6 @@ class PinnedTier:
                 return t.error
             t.waiters += 1
             event = t.event
-            self._ensure_ctx()
         t0 = time.perf_counter()
         err = None
         with label(f"ooc.wait {t.kind} key={t.key}"):
@@ -684,20 +698,20 @@ class PinnedTier:
                 t.event = None
             return t.error
 
+    @in_own_context
     def _is_done(self, t: _Transfer) -> bool:
         with self._lock:
             if not t.complete and not t.waiters and not self._closed:
-                self._ensure_ctx()
                 self._poll()
             return t.complete
 
+    @in_own_context
     def _stream_wait(self, t: _Transfer, stream: Any) -> None:
         with self._lock:
             if t.complete:
                 if t.error is not None:
                     raise _fresh(t.error) from t.error
                 return  # already complete: nothing left to order after
-            self._ensure_ctx()
             self._call("cuStreamWaitEvent", stream, t.event, 0, op=t.kind, key=t.key,
                        nbytes=t.nbytes)
 
@@ -804,11 +818,6 @@ class PinnedTier:
                 "fault, or something else wrote into the tier's pinned slabs)")
 
     # -- driver calls ----------------------------------------------------------------------
-
-    def _ensure_ctx(self) -> None:
-        if not getattr(self._tls, "ctx", False):
-            self._call("cuCtxSetCurrent", self._ctx)
-            self._tls.ctx = True
 
     def _raw(self, name: str, *args: Any) -> tuple:
         if name in _HOST_SYNCS:

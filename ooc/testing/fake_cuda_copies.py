@@ -111,10 +111,11 @@ class _Op:
 
 
 class _Stream:
-    __slots__ = ("handle", "queue", "destroyed", "flags", "ordered")
+    __slots__ = ("handle", "queue", "destroyed", "flags", "ordered", "ctx")
 
-    def __init__(self, handle: int, flags: int) -> None:
+    def __init__(self, handle: int, flags: int, ctx: int = 0) -> None:
         self.handle = handle
+        self.ctx = ctx          # the context it was made in (0: the default stream, any)
         self.queue: collections.deque[_Op] = collections.deque()
         self.destroyed = False
         self.flags = flags
@@ -205,9 +206,11 @@ class FakeCopyDriver(base.FakeDriver):
 
     def kernel_write(self, stream: Any, address: int, data: bytes) -> tuple:
         """Queue a pretend kernel on ``stream`` that writes ``data`` at ``address`` when it
-        runs (device range checked now and again when it runs)."""
+        runs (device range checked now and again when it runs). It stands for a kernel
+        PyTorch launches, and PyTorch makes its own context current: no context is asked of
+        the calling thread."""
         with self._mutex:
-            if (r := self._enter("kernel_write", needs_ctx=True)) is not None:
+            if (r := self._enter("kernel_write")) is not None:
                 return r
             s = self._stream(stream)
             if s is None:
@@ -271,7 +274,7 @@ class FakeCopyDriver(base.FakeDriver):
                 return (_INVALID, None)
             handle = self._next_stream
             self._next_stream += 1
-            self.streams[handle] = _Stream(handle, Flags)
+            self.streams[handle] = _Stream(handle, Flags, int(self.current))
             return (CUresult.CUDA_SUCCESS, base.CUstream(handle))
 
     def cuStreamDestroy(self, hStream: Any) -> tuple:  # noqa: N802,N803
@@ -509,7 +512,15 @@ class FakeCopyDriver(base.FakeDriver):
         if isinstance(value, bool) or not isinstance(value, (base.CUstream, int)):
             return None
         s = self.streams.get(int(value))
-        return None if s is None or s.destroyed else s
+        if s is None or s.destroyed:
+            return None
+        here = int(self.current) if self.current is not None else 0
+        if s.ctx and s.ctx != here:
+            # the driver refuses a stream of another context than the current one
+            self._violation(f"stream {s.handle} of context 0x{s.ctx:x} used while context "
+                            f"0x{here:x} is current")
+            return None
+        return s
 
     def _event(self, value: Any) -> _Event | None:
         if not isinstance(value, CUevent):

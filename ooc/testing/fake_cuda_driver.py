@@ -6,7 +6,8 @@ the rules the real driver documents for the virtual memory management API:
 
 - every function returns a tuple ``(CUresult, *values)``, errors included, never raises;
 - nothing works before ``cuInit`` (``CUDA_ERROR_NOT_INITIALIZED``); memory calls need a
-  current context (``CUDA_ERROR_INVALID_CONTEXT``);
+  current context (``CUDA_ERROR_INVALID_CONTEXT``), and the current context is per thread
+  (``cuCtxSetCurrent`` / ``cuCtxGetCurrent``; a new thread has none, NULL unsets it);
 - ``cuMemCreate`` / ``cuMemAddressReserve`` / ``cuMemMap`` sizes, offsets and addresses
   must be multiples of the granularity; flags must be 0; the allocation property must be
   pinned device memory on an existing device (``CUDA_ERROR_INVALID_VALUE``);
@@ -31,6 +32,7 @@ allocated, for teardown tests; ``fail_next(name, error)`` injects a driver error
 from __future__ import annotations
 
 import enum
+import threading
 import types
 from bisect import bisect_right, insort
 from typing import Any
@@ -179,7 +181,7 @@ class FakeDriver:
         self.calls: list[str] = []
         self.violations: list[str] = []
         self.initialized = False
-        self.current: CUcontext | None = None
+        self._thread = threading.local()        # the current context is per thread
         self.retained: dict[int, int] = {}      # device -> primary context refcount
         self.handles: dict[int, dict] = {}      # handle -> {size, device, mapped}
         self.used_bytes = 0
@@ -191,6 +193,15 @@ class FakeDriver:
         self._next_handle = 0x1000
         self._next_va = 0x7F00_0000_0000
         self._fail: dict[str, CUresult] = {}
+
+    @property
+    def current(self) -> "CUcontext | None":
+        """The calling thread's current context (None: none)."""
+        return getattr(self._thread, "ctx", None)
+
+    @current.setter
+    def current(self, ctx: "CUcontext | None") -> None:
+        self._thread.ctx = ctx
 
     # -- fake-only helpers -------------------------------------------------------------
     def fail_next(self, name: str, error: CUresult) -> None:
@@ -205,11 +216,11 @@ class FakeDriver:
 
     def launch(self, ptr: Any, size: int) -> tuple:
         """A pretend kernel touching ``[ptr, ptr + size)``: every byte must be mapped with
-        read/write access set. Leaves pending work until a synchronize."""
+        read/write access set. Leaves pending work until a synchronize. It stands for a
+        kernel PyTorch launches (PyTorch makes its own context current: none is asked of the
+        calling thread)."""
         self.calls.append("launch")
         start = _addr(ptr)
-        if self.current is None:
-            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         for m_start, m in self._covering(start, size):
             if m is None or m["access"] != CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
                 return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
@@ -319,10 +330,19 @@ class FakeDriver:
     def cuCtxSetCurrent(self, ctx: Any) -> tuple:  # noqa: N802
         if (r := self._enter("cuCtxSetCurrent")) is not None:
             return r
+        if ctx is None or (isinstance(ctx, CUcontext) and int(ctx) == 0):
+            self.current = None     # NULL: no context current in this thread
+            return _OK
         if not isinstance(ctx, CUcontext) or int(ctx) - 0xC0 not in self.retained:
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         self.current = ctx
         return _OK
+
+    def cuCtxGetCurrent(self) -> tuple:  # noqa: N802
+        if (r := self._enter("cuCtxGetCurrent")) is not None:
+            return r + (None,)
+        ctx = self.current
+        return (CUresult.CUDA_SUCCESS, ctx if ctx is not None else CUcontext(0))
 
     def cuCtxSynchronize(self) -> tuple:  # noqa: N802
         if (r := self._enter("cuCtxSynchronize", needs_ctx=True)) is not None:

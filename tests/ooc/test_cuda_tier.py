@@ -47,6 +47,19 @@ def fake() -> FakeCopyDriver:
 
 
 @pytest.fixture
+def user_ctx(fake: FakeCopyDriver):
+    """For tests that drive the fake driver themselves, as PyTorch would: their own retain of
+    device 0's primary context, current in this thread (ooc's objects leave the thread's
+    current context as they found it, so they do not provide one)."""
+    assert fake.cuInit(0) == OK
+    _, dev = fake.cuDeviceGet(0)
+    _, ctx = fake.cuDevicePrimaryCtxRetain(dev)
+    assert fake.cuCtxSetCurrent(ctx) == OK
+    yield ctx
+    fake.cuDevicePrimaryCtxRelease(dev)
+
+
+@pytest.fixture
 def pool(fake: FakeCopyDriver):
     p = CudaDevicePool(32 * MiB, 2 * MiB, driver=fake)
     yield p
@@ -62,7 +75,8 @@ def tier(fake: FakeCopyDriver, pool: CudaDevicePool):
 
 
 # -- the fake catches what it should ----------------------------------------------------------
-def test_fake_missing_wait_shows_stale_bytes(fake: FakeCopyDriver, pool: CudaDevicePool) -> None:
+def test_fake_missing_wait_shows_stale_bytes(fake: FakeCopyDriver, user_ctx,
+                                             pool: CudaDevicePool) -> None:
     """FAKE driver: a copy that does not wait for the kernel producing its source copies the
     old bytes; with cuEventRecord + cuStreamWaitEvent it copies the new ones. Reading a
     destination before synchronizing shows stale bytes."""
@@ -97,7 +111,7 @@ def test_fake_missing_wait_shows_stale_bytes(fake: FakeCopyDriver, pool: CudaDev
     assert fake.violations == []
 
 
-def test_fake_refuses_misuse(fake: FakeCopyDriver, pool: CudaDevicePool) -> None:
+def test_fake_refuses_misuse(fake: FakeCopyDriver, user_ctx, pool: CudaDevicePool) -> None:
     """FAKE driver: copies outside mapped device memory or outside pinned memory, waits on
     events never recorded, destroyed handles, frees and unmaps under a queued copy."""
     dev = pool.take(2 * MiB)
@@ -184,7 +198,7 @@ def test_swap_out_waits_for_the_compute_stream(fake, pool, tier, monkeypatch) ->
     assert fake.read_device(dst.address, MiB) == pattern(MiB, 3)   # stale: the bug is seen
 
 
-def test_swap_in_result_and_wait_on(fake, pool, tier) -> None:
+def test_swap_in_result_and_wait_on(fake, user_ctx, pool, tier) -> None:
     """FAKE driver: a swap-in's destination is stale until ``result()``; ``wait_on(stream)``
     orders that stream after the copy without a host synchronization."""
     src, dst = pool.take(MiB), pool.take(MiB)
@@ -223,6 +237,47 @@ def test_read_right_after_write_waits_on_the_device(fake, pool, tier) -> None:
     assert w.done() and tier.stats()["in_flight"] == 0
 
 
+def test_tier_and_pool_leave_the_callers_context_current() -> None:
+    """FAKE driver with per-thread contexts, as the real one: a thread that drives device 1
+    uses a tier and a pool of device 0. Their copies run (the bytes round-trip), and after
+    every public call the thread's current context is device 1's again, not ooc's."""
+    fake = FakeCopyDriver(devices=2)
+    assert fake.cuInit(0) == OK
+    _, dev1 = fake.cuDeviceGet(1)
+    _, ctx1 = fake.cuDevicePrimaryCtxRetain(dev1)
+    assert fake.cuCtxSetCurrent(ctx1) == OK
+    mine = []
+
+    def current() -> int:
+        mine.append(int(fake.current))
+        return mine[-1]
+
+    pool = CudaDevicePool(8 * MiB, 2 * MiB, driver=fake)
+    tier = PinnedTier(driver=fake, capacity_bytes=8 * MiB, compute_stream=lambda: 0)
+    assert current() == int(ctx1)
+    src, dst = pool.take(MiB), pool.take(MiB)
+    fake.write_device(src.address, pattern(MiB, 3))
+    tier.write_async(1, src, MiB).result()
+    current()
+    f = tier.read_async(1, dst)
+    current()
+    f.wait_on_device()
+    current()
+    tier.drain()
+    current()
+    tier.stats()
+    current()
+    assert fake.read_device(dst.address, MiB) == pattern(MiB, 3)
+    del src, dst
+    gc.collect()
+    tier.close()
+    current()
+    pool.close()
+    assert current() == int(ctx1) and set(mine) == {int(ctx1)}
+    fake.cuDevicePrimaryCtxRelease(dev1)
+    assert fake.outstanding() == ZERO and fake.violations == []
+
+
 def test_drain_waits_for_both_directions_with_one_host_synchronization(fake, pool, tier) -> None:
     """FAKE driver, paused GPU: ``drain()`` (the engine's wait at the commit point and at
     the step's end) completes writes and reads in flight with ONE host synchronization (the
@@ -249,7 +304,7 @@ def test_drain_waits_for_both_directions_with_one_host_synchronization(fake, poo
     assert fake.violations == []
 
 
-def test_wait_on_device_finishes_a_swap_in_without_the_host(fake, pool) -> None:
+def test_wait_on_device_finishes_a_swap_in_without_the_host(fake, user_ctx, pool) -> None:
     """FAKE driver: the runtime finishes a swap-in with ``wait_on_device()``: kernels queued
     on the tier's compute stream afterwards see the bytes, and the host never waited; the
     slot helper ``block`` waits on the host for either kind of future."""
@@ -474,6 +529,36 @@ def test_pool_take_and_lifetime_rule(fake: FakeCopyDriver) -> None:
     del b, c
     pool.close()
     assert fake.outstanding() == ZERO
+
+
+def test_take_makes_the_tensor_outside_the_pools_lock() -> None:
+    """FAKE driver (ooc.testing.fake_cuda): the routing callbacks take the pool's lock while
+    PyTorch's allocator holds its mutex, so the pool must never call into PyTorch with its
+    lock held; ``take`` builds its tensor after letting the lock go, and a failure to build
+    it gives the range back."""
+    import ooc.testing
+
+    with ooc.testing.fake_cuda():
+        pool = CudaDevicePool(8 * MiB, 64 << 10, as_tensor=True)
+        held = []
+        wrap = pool._rt.wrap_range
+
+        def spy(*args):
+            held.append(pool._lock._is_owned())
+            return wrap(*args)
+        pool._rt.wrap_range = spy
+        t = pool.take(MiB)
+        assert t.numel() == MiB and held == [False]
+
+        def broken(*args):
+            raise RuntimeError("no tensor")
+        pool._rt.wrap_range = broken
+        with pytest.raises(RuntimeError, match="no tensor"):
+            pool.take(MiB)
+        assert pool.allocator.live_allocations == 1           # only t's range
+        del t
+        gc.collect()
+        pool.close()
 
 
 def test_callbacks_route_sizes_and_pointers(fake: FakeCopyDriver, caplog) -> None:

@@ -18,12 +18,13 @@ from vmm import ChunkPool, CudaBackend, OutOfBudget, VirtualAllocator, VMMError
 from vmm.backend import BackendCallError, ContractError, DeviceOutOfMemory
 
 MiB = 1 << 20
-SETUP = ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
-         "cuMemGetAllocationGranularity"]
+SETUP = ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuMemGetAllocationGranularity"]
+CONTEXT_CALLS = ("cuCtxGetCurrent", "cuCtxSetCurrent")
 
 
 def _driver_calls(fake: FakeDriver) -> list[str]:
-    return [c for c in fake.calls if c not in ("launch", "cuGetErrorName")]
+    """The calls that do the work: context switches are checked on their own below."""
+    return [c for c in fake.calls if c not in ("launch", "cuGetErrorName") + CONTEXT_CALLS]
 
 
 # -- the backend, against the fake driver -----------------------------------------------------
@@ -31,9 +32,9 @@ def test_fake_driver_backend_setup_and_granularity() -> None:
     """FAKE driver: setup calls in order, granularity from the driver."""
     fake = FakeDriver(granularity=4 * MiB)
     backend = CudaBackend(0, driver=fake)
-    assert fake.calls == SETUP
+    assert _driver_calls(fake) == SETUP
     assert backend.granularity == 4 * MiB
-    assert fake.retained == {0: 1} and int(fake.current) == 0xC0
+    assert fake.retained == {0: 1} and fake.current is None   # the thread had none: still none
     backend.close()
     assert fake.outstanding() == {"handles": 0, "reservations": 0, "mappings": 0,
                                   "retained_contexts": 0}
@@ -50,9 +51,9 @@ def test_fake_driver_call_order_and_complete_teardown() -> None:
     assert _driver_calls(fake)[len(SETUP):] == (
         ["cuMemCreate"] * 3 + ["cuMemAddressReserve"] + ["cuMemMap"] * 3 + ["cuMemSetAccess"])
     assert fake.launch(a.address, a.mapped_bytes) == (CUresult.CUDA_SUCCESS,)
-    n = len(fake.calls)
+    n = len(_driver_calls(fake))
     va.free(a)
-    assert _driver_calls(fake)[n - 1:] == ["cuCtxSynchronize"] + ["cuMemUnmap"] * 3
+    assert _driver_calls(fake)[n:] == ["cuCtxSynchronize"] + ["cuMemUnmap"] * 3
     va.close()
     backend.close()
     tail = _driver_calls(fake)[-5:]
@@ -195,11 +196,68 @@ def test_fake_driver_backend_rejects_misuse_before_the_driver() -> None:
     h = b.create_chunk(2 * MiB)
     r = b.reserve_range(4 * MiB)
     b.map(r, h, 2 * MiB)
-    n = len(fake.calls)
+    n = len(_driver_calls(fake))
     with pytest.raises(ContractError, match="double map"):
         b.map(r, h, 2 * MiB)
-    assert len(fake.calls) == n
+    assert len(_driver_calls(fake)) == n
     b.close()
+
+
+def _spy_context(fake: FakeDriver, names: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Record, for each call of ``names``, which context was current when it ran."""
+    seen: list[tuple[str, int]] = []
+    for name in names:
+        real = getattr(fake, name)
+
+        def spy(*args, _real=real, _name=name):
+            seen.append((_name, int(fake.current) if fake.current is not None else 0))
+            return _real(*args)
+        setattr(fake, name, spy)
+    return seen
+
+
+def test_fake_driver_backend_runs_in_its_context_and_restores_the_callers() -> None:
+    """FAKE driver (per-thread contexts, as the real one): a thread working on device 1 uses
+    a backend of device 0. Every driver call of the backend runs in device 0's context, and
+    after each public call the thread's current context is device 1's again; a thread with
+    no context is left with none."""
+    import threading
+
+    fake = FakeDriver(devices=2)
+    assert fake.cuInit(0) == (CUresult.CUDA_SUCCESS,)
+    _, dev1 = fake.cuDeviceGet(1)
+    _, ctx1 = fake.cuDevicePrimaryCtxRetain(dev1)
+    assert fake.cuCtxSetCurrent(ctx1) == (CUresult.CUDA_SUCCESS,)
+    seen = _spy_context(fake, ("cuMemCreate", "cuMemAddressReserve", "cuMemMap",
+                               "cuMemSetAccess", "cuCtxSynchronize", "cuMemUnmap",
+                               "cuMemRelease", "cuMemAddressFree"))
+    backend = CudaBackend(0, driver=fake)
+    assert int(fake.current) == int(ctx1)
+    va = VirtualAllocator(ChunkPool(backend, 2 * MiB, 16 * MiB), keep_mapped=False)
+    a = va.alloc(3 * MiB)
+    assert int(fake.current) == int(ctx1)
+    va.free(a)
+    assert int(fake.current) == int(ctx1)
+
+    left: list = []
+
+    def elsewhere() -> None:
+        b = va.alloc(2 * MiB)
+        va.free(b)
+        left.append(fake.current)
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    t.join()
+    assert left == [None]
+    va.close()
+    backend.close()
+    assert int(fake.current) == int(ctx1)
+    names = {name for name, _ in seen}
+    assert {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"} <= names
+    assert {ctx for _, ctx in seen} == {0xC0}, seen   # device 0's primary context, always
+    fake.cuDevicePrimaryCtxRelease(dev1)
+    assert fake.outstanding()["retained_contexts"] == 0
 
 
 def test_fake_driver_lazy_import_path(monkeypatch) -> None:
@@ -215,7 +273,7 @@ def test_fake_driver_lazy_import_path(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", bindings.driver)
     backend = CudaBackend()
-    assert fake.calls == SETUP
+    assert _driver_calls(fake) == SETUP
     backend.close()
 
 
