@@ -744,10 +744,14 @@ class OutOfCore:
 
 def _close_pool(pool: Any) -> None:
     """Give a pool's device memory back for good: a GPU pool also releases its VMM chunks and
-    ranges and the CUDA context it retained (trim alone leaves the context retained). The CPU
-    pool has nothing beyond trim."""
-    close = getattr(pool, "close", None)
+    ranges and the CUDA context it retained (trim alone leaves the context retained), as soon
+    as no tensor the user kept lives in it (``CudaDevicePool.close_or_linger``). The CPU pool
+    has nothing beyond trim."""
+    close = getattr(pool, "close_or_linger", None)
     if close is not None:
+        from ooc.runtime.cuda_pool import close_lingering
+
+        close_lingering()   # earlier engines' pools whose last tensors are gone by now
         close()
 
 

@@ -100,12 +100,18 @@ class Backend(abc.ABC):
         """Make a fully mapped span readable and writable (a no-op where mapping does it)."""
 
     @abc.abstractmethod
-    def unmap(self, address: int, nbytes: int) -> None:
+    def unmap(self, address: int, nbytes: int, fence: Any = None) -> None:
         """Remove every mapping inside ``[address, address + nbytes)``; keep the reservation.
 
         The span must cover whole mappings. Backends whose device may still be using the
-        memory (CUDA) synchronize before unmapping.
+        memory (CUDA) synchronize before unmapping, unless ``fence`` (from :meth:`fence`,
+        taken when the span was last let go) has passed: then nothing queued can use it.
         """
+
+    def fence(self) -> Any:
+        """A mark of "now" in the device's work, taken when memory is let go, for a later
+        :meth:`unmap`; None (the default: no device works asynchronously) means "unknown"."""
+        return None
 
     def synchronize(self) -> None:
         """Wait until the device no longer uses any memory of this backend (default: no-op)."""

@@ -31,6 +31,7 @@ enforces the same contract, and by GPU tests that skip without a device.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -122,6 +123,10 @@ class CudaBackend(Backend):
             interface (tests pass a fake). Default: imported here.
         stream: a ``CUstream`` to synchronize before unmapping instead of the whole
             context (only correct if every kernel touching this memory runs on it).
+        fence_stream: the stream whose work uses this memory (a handle, or a callable
+            returning PyTorch's current one): :meth:`fence` records an event on it when
+            memory is let go, and an unmap whose fence has passed skips the synchronization
+            (``cuEventQuery``, which never blocks). None: every unmap synchronizes.
 
     Every public method runs in the device's primary context, from any thread, and leaves
     the thread's current context as it was (:func:`own_context`).
@@ -131,12 +136,19 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, device: int = 0, *, driver: Any = None, stream: Any = None) -> None:
+    def __init__(self, device: int = 0, *, driver: Any = None, stream: Any = None,
+                 fence_stream: Any = None) -> None:
         self._drv = driver if driver is not None else _import_driver()
         self._success = self._drv.CUresult.CUDA_SUCCESS
         self.device = device
         self.calls: dict[str, int] = {}
         self._stream = stream
+        self._fence_stream = fence_stream
+        self._fences: collections.deque = collections.deque()   # (seq, event), oldest first
+        self._spare_events: list[Any] = []
+        self._fence_seq = 0      # the last fence handed out
+        self._passed_seq = 0     # every fence up to this one has passed
+        self.fences_passed = 0   # unmaps that skipped the synchronization thanks to a fence
         self._ctx = None
         self._batch = 0          # depth of one_synchronization blocks
         self._synced = False     # inside one: the device was synchronized already
@@ -240,15 +252,56 @@ class CudaBackend(Backend):
         self._call("cuMemSetAccess", address, nbytes, self._access, len(self._access))
 
     @in_own_context
-    def unmap(self, address: int, nbytes: int) -> None:
+    def unmap(self, address: int, nbytes: int, fence: Any = None) -> None:
         removed = self.ledger.remove_mappings(address, nbytes)
         # A kernel queued earlier may still read or write these pages: wait for it before
-        # the physical memory can be mapped elsewhere (once per one_synchronization block).
+        # the physical memory can be mapped elsewhere (once per one_synchronization block),
+        # unless the span's fence shows that everything queued before its release has run.
         if not self._synced:
-            self.synchronize()
-            self._synced = self._batch > 0
+            if self._passed(fence):
+                self.fences_passed += 1
+            else:
+                self.synchronize()
+                self._synced = self._batch > 0
         for start, (end, _) in removed:
             self._call("cuMemUnmap", start, end - start)
+
+    @in_own_context
+    def fence(self) -> int | None:
+        if self._fence_stream is None or self._closed:
+            return None
+        self._poll_fences()
+        stream = self._fence_stream() if callable(self._fence_stream) else self._fence_stream
+        event = self._spare_events.pop() if self._spare_events else self._call(
+            "cuEventCreate", int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        self._call("cuEventRecord", event, stream)
+        self._fence_seq += 1
+        self._fences.append((self._fence_seq, event))
+        return self._fence_seq
+
+    def _passed(self, fence: int | None) -> bool:
+        if fence is None:
+            return False
+        if fence > self._passed_seq:
+            self._poll_fences()
+        return fence <= self._passed_seq
+
+    def _poll_fences(self) -> None:
+        """Retire the fences that have passed, oldest first (events recorded on one stream
+        complete in order; on several, a later one waits behind an earlier: safe)."""
+        not_ready = self._drv.CUresult.CUDA_ERROR_NOT_READY
+        while self._fences:
+            seq, event = self._fences[0]
+            self.calls["cuEventQuery"] = self.calls.get("cuEventQuery", 0) + 1
+            err = self._drv.cuEventQuery(event)[0]
+            if err == not_ready:
+                return
+            if err != self._success:
+                raise BackendCallError(f"cuda backend: cuEventQuery failed with "
+                                       f"{self._error_name(err)} on device {self.device}")
+            self._fences.popleft()
+            self._spare_events.append(event)
+            self._passed_seq = seq
 
     @contextlib.contextmanager
     def one_synchronization(self) -> Iterator[None]:
@@ -288,6 +341,10 @@ class CudaBackend(Backend):
             self.release_chunk(handle)
         for address, nbytes in self.ledger.ranges():
             self.free_range(address, nbytes)
+        for event in [e for _, e in self._fences] + self._spare_events:
+            self._call("cuEventDestroy", event)
+        self._fences.clear()
+        self._spare_events.clear()
         self._closed = True
         if self._ctx is not None:
             self._call("cuDevicePrimaryCtxRelease", self._dev)

@@ -291,7 +291,7 @@ class HostBackend(Backend):
                 self._protect_none(address, i * chunk_bytes)
             raise
 
-    def unmap(self, address: int, nbytes: int) -> None:
+    def unmap(self, address: int, nbytes: int, fence: Any = None) -> None:
         self.calls["unmap"] += 1
         self.ledger.remove_mappings(address, nbytes)
         result = self._mmap(address, nbytes, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)

@@ -96,7 +96,7 @@ class SimBackend(Backend):
             raise ContractError(f"sim backend: set_access on [0x{address:x}, +{nbytes}) "
                                 "which is not fully mapped")
 
-    def unmap(self, address: int, nbytes: int) -> None:
+    def unmap(self, address: int, nbytes: int, fence: Any = None) -> None:
         self.calls["unmap"] += 1
         self.ledger.remove_mappings(address, nbytes)
 

@@ -33,13 +33,17 @@ class _Range:
     """One reserved virtual range: ``capacity`` chunks of address space, the first
     ``len(chunks)`` of them mapped (the chunks in mapping order)."""
 
-    __slots__ = ("address", "capacity", "chunks", "rid")
+    __slots__ = ("address", "capacity", "chunks", "rid", "fence")
 
     def __init__(self, address: int, capacity: int, rid: int) -> None:
         self.address = address
         self.capacity = capacity
         self.chunks: list[Chunk] = []
         self.rid = rid
+        # Parked: the backend's mark of the moment it was freed (``Backend.fence``): work
+        # queued before it may still use the chunks; an unmap that finds it passed need not
+        # wait for the device. None while in use (or if the backend keeps no fences).
+        self.fence: Any = None
 
 
 class Allocation:
@@ -265,6 +269,7 @@ class VirtualAllocator:
         if total > self.peak_mapped_bytes:
             self.peak_mapped_bytes = total
             self.peak_chunks_in_use = self.live_chunks
+        rng.fence = None
         return Allocation(rng.address, nbytes, mapped, rng, self)
 
     def free(self, allocation: Allocation) -> None:
@@ -292,6 +297,7 @@ class VirtualAllocator:
         self.live_chunks -= k
         rid = rng.rid
         if self.keep_mapped:
+            rng.fence = self.backend.fence()
             bucket = self._parked.get(k)   # park (inline _park: the hot path)
             if bucket is None:
                 self._parked[k] = {rid: rng}
@@ -570,7 +576,7 @@ class VirtualAllocator:
         take = min(count, m)
         keep = m - take
         self._detach_parked(rng)
-        self.backend.unmap(rng.address + keep * chunk, take * chunk)
+        self.backend.unmap(rng.address + keep * chunk, take * chunk, fence=rng.fence)
         self.unmap_calls += take
         out.extend(rng.chunks[keep:])
         del rng.chunks[keep:]
@@ -583,7 +589,8 @@ class VirtualAllocator:
         """Unmap the range's chunks past the first ``keep`` and return them to the pool."""
         drop = len(rng.chunks) - keep
         if drop > 0:
-            self.backend.unmap(rng.address + keep * self.chunk_bytes, drop * self.chunk_bytes)
+            self.backend.unmap(rng.address + keep * self.chunk_bytes, drop * self.chunk_bytes,
+                               fence=rng.fence)
             self.unmap_calls += drop
             self.pool.release(rng.chunks[keep:])
             del rng.chunks[keep:]

@@ -35,8 +35,10 @@ from several threads are exposed to that.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import gc
 import logging
 import threading
 import weakref
@@ -48,8 +50,10 @@ import vmm
 from ooc.errors import OOCError
 from ooc.runtime.devices import DevicePtr, cuda_runtime
 from vmm.errors import OutOfBudget
+from vmm.units import format_size
 
-__all__ = ["CudaDevicePool", "route_allocations", "make_callbacks", "ALLOC_FN", "FREE_FN"]
+__all__ = ["CudaDevicePool", "close_lingering", "route_allocations", "make_callbacks", "ALLOC_FN",
+           "FREE_FN"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,11 @@ class CudaDevicePool:
         else:
             real = False
         self.device = int(device)
-        self.backend = vmm.CudaBackend(self.device, driver=driver)
+        # Fences on the compute stream: a remap waits for the device only if the chunks it
+        # takes were let go so recently that kernels queued before may still use them. (A
+        # driver passed in is not the runtime's: no stream to fence, every unmap waits.)
+        fences = self._rt.compute_stream(self.device) if real else None
+        self.backend = vmm.CudaBackend(self.device, driver=driver, fence_stream=fences)
         try:
             capacity = max(chunk, budget // chunk * chunk)
             self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
@@ -169,12 +177,55 @@ class CudaDevicePool:
             self.backend.close()
             self._closed = True
 
+    def close_or_linger(self) -> bool:
+        """Close now if no range is in use (True); otherwise keep the pool, and so the memory
+        of the tensors still in it, until they are gone (False): :func:`close_lingering`
+        closes it then. An engine's ``close()`` uses this: a tensor the user kept from a step
+        (an output, a swapped-in activation) must stay valid, and a close that raises after
+        training would lose nothing but help no one."""
+        gc.collect()   # torch storage -> cupy array -> owner chains may sit in a cycle
+        with self._lock:
+            self.reap()
+            if self.allocator.live_allocations == 0:
+                self.close()
+                return True
+            live, nbytes = self.allocator.live_allocations, self.allocator.requested_bytes
+        _LINGERING.append(self)
+        log.warning("closing an engine on cuda:%d: %d tensor(s) made during its steps (%s) "
+                    "are still alive and live in its device pool; the pool stays mapped until "
+                    "they are gone, and is closed at the next engine's close or at exit",
+                    self.device, live, format_size(nbytes))
+        return False
+
     def _check_open(self) -> None:
         if self._closed:
             raise OOCError("CudaDevicePool is closed")
 
     def __repr__(self) -> str:
         return f"<CudaDevicePool device={self.device} {self.allocator!r}>"
+
+
+_LINGERING: list[CudaDevicePool] = []   # closed by engines while ranges were still in use
+
+
+def close_lingering() -> int:
+    """Close the pools whose ranges have all been let go since their engine closed; return
+    how many are still waiting."""
+    gc.collect()
+    for pool in list(_LINGERING):
+        with pool._lock:
+            pool.reap()
+            if pool.allocator.live_allocations:
+                continue
+            _LINGERING.remove(pool)
+            try:
+                pool.close()
+            except Exception as exc:  # noqa: BLE001 - at exit, or on behalf of another engine
+                log.warning("closing a lingering CUDA pool failed: %s", exc)
+    return len(_LINGERING)
+
+
+atexit.register(close_lingering)
 
 
 def _wrap_range(address: int, nbytes: int, device: int, owner: Any) -> torch.Tensor:

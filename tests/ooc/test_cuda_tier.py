@@ -561,6 +561,59 @@ def test_take_makes_the_tensor_outside_the_pools_lock() -> None:
         pool.close()
 
 
+def test_a_pool_with_tensors_still_alive_lingers_until_they_are_gone(caplog) -> None:
+    """FAKE driver: an engine closing while a tensor the user kept still lives in its pool
+    must neither raise nor unmap it (a use-after-free on a device): the pool stays, says so,
+    and closes once the tensor is gone."""
+    import ooc.testing
+
+    with ooc.testing.fake_cuda() as drv:
+        pool = CudaDevicePool(8 * MiB, 64 << 10, as_tensor=True)
+        kept = pool.take(MiB)
+        kept.fill_(7)
+        with caplog.at_level("WARNING"):
+            assert pool.close_or_linger() is False
+        assert "1 tensor(s)" in caplog.text and "1 MiB" in caplog.text
+        assert drv.outstanding()["mappings"] > 0 and bool((kept == 7).all())
+        assert cuda_pool.close_lingering() == 1          # still in use: still waiting
+        del kept
+        assert cuda_pool.close_lingering() == 0
+        assert drv.outstanding()["mappings"] == 0 and drv.outstanding()["retained_contexts"] == 0
+        pool2 = CudaDevicePool(8 * MiB, 64 << 10, as_tensor=True)
+        assert pool2.close_or_linger() is True           # nothing in use: closed at once
+        assert drv.violations == []
+
+
+@pytest.mark.parametrize("kernel_ran", [True, False])
+def test_remap_waits_for_the_device_only_if_the_fence_has_not_passed(kernel_ran: bool) -> None:
+    """FAKE driver with lazy streams: a range is let go while a kernel queued on the compute
+    stream still writes into it; its chunks are then stolen for another range. If the
+    compute stream has run past the release (its fence passed), the unmap needs no host
+    synchronization; if not, it synchronizes first, and the kernel never lands on unmapped
+    memory (the fake would record a violation)."""
+    import ooc.testing
+
+    chunk = 64 << 10
+    with ooc.testing.fake_cuda() as drv:
+        pool = CudaDevicePool(4 * chunk, chunk, as_tensor=False)
+        a, b = pool.take(2 * chunk), pool.take(2 * chunk)
+        drv.paused = not kernel_ran                 # paused: the GPU runs only what is waited for
+        assert drv.kernel_write(0, a.address, b"k" * 4096) == OK
+        del a
+        gc.collect()
+        pool.reap()                                 # a's range is parked, with its fence
+        syncs = pool.backend.calls.get("cuCtxSynchronize", 0)
+        c = pool.take(chunk)                        # the pool is full: steals one of a's chunks
+        waited = pool.backend.calls.get("cuCtxSynchronize", 0) - syncs
+        assert (waited, pool.backend.fences_passed) == ((0, 1) if kernel_ran else (1, 0))
+        assert drv.violations == []
+        drv.paused = False
+        del b, c
+        gc.collect()
+        pool.close()
+        assert drv.violations == [] and drv.outstanding()["mappings"] == 0
+
+
 def test_callbacks_route_sizes_and_pointers(fake: FakeCopyDriver, caplog) -> None:
     """FAKE driver: the Python functions behind the ctypes allocator callbacks, called through
     real C function pointers as PyTorch would: size -> a pool allocation, free by pointer,
