@@ -113,6 +113,10 @@ class Backend(abc.ABC):
         :meth:`unmap`; None (the default: no device works asynchronously) means "unknown"."""
         return None
 
+    def fence_passed(self, fence: Any) -> bool:
+        """Whether the device has done all work queued before ``fence`` (never blocks)."""
+        return False
+
     def synchronize(self) -> None:
         """Wait until the device no longer uses any memory of this backend (default: no-op)."""
 

@@ -258,7 +258,7 @@ class CudaBackend(Backend):
         # the physical memory can be mapped elsewhere (once per one_synchronization block),
         # unless the span's fence shows that everything queued before its release has run.
         if not self._synced:
-            if self._passed(fence):
+            if self.fence_passed(fence):
                 self.fences_passed += 1
             else:
                 self.synchronize()
@@ -279,7 +279,8 @@ class CudaBackend(Backend):
         self._fences.append((self._fence_seq, event))
         return self._fence_seq
 
-    def _passed(self, fence: int | None) -> bool:
+    @in_own_context
+    def fence_passed(self, fence: Any) -> bool:
         if fence is None:
             return False
         if fence > self._passed_seq:

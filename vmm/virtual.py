@@ -160,7 +160,10 @@ class VirtualAllocator:
       budget); if the pool has too few (or the device itself is full before the budget
       is), they are **stolen** from the parked ranges, least recently parked first, by
       unmapping the tail of the range (a partly stolen range stays parked with fewer
-      chunks and can later grow back in place).
+      chunks and can later grow back in place). On a device that works asynchronously
+      (CUDA), a range let go so recently that queued kernels may still use its addresses
+      is not unmapped (that needs the host to wait for the device): its chunks move on
+      while still mapped there, and the range is unmapped once its fence has passed.
 
     Why these: the reference implementation (nnabla's virtual caching allocator) reuses an
     exact-size range, grows an adjacent one, or steals chunks from a larger one. Exact
@@ -227,6 +230,10 @@ class VirtualAllocator:
         self._parked_sizes: list[int] = []
         self._lru: dict[int, _Range] = {}
         self._by_capacity: dict[int, dict[int, _Range]] = {}
+        # Ranges whose chunks were stolen while the device may still use their addresses:
+        # (range, chunks still mapped there, fence), unmapped once the fence has passed.
+        self._quarantine: list[tuple[_Range, int, Any]] = []
+        self.deferred_unmaps = 0
         self._ranges: dict[int, _Range] = {}
         self._next_rid = 0
 
@@ -327,6 +334,7 @@ class VirtualAllocator:
         parked ranges, whose address ranges stay reserved. A caller that must shed some memory
         keeps the rest of its chunks populated for the next allocations.
         """
+        self._flush_quarantine(force=True)   # no chunk may be released while still mapped
         if limit is not None:
             return self._trim_some(-(-max(0, limit) // self.chunk_bytes))
         for rng in list(self._lru.values()):
@@ -373,7 +381,9 @@ class VirtualAllocator:
         - ``reuse_exact``, ``reuse_shrink``, ``reuse_grow``, ``reuse_range``,
           ``new_ranges``: how each ``alloc`` found its range (steps 1-4 of the class doc;
           ``reuse_range`` is step 3 on a range with no chunk left mapped); ``steals``:
-          ranges that lost chunks to another request; ``ooms``: requests refused.
+          ranges that lost chunks to another request; ``deferred_unmaps``: steals whose
+          unmap waited for the range's fence instead of the device (``quarantined_ranges``:
+          those still waiting); ``ooms``: requests refused.
         """
         chunk = self.chunk_bytes
         pool = self.pool
@@ -409,6 +419,8 @@ class VirtualAllocator:
             "reuse_range": self.reuse_range,
             "new_ranges": self.new_ranges,
             "steals": self.steals,
+            "deferred_unmaps": self.deferred_unmaps,
+            "quarantined_ranges": len(self._quarantine),
             "ooms": self.ooms,
         }
 
@@ -456,6 +468,7 @@ class VirtualAllocator:
 
     def _place(self, k: int, nbytes: int) -> _Range:
         """Steps 2-4 of the class doc: find or make a range holding k mapped chunks."""
+        self._flush_quarantine()
         chunk = self.chunk_bytes
         sizes = self._parked_sizes
         # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps
@@ -555,27 +568,45 @@ class VirtualAllocator:
         freed = self.pool.trim(from_cache * self.chunk_bytes)
         stolen = min(count - from_cache, self.parked_chunks)
         if stolen:
-            self.pool.release(self._steal(stolen))
+            self.pool.release(self._steal(stolen, defer=False))   # released: truly unmapped
             freed += self.pool.trim(stolen * self.chunk_bytes)
         return freed
 
-    def _steal(self, count: int) -> list[Chunk]:
-        """Take ``count`` chunks from parked ranges, least recently parked first."""
+    def _steal(self, count: int, *, defer: bool = True) -> list[Chunk]:
+        """Take ``count`` chunks from parked ranges, least recently parked first (``defer``:
+        chunks may stay mapped at their old address for a while, see below)."""
         chunk = self.chunk_bytes
         out: list[Chunk] = []
         with self.backend.one_synchronization():   # one device wait for every range below
             while count:
-                count = self._steal_from_oldest(count, out, chunk)
+                count = self._steal_from_oldest(count, out, chunk, defer)
         return out
 
-    def _steal_from_oldest(self, count: int, out: list[Chunk], chunk: int) -> int:
+    def _steal_from_oldest(self, count: int, out: list[Chunk], chunk: int, defer: bool) -> int:
         """Move up to ``count`` chunks off the tail of the least recently parked range into
-        ``out``; return how many are still wanted."""
+        ``out``; return how many are still wanted.
+
+        If the range's fence has not passed (kernels queued before it was let go may still
+        use its addresses), nothing is unmapped now, which would need the host to wait for
+        the device: the chunks move on while still mapped there too (the driver allows a
+        chunk at two addresses), and the range waits in quarantine until its fence passes
+        (:meth:`_flush_quarantine`). Safe because the chunks' new users are ordered after
+        the old ones on the device: kernels on the same stream, copies ordered after it."""
         rng = next(iter(self._lru.values()))
         m = len(rng.chunks)
         take = min(count, m)
         keep = m - take
         self._detach_parked(rng)
+        if defer and rng.fence is not None and not self.backend.fence_passed(rng.fence):
+            out.extend(rng.chunks[keep:])
+            if keep:
+                self.pool.release(rng.chunks[:keep])   # free for any range, as parked ones are
+            rng.chunks.clear()
+            self._remove_free(rng)
+            self._quarantine.append((rng, m, rng.fence))
+            self.deferred_unmaps += 1
+            self.steals += 1
+            return count - take
         self.backend.unmap(rng.address + keep * chunk, take * chunk, fence=rng.fence)
         self.unmap_calls += take
         out.extend(rng.chunks[keep:])
@@ -584,6 +615,23 @@ class VirtualAllocator:
             self._park(rng)
         self.steals += 1
         return count - take
+
+    def _flush_quarantine(self, *, force: bool = False) -> None:
+        """Unmap the quarantined ranges whose fence has passed (all of them with ``force``:
+        the device is synchronized once) and make them free, empty ranges again."""
+        if not self._quarantine:
+            return
+        chunk = self.chunk_bytes
+        waiting = []
+        with self.backend.one_synchronization():
+            for rng, m, fence in self._quarantine:
+                if force or self.backend.fence_passed(fence):
+                    self.backend.unmap(rng.address, m * chunk, fence=fence)
+                    self.unmap_calls += m
+                    self._by_capacity.setdefault(rng.capacity, {})[rng.rid] = rng
+                else:
+                    waiting.append((rng, m, fence))
+        self._quarantine = waiting
 
     def _unmap_tail(self, rng: _Range, keep: int) -> None:
         """Unmap the range's chunks past the first ``keep`` and return them to the pool."""

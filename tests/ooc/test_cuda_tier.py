@@ -585,12 +585,14 @@ def test_a_pool_with_tensors_still_alive_lingers_until_they_are_gone(caplog) -> 
 
 
 @pytest.mark.parametrize("kernel_ran", [True, False])
-def test_remap_waits_for_the_device_only_if_the_fence_has_not_passed(kernel_ran: bool) -> None:
+def test_a_remap_never_waits_for_the_device(kernel_ran: bool) -> None:
     """FAKE driver with lazy streams: a range is let go while a kernel queued on the compute
     stream still writes into it; its chunks are then stolen for another range. If the
-    compute stream has run past the release (its fence passed), the unmap needs no host
-    synchronization; if not, it synchronizes first, and the kernel never lands on unmapped
-    memory (the fake would record a violation)."""
+    compute stream has run past the release (the range's fence passed), the old mapping is
+    removed at once; if not, it stays (the chunk is mapped twice, which the driver allows)
+    until the fence passes, and is removed at a later allocation. Neither waits for the
+    device, and the queued kernel never lands on unmapped memory (the fake would record a
+    violation); the new range's writer, queued after it, has the last word."""
     import ooc.testing
 
     chunk = 64 << 10
@@ -598,17 +600,63 @@ def test_remap_waits_for_the_device_only_if_the_fence_has_not_passed(kernel_ran:
         pool = CudaDevicePool(4 * chunk, chunk, as_tensor=False)
         a, b = pool.take(2 * chunk), pool.take(2 * chunk)
         drv.paused = not kernel_ran                 # paused: the GPU runs only what is waited for
-        assert drv.kernel_write(0, a.address, b"k" * 4096) == OK
+        assert drv.kernel_write(0, a.address + chunk, b"old" * 1000) == OK
         del a
         gc.collect()
         pool.reap()                                 # a's range is parked, with its fence
-        syncs = pool.backend.calls.get("cuCtxSynchronize", 0)
-        c = pool.take(chunk)                        # the pool is full: steals one of a's chunks
-        waited = pool.backend.calls.get("cuCtxSynchronize", 0) - syncs
-        assert (waited, pool.backend.fences_passed) == ((0, 1) if kernel_ran else (1, 0))
+        calls = pool.backend.calls
+        syncs, unmaps = calls.get("cuCtxSynchronize", 0), calls.get("cuMemUnmap", 0)
+        c = pool.take(chunk)                        # the pool is full: steals a's last chunk
+        assert drv.kernel_write(0, c.address, b"new" * 1000) == OK
+        stats = pool.stats()
+        assert calls.get("cuCtxSynchronize", 0) == syncs
+        if kernel_ran:
+            assert (pool.backend.fences_passed, stats["deferred_unmaps"]) == (1, 0)
+            assert calls["cuMemUnmap"] == unmaps + 1
+        else:
+            assert (stats["deferred_unmaps"], stats["quarantined_ranges"]) == (1, 1)
+            assert calls.get("cuMemUnmap", 0) == unmaps           # nothing unmapped yet
+            drv.paused = False                                    # the device catches up
+            d = pool.take(chunk)                    # the next allocation finds the fence passed
+            assert pool.stats()["quarantined_ranges"] == 0
+            # both of a's mappings go (the chunk it kept went back to the pool, mapped there too)
+            assert calls["cuMemUnmap"] == unmaps + 2 and calls.get("cuCtxSynchronize", 0) == syncs
+            del d
+        _, dev = drv.cuDeviceGet(0)
+        _, ctx = drv.cuDevicePrimaryCtxRetain(dev)          # as PyTorch's thread would
+        assert drv.cuCtxSetCurrent(ctx) == OK and drv.cuStreamSynchronize(0) == OK
+        drv.cuDevicePrimaryCtxRelease(dev)
+        assert drv.read_device(c.address, 3000) == b"new" * 1000
         assert drv.violations == []
-        drv.paused = False
         del b, c
+        gc.collect()
+        pool.close()
+        assert drv.violations == [] and drv.outstanding()["mappings"] == 0
+
+
+def test_trim_waits_once_for_quarantined_ranges() -> None:
+    """FAKE driver: chunks may not be released while still mapped at an old address, so a
+    trim with ranges in quarantine synchronizes once and unmaps them all first."""
+    import ooc.testing
+
+    chunk = 64 << 10
+    with ooc.testing.fake_cuda() as drv:
+        pool = CudaDevicePool(4 * chunk, chunk, as_tensor=False)
+        a, b = pool.take(2 * chunk), pool.take(2 * chunk)
+        drv.paused = True
+        assert drv.kernel_write(0, a.address, b"x" * 100) == OK
+        del a
+        gc.collect()
+        pool.reap()
+        c = pool.take(chunk)
+        assert pool.stats()["quarantined_ranges"] == 1
+        syncs = pool.backend.calls.get("cuCtxSynchronize", 0)
+        del c
+        gc.collect()
+        pool.trim()
+        assert pool.backend.calls.get("cuCtxSynchronize", 0) == syncs + 1
+        assert pool.stats()["quarantined_ranges"] == 0 and drv.violations == []
+        del b
         gc.collect()
         pool.close()
         assert drv.violations == [] and drv.outstanding()["mappings"] == 0
