@@ -362,6 +362,7 @@ def _train(case: Case, base, x, y, loss_fn, steps: int, budget: int | None,
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         s0 = _sync_count(engine)
+        p0 = engine.pool.stats() if engine else {}
         b0 = engine.stats()["bytes_in"] + engine.stats()["bytes_out"] if engine else 0
         t0 = time.perf_counter()
         _one_step(model, opt, x, y, loss_fn, engine)
@@ -380,8 +381,13 @@ def _train(case: Case, base, x, y, loss_fn, steps: int, budget: int | None,
               [p.detach().cpu() for p in model.parameters()], torch.cuda.max_memory_allocated())
     if engine is not None:
         run.syncs = statistics.median(a + b for a, b in syncs)
+        p1 = engine.pool.stats()
+        remaps = {k: p1.get(k, 0) - p0.get(k, 0)
+                  for k in ("steals", "deferred_unmaps", "reuse_shrink")}
         run.syncs_detail = (f"{run.syncs:g} ({statistics.median(a for a, _ in syncs):g} tier + "
-                            f"{statistics.median(b for _, b in syncs):g} pool)")
+                            f"{statistics.median(b for _, b in syncs):g} pool; last step: "
+                            f"{remaps['steals']} steals, {remaps['deferred_unmaps']} of them "
+                            f"without waiting, {remaps['reuse_shrink']} shrinks)")
         run.moved = int(statistics.median(moved))
         run.overlap = _overlap(model, opt, x, y, loss_fn, engine)
         run.pool_peak = engine.stats()["pool_peak_mapped_bytes"] or 0

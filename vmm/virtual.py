@@ -473,15 +473,18 @@ class VirtualAllocator:
         sizes = self._parked_sizes
         # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps
         # and the chunks would otherwise have to be stolen from parked ranges anyway.
+        # Not while the device may still use the range (its fence has not passed): the
+        # unmap would make the host wait; steps 3-4 steal without waiting instead.
         i = bisect_right(sizes, k)
         if (i < len(sizes) and sizes[i] < 2 * k
                 and (self.pool.cached if self.lean else self.pool.available) < k):
             rng = next(reversed(self._parked[sizes[i]].values()))
-            self._detach_parked(rng)
-            self._remove_free(rng)
-            self._unmap_tail(rng, k)
-            self.reuse_shrink += 1
-            return rng
+            if rng.fence is None or self.backend.fence_passed(rng.fence):
+                self._detach_parked(rng)
+                self._remove_free(rng)
+                self._unmap_tail(rng, k)
+                self.reuse_shrink += 1
+                return rng
         # 3. grow a range of capacity k in place (it holds fewer than k chunks).
         target = None
         have = 0

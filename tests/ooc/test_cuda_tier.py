@@ -634,6 +634,33 @@ def test_a_remap_never_waits_for_the_device(kernel_ran: bool) -> None:
         assert drv.violations == [] and drv.outstanding()["mappings"] == 0
 
 
+def test_no_shrink_of_a_range_the_device_may_still_use() -> None:
+    """FAKE driver, the GPU behind: a parked 3-chunk range is the natural one to shrink for
+    a 2-chunk request, but unmapping its tail would make the host wait. It is left alone;
+    the request steals its chunks without unmapping instead (no synchronization)."""
+    import ooc.testing
+
+    chunk = 64 << 10
+    with ooc.testing.fake_cuda() as drv:
+        pool = CudaDevicePool(4 * chunk, chunk, as_tensor=False)
+        a, b = pool.take(3 * chunk), pool.take(chunk)
+        drv.paused = True
+        assert drv.kernel_write(0, a.address, b"x" * 100) == OK
+        del a
+        gc.collect()
+        pool.reap()
+        syncs = pool.backend.calls.get("cuCtxSynchronize", 0)
+        c = pool.take(2 * chunk)
+        st = pool.stats()
+        assert pool.backend.calls.get("cuCtxSynchronize", 0) == syncs
+        assert (st["reuse_shrink"], st["deferred_unmaps"]) == (0, 1)
+        drv.paused = False
+        del b, c
+        gc.collect()
+        pool.close()
+        assert drv.violations == [] and drv.outstanding()["mappings"] == 0
+
+
 def test_trim_waits_once_for_quarantined_ranges() -> None:
     """FAKE driver: chunks may not be released while still mapped at an old address, so a
     trim with ranges in quarantine synchronizes once and unmaps them all first."""
