@@ -87,13 +87,16 @@ class CudaDevicePool:
         as_tensor: what :meth:`take` returns. True: a flat uint8 CUDA tensor over the range
             (zero-copy, through cupy); False: a :class:`DevicePtr`. Default: a tensor when
             the real driver is used and cupy and a CUDA PyTorch are available, else DevicePtr.
+        fence_stream: the compute stream (handle, or callable returning PyTorch's current
+            one) the pool's fences are recorded on, so that a remap never waits for the
+            device. Default: the runtime's compute stream when ``driver`` is None, else none.
 
     ``take(nbytes)`` maps a contiguous range of whole chunks; ``reap()`` hands back the ranges
     whose last user is gone; ``close()`` gives every chunk back to the driver.
     """
 
     def __init__(self, budget: int, chunk: int, driver: Any = None, device: int = 0, *,
-                 as_tensor: bool | None = None) -> None:
+                 as_tensor: bool | None = None, fence_stream: Any = None) -> None:
         # The CUDA seam (ooc.runtime.devices.cuda_runtime): PyTorch's CUDA and cupy, or the
         # fake of ooc.testing.fake_cuda; kept for the pool's lifetime.
         self._rt = cuda_runtime()
@@ -103,11 +106,12 @@ class CudaDevicePool:
         else:
             real = False
         self.device = int(device)
-        # Fences on the compute stream: a remap waits for the device only if the chunks it
-        # takes were let go so recently that kernels queued before may still use them. (A
-        # driver passed in is not the runtime's: no stream to fence, every unmap waits.)
-        fences = self._rt.compute_stream(self.device) if real else None
-        self.backend = vmm.CudaBackend(self.device, driver=driver, fence_stream=fences)
+        # Fences on the compute stream: a remap never waits for the device (see
+        # vmm.VirtualAllocator's quarantine). A driver passed in comes with its stream, or
+        # none (then every unmap synchronizes).
+        if fence_stream is None and real:
+            fence_stream = self._rt.compute_stream(self.device)
+        self.backend = vmm.CudaBackend(self.device, driver=driver, fence_stream=fence_stream)
         try:
             capacity = max(chunk, budget // chunk * chunk)
             self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)

@@ -206,7 +206,7 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     # On a GPU the engine needs pool ranges as torch tensors (cupy bridges them): refuse
     # clearly here rather than hand it DevicePtrs. A fake driver gets DevicePtrs.
     pool = CudaDevicePool(budget, chunk, driver=driver, device=index,
-                          as_tensor=True if real else False)
+                          as_tensor=True if real else False, fence_stream=compute_stream)
     try:
         tier = PinnedTier(driver=driver, device=index, capacity_bytes=pinned_capacity,
                           verify=verify, compute_stream=compute_stream)
@@ -230,4 +230,4 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int) -> Any:
 
     index = dev.index if dev.index is not None else _CUDA.current_device()
     return CudaDevicePool(budget, chunk, driver=_CUDA.driver(f"device {dev}"), device=index,
-                          as_tensor=True)
+                          as_tensor=True, fence_stream=_CUDA.compute_stream(index))

@@ -661,6 +661,23 @@ def test_no_shrink_of_a_range_the_device_may_still_use() -> None:
         assert drv.violations == [] and drv.outstanding()["mappings"] == 0
 
 
+def test_the_engines_pools_fence_the_compute_stream() -> None:
+    """FAKE driver: the pools the engine makes (with its tier, and on set_budget) record
+    fences on the compute stream; without them every remap would wait for the device."""
+    import ooc.testing
+    from ooc.runtime.devices import make_pool
+
+    with ooc.testing.fake_cuda():
+        tier, pool = make_tier_and_pool("cuda", 8 * MiB, 64 << 10)
+        other = make_pool("cuda", 8 * MiB, 64 << 10)
+        try:
+            assert pool.backend.fence() is not None and other.backend.fence() is not None
+        finally:
+            tier.close()
+            pool.close()
+            other.close()
+
+
 def test_trim_waits_once_for_quarantined_ranges() -> None:
     """FAKE driver: chunks may not be released while still mapped at an old address, so a
     trim with ranges in quarantine synchronizes once and unmaps them all first."""
