@@ -151,8 +151,9 @@ def _step_note(n: int) -> str:
     if steps.start == 0:
         return ("step time is the only step's, which for ooc includes recording and planning "
                 "(give --steps 4 or more for a steady figure).")
-    which = f"step {steps.start + 1}" if len(steps) == 1 else f"steps {steps.start + 1}-{steps.stop}"
+    which = (f"that of step {steps.start + 1}" if len(steps) == 1
+             else f"the median of steps {steps.start + 1}-{steps.stop}")
     skipped = ("the first step (ooc records and plans there; give --steps 4 or more to also leave "
                "out its one re-plan in step 2)" if steps.start == 1
                else "the first two steps (ooc records and plans there)")
-    return f"step time = median of {which} of {n}, leaving out {skipped}."
+    return f"step time = {which} of {n}, leaving out {skipped}."

@@ -32,9 +32,9 @@ def test_the_step_time_note_says_which_steps_the_median_is_of(steps):
     if kept.start == 0:
         assert "only step" in note
     elif len(kept) == 1:
-        assert f"median of step {kept.start + 1} of {steps}" in note
+        assert f"step time = that of step {kept.start + 1} of {steps}" in note
     else:
-        assert f"median of steps {kept.start + 1}-{kept.stop} of {steps}" in note
+        assert f"step time = the median of steps {kept.start + 1}-{kept.stop} of {steps}" in note
     assert ("first two steps" in note) == (kept.start == 2)
     assert "nothing was swapped" not in table
 
