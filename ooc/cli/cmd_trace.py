@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
             raise OOCError(f"{flag} does not apply to {args.model} "
                            f"(its options: {', '.join(_MODEL_OPTIONS[k] for k in takes if k in _MODEL_OPTIONS) or 'none'})")
         kw[key] = value
+    if args.image_size is not None and "seq_len" in takes:  # a token model: no images
+        raise OOCError(f"--image-size does not apply to {args.model} (it reads tokens; see --seq-len)")
     device = torch.device(args.device)  # meta, cpu or an available cuda: checked by the parser
+    if args.measure and device.type == "meta":
+        raise OOCError("--measure times each op, and on meta nothing runs: add --device cpu (or cuda)")
 
     t0 = time.perf_counter()
     try:  # options each valid alone may not fit together (a width the heads do not divide)

@@ -72,6 +72,8 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 COMBINATIONS = [
     ["trace", "tiny_transformer", "--batch", "2", "--width", "7", "--heads", "3"],
     ["trace", "resnet50", "--batch", "2", "--seq-len", "8"],
+    ["trace", "gpt2", "--batch", "2", "--image-size", "32"],
+    ["trace", "small_cnn", "--batch", "2", "--measure"],
     ["simulate", "{plan}", "--chunk", "2MiB"],
     ["simulate", "{trace}"],
     ["simulate", "{trace}", "--policy", "lms"],
