@@ -36,8 +36,8 @@ def register(sub: Any) -> None:
                         "first two, so give 4 or more)")
     p.add_argument("--budget", type=size, metavar="SIZE",
                    help="budget for managed tensors, e.g. 96MiB (default: 1/4 of their in-core peak)")
-    p.add_argument("--fraction", type=positive_float, default=4.0,
-                   help="without --budget: budget = peak / FRACTION (default: 4)")
+    p.add_argument("--fraction", type=positive_float,
+                   help="instead of --budget: budget = peak / FRACTION (default: 4)")
     p.add_argument("--manage", default="activations", type=_kinds, metavar="KINDS",
                    help=f"comma-separated kinds to manage, of {','.join(KINDS)} (default: activations)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -58,7 +58,11 @@ def _kinds(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    manage, chunk = args.manage, args.chunk
+    from ooc.errors import OOCError
+
+    if args.budget is not None and args.fraction is not None:
+        raise OOCError("--budget and --fraction both set the budget: give one of them")
+    manage, chunk, fraction = args.manage, args.chunk, args.fraction or 4.0
     out = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the object only
     print(f"ooc demo: {args.model}, batch {args.batch}, {args.optimizer}, {args.steps} steps, "
           f"managing {', '.join(manage)}", file=out)
@@ -69,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
         print("tracing one step on the meta device to find the in-core peak of the managed tensors ...",
               file=out)
         peak = managed_peak(args.model, args.batch, manage=manage, optimizer=args.optimizer, chunk=chunk)
-        budget = max(chunk, int(peak / args.fraction))
+        budget = max(chunk, int(peak / fraction))
         print(f"in-core peak of managed tensors: {format_size(peak)} -> budget {format_size(budget)} "
-              f"(1/{args.fraction:g})", file=out)
+              f"(1/{fraction:g})", file=out)
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="ooc-demo-") as tmp:

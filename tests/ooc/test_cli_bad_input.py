@@ -74,6 +74,7 @@ COMBINATIONS = [
     ["trace", "resnet50", "--batch", "2", "--seq-len", "8"],
     ["trace", "gpt2", "--batch", "2", "--image-size", "32"],
     ["trace", "small_cnn", "--batch", "2", "--measure"],
+    ["demo", "--budget", "64MiB", "--fraction", "8"],
     ["simulate", "{plan}", "--chunk", "2MiB"],
     ["simulate", "{trace}"],
     ["simulate", "{trace}", "--policy", "lms"],
