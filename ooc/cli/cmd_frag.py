@@ -134,10 +134,10 @@ def _load(args: argparse.Namespace, frag: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ooc import frag
-
     from vmm.errors import OOCError
     from vmm.units import format_size
+
+    from ooc import frag
 
     # Parsed and checked by the parser: chunk sizes, device memory, output files.
     chunks, device_memory, export_chunk = args.chunks, args.device_memory, args.export_allocator
