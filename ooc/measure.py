@@ -56,10 +56,18 @@ class CaseResult:
 
     @property
     def median_step_s(self) -> float:
-        """Median over the steady steps: the first two (warm-up; ooc's recording and its
-        one re-plan for lazily created optimizer state) are left out when there are more."""
-        steady = self.step_s[2:] if len(self.step_s) > 3 else self.step_s[1:] or self.step_s
-        return median(steady)
+        """Median over ``steady_steps``: warm-up steps would count ooc's recording and planning."""
+        steps = steady_steps(len(self.step_s))
+        return median(self.step_s[steps.start:steps.stop])
+
+
+def steady_steps(n: int) -> range:
+    """Which of ``n`` steps (0-based) a step time is the median of: the first two (warm-up;
+    ooc's recording and its one re-plan for lazily created optimizer state) are left out when
+    at least two remain, else the first only, else none (what a report must say it did)."""
+    if n > 3:
+        return range(2, n)
+    return range(1, n) if n > 1 else range(n)
 
 
 def child_env() -> dict[str, str]:

@@ -31,8 +31,13 @@ class BudgetTooSmall(OOCError):
         self.working_set = working_set
         self.budget = budget
         self.minimum = minimum
+        # The function named is the first one over the budget; the minimum is set by the
+        # step as a whole (its largest working set, or more), so it may be larger. Say so,
+        # or the two figures read as a contradiction ("needs 8 MiB ... at least 16 MiB").
+        more = (", and the step as a whole needs more (another function's working set, or "
+                "what must stay resident beside it)" if minimum > working_set else "")
         super().__init__(
             f"budget {format_size(budget)} ({budget} B) is too small: function {function} ({name}) "
-            f"needs {format_size(working_set)} ({working_set} B) resident at once; "
+            f"needs {format_size(working_set)} ({working_set} B) resident at once{more}; "
             f"raise the budget to at least {format_size(minimum)} ({minimum} B)"
         )

@@ -23,26 +23,28 @@ PROGRESS_MIN_BYTES = 16 << 20  # snapshots above ~250k trace entries take second
 
 
 def register(subparsers: Any) -> None:
+    from ooc.cli.args import SIZE_HELP, nonnegative_int, output_file, size
+
     p = subparsers.add_parser(
         "frag", help="fragmentation diagnostics: caching allocator vs virtual addressing",
         description="Replay the allocations of a PyTorch memory snapshot, an ooc trace/plan or a "
                     "CSV (time,action,address,bytes) through PyTorch's caching allocator model "
                     "and through virtual addressing with fixed-size chunks; report peaks, "
-                    "fragmentation and what would have changed.")
+                    "fragmentation and what would have changed.", epilog=SIZE_HELP)
     p.add_argument("input", metavar="INPUT", help="snapshot .pickle, ooc trace/plan .json, or .csv")
-    p.add_argument("--chunks", default="2MiB,20MiB,40MiB", metavar="SIZES",
+    p.add_argument("--chunks", default="2MiB,20MiB,40MiB", metavar="SIZES", type=_chunk_list,
                    help="virtual-addressing chunk sizes, comma-separated multiples of 2 MiB "
                         "(default: 2MiB,20MiB,40MiB)")
-    p.add_argument("--device-memory", metavar="SIZE",
+    p.add_argument("--device-memory", metavar="SIZE", type=size,
                    help="device memory to replay against, e.g. 16GiB (default: what the snapshot "
                         "says: estimated at its recorded OOM; else unlimited)")
-    p.add_argument("--device", type=int, metavar="N",
+    p.add_argument("--device", type=nonnegative_int, metavar="N",
                    help="which device's trace of a multi-device snapshot (default: the longest)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--plot", metavar="PNG", help="write a timeline of live/reserved/mapped bytes")
-    p.add_argument("--export-snapshot", metavar="PICKLE",
+    p.add_argument("--plot", metavar="PNG", type=output_file(".png"), help="write a timeline of live/reserved/mapped bytes")
+    p.add_argument("--export-snapshot", metavar="PICKLE", type=output_file(),
                    help="write the replay as a PyTorch memory snapshot (for pytorch.org/memory_viz)")
-    p.add_argument("--export-allocator", default="caching", metavar="WHICH",
+    p.add_argument("--export-allocator", default="caching", metavar="WHICH", type=_export_allocator,
                    help="the replay --export-snapshot writes: 'caching' (default) or a chunk size "
                         "such as 20MiB (virtual addressing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -50,6 +52,7 @@ def register(subparsers: Any) -> None:
 
 
 def _chunks(text: str) -> list[int]:
+    """Chunk sizes, comma-separated, each a multiple of the mapping granularity."""
     from vmm.errors import OOCError
     from vmm.units import format_size, parse_size
 
@@ -70,6 +73,40 @@ def _chunks(text: str) -> list[int]:
     if not out:
         raise OOCError("--chunks: give at least one chunk size, e.g. 20MiB")
     return out
+
+
+def _chunk_list(text: str) -> list[int]:
+    """``--chunks`` as an argparse type."""
+    from vmm.errors import OOCError
+
+    try:
+        return _chunks(text)
+    except OOCError as exc:
+        raise argparse.ArgumentTypeError(_problem(exc)) from None
+
+
+def _export_allocator(text: str) -> int | None:
+    """``--export-allocator``: None for 'caching', else one chunk size (20MiB or vmm-20MiB)."""
+    from vmm.errors import OOCError
+
+    which = text.strip()
+    if which.lower() == "caching":
+        return None
+    if which.lower().startswith("vmm-"):
+        which = which[len("vmm-"):]
+    try:
+        chunks = _chunks(which)
+    except OOCError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither 'caching' nor a chunk size such as 20MiB ({_problem(exc)})") from None
+    if len(chunks) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one chunk size, e.g. 20MiB")
+    return chunks[0]
+
+
+def _problem(exc: Exception) -> str:
+    """An error of ``_chunks`` without its "--chunks:" prefix (argparse names the flag)."""
+    return getattr(exc, "problem", None) or str(exc).removeprefix("--chunks: ")
 
 
 def _load(args: argparse.Namespace, frag: Any) -> Any:
@@ -97,17 +134,18 @@ def _load(args: argparse.Namespace, frag: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vmm.units import parse_size
+    from vmm.errors import OOCError
+    from vmm.units import format_size
 
     from ooc import frag
 
-    chunks = _chunks(args.chunks)
-    device_memory = parse_size(args.device_memory, what="--device-memory") if args.device_memory else None
-    export_chunk = None
-    if args.export_snapshot:
-        which = args.export_allocator.strip().lower()
-        if which != "caching":
-            export_chunk = _chunks(which.removeprefix("vmm-"))[0]
+    # Parsed and checked by the parser: chunk sizes, device memory, output files.
+    chunks, device_memory, export_chunk = args.chunks, args.device_memory, args.export_allocator
+    largest = max(chunks + ([export_chunk] if export_chunk and args.export_snapshot else []))
+    if device_memory is not None and device_memory < largest:
+        raise OOCError(f"--device-memory {format_size(device_memory)} holds not one "
+                       f"{format_size(largest)} chunk; give more device memory or smaller "
+                       f"--chunks / --export-allocator")
 
     trace = _load(args, frag)
     n = len(trace.events)

@@ -31,18 +31,22 @@ DEFAULT_POLICY = "window"
 
 
 def register(subparsers: Any) -> None:
+    from scheduler.planner import POLICIES
+
+    from ooc.cli.args import SIZE_HELP, choice, output_file, size
+
     p = subparsers.add_parser(
         "plan", help="plan swap-outs and swap-ins of a traced step within a device budget",
         description="Plan one training step (a trace from `ooc trace -o`) within a device memory "
-                    "budget, prove the plan safe, and write it as JSON.")
+                    "budget, prove the plan safe, and write it as JSON.", epilog=SIZE_HELP)
     p.add_argument("input", metavar="TRACE", help="variable sequence JSON (ooc trace -o), or a plan JSON")
-    p.add_argument("--budget", required=True, metavar="SIZE",
-                   help="device bytes the plan may use, e.g. 16GiB, 15.5GB, 512MiB")
-    p.add_argument("--window", metavar="SIZE",
+    p.add_argument("--budget", required=True, metavar="SIZE", type=size,
+                   help="device bytes the plan may use, e.g. 16GiB (2^30 bytes), 15.5GB (10^9 bytes), 512MiB")
+    p.add_argument("--window", metavar="SIZE", type=size,
                    help="prefetch window of the window policies (default 1.5 x budget)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME",
-                   help="window (default), window-paper, vdnn, lms or none")
-    p.add_argument("-o", "--output", metavar="FILE", help="write the schedule as JSON here")
+    p.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", type=choice(POLICIES, "policy"),
+                   help=f"{DEFAULT_POLICY} (default), " + ", ".join(n for n in POLICIES if n != DEFAULT_POLICY))
+    p.add_argument("-o", "--output", metavar="FILE", type=output_file(), help="write the schedule as JSON here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--compare", action="store_true",
                    help="plan every policy at this budget and print them side by side")
@@ -53,12 +57,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from scheduler.errors import BudgetTooSmall
     from scheduler.planner import POLICIES
-    from vmm.units import parse_size
 
-    policy = check_policy(args.policy)
-    budget = parse_size(args.budget, what="--budget")
-    window = parse_size(args.window, what="--window") if args.window is not None else None
-    check_output(args.output, "-o")
+    policy, budget, window = args.policy, args.budget, args.window  # checked by the parser
     policies = POLICIES if args.compare else (policy,)
     with Progress(1 + len(policies) + bool(args.output), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
@@ -98,29 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- shared with ``ooc simulate`` ------------------------------------------------------------
-
-
-def check_policy(name: str) -> str:
-    """``name`` if it is a planner policy, else an OOCError listing the policies (exit 2)."""
-    from scheduler.planner import POLICIES
-    from vmm.errors import OOCError
-
-    if name not in POLICIES:
-        raise OOCError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return name
-
-
-def check_output(path: str | None, flag: str) -> None:
-    """Fail early (before any planning) when an output file cannot be created."""
-    from vmm.errors import OOCError
-
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise OOCError(f"{flag} {path}: is a directory; give a file name")
-    if not os.path.isdir(parent):
-        raise OOCError(f"{flag} {path}: directory {parent} does not exist")
 
 
 def load(path: str) -> Any:

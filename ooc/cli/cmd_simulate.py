@@ -24,59 +24,61 @@ DEFAULT_HARDWARE = "v100-16gb-nvlink"
 
 
 def register(subparsers: Any) -> None:
+    from scheduler.hardware import PRESETS
+    from scheduler.planner import POLICIES
+    from scheduler.simulate import ALLOCATORS
+
+    from ooc.cli.args import SIZE_HELP, choice, output_file, size
+
     p = subparsers.add_parser(
         "simulate", help="predict step time and device memory of a plan on given hardware",
         description="Predict the time and device memory of one training step of a plan (or of a "
                     "trace, planned first with --budget) on a hardware preset: a simulation, "
-                    "not a measurement.")
+                    "not a measurement.", epilog=SIZE_HELP)
     p.add_argument("input", metavar="PLAN", help="plan JSON (ooc plan -o), or a trace JSON with --budget")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME",
-                   help=f"hardware preset (default {DEFAULT_HARDWARE}); see scheduler.hardware.PRESETS")
-    p.add_argument("--device-memory", metavar="SIZE",
+                   type=choice(sorted(PRESETS), "hardware"),
+                   help=f"hardware preset: {', '.join(sorted(PRESETS))} (default {DEFAULT_HARDWARE})")
+    p.add_argument("--device-memory", metavar="SIZE", type=size,
                    help="usable device memory instead of the preset's nominal size, e.g. 15.25GiB")
-    p.add_argument("--allocator", metavar="NAME",
+    p.add_argument("--allocator", metavar="NAME", type=choice(ALLOCATORS, "allocator"),
                    help="also replay the allocations: caching (PyTorch's) or vmm (fixed chunks)")
-    p.add_argument("--chunk", metavar="SIZE", help="chunk size of --allocator vmm (default 2MiB)")
-    p.add_argument("--timeline", metavar="FILE", help="write the timeline as a Chrome trace JSON")
+    p.add_argument("--chunk", metavar="SIZE", type=size, help="chunk size of --allocator vmm (default 2MiB)")
+    p.add_argument("--timeline", metavar="FILE", type=output_file(),
+                   help="write the timeline as a Chrome trace JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--budget", metavar="SIZE", help="plan a trace input within this budget first")
-    p.add_argument("--window", metavar="SIZE", help="with --budget: prefetch window (window policies)")
-    p.add_argument("--policy", metavar="NAME", help="with --budget: planner policy (default window)")
+    p.add_argument("--budget", metavar="SIZE", type=size, help="plan a trace input within this budget first")
+    p.add_argument("--window", metavar="SIZE", type=size, help="with --budget: prefetch window (window policies)")
+    p.add_argument("--policy", metavar="NAME", type=choice(POLICIES, "policy"),
+                   help=f"with --budget: planner policy ({', '.join(POLICIES)}; default window)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from scheduler.hardware import PRESETS, hardware
+    from scheduler.hardware import hardware
     from scheduler.schedule import Schedule
-    from scheduler.simulate import ALLOCATORS, simulate
+    from scheduler.simulate import simulate
     from scheduler.timeline import write_chrome_trace
     from vmm.errors import OOCError
-    from vmm.units import format_size, parse_size
+    from vmm.units import format_size
 
-    from ooc.cli.cmd_plan import (DEFAULT_POLICY, Progress, check_output, check_policy, load,
-                                  plan_and_summarize)
+    from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, load, plan_and_summarize
 
-    # Every flag is checked before any work, so a typo costs nothing.
-    if args.hardware not in PRESETS:
-        raise OOCError(f"unknown hardware {args.hardware!r}; presets: {', '.join(sorted(PRESETS))}")
+    # Every value was checked by the parser; what remains are combinations, still before work.
     overrides = {}
     if args.device_memory is not None:
-        overrides["device_bytes"] = parse_size(args.device_memory, what="--device-memory")
+        overrides["device_bytes"] = args.device_memory
     hw = hardware(args.hardware, **overrides)
-    if args.allocator is not None and args.allocator not in ALLOCATORS:
-        raise OOCError(f"unknown allocator {args.allocator!r}; choose one of {', '.join(ALLOCATORS)}")
     chunk = None
     if args.chunk is not None:
         if args.allocator != "vmm":
             raise OOCError("--chunk sets the chunk size of --allocator vmm; add --allocator vmm")
-        chunk = parse_size(args.chunk, what="--chunk")
-    budget = parse_size(args.budget, what="--budget") if args.budget is not None else None
-    window = parse_size(args.window, what="--window") if args.window is not None else None
-    policy = check_policy(args.policy) if args.policy is not None else DEFAULT_POLICY
+        chunk = args.chunk
+    budget, window = args.budget, args.window
+    policy = args.policy if args.policy is not None else DEFAULT_POLICY
     if budget is None and (args.window is not None or args.policy is not None):
         raise OOCError("--window and --policy plan a trace: give --budget too")
-    check_output(args.timeline, "--timeline")
 
     with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
@@ -138,8 +140,26 @@ def _table(r: Any, schedule: Any, timeline: str | None) -> str:
         lines.append(f"{'fits':<16}yes, within {fs(hw.device_bytes)}")
     else:
         where = f" at function {r.oom_function}" if r.oom_function is not None else ""
-        hint = "lower the budget" + (", or try --allocator vmm" if r.allocator == "caching" else "")
-        lines.append(f"{'fits':<16}NO: out of device memory{where} ({hint})")
+        lines.append(f"{'fits':<16}NO: out of device memory{where}")
+        lines.append(f"{'':<16}{_what_to_do(r)}")
     if timeline:
         lines.append(f"wrote {timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
     return "\n".join(lines)
+
+
+def _what_to_do(r: Any) -> str:
+    """The next step when the step does not fit, decided from the figures so that it ends
+    somewhere: bytes the plan keeps live call for a smaller budget (never for another
+    allocator), bytes an allocator adds on top for that allocator's remedy."""
+    from vmm.units import format_size as fs
+
+    device = r.hardware.device_bytes
+    if r.peak_bytes > device:
+        return (f"the plan itself keeps {fs(r.peak_bytes)} live, over the {fs(device)} device: "
+                f"re-plan with `ooc plan TRACE --budget` below {fs(device)} (no allocator helps)")
+    if r.allocator == "caching":
+        return (f"the plan's {fs(r.peak_bytes)} live fit in {fs(device)}, the caching allocator's "
+                f"segments do not (fragmentation): try --allocator vmm, or re-plan with a lower budget")
+    return (f"the plan's {fs(r.peak_bytes)} live fit in {fs(device)}, rounded up to "
+            f"{fs(r.chunk_bytes)} chunks they do not: try a smaller --chunk, or re-plan with a "
+            f"lower budget")

@@ -24,31 +24,33 @@ _MODEL_OPTIONS = {
 
 
 def register(subparsers: Any) -> None:
+    from ooc.cli.args import output_file, positive_int, trace_device, zoo_model
+
     p = subparsers.add_parser(
         "trace", help="record one training step of a zoo model as a variable sequence",
         description="Record forward, loss, backward and optimizer step of a zoo model "
                     "(on meta by default: no memory used) and summarize or save it.")
-    p.add_argument("model", metavar="MODEL", help="zoo model name (resnet50, vgg16, densenet121, "
+    p.add_argument("model", metavar="MODEL", type=zoo_model, help="zoo model name (resnet50, vgg16, densenet121, "
                    "unet, gpt2, small_cnn, tiny_transformer)")
-    p.add_argument("--batch", type=int, required=True, help="batch size")
-    p.add_argument("--device", default="meta",
+    p.add_argument("--batch", type=positive_int, required=True, help="batch size")
+    p.add_argument("--device", default="meta", type=trace_device,
                    help="meta (shapes only, default), cpu or cuda (real run, ops timed)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"),
                    help="sgd (momentum 0.9, default), adam or adamw")
-    p.add_argument("--image-size", type=int, help="image side for image models")
-    p.add_argument("--seq-len", type=int, help="sequence length (gpt2, tiny_transformer)")
-    p.add_argument("--depth", type=int, help="blocks (gpt2, tiny_transformer) or poolings (unet)")
-    p.add_argument("--width", type=int, help="model width (gpt2, tiny_transformer, small_cnn)")
-    p.add_argument("--heads", type=int, help="attention heads (gpt2, tiny_transformer)")
-    p.add_argument("--vocab", type=int, help="vocabulary size (gpt2, tiny_transformer)")
-    p.add_argument("--num-classes", type=int, help="classes of classifier and unet outputs")
-    p.add_argument("--base", type=int, help="channels at full resolution (unet)")
+    p.add_argument("--image-size", type=positive_int, help="image side for image models")
+    p.add_argument("--seq-len", type=positive_int, help="sequence length (gpt2, tiny_transformer)")
+    p.add_argument("--depth", type=positive_int, help="blocks (gpt2, tiny_transformer) or poolings (unet)")
+    p.add_argument("--width", type=positive_int, help="model width (gpt2, tiny_transformer, small_cnn)")
+    p.add_argument("--heads", type=positive_int, help="attention heads (gpt2, tiny_transformer)")
+    p.add_argument("--vocab", type=positive_int, help="vocabulary size (gpt2, tiny_transformer)")
+    p.add_argument("--num-classes", type=positive_int, help="classes of classifier and unet outputs")
+    p.add_argument("--base", type=positive_int, help="channels at full resolution (unet)")
     p.add_argument("--small-input", action="store_true", default=None,
                    help="vgg16 for 32x32 inputs (NNTrainer's CIFAR variant)")
     p.add_argument("--batch-norm", action="store_true", default=None, help="vgg16 with BatchNorm")
     p.add_argument("--measure", action="store_true",
                    help="time each op (real devices only)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write the sequence as JSON here")
+    p.add_argument("-o", "--output", metavar="FILE", type=output_file(), help="write the sequence as JSON here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
@@ -71,18 +73,21 @@ def run(args: argparse.Namespace) -> int:
             continue
         if key not in takes:
             raise OOCError(f"{flag} does not apply to {args.model} "
-                           f"(its options: {', '.join(takes) or 'none'})")
+                           f"(its options: {', '.join(_MODEL_OPTIONS[k] for k in takes if k in _MODEL_OPTIONS) or 'none'})")
         kw[key] = value
-    if args.batch < 1:
-        raise OOCError(f"--batch must be at least 1, got {args.batch}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise OOCError(f"--device {args.device!r} is not a device; use meta, cpu or cuda") from None
+    if args.image_size is not None and "seq_len" in takes:  # a token model: no images
+        raise OOCError(f"--image-size does not apply to {args.model} (it reads tokens; see --seq-len)")
+    device = torch.device(args.device)  # meta, cpu or an available cuda: checked by the parser
+    if args.measure and device.type == "meta":
+        raise OOCError("--measure times each op, and on meta nothing runs: add --device cpu (or cuda)")
 
     t0 = time.perf_counter()
-    with torch.device(device):
-        model = models.get(args.model, **kw)
+    try:  # options each valid alone may not fit together (a width the heads do not divide)
+        with torch.device(device):
+            model = models.get(args.model, **kw)
+    except ValueError as exc:
+        given = " ".join(_MODEL_OPTIONS[k] + ("" if v is True else f" {v}") for k, v in kw.items())
+        raise OOCError(f"{args.model} {given}: {exc}") from None
     x, y = models.example_batch(args.model, args.batch, device, image_size=args.image_size, **kw)
     seq = ooc.trace(model, x, y, loss_fn=models.loss_fn(args.model), optimizer=args.optimizer,
                     device=device, measure=args.measure, name=args.model,

@@ -374,6 +374,19 @@ def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.0f}%" if whole else "-"
 
 
+def _swap_advice(rep: FragReport) -> str:
+    """What to do when the live bytes alone exceed the device: swap, with the budget to give.
+    A last step, not a pointer to another diagnosis (``ooc simulate`` sends allocator trouble
+    here; this must not send it back)."""
+    below = f" below {format_size(rep.device_memory)}" if rep.device_memory else ""
+    if rep.trace.kind == "schedule":
+        return f"re-plan the step with a lower budget (`ooc plan TRACE --budget SIZE`{below})"
+    if rep.trace.kind == "sequence":
+        return f"swap: plan this trace with `ooc plan {rep.trace.name} --budget SIZE`{below}"
+    return (f"swap: train with ooc.OutOfCore(model, optimizer, budget=...){below}, or trace the "
+            f"step (`ooc trace` or ooc.trace) and plan it with `ooc plan TRACE --budget SIZE`{below}")
+
+
 def recommendation(rep: FragReport) -> str:
     """One paragraph: what virtual addressing would change for this run, in numbers."""
     caching = rep.by_name("caching")
@@ -411,8 +424,7 @@ def recommendation(rep: FragReport) -> str:
         elif best.recorded_oom_fits is False:
             parts.append(f"Even with {chunk_txt} the request does not fit: the live bytes "
                          f"themselves exceed the device, so fragmentation is not the (only) "
-                         f"cause; reduce what is live (a smaller batch, or swap with `ooc plan` "
-                         f"under a budget).")
+                         f"cause; reduce what is live: a smaller batch, or {_swap_advice(rep)}.")
 
     # Peaks.
     if caching.completed and best.completed:
@@ -453,7 +465,7 @@ def recommendation(rep: FragReport) -> str:
             parts.append(
                 f"On {cap_txt} even {chunk_txt} run out of memory at event {oom.event:,} with "
                 f"{format_size(oom.live_bytes)} live: the run needs more memory than the device "
-                f"has whatever the allocator; plan swapping with `ooc plan` under a budget.")
+                f"has whatever the allocator: {_swap_advice(rep)}.")
 
     # Chunk size trade-off across the other virtual allocators.
     others = sorted((r for r in rep.allocators if r.kind == "virtual" and r is not best),

@@ -122,6 +122,24 @@ def test_budget_too_small_names_the_function() -> None:
     assert f"function {err.function} ({seq.functions[err.function].name})" in str(err)
 
 
+def test_budget_too_small_explains_a_minimum_above_the_named_functions_needs() -> None:
+    """The first function over the budget is named, the step's largest working set sets the
+    minimum: the message said "needs 8 MiB ... at least 16 MiB" as if the two disagreed."""
+    mib = 1 << 20
+    seq = build_sequence([("small", [(0, "w")], Cost()), ("large", [(0, "r"), (1, "w")], Cost())],
+                         [Variable(0, 8 * mib, Kind.ACTIVATION, name="a"),
+                          Variable(1, 8 * mib, Kind.ACTIVATION, name="b")])
+    with pytest.raises(BudgetTooSmall) as info:
+        plan(seq, 4 * mib)
+    err = info.value
+    assert (err.function, err.working_set, err.minimum) == (0, 8 * mib, 16 * mib)
+    assert "the step as a whole needs more" in str(err)
+    with pytest.raises(BudgetTooSmall) as info:
+        plan(seq, 12 * mib)
+    assert info.value.working_set == info.value.minimum == 16 * mib
+    assert "as a whole" not in str(info.value)  # one figure, nothing to explain
+
+
 def test_baselines_report_their_own_peak_as_minimum() -> None:
     seq = training_like_sequence(8, act_bytes=1000, param_bytes=10)
     ws = max(working_sets(seq))
