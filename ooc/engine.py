@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
+from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
@@ -277,6 +278,7 @@ class OutOfCore:
             raise OOCError("this engine is closed; create a new OutOfCore")
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
+        check_step_entry(_Mode, "activations" in self.manage)
         t0 = time.perf_counter()
         key = self._start_key()
         self.schedule, self.binding = self.plans.get(key, (None, {}))
@@ -291,7 +293,7 @@ class OutOfCore:
         try:
             with contextlib.ExitStack() as stack:
                 if "activations" in self.manage:
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(st.pack, st.unpack))
+                    stack.enter_context(st.saved_tensors_hooks())
                 stack.enter_context(_Mode(st))
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise

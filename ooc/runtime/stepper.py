@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
+from ooc.runtime.composition import check_hooks_inside
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
 from ooc.runtime.recording import Birth, Recording
@@ -191,6 +192,7 @@ class Stepper:
         # which of those autograd saves: would a smaller chunk manage them?
         self.small_born: dict[int, int] | None = {} if observe_small and not self.planned else None
         self.small_saved: dict[int, int] = {}
+        self._own_pack: Any = None   # the pack hook this step pushed (see saved_tensors_hooks)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -373,6 +375,8 @@ class Stepper:
                     self._write_out(slot)
 
     def on_op(self, func, args, kwargs) -> Any:
+        if self._own_pack is not None and torch.is_grad_enabled():
+            check_hooks_inside(self._own_pack)   # only where autograd may save tensors
         if self.e.pool_excess is not None:
             excess = self.e.pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
@@ -770,6 +774,14 @@ class Stepper:
         return managed + list(self.small_saved.values())
 
     # -- autograd hooks ----------------------------------------------------------------------
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks through which this step manages saved activations. Remembers its pack
+        hook: an op that finds other hooks innermost (``save_on_cpu`` entered inside the
+        step) is refused, since the activations saved under them would bypass the engine."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._own_pack = hooks.pack_hook
+        return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
         with _disable_current_modes():
