@@ -175,3 +175,27 @@ def test_a_budget_under_two_mib_is_accepted_with_the_default_chunk(saved, refere
     assert all(s["resident_peak_bytes"] <= budget for s in stats)
     assert stats[-1]["bytes_out"] > 0
     engine.close()
+
+
+@pytest.mark.parametrize("granularity", [64 << 10, 2 * MiB])
+def test_on_the_cuda_path_the_vmm_granularity_is_the_floor(granularity, saved, reference, caplog) -> None:
+    """Over the fake CUDA driver (model on the CPU): the chunk adapts down to the VMM
+    granularity and no further. With a real GPU's 2 MiB it cannot adapt at all: the engine
+    warns, naming the bytes left outside the budget and the granularity."""
+    import ooc.testing
+
+    budget = sum(saved) // 4
+    with ooc.testing.fake_cuda(granularity=granularity) as driver:
+        with caplog.at_level(logging.WARNING, logger="ooc.engine"):
+            engine, stats = _train(budget, 3, reference, device="cuda")
+        chunk = engine.chunk
+        engine.close()
+    assert driver.violations == []
+    assert chunk % granularity == 0 and chunk >= granularity
+    warned = [r.message for r in caplog.records if "granularity" in r.message]
+    if granularity == 2 * MiB:
+        assert chunk == 2 * MiB and stats[-1]["bytes_out"] == 0
+        assert warned and "stay outside it" in warned[0] and "cuda" in warned[0]
+    else:
+        assert chunk < 2 * MiB and stats[-1]["bytes_out"] > 0 and not warned
+        assert all(s["resident_peak_bytes"] <= budget for s in stats)
