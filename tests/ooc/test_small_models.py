@@ -96,7 +96,7 @@ def _saved_sizes() -> list[int]:
 def _in_core() -> list[dict[str, torch.Tensor]]:
     model, opt = _fresh()
     states = []
-    for step in range(STEPS):
+    for step in range(STEPS + 1):
         x, y = _batch(step)
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -109,8 +109,13 @@ def _train(budget: int, steps: int, reference: list[dict[str, torch.Tensor]],
            **engine_kw) -> tuple[OutOfCore, list[dict]]:
     model, opt = _fresh()
     engine = OutOfCore(model, opt, budget=budget, **engine_kw)
+    return engine, _steps(engine, model, range(steps), reference)
+
+
+def _steps(engine: OutOfCore, model: nn.Module, steps: range,
+           reference: list[dict[str, torch.Tensor]]) -> list[dict]:
     stats = []
-    for step in range(steps):
+    for step in steps:
         x, y = _batch(step)
         with engine.step():
             F.cross_entropy(model(x), y).backward()
@@ -118,7 +123,7 @@ def _train(budget: int, steps: int, reference: list[dict[str, torch.Tensor]],
         stats.append(engine.stats())
         for k, v in model.state_dict().items():
             assert torch.equal(v, reference[step][k]), f"{k} differs from in core after step {step}"
-    return engine, stats
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +179,24 @@ def test_a_budget_under_two_mib_is_accepted_with_the_default_chunk(saved, refere
     assert engine.chunk <= MiB
     assert all(s["resident_peak_bytes"] <= budget for s in stats)
     assert stats[-1]["bytes_out"] > 0
+    engine.close()
+
+
+def test_set_budget_chooses_the_chunk_again(saved, reference) -> None:
+    """Everything fits a large budget: the chunk stays 2 MiB and nothing moves. Lowered by
+    ``set_budget`` under 2 MiB, the budget is accepted, and the next recording step chooses
+    a smaller chunk for it."""
+    model, opt = _fresh()
+    engine = OutOfCore(model, opt, budget=4 * sum(saved))
+    stats = _steps(engine, model, range(2), reference)
+    assert engine.chunk == 2 * MiB and stats[-1]["bytes_out"] == 0
+    budget = 3 * MiB // 2
+    engine.set_budget(budget)
+    start = engine.chunk
+    stats = _steps(engine, model, range(2, STEPS + 1), reference)
+    assert start <= MiB and engine.chunk < start
+    assert stats[-1]["plan"]["bytes_out"] > 0 and stats[-1]["last_planned"]
+    assert all(s["resident_peak_bytes"] <= budget for s in stats)
     engine.close()
 
 
