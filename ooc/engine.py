@@ -6,6 +6,7 @@ import bisect
 import contextlib
 import itertools
 import logging
+import mmap
 import time
 from collections import Counter
 from typing import Any, Iterator
@@ -16,11 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
+from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
+from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Kind
 from scheduler.schedule import Schedule
@@ -29,6 +32,7 @@ from vmm.units import format_size, parse_size
 log = logging.getLogger(__name__)
 
 KINDS = ("activations", "params", "grads", "optimizer_state")
+DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
 # The timeline keeps the events of this many recent steps (and at most 200,000 events), so
 # that a long run's memory does not grow with its number of steps.
 TIMELINE_STEPS = 32
@@ -68,12 +72,20 @@ class OutOfCore:
             driver in CI; run on an H100, see README).
         storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
         window: prefetch window in bytes or a size string (default: the scheduler's).
-        chunk: physical chunk size of the device pool.
+        chunk: physical chunk size of the device pool. Default: it adapts. The engine starts
+            at 2 MiB (on the CPU, at most the budget rounded down to a power of two), and
+            after its first recording step, if the activations it saved exceed the budget and
+            those under half a chunk (left to PyTorch) take more than an eighth of it, it
+            halves the chunk until they do not, down to the page size on the CPU (the VMM
+            granularity, 2 MiB, on a GPU: there it warns instead), and records again
+            (``scheduler/chunk_size.py``). Given explicitly (or with ``min_bytes``), it is
+            fixed.
         manage: which tensors may leave the device: any of "activations" (saved for
             backward), "params", "grads", "optimizer_state". Default: activations.
         policy: the scheduler policy ("window" moves only what the budget forces out).
         verify: checksum swapped bytes and raise ``StorageError`` on corruption.
-        min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2).
+        min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2, and it
+            adapts with the default chunk).
 
     Example::
 
@@ -86,16 +98,17 @@ class OutOfCore:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
-                 window: int | str | None = None, chunk: int | str = "2MiB",
+                 window: int | str | None = None, chunk: int | str | None = None,
                  manage: tuple[str, ...] | list[str] | str = ("activations",), policy: str = "window",
                  verify: bool = False, min_bytes: int | str | None = None, threads: int = 2) -> None:
         self.budget = parse_size(budget, what="budget")
-        self.chunk = parse_size(chunk, what="chunk")
-        if self.budget < self.chunk:
-            raise OOCError(f"budget {format_size(self.budget)} is smaller than one chunk "
-                           f"({format_size(self.chunk)}); raise the budget or lower chunk")
+        # With neither chunk nor min_bytes given, the chunk adapts to what the first
+        # recording step saves (_adapt_chunk); either one given keeps both as before.
+        self._adapt_pending = chunk is None and min_bytes is None
+        self._adaptive = self._adapt_pending
+        self.chunk = DEFAULT_CHUNK if chunk is None else parse_size(chunk, what="chunk")
         self.window = None if window is None else parse_size(window, what="window")
-        self.min_bytes = self.chunk // 2 if min_bytes is None else parse_size(min_bytes, what="min_bytes")
+        min_bytes = None if min_bytes is None else parse_size(min_bytes, what="min_bytes")
         manage = (manage,) if isinstance(manage, str) else tuple(manage)
         unknown = [m for m in manage if m not in KINDS]
         if unknown:
@@ -116,6 +129,12 @@ class OutOfCore:
         if cuda is not None and self.device.index is None:
             # Parameters say "cuda:0", never "cuda": compare (and allocate) with the index.
             self.device = torch.device("cuda", cuda.current_device())
+        if self._adaptive and self.device.type == "cpu":
+            self.chunk = _start_chunk(self.budget)   # a budget under 2 MiB starts smaller
+        if self.budget < self.chunk:
+            raise OOCError(f"budget {format_size(self.budget)} is smaller than one chunk "
+                           f"({format_size(self.chunk)}); raise the budget or lower chunk")
+        self.min_bytes = self.chunk // 2 if min_bytes is None else min_bytes
         home = cuda.tensor_device(self.device) if cuda is not None else self.device
         for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
             if p.device != home:
@@ -259,13 +278,14 @@ class OutOfCore:
             raise OOCError("this engine is closed; create a new OutOfCore")
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
+        check_step_entry(_Mode, "activations" in self.manage)
         t0 = time.perf_counter()
         key = self._start_key()
         self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
-        st = Stepper(self, self.schedule, self.binding)
+        st = Stepper(self, self.schedule, self.binding, observe_small=self._adapt_pending)
         st.start_key = key
         if self.device.type == "cpu":
             cpu_allocator.begin(self, _recycle_bytes(self.budget), _cache_cap(self.budget))
@@ -273,7 +293,7 @@ class OutOfCore:
         try:
             with contextlib.ExitStack() as stack:
                 if "activations" in self.manage:
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(st.pack, st.unpack))
+                    stack.enter_context(st.saved_tensors_hooks())
                 stack.enter_context(_Mode(st))
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
@@ -534,7 +554,13 @@ class OutOfCore:
             raise back_error
         if st.schedule is None or st.diverged_at is not None:
             st.book_device_times()
-            self._replan(st)
+            if self._adapt_chunk(st):
+                if st.overflow is not None:   # the next step records again, in the new chunks
+                    log.warning("the recording step went over the pool once (%s); the next step "
+                                "records again with %s chunks", st.overflow, format_size(self.chunk))
+                    st.overflow = None
+            else:
+                self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow
 
@@ -570,6 +596,49 @@ class OutOfCore:
                 st.rename(slot, name)   # optimizer state written out on demand before it had a name
             live[slot.var] = slot
         return live
+
+    def _adapt_chunk(self, st: Stepper) -> bool:
+        """With the default chunk, after the first recording step that completes: choose the
+        chunk (and threshold, half a chunk) from the sizes it saved and the budget
+        (``scheduler.chunk_size.choose_chunk``). A smaller chunk gives a new pool, and the
+        next step records again (this one's sequence leaves out the tensors now managed).
+        Returns whether the chunk changed. Decided once; ``set_budget`` asks again."""
+        saved = st.saved_sizes()
+        if not self._adapt_pending or saved is None:
+            return False
+        self._adapt_pending = False
+        floor = self.pool.backend.granularity   # the page; on a GPU, the VMM granularity
+        chunk = choose_chunk(saved, self.budget, self.chunk, floor)
+        left = unmanaged_bytes(saved, chunk // 2)
+        if sum(saved) > self.budget and left > self.budget // UNMANAGED_SHARE:
+            log.warning("saved activations in tensors under %s take %s, more than an eighth of the "
+                        "%s budget, and stay outside it: the chunk cannot go below %s, the %s "
+                        "granularity. Pass min_bytes= to manage smaller tensors (each takes a whole "
+                        "chunk of the budget)", format_size(chunk // 2), format_size(left),
+                        format_size(self.budget), format_size(floor), self.device.type)
+        if chunk == self.chunk:
+            return False
+        log.info("chunk %s -> %s (tensors from %s managed): saved activations under %s took %s of "
+                 "the %s budget; the next step records again", format_size(self.chunk),
+                 format_size(chunk), format_size(chunk // 2), format_size(self.min_bytes),
+                 format_size(unmanaged_bytes(saved, self.min_bytes)), format_size(self.budget))
+        self._set_chunk(chunk, chunk // 2)
+        return True
+
+    def _set_chunk(self, chunk: int, min_bytes: int) -> None:
+        """Manage tensors from ``min_bytes`` on, in a new pool of ``chunk``-sized chunks sized
+        to the budget; the plans made before go. Between steps only: no activation holds a
+        pool range then (parameters, grads and state are resized in place, never in it)."""
+        self.chunk, self.min_bytes = chunk, min_bytes
+        self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
+        old, self.pool = self.pool, make_pool(self.device, self.budget, chunk)
+        _close_pool(old)
+        self.plans.clear()
+        self.schedule = None
+        self.binding = {}
+        if "params" in self.manage:   # parameters now above the threshold are managed too
+            for name, p in self.model.named_parameters():
+                self._adopt(p, Kind.PARAM, name)
 
     def _replan(self, st: Stepper) -> None:
         seq = st.rec.sequence({"policy": self.policy, "chunk": self.chunk})
@@ -692,19 +761,19 @@ class OutOfCore:
         }
 
     def set_budget(self, budget: int | str) -> None:
-        """Change the budget; the next step records again and re-plans under it."""
+        """Change the budget; the next step records again and re-plans under it. With the
+        default chunk, that step also chooses the chunk again (never a larger one)."""
         new = parse_size(budget, what="budget")
-        if new < self.chunk:
-            raise OOCError(f"budget {format_size(new)} is smaller than one chunk ({format_size(self.chunk)})")
+        chunk = self.chunk
+        if self._adaptive and self.device.type == "cpu":
+            chunk = min(chunk, _start_chunk(new))
+        if new < chunk:
+            raise OOCError(f"budget {format_size(new)} is smaller than one chunk ({format_size(chunk)})")
         with self.resident():
             pass
         self.budget = new
-        self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
-        old, self.pool = self.pool, make_pool(self.device, new, self.chunk)
-        _close_pool(old)
-        self.plans.clear()
-        self.schedule = None
-        self.binding = {}
+        self._adapt_pending = self._adaptive
+        self._set_chunk(chunk, chunk // 2 if self._adaptive else self.min_bytes)
 
     def timeline(self, path: str) -> None:
         """Write the last steps (up to ``TIMELINE_STEPS``) as a Chrome/Perfetto trace (compute,
@@ -740,6 +809,14 @@ class OutOfCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _start_chunk(budget: int) -> int:
+    """The adaptive chunk a CPU engine starts with: 2 MiB, or for a smaller budget the largest
+    power of two within it (at least a page: a smaller budget is refused as below a chunk)."""
+    if budget >= DEFAULT_CHUNK:
+        return DEFAULT_CHUNK
+    return max(mmap.PAGESIZE, 1 << (max(budget, 1).bit_length() - 1))
 
 
 def _close_pool(pool: Any) -> None:

@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
+from ooc.runtime.composition import check_hooks_inside
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
 from ooc.runtime.recording import Birth, Recording
@@ -133,7 +134,8 @@ class Packed:
 class Stepper:
     """The state of one step: op counter, plan cursor, recording, slots by storage."""
 
-    def __init__(self, engine, schedule: Schedule | None, binding: dict) -> None:
+    def __init__(self, engine, schedule: Schedule | None, binding: dict, *,
+                 observe_small: bool = False) -> None:
         self.e = engine
         self.schedule = schedule
         self.planned = schedule is not None
@@ -185,6 +187,12 @@ class Stepper:
                 if slot.state in (State.RESIDENT, State.IN, State.OUT):
                     self.recent[slot] = None
         self.peak = self.resident   # the engine brought the start within the budget (_reconcile)
+        # A recording step that decides the chunk (the engine's default chunk adapts, see
+        # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
+        # which of those autograd saves: would a smaller chunk manage them?
+        self.small_born: dict[int, int] | None = {} if observe_small and not self.planned else None
+        self.small_saved: dict[int, int] = {}
+        self._own_pack: Any = None   # the pack hook this step pushed (see saved_tensors_hooks)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -367,6 +375,8 @@ class Stepper:
                     self._write_out(slot)
 
     def on_op(self, func, args, kwargs) -> Any:
+        if self._own_pack is not None and torch.is_grad_enabled():
+            check_hooks_inside(self._own_pack)   # only where autograd may save tensors
         if self.e.pool_excess is not None:
             excess = self.e.pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
@@ -453,6 +463,8 @@ class Stepper:
                 elif tracked is not None and id(s) not in tracked:   # once per storage
                     tracked.add(id(s))
                     keep.add(self._track_fresh(self.rec.births[id(s)], keep, i))
+            elif self.small_born is not None:
+                self.small_born[id(s)] = nbytes
         self.after(i, touched)
         return out
 
@@ -753,7 +765,23 @@ class Stepper:
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
             self._account(-slot.nbytes)
 
+    def saved_sizes(self) -> list[int] | None:
+        """Bytes of every distinct storage born in this step that autograd saved, managed or
+        not; None unless the step observed them (``observe_small``)."""
+        if self.small_born is None:
+            return None
+        managed = [v.nbytes for v in self.rec.variables.values() if v.kind is Kind.ACTIVATION]
+        return managed + list(self.small_saved.values())
+
     # -- autograd hooks ----------------------------------------------------------------------
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks through which this step manages saved activations. Remembers its pack
+        hook: an op that finds other hooks innermost (``save_on_cpu`` entered inside the
+        step) is refused, since the activations saved under them would bypass the engine."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._own_pack = hooks.pack_hook
+        return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
         with _disable_current_modes():
@@ -770,6 +798,8 @@ class Stepper:
                 slot = self.slots[b.var]   # saved again after the engine let go of its bytes
                 return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
             if b is None or self.planned:
+                if b is None and self.small_born is not None and id(s) in self.small_born:
+                    self.small_saved[id(s)] = self.small_born[id(s)]
                 return t   # not born in this step (input, buffer), too small, or not in the plan
             var = self.e.new_var()
             name = f"{self.rec.names[b.op]}#{b.op}"

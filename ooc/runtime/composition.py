@@ -1,0 +1,92 @@
+"""What else may run inside ``engine.step()``: other saved-tensor hooks, checkpointing, engines.
+
+ooc manages saved activations through ``torch.autograd.graph.saved_tensors_hooks``, and
+PyTorch calls only the innermost pair of such hooks. So anything else that installs them
+takes the saved activations away from ooc, silently: measured before these checks,
+
+- ``torch.autograd.graph.save_on_cpu()`` entered inside the step: every activation saved
+  under it bypassed ooc (0 managed, 0 bytes moved, the budget not applied); results stayed
+  right. Entered around the step: ooc's hooks replaced it for the step, as silently.
+- a second engine's step entered inside the first one's: the inner engine took the saved
+  activations of every model run inside it, the outer engine's included, and let go of them
+  at its own step's end; the outer backward then read a swap key that was gone
+  (``KeyError`` from the tier). Both engines recorded each other's ops.
+- ``torch.utils.checkpoint`` (either flavour) composes, bitwise: non-reentrant checkpoint
+  pushes its own hooks only around the checkpointed region (ooc still manages the region's
+  inputs and everything outside it) and recomputes inside the backward, where the dispatch
+  mode sees and records the recomputation; the reentrant one saves its inputs through ooc's
+  hooks and recomputes under them, so ooc manages the recomputed activations too (that
+  needs the budget to hold a region's recomputation: the plan says how much).
+
+The first two are refused with an ``OOCError`` that names what was found; checkpointing's
+hooks are told apart by the module that defines them, ``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ooc.errors import OOCError
+
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def _top_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost (pack, unpack) saved-tensor hooks in force on this thread, or None.
+    A private PyTorch call: where it does not exist, nothing is detected."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+def _describe(hook: Callable) -> str:
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    return f"{getattr(hook, '__module__', None) or '?'}.{name}"
+
+
+def _is_checkpoint(hook: Callable) -> bool:
+    """Whether ``hook`` belongs to ``torch.utils.checkpoint`` (its region and recomputation
+    hooks), which composes with ooc's."""
+    return getattr(hook, "__module__", None) == _CHECKPOINT_MODULE
+
+
+def check_step_entry(engine_mode: type, manages_activations: bool) -> None:
+    """Refuse to start a step inside another engine's step, or (activations managed) under
+    saved-tensor hooks that the step's own hooks would silently replace."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, engine_mode):
+            raise OOCError(
+                "engine.step() was entered inside the step of another OutOfCore engine: steps "
+                "of two engines do not nest (the inner engine would take the saved activations "
+                "of every model run inside it, the other engine's too, and both would record "
+                "each other's ops). Finish one engine's step before starting the other's, or "
+                "manage both models with one engine (e.g. over an nn.ModuleDict holding them)")
+    if not manages_activations:
+        return
+    top = _top_hooks()
+    if top is not None:
+        raise OOCError(
+            f"saved-tensor hooks ({_describe(top[0])}) are active around engine.step(): the "
+            "step's own hooks would replace them while it runs, since PyTorch calls only the "
+            "innermost pair. ooc already keeps saved activations within its budget, moving them "
+            "to its slower tier: leave those hooks (torch.autograd.graph.save_on_cpu or your "
+            "own) out of the step, or create the engine with manage= without 'activations' "
+            "to keep them in charge of activations")
+
+
+def check_hooks_inside(own_pack: Any) -> None:
+    """Refuse saved-tensor hooks entered inside the step (other than checkpointing's): the
+    activations saved under them would bypass ooc. Cheap (one C call); called per op."""
+    top = _top_hooks()
+    if top is None or top[0] is own_pack or _is_checkpoint(top[0]):
+        return
+    if top[0] == own_pack:   # the same bound method, another object
+        return
+    raise OOCError(
+        f"saved-tensor hooks ({_describe(top[0])}) were entered inside engine.step(): the "
+        "activations saved under them bypass ooc, which then neither moves them nor counts "
+        "them in its budget. Remove them from the step (ooc already moves saved activations to "
+        "its slower tier within the budget; torch.utils.checkpoint composes with it), or create "
+        "the engine with manage= without 'activations' to leave activations to those hooks")
