@@ -28,13 +28,13 @@ from torch import nn
 from ooc.errors import OOCError
 from ooc.models.densenet import densenet121
 from ooc.models.gpt import gpt2, tiny_transformer
-from ooc.models.resnet import resnet50
+from ooc.models.resnet import resnet18, resnet50
 from ooc.models.small import small_cnn
 from ooc.models.unet import unet
 from ooc.models.vgg import vgg16
 
 __all__ = ["NAMES", "UnknownModel", "get", "example_batch", "loss_fn", "builder",
-           "resnet50", "vgg16", "densenet121", "unet", "gpt2", "small_cnn", "tiny_transformer"]
+           "resnet18", "resnet50", "vgg16", "densenet121", "unet", "gpt2", "small_cnn", "tiny_transformer"]
 
 
 class UnknownModel(OOCError, LookupError):
@@ -62,6 +62,7 @@ class _Spec:
 
 
 _ZOO: dict[str, _Spec] = {
+    "resnet18": _Spec(resnet18, "image", "class", 224),
     "resnet50": _Spec(resnet50, "image", "class", 224),
     "vgg16": _Spec(vgg16, "image", "class", 224),
     "densenet121": _Spec(densenet121, "image", "class", 224),

@@ -25,7 +25,7 @@ def test_builds_and_runs_on_meta(name):
 
 
 @pytest.mark.parametrize("name,out_shape", [
-    ("resnet50", (2, 1000)), ("vgg16", (2, 1000)), ("densenet121", (2, 1000)),
+    ("resnet18", (2, 1000)), ("resnet50", (2, 1000)), ("vgg16", (2, 1000)), ("densenet121", (2, 1000)),
     ("unet", (2, 2, 256, 256)), ("gpt2", (2, 1024, 50257)), ("small_cnn", (2, 10)),
     ("tiny_transformer", (2, 32, 256)),
 ])
@@ -35,7 +35,7 @@ def test_output_shapes(name, out_shape):
 
 
 @pytest.mark.parametrize("name,count", [
-    ("resnet50", 25_557_032), ("vgg16", 138_357_544), ("densenet121", 7_978_856),
+    ("resnet18", 11_689_512), ("resnet50", 25_557_032), ("vgg16", 138_357_544), ("densenet121", 7_978_856),
     ("gpt2", 124_439_808),  # GPT-2 small with tied embeddings (+ 1024 positions)
 ])
 def test_parameter_counts_match_the_reference_architectures(name, count):
