@@ -567,6 +567,8 @@ class OutOfCore:
     def _live_out(self, st: Stepper) -> dict[int, Slot]:
         """The managed tensors that exist after the step: parameters, kept grads, state."""
         live: dict[int, Slot] = {}
+        if not self.manage & {"params", "grads", "optimizer_state"}:
+            return live   # activations only: none outlives the step
         by_storage = {id(s.storage): s for s in [*self.persistent.values(), *st.slots.values()]
                       if s.in_place and s.storage is not None}
         candidates: list[tuple[torch.Tensor, Kind, str]] = []
@@ -726,6 +728,8 @@ class OutOfCore:
     def _versions(self) -> dict[int, int]:
         """The version counter of the tensor that holds each persistent variable (params,
         their grads, optimizer state): in-place writes between steps bump it."""
+        if not self.persistent:   # activations only: nothing to look for (twice a step)
+            return {}
         by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
         tensors = []
         for p in self.model.parameters():

@@ -34,11 +34,16 @@ from ooc.errors import OOCError
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
 
+# PyTorch's innermost (pack, unpack) saved-tensor hooks of this thread, or None. A private
+# call: where it does not exist, nothing is detected. Looked up once: the step's per-op path
+# calls it directly (``Stepper.on_op``).
+top_saved_tensors_hooks: Callable[[bool], tuple[Callable, Callable] | None] | None = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _top_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost (pack, unpack) saved-tensor hooks in force on this thread, or None.
-    A private PyTorch call: where it does not exist, nothing is detected."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    """The innermost (pack, unpack) saved-tensor hooks in force on this thread, or None."""
+    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks(False)
 
 
 def _describe(hook: Callable) -> str:

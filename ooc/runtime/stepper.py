@@ -35,9 +35,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
-from ooc.runtime.composition import check_hooks_inside
+from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
+from ooc.runtime.op_info import _OPS, op_info, tensors as _tensors
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
@@ -46,60 +47,6 @@ from vmm.errors import OutOfBudget
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
-
-_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _written_args(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments an op writes in place (from its schema's alias info)."""
-    out = _WRITTEN_ARGS.get(func)
-    if out is None:
-        out = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write)
-        _WRITTEN_ARGS[func] = out
-    return out
-
-
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors an op writes in place. Not only a ``Tensor(a!) self`` passed by position:
-    an ``out=`` tensor is a keyword-only argument (it arrives in ``kwargs``), and the foreach
-    ops (``clip_grad_norm_``'s default) write a ``Tensor(a!)[]`` list. A write the stepper
-    does not see leaves the slower tier's stale copy marked current, and the write is lost."""
-    out: list[torch.Tensor] = []
-    for pos, name in _written_args(func):
-        a = args[pos] if pos < len(args) else kwargs.get(name)
-        _tensors(a, out)
-    return out
-
-
-_NAMES: dict[Any, str] = {}
-
-
-def _name(func) -> str:
-    name = _NAMES.get(func)
-    if name is None:
-        name = _NAMES[func] = str(func)
-    return name
-
-
-def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results, in order (a fast pytree flatten: this
-    runs twice per op)."""
-    if out is None:
-        out = []
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            if isinstance(x, torch.Tensor):
-                out.append(x)
-            elif isinstance(x, (list, tuple, dict)):
-                _tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _tensors(x, out)
-    return out
-
 
 def _use_count(s: torch.UntypedStorage) -> int:
     """How many references hold ``s``'s bytes (tensors and the one of the Python storage);
@@ -169,11 +116,13 @@ class Stepper:
         self.node_vars: list[int] = []           # vars unpacked by the backward node now running
         self.ops_since_unpack = 0
         # What a rollback needs if the step fails before its optimizer step: the buffers it
-        # may write in place (BatchNorm statistics), copied at their first use (data_ptr ->
-        # (buffer, copy); None once the optimizer starts), and the grads it creates.
+        # may write in place (BatchNorm statistics), copied at their first use (id of the
+        # storage -> (buffer, copy); None once the optimizer starts), and the grads it creates.
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
-        self.buffers = {b.untyped_storage().data_ptr(): b for b in engine.model.buffers()
-                        if b.untyped_storage().nbytes()}
+        # Buffers by the id of their storage, which each entry keeps (the Python object too,
+        # so the id stays that storage's): the per-op loop has the inputs' storages in hand.
+        self.buffers: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {
+            id(s): (b, s) for b in engine.model.buffers() if (s := b.untyped_storage()).nbytes()}
         params = list(engine.model.parameters())
         self.grads_were_none = [p for p in params if p.grad is None]
         self.grad_versions = {p: p.grad._version for p in params if p.grad is not None}
@@ -193,6 +142,12 @@ class Stepper:
         self.small_born: dict[int, int] | None = {} if observe_small and not self.planned else None
         self.small_saved: dict[int, int] = {}
         self._own_pack: Any = None   # the pack hook this step pushed (see saved_tensors_hooks)
+        # The plan, per op, as lists the per-op path indexes (no attribute chains, no calls).
+        functions = schedule.sequence.functions if schedule is not None else ()
+        self._plan_names = [f.name for f in functions]
+        self._before = schedule.before if schedule is not None else ()
+        self._after = schedule.after if schedule is not None else ()
+        self._pool_excess = engine.pool_excess
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -328,8 +283,8 @@ class Stepper:
         if self.done_before >= i:
             return
         self.done_before = i
-        if self.planned and i < len(self.schedule.before):
-            self.run_actions(self.schedule.before[i], i)
+        if self.planned and i < len(self._before) and self._before[i]:
+            self.run_actions(self._before[i], i)
 
     def ensure(self, slot: Slot, i: int, keep: set | tuple = ()) -> None:
         """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged.
@@ -375,96 +330,119 @@ class Stepper:
                     self._write_out(slot)
 
     def on_op(self, func, args, kwargs) -> Any:
-        if self._own_pack is not None and torch.is_grad_enabled():
-            check_hooks_inside(self._own_pack)   # only where autograd may save tensors
-        if self.e.pool_excess is not None:
-            excess = self.e.pool_excess()
+        """Op ``i`` as the module docstring says. Most ops of a planned step touch no managed
+        storage and have no plan action: that path is a few dict lookups per tensor (what it
+        costs: benchmarks/results/overhead.md)."""
+        own_pack = self._own_pack
+        if own_pack is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
+            top = top_saved_tensors_hooks(False)   # only where autograd may save tensors
+            if top is not None and top[0] is not own_pack:
+                check_hooks_inside(own_pack)
+        if self._pool_excess is not None:
+            excess = self._pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
                 self.e.pool.trim(excess)
-        i = self.rec.begin_op(_name(func))
+        info = _OPS.get(id(func))
+        if info is None or info.func is not func:
+            info = op_info(func)
+        rec = self.rec
+        i = rec.begin_op(info.name)
         self.i = i
-        for var in self.unpacked:
-            self.rec.use(i, var, Access.READ)
-        self.unpacked.clear()
+        if self.unpacked:
+            for var in self.unpacked:
+                rec.use(i, var, Access.READ)
+            self.unpacked.clear()
         self.ops_since_unpack += 1
         if self.planned:
-            expected = self._name(i) if i < len(self.schedule.sequence.functions) else None
-            if expected != self.rec.names[i]:
-                self._diverge(i, f"expected {expected}, got {self.rec.names[i]}")
-        self.before(i)
+            expected = self._plan_names[i] if i < len(self._plan_names) else None
+            if expected != info.name:
+                self._diverge(i, f"expected {expected}, got {info.name}")
+        if self.done_before < i:   # before(i), inline: most ops have no action before them
+            self.done_before = i
+            if self.planned and i < len(self._before) and self._before[i]:
+                self.run_actions(self._before[i], i)
         if self.fresh:
             self._prune_fresh()
-        ins = _tensors((args, kwargs))
+        ins = info.inputs(args, kwargs)
+        written_tensors = info.written(args, kwargs) if info.writes else ()
+        written = {id(t.untyped_storage()) for t in written_tensors} if written_tensors else ()
         touched: list[Slot] = []
         keep: set[Slot | Birth] = set()   # what op i uses: on demand, never evicted for it
         in_ids = set()
-        written_tensors = _written(func, args, kwargs)
-        written = {id(t.untyped_storage()) for t in written_tensors}
         taken_back: list[tuple[Slot, torch.UntypedStorage]] = []
+        by_storage, births = self.by_storage, rec.births
+        buffers = self.buffers if self.undo is not None else None
         for t in ins:
             s = t.untyped_storage()
-            in_ids.add(id(s))
-            slot = self.by_storage.get(id(s))
+            key = id(s)
+            in_ids.add(key)
+            slot = by_storage.get(key)
             if slot is not None and slot.storage is s:
-                self.rec.use(i, slot.var, Access.READ)
+                rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
-            else:
-                b = self.rec.live_birth(id(s))
+            elif key in births:
+                b = rec.live_birth(key)
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
-                        if id(s) in written:
+                        if key in written:
                             b.writes.append(i)
                         if b in self.fresh:
                             keep.add(b)
                             self._touch(b)
                     else:
-                        self.rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+                        rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
                         slot = self.slots.get(b.var)
-                        if id(s) in written and slot is not None and slot.state is not State.ABSENT:
+                        if key in written and slot is not None and slot.state is not State.ABSENT:
                             touched.append(slot)
                             taken_back.append((slot, s))
-        keep.update(touched)
-        for slot in touched:
-            self.ensure(slot, i, keep)
+        if touched:
+            keep.update(touched)
+            for slot in touched:
+                self.ensure(slot, i, keep)
         for slot, s in taken_back:
             self._take_back(slot, s, i)
-        if self.undo is not None and self.buffers:
-            for t in ins:
-                self._save_before_write(t)
+        if buffers:   # copied before the step's first op that uses them, for a rollback
+            for key in in_ids & buffers.keys():
+                self._save_before_write(key)
         for t in written_tensors:
             slot = self.slot_of(t)
             if slot is not None:
                 slot.host_current = False
-                self.rec.use(i, slot.var, Access.WRITE)
-        if self.gpu_timing:
+                rec.use(i, slot.var, Access.WRITE)
+        gpu_timing = self.gpu_timing
+        if gpu_timing:
             cuda = cuda_runtime()   # torch.cuda.Event, or host timing under the fake
             start, end = cuda.timing_event(), cuda.timing_event()
             start.record()
         t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
-        self.rec.seconds[i] = t1 - t0
-        if self.gpu_timing:
+        rec.seconds[i] = t1 - t0
+        if gpu_timing:
             end.record()
             self.gpu_events.append((i, start, end))
-        self.events.append(("compute", self.rec.names[i], t0, t1))
-        tracked = set() if self._tracking() else None
-        for k, t in enumerate(_tensors(out)):
+        self.events.append(("compute", info.name, t0, t1))
+        tracked = set() if not self.planned and self._tracking() else None
+        min_bytes = self.e.min_bytes
+        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else _tensors(out)):
             s = t.untyped_storage()
-            if id(s) in in_ids or t.device.type == "meta":
+            key = id(s)
+            if key in in_ids:
                 continue
             nbytes = s.nbytes()
-            if nbytes >= self.e.min_bytes:
-                self.rec.birth(id(s), StorageWeakRef(s), i, k, nbytes)
+            if nbytes >= min_bytes:
+                if t.is_meta:
+                    continue
+                rec.birth(key, StorageWeakRef(s), i, k, nbytes)
                 var = self.binding.get((i, k)) if self.planned else None
                 if var is not None:
                     self._bind_born(var, s, nbytes, i)
-                elif tracked is not None and id(s) not in tracked:   # once per storage
-                    tracked.add(id(s))
-                    keep.add(self._track_fresh(self.rec.births[id(s)], keep, i))
-            elif self.small_born is not None:
-                self.small_born[id(s)] = nbytes
+                elif tracked is not None and key not in tracked:   # once per storage
+                    tracked.add(key)
+                    keep.add(self._track_fresh(births[key], keep, i))
+            elif self.small_born is not None and not t.is_meta:
+                self.small_born[key] = nbytes
         self.after(i, touched)
         return out
 
@@ -505,13 +483,13 @@ class Stepper:
         slot.state = State.RESIDENT
         self._register(slot)
 
-    def _save_before_write(self, t: torch.Tensor) -> None:
-        """Copy a buffer before the step's first op that touches it, for a rollback. Not only
-        before a write: some ops change arguments their schema does not mark as written
-        (``native_batch_norm`` updates the running statistics), so any use counts."""
-        key = t.untyped_storage().data_ptr()
-        b = self.buffers.get(key)
-        if b is not None and key not in self.undo:
+    def _save_before_write(self, key: int) -> None:
+        """Copy buffer ``key`` (the id of its storage) before the step's first op that touches
+        it, for a rollback. Not only before a write: some ops change arguments their schema
+        does not mark as written (``native_batch_norm`` updates the running statistics), so
+        any use counts."""
+        if key not in self.undo:
+            b = self.buffers[key][0]
             self.undo[key] = (b, b.detach().clone())   # the mode is off inside its handler
 
     def roll_back(self) -> str | None:
@@ -554,7 +532,8 @@ class Stepper:
 
     def after(self, i: int, touched: list[Slot]) -> None:
         if self.planned:
-            self.run_actions(self.schedule.after[i], i)
+            if self._after[i]:
+                self.run_actions(self._after[i], i)
         else:
             self._on_demand_after(touched)
         if self.resident > self.e.budget and self.planned:
@@ -784,6 +763,19 @@ class Stepper:
         return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.planned:
+            # A planned step only looks its storage up: no op runs, so the dispatch modes
+            # need not be taken off the stack and put back (what most of the time went to).
+            s = t.untyped_storage()
+            slot = self.by_storage.get(id(s))
+            if slot is None or slot.storage is not s:
+                b = self.rec.births.get(id(s))
+                if b is None or b.var is None:
+                    return t   # not managed in this step: _pack returns it as it is too
+            elif slot.kind is not Kind.ACTIVATION or isinstance(t, torch.nn.Parameter) or t.is_meta:
+                return t
+            else:
+                return Packed(slot, t)
         with _disable_current_modes():
             return self._pack(t)
 
