@@ -98,9 +98,10 @@ def _split_foreach(func, args: tuple, kwargs: dict, managed) -> list[tuple[tuple
     A foreach op needs every tensor of its lists at once: ``GradScaler.unscale_`` and
     ``clip_grad_norm_`` take all gradients, so with grads managed they needed the whole
     model's gradients resident, more than the budget whenever managing them mattered. Entry
-    by entry, the same per-tensor arithmetic runs (a foreach op computes each entry on its
-    own), so the results are bitwise the same, and one entry at a time is resident. Only
-    when every other tensor argument is a scalar (0-dim: ``found_inf``, ``inv_scale``, a
+    by entry, one gradient at a time is resident, and the arithmetic is the same: a foreach
+    op computes each entry on its own (on the CPU it loops over them; CUDA's multi-tensor
+    kernels also reduce each tensor apart, which ``test_amp.py``'s GPU test checks bitwise).
+    Only when every other tensor argument is a scalar (0-dim: ``found_inf``, ``inv_scale``, a
     clip coefficient); a tensor of per-entry scalars stays whole."""
     where = _list_args(func)
     if where is None:
