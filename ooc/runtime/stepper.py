@@ -72,6 +72,72 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+_SPLITTABLE: dict[Any, tuple[tuple[int, str], ...] | None] = {}
+
+
+def _list_args(func) -> tuple[tuple[int, str], ...] | None:
+    """(position, name) of a foreach op's list arguments, or None if it is not one that can run
+    one list entry at a time: a ``_foreach_*`` op (or GradScaler's unscale) that returns
+    nothing or one list."""
+    if func in _SPLITTABLE:
+        return _SPLITTABLE[func]
+    schema = func._schema
+    out = None
+    name = schema.name.split("::")[-1]
+    if name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_":
+        returns = [str(r.type) for r in schema.returns]
+        if returns in ([], ["List[Tensor]"]):
+            out = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                        if str(a.type).startswith("List[")) or None
+    _SPLITTABLE[func] = out
+    return out
+
+
+def _split_foreach(func, args: tuple, kwargs: dict, managed) -> list[tuple[tuple, dict]] | None:
+    """A foreach op over managed tensors, as one call per list entry; None to run it whole.
+
+    A foreach op needs every tensor of its lists at once: ``GradScaler.unscale_`` and
+    ``clip_grad_norm_`` take all gradients, so with grads managed they needed the whole
+    model's gradients resident, more than the budget whenever managing them mattered. Entry
+    by entry, one gradient at a time is resident, and the arithmetic is the same: a foreach
+    op computes each entry on its own (on the CPU it loops over them; CUDA's multi-tensor
+    kernels also reduce each tensor apart, which ``test_amp.py``'s GPU test checks bitwise).
+    Only when every other tensor argument is a scalar (0-dim: ``found_inf``, ``inv_scale``, a
+    clip coefficient); a tensor of per-entry scalars stays whole."""
+    where = _list_args(func)
+    if where is None:
+        return None
+    lists, n = [], None
+    for pos, name in where:
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if value is None:
+            continue
+        if n is None:
+            n = len(value)
+        if len(value) != n:
+            return None
+        lists.append((pos, name))
+    if n is None or n < 2:
+        return None
+    listed = {id(x) for pos, name in lists for x in (args[pos] if pos < len(args) else kwargs[name])}
+    others = [t for t in _tensors((args, kwargs)) if id(t) not in listed]
+    if any(t.dim() != 0 for t in others):
+        return None
+    if not any(managed(t) is not None for pos, name in lists
+               for t in (args[pos] if pos < len(args) else kwargs[name]) if isinstance(t, torch.Tensor)):
+        return None
+    pieces = []
+    for i in range(n):
+        a, k = list(args), dict(kwargs)
+        for pos, name in lists:
+            if pos < len(a):
+                a[pos] = a[pos][i:i + 1]
+            else:
+                k[name] = k[name][i:i + 1]
+        pieces.append((tuple(a), k))
+    return pieces
+
+
 _NAMES: dict[Any, str] = {}
 
 
@@ -172,6 +238,7 @@ class Stepper:
         # may write in place (BatchNorm statistics), copied at their first use (data_ptr ->
         # (buffer, copy); None once the optimizer starts), and the grads it creates.
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
+        self.updating = False   # inside optimizer.step() (between the engine's pre and post hooks)
         self.buffers = {b.untyped_storage().data_ptr(): b for b in engine.model.buffers()
                         if b.untyped_storage().nbytes()}
         params = list(engine.model.parameters())
@@ -377,6 +444,10 @@ class Stepper:
     def on_op(self, func, args, kwargs) -> Any:
         if self._own_pack is not None and torch.is_grad_enabled():
             check_hooks_inside(self._own_pack)   # only where autograd may save tensors
+        pieces = _split_foreach(func, args, kwargs, self.slot_of)
+        if pieces is not None:   # one list entry at a time: see _split_foreach
+            outs = [self.on_op(func, a, k) for a, k in pieces]
+            return None if outs[0] is None else [t for out in outs for t in out]
         if self.e.pool_excess is not None:
             excess = self.e.pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
