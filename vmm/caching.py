@@ -40,6 +40,7 @@ from bisect import bisect_left, insort
 from typing import Any
 
 from vmm.backend import Backend
+from vmm.block_counters import BlockCounters
 from vmm.errors import OutOfBudget, VMMError
 from vmm.gc_threshold import check_threshold, segments_to_release
 from vmm.pool import BudgetExceeded
@@ -116,7 +117,16 @@ class Block:
         return f"<Block 0x{self.address:x} size={self.size} requested={self.requested} {state}>"
 
 
-class CachingAllocator:
+def block_size(nbytes: int, roundup_divisions: int = 1) -> int:
+    """PyTorch's ``round_size``: 512-byte multiples, or the ``roundup_power2_divisions``
+    rounding when it is set (more than one division)."""
+    if roundup_divisions > 1:
+        return round_up(nbytes, roundup_divisions)
+    return K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
+        -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+class CachingAllocator(BlockCounters):
     """PyTorch's best-fit caching allocator over a backend (see the module docstring).
 
     Args:
@@ -176,16 +186,10 @@ class CachingAllocator:
         if nbytes <= 0:
             if nbytes == 0:  # PyTorch hands out a null pointer and allocates nothing
                 block = Block(0, 0, None)
-                block.allocated = True
-                self.alloc_count += 1
-                self.live_allocations += 1
+                self._hand_out(block, 0)
                 return block
             raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
-        if self.roundup_divisions > 1:
-            size = round_up(nbytes, self.roundup_divisions)
-        else:
-            size = K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
-                -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        size = block_size(nbytes, self.roundup_divisions)
         small = size <= K_SMALL_SIZE
         free = self._free_small if small else self._free_large
         gc = self._gc
@@ -220,22 +224,11 @@ class CachingAllocator:
             rest.gc_base = self._gc_searches
             self._free_blocks[rest.address] = rest
             insort(free, remaining << _SHIFT | rest.address)
-        block.allocated = True
-        block.requested = nbytes
         seg = block.segment
         if not seg.active:
             self.active_segments += 1
         seg.active += 1
-        self.alloc_count += 1
-        self.live_allocations += 1
-        if self.live_allocations > self.peak_live_allocations:
-            self.peak_live_allocations = self.live_allocations
-        self.requested_bytes += nbytes
-        if self.requested_bytes > self.peak_requested_bytes:
-            self.peak_requested_bytes = self.requested_bytes
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+        self._hand_out(block, nbytes)
         return block
 
     malloc = alloc
@@ -248,14 +241,9 @@ class CachingAllocator:
         seg = block.segment
         if seg is not None and self._segments.get(seg.address) is not seg:
             raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
-        block.allocated = False
-        self.free_count += 1
-        self.live_allocations -= 1
+        self._take_back(block)
         if seg is None:  # zero-byte block
             return
-        self.requested_bytes -= block.requested
-        self.allocated_bytes -= block.size
-        block.requested = 0
         seg.active -= 1
         if not seg.active:
             self.active_segments -= 1

@@ -43,10 +43,11 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
+from vmm.block_counters import BlockCounters
 from vmm.caching import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE,
-                         CachingAllocatorError)
+                         CachingAllocatorError, block_size)
 from vmm.pool import BudgetExceeded
-from vmm.roundup import check_divisions, round_up
+from vmm.roundup import check_divisions
 from vmm.units import format_size
 
 __all__ = ["ExpandableAllocator", "ExpandableBlock"]
@@ -116,7 +117,7 @@ class _Pool:
         del self.unmapped[b.address]
 
 
-class ExpandableAllocator:
+class ExpandableAllocator(BlockCounters):
     """PyTorch's caching allocator under ``expandable_segments:True`` (module docstring).
 
     Args:
@@ -160,16 +161,10 @@ class ExpandableAllocator:
         if nbytes <= 0:
             if nbytes == 0:
                 block = ExpandableBlock(0, 0, None, True)
-                block.allocated = True
-                self.alloc_count += 1
-                self.live_allocations += 1
+                self._hand_out(block, 0)
                 return block
             raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
-        if self.roundup_divisions > 1:
-            size = round_up(nbytes, self.roundup_divisions)
-        else:
-            size = K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
-                -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        size = block_size(nbytes, self.roundup_divisions)
         small = size <= K_SMALL_SIZE
         pool = self._pools[small]
         block = self._get_free_block(pool, size)
@@ -188,18 +183,7 @@ class ExpandableAllocator:
             self._splice_after(block, rest)
             block.size = size
             pool.add_free(rest)
-        block.allocated = True
-        block.requested = nbytes
-        self.alloc_count += 1
-        self.live_allocations += 1
-        if self.live_allocations > self.peak_live_allocations:
-            self.peak_live_allocations = self.live_allocations
-        self.requested_bytes += nbytes
-        if self.requested_bytes > self.peak_requested_bytes:
-            self.peak_requested_bytes = self.requested_bytes
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+        self._hand_out(block, nbytes)
         return block
 
     malloc = alloc
@@ -209,15 +193,10 @@ class ExpandableAllocator:
         if not block.allocated:
             raise CachingAllocatorError(f"double free (or free of a block never handed out): "
                                         f"{block!r}")
-        block.allocated = False
-        self.free_count += 1
-        self.live_allocations -= 1
+        self._take_back(block)
         seg = block.segment
         if seg is None:
             return
-        self.requested_bytes -= block.requested
-        self.allocated_bytes -= block.size
-        block.requested = 0
         pool = self._pools[seg.small]
         self._merge_free(pool, block)
         pool.add_free(block)
