@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ooc.errors import StorageError
-from ooc.storage.extents import Extents, room_to_write, round_up
+from ooc.storage.extents import Extents, room_to_write
 from ooc.storage.private_dir import make_private_dir, remove_private_dir
 from ooc.storage.swapfile import ALIGN, Fault, ShortTransfer, SwapFile, buffer_address
 from vmm.units import format_size
