@@ -92,8 +92,9 @@ class OutOfCore:
         engine = ooc.OutOfCore(model, opt, budget="256MiB")
         for x, y in batches:
             with engine.step():
+                opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
-                engine.optimizer_step()
+                opt.step()   # or scaler.step(opt); the engine hooks the optimizer
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -194,6 +195,9 @@ class OutOfCore:
         self._closed = False
         self._optimizer_stepped = False   # the optimizer's state exists (its size is known)
         self._between: dict[int, int] = {}   # var -> tensor version at the end of the last step
+        # A persistent tensor's name -> its variable id, and back (``_stable_vars``).
+        self._canon: dict[tuple[Kind, str], int] = {}
+        self._canon_name: dict[int, tuple[Kind, str]] = {}
         if "params" in self.manage:
             for name, p in model.named_parameters():
                 self._adopt(p, Kind.PARAM, name)
@@ -209,6 +213,9 @@ class OutOfCore:
                             model.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
+        if optimizer is not None:   # the update starts at optimizer.step(), however it is called
+            self._hooks += [optimizer.register_step_pre_hook(self._update_starts),
+                            optimizer.register_step_post_hook(self._update_done)]
 
     # -- persistent tensors ------------------------------------------------------------------
 
@@ -268,7 +275,11 @@ class OutOfCore:
     def step(self) -> Iterator[None]:
         """One training step. The first records and plans; later ones execute the plan.
 
-        A step that raises before ``optimizer_step()`` (an exception in the user's code, a
+        The update is ``optimizer.step()`` wherever it is called inside the step (directly,
+        by ``GradScaler.step``, or by ``optimizer_step()``); a step without one (a micro-batch
+        of gradient accumulation, an update the scaler skipped) is a step too.
+
+        A step that raises before its update (an exception in the user's code, a
         swap failure, Ctrl-C) is rolled back as it unwinds: its transfers are waited for, the
         buffers it touched get their old bytes, the gradients it created are dropped, and
         the same exception reaches the caller. The next step runs as if it had not happened.
@@ -280,6 +291,8 @@ class OutOfCore:
             raise OOCError("engine.step() is already active; steps do not nest")
         check_step_entry(_Mode, "activations" in self.manage)
         t0 = time.perf_counter()
+        self._forget_dropped()
+        self._stable_vars()
         key = self._start_key()
         self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
@@ -299,9 +312,58 @@ class OutOfCore:
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
             self._finish(st, exc, time.perf_counter() - t0)
+            if (st.updating and isinstance(exc, StorageError)
+                    and self.manage & {"params", "optimizer_state"}):
+                err = StorageError(
+                    f"{exc}. This happened during the optimizer step, which swaps managed parameters "
+                    "and state: parameters it had already updated keep their new values, the others "
+                    "their old ones. Restore model and optimizer from a checkpoint before training on")
+                err.errno = exc.errno
+                raise err from exc
             raise
         self._stepper = None
         self._finish(st, None, time.perf_counter() - t0)
+
+    def _forget_dropped(self) -> None:
+        """Stop managing the gradients and optimizer state that the model and the optimizer
+        let go of between steps (``zero_grad()`` before the step, ``opt.state.clear()``): the
+        engine's reference would keep their bytes, and the tier their copies, for nothing;
+        and the next step's plan would count tensors that no longer exist."""
+        held = {id(t.untyped_storage()) for t in self._persistent_tensors()}
+        for var, slot in list(self.persistent.items()):
+            if slot.kind is Kind.PARAM or slot.storage is None or id(slot.storage) in held:
+                continue
+            if slot.host_current:
+                self.tier.discard(slot.key)
+                slot.host_current = False
+            slot.storage = None
+            del self.persistent[var]
+            self._between.pop(var, None)
+
+    def _stable_vars(self) -> None:
+        """Give each persistent tensor the variable id its name had when first managed.
+
+        A gradient set to None and created again in the step (``zero_grad()`` at the top of
+        the loop, inside the step, with grads managed) is a new variable at the step's end;
+        with a fresh id each time, no step ever started in a state a plan was made for, and
+        every step ran on demand and re-planned. Plans are keyed by these ids
+        (``_start_key``), so the same tensors under the same names must keep their ids."""
+        taken = set(self.persistent)
+        renamed: dict[int, Slot] = {}
+        for var, slot in self.persistent.items():
+            name = (slot.kind, slot.name)
+            canon = self._canon.get(name)
+            if canon is None and var not in self._canon_name:   # one id per name, one name per id
+                self._canon[name], self._canon_name[var] = var, name
+                canon = var
+            if canon is not None and canon != var and canon not in taken:   # never two slots with one id
+                taken.discard(var)
+                taken.add(canon)
+                if var in self._between:
+                    self._between[canon] = self._between.pop(var)
+                slot.var = canon
+            renamed[slot.var] = slot
+        self.persistent = renamed
 
     def _start_key(self) -> tuple[frozenset[int], tuple[bool, ...]]:
         """The state a step starts in, which decides its ops: the managed persistent tensors,
@@ -317,17 +379,35 @@ class OutOfCore:
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
 
+        A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
+        ``with engine.step():`` is recognised as the update by itself (see ``_update_starts``).
+        """
+        if self.optimizer is None:
+            raise OOCError("this engine was created without an optimizer")
+        if self._stepper is None:
+            raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _update_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` pre-hook: the update starts here, whoever calls it (the user,
+        ``GradScaler.step``, which skips it when the gradients are not finite, or
+        ``optimizer_step()``).
+
         In the recording step it first checks that the budget is feasible, so that a budget
         that is too small fails before any parameter changes. Then, the commit point: every
         transfer still in flight is waited for (a failed one raises here) and the room the
         update will write is reserved on the swap file (a full disk raises here), so that
-        neither failure can stop the update halfway.
+        neither failure can stop the update halfway. From here on the step is not rolled back.
+
+        Outside ``engine.step()`` the update is plain PyTorch: managed tensors on the tier are
+        brought back first (an empty storage read there is garbage or a segfault), and the
+        next step sees the update's writes as writes between steps.
         """
-        if self.optimizer is None:
-            raise OOCError("this engine was created without an optimizer")
         st = self._stepper
         if st is None:
-            raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
+            self._bring_back_hook()
+            return
         # The backward is over: its last node returned, so the activations it unpacked are no
         # longer held by autograd (on demand, their bytes go back before the update needs room).
         st.close_node()
@@ -338,21 +418,24 @@ class OutOfCore:
                             "within the budget", st.overflow)
                 st.overflow = None
         self._commit_point(st)
-        st.rec.optimizer_start = len(st.rec.names)
+        if st.rec.optimizer_start is None:   # a second update in the step: the first one began it
+            st.rec.optimizer_start = len(st.rec.names)
         st.undo = None   # from here on the step is not rolled back: drop the undo copies
-        try:
-            self.optimizer.step()
-        except StorageError as e:
-            if not self.manage & {"params", "optimizer_state"}:
-                raise
-            err = StorageError(
-                f"{e}. This happened during the optimizer step, which swaps managed parameters and "
-                "state: parameters it had already updated keep their new values, the others their "
-                "old ones. Restore model and optimizer from a checkpoint before training on")
-            err.errno = e.errno
-            raise err from e
+        st.updating = True
+
+    def _update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` post-hook: the update completed (its state exists, with its
+        size). Outside a step, the state it created there becomes managed too."""
         self._optimizer_stepped = True
-        self.optimizer.zero_grad(set_to_none=True)
+        st = self._stepper
+        if st is not None:
+            st.updating = False
+        elif "optimizer_state" in self.manage:
+            names = {p: n for n, p in self.model.named_parameters()}
+            for p, state in optimizer.state.items():
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor):
+                        self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
     def _commit_point(self, st: Stepper) -> None:
         """Make sure nothing the step did so far can fail once parameters start changing.
@@ -731,17 +814,23 @@ class OutOfCore:
         if not self.persistent:   # activations only: nothing to look for (twice a step)
             return {}
         by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
-        tensors = []
-        for p in self.model.parameters():
-            tensors += [p, p.grad] if p.grad is not None else [p]
-            if self.optimizer is not None:
-                tensors += [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
         out: dict[int, int] = {}
-        for t in tensors:
+        for t in self._persistent_tensors():
             slot = by_storage.get(id(t.untyped_storage()))
             if slot is not None and slot.storage is t.untyped_storage():
                 out[slot.var] = t._version
         return out
+
+    def _persistent_tensors(self) -> list[torch.Tensor]:
+        """The tensors the model and the optimizer hold now: parameters, their grads, state
+        (of every parameter the optimizer has state for)."""
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p, p.grad] if p.grad is not None else [p]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        return tensors
 
     def stats(self) -> dict[str, Any]:
         """Plain data with stable keys: what moved, what stalled, what the plan says."""

@@ -20,7 +20,12 @@ This reproduces the default behaviour of ``c10/cuda/CUDACachingAllocator.cpp``
   "CUDA out of memory. Tried to allocate ...".
 
 ``max_split_size`` (``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb``) is modelled too: blocks
-at least that large are never split and are not handed to smaller requests.
+at least that large are never split and are not handed to smaller requests; so are
+``roundup_power2_divisions`` (the rounding, :mod:`vmm.roundup`) and
+``garbage_collection_threshold`` (freeing old cached segments under a memory cap,
+:mod:`vmm.gc_threshold`). ``expandable_segments`` is another allocator:
+:class:`vmm.expandable.ExpandableAllocator`; :mod:`vmm.alloc_conf` builds either from a
+``PYTORCH_CUDA_ALLOC_CONF`` line.
 
 Each segment is one ``cudaMalloc`` in PyTorch; here it is one chunk of the segment's size
 mapped onto its own reserved range of the backend (sim for planning at device scale,
@@ -35,8 +40,11 @@ from bisect import bisect_left, insort
 from typing import Any
 
 from vmm.backend import Backend
+from vmm.block_counters import BlockCounters
 from vmm.errors import OutOfBudget, VMMError
+from vmm.gc_threshold import check_threshold, segments_to_release
 from vmm.pool import BudgetExceeded
+from vmm.roundup import check_divisions, round_up
 from vmm.units import format_size
 
 K_MIN_BLOCK_SIZE = 512
@@ -86,7 +94,8 @@ class Block:
     allocated, ``requested`` (the bytes asked for). What :meth:`CachingAllocator.alloc`
     returns and :meth:`CachingAllocator.free` takes."""
 
-    __slots__ = ("address", "size", "requested", "allocated", "prev", "next", "segment")
+    __slots__ = ("address", "size", "requested", "allocated", "prev", "next", "segment",
+                 "gc_base")
 
     def __init__(self, address: int, size: int, segment: _Segment | None,
                  prev: "Block | None" = None, next: "Block | None" = None) -> None:
@@ -97,6 +106,7 @@ class Block:
         self.prev = prev
         self.next = next
         self.segment = segment
+        self.gc_base = 0  # the pool's search count when this block last became free
 
     @property
     def nbytes(self) -> int:
@@ -107,7 +117,16 @@ class Block:
         return f"<Block 0x{self.address:x} size={self.size} requested={self.requested} {state}>"
 
 
-class CachingAllocator:
+def block_size(nbytes: int, roundup_divisions: int = 1) -> int:
+    """PyTorch's ``round_size``: 512-byte multiples, or the ``roundup_power2_divisions``
+    rounding when it is set (more than one division)."""
+    if roundup_divisions > 1:
+        return round_up(nbytes, roundup_divisions)
+    return K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
+        -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+class CachingAllocator(BlockCounters):
     """PyTorch's best-fit caching allocator over a backend (see the module docstring).
 
     Args:
@@ -116,16 +135,26 @@ class CachingAllocator:
             exceed it. ``None``: unlimited (only the backend's own limit applies).
         max_split_size: PyTorch's ``max_split_size_mb`` in bytes (``None``: unlimited, the
             default there too).
+        roundup_divisions: PyTorch's ``roundup_power2_divisions`` (1: off, the default).
+        gc_threshold: PyTorch's ``garbage_collection_threshold`` (``None``: off). Like
+            PyTorch it acts only under a memory cap: here ``capacity_bytes`` stands for
+            ``set_per_process_memory_fraction``; without one it changes nothing.
 
     ``alloc(nbytes) -> Block`` and ``free(block)`` mirror ``malloc`` / ``free``;
     :meth:`empty_cache` releases every segment with no allocated block.
     """
 
     def __init__(self, backend: Backend, capacity_bytes: int | None = None, *,
-                 max_split_size: int | None = None) -> None:
+                 max_split_size: int | None = None, roundup_divisions: int = 1,
+                 gc_threshold: float | None = None) -> None:
         self.backend = backend
         self.capacity_bytes = capacity_bytes
         self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
+        self.roundup_divisions = check_divisions(roundup_divisions)
+        self.gc_threshold = check_threshold(gc_threshold) if gc_threshold is not None else None
+        self._gc = self.gc_threshold is not None and capacity_bytes is not None
+        self._gc_searches = 0  # large-pool block searches so far (the clock of block ages)
+        self.gc_released = 0   # segments the garbage collection released
         self._granularity = backend.granularity
         self._free_small: list[int] = []   # keys (size << 64 | address), sorted
         self._free_large: list[int] = []
@@ -157,15 +186,15 @@ class CachingAllocator:
         if nbytes <= 0:
             if nbytes == 0:  # PyTorch hands out a null pointer and allocates nothing
                 block = Block(0, 0, None)
-                block.allocated = True
-                self.alloc_count += 1
-                self.live_allocations += 1
+                self._hand_out(block, 0)
                 return block
             raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
-        size = K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
-            -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        size = block_size(nbytes, self.roundup_divisions)
         small = size <= K_SMALL_SIZE
         free = self._free_small if small else self._free_large
+        gc = self._gc
+        if gc and not small:
+            self._gc_searches += 1
         block = None
         i = bisect_left(free, size << _SHIFT)
         if i < len(free):
@@ -178,6 +207,8 @@ class CachingAllocator:
                 del free[i]
                 block = self._free_blocks.pop(key & _MASK)
         if block is None:
+            if gc:
+                self._collect_garbage()
             block = self._alloc_block(size, small, nbytes)
         remaining = block.size - size
         if small:
@@ -190,24 +221,14 @@ class CachingAllocator:
                 block.next.prev = rest
             block.next = rest
             block.size = size
+            rest.gc_base = self._gc_searches
             self._free_blocks[rest.address] = rest
             insort(free, remaining << _SHIFT | rest.address)
-        block.allocated = True
-        block.requested = nbytes
         seg = block.segment
         if not seg.active:
             self.active_segments += 1
         seg.active += 1
-        self.alloc_count += 1
-        self.live_allocations += 1
-        if self.live_allocations > self.peak_live_allocations:
-            self.peak_live_allocations = self.live_allocations
-        self.requested_bytes += nbytes
-        if self.requested_bytes > self.peak_requested_bytes:
-            self.peak_requested_bytes = self.requested_bytes
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+        self._hand_out(block, nbytes)
         return block
 
     malloc = alloc
@@ -220,14 +241,9 @@ class CachingAllocator:
         seg = block.segment
         if seg is not None and self._segments.get(seg.address) is not seg:
             raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
-        block.allocated = False
-        self.free_count += 1
-        self.live_allocations -= 1
+        self._take_back(block)
         if seg is None:  # zero-byte block
             return
-        self.requested_bytes -= block.requested
-        self.allocated_bytes -= block.size
-        block.requested = 0
         seg.active -= 1
         if not seg.active:
             self.active_segments -= 1
@@ -253,6 +269,7 @@ class CachingAllocator:
             block.next = nxt.next
             if block.next is not None:
                 block.next.prev = block
+        block.gc_base = self._gc_searches
         free_blocks[block.address] = block
         insort(free, block.size << _SHIFT | block.address)
 
@@ -375,6 +392,26 @@ class CachingAllocator:
                 f"{format_size(self.mapped_bytes)} reserved in {len(self._segments)} segments>")
 
     # -- internals ---------------------------------------------------------------------
+    def _collect_garbage(self) -> None:
+        """PyTorch's ``garbage_collect_cached_blocks``: the choice is
+        :func:`vmm.gc_threshold.segments_to_release`'s; here the ages and the release."""
+        free = self._free_large
+        whole = [key for key in free
+                 if self._free_blocks[key & _MASK].prev is None
+                 and self._free_blocks[key & _MASK].next is None]
+        if not whole:
+            return
+        now = self._gc_searches
+        cands = [(key >> _SHIFT, now - self._free_blocks[key & _MASK].gc_base) for key in whole]
+        chosen = segments_to_release(cands, self.mapped_bytes, self.capacity_bytes or 0,
+                                     self.gc_threshold or 0.0)
+        for i in chosen:
+            key = whole[i]
+            del free[bisect_left(free, key)]
+            block = self._free_blocks.pop(key & _MASK)
+            self._release_segment(block.segment)
+            self.gc_released += 1
+
     def _alloc_block(self, size: int, small: bool, nbytes: int) -> Block:
         """A new segment for the request; on failure free cached segments, retry once."""
         seg_size = allocation_size(size)

@@ -35,6 +35,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunks", default="2MiB,20MiB,40MiB", metavar="SIZES", type=_chunk_list,
                    help="virtual-addressing chunk sizes, comma-separated multiples of 2 MiB "
                         "(default: 2MiB,20MiB,40MiB)")
+    p.add_argument("--alloc-conf", default=None, metavar="LINES", type=_alloc_confs,
+                   help="PYTORCH_CUDA_ALLOC_CONF settings to model beside PyTorch's defaults, "
+                        "separated by ';', e.g. 'expandable_segments:True;max_split_size_mb:256' "
+                        "(default: " + ";".join(_default_confs()) + "; 'none': only the defaults)")
     p.add_argument("--device-memory", metavar="SIZE", type=size,
                    help="device memory to replay against, e.g. 16GiB (default: what the snapshot "
                         "says: estimated at its recorded OOM; else unlimited)")
@@ -49,6 +53,34 @@ def register(subparsers: Any) -> None:
                         "such as 20MiB (virtual addressing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
+
+
+def _default_confs() -> tuple[str, ...]:
+    from ooc.frag.report import DEFAULT_CONFS
+
+    return DEFAULT_CONFS
+
+
+def _alloc_confs(text: str) -> list[str]:
+    """``--alloc-conf``: PYTORCH_CUDA_ALLOC_CONF lines separated by ';', each checked."""
+    from vmm.alloc_conf import AllocConf, AllocConfError
+
+    if text.strip().lower() == "none":
+        return []
+    out: list[str] = []
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        try:
+            line = AllocConf.parse(part).line()
+        except AllocConfError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if line and line not in out:
+            out.append(line)
+    if not out and text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give settings such as expandable_segments:True, "
+                                         f"or 'none'")
+    return out
 
 
 def _chunks(text: str) -> list[int]:
@@ -154,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         # disable=None: tqdm turns itself off when stderr is not a terminal.
-        bar = tqdm(total=n * (1 + len(chunks)), unit="ev", unit_scale=True, file=sys.stderr,
+        # The PyTorch settings replayed (at most one more than asked for: the baseline).
+        n_confs = len(args.alloc_conf if args.alloc_conf is not None else _default_confs()) + 1
+        bar = tqdm(total=n * (1 + n_confs + len(chunks)), unit="ev", unit_scale=True, file=sys.stderr,
                    disable=None, desc="ooc frag: replay", leave=False)
 
     def progress(done: int) -> None:
@@ -162,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        rep = frag.analyze(trace, chunks=chunks, device_memory=device_memory, progress=progress)
+        confs = args.alloc_conf if args.alloc_conf is not None else _default_confs()
+        rep = frag.analyze(trace, chunks=chunks, device_memory=device_memory, progress=progress,
+                           confs=confs)
     finally:
         if bar is not None:
             bar.close()

@@ -18,7 +18,10 @@ How a snapshot's trace becomes events (one device; streams are not modelled):
 - ``oom`` -> a marker, and the request that failed is replayed as an allocation there
   (freed right after), so each allocator shows whether it would have fit;
 - ``segment_*`` -> not events (they are the recorded allocator's decisions, which the
-  replay re-makes); they give the recorded reserved bytes over time for comparison;
+  replay re-makes); they give the recorded reserved bytes over time for comparison.
+  ``segment_map`` / ``segment_unmap`` (pages of an expandable segment), or a segment whose
+  ``is_expandable`` is True, mark the run as recorded with ``expandable_segments:True``
+  (``Trace.expandable``), which ``ooc frag`` then takes as its baseline;
 - a free of an address the trace never allocated, and a block still active at the end
   that the trace never mentions, existed before recording started (the trace is a ring
   buffer): they are allocated at the start.
@@ -90,6 +93,9 @@ class Trace:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Key -> what it is ("conv1.out (variable 12, activation)"), where the input says.
     labels: dict[Any, str] = field(default_factory=dict)
+    # Recorded with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: its segments say
+    # ``is_expandable`` or its trace maps pages (``segment_map``).
+    expandable: bool = False
 
 
 @contextlib.contextmanager
@@ -233,6 +239,7 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
     seen: set[int] = set()
     seg_delta: list[tuple[int, int]] = []  # (event position, +/- bytes)
     seg_allocs = seg_frees = 0
+    expandable = any(s.get("is_expandable") is True for s in segments)
     streams: set[Any] = set()
     append = events.append
     for i, e in enumerate(entries):
@@ -293,6 +300,8 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
                 append(Event("free", key, size, time))
         elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
             _, size = _addr_size(e, where, device, i)
+            if action == "segment_map" or action == "segment_unmap":
+                expandable = True
             if action in ("segment_alloc", "segment_map"):
                 streams.add(get("stream"))
                 seg_allocs += 1
@@ -356,7 +365,7 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
     labels = {f"oom:{k}": "the request that ran out of memory" for k in range(len(ooms))}
     return Trace(name=name, kind="snapshot", events=events, ooms=tuple(ooms),
                  device_memory=device_memory, device_memory_source=source, device=device,
-                 recorded=recorded, notes=tuple(notes), labels=labels)
+                 recorded=recorded, notes=tuple(notes), labels=labels, expandable=expandable)
 
 
 def _segment_device(seg: Any, where: str) -> int | None:

@@ -17,7 +17,9 @@ _GIB = float(1 << 30)
 def plot_timeline(rep: FragReport, path: str | os.PathLike[str], *, dpi: int = 120) -> None:
     """Write a PNG of memory over the events of the trace (matplotlib, Agg backend).
 
-    One line per allocator (caching: reserved segment bytes; vmm-N: mapped chunk bytes), the
+    One line per chosen model (``rep.plotted``: the baseline, the advised setting or chunk
+    size, the best chunk size; caching: reserved segment bytes; expandable segments: mapped
+    pages; vmm-N: mapped chunk bytes), the
     live (requested) bytes shaded, the recorded allocator's reserved bytes when the snapshot
     has them, the device size, the recorded OOM (vertical line) and each allocator's own
     OOM (a cross). Axes in GiB and event index; the title names the input.
@@ -69,7 +71,10 @@ def _draw(ax: Any, rep: FragReport, FuncFormatter: Any) -> None:
         ax.fill_between(x, live / _GIB, step="post", color="0.8", label="live (requested)", zorder=1)
     colors = {"caching": "tab:red"}
     palette = iter(["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:cyan"])
-    for a in rep.allocators:
+    # The chosen models only (the baseline, the advised one, the best chunk size): with every
+    # PYTORCH_CUDA_ALLOC_CONF setting drawn, the lines would hide each other.
+    shown = [a for a in rep.allocators if not rep.plotted or a.name in rep.plotted]
+    for a in shown:
         c = colors.get(a.name) or next(palette, "tab:gray")
         what = "reserved" if a.kind == "caching" else "mapped"
         label = f"{a.name} {what} (peak {format_size(a.peak_reserved_bytes)})"

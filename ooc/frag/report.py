@@ -1,5 +1,6 @@
-"""Replay one trace through PyTorch's caching allocator model and through virtual addressing
-at several chunk sizes, measure fragmentation, and say what would have changed.
+"""Replay one trace through PyTorch's caching allocator model (as recorded, and under the
+``PYTORCH_CUDA_ALLOC_CONF`` settings a user can switch on) and through virtual addressing at
+several chunk sizes, measure fragmentation, and say what to set and what it saves.
 
 The numbers are data (:class:`FragReport`, :meth:`FragReport.to_dict` for ``--json``); the
 table and the recommendation are text made from them. Definitions, per allocator:
@@ -18,7 +19,16 @@ table and the recommendation are text made from them. Definitions, per allocator
   model's cache, which a request can only use if one free block is large enough). Virtual
   addressing has no external fragmentation: any free chunk serves any request;
 - *map / unmap*: chunk mappings made / removed (virtual), segments allocated / freed
-  (``cudaMalloc`` / ``cudaFree``, caching model).
+  (``cudaMalloc`` / ``cudaFree``, caching model), pages mapped / unmapped (expandable
+  segments);
+- *unused*: reserved bytes that hold no live data (reserved - live): free blocks, rounding
+  and split remainders; ``max_unused_bytes`` is its largest value over the run, the space the
+  allocator held but could not give to the program.
+
+The PyTorch models are named by their ``PYTORCH_CUDA_ALLOC_CONF`` line
+(``expandable_segments:True``...; ``caching`` is the default setting): :mod:`vmm.alloc_conf`.
+:class:`Advice` answers "what should I set, and what does it save?" (rules in
+:func:`advise`).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+from vmm.alloc_conf import AllocConf
 from vmm.replay import Event, ReplayResult, replay
 from vmm.units import format_size
 
@@ -38,11 +49,17 @@ from ooc.frag.inputs import Trace, gc_paused
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CHUNKS", "GRANULARITY", "Moment", "AllocatorReport", "FragReport", "analyze",
-           "make_allocator", "allocator_name", "format_table", "recommendation"]
+__all__ = ["DEFAULT_CHUNKS", "DEFAULT_CONFS", "GRANULARITY", "Moment", "AllocatorReport", "Advice",
+           "FragReport", "advise", "analyze", "make_allocator", "allocator_name", "format_table",
+           "recommendation"]
 
 GRANULARITY = 2 << 20  # CUDA VMM granularity on current GPUs; chunks are multiples of it
 DEFAULT_CHUNKS = (2 << 20, 20 << 20, 40 << 20)
+# The PYTORCH_CUDA_ALLOC_CONF settings replayed by default, beside the default allocator.
+DEFAULT_CONFS = ("expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4",
+                 "garbage_collection_threshold:0.8")
+ADVICE_MIN_GAIN = 0.05  # ooc's allocator is advised over a PyTorch setting only if it saves
+# this fraction of the baseline's peak more (a setting is one line; ooc changes the program)
 # Pool capacity standing for "unlimited" (a pool makes chunks lazily: nothing is allocated).
 _UNLIMITED = 1 << 60
 ENVELOPE_BINS = 1200  # the plot's resolution along the events (about one bin per pixel)
@@ -50,17 +67,24 @@ SCHEMA = "ooc.frag"
 VERSION = 1
 
 
-def allocator_name(chunk_bytes: int | None) -> str:
-    """``"caching"`` or ``"vmm-20MiB"``: the names the report, JSON and plot use."""
-    return "caching" if chunk_bytes is None else "vmm-" + format_size(chunk_bytes).replace(" ", "")
+def allocator_name(chunk_bytes: int | None, conf: AllocConf | None = None) -> str:
+    """``"caching"``, ``"vmm-20MiB"`` or a ``PYTORCH_CUDA_ALLOC_CONF`` line such as
+    ``"expandable_segments:True"``: the names the report, JSON and plot use."""
+    if chunk_bytes is None:
+        return (conf.line() if conf is not None else "") or "caching"
+    return "vmm-" + format_size(chunk_bytes).replace(" ", "")
 
 
-def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped: bool = True) -> Any:
-    """A fresh allocator on the sim backend: the caching model (``chunk_bytes`` None) or a
-    virtual allocator with chunks of ``chunk_bytes`` (``capacity`` None: unlimited)."""
+def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped: bool = True,
+                   conf: AllocConf | None = None) -> Any:
+    """A fresh allocator on the sim backend: the caching model (``chunk_bytes`` None) under
+    ``conf`` (None: PyTorch's defaults) or a virtual allocator with chunks of ``chunk_bytes``
+    (``capacity`` None: unlimited)."""
     import vmm
 
     if chunk_bytes is None:
+        if conf is not None:
+            return conf.make(capacity, vmm.SimBackend(granularity=GRANULARITY))
         return vmm.CachingAllocator(vmm.SimBackend(granularity=GRANULARITY), capacity_bytes=capacity)
     pool = vmm.ChunkPool(vmm.SimBackend(granularity=GRANULARITY), chunk_bytes=chunk_bytes,
                          capacity_bytes=capacity if capacity is not None else _UNLIMITED)
@@ -111,6 +135,8 @@ class AllocatorReport:
     # int64 (k, 4): first event of the bin, max live, max reserved, min reserved (every
     # state of the replay, not decimated: what the plot draws for long traces).
     envelope: np.ndarray = field(repr=False, compare=False, default=None)
+    alloc_conf: str | None = None  # PyTorch models: the PYTORCH_CUDA_ALLOC_CONF line ("": default)
+    max_unused_bytes: int = 0  # the largest reserved - live over the run (module docstring)
 
     @property
     def completed(self) -> bool:
@@ -131,7 +157,49 @@ class AllocatorReport:
             "map_calls": self.map_calls, "unmap_calls": self.unmap_calls,
             "replay_seconds": round(self.seconds, 4),
             "events_per_second": round(self.events / self.seconds) if self.seconds > 0 else None,
+            "alloc_conf": self.alloc_conf,
+            "max_unused_bytes": self.max_unused_bytes,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """The answer to "what should I set, and what does it save?" (see :func:`advise`).
+
+    - ``baseline``: the model standing for the recorded run (``caching``, or
+      ``expandable_segments:True`` when the snapshot's segments are expandable);
+    - ``peak_live_bytes``, ``recorded_reserved_bytes`` (snapshots that say), and
+      ``baseline_reserved_bytes``: the baseline replay's peak reserved (up to its OOM, if
+      it has one); ``replay_matches_recorded``: whether that peak is the recorded one (None
+      when nothing was recorded);
+    - ``choice``: the model advised (None: keep what you have), ``kind`` ``"alloc_conf"``,
+      ``"ooc"`` or ``"keep"``, ``setting``: what to write (an environment line, or ooc's
+      allocator with its chunk size);
+    - ``reserved_bytes``: the choice's peak reserved; ``saved_bytes`` / ``saved_percent``: the
+      baseline's peak minus it, and that as a percentage of the baseline's peak.
+    """
+
+    baseline: str
+    peak_live_bytes: int
+    recorded_reserved_bytes: int | None
+    baseline_reserved_bytes: int
+    replay_matches_recorded: bool | None
+    choice: str | None
+    kind: str
+    setting: str
+    reserved_bytes: int | None
+    saved_bytes: int
+    saved_percent: float
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline, "peak_live_bytes": self.peak_live_bytes,
+                "recorded_reserved_bytes": self.recorded_reserved_bytes,
+                "baseline_reserved_bytes": self.baseline_reserved_bytes,
+                "replay_matches_recorded": self.replay_matches_recorded,
+                "choice": self.choice, "kind": self.kind, "setting": self.setting,
+                "reserved_bytes": self.reserved_bytes, "saved_bytes": self.saved_bytes,
+                "saved_percent": self.saved_percent, "text": self.text}
 
 
 @dataclass(frozen=True)
@@ -144,6 +212,9 @@ class FragReport:
     allocators: tuple[AllocatorReport, ...]
     best: str | None  # the virtual allocator the recommendation picks
     recommendation: str
+    advice: Advice | None = None
+    plotted: tuple[str, ...] = ()  # the models the plot draws (baseline, choice, best vmm)
+    notes: tuple[str, ...] = ()  # the analysis' own notes (the input's: ``trace.notes``)
 
     def by_name(self, name: str) -> AllocatorReport:
         for a in self.allocators:
@@ -170,7 +241,8 @@ class FragReport:
             "allocators": [a.to_dict() for a in self.allocators],
             "best": self.best,
             "recommendation": self.recommendation,
-            "notes": list(t.notes),
+            "notes": list(t.notes) + list(self.notes),
+            "advice": self.advice.to_dict() if self.advice else None,
         }
 
 
@@ -178,34 +250,61 @@ class FragReport:
 
 
 def analyze(trace: Trace, *, chunks: Sequence[int] = DEFAULT_CHUNKS, device_memory: int | None = None,
-            progress: Callable[[int], None] | None = None) -> FragReport:
-    """Replay ``trace`` through the caching model and a virtual allocator per chunk size.
+            progress: Callable[[int], None] | None = None,
+            confs: Sequence[str | AllocConf] = DEFAULT_CONFS) -> FragReport:
+    """Replay ``trace`` through the caching model, the caching model under each
+    ``PYTORCH_CUDA_ALLOC_CONF`` setting of ``confs`` and a virtual allocator per chunk size.
 
     ``device_memory`` (bytes) caps every allocator; ``None`` takes the trace's own
     (``trace.device_memory``, e.g. estimated from a snapshot's OOM), else unlimited.
-    ``progress(n)`` is called with the total events replayed so far, over all allocators.
+    A setting with ``garbage_collection_threshold`` needs that cap (PyTorch collects only
+    under ``set_per_process_memory_fraction``): without one it is left out, with a note.
+    When the snapshot was recorded with expandable segments, ``expandable_segments:True`` is
+    replayed even if not asked for: it is the baseline. ``progress(n)`` is called with the
+    total events replayed so far, over all allocators.
     """
     source = "given"
     if device_memory is None:
         device_memory, source = trace.device_memory, trace.device_memory_source
         if device_memory is None:
             source = "unlimited"
+    notes: list[str] = []
+    models: list[AllocConf] = []
+    for c in confs:
+        conf = AllocConf.parse(c) if isinstance(c, str) else c
+        if not conf.line() or conf in models:
+            continue  # the default setting is "caching", always replayed
+        if conf.needs_cap and device_memory is None:
+            notes.append(f"{conf.line()} was not modelled: PyTorch collects garbage only under a "
+                         f"memory cap (torch.cuda.set_per_process_memory_fraction); give "
+                         f"--device-memory to model it")
+            continue
+        models.append(conf)
+    expandable = AllocConf(expandable_segments=True)
+    if trace.expandable and expandable not in models:
+        models.insert(0, expandable)
+    runs: list[tuple[int | None, AllocConf | None]] = [(None, None)]
+    runs += [(None, conf) for conf in models]
+    runs += [(chunk, None) for chunk in chunks]
     reports = []
     done = 0
-    for chunk in (None, *chunks):
+    for chunk, conf in runs:
         base = done
 
         def step(n: int, _base: int = base) -> None:
             if progress is not None:
                 progress(_base + n)
 
-        reports.append(_replay_one(trace, chunk, device_memory, step))
+        reports.append(_replay_one(trace, chunk, device_memory, step, conf))
         done += len(trace.events)
     best = _pick_best(reports)
     rep = FragReport(trace=trace, device_memory=device_memory, device_memory_source=source,
                      allocators=tuple(reports), best=best.name if best else None,
-                     recommendation="")
-    return dataclasses.replace(rep, recommendation=recommendation(rep))
+                     recommendation="", notes=tuple(notes))
+    adv = advise(rep)
+    plotted = tuple(dict.fromkeys(n for n in (adv.baseline, adv.choice, rep.best) if n))
+    return dataclasses.replace(rep, recommendation=recommendation(rep), advice=adv,
+                               plotted=plotted)
 
 
 class _Watched:
@@ -225,6 +324,7 @@ class _Watched:
         self.kind = kind
         self.marks = sorted(set(marks))
         self.peak: tuple[int, int, int, int] | None = None  # event, requested, allocated, mapped
+        self.max_unused = 0  # the largest mapped - requested seen between events
         self.at_marks: dict[int, Moment] = {}
         self.envelope: list[tuple[int, int, int, int]] = []  # (first event, live max, resv max, resv min)
         self._gen: Any = None
@@ -252,6 +352,7 @@ class _Watched:
         first = 0
         hi_r = hi_m = -1
         lo_m = 1 << 62
+        unused = 0
         env = self.envelope
         i = 0
         try:
@@ -262,6 +363,8 @@ class _Watched:
                     best = m
                     self.peak = (i, a.requested_bytes, a.allocated_bytes if caching else m, m)
                 r = a.requested_bytes
+                if m - r > unused:
+                    unused = m - r
                 if i == cut:
                     env.append((first, hi_r, hi_m, lo_m))
                     first, cut = i, cut + width
@@ -283,7 +386,9 @@ class _Watched:
             if m > best:
                 self.peak = (i, r, a.allocated_bytes if caching else m, m)
             hi_m, lo_m, hi_r = max(hi_m, m), min(lo_m, m), max(hi_r, r)
+            unused = max(unused, m - r)
         finally:
+            self.max_unused = unused
             if hi_m >= 0:
                 env.append((first, hi_r, hi_m, lo_m))
 
@@ -298,10 +403,10 @@ class _Watched:
 
 
 def _replay_one(trace: Trace, chunk: int | None, capacity: int | None,
-                progress: Callable[[int], None]) -> AllocatorReport:
-    name = allocator_name(chunk)
+                progress: Callable[[int], None], conf: AllocConf | None = None) -> AllocatorReport:
+    name = allocator_name(chunk, conf)
     kind = "caching" if chunk is None else "virtual"
-    allocator = make_allocator(chunk, capacity)
+    allocator = make_allocator(chunk, capacity, conf=conf)
     watched = _Watched(trace.events, allocator, kind, [m.index for m in trace.ooms])
     with gc_paused():  # the events and blocks all stay alive: nothing for the collector to find
         t0, c0 = time.perf_counter(), time.process_time()
@@ -347,7 +452,9 @@ def _replay_one(trace: Trace, chunk: int | None, capacity: int | None,
         oom_request=res.oom_request, at_recorded_oom=at_rec, recorded_oom_fits=fits,
         map_calls=res.map_calls, unmap_calls=res.unmap_calls, seconds=seconds,
         cpu_seconds=cpu_seconds, result=res,
-        envelope=np.array(watched.envelope, dtype=np.int64).reshape(-1, 4))
+        envelope=np.array(watched.envelope, dtype=np.int64).reshape(-1, 4),
+        alloc_conf=None if chunk is not None else (conf.line() if conf is not None else ""),
+        max_unused_bytes=watched.max_unused)
 
 
 def _pick_best(reports: Sequence[AllocatorReport]) -> AllocatorReport | None:
@@ -361,6 +468,108 @@ def _pick_best(reports: Sequence[AllocatorReport]) -> AllocatorReport | None:
     low = min(r.peak_reserved_bytes for r in cands)
     near = [r for r in cands if r.peak_reserved_bytes <= low * 1.02 + 1]
     return max(near, key=lambda r: (r.chunk_bytes or 0, -r.peak_reserved_bytes))
+
+
+def advise(rep: FragReport) -> Advice:
+    """What to set, and what it saves, for the run of ``rep`` (rules, in order):
+
+    1. the *baseline* is the model of what was recorded: ``expandable_segments:True`` if the
+       snapshot's segments are expandable, else ``caching`` (PyTorch's defaults);
+    2. a model "gets further" than another if it replays more events (the other ran out of
+       memory first); among those that get furthest, the lowest peak reserved wins. The best
+       ``PYTORCH_CUDA_ALLOC_CONF`` setting and the best ooc chunk size are found that way;
+    3. if the baseline completes: the setting is advised when it lowers the peak; ooc's
+       allocator instead when it saves more than the setting by at least
+       ``ADVICE_MIN_GAIN`` (5%) of the baseline's peak (a setting is one line, ooc a change
+       to the program); nothing when neither lowers the peak;
+    4. if the baseline runs out of memory: the setting that completes, else ooc's allocator if
+       it completes, else nothing (no allocator fits: the live bytes need swapping).
+    """
+    t = rep.trace
+    base_name = "expandable_segments:True" if t.expandable else "caching"
+    base = rep.by_name(base_name)
+    rec = t.recorded
+    matches = None
+    if rec is not None:
+        matches = base.peak_reserved_bytes == rec.peak_reserved_bytes
+    total = len(t.events)
+
+    def rank(r: AllocatorReport) -> tuple[int, int]:
+        return (-r.events, r.peak_reserved_bytes)
+
+    confs = [r for r in rep.allocators if r.kind == "caching" and r is not base]
+    conf = min(confs, key=rank) if confs else None
+    vmm = rep.by_name(rep.best) if rep.best else None
+    peak = base.peak_reserved_bytes
+    choice: AllocatorReport | None = None
+    if base.completed:
+        conf_gain = peak - conf.peak_reserved_bytes if conf is not None and conf.completed else 0
+        vmm_gain = peak - vmm.peak_reserved_bytes if vmm is not None and vmm.completed else 0
+        if vmm_gain > max(conf_gain, 0) + ADVICE_MIN_GAIN * peak:
+            choice = vmm
+        elif conf_gain > 0:
+            choice = conf
+    else:
+        for cand in (conf, vmm):
+            if cand is not None and cand.events == total and cand.completed:
+                choice = cand
+                break
+    live = base.peak_live_bytes
+    if choice is None:
+        kind, setting, reserved, saved = "keep", "", None, 0
+    elif choice.kind == "virtual":
+        kind, reserved = "ooc", choice.peak_reserved_bytes
+        setting = f"ooc.OutOfCore(model, optimizer, budget=..., chunk={choice.chunk_bytes})"
+        saved = peak - reserved
+    else:
+        kind, reserved = "alloc_conf", choice.peak_reserved_bytes
+        setting = f"PYTORCH_CUDA_ALLOC_CONF={choice.alloc_conf}"
+        saved = peak - reserved
+    pct = round(100.0 * saved / peak, 1) if peak and choice is not None else 0.0
+    return Advice(baseline=base_name, peak_live_bytes=live,
+                  recorded_reserved_bytes=rec.peak_reserved_bytes if rec else None,
+                  baseline_reserved_bytes=peak, replay_matches_recorded=matches,
+                  choice=choice.name if choice else None, kind=kind, setting=setting,
+                  reserved_bytes=reserved, saved_bytes=saved, saved_percent=pct,
+                  text=_advice_text(rep, base, choice, setting, saved, pct, matches))
+
+
+def _advice_text(rep: FragReport, base: AllocatorReport, choice: AllocatorReport | None,
+                 setting: str, saved: int, pct: float, matches: bool | None) -> str:
+    rec = rep.trace.recorded
+    what = ("PyTorch's defaults" if base.name == "caching"
+            else f"PYTORCH_CUDA_ALLOC_CONF={base.name}")
+    parts = []
+    if rec is not None and matches:
+        parts.append(f"The replay of {what} reproduces the recorded peak reserved "
+                     f"({format_size(rec.peak_reserved_bytes)}).")
+    elif rec is not None:
+        parts.append(f"The replay of {what} peaks at {format_size(base.peak_reserved_bytes)} "
+                     f"reserved where the run recorded {format_size(rec.peak_reserved_bytes)} "
+                     f"(other streams or memory outside the trace are not modelled).")
+    if choice is None:
+        if base.completed:
+            parts.append(f"Keep {what}: no modelled setting lowers its peak of "
+                         f"{format_size(base.peak_reserved_bytes)} reserved for "
+                         f"{format_size(base.peak_live_bytes)} live.")
+        else:
+            parts.append(f"No modelled setting or chunk size fits this run on the "
+                         f"{_gib(rep.device_memory)} device: {_swap_advice(rep)}.")
+        return " ".join(parts)
+    label = f"Set {setting}" if choice.kind == "caching" else         f"Use ooc's allocator with {format_size(choice.chunk_bytes or 0)} chunks ({setting})"
+    if base.completed:
+        parts.append(f"{label}: this run then peaks at {format_size(choice.peak_reserved_bytes)} "
+                     f"reserved instead of {format_size(base.peak_reserved_bytes)} "
+                     f"({format_size(saved)} or {pct:g}% less, for "
+                     f"{format_size(base.peak_live_bytes)} live; at most "
+                     f"{format_size(choice.max_unused_bytes)} reserved but unused instead of "
+                     f"{format_size(base.max_unused_bytes)}).")
+    else:
+        parts.append(f"{label}: the whole run then fits on the {_gib(rep.device_memory)} "
+                     f"device, peaking at {format_size(choice.peak_reserved_bytes)} reserved, "
+                     f"where {what} runs out of memory at event "
+                     f"{base.oom.event if base.oom else base.events:,}.")
+    return " ".join(parts)
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -513,7 +722,7 @@ def format_table(rep: FragReport, *, width: int = 100) -> str:
                      f"{r.segment_allocs:,} segment allocs, {r.segment_frees:,} segment frees")
     lines.append("")
     head = ("allocator", "peak live", "peak resv", "resv/live", "mean", "max", "internal",
-            "external", "map/unmap", "out of memory")
+            "external", "max unused", "map/unmap", "out of memory")
     rows = [head]
     for a in rep.allocators:
         p = a.oom or a.at_peak
@@ -528,7 +737,7 @@ def format_table(rep: FragReport, *, width: int = 100) -> str:
             f"{a.ratio_mean:.2f}x" if a.ratio_mean is not None else "-",
             f"{a.ratio_max:.2f}x" if a.ratio_max is not None else "-",
             _gib(p.internal_bytes) if p else "-", _gib(p.external_bytes) if p else "-",
-            f"{a.map_calls:,}/{a.unmap_calls:,}", oom))
+            _gib(a.max_unused_bytes), f"{a.map_calls:,}/{a.unmap_calls:,}", oom))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     for k, r in enumerate(rows):
         cells = [r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(head) - 1)]
@@ -541,10 +750,17 @@ def format_table(rep: FragReport, *, width: int = 100) -> str:
         "internal/external: at the peak of reserved bytes (or at the OOM). caching: reserved = "
         "segments (cudaMalloc), map/unmap = segments allocated/freed, largest free = largest free "
         "block; vmm-N: reserved = chunks mapped under live allocations, map/unmap = chunk "
-        "mappings, largest free = largest request that fits.", width=width))
+        "mappings, largest free = largest request that fits. Names with a colon: PyTorch's "
+        "caching allocator under that PYTORCH_CUDA_ALLOC_CONF (expandable segments: reserved = "
+        "pages mapped). max unused: the most bytes reserved but not live during the run.",
+        width=width))
     lines.append("")
-    lines.append(textwrap.fill("Recommendation: " + rep.recommendation, width=width))
-    if t.notes:
+    if rep.advice is not None:
+        lines.append(textwrap.fill("What to set: " + rep.advice.text, width=width))
         lines.append("")
-        lines.extend(textwrap.fill("note: " + n, width=width, subsequent_indent="  ") for n in t.notes)
+    lines.append(textwrap.fill("Recommendation: " + rep.recommendation, width=width))
+    notes = (*t.notes, *rep.notes)
+    if notes:
+        lines.append("")
+        lines.extend(textwrap.fill("note: " + n, width=width, subsequent_indent="  ") for n in notes)
     return "\n".join(lines)

@@ -51,7 +51,7 @@ from typing import Any
 
 from ooc.errors import OOCError, StorageError
 from ooc.runtime.labels import label
-from ooc.storage.extents import Extents, round_up
+from ooc.storage.extents import Extents, room_to_write, round_up
 from vmm.cuda import format_call_args, in_own_context, own_context
 from vmm.units import format_size, parse_size
 
@@ -487,11 +487,7 @@ class PinnedTier:
         with self._lock:
             self._check_open()
             self._poll()
-            need = 0
-            for key, nbytes in writes:
-                rec = self._records.get(key) if key is not None else None
-                have = round_up(rec.nbytes, ALIGN) if rec is not None and rec.refs == 0 else 0
-                need += max(0, round_up(int(nbytes), ALIGN) - have)
+            need = room_to_write(self._records, writes, ALIGN)
             ext = self._extents
             if need > ext.free_bytes + self.capacity_bytes - ext.end:
                 self._drain_retired()   # copies of discarded keys may still hold room

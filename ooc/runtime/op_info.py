@@ -11,7 +11,7 @@ the id cannot be reused by another object).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,9 +28,10 @@ _NO_TENSOR = frozenset({
 
 class OpInfo:
     """An op's name (as recorded in the sequence), the positions of its arguments that may
-    hold tensors, and the (position, name) of those it writes in place."""
+    hold tensors, the (position, name) of those it writes in place, and, for a foreach op that
+    can run one list entry at a time, the (position, name) of its lists (else None)."""
 
-    __slots__ = ("func", "name", "tensor_positions", "writes")
+    __slots__ = ("func", "lists", "name", "tensor_positions", "writes")
 
     def __init__(self, func: Any) -> None:
         self.func = func   # keeps the op alive: its id stays its own
@@ -39,11 +40,13 @@ class OpInfo:
         if schema is None:   # not an OpOverload: scan everything, write nothing
             self.tensor_positions: tuple[int, ...] | None = None
             self.writes: tuple[tuple[int, str], ...] = ()
+            self.lists: tuple[tuple[int, str], ...] | None = None
             return
         arguments = schema.arguments
         self.tensor_positions = tuple(i for i, a in enumerate(arguments) if str(a.type) not in _NO_TENSOR)
         self.writes = tuple((i, a.name) for i, a in enumerate(arguments)
                             if a.alias_info is not None and a.alias_info.is_write)
+        self.lists = _list_args(schema)
 
     def inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensors among the op's arguments, in order: positional ones first, then those
@@ -75,6 +78,65 @@ class OpInfo:
         for pos, name in self.writes:
             tensors(args[pos] if pos < len(args) else kwargs.get(name), out)
         return out
+
+
+def _list_args(schema: Any) -> tuple[tuple[int, str], ...] | None:
+    """(position, name) of a foreach op's list arguments, or None if it is not one that can run
+    one list entry at a time: a ``_foreach_*`` op (or GradScaler's unscale) that returns
+    nothing or one list."""
+    name = schema.name.split("::")[-1]
+    if not (name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_"):
+        return None
+    if [str(r.type) for r in schema.returns] not in ([], ["List[Tensor]"]):
+        return None
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if str(a.type).startswith("List[")) or None
+
+
+def split_foreach(info: OpInfo, args: tuple, kwargs: dict,
+                  managed: Callable[[torch.Tensor], Any]) -> list[tuple[tuple, dict]] | None:
+    """A foreach op over managed tensors, as one call per list entry; None to run it whole.
+
+    A foreach op needs every tensor of its lists at once: ``GradScaler.unscale_`` and
+    ``clip_grad_norm_`` take all gradients, so with grads managed they needed the whole
+    model's gradients resident, more than the budget whenever managing them mattered. Entry
+    by entry, one gradient at a time is resident, and the arithmetic is the same: a foreach
+    op computes each entry on its own (on the CPU it loops over them; CUDA's multi-tensor
+    kernels also reduce each tensor apart, which ``test_amp.py``'s GPU test checks bitwise).
+    Only when every other tensor argument is a scalar (0-dim: ``found_inf``, ``inv_scale``, a
+    clip coefficient); a tensor of per-entry scalars stays whole. ``managed(t)`` is not None
+    for a tensor the engine manages."""
+    if info.lists is None:
+        return None
+    lists, n = [], None
+    for pos, name in info.lists:
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if value is None:
+            continue
+        if n is None:
+            n = len(value)
+        if len(value) != n:
+            return None
+        lists.append((pos, name))
+    if n is None or n < 2:
+        return None
+    listed = {id(x) for pos, name in lists for x in (args[pos] if pos < len(args) else kwargs[name])}
+    others = [t for t in tensors((args, kwargs)) if id(t) not in listed]
+    if any(t.dim() != 0 for t in others):
+        return None
+    if not any(managed(t) is not None for pos, name in lists
+               for t in (args[pos] if pos < len(args) else kwargs[name]) if isinstance(t, torch.Tensor)):
+        return None
+    pieces = []
+    for i in range(n):
+        a, k = list(args), dict(kwargs)
+        for pos, name in lists:
+            if pos < len(a):
+                a[pos] = a[pos][i:i + 1]
+            else:
+                k[name] = k[name][i:i + 1]
+        pieces.append((tuple(a), k))
+    return pieces
 
 
 _OPS: dict[int, OpInfo] = {}

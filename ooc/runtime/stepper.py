@@ -38,7 +38,7 @@ from ooc.runtime import slots as sl
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
-from ooc.runtime.op_info import _OPS, op_info, tensors as _tensors
+from ooc.runtime.op_info import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
@@ -119,6 +119,7 @@ class Stepper:
         # may write in place (BatchNorm statistics), copied at their first use (id of the
         # storage -> (buffer, copy); None once the optimizer starts), and the grads it creates.
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
+        self.updating = False   # inside optimizer.step() (between the engine's pre and post hooks)
         # Buffers by the id of their storage, which each entry keeps (the Python object too,
         # so the id stays that storage's): the per-op loop has the inputs' storages in hand.
         self.buffers: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {
@@ -338,13 +339,18 @@ class Stepper:
             top = top_saved_tensors_hooks(False)   # only where autograd may save tensors
             if top is not None and top[0] is not own_pack:
                 check_hooks_inside(own_pack)
+        info = _OPS.get(id(func))
+        if info is None or info.func is not func:
+            info = op_info(func)
+        if info.lists is not None:
+            pieces = split_foreach(info, args, kwargs, self.slot_of)
+            if pieces is not None:   # one list entry at a time: see split_foreach
+                outs = [self.on_op(func, a, k) for a, k in pieces]
+                return None if outs[0] is None else [t for out in outs for t in out]
         if self._pool_excess is not None:
             excess = self._pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
                 self.e.pool.trim(excess)
-        info = _OPS.get(id(func))
-        if info is None or info.func is not func:
-            info = op_info(func)
         rec = self.rec
         i = rec.begin_op(info.name)
         self.i = i

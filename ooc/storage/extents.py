@@ -30,6 +30,18 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def room_to_write(records: dict, writes: "list[tuple[int | None, int]]", align: int) -> int:
+    """Bytes beyond what ``writes`` (pairs ``(key, nbytes)``; ``key=None``: a new key) can
+    reuse: a rewrite of a key whose record (``.nbytes``, ``.refs``) no copy holds reuses its
+    room. What both tiers' ``reserve`` must find before an optimizer step."""
+    need = 0
+    for key, nbytes in writes:
+        rec = records.get(key) if key is not None else None
+        have = round_up(rec.nbytes, align) if rec is not None and rec.refs == 0 else 0
+        need += max(0, round_up(int(nbytes), align) - have)
+    return need
+
+
 class Extents:
     """Free-list allocator over ``[0, end)`` of one file, growing ``end`` on demand."""
 

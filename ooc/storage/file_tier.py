@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ooc.errors import StorageError
-from ooc.storage.extents import Extents, round_up
+from ooc.storage.extents import Extents, room_to_write
 from ooc.storage.private_dir import make_private_dir, remove_private_dir
 from ooc.storage.swapfile import ALIGN, Fault, ShortTransfer, SwapFile, buffer_address
 from vmm.units import format_size
@@ -213,11 +213,7 @@ class FileTier:
         """
         with self._lock:
             self._check_open()
-            need = 0
-            for key, nbytes in writes:
-                rec = self._records.get(key) if key is not None else None
-                have = round_up(rec.nbytes, ALIGN) if rec is not None and rec.refs == 0 else 0
-                need += max(0, round_up(int(nbytes), ALIGN) - have)
+            need = room_to_write(self._records, writes, ALIGN)
             grow = need - self._extents.free_bytes
             if grow <= 0:
                 return

@@ -62,6 +62,8 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         "INPUT": INPUT, "--chunks": ["3MiB", "lots", ",", "0"], "--device-memory": SIZE,
         "--device": ["-1", "x"], "--plot": PNG, "--export-snapshot": OUTPUT,
         "--export-allocator": ["3MiB", "buddy", "2MiB,4MiB"],
+        "--alloc-conf": ["expandable_segments:maybe", "max_split_size_mb:-1", "nonsense:1",
+                         "roundup_power2_divisions:3", ";"],
     }),
     "report": (["INPUT", "{plan}"], {
         "INPUT": INPUT, "--output": PNG, "--budget": SIZE, "--policy": NAME,

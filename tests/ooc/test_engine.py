@@ -357,7 +357,7 @@ def test_gradient_accumulation_with_unmanaged_grads_is_planned() -> None:
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"budget": 0}, "budget must be"), ({"budget": -5}, "budget must be"),
+    ({"budget": 0}, "budget: must be"), ({"budget": -5}, "budget: must be"),
     ({"budget": "sixteen"}, "not a size"), ({"budget": "16 GBs"}, "not a size"),
     # the default chunk adapts down to a page (below 2 MiB budgets too): below a page, refused
     ({"budget": "2KiB"}, "smaller than one chunk"), ({"budget": "1MiB", "chunk": "2MiB"}, "smaller than one chunk"),

@@ -343,7 +343,8 @@ def test_device_memory_option_overrides_snapshot(tmp_path, capsys):
     _checkerboard_snapshot(path)
     rep = _json(["frag", str(path), "--device-memory", "1GiB", "--chunks", "20MiB"], capsys)
     assert rep["device_memory_bytes"] == 1 << 30 and rep["device_memory_source"] == "given"
-    assert [a["name"] for a in rep["allocators"]] == ["caching", "vmm-20MiB"]
+    assert [a["name"] for a in rep["allocators"]] == ["caching", *frag.report.DEFAULT_CONFS,
+                                                      "vmm-20MiB"]
     assert all(a["completed"] for a in rep["allocators"])
     assert "fits" in rep["recommendation"]
 
@@ -354,19 +355,29 @@ def test_json_keys_are_stable(tmp_path, capsys):
     rep = _json(["frag", str(path)], capsys)
     assert list(rep) == ["schema", "version", "input", "input_kind", "device", "events",
                          "device_memory_bytes", "device_memory_source", "recorded", "allocators",
-                         "best", "recommendation", "notes", "plot", "export_snapshot"]
+                         "best", "recommendation", "notes", "advice", "plot", "export_snapshot"]
     assert set(rep["allocators"][0]) == {
         "name", "kind", "chunk_bytes", "events_replayed", "completed", "peak_live_bytes",
         "peak_reserved_bytes", "fragmentation_at_peak", "fragmentation_mean", "fragmentation_max",
         "at_peak", "oom", "at_recorded_oom", "recorded_oom_fits", "map_calls", "unmap_calls",
-        "replay_seconds", "events_per_second"}
-    assert [a["name"] for a in rep["allocators"]] == ["caching", "vmm-2MiB", "vmm-20MiB", "vmm-40MiB"]
+        "replay_seconds", "events_per_second", "alloc_conf", "max_unused_bytes"}
+    assert set(rep["advice"]) == {
+        "baseline", "peak_live_bytes", "recorded_reserved_bytes", "baseline_reserved_bytes",
+        "replay_matches_recorded", "choice", "kind", "setting", "reserved_bytes", "saved_bytes",
+        "saved_percent", "text"}
+    # No device size: garbage collection (which needs a memory cap) is left out, with a note.
+    assert [a["name"] for a in rep["allocators"]] == [
+        "caching", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4",
+        "vmm-2MiB", "vmm-20MiB", "vmm-40MiB"]
+    assert any("garbage_collection_threshold:0.8 was not modelled" in n for n in rep["notes"])
+    assert [a["alloc_conf"] for a in rep["allocators"]][:2] == ["", "expandable_segments:True"]
     for a in rep["allocators"]:
         assert a["peak_live_bytes"] == _sequence().in_core_peak_bytes
         assert a["fragmentation_max"] >= a["fragmentation_mean"] >= 1.0
         p = a["at_peak"]
         assert p["reserved_bytes"] == a["peak_reserved_bytes"]
         assert p["live_bytes"] + p["internal_bytes"] + p["external_bytes"] == p["reserved_bytes"]
+        assert a["max_unused_bytes"] >= p["reserved_bytes"] - p["live_bytes"]
 
 
 def test_progress_reports_all_allocators(tmp_path):
@@ -375,8 +386,8 @@ def test_progress_reports_all_allocators(tmp_path):
     events = swap_trace(70_000, layers=8, max_bytes=8 * MiB)
     trace = frag.Trace(name="syn", kind="csv", events=events)
     seen = []
-    frag.analyze(trace, chunks=[20 * MiB], progress=seen.append)
-    assert seen == sorted(seen) and seen[-1] == 2 * len(events)
+    frag.analyze(trace, chunks=[20 * MiB], progress=seen.append, confs=["expandable_segments:True"])
+    assert seen == sorted(seen) and seen[-1] == 3 * len(events)
 
 
 # -- exports: round trip and PyTorch's own viewer code ----------------------------------------

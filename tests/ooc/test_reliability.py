@@ -712,8 +712,8 @@ def test_budget_units_are_distinct_and_both_valid(tmp_path):
     ({"budget": None}, "expected a byte size"), ({"budget": True}, "expected a byte size"),
     ({"budget": float("nan")}, "positive"), ({"budget": "-1GiB"}, "not a size"),
     ({"budget": ""}, "not a size"), ({"budget": "1 GiBs"}, "not a size"),
-    ({"budget": "1GiB", "chunk": 0}, "chunk must be"), ({"budget": "1GiB", "chunk": "1000"}, "granularity"),
-    ({"budget": "1GiB", "window": -1}, "window must be"), ({"budget": "1GiB", "min_bytes": "lots"}, "not a size"),
+    ({"budget": "1GiB", "chunk": 0}, "chunk: must be"), ({"budget": "1GiB", "chunk": "1000"}, "granularity"),
+    ({"budget": "1GiB", "window": -1}, "window: must be"), ({"budget": "1GiB", "min_bytes": "lots"}, "not a size"),
     ({"budget": "1GiB", "threads": 0}, "threads must be"), ({"budget": "1GiB", "policy": "lru"}, "policy"),
     ({"budget": "1GiB", "manage": "everything"}, "unknown kind"),
 ])
