@@ -258,8 +258,7 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
         if not row.results:
             out.append([row.label, budget, row.infeasible or f"failed: {row.error}"] + [""] * 7)
             continue
-        plan = row.stat("plan") or {}
-        moved = (plan.get("bytes_in", 0) + plan.get("bytes_out", 0)) if plan else None
+        moved = (row.stat("plan.bytes_in") + row.stat("plan.bytes_out")) if row.stat("plan.functions") else None
         stall = row.stat("last_stall_s")
         planned = row.stat("last_planned")
         ident = row.identical or "-"
@@ -267,7 +266,7 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
             ident = "(reference)"
         rel = row.rise / inc.rise - 1 if inc.results and inc.rise else float("nan")
         out.append([
-            row.label + ("" if planned in (None, True) else " (not planned!)"), budget,
+            row.label + ("" if planned in (None, 1) else " (not planned!)"), budget,
             f"{row.step_s:.3f}", f"{row.ratio:.2f}x" + (f" ({min(row.ratios):.2f}-{max(row.ratios):.2f})"
                                                          if len(row.ratios) > 1 else ""), _mib(row.rise), f"{rel:+.0%}", _mib(row.total),
             "-" if stall is None else f"{stall:.3f}",

@@ -149,7 +149,7 @@ def _row(fam: Family, r: Result, budget: int, ref_step: float | None, ref_params
         return head + [r.note or f"failed: {r.error}", "", "", "", "", "", "", ""]
     s = r.steady
     verdict = "yes" if r.method == "ooc" or s.training_bytes <= budget else "no (over budget)"
-    plan = (s.stats or {}).get("plan") or {}
+    plan = common.plan_stats(s.stats)
     moved = format_size(plan.get("bytes_in", 0) + plan.get("bytes_out", 0)) if plan else "-"
     per_param = "-"
     if ref_step and ref_params:
@@ -164,7 +164,7 @@ def _planned(s: Steady) -> str:
     st = s.stats
     if not st:
         return "-"
-    if st.get("last_diverged_at") is not None:
+    if st.get("last_diverged_at", -1) != -1:
         return f"**diverged at op {st['last_diverged_at']}**"
     return "yes" if st.get("last_planned") else "**no**"
 

@@ -268,7 +268,7 @@ def main() -> None:
                     f"{res.training_bytes / MiB:.0f} MiB, peak {res.peak_steady / MiB:.0f} MiB "
                     f"({time.perf_counter() - t0:.0f} s)")
                 if r == 0 and row.label == "on-demand":
-                    od = ((res.stats or {}).get("plan") or {}).get("peak_resident_bytes")
+                    od = common.plan_stats(res.stats).get("peak_resident_bytes")
                     if od:
                         same = -(-od // base.chunk) * base.chunk
                         rows.append(Row(f"window at on-demand's peak ({format_size(same)})",
@@ -296,7 +296,7 @@ def main() -> None:
         if not row.results:
             table.append([row.label, f"failed: {row.error}"] + [""] * 9)
             continue
-        plan = (row.results[-1].stats or {}).get("plan") or {}
+        plan = common.plan_stats(row.results[-1].stats)
         stats = row.results[-1].stats or {}
         table.append([
             row.label, f"{row.med(lambda r: r.median_step_s):.3f}", f"{median(row.ratios) - 1:+.1%}",
@@ -304,7 +304,7 @@ def main() -> None:
             f"{row.med(lambda r: r.rise_bytes) / MiB:,.0f}",
             "-" if not plan else f"{plan['peak_resident_bytes'] / MiB:,.0f}",
             "-" if not plan else f"{(plan['bytes_in'] + plan['bytes_out']) / MiB:,.0f}",
-            "-" if stats.get("last_stall_s") is None else f"{stats['last_stall_s']:.3f}",
+            "-" if not stats else f"{stats['last_stall_s']:.3f}",
             "(reference)" if row is rows[0] else ("yes" if row.identical else "**NO**" if row.identical is False else "-"),
             _planned(row.results),
         ])
@@ -340,7 +340,7 @@ def _planned(results: list[Steady]) -> str:
     stats = [r.stats for r in results if r.stats]
     if not stats:
         return "-"
-    bad = [st for st in stats if st.get("last_diverged_at") is not None or not st.get("last_planned")]
+    bad = [st for st in stats if st.get("last_diverged_at", -1) != -1 or not st.get("last_planned")]
     return "yes" if not bad else f"**no in {len(bad)} of {len(stats)} runs**"
 
 
@@ -357,7 +357,7 @@ def side_by_side(rows: list[Row]) -> list[str]:
         if not row.results:
             continue
         mem = row.med(lambda r: r.training_bytes)
-        plan = (row.results[-1].stats or {}).get("plan") or {}
+        plan = common.plan_stats(row.results[-1].stats)
         outside = mem - (plan.get("peak_resident_bytes") or 0)
         out.append(f"- {row.label}: training memory {mem0 / MiB:,.0f} -> {mem / MiB:,.0f} MiB "
                    f"({mem / mem0 - 1:+.0%}) at {median(row.ratios) - 1:+.1%} latency; of those "

@@ -164,7 +164,7 @@ def _child(spec: dict[str, Any]) -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, spec["params_out"])
     if engine is not None:
         stats = engine.stats()
-        plan = stats["plan"] or {}
+        plan = common.plan_stats(stats)
         out.update(ops=plan.get("functions"), planned=stats["last_planned"],
                    moved=plan.get("bytes_in", 0) + plan.get("bytes_out", 0),
                    managed=plan.get("variables"), chunk=engine.chunk)

@@ -211,3 +211,12 @@ def save_plot(fig: Any, path: Path) -> Path:
     pyplot().close(fig)
     print(f"wrote {path}")
     return path
+
+
+def plan_stats(stats: dict | None) -> dict:
+    """The ``plan.*`` numbers of ``engine.stats()`` without the prefix; {} when no step of the
+    engine ran a plan (or there was no engine)."""
+    stats = stats or {}
+    if not stats.get("plan.functions"):
+        return {}
+    return {k[len("plan."):]: v for k, v in stats.items() if k.startswith("plan.")}

@@ -8,7 +8,9 @@ import itertools
 import logging
 import mmap
 import time
+import weakref
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -18,9 +20,10 @@ import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.composition import check_step_entry
-from ooc.runtime.malloc import give_back_heap, release_freed_memory
+from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
+from ooc.runtime.process_effects import ProcessEffects
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
@@ -148,35 +151,16 @@ class OutOfCore:
         if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
             raise OOCError("a fused optimizer updates every parameter in one op; "
                            "create it with fused=False to manage params/grads/state")
-        # CPU: the step's new tensors come from a recycling allocator (ooc/runtime/cpu_allocator.py).
-        # Storages made before the engine (parameters, and state resized in place) keep the
-        # allocator they were made with, glibc's: make it unmap large blocks on free, else its
-        # heap keeps every byte swapping gives back (and so does a process without the
-        # compiled allocator).
-        if self.device.type == "cpu":
-            release_freed_memory()
-        # With it, the pool's chunks stay populated across steps (its idle ones bounded with the
-        # allocator's cache); ``pool_excess`` says how much to give back before the next op.
+        # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap
+        # threshold, the optimizer's foreach flag): made at the first step, undone by close()
+        # or when the engine is collected (ooc/runtime/process_effects.py). Until then the
+        # pool gives back nothing on its own (``pool_excess``, set by the first step).
         self.pool_excess = None
-        if self.device.type == "cpu" and cpu_allocator.acquire():
-            self.pool_excess = cpu_allocator.pool_excess
+        self._effects = ProcessEffects(self.device.type, optimizer, per_parameter)
         # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
         self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
                                                   threads, verify)
-        if per_parameter:   # every argument is valid: now change the optimizer
-            multi_tensor = False
-            for group in optimizer.param_groups:   # one op touches one parameter's tensors
-                if "foreach" in group:
-                    multi_tensor |= group["foreach"] is not False
-                    group["foreach"] = False
-            if multi_tensor and self.device.type == "cuda":
-                # Measured on an H100: Adam's multi-tensor update (PyTorch's default on CUDA)
-                # rounds differently from its per-parameter one; SGD's does not.
-                log.warning("managed params/grads/optimizer state: the optimizer now runs per "
-                            "parameter (foreach=False); on a GPU its results are bitwise those "
-                            "of in-core training with foreach=False, which for Adam/AdamW differ "
-                            "in rounding from PyTorch's default multi-tensor update")
         self._ids = itertools.count()
         self.persistent: dict[int, Slot] = {}
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
@@ -214,8 +198,17 @@ class OutOfCore:
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
         if optimizer is not None:   # the update starts at optimizer.step(), however it is called
-            self._hooks += [optimizer.register_step_pre_hook(self._update_starts),
-                            optimizer.register_step_post_hook(self._update_done)]
+            # Held weakly: an engine that manages activations only keeps nothing between steps,
+            # so a user who drops it without close() loses nothing, and it can be collected
+            # while model and optimizer live on. One that manages persistent tensors owns their
+            # swapped bytes between steps: the model's hooks above keep it alive with the model.
+            self._hooks += [optimizer.register_step_pre_hook(_weakly(self._update_starts)),
+                            optimizer.register_step_post_hook(_weakly(self._update_done))]
+        # Collected without close(): unhook, and put back what the steps changed outside.
+        # (``_held`` follows the pool when the chunk changes; it references nothing that refers
+        # to the engine, or the engine could never be collected.)
+        self._held = _Held(self.tier, self.pool)
+        weakref.finalize(self, _collected, self._hooks, self._effects, self._held)
 
     # -- persistent tensors ------------------------------------------------------------------
 
@@ -252,18 +245,24 @@ class OutOfCore:
                     self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
     def _grad_hook(self, name: str):
+        # A parameter's hooks are held from C++, where the garbage collector cannot follow
+        # them: a hook that held the engine would keep it, and with it the model, forever.
+        # The model's state_dict hooks (Python) keep the engine alive while the model lives.
+        engine = weakref.ref(self)
+
         def hook(p: torch.nn.Parameter) -> None:
-            st = self._stepper
+            e = engine()
+            st = None if e is None else e._stepper
             if st is None or p.grad is None:
                 return
             with _disable_current_modes():
-                promote(st, p)
+                promote(e, st, p)
 
-        def promote(st: Stepper, p: torch.nn.Parameter) -> None:
+        def promote(e: OutOfCore, st: Stepper, p: torch.nn.Parameter) -> None:
             s = p.grad.untyped_storage()
             b = st.rec.live_birth(id(s))
             if b is not None and b.var is None and st.slot_of(p.grad) is None:
-                var = self.new_var()
+                var = e.new_var()
                 st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
                 st.adopt_grad(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
                                    state=State.RESIDENT, storage=s))
@@ -290,6 +289,8 @@ class OutOfCore:
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
         check_step_entry(_Mode, "activations" in self.manage)
+        if not self._effects.applied:   # the first step (see ProcessEffects)
+            self.pool_excess = self._effects.apply()
         t0 = time.perf_counter()
         self._forget_dropped()
         self._stable_vars()
@@ -717,6 +718,7 @@ class OutOfCore:
         self.chunk, self.min_bytes = chunk, min_bytes
         self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
         old, self.pool = self.pool, make_pool(self.device, self.budget, chunk)
+        self._held.pool = self.pool
         _close_pool(old)
         self.plans.clear()
         self.schedule = None
@@ -832,26 +834,36 @@ class OutOfCore:
                 tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
         return tensors
 
-    def stats(self) -> dict[str, Any]:
-        """Plain data with stable keys: what moved, what stalled, what the plan says."""
-        tier = self.tier.stats()
-        plan = self.schedule.summary() if self.schedule is not None else None
-        return {
+    def stats(self) -> dict[str, int | float]:
+        """Flat numbers with stable keys, like ``torch.cuda.memory_stats()``: what moved, what
+        stalled, what the plan says. Every key is there from the start (0 before the first
+        step; ``last_diverged_at`` is -1 when the last step kept to its plan). The keys are
+        listed in README ("Statistics"); ``tier.*`` are the slower tier's own counters (its
+        numbers only; its settings are its attributes)."""
+        last = self.last
+        diverged = last.get("diverged_at")
+        plan = self.schedule.summary() if self.schedule is not None else {}
+        out: dict[str, int | float] = {
             "steps": self.counters["steps"],
             "plans": self.counters["plans"],
             "bytes_in": self.counters["bytes_in"],
             "bytes_out": self.counters["bytes_out"],
-            "last_step_s": self.last.get("step_s"),
-            "last_stall_s": self.last.get("stall_s"),
-            "last_planned": self.last.get("planned"),
-            "last_diverged_at": self.last.get("diverged_at"),
-            "resident_peak_bytes": self.last.get("resident_peak_bytes"),
-            "pool_peak_mapped_bytes": self.pool.stats().get("peak_mapped_bytes"),
             "budget": self.budget,
-            "tier": tier,
-            "plan": plan,
-            "cpu_allocator": cpu_allocator.stats() if self.device.type == "cpu" else None,
+            "chunk": self.chunk,
+            "last_step_s": last.get("step_s") or 0.0,
+            "last_stall_s": last.get("stall_s") or 0.0,
+            "last_planned": int(bool(last.get("planned"))),
+            "last_diverged_at": -1 if diverged is None else diverged,
+            "resident_peak_bytes": last.get("resident_peak_bytes") or 0,
+            "pool_peak_mapped_bytes": self.pool.stats().get("peak_mapped_bytes") or 0,
         }
+        for key in PLAN_STAT_KEYS:
+            out[f"plan.{key}"] = plan.get(key) or 0
+        out.update(_numbers("tier", self.tier.stats()))
+        allocator = cpu_allocator.stats() if self.device.type == "cpu" else None
+        for key in cpu_allocator.STAT_KEYS:
+            out[f"cpu_allocator.{key}"] = (allocator or {}).get(key, 0)
+        return out
 
     def set_budget(self, budget: int | str) -> None:
         """Change the budget; the next step records again and re-plans under it. With the
@@ -893,8 +905,7 @@ class OutOfCore:
             self.persistent.clear()
             self.tier.close()   # first: its copies may still touch the pool's ranges
             _close_pool(self.pool)
-            if self.device.type == "cpu":
-                cpu_allocator.release()
+            self._effects.undo()
             self._closed = True
 
     def __enter__(self) -> "OutOfCore":
@@ -902,6 +913,49 @@ class OutOfCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _weakly(method: Any) -> Any:
+    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+    return call
+
+
+@dataclass
+class _Held:
+    """The engine's tier and its current pool, for ``_collected``."""
+
+    tier: Any
+    pool: Any
+
+
+def _collected(hooks: list, effects: ProcessEffects, held: _Held) -> None:
+    """An engine was garbage-collected without ``close()``: remove its hooks from the model
+    and optimizer, stop its tier's threads, give its pool back, undo its process effects.
+    (After ``close()`` each of these is done already and does nothing.)"""
+    for h in hooks:
+        h.remove()
+    try:
+        held.tier.close()
+        _close_pool(held.pool)
+    finally:
+        effects.undo()
+
+
+# The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
+PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
+                  "peak_resident_bytes", "bytes_in", "bytes_out")
+
+
+def _numbers(prefix: str, stats: dict[str, Any]) -> dict[str, int | float]:
+    """``stats``' numbers (bools as 0/1) under ``prefix.``; strings and None are settings or
+    reasons, not counters, and are left out."""
+    return {f"{prefix}.{k}": int(v) if isinstance(v, bool) else v for k, v in stats.items()
+            if isinstance(v, (int, float))}
 
 
 def _start_chunk(budget: int) -> int:

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def _figures(args: argparse.Namespace, inc: CaseResult, ooc_: CaseResult, budget: int,
              peak: int | None, same: bool) -> dict[str, Any]:
     """What the table shows, as plain data with stable keys (``--json``)."""
-    plan = (ooc_.stats or {}).get("plan") or {}
+    st = ooc_.stats or {}
 
     def run(r: CaseResult) -> dict[str, Any]:
         steps = steady_steps(len(r.step_s))
@@ -112,10 +112,10 @@ def _figures(args: argparse.Namespace, inc: CaseResult, ooc_: CaseResult, budget
         "model": args.model, "batch": args.batch, "steps": args.steps, "optimizer": args.optimizer,
         "manage": list(args.manage), "chunk": args.chunk, "budget": budget,
         "managed_peak_bytes": peak, "incore": run(inc),
-        "ooc": {**run(ooc_), "bytes_in_per_step": plan.get("bytes_in", 0),
-                "bytes_out_per_step": plan.get("bytes_out", 0),
-                "planned_in_core_peak_bytes": plan.get("in_core_peak_bytes"),
-                "last_stall_s": (ooc_.stats or {}).get("last_stall_s")},
+        "ooc": {**run(ooc_), "bytes_in_per_step": st.get("plan.bytes_in", 0),
+                "bytes_out_per_step": st.get("plan.bytes_out", 0),
+                "planned_in_core_peak_bytes": st.get("plan.in_core_peak_bytes"),
+                "last_stall_s": st.get("last_stall_s")},
         "step_time_ratio": ooc_.median_step_s / inc.median_step_s,
         "bitwise_identical": same,
     }
@@ -123,7 +123,6 @@ def _figures(args: argparse.Namespace, inc: CaseResult, ooc_: CaseResult, budget
 
 def _table(inc: CaseResult, ooc_: CaseResult, budget: int, same: bool) -> str:
     st = ooc_.stats or {}
-    plan = st.get("plan") or {}
     ratio = ooc_.median_step_s / inc.median_step_s
     saved = 1 - ooc_.peak_rise_bytes / inc.peak_rise_bytes if inc.peak_rise_bytes else 0.0
     rows = [
@@ -132,8 +131,8 @@ def _table(inc: CaseResult, ooc_: CaseResult, budget: int, same: bool) -> str:
         ("peak memory of training", format_size(inc.peak_rise_bytes), format_size(ooc_.peak_rise_bytes),
          f"{saved:+.0%}".replace("+", "-", 1) if saved > 0 else f"+{-saved:.0%}"),
         ("process peak (total)", format_size(inc.peak_total_bytes), format_size(ooc_.peak_total_bytes), ""),
-        ("swapped per step (plan)", "0", f"{format_size(plan.get('bytes_out', 0))} out, "
-                                         f"{format_size(plan.get('bytes_in', 0))} in", ""),
+        ("swapped per step (plan)", "0", f"{format_size(st.get('plan.bytes_out', 0))} out, "
+                                         f"{format_size(st.get('plan.bytes_in', 0))} in", ""),
         ("stall time (last step)", "-", f"{st.get('last_stall_s') or 0:.3f} s", ""),
         ("parameters after training", "", "bitwise identical" if same else "DIFFERENT", ""),
     ]
@@ -142,9 +141,9 @@ def _table(inc: CaseResult, ooc_: CaseResult, budget: int, same: bool) -> str:
     lines.insert(1, "-" * max(len(line) for line in lines))
     notes = ["peak memory of training = rise of the process's VmHWM above its footprint after "
              "model, optimizer and data were built (fresh process per run); " + _step_note(len(ooc_.step_s))]
-    if plan and not plan.get("bytes_out"):
+    if st.get("plan.functions") and not st.get("plan.bytes_out"):
         notes.append(f"the budget {format_size(budget)} holds every managed tensor (their in-core "
-                     f"peak is {format_size(plan.get('in_core_peak_bytes', 0))}): nothing was swapped; "
+                     f"peak is {format_size(st.get('plan.in_core_peak_bytes', 0))}): nothing was swapped; "
                      f"give a smaller --budget to see swapping")
     return "\n" + "\n".join(lines) + "\n\n" + "\n".join(notes)
 

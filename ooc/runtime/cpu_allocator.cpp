@@ -243,16 +243,35 @@ struct RecyclingAllocator final : c10::Allocator {
 };
 
 RecyclingAllocator instance;
+c10::Allocator* previous = nullptr;   // PyTorch's CPU allocator before install
 
 }  // namespace
 
 extern "C" {
 
 // Make this PyTorch's CPU allocator; 1 if it now is (a higher-priority one may be set).
+// The one it replaces is kept for ooc_cpu_allocator_uninstall.
 int ooc_cpu_allocator_install(int priority) {
+  c10::Allocator* now = c10::GetCPUAllocator();
+  if (now != &instance) {
+    previous = now;
+  }
   c10::SetCPUAllocator(&instance, static_cast<uint8_t>(priority));
   return c10::GetCPUAllocator() == &instance;
 }
+
+// Give PyTorch back the allocator install replaced; 1 if it is back. Blocks this allocator
+// handed out stay valid: their deleter is this library's, which is never unloaded.
+int ooc_cpu_allocator_uninstall(int priority) {
+  if (c10::GetCPUAllocator() != &instance || previous == nullptr) {
+    return 0;
+  }
+  c10::SetCPUAllocator(previous, static_cast<uint8_t>(priority));
+  return c10::GetCPUAllocator() == previous;
+}
+
+// 1 if PyTorch's CPU allocator is this one now.
+int ooc_cpu_allocator_is_installed() { return c10::GetCPUAllocator() == &instance; }
 
 // Route large allocations here and cache freed ones (enabled != 0), the cache holding at
 // least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.

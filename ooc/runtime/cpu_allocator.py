@@ -31,9 +31,11 @@ smoke test) is logged and the engine falls back to glibc with a fixed mmap thres
 (:func:`ooc.runtime.malloc.release_freed_memory`): slower, same results. ``OOC_CPU_ALLOCATOR=0``
 in the environment skips it.
 
-Once installed the allocator stays for the life of the process (tensors hold its deleter);
-outside engine steps it caches nothing new and otherwise hands requests to PyTorch's
-``alloc_cpu`` unchanged.
+An engine installs it at its first step (:func:`acquire`), not when it is made, and gives
+PyTorch its own allocator back when it closes or is collected (:func:`relinquish`, once no
+other engine holds it). The library stays loaded for the life of the process: tensors it
+handed out keep its deleter. Outside engine steps it caches nothing new and otherwise hands
+requests to PyTorch's ``alloc_cpu`` unchanged.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
+_holders = 0   # engines that acquired it and have not relinquished it: installed while > 0
 _active: dict[int, int] = {}   # id(owner) -> cache bytes it asked for, while its step runs
 _pools: dict[int, tuple[int, int]] = {}   # pool -> (used, idle) bytes it last reported
 
@@ -92,34 +95,64 @@ lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0), ctypes.c_size_t(0))
 
 
 def acquire() -> bool:
-    """Build (once), load and install the allocator; False (reason in :func:`unavailable`) if
-    it cannot be used here."""
-    global _lib, _tried, _reason
+    """Build (once), load (once) and install the allocator for one more holder; False
+    (reason in :func:`unavailable`) if it cannot be used here."""
+    global _holders, _reason
     with _lock:
-        if _tried:
-            return _lib is not None
-        _tried = True
-        if os.environ.get("OOC_CPU_ALLOCATOR", "1").strip() in ("0", "false", "off", "no"):
-            _reason = "disabled by OOC_CPU_ALLOCATOR=0"
-        else:
-            try:
-                path = _built()
-                lib = ctypes.CDLL(str(path))
-                if path.parent.name.startswith(_TEMP_PREFIX):   # not cached: leave nothing behind
-                    shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
-                if lib.ooc_cpu_allocator_install(64) != 1:
-                    raise _Unavailable("another CPU allocator of higher priority is installed")
-                lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
-                lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
-                lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-                lib.ooc_cpu_allocator_pool_excess.restype = ctypes.c_size_t
-                _lib = lib
-            except (_Unavailable, OSError) as e:
-                _reason = str(e)
-        if _lib is None:
-            log.info("ooc's recycling CPU allocator is not used (%s); falling back to glibc with "
-                     "a fixed mmap threshold: same results, slower steps", _reason)
-        return _lib is not None
+        lib = _loaded_locked()
+        if lib is None:
+            return False
+        if _holders == 0 and lib.ooc_cpu_allocator_install(64) != 1:
+            _reason = "another CPU allocator of higher priority is installed"
+            log.info("ooc's recycling CPU allocator is not used (%s)", _reason)
+            return False
+        _holders += 1
+        return True
+
+
+def relinquish() -> None:
+    """One holder is done with the allocator (its engine closed): the last one gives PyTorch
+    its previous allocator back, after dropping the cache."""
+    global _holders
+    with _lock:
+        if _lib is None or _holders == 0:
+            return
+        _holders -= 1
+        if _holders == 0:
+            if not _active:
+                _lib.ooc_cpu_allocator_release()
+            _lib.ooc_cpu_allocator_uninstall(64)
+
+
+def installed() -> bool:
+    """Whether PyTorch's CPU allocator is ooc's now (asked of c10, not of a counter here)."""
+    return _lib is not None and bool(_lib.ooc_cpu_allocator_is_installed())
+
+
+def _loaded_locked() -> ctypes.CDLL | None:
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("OOC_CPU_ALLOCATOR", "1").strip() in ("0", "false", "off", "no"):
+        _reason = "disabled by OOC_CPU_ALLOCATOR=0"
+    else:
+        try:
+            path = _built()
+            lib = ctypes.CDLL(str(path))
+            if path.parent.name.startswith(_TEMP_PREFIX):   # not cached: leave nothing behind
+                shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
+            lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+            lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
+            lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+            lib.ooc_cpu_allocator_pool_excess.restype = ctypes.c_size_t
+            _lib = lib
+        except (_Unavailable, OSError) as e:
+            _reason = str(e)
+    if _lib is None:
+        log.info("ooc's recycling CPU allocator is not used (%s); falling back to glibc with "
+                 "a fixed mmap threshold: same results, slower steps", _reason)
+    return _lib
 
 
 def unavailable() -> str | None:

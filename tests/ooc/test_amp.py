@@ -259,7 +259,7 @@ def test_unscale_and_clip_over_all_grads_fit_a_budget_smaller_than_the_grads(cli
     stats = engine.stats()
     engine.close()
     assert scalers[0].get_scale() == scalers[1].get_scale()
-    assert stats["plan"]["peak_resident_bytes"] <= budget and stats["last_planned"]
+    assert stats["plan.peak_resident_bytes"] <= budget and stats["last_planned"]
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs"
     for s_ref, s_got in zip(ref_opt.state.values(), opt.state.values()):

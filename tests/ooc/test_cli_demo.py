@@ -16,8 +16,8 @@ MiB = 1 << 20
 def _result(method: str, steps: int, *, bytes_out: int = 0) -> CaseResult:
     stats = None
     if method == "ooc":
-        stats = {"last_stall_s": 0.01, "plan": {"bytes_in": bytes_out, "bytes_out": bytes_out,
-                                                "in_core_peak_bytes": 40 * MiB}}
+        stats = {"last_stall_s": 0.01, "plan.bytes_in": bytes_out, "plan.bytes_out": bytes_out,
+                 "plan.in_core_peak_bytes": 40 * MiB, "plan.functions": 100}
     return CaseResult(case=Case(model="small_cnn", batch=2, method=method, steps=steps),
                       step_s=tuple(0.1 * (k + 1) for k in range(steps)), baseline_rss_bytes=0,
                       peak_rise_bytes=(80 if method == "incore" else 30) * MiB,

@@ -285,10 +285,10 @@ TRAIN = """
             with engine.step():
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 engine.optimizer_step()
-        stats = engine.stats()["cpu_allocator"]
+        used = cpu_allocator.installed()
         pool_between_steps = engine.pool.stats()["physical_bytes"]
     after = cpu_allocator.stats()
-    print(json.dumps({"used": stats is not None, "reason": cpu_allocator.unavailable(),
+    print(json.dumps({"used": used, "installed_after_close": cpu_allocator.installed(), "reason": cpu_allocator.unavailable(),
                       "cached_after_close": after and after["cached_bytes"],
                       "pool_between_steps": pool_between_steps,
                       "pool_after_close": engine.pool.stats()["physical_bytes"],
@@ -302,6 +302,7 @@ def test_switched_off_the_engine_trains_the_same_without_it(tmp_path):
     assert off["used"] is False and "OOC_CPU_ALLOCATOR=0" in off["reason"]
     assert on["weight_sum"] == off["weight_sum"]
     assert on["used"] is True and on["cached_after_close"] == 0   # close() gives the cache back
+    assert on["installed_after_close"] is False   # and PyTorch its own allocator
     # The pool's chunks stay populated between steps where the allocator bounds them, and are
     # given back at each step's end without it; close() gives them back either way.
     assert on["pool_between_steps"] > 0 and off["pool_between_steps"] == 0
@@ -374,6 +375,9 @@ GLIBC = """
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     model = torch.nn.Linear(8, 8)
     engine = ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="8MiB")
+    with engine.step():   # the first step fixes the threshold (creating the engine does not)
+        model(torch.randn(4, 8)).sum().backward()
+        engine.optimizer_step()
     n = 16 << 20
     t = torch.ones(n // 4)   # outside a step: glibc's allocator, as parameters resized in place
     del t                    # (a dynamic threshold would now rise to 16 MiB)

@@ -109,7 +109,7 @@ def _assert_same(step: int, ref: tuple, got: tuple) -> None:
 def _host_syncs(engine: ooc.OutOfCore) -> int:
     """Host synchronizations so far: the tier's, plus the pool backend's synchronize calls."""
     calls = engine.pool.backend.calls
-    return engine.stats()["tier"]["host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
+    return engine.stats()["tier.host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
 
 
 def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
@@ -157,7 +157,7 @@ def test_cuda_path_over_the_fake_driver_is_bitwise_in_core(case: str) -> None:
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
     # bytes really moved, through the fake's copies
     assert stats["bytes_out"] > 0 and stats["bytes_in"] > 0
-    assert stats["tier"]["bytes_written"] > 0 and driver.copies_run > 0
+    assert stats["tier.bytes_written"] > 0 and driver.copies_run > 0
     assert "cuMemcpyDtoHAsync" in driver.calls and "cuMemcpyHtoDAsync" in driver.calls
     # the steps did what the schedule says: on demand, planned, diverged, re-planned
     assert not log[0]["planned"] and log[2]["planned"] and log[2]["diverged"] is None, log

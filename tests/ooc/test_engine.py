@@ -199,7 +199,7 @@ def test_bitwise_identical_all_managed(kind: str, opt: str, fraction: int) -> No
     assert_same(_reference(kind, opt), got)
     stats = got[3]
     assert stats["bytes_out"] > 0 and stats["bytes_in"] > 0, "a quarter budget must move bytes"
-    assert stats["plan"]["peak_resident_bytes"] <= budget
+    assert stats["plan.peak_resident_bytes"] <= budget
 
 
 @pytest.mark.parametrize("manage", list(MANAGE))
@@ -220,7 +220,7 @@ def test_plenty_of_budget_moves_nothing_after_planning() -> None:
                 _loss("cnn", model(x), y).backward()
                 e.optimizer_step()
         assert e.schedule.bytes_in == 0 and e.schedule.bytes_out == 0
-        assert e.stats()["last_planned"] is True
+        assert e.stats()["last_planned"] == 1
 
 
 def test_budget_too_small_fails_in_step_one_and_leaves_model_untouched() -> None:
@@ -261,7 +261,7 @@ def test_divergence_is_noticed_and_replanned() -> None:
                     _loss("cnn", m(x), y).backward()
                     eng.optimizer_step()
         if step == 2:
-            assert e.stats()["last_diverged_at"] is not None
+            assert e.stats()["last_diverged_at"] != -1
     assert e.stats()["plans"] >= 3
     e.close()
     for (k, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
@@ -348,7 +348,7 @@ def test_gradient_accumulation_with_unmanaged_grads_is_planned() -> None:
         stats = e.stats()
         plans.append(stats["plans"])
         if step >= 8:
-            assert stats["last_planned"] is True and stats["last_diverged_at"] is None, (step, stats)
+            assert stats["last_planned"] == 1 and stats["last_diverged_at"] == -1, (step, stats)
     assert plans[-1] == plans[7], f"plans kept growing after the warm-up: {plans}"
     assert e.stats()["bytes_out"] > 0, "half the peak must swap activations"
     e.close()

@@ -101,7 +101,7 @@ def _child(storage: str) -> None:
         # Every variable of the step at most once in the file, plus the room the first optimizer
         # step reserves for state it has not created yet (two tensors per parameter, Adam-like).
         "file_bound": sum(_round(v.nbytes) for v in seq.variables.values()) + 2 * params,
-        "plan_peak": stats["plan"]["peak_resident_bytes"],
+        "plan_peak": stats["plan.peak_resident_bytes"],
     }))
     e.close()
 

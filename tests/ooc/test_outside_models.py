@@ -272,7 +272,7 @@ def _managed_peak(name: str, manage: tuple[str, ...]) -> int:
     first made the optimizer's state; with fp16, the first is skipped), huge budget."""
     case = CASES[name]
     run = _train(case, _model(name), {"budget": "4GiB", "manage": manage}, updates=2)
-    return run["stats"]["plan"]["in_core_peak_bytes"]
+    return run["stats"]["plan.in_core_peak_bytes"]
 
 
 def _assert_bitwise(ref: dict, got: dict, name: str) -> None:
@@ -300,7 +300,7 @@ def test_outside_model_trains_bitwise_at_a_quarter_of_its_peak(name: str, manage
     _assert_bitwise(ref, got, name)
     stats = got["stats"]
     assert stats["bytes_out"] > 0 and stats["bytes_in"] > 0, "a quarter of the peak must swap"
-    assert stats["plan"]["peak_resident_bytes"] <= budget
+    assert stats["plan.peak_resident_bytes"] <= budget
     assert any(got["planned"]), "no step ran its plan"
     if case.precision == "fp16":
         first = ref["scale"][case.accumulate - 1]

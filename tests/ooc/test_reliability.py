@@ -693,7 +693,7 @@ def test_budget_changes_between_steps_replan_and_stay_identical(tmp_path):
             assert e.stats()["plans"] > plans and e.stats()["budget"] == budgets[step]
             assert e.schedule.budget == budgets[step]
         assert_same(ref[step], state_of(model, opt, e), f"step {step}")
-    assert e.stats()["plan"]["peak_resident_bytes"] <= peak // 3
+    assert e.stats()["plan.peak_resident_bytes"] <= peak // 3
     e.close()
 
 
@@ -779,7 +779,7 @@ def test_data_dependent_branch_diverges_and_stays_identical(tmp_path):
     for step in range(8):
         run_step(ref, ref_opt, step)
         run_step(model, opt, step, e)
-        diverged += e.stats()["last_diverged_at"] is not None
+        diverged += e.stats()["last_diverged_at"] != -1
         assert_same(state_of(ref, ref_opt), state_of(model, opt, e), f"step {step}")
     assert diverged >= 1
     e.close()

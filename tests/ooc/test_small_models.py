@@ -162,8 +162,8 @@ def test_default_chunk_adapts_and_meets_a_quarter_budget(saved, reference, caplo
     assert any("the next step records again" in r.message for r in caplog.records)
     last = stats[-1]
     assert last["bytes_out"] > 0 and last["bytes_in"] > 0, "a quarter budget must move bytes"
-    assert last["last_planned"] and last["last_diverged_at"] is None
-    assert last["plan"]["bytes_out"] > 0
+    assert last["last_planned"] and last["last_diverged_at"] == -1
+    assert last["plan.bytes_out"] > 0
     for s in stats:
         assert s["resident_peak_bytes"] <= budget, s
     outside = sum(n for n in saved if n < engine.min_bytes)
@@ -195,7 +195,7 @@ def test_set_budget_chooses_the_chunk_again(saved, reference) -> None:
     start = engine.chunk
     stats = _steps(engine, model, range(2, STEPS + 1), reference)
     assert start <= MiB and engine.chunk < start
-    assert stats[-1]["plan"]["bytes_out"] > 0 and stats[-1]["last_planned"]
+    assert stats[-1]["plan.bytes_out"] > 0 and stats[-1]["last_planned"]
     assert all(s["resident_peak_bytes"] <= budget for s in stats)
     engine.close()
 

@@ -1,0 +1,92 @@
+"""What an engine changes outside itself so that its steps can run, and how it is undone.
+
+A constructor changes nothing outside its object: making an ``OutOfCore`` and never stepping
+it must leave the process, the model and the optimizer as they were. Three changes are
+needed by steps, and each is made at the first step and undone by ``close()``, or when the
+engine is garbage-collected without one:
+
+- CPU: ooc's recycling allocator becomes PyTorch's CPU allocator (``cpu_allocator.acquire``;
+  given back by ``relinquish`` when the last engine holding it lets go);
+- CPU: glibc's mmap threshold is fixed so that freed tensors leave the process
+  (``malloc.release_freed_memory``; ``keep_freed_memory`` puts it back, see ``malloc``);
+- managed params, grads or optimizer state: the optimizer's ``foreach`` flag is set to False
+  so that one op touches one parameter's tensors; the user's values come back.
+
+The undo holds no strong reference to the engine, nor to the optimizer whose flags it
+restores: the optimizer's hooks and param groups lead back to the engine, and a finalizer's
+arguments live until it runs, so either would keep the engine from ever being collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ooc.runtime import cpu_allocator, malloc
+
+log = logging.getLogger(__name__)
+
+class ProcessEffects:
+    """The changes one engine made, applied once and undone once (idempotent both ways)."""
+
+    def __init__(self, device_type: str, optimizer: torch.optim.Optimizer | None,
+                 per_parameter: bool) -> None:
+        self.device_type = device_type
+        self._optimizer = weakref.ref(optimizer) if per_parameter else None
+        self.applied = False
+        self.allocator = False     # this engine holds ooc's CPU allocator
+        self._foreach: list[tuple[int, Any]] = []   # (index of a param group, its value before)
+        self._lock = threading.Lock()
+
+    def apply(self) -> Callable[[], int] | None:
+        """Make the changes (the first call only). Returns the allocator's ``pool_excess``
+        where ooc's CPU allocator is in use, else None."""
+        with self._lock:
+            if not self.applied:
+                self.applied = True
+                if self.device_type == "cpu":
+                    malloc.release_freed_memory()
+                    self.allocator = cpu_allocator.acquire()
+                optimizer = self._optimizer() if self._optimizer is not None else None
+                if optimizer is not None:
+                    self._per_parameter_optimizer(optimizer)
+            return cpu_allocator.pool_excess if self.allocator else None
+
+    def undo(self) -> None:
+        """Put back what ``apply`` changed (a call before it, or a second one, does nothing)."""
+        with self._lock:
+            if not self.applied:
+                return
+            self.applied = False
+            optimizer = self._optimizer() if self._optimizer is not None else None
+            if optimizer is not None:
+                groups = optimizer.param_groups
+                for k, old in self._foreach:
+                    if k < len(groups):
+                        groups[k]["foreach"] = old
+            self._foreach.clear()
+            if self.device_type == "cpu":
+                if self.allocator:
+                    cpu_allocator.release()
+                    cpu_allocator.relinquish()
+                    self.allocator = False
+                malloc.keep_freed_memory()
+
+    def _per_parameter_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        multi_tensor = False
+        for k, group in enumerate(optimizer.param_groups):   # one op touches one parameter's tensors
+            if "foreach" in group:
+                self._foreach.append((k, group["foreach"]))
+                multi_tensor |= group["foreach"] is not False
+                group["foreach"] = False
+        if multi_tensor and self.device_type == "cuda":
+            # Measured on an H100: Adam's multi-tensor update (PyTorch's default on CUDA)
+            # rounds differently from its per-parameter one; SGD's does not.
+            log.warning("managed params/grads/optimizer state: the optimizer now runs per "
+                        "parameter (foreach=False); on a GPU its results are bitwise those "
+                        "of in-core training with foreach=False, which for Adam/AdamW differ "
+                        "in rounding from PyTorch's default multi-tensor update")

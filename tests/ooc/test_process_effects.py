@@ -1,0 +1,140 @@
+"""An engine changes nothing outside itself before its first step, and puts back what its
+steps changed when it closes or is collected (issue 14, item 6); stats() is flat numbers with
+stable keys.
+
+Each case runs in a fresh interpreter: the CPU allocator and glibc's threshold are
+process-wide, and another test's engine would hold them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ooc
+from ooc.runtime import cpu_allocator, malloc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child(code: str, env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+LIFECYCLE = """
+    import gc, json, torch, ooc
+    from ooc.runtime import cpu_allocator, malloc
+
+    def state(opt):
+        return {"allocator": cpu_allocator.installed(), "threshold": malloc.holds(),
+                "foreach": [g.get("foreach") for g in opt.param_groups]}
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    out = {"before": state(opt)}
+    engine = ooc.OutOfCore(model, opt, budget="1MiB", chunk="64KiB", manage=MANAGE)
+    out["created"] = state(opt)
+    out["stats_created"] = engine.stats()
+    for _ in range(3):
+        with engine.step():
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            engine.optimizer_step()
+    out["stepped"] = state(opt)
+    out["stats"] = engine.stats()
+    groups = opt.param_groups if MODE != "collected" else []   # they hold the parameters
+    if MODE == "close":
+        engine.close()
+    elif MODE == "dropped":   # activations only: the engine alone, model and optimizer live on
+        del engine
+        gc.collect()
+    else:   # persistent tensors managed: collected with the model and optimizer it hooks
+        del engine, model, opt
+        gc.collect()
+    out["after"] = {"allocator": cpu_allocator.installed(), "threshold": malloc.holds(),
+                    "foreach": [g.get("foreach") for g in groups]}
+    print(json.dumps(out))
+"""
+
+
+ALL = ("activations", "params", "grads", "optimizer_state")
+
+
+@pytest.mark.parametrize("mode,manage", [("close", ALL), ("close", ("activations",)),
+                                         ("dropped", ("activations",)), ("collected", ALL)])
+def test_process_effects_wait_for_the_first_step_and_are_undone(mode, manage):
+    got = _child(f"MODE, MANAGE = {mode!r}, {manage!r}\n" + textwrap.dedent(LIFECYCLE))
+    untouched = {"allocator": False, "threshold": False, "foreach": [True]}
+    assert got["before"] == untouched
+    assert got["created"] == untouched, "the constructor changed the process or the optimizer"
+    assert got["stepped"]["threshold"] is True
+    assert got["stepped"]["foreach"] == [False if manage == ALL else True]
+    if cpu_allocator.acquire():   # a compiler is here: the allocator is built and installed
+        cpu_allocator.relinquish()
+        assert got["stepped"]["allocator"] is True
+    assert got["after"] == {**untouched, "foreach": [] if mode == "collected" else [True]}
+    assert got["stats"]["bytes_out"] > 0 and got["stats"]["last_planned"] == 1
+
+
+def test_two_engines_hold_the_effects_until_the_last_one_closes():
+    got = _child("""
+        import json, torch, ooc
+        from ooc.runtime import cpu_allocator, malloc
+        def engine():
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+            e = ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1MiB", chunk="64KiB")
+            with e.step():
+                model(torch.randn(8, 64)).sum().backward()
+                e.optimizer_step()
+            return e
+        a, b = engine(), engine()
+        a.close()
+        held = [cpu_allocator.installed(), malloc.holds()]
+        b.close()
+        b.close()   # twice: nothing more to undo
+        print(json.dumps({"held": held, "after": [cpu_allocator.installed(), malloc.holds()],
+                          "compiled": cpu_allocator.unavailable() is None}))
+    """)
+    assert got["held"] == [got["compiled"], True]
+    assert got["after"] == [False, False]
+
+
+def test_stats_are_flat_numbers_with_the_same_keys_before_and_after_steps():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
+    with ooc.OutOfCore(model, opt, budget="256KiB", chunk="16KiB") as engine:
+        before = engine.stats()
+        for _ in range(3):
+            with engine.step():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                engine.optimizer_step()
+        after = engine.stats()
+    assert before.keys() == after.keys()
+    for stats in (before, after):
+        bad = {k: v for k, v in stats.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or "." in k.split(".", 1)[-1]}
+        assert not bad, f"not a flat number: {bad}"
+    assert before["steps"] == 0 and before["last_diverged_at"] == -1 and before["plan.functions"] == 0
+    assert after["steps"] == 3 and after["last_planned"] == 1 and after["last_diverged_at"] == -1
+    assert after["plan.functions"] > 0 and after["plan.peak_resident_bytes"] <= after["budget"]
+    assert after["tier.bytes_written"] > 0 and after["bytes_out"] > 0
+    assert {"cpu_allocator.hits", "cpu_allocator.mapped_bytes"} <= after.keys()
+
+
+def test_the_fused_optimizer_is_refused_before_anything_changes():
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters(), fused=True)
+    with pytest.raises(ooc.OOCError, match="fused"):
+        ooc.OutOfCore(model, opt, budget="1MiB", manage=("activations", "params"))
+    assert opt.param_groups[0]["foreach"] is None   # the user's value, untouched
