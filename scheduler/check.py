@@ -8,12 +8,16 @@ before returning, so a schedule that leaves ``plan()`` is safe by construction.
 The residency model
 -------------------
 
-Every variable is in one of five states:
+The states and the meaning of every action are ``scheduler.actions``' transition table,
+which ``simulate``, the planners and the runtime read too; this module adds the rules of a
+whole step (the budget, and the end of the step looking like its start).
+Every variable is in one of six states:
 
 ==============  =====================================================  ==================
 state           meaning                                                device bytes?
 ==============  =====================================================  ==================
-absent          not created yet, or freed                              no
+absent          not created yet                                        no
+dead            freed                                                  no
 resident        on the device, usable                                  yes
 host            only in the slower tier                                no
 in-flight-in    ``swap_in`` issued, not yet ``wait_in``-ed; unusable    yes
@@ -57,24 +61,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from scheduler.actions import HOST, IN, OUT, RESIDENT, DEAD, ABSENT, Ledger, Names
 from scheduler.errors import ScheduleError
-from scheduler.ir import Access, VariableSequence
-from scheduler.schedule import Op, Schedule
+from scheduler.schedule import Schedule
 from vmm.units import format_size
 
 __all__ = ["CheckResult", "check"]
 
 log = logging.getLogger(__name__)
-
-# Variable states (small ints: this loop is the hot path).
-ABSENT, RESIDENT, HOST, IN_IN, IN_OUT = range(5)
-_STATE_WORDS = {
-    ABSENT: "absent (not created yet, or freed)",
-    RESIDENT: "resident on the device",
-    HOST: "in host memory (the slower tier)",
-    IN_IN: "still being swapped in (no wait_in yet)",
-    IN_OUT: "being swapped out (no wait_out yet)",
-}
 
 
 def _size(nbytes: int) -> str:
@@ -106,226 +100,96 @@ def check(schedule: Schedule) -> CheckResult:
 
     The error names the function (index and name), the variable (id, kind, name, size),
     the phase (before / during / after the function) and what to do about it; its
-    ``function`` and ``variable`` attributes carry the indices for programs.
+    ``function`` and ``variable`` attributes carry the indices for programs. An action or
+    use refused by the transition table raises ``scheduler.actions.Refused`` (a
+    ``ScheduleError``), the error ``simulate`` and the runtime raise for the same action.
     """
-    return _Replay(schedule).run()
+    seq = schedule.sequence
+    budget = schedule.budget
+    names = Names(seq)
 
+    def over(cur: int, what: str, i: int | None, v: int | None) -> ScheduleError:
+        return ScheduleError(
+            f"resident bytes {_size(cur)} exceed budget {_size(budget)} {what}: wait for "
+            f"pending swap-outs or free memory earlier, or raise the budget", function=i, variable=v)
 
-class _Replay:
-    def __init__(self, schedule: Schedule) -> None:
-        self.s = schedule
-        self.seq: VariableSequence = schedule.sequence
-        self.budget = schedule.budget
+    ledger = Ledger(seq, schedule.initial_resident)
+    if ledger.device > budget:
+        raise over(ledger.device, "at the start of the step (initial_resident)", None, None)
+    nbytes = ledger.nbytes
+    bytes_in = bytes_out = transfers = 0
+    resident_bytes: list[int] = []
+    apply = ledger.apply
 
-    # -- messages ------------------------------------------------------------------------
-
-    def var(self, v: int) -> str:
-        var = self.seq.variables[v]
-        name = f" '{var.name}'" if var.name else ""
-        return f"variable {v} ({var.kind.value}{name}, {format_size(var.nbytes)})"
-
-    def fn(self, i: int) -> str:
-        if i < 0:
-            return "the start of the step"
-        return f"function {i} ({self.seq.functions[i].name})"
-
-    def where(self, phase: str, i: int) -> str:
-        return f"{phase} {self.fn(i)}"
-
-    def fail(self, msg: str, i: int | None, v: int | None) -> ScheduleError:
-        return ScheduleError(msg, function=i, variable=v)
-
-    def over(self, cur: int, what: str, i: int | None, v: int | None) -> ScheduleError:
-        return self.fail(
-            f"resident bytes {_size(cur)} exceed budget {_size(self.budget)} {what}: wait for "
-            f"pending swap-outs or free memory earlier, or raise the budget", i, v)
-
-    # -- the replay ----------------------------------------------------------------------
-
-    def run(self) -> CheckResult:
-        seq, s = self.seq, self.s
-        variables = seq.variables
-        nbytes = {v: var.nbytes for v, var in variables.items()}
-        budget = self.budget
-        n = len(seq.functions)
-        last_use = seq.last_use
-
-        state: dict[int, int] = {}
-        clean: dict[int, bool] = {}        # resident and the host copy holds the same bytes
-        last_write: dict[int, int] = {}    # for messages about stale host copies
-        freed_after: dict[int, str] = {}   # for messages about use after free
-        for v, var in variables.items():
-            state[v] = HOST if var.live_in else ABSENT
-        cur = 0
-        for v in sorted(s.initial_resident):
-            if v not in variables:
-                raise self.fail(f"initial_resident names unknown variable {v}", None, v)
-            if not variables[v].live_in:
-                raise self.fail(
-                    f"initial_resident names {self.var(v)}, which is not live_in: only variables "
-                    f"that exist before the step can start resident", None, v)
-            state[v] = RESIDENT
-            clean[v] = False   # no host copy is assumed for what starts on the device
-            cur += nbytes[v]
-        if cur > budget:
-            raise self.over(cur, "at the start of the step (initial_resident)", None, None)
-        peak = cur
-
-        bytes_in = bytes_out = transfers = 0
-        resident_bytes: list[int] = []
-        before, after = s.before, s.after
-
-        def apply(acts, phase: str, i: int) -> None:
-            nonlocal cur, peak, bytes_in, bytes_out, transfers
-            for a in acts:
-                v, op = a.var, a.op
-                st = state[v]
-                if op is Op.SWAP_IN:
-                    if st != HOST:
-                        raise self.fail(
-                            f"swap_in of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}, "
-                            f"not in host memory", i, v)
-                    state[v] = IN_IN
-                    cur += nbytes[v]
-                    bytes_in += nbytes[v]
-                    transfers += 1
-                    if cur > budget:
-                        raise self.over(cur, f"after swap_in of variable {v} {self.where(phase, i)}", i, v)
-                    if cur > peak:
-                        peak = cur
-                elif op is Op.WAIT_IN:
-                    if st != IN_IN:
-                        raise self.fail(
-                            f"wait_in of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}, "
-                            f"there is no swap_in to wait for", i, v)
-                    state[v] = RESIDENT
-                    clean[v] = True
-                elif op is Op.SWAP_OUT:
-                    if st != RESIDENT:
-                        raise self.fail(
-                            f"swap_out of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}, "
-                            f"not resident", i, v)
-                    state[v] = IN_OUT
-                    bytes_out += nbytes[v]
-                    transfers += 1
-                elif op is Op.WAIT_OUT:
-                    if st != IN_OUT:
-                        raise self.fail(
-                            f"wait_out of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}, "
-                            f"there is no swap_out to wait for", i, v)
-                    state[v] = HOST
-                    cur -= nbytes[v]
-                elif op is Op.DROP:
-                    if st != RESIDENT:
-                        raise self.fail(
-                            f"drop of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}, "
-                            f"not resident", i, v)
-                    if not clean.get(v, False):
-                        if v in last_write:
-                            why = (f"function {last_write[v]} ({seq.functions[last_write[v]].name}) "
-                                   f"wrote it after its host copy was made, so the host copy is stale")
-                        else:
-                            why = "it has no host copy (it started resident or was created on the device)"
-                        raise self.fail(
-                            f"drop of {self.var(v)} {self.where(phase, i)} would lose data: {why}; "
-                            f"use swap_out + wait_out instead", i, v)
-                    state[v] = HOST
-                    cur -= nbytes[v]
-                elif op is Op.FREE:
-                    if st not in (RESIDENT, HOST):
-                        raise self.fail(
-                            f"free of {self.var(v)} {self.where(phase, i)}: it is {_STATE_WORDS[st]}; "
-                            f"only a resident or host-only variable can be freed", i, v)
-                    if variables[v].live_out:
-                        raise self.fail(
-                            f"free of {self.var(v)} {self.where(phase, i)}: it is live_out and must "
-                            f"survive the step", i, v)
-                    lu = last_use.get(v, -1)
-                    if lu > i or (lu == i and phase == "before"):
-                        raise self.fail(
-                            f"free of {self.var(v)} {self.where(phase, i)}: {self.fn(lu)} uses it "
-                            f"later; free it after its last use", i, v)
-                    if st == RESIDENT:
-                        cur -= nbytes[v]
-                    state[v] = ABSENT
-                    freed_after[v] = self.where(phase, i)
-                else:  # pragma: no cover - Op is closed
-                    raise self.fail(f"unknown action {op!r}", i, v)
-
-        for i in range(n):
-            apply(before[i], "before", i)
-            # -- during f_i: every use resident; a creating write allocates now.
-            f = seq.functions[i]
-            for u in f.uses:
-                v = u.var
-                st = state[v]
-                if st == RESIDENT:
-                    pass
-                elif st == ABSENT and not variables[v].live_in and v not in freed_after:
-                    # Creating write (the IR guarantees the first use is a write).
-                    state[v] = RESIDENT
-                    clean[v] = False
-                    cur += nbytes[v]
+    def run(acts, phase: str, i: int) -> None:
+        nonlocal bytes_in, bytes_out, transfers
+        for a in acts:
+            eff = apply(a.op, a.var, i, phase)
+            if eff.in_flight > 0:      # a copy starts: count what it moves
+                transfers += 1
+                if eff.to is IN:
+                    bytes_in += nbytes[a.var]
                 else:
-                    verb = "writes" if u.access is Access.WRITE else "reads"
-                    if st == HOST:
-                        hint = f"add swap_in + wait_in of variable {v} before it"
-                    elif st == IN_IN:
-                        hint = f"add wait_in of variable {v} before it"
-                    elif st == IN_OUT:
-                        hint = "its swap_out has not been undone; wait_out, then swap_in + wait_in before it"
+                    bytes_out += nbytes[a.var]
+            if eff.device > 0 and ledger.device > budget:
+                raise over(ledger.device, f"after {a.op.value} of variable {a.var} {names.where(phase, i)}",
+                           i, a.var)
+
+    n = len(seq.functions)
+    for i in range(n):
+        if schedule.before[i]:
+            run(schedule.before[i], "before", i)
+        ledger.run(i)
+        if ledger.device > budget:
+            raise over(ledger.device, f"during {names.fn(i)} (with the variables it creates)", i, None)
+        resident_bytes.append(ledger.device)
+        if schedule.after[i]:
+            run(schedule.after[i], "after", i)
+
+    final_resident = _end_of_step(schedule, ledger, names)
+    log.debug("check: %d functions, peak %d B of budget %d B, %d transfers",
+              n, ledger.peak, budget, transfers)
+    return CheckResult(
+        peak_bytes=ledger.peak, resident_bytes=tuple(resident_bytes), bytes_in=bytes_in,
+        bytes_out=bytes_out, transfers=transfers, final_resident=frozenset(final_resident))
+
+
+def _end_of_step(schedule: Schedule, ledger: Ledger, names: Names) -> list[int]:
+    """The end of the step must look like its start; returns the live_out variables resident."""
+    seq = schedule.sequence
+    n = len(seq.functions)
+    last = n - 1 if n else None
+    final_resident = []
+    uses_of, last_use = seq.uses_of, seq.last_use
+    for v, var in seq.variables.items():
+        st = ledger.state[v]
+        if st is IN or st is OUT:
+            op = "wait_in" if st is IN else "wait_out"
+            raise ScheduleError(
+                f"{names.var(v)} is {st.value} at the end of the step: add {op} of variable {v} "
+                f"after the last function", function=last, variable=v)
+        if var.live_out:
+            if st is ABSENT or st is DEAD:  # pragma: no cover - free of live_out is refused
+                raise ScheduleError(f"{names.var(v)} is live_out but absent at the end", variable=v)
+            if var.live_in:
+                want = RESIDENT if v in schedule.initial_resident else HOST
+                if st is not want:
+                    if want is RESIDENT:
+                        hint = "it is in initial_resident: swap it back in (swap_in + wait_in) before the step ends"
                     else:
-                        hint = f"it was freed {freed_after.get(v, 'earlier')}"
-                    raise self.fail(
-                        f"{self.fn(i)} {verb} {self.var(v)} while it runs, but the variable is "
-                        f"{_STATE_WORDS[st]}: {hint}", i, v)
-                if u.access is Access.WRITE:
-                    clean[v] = False
-                    last_write[v] = i
-            if cur > budget:
-                raise self.over(cur, f"during {self.fn(i)} (with the variables it creates)", i, None)
-            if cur > peak:
-                peak = cur
-            resident_bytes.append(cur)
-            apply(after[i], "after", i)
-
-        # -- the end of the step must look like its start.
-        final_resident = []
-        uses_of = seq.uses_of
-        for v, var in variables.items():
-            st = state[v]
-            if st in (IN_IN, IN_OUT):
-                op = "wait_in" if st == IN_IN else "wait_out"
-                raise self.fail(
-                    f"{self.var(v)} is {_STATE_WORDS[st]} at the end of the step: add {op} of variable {v} "
-                    f"after the last function", n - 1 if n else None, v)
-            if var.live_out:
-                if st == ABSENT:  # pragma: no cover - free of live_out is rejected above
-                    raise self.fail(f"{self.var(v)} is live_out but absent at the end", None, v)
-                if var.live_in:
-                    want = RESIDENT if v in s.initial_resident else HOST
-                    if st != want:
-                        if want == RESIDENT:
-                            hint = "it is in initial_resident: swap it back in (swap_in + wait_in) before the step ends"
-                        else:
-                            hint = ("it is not in initial_resident: swap_out + wait_out (or drop, if its host "
-                                    "copy is current) before the step ends")
-                        raise self.fail(
-                            f"{self.var(v)} ends the step {_STATE_WORDS[st]} but started "
-                            f"{_STATE_WORDS[want]}: {hint}", n - 1 if n else None, v)
-                if st == RESIDENT:
-                    final_resident.append(v)
-            elif st != ABSENT:
-                if var.live_in and not uses_of[v]:
-                    continue  # never used, not live_out: may stay where it started
-                lu = last_use.get(v)
-                raise self.fail(
-                    f"{self.var(v)} is not live_out but ends the step {_STATE_WORDS[st]}: "
-                    f"add free of variable {v} after {self.fn(lu) if lu is not None else 'its last use'}",
-                    lu, v)
-
-        log.debug("check: %d functions, peak %d B of budget %d B, %d transfers",
-                  n, peak, budget, transfers)
-        return CheckResult(
-            peak_bytes=peak, resident_bytes=tuple(resident_bytes), bytes_in=bytes_in,
-            bytes_out=bytes_out, transfers=transfers, final_resident=frozenset(final_resident))
+                        hint = ("it is not in initial_resident: swap_out + wait_out (or drop, if its host "
+                                "copy is current) before the step ends")
+                    raise ScheduleError(
+                        f"{names.var(v)} ends the step {st.value} but started {want.value}: {hint}",
+                        function=last, variable=v)
+            if st is RESIDENT:
+                final_resident.append(v)
+        elif st is not ABSENT and st is not DEAD:
+            if var.live_in and not uses_of[v]:
+                continue  # never used, not live_out: may stay where it started
+            lu = last_use.get(v)
+            raise ScheduleError(
+                f"{names.var(v)} is not live_out but ends the step {st.value}: "
+                f"add free of variable {v} after {names.fn(lu) if lu is not None else 'its last use'}",
+                function=lu, variable=v)
+    return final_resident

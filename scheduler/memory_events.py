@@ -7,7 +7,7 @@ into the requests the runtime would make, so that ``vmm.replay.replay`` can run 
 either allocator and say how much memory each really reserves (the paper's "Schedule" vs
 "Schedule+VA" rows).
 
-The stream follows the schedule's memory semantics exactly (see ``scheduler.schedule``):
+The stream follows the transition table of ``scheduler.actions`` exactly:
 
 - at the start, one alloc per ``initial_resident`` variable (live-in and on the device);
 - before/after function i, in schedule order: ``swap_in v`` allocs v (memory is taken when
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.errors import ScheduleError
+from scheduler.actions import Ledger
 from scheduler.ir import VariableSequence
-from scheduler.schedule import Op, Schedule
+from scheduler.schedule import Schedule
 
 if TYPE_CHECKING:  # vmm is imported lazily: ``import scheduler`` must not need it
     from vmm.replay import Event
@@ -35,54 +35,27 @@ def allocation_events(schedule: Schedule) -> list["Event"]:
     """The allocation requests of one step of ``schedule``, in the order the runtime makes them.
 
     Keys are variable ids; a variable swapped out and back in is allocated again under the same
-    key after its free. Raises :class:`ScheduleError` on an action that contradicts the
-    variable's state (a free of a variable not on the device, a swap-in of one already there):
-    run ``scheduler.check`` for the full diagnosis.
+    key after its free. Raises :class:`scheduler.actions.Refused` (a ``ScheduleError``) on an
+    action or a use the transition table refuses, as ``check`` does.
     """
     from vmm.replay import Event
 
+    # The table (scheduler.actions) says which actions take device bytes and which give them
+    # back; this function only writes them down as requests.
     seq = schedule.sequence
-    nbytes = {v: var.nbytes for v, var in seq.variables.items()}
-    created = creations(schedule)
-    on_device: set[int] = set()
-    events: list[Event] = []
-
-    def alloc(v: int, t: float, i: int, why: str) -> None:
-        if v in on_device:
-            raise ScheduleError(
-                f"function {i}: {why} of variable {v}, which is already on the device",
-                function=i, variable=v)
-        on_device.add(v)
-        events.append(Event("alloc", v, nbytes[v], t))
-
-    def free(v: int, t: float, i: int, why: str) -> None:
-        if v not in on_device:
-            raise ScheduleError(
-                f"function {i}: {why} of variable {v}, which is not on the device",
-                function=i, variable=v)
-        on_device.discard(v)
-        events.append(Event("free", v, nbytes[v], t))
-
-    for v in sorted(schedule.initial_resident):
-        alloc(v, 0.0, 0, "initial residency")
+    ledger = Ledger(seq, schedule.initial_resident)
+    nbytes = ledger.nbytes
+    events = [Event("alloc", v, nbytes[v], 0.0) for v in sorted(schedule.initial_resident)]
     for i in range(len(seq.functions)):
         t = float(i)
-        for lists in (schedule.before[i], None, schedule.after[i]):
-            if lists is None:  # the function itself runs: it allocates what it creates
-                for v in created[i]:
-                    if v not in on_device:
-                        alloc(v, t, i, "creation")
+        for phase, acts in (("before", schedule.before[i]), ("during", None), ("after", schedule.after[i])):
+            if acts is None:  # the function itself runs: it allocates what it creates
+                events.extend(Event("alloc", v, nbytes[v], t) for v in ledger.run(i))
                 continue
-            for a in lists:
-                if a.op is Op.SWAP_IN:
-                    alloc(a.var, t, i, "swap_in")
-                elif a.op is Op.WAIT_OUT or a.op is Op.DROP:
-                    free(a.var, t, i, a.op.value)
-                elif a.op is Op.FREE:
-                    # A free of a variable already off the device (dead while swapped out)
-                    # releases nothing on the device.
-                    if a.var in on_device:
-                        free(a.var, t, i, "free")
+            for a in acts:
+                eff = ledger.apply(a.op, a.var, i, phase)
+                if eff.device:
+                    events.append(Event("alloc" if eff.device > 0 else "free", a.var, nbytes[a.var], t))
     return events
 
 

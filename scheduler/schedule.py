@@ -22,24 +22,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import Enum
 from functools import cached_property
 from typing import Any
 
+from scheduler.actions import Op, replay
 from scheduler.errors import SequenceFormatError
 from scheduler.ir import VariableSequence, _write_json, field_of, read_json
 
 SCHEMA = "ooc.schedule"
 VERSION = 1
-
-
-class Op(str, Enum):
-    SWAP_IN = "swap_in"
-    WAIT_IN = "wait_in"
-    SWAP_OUT = "swap_out"
-    WAIT_OUT = "wait_out"
-    DROP = "drop"
-    FREE = "free"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +78,9 @@ class Schedule:
 
     @cached_property
     def peak_resident_bytes(self) -> int:
-        """Peak device bytes the schedule needs (replayed by ``check``)."""
-        from scheduler.check import check
-
-        return check(self).peak_bytes
+        """Peak device bytes the schedule needs (replayed through ``scheduler.actions``,
+        as ``check`` replays it; a schedule the table refuses raises ``Refused``)."""
+        return replay(self).peak
 
     def summary(self) -> dict[str, Any]:
         """The fields ``ooc plan --json`` prints: plain data, stable keys."""

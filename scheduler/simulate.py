@@ -16,18 +16,21 @@ runtime executes it, in program order on the compute stream:
   is the only way transfers slow the step down;
 - ``drop`` and ``free`` take no time.
 
-Device memory is counted as ``scheduler.schedule`` defines it: a swap-in takes its bytes when
-issued, a swap-out gives them back at its ``wait_out``, a function's new variables take theirs
-while it runs, ``drop``/``free`` give them back. Every change happens on the compute stream,
+Device memory is counted by ``scheduler.actions``' transition table, the one ``check`` and the
+runtime follow: a swap-in takes its bytes when issued, a swap-out gives them back at its
+``wait_out``, a function's new variables take theirs while it runs, ``drop``/``free`` give
+them back. Every change happens on the compute stream,
 so the peak over simulated time is the peak over program order, the figure ``check`` proves.
 
 ``lower_bound_s`` is the step time with perfect overlap, ``max(compute, swap-in busy,
 swap-out busy)`` (compute vs the sum of both directions on a half-duplex tier): no schedule
 of the same transfers can beat it, and ``total_s - lower_bound_s`` is what the ordering costs.
 
-The simulator trusts the schedule (``check`` proves it) but refuses to make up an answer for
-one it cannot execute: a use of a variable that is not resident, a wait for a copy never
-issued, raise :class:`ScheduleError` naming the function and the variable.
+The simulator trusts the schedule's budget (``check`` proves it) but refuses to make up an
+answer for one it cannot execute: an action or a use the transition table refuses (a use of
+a variable that is not resident, a wait for a copy never issued) raises
+:class:`scheduler.actions.Refused`, with the same ``verdict`` as ``check``'s, naming the
+function and the variable.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.actions import IN, USE, Ledger, Refused, Residency
 from scheduler.errors import ScheduleError
 from scheduler.hardware import Hardware, hardware
-from scheduler.memory_events import creations
-from scheduler.schedule import Op, Schedule
+from scheduler.schedule import Schedule
 from scheduler.timeline import COMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,10 @@ log = logging.getLogger(__name__)
 ALLOCATORS = ("caching", "vmm")
 DEFAULT_CHUNK_BYTES = 2 << 20  # CUDA VMM's allocation granularity on current GPUs: 2 MiB
 
-# Variable states on the device (absent = not in the dict).
-_RESIDENT, _IN, _OUT = "resident", "in flight in", "in flight out"
+# How simulate's errors name the states of scheduler.actions.Residency.
+_WORDS = {Residency.ABSENT: "not created yet", Residency.HOST: "not on the device",
+          Residency.IN: "in flight in", Residency.RESIDENT: "resident",
+          Residency.OUT: "in flight out", Residency.DEAD: "freed"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,6 @@ def simulate(
     variables = seq.variables
     nbytes = {v: var.nbytes for v, var in variables.items()}
     label = {v: (var.name or f"v{v}") for v, var in variables.items()}
-    created = creations(seq)
 
     peak_flops, mem_bw, overhead = hw.peak_flops, hw.mem_bandwidth, hw.op_overhead_s
     latency = hw.link_latency_s
@@ -163,12 +167,12 @@ def simulate(
     moved = [0, 0]
     count = [0, 0]
 
-    state: dict[int, str] = dict.fromkeys(schedule.initial_resident, _RESIDENT)
+    # What each action does to memory is the transition table's (scheduler.actions); this
+    # function adds only *when* copies start and end.
+    ledger = Ledger(seq, schedule.initial_resident)
     done: dict[int, float] = {}  # variable -> end of its copy in flight
-    mem = sum(nbytes[v] for v in state)
-    peak, peak_fn = mem, 0
     capacity = hw.device_bytes
-    over_fn: int | None = None if mem <= capacity else 0
+    over_fn: int | None = None if ledger.device <= capacity else 0
     t = compute = stall = 0.0
     tl: list[Event] | None = [] if timeline else None
 
@@ -177,6 +181,19 @@ def simulate(
         return ScheduleError(
             f"simulate: function {i} ({f.name}): variable {v} ({label[v]}, {nbytes[v]} B) {what}; "
             f"run scheduler.check(schedule) for a full diagnosis", function=i, variable=v)
+
+    def refused(err: Refused) -> Refused:
+        # The table's verdict, in simulate's words (check's message is the full diagnosis).
+        i, v, st = err.function, err.variable, err.state
+        if err.action == USE:
+            what = f"is used while {_WORDS[st]}"
+        else:
+            what = f"cannot {err.action.value} {err.phase} it: {err.reason}"
+        f = seq.functions[i]
+        return Refused(
+            f"simulate: function {i} ({f.name}): variable {v} ({label[v]}, {nbytes[v]} B) {what}; "
+            f"run scheduler.check(schedule) for a full diagnosis",
+            action=err.action, variable=v, function=i, phase=err.phase, state=st, reason=err.reason)
 
     def copy(v: int, i: int, direction: int) -> None:
         # Issue a copy now (time t): it starts when its channel is free, first come first served.
@@ -204,83 +221,43 @@ def simulate(
                 tl.append(Event(WAIT, f"{op} {label[v]}", t, end, 0, {"var": v, "function": i}))
             t = end
 
-    def run(acts: tuple, i: int) -> None:
-        nonlocal mem, peak, peak_fn, over_fn
+    def run(acts: tuple, i: int, phase: str) -> None:
+        nonlocal over_fn
         for a in acts:
-            op, v = a.op, a.var
-            s = state.get(v)
-            if op is Op.SWAP_IN:
-                if s is not None:
-                    raise fail(i, v, f"is swapped in while {s}")
-                state[v] = _IN
-                mem += nbytes[v]  # memory is taken at issue, not when the bytes land
-                if mem > peak:
-                    peak, peak_fn = mem, i
-                if over_fn is None and mem > capacity:
-                    over_fn = i
-                copy(v, i, 0)
-            elif op is Op.WAIT_IN:
-                if s is not _IN:
-                    raise fail(i, v, f"is waited in while {s or 'not on the device'} (no swap_in issued)")
-                state[v] = _RESIDENT
-                wait(v, i, "wait_in")
-            elif op is Op.SWAP_OUT:
-                if s is not _RESIDENT:
-                    raise fail(i, v, f"is swapped out while {s or 'not on the device'}")
-                state[v] = _OUT
-                copy(v, i, 1)
-            elif op is Op.WAIT_OUT:
-                if s is not _OUT:
-                    raise fail(i, v, f"is waited out while {s or 'not on the device'} (no swap_out issued)")
-                del state[v]
-                wait(v, i, "wait_out")
-                mem -= nbytes[v]  # given back only once the copy is safely out
-            elif op is Op.DROP:
-                if s is not _RESIDENT:
-                    raise fail(i, v, f"is dropped while {s or 'not on the device'}")
-                del state[v]
-                mem -= nbytes[v]
-            elif op is Op.FREE:
-                # A dead variable: give back whatever it holds. One already off the device
-                # (died while swapped out) holds nothing; a copy in flight keeps its channel.
-                if s is not None:
-                    del state[v]
-                    done.pop(v, None)
-                    mem -= nbytes[v]
-            else:  # pragma: no cover - Op is closed
-                raise fail(i, v, f"has unknown action {op!r}")
+            v = a.var
+            eff = apply(a.op, v, i, phase)
+            if eff.in_flight > 0:     # swap_in / swap_out: a copy is issued
+                copy(v, i, 0 if eff.to is IN else 1)
+            elif eff.in_flight < 0:   # wait_in / wait_out: the compute stream waits for it
+                wait(v, i, a.op.value)
+            if eff.device > 0 and over_fn is None and ledger.device > capacity:
+                over_fn = i
 
+    apply = ledger.apply
     before, after = schedule.before, schedule.after
-    for i, f in enumerate(seq.functions):
-        if before[i]:
-            run(before[i], i)
-        # (the function) every variable it touches must be resident; first writes create.
-        new = created[i]
-        for u in f.uses:
-            v = u.var
-            s = state.get(v)
-            if s is _RESIDENT:
-                continue
-            if s is None and v in new:
-                state[v] = _RESIDENT
-                mem += nbytes[v]
-                continue
-            raise fail(i, v, f"is used while {s or 'not on the device'}")
-        if mem > peak:
-            peak, peak_fn = mem, i
-        if over_fn is None and mem > capacity:
-            over_fn = i
-        cost = f.cost
-        if cost.seconds is not None:
-            d = cost.seconds
-        else:  # roofline: bound by arithmetic or by device memory traffic, plus the launch
-            d = max(cost.flops / peak_flops, cost.bytes / mem_bw) + overhead
-        if tl is not None:
-            tl.append(Event(COMPUTE, f.name, t, t + d, 0, {"function": i}))
-        t += d
-        compute += d
-        if after[i]:
-            run(after[i], i)
+    try:
+        for i, f in enumerate(seq.functions):
+            if before[i]:
+                run(before[i], i, "before")
+            # (the function) every variable it touches must be resident; first writes create.
+            ledger.run(i)
+            if over_fn is None and ledger.device > capacity:
+                over_fn = i
+            cost = f.cost
+            if cost.seconds is not None:
+                d = cost.seconds
+            else:  # roofline: bound by arithmetic or by device memory traffic, plus the launch
+                d = max(cost.flops / peak_flops, cost.bytes / mem_bw) + overhead
+            if tl is not None:
+                tl.append(Event(COMPUTE, f.name, t, t + d, 0, {"function": i}))
+            t += d
+            compute += d
+            if after[i]:
+                run(after[i], i, "after")
+    except Refused as err:
+        raise refused(err) from None
+    peak = ledger.peak
+    peak_fn = ledger.peak_function or 0
 
     total = max(t, chan[0], chan[1])
     if hw.full_duplex:

@@ -24,16 +24,35 @@ import torch
 
 from ooc.errors import StorageError
 from ooc.runtime.devices import byte_view_for
+from scheduler.actions import Residency
 from scheduler.ir import Kind
 from vmm.units import format_size
 
 
 class State(enum.Enum):
+    """A slot's residency: the states of ``scheduler.actions.Residency`` (the transition
+    table every plan action follows), with one ABSENT for "not created yet" and "freed"."""
+
     ABSENT = "absent"      # not created yet in this step, or freed
     RESIDENT = "resident"  # bytes on the device, usable
     IN = "in"              # swap-in in flight: memory taken, not usable yet
     OUT = "out"            # swap-out in flight: memory still taken, not usable
     HOST = "host"          # only the slower tier holds the bytes
+
+    @property
+    def residency(self) -> Residency:
+        """This state in the transition table's words."""
+        return _RESIDENCY[self]
+
+    @staticmethod
+    def of(residency: Residency) -> "State":
+        """The slot state for a state of the transition table."""
+        return _STATE[residency]
+
+
+_RESIDENCY = {State.ABSENT: Residency.ABSENT, State.RESIDENT: Residency.RESIDENT, State.IN: Residency.IN,
+              State.OUT: Residency.OUT, State.HOST: Residency.HOST}
+_STATE = {**{r: s for s, r in _RESIDENCY.items()}, Residency.DEAD: State.ABSENT}
 
 
 def byte_view(storage: torch.UntypedStorage) -> memoryview:

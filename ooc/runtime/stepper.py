@@ -41,6 +41,7 @@ from ooc.runtime.labels import label
 from ooc.runtime.op_info import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
+from scheduler.actions import TRANSITIONS, Names, refusal
 from scheduler.ir import Access, Kind
 from scheduler.schedule import Op, Schedule
 from vmm.errors import OutOfBudget
@@ -93,6 +94,7 @@ class Stepper:
         self.by_storage: dict[int, Slot] = {}   # id(storage) -> slot, for this step
         self.slots: dict[int, Slot] = {}        # var -> slot
         self.diverged_at: int | None = None
+        self.refused = None                     # the plan action the table refused, if any
         self.in_flight_out: list[Slot] = []     # on-demand writes, oldest first
         self.resident = 0                       # managed device bytes, as the plan counts them
         self.peak = 0
@@ -180,7 +182,7 @@ class Stepper:
         self.stall_s += t1 - t0
         self.events.append((track, name, t0, t1))
 
-    def run_actions(self, actions, where: int) -> None:
+    def run_actions(self, actions, where: int, phase: str = "before") -> None:
         for a in actions:
             if not self.planned:
                 return   # diverged: the rest of the step runs on demand
@@ -188,38 +190,47 @@ class Stepper:
             if slot is None:
                 self._diverge(where, f"variable {a.var} of the plan is not bound")
                 return
-            self.apply(a.op, slot, where)
+            self.apply(a.op, slot, where, phase)
 
-    def apply(self, op: Op, slot: Slot, where: int) -> None:
+    def apply(self, op: Op, slot: Slot, where: int, phase: str = "before") -> None:
+        """Run plan action ``op`` on ``slot`` as the transition table (``scheduler.actions``)
+        defines it: its precondition on the slot's state, its new state and device bytes are
+        the table's; only the byte moves are this method's. A refused action means the step
+        is not where its plan is: it diverges, with the error ``scheduler.check`` gives for
+        the same action (``Refused``), and finishes on demand."""
+        state = slot.state.residency
+        why = refusal(op, state, slot.host_current)
+        if why is not None:
+            self.refused = Names(self.schedule.sequence).refused(op, slot.var, where, phase, state, why)
+            self._diverge(where, str(self.refused))
+            return
+        eff = TRANSITIONS[op, state]
         e = self.e
         if op is Op.SWAP_IN:
-            if slot.state is not State.HOST:
-                self._diverge(where, f"swap_in of {slot.name} in state {slot.state.value}")
-                return
-            self._account(slot.nbytes)
+            self._account(eff.device * slot.nbytes)   # the destination is taken at issue
             with label(f"ooc.swap_in {slot.name}"):
                 self._swap_in(slot, where)
             e.counters["bytes_in"] += slot.nbytes
         elif op is Op.WAIT_IN:
-            if slot.state is State.IN:
-                self._timed("wait", f"wait_in {slot.name}", sl.finish_swap_in, slot)
-                self._register(slot)
+            self._timed("wait", f"wait_in {slot.name}", sl.finish_swap_in, slot)
+            self._register(slot)
         elif op is Op.SWAP_OUT:
-            if slot.state is State.RESIDENT:
-                with label(f"ooc.swap_out {slot.name}"):
-                    self._start_out(slot)
-                e.counters["bytes_out"] += slot.nbytes
+            with label(f"ooc.swap_out {slot.name}"):
+                self._start_out(slot)
+            e.counters["bytes_out"] += slot.nbytes
         elif op is Op.WAIT_OUT:
-            if slot.state is State.OUT:
-                self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
-                self._account(-slot.nbytes)
+            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
         elif op is Op.DROP:
-            if slot.state is State.RESIDENT and slot.host_current:
-                sl.release(slot)
-                slot.state = State.HOST
-                self._account(-slot.nbytes)
+            sl.release(slot)
         elif op is Op.FREE:
             self._free(slot)
+        slot.state = State.of(eff.to)
+        if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
+            e.tier.discard(slot.key)
+        if eff.tier is not None:
+            slot.host_current = eff.tier
+        if op is not Op.SWAP_IN and eff.device:
+            self._account(eff.device * slot.nbytes)
 
     def _start_out(self, slot: Slot) -> None:
         sl.start_swap_out(slot, self.e.tier)
@@ -252,12 +263,8 @@ class Stepper:
         self._trace_transfer(slot, "swap-in")
 
     def _free(self, slot: Slot) -> None:
-        if slot.state is State.OUT:
-            sl.finish_swap_out(slot)
-            self._account(-slot.nbytes)
-        elif slot.state in (State.RESIDENT, State.IN):
-            if slot.state is State.IN:
-                sl.finish_swap_in(slot)
+        """Give a dead variable's device bytes back (the table allows resident or host only)."""
+        if slot.state is State.RESIDENT:
             if not slot.in_place:
                 slot.storage = None
             elif slot.storage is not None and slot.storage.resizable():
@@ -266,11 +273,6 @@ class Stepper:
                 # p.grad keeps them until zero_grad, and every gradient of the model piles up
                 # through the optimizer step, outside the budget.
                 slot.storage.resize_(0)
-            self._account(-slot.nbytes)
-        if slot.host_current:
-            self.e.tier.discard(slot.key)
-            slot.host_current = False
-        slot.state = State.ABSENT
 
     def _name(self, i: int) -> str:
         if self.schedule is not None and i < len(self.schedule.sequence.functions):
@@ -539,7 +541,7 @@ class Stepper:
     def after(self, i: int, touched: list[Slot]) -> None:
         if self.planned:
             if self._after[i]:
-                self.run_actions(self._after[i], i)
+                self.run_actions(self._after[i], i, "after")
         else:
             self._on_demand_after(touched)
         if self.resident > self.e.budget and self.planned:

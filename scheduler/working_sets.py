@@ -1,0 +1,49 @@
+"""What every window planner needs first: the working sets, the budget's floor, the window.
+
+A function's *working set* is the bytes of its distinct variables: they must all be resident
+while it runs, so no plan fits a budget below the largest one.
+"""
+
+from __future__ import annotations
+
+from scheduler.errors import BudgetTooSmall
+from scheduler.ir import VariableSequence
+
+__all__ = ["Infeasible", "default_window", "require_working_sets_fit", "working_sets"]
+
+
+def default_window(budget: int) -> int:
+    """nnabla's default prefetch window: 1.5 x the budget ("according to ResNet50 experiment")."""
+    return int(budget * 1.5)
+
+
+def working_sets(seq: VariableSequence) -> list[int]:
+    """Bytes each function needs resident at once (its distinct variables)."""
+    nb = {v: var.nbytes for v, var in seq.variables.items()}
+    return [sum(nb[v] for v in f.var_ids) for f in seq.functions]
+
+
+def require_working_sets_fit(seq: VariableSequence, budget: int, sizes: list[int] | None = None) -> int:
+    """Return the largest working set; raise ``BudgetTooSmall`` at the first function above ``budget``.
+
+    No schedule can run a function whose own variables do not fit at once, so the largest
+    working set is a lower bound on every policy's minimum budget (and the exact minimum of
+    both window planners).
+    """
+    if sizes is None:
+        sizes = working_sets(seq)
+    largest = max(sizes, default=0)
+    if largest > budget:
+        i = next(k for k, b in enumerate(sizes) if b > budget)
+        raise BudgetTooSmall(function=i, name=seq.functions[i].name, working_set=sizes[i],
+                             budget=budget, minimum=largest)
+    return largest
+
+
+class Infeasible(Exception):
+    """A planner could not place function ``index`` under the budget (internal signal)."""
+
+    def __init__(self, index: int, needed: int) -> None:
+        super().__init__(f"function {index} needs {needed} B")
+        self.index = index
+        self.needed = needed
