@@ -22,10 +22,11 @@ from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
-from ooc.runtime.dry_run import optimizer_need
+from ooc.runtime.dry_run import optimizer_need, state_sizes
 from ooc.runtime.process_effects import ProcessEffects
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
+from scheduler import on_demand
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Kind
@@ -178,6 +179,9 @@ class OutOfCore:
         self._hooks: list = []
         self._closed = False
         self._optimizer_stepped = False   # the optimizer's state exists (its size is known)
+        # Before it does: the bytes of each parameter's state after one update, measured on
+        # meta twins by the recording step (``dry_run.state_sizes``); None if not measurable.
+        self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
         self._between: dict[int, int] = {}   # var -> tensor version at the end of the last step
         # A persistent tensor's name -> its variable id, and back (``_stable_vars``).
         self._canon: dict[tuple[Kind, str], int] = {}
@@ -463,7 +467,6 @@ class OutOfCore:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 slot = st.slot_of(p)
-                nbytes = slot.nbytes if slot is not None else p.untyped_storage().nbytes()
                 if "params" in self.manage and slot is not None:
                     out.append((slot.key, slot.nbytes))
                 if "optimizer_state" not in self.manage:
@@ -473,8 +476,8 @@ class OutOfCore:
                     s = st.slot_of(t)
                     if s is not None:
                         out.append((s.key, s.nbytes))
-                if not state and not self._optimizer_stepped and nbytes >= self.min_bytes:
-                    out += [(None, nbytes)] * 2   # created now: assume two like p (Adam), as above
+                if not state and not self._optimizer_stepped:   # created now: as measured
+                    out += [(None, n) for n in (self._state_sizes or {}).get(p, ()) if n >= self.min_bytes]
         return out
 
     def _check_feasible(self, st: Stepper) -> None:
@@ -486,6 +489,8 @@ class OutOfCore:
         read from them said 0 bytes, and an overflowing update got through)."""
         seq = st.rec.sequence({})
         scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
+        if "optimizer_state" in self.manage and not self._optimizer_stepped:
+            self._state_sizes = state_sizes(self.optimizer)   # what the first update creates
         counted = self.manage & {"params", "grads", "optimizer_state"}
         if not counted:
             return
@@ -519,15 +524,12 @@ class OutOfCore:
     def _fit_persistent(self) -> None:
         """Before a step on demand, move resident persistent tensors to the tier until the rest
         fits the budget: the whole model is resident before the first step, the optimizer
-        state the first update created may be after it. The last registered go first (a
-        forward uses parameters roughly in their order); the step evicts the rest as needed."""
-        resident = [s for s in self.persistent.values() if s.state is State.RESIDENT]
-        excess = sum(s.nbytes for s in resident) - self.budget
-        for slot in reversed(resident):
-            if excess <= 0:
-                break
+        state the first update created may be after it. Which ones go is the scheduler's
+        choice (``scheduler.on_demand.persistent_to_evict``); the step evicts the rest as
+        needed."""
+        resident = [(s, s.nbytes) for s in self.persistent.values() if s.state is State.RESIDENT]
+        for slot in on_demand.persistent_to_evict(resident, self.budget):
             self._to_tier(slot)
-            excess -= slot.nbytes
 
     def _to_tier(self, slot: Slot) -> None:
         """Give a resident persistent slot's memory back, writing it out first if needed."""

@@ -13,6 +13,7 @@ real optimizer, so that a budget too small for the update fails before anything 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -45,47 +46,9 @@ def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, s
     does (``aten.zeros_like.default#53``) until they turn out to be state (``0.weight.exp_avg``).
     """
     with _disable_current_modes():   # the engine's mode must not see the twins' ops
-        known: dict[int, tuple[str, str]] = {}
-        twins: dict[torch.Tensor, torch.nn.Parameter] = {}
-        groups = []
-        for group in optimizer.param_groups:
-            params = []
-            for p in group["params"]:
-                twin = twins.get(p)
-                if twin is None:
-                    # Shapes only: on demand a parameter on the tier has an empty storage.
-                    twin = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                    name = names.get(p, "a parameter")
-                    known[twin.untyped_storage()._cdata] = ("params", name)
-                    if p.grad is not None:
-                        twin.grad = torch.empty_like(p.grad, device="meta")
-                        known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
-                    twins[p] = twin
-                params.append(twin)
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-        try:
-            shadow = type(optimizer)(groups, **optimizer.defaults)
-        except TypeError:
-            shadow = type(optimizer)(groups)
-        for p, state in optimizer.state.items():
-            if p not in twins:
-                continue
-            copied = {}
-            for key, v in state.items():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    v = torch.empty_like(v, device="meta")
-                    known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
-                elif isinstance(v, torch.Tensor):
-                    v = v.detach().clone()   # Adam's step counter: read with .item()
-                copied[key] = v
-            shadow.state[twins[p]] = copied
+        shadow, twins, known = _shadow(optimizer, names)
         counter = _Count(known, frozenset(counted), min_bytes, first)
-        try:
-            with counter:
-                shadow.step()
-        except Exception as exc:  # noqa: BLE001 - not runnable on meta: no measurement, not an error
-            log.info("%s.step() does not run on meta tensors (%s): its first update is not "
-                     "measured before it runs", type(optimizer).__name__, exc)
+        if not _run(shadow, optimizer, counter):
             return None
         if counter.most is None:
             return None
@@ -95,6 +58,73 @@ def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, s
                   if isinstance(t, torch.Tensor) and t.device.type == "meta"}
         parts = sorted(((s.nbytes(), states.get(s._cdata, what)) for s, what in held), reverse=True)
         return OpNeed(index, name, sum(n for n, _ in parts), tuple(f"{w} ({n} B)" for n, w in parts))
+
+
+def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[int, ...]] | None:
+    """Bytes of each state tensor the optimizer has for each parameter after one more step,
+    measured on ``meta`` twins: what its first update will create and write (Adam two tensors
+    like the parameter, SGD with momentum one, Adagrad one, Adafactor smaller ones), instead of
+    assuming an optimizer. None if it cannot run on ``meta``."""
+    with _disable_current_modes():
+        shadow, twins, _ = _shadow(optimizer, {})
+        if not _run(shadow, optimizer, contextlib.nullcontext()):
+            return None
+        return {p: tuple(t.untyped_storage().nbytes() for t in shadow.state.get(twin, {}).values()
+                         if isinstance(t, torch.Tensor) and t.device.type == "meta")
+                for p, twin in twins.items()}
+
+
+def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
+            ) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter], dict[int, tuple[str, str]]]:
+    """An optimizer of the same type over ``meta`` twins of the parameters, their grads and
+    their state; the twins by parameter; the kind and name of each twin storage."""
+    known: dict[int, tuple[str, str]] = {}
+    twins: dict[torch.Tensor, torch.nn.Parameter] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            twin = twins.get(p)
+            if twin is None:
+                # Shapes only: on demand a parameter on the tier has an empty storage.
+                twin = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                name = names.get(p, "a parameter")
+                known[twin.untyped_storage()._cdata] = ("params", name)
+                if p.grad is not None:
+                    twin.grad = torch.empty_like(p.grad, device="meta")
+                    known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
+                twins[p] = twin
+            params.append(twin)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    try:
+        shadow = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:
+        shadow = type(optimizer)(groups)
+    for p, state in optimizer.state.items():
+        if p not in twins:
+            continue
+        copied = {}
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                v = torch.empty_like(v, device="meta")
+                known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
+            elif isinstance(v, torch.Tensor):
+                v = v.detach().clone()   # Adam's step counter: read with .item()
+            copied[key] = v
+        shadow.state[twins[p]] = copied
+    return shadow, twins, known
+
+
+def _run(shadow: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, mode: Any) -> bool:
+    """``shadow.step()`` under ``mode``; False if it does not run on ``meta``."""
+    try:
+        with mode:
+            shadow.step()
+    except Exception as exc:  # noqa: BLE001 - not runnable on meta: no measurement, not an error
+        log.info("%s.step() does not run on meta tensors (%s): its first update is not "
+                 "measured before it runs", type(optimizer).__name__, exc)
+        return False
+    return True
 
 
 class _Count(TorchDispatchMode):

@@ -41,6 +41,7 @@ from ooc.runtime.labels import label
 from ooc.runtime.op_info import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
+from scheduler import on_demand
 from scheduler.actions import TRANSITIONS, Names, refusal
 from scheduler.ir import Access, Kind
 from scheduler.schedule import Op, Schedule
@@ -620,8 +621,9 @@ class Stepper:
     def _make_room(self, nbytes: int, keep: set | tuple) -> bool:
         """Evict until ``nbytes`` more fit the budget; False if they cannot.
 
-        Candidates are the managed tensors the op does not use (``keep``) and the running
-        backward node does not hold (``held``), least recently used first: finished writes
+        The victims are the scheduler's choice (``scheduler.on_demand.choose_victims``) among
+        the managed tensors the op does not use (``keep``) and the running backward node does
+        not hold (``held``), in the order ops last used them. Carrying it out: finished writes
         are reaped, a write in flight is waited for, a tensor the slower tier holds is
         released, any other is written out and waited for (the waits count as stall).
         """
@@ -629,15 +631,9 @@ class Stepper:
         if self.resident + nbytes <= budget:
             return True
         self._reap_writes(block=False)
-        excess = self.resident + nbytes - budget
-        victims = []
-        for x in self.recent:          # stale entries (already gone) are victims of 0 bytes
-            if excess <= 0:
-                break
-            if x in keep or x in self.held:
-                continue
-            victims.append(x)
-            excess -= self._evictable_bytes(x)
+        held = self.held
+        victims = on_demand.choose_victims(self.recent, self.resident + nbytes - budget, self._evictable_bytes,
+                                           lambda x: x in keep or x in held)
         for x in victims:
             del self.recent[x]
             if isinstance(x, Birth):
@@ -739,7 +735,7 @@ class Stepper:
 
     def _reap_writes(self, block: bool) -> None:
         """Finish on-demand writes, oldest first; block while too many bytes are in flight."""
-        limit = self.e.budget // 2
+        limit = on_demand.in_flight_limit(self.e.budget)
         while self.in_flight_out:
             slot = self.in_flight_out[0]
             if slot.state is not State.OUT:
