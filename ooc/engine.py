@@ -21,8 +21,10 @@ from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
+from ooc.runtime.pool import DevicePool
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
+from ooc.storage.tier import SlowerTier
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Kind
@@ -692,7 +694,7 @@ class OutOfCore:
         if not self._adapt_pending or saved is None:
             return False
         self._adapt_pending = False
-        floor = self.pool.backend.granularity   # the page; on a GPU, the VMM granularity
+        floor = self.pool.granularity   # the page; on a GPU, the VMM granularity
         chunk = choose_chunk(saved, self.budget, self.chunk, floor)
         left = unmanaged_bytes(saved, chunk // 2)
         if sum(saved) > self.budget and left > self.budget // UNMANAGED_SHARE:

@@ -2,7 +2,7 @@
 
 :class:`PinnedTier` is :class:`~ooc.storage.FileTier`'s counterpart for CUDA devices, with the
 same interface (``write_async`` / ``read_async`` / ``discard`` / ``stats`` / ``close``), where
-sources and destinations are :class:`~ooc.runtime.devices.DevicePtr` (device address + bytes)
+sources and destinations are :class:`~ooc.runtime.cuda_seam.DevicePtr` (device address + bytes)
 instead of host buffers, and transfers are asynchronous device copies ordered with CUDA events
 instead of jobs on I/O threads.
 
@@ -14,7 +14,8 @@ they are waited on, destroyed objects unusable, stream order, copies executed la
 missing wait shows stale bytes). ``tests/ooc/test_cuda_gpu.py`` holds the real-GPU tests;
 they skip without a device.
 
-Driver calls, in order (each returns ``(CUresult, *values)``; every result is checked and a
+Driver calls, in order (each goes through :class:`vmm.cuda_driver.CudaDriver`, the one module
+that calls the driver; each returns ``(CUresult, *values)``; every result is checked and a
 failure raises :class:`~ooc.errors.StorageError` naming the call, the error, the key and the
 bytes):
 
@@ -49,34 +50,18 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ooc.errors import OOCError, StorageError
+from ooc.errors import StorageError
 from ooc.runtime.labels import label
 from ooc.storage.extents import Extents, room_to_write, round_up
-from vmm.cuda import format_call_args, in_own_context, own_context
+from vmm.cuda_driver import CudaDriver, DriverCallError, import_driver, in_own_context
 from vmm.units import format_size, parse_size
 
-__all__ = ["PinnedTier", "CopyFuture", "import_driver"]
+__all__ = ["PinnedTier", "CopyFuture", "import_driver"]   # import_driver: from vmm.cuda_driver
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096               # extents inside the slabs: page-aligned pieces
 _DEFAULT_SLAB = 64 << 20   # pinned memory is allocated in slabs of this size (at most)
-
-
-def import_driver(what: str = "the CUDA tier") -> Any:
-    """``cuda.bindings.driver`` (cuda-python), or OOCError saying how to install it.
-
-    The only place ooc imports cuda-python for the runtime; code that is given a ``driver=``
-    (tests pass a fake) never calls it.
-    """
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # older cuda-python layout
-        except ImportError as exc:
-            raise OOCError(f"{what} needs cuda-python: pip install 'ooc[cuda]'") from exc
-    return driver
 
 
 def _half_the_ram() -> int:
@@ -120,7 +105,7 @@ class _Resources:
     """What the driver must give back, kept apart from the tier so that a finalizer can
     release it when a tier is garbage-collected without ``close()``."""
 
-    drv: Any
+    cu: CudaDriver
     dev: Any = None
     ctx: Any = None
     ctx_retained: bool = False
@@ -131,25 +116,20 @@ class _Resources:
     def release(self) -> list[str]:
         """Destroy events and streams, free the pinned slabs, release the context. Tries
         every step; returns what failed (the caller decides whether to raise or log)."""
-        drv, failed = self.drv, []
-        ok = drv.CUresult.CUDA_SUCCESS
+        cu, failed = self.cu, []
 
         def step(name: str, *args: Any) -> None:
-            try:
-                err = getattr(drv, name)(*args)[0]
-            except Exception as exc:  # noqa: BLE001 - teardown must go on
-                failed.append(f"{name} raised {type(exc).__name__}: {exc}")
-                return
-            if err != ok:
-                failed.append(f"{name} failed with {_error_name(drv, err)}")
+            what = cu.attempt(name, *args)
+            if what is not None:
+                failed.append(what)
 
         prev = None
         if self.ctx is not None:  # a finalizer may run in any thread: switch there and back
             try:
-                err, prev = drv.cuCtxGetCurrent()
-            except Exception:  # noqa: BLE001 - teardown must go on
+                err, prev = cu.raw("cuCtxGetCurrent")
+            except DriverCallError:  # teardown must go on
                 err = None
-            if err != ok:
+            if err != cu.ok:
                 prev = None
             step("cuCtxSetCurrent", self.ctx)
         # No copy may still read or write the pinned slabs when they are freed (close() has
@@ -242,7 +222,7 @@ class PinnedTier:
 
     ``write_async(key, src, nbytes)`` copies the first ``nbytes`` of the device range ``src``
     into pinned memory under ``key``; ``read_async(key, dst)`` copies them back into the device
-    range ``dst``. ``src`` and ``dst`` are :class:`~ooc.runtime.devices.DevicePtr` (anything
+    range ``dst``. ``src`` and ``dst`` are :class:`~ooc.runtime.cuda_seam.DevicePtr` (anything
     with int ``address`` and ``nbytes``). Both return a :class:`CopyFuture`.
 
     Args:
@@ -292,9 +272,8 @@ class PinnedTier:
     def __init__(self, driver: Any = None, device: int = 0, capacity_bytes: int | str | None = None,
                  verify: bool = False, *, compute_stream: Any = 0,
                  slab_bytes: int | str | None = None) -> None:
-        self._drv = driver if driver is not None else import_driver("PinnedTier")
-        self._ok = self._drv.CUresult.CUDA_SUCCESS
         self.device = int(device)
+        self._cu = CudaDriver(driver, label="PinnedTier", device=self.device)
         cap = _half_the_ram() if capacity_bytes is None else parse_size(capacity_bytes,
                                                                          what="pinned capacity")
         self.capacity_bytes = round_up(cap, ALIGN)
@@ -312,8 +291,8 @@ class PinnedTier:
         self._live_bytes = 0
         self._peak_live_bytes = 0
         self._stats = dict(bytes_written=0, bytes_read=0, writes=0, reads=0, wait_s=0.0,
-                           failed=0, host_syncs=0)
-        self._res = _Resources(self._drv)
+                           failed=0)
+        self._res = _Resources(self._cu)
         self._finalizer = weakref.finalize(self, _finalize, self._res)
         try:
             self._setup()
@@ -322,17 +301,18 @@ class PinnedTier:
             raise
 
     def _setup(self) -> None:
-        drv, res = self._drv, self._res
-        self._call("cuInit", 0)
-        res.dev = self._call("cuDeviceGet", self.device)
-        self._ctx = res.ctx = self._call("cuDevicePrimaryCtxRetain", res.dev)
-        res.ctx_retained = True
-        with own_context(drv, self._ctx):
+        res = self._res
+        try:
+            res.dev, self._ctx = self._cu.retain_primary_context()
+        except DriverCallError as e:
+            raise self._error(e, "setup", None, None) from e.__cause__
+        res.ctx, res.ctx_retained = self._ctx, True
+        with self._cu.context(self._ctx):
             self._make_streams()
 
     def _make_streams(self) -> None:
-        drv, res = self._drv, self._res
-        non_blocking = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        res = self._res
+        non_blocking = self._cu.stream_non_blocking()
         # Non-blocking: no implicit synchronization with the legacy default stream, so a
         # copy never waits for unrelated compute; the events below order what must be.
         self._d2h = self._call("cuStreamCreate", non_blocking)
@@ -541,6 +521,7 @@ class PinnedTier:
                 self._poll()
             out = dict(self._stats)
             out.update(
+                host_syncs=self._cu.host_syncs,
                 live_bytes=self._live_bytes, peak_live_bytes=self._peak_live_bytes,
                 keys=len(self._records),
                 pinned_bytes=sum(n for _, n in self._res.slabs),
@@ -651,15 +632,16 @@ class PinnedTier:
 
     def _poll(self) -> None:
         """Book every transfer whose event has completed (cuEventQuery never blocks)."""
-        not_ready = self._drv.CUresult.CUDA_ERROR_NOT_READY
+        cu = self._cu
         for t in list(self._inflight.values()):
             if t.waiters:
                 continue
             err = self._raw("cuEventQuery", t.event)[0]
-            if err == self._ok:
+            if err == cu.ok:
                 self._finish(t)
-            elif err != not_ready:
-                self._finish(t, self._error("cuEventQuery", err, t.kind, t.key, t.nbytes))
+            elif err != cu.not_ready:
+                self._finish(t, self._error(cu.error("cuEventQuery", err), t.kind, t.key,
+                                            t.nbytes))
 
     def _settle(self, t: _Transfer) -> None:
         """Block (holding the lock) until ``t`` is complete; book it."""
@@ -716,8 +698,7 @@ class PinnedTier:
 
     def _new_event(self) -> Any:
         # Timing disabled: these events only order and signal, and such events are cheaper.
-        flags = int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        event = self._call("cuEventCreate", flags)
+        event = self._call("cuEventCreate", self._cu.event_no_timing())
         self._res.events.append(event)
         return event
 
@@ -813,45 +794,40 @@ class PinnedTier:
                 f"{self.device}; the bytes changed after the swap-out completed (host memory "
                 "fault, or something else wrote into the tier's pinned slabs)")
 
-    # -- driver calls ----------------------------------------------------------------------
+    # -- driver calls (through vmm.cuda_driver, the one module that calls the driver) ------
 
     def _raw(self, name: str, *args: Any) -> tuple:
-        if name in _HOST_SYNCS:
-            self._stats["host_syncs"] += 1
+        """The call's whole result, unchecked; an exception inside the driver is StorageError."""
         try:
-            return getattr(self._drv, name)(*args)
-        except Exception as exc:
-            raise StorageError(f"PinnedTier: {name}({format_call_args(args)}) raised "
-                               f"{type(exc).__name__}: {exc} on device {self.device}") from exc
+            return self._cu.raw(name, *args)
+        except DriverCallError as e:
+            raise self._error(e, "setup", None, None) from e.__cause__
 
     def _call(self, name: str, *args: Any, op: str = "setup", key: int | None = None,
               nbytes: int | None = None) -> Any:
         """Call the driver; raise StorageError naming the call, the error, the key and the
         bytes unless the result is CUDA_SUCCESS; return the values after the error code."""
-        result = self._raw(name, *args)
-        if result[0] != self._ok:
-            raise self._error(name, result[0], op, key, nbytes, args)
-        if len(result) == 1:
-            return None
-        return result[1] if len(result) == 2 else result[1:]
+        try:
+            return self._cu.call(name, *args)
+        except DriverCallError as e:
+            raise self._error(e, op, key, nbytes) from e.__cause__
 
-    def _error(self, name: str, err: Any, op: str, key: int | None, nbytes: int | None,
-               args: tuple = ()) -> StorageError:
-        what = {"write": "swapping out", "read": "swapping in"}.get(op, op)
-        where = f" while {what} key {key}" if key is not None else f" ({what})"
-        size = f" ({format_size(nbytes)}, {nbytes} bytes)" if nbytes is not None else ""
-        e = StorageError(f"PinnedTier: {name}({format_call_args(args)}) failed with "
-                         f"{_error_name(self._drv, err)}{where}{size} on device {self.device}")
-        e.cuda_error = err
-        e.call = name
-        return e
+    def _error(self, e: DriverCallError, op: str, key: int | None,
+               nbytes: int | None) -> StorageError:
+        if e.cuda_error is None:   # raised inside the driver: say so, as it said it
+            err = StorageError(f"PinnedTier: {e.detail} on device {self.device}")
+        else:
+            what = {"write": "swapping out", "read": "swapping in"}.get(op, op)
+            where = f" while {what} key {key}" if key is not None else f" ({what})"
+            size = f" ({format_size(nbytes)}, {nbytes} bytes)" if nbytes is not None else ""
+            err = StorageError(f"PinnedTier: {e.detail}{where}{size} on device {self.device}")
+        err.cuda_error = e.cuda_error
+        err.call = e.call
+        return err
 
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("PinnedTier is closed")
-
-
-_HOST_SYNCS = frozenset({"cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize"})
 
 
 def _fresh(err: StorageError) -> StorageError:
@@ -871,14 +847,3 @@ def _device_range(obj: Any, what: str) -> tuple[int, int]:
     except AttributeError:
         raise TypeError(f"PinnedTier: {what} must be a DevicePtr (device address and nbytes), "
                         f"got {type(obj).__name__}") from None
-
-
-def _error_name(drv: Any, err: Any) -> str:
-    try:
-        e2, text = drv.cuGetErrorName(err)
-        if e2 == drv.CUresult.CUDA_SUCCESS and text:
-            return text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:  # noqa: BLE001 - the name lookup must never hide the original error
-        pass
-    name = getattr(err, "name", None)
-    return f"{name} ({int(err)})" if name else f"CUresult {err}"

@@ -752,13 +752,16 @@ def test_route_allocations_needs_cuda_torch(fake: FakeCopyDriver) -> None:
 
 # -- devices.py ---------------------------------------------------------------------------------
 def test_make_tier_and_pool_by_device(fake: FakeCopyDriver, tmp_path, monkeypatch) -> None:
-    """CPU gives (FileTier, DevicePool); CUDA with the FAKE driver gives (PinnedTier,
+    """CPU gives (FileTier, CpuDevicePool); CUDA with the FAKE driver gives (PinnedTier,
     CudaDevicePool) working together; CUDA without cuda-python says what to install."""
+    from ooc.runtime.cpu_pool import CpuDevicePool
     from ooc.runtime.pool import DevicePool
+    from ooc.storage.tier import SlowerTier
     from ooc.storage import FileTier
 
     tier, pool = make_tier_and_pool("cpu", 8 * MiB, 2 * MiB, str(tmp_path), 1, False)
-    assert isinstance(tier, FileTier) and isinstance(pool, DevicePool)
+    assert isinstance(tier, FileTier) and isinstance(pool, CpuDevicePool)
+    assert isinstance(tier, SlowerTier) and isinstance(pool, DevicePool)
     tier.close()
 
     tier, pool = make_tier_and_pool("cuda:0", 8 * MiB, 2 * MiB, None, 2, True, driver=fake,
