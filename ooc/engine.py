@@ -99,6 +99,9 @@ class OutOfCore:
                 opt.step()   # or scaler.step(opt); the engine hooks the optimizer
     """
 
+    tier: SlowerTier   # where swapped-out bytes live (FileTier on a CPU, PinnedTier on a GPU)
+    pool: DevicePool   # the budget: device memory for swapped-in tensors
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
                  window: int | str | None = None, chunk: int | str | None = None,

@@ -22,7 +22,7 @@ import torch
 
 from vmm.cuda_driver import import_driver
 
-__all__ = ["CudaRuntime", "DevicePtr", "cuda_runtime", "cuda_torch", "has_cupy",
+__all__ = ["CudaRuntime", "DevicePtr", "cuda_runtime", "cuda_torch", "device_range", "has_cupy",
            "set_cuda_runtime"]
 
 
@@ -46,6 +46,16 @@ class DevicePtr:
 
     def __repr__(self) -> str:
         return f"DevicePtr(0x{self.address:x}, {self.nbytes})"
+
+
+def device_range(obj: Any, what: str) -> tuple[int, int]:
+    """``(address, nbytes)`` of a :class:`DevicePtr` (anything with int ``address`` and
+    ``nbytes``); TypeError naming ``what`` otherwise."""
+    try:
+        return int(obj.address), int(obj.nbytes)
+    except AttributeError:
+        raise TypeError(f"PinnedTier: {what} must be a DevicePtr (device address and nbytes), "
+                        f"got {type(obj).__name__}") from None
 
 
 class CudaRuntime:
