@@ -15,9 +15,10 @@ imported lazily by the constructor, so the rest of ``vmm`` works without cuda-py
   only whole mappings).
 
 Context: every public method runs in the device's primary context and leaves the calling
-thread's current context as it found it (:func:`vmm.cuda_driver.own_context`: ``cuCtxGetCurrent``, and only if
-another context, or none, is current, ``cuCtxSetCurrent`` there and back), so that a process
-that drives another GPU from the same thread is not switched to this one behind its back.
+thread's current context as it found it (:func:`vmm.cuda_driver.own_context`:
+``cuCtxGetCurrent``, and only if another context, or none, is current, ``cuCtxSetCurrent``
+there and back), so that a process that drives another GPU from the same thread is not
+switched to this one behind its back.
 
 Every driver call goes through :class:`vmm.cuda_driver.CudaDriver` (the one module that
 calls the driver, and the seam where a fake one is injected): every ``err`` is checked and a

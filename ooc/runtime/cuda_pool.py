@@ -1,8 +1,8 @@
 """Device memory on a GPU, taken from a ``vmm`` chunk pool of CUDA VMM chunks sized to the budget.
 
-:class:`CudaDevicePool` is :class:`~ooc.runtime.cpu_pool.CpuDevicePool`'s counterpart for CUDA (both
-conform to :class:`~ooc.runtime.pool.DevicePool`): the same ``take`` / ``reap`` / ``stats`` over ``vmm.VirtualAllocator(vmm.ChunkPool(
-vmm.CudaBackend(device)))``, so the pool's physical size is the budget and going over it is
+:class:`CudaDevicePool` is :class:`~ooc.runtime.cpu_pool.CpuDevicePool`'s counterpart for CUDA
+(both conform to :class:`~ooc.runtime.pool.DevicePool`): the same ``take`` / ``reap`` /
+``trim`` / ``stats`` over ``vmm.VirtualAllocator(vmm.ChunkPool(vmm.CudaBackend(device)))``, so the pool's physical size is the budget and going over it is
 :class:`~ooc.errors.OutOfBudget`, never a silent overflow. :func:`route_allocations` goes one
 step further and sends PyTorch's own CUDA allocations of the current thread into the same pool.
 
@@ -328,7 +328,7 @@ def route_allocations(pool: CudaDevicePool) -> Iterator[Any]:
     Raises :class:`~ooc.errors.OOCError` on a PyTorch without CUDA ("needs a CUDA build of
     PyTorch"). Yields the ``MemPool``. Run on an H100 in a test; the engine does not use it.
     """
-    _requirecuda_torch()
+    _require_cuda_torch()
     router, c_alloc, c_free = make_callbacks(pool)
     alloc_ptr = ctypes.cast(c_alloc, ctypes.c_void_p).value
     free_ptr = ctypes.cast(c_free, ctypes.c_void_p).value
@@ -345,7 +345,7 @@ def route_allocations(pool: CudaDevicePool) -> Iterator[Any]:
         raise
 
 
-def _requirecuda_torch() -> None:
+def _require_cuda_torch() -> None:
     if not cuda_torch() or not hasattr(torch._C, "_cuda_customAllocator"):
         raise OOCError(
             "route_allocations needs a CUDA build of PyTorch with a visible device "

@@ -144,7 +144,6 @@ def _wrap_range(address: int, nbytes: int, device: int, owner: Any) -> torch.Ten
         return torch.as_tensor(arr, device=f"cuda:{device}")  # __cuda_array_interface__
 
 
-
 def cuda_torch() -> bool:
     """Whether this PyTorch is a CUDA build with a visible device."""
     return torch.version.cuda is not None and torch.cuda.is_available()

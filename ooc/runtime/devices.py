@@ -110,8 +110,8 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int) -> DevicePo
     dev = torch.device(device)
     if dev.type == "cpu":
         # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
-        return CpuDevicePool(budget, chunk,
-                             on_physical=functools.partial(cpu_allocator.external, source=next(_pool_ids)))
+        hear = functools.partial(cpu_allocator.external, source=next(_pool_ids))
+        return CpuDevicePool(budget, chunk, on_physical=hear)
     rt = cuda_runtime()
     index = dev.index if dev.index is not None else rt.current_device()
     return CudaDevicePool(budget, chunk, driver=rt.driver(f"device {dev}"), device=index,
