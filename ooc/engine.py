@@ -23,9 +23,11 @@ from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need, state_sizes
+from ooc.runtime.pool import DevicePool
 from ooc.runtime.process_effects import ProcessEffects
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.stepper import Stepper
+from ooc.storage.tier import SlowerTier
 from scheduler import on_demand
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.errors import BudgetTooSmall
@@ -100,6 +102,9 @@ class OutOfCore:
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()   # or scaler.step(opt); the engine hooks the optimizer
     """
+
+    tier: SlowerTier   # where swapped-out bytes live (FileTier on a CPU, PinnedTier on a GPU)
+    pool: DevicePool   # the budget: device memory for swapped-in tensors
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
@@ -695,7 +700,7 @@ class OutOfCore:
         if not self._adapt_pending or saved is None:
             return False
         self._adapt_pending = False
-        floor = self.pool.backend.granularity   # the page; on a GPU, the VMM granularity
+        floor = self.pool.granularity   # the page; on a GPU, the VMM granularity
         chunk = choose_chunk(saved, self.budget, self.chunk, floor)
         left = unmanaged_bytes(saved, chunk // 2)
         if sum(saved) > self.budget and left > self.budget // UNMANAGED_SHARE:

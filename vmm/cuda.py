@@ -15,14 +15,15 @@ imported lazily by the constructor, so the rest of ``vmm`` works without cuda-py
   only whole mappings).
 
 Context: every public method runs in the device's primary context and leaves the calling
-thread's current context as it found it (:func:`own_context`: ``cuCtxGetCurrent``, and only if
-another context, or none, is current, ``cuCtxSetCurrent`` there and back), so that a process
-that drives another GPU from the same thread is not switched to this one behind its back.
+thread's current context as it found it (:func:`vmm.cuda_driver.own_context`:
+``cuCtxGetCurrent``, and only if another context, or none, is current, ``cuCtxSetCurrent``
+there and back), so that a process that drives another GPU from the same thread is not
+switched to this one behind its back.
 
-Every call returns ``(err, *values)``; every ``err`` is checked and a failure raises
-:class:`vmm.backend.BackendCallError` (``DeviceOutOfMemory`` for
-``CUDA_ERROR_OUT_OF_MEMORY``) naming the call, its arguments and the error name. An
-exception raised inside cuda-python (no driver library, say) is wrapped the same way.
+Every driver call goes through :class:`vmm.cuda_driver.CudaDriver` (the one module that
+calls the driver, and the seam where a fake one is injected): every ``err`` is checked and a
+failure raises :class:`vmm.backend.BackendCallError` (``DeviceOutOfMemory`` for
+``CUDA_ERROR_OUT_OF_MEMORY``) naming the call, its arguments and the error name.
 
 No GPU exists on the project's machines: this module is tested against the fake driver in
 ``ooc/testing/fake_cuda_driver.py`` (shipped with ooc; vmm does not import it), which
@@ -33,85 +34,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence
 
-from vmm.backend import Backend, BackendCallError, DeviceOutOfMemory, Ledger
+from vmm.backend import Backend, BackendCallError, Ledger
+from vmm.cuda_driver import (CudaDriver, format_call_args, in_own_context,  # noqa: F401
+                             own_context)
 from vmm.errors import VMMError
 
-
-def _import_driver() -> Any:
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # older cuda-python layout
-        except ImportError as exc:
-            raise VMMError("the cuda backend needs cuda-python: pip install 'ooc[cuda]' "
-                           "(or use SimBackend to plan without a GPU)") from exc
-    return driver
-
-
-@contextlib.contextmanager
-def own_context(drv: Any, ctx: Any) -> Iterator[None]:
-    """Run the block with ``ctx`` current in the calling thread, then put back the context
-    that was current (or none). Costs one ``cuCtxGetCurrent`` when ``ctx`` is current already
-    (PyTorch's threads on the same device): the common case pays no switch.
-
-    Raises :class:`VMMError` if the driver refuses either call; a failure to switch back is
-    raised only if the block itself succeeded (the block's own error is the one to see)."""
-    ok = drv.CUresult.CUDA_SUCCESS
-    err, prev = drv.cuCtxGetCurrent()
-    if err != ok:
-        raise VMMError(f"cuCtxGetCurrent failed with {_name_of(err)}")
-    if prev is not None and int(prev) == int(ctx):
-        yield
-        return
-    err, = drv.cuCtxSetCurrent(ctx)
-    if err != ok:
-        raise VMMError(f"cuCtxSetCurrent(device's primary context) failed with {_name_of(err)}")
-    try:
-        yield
-    except BaseException:
-        drv.cuCtxSetCurrent(prev)   # best effort: the block's error is the one to see
-        raise
-    err, = drv.cuCtxSetCurrent(prev)
-    if err != ok:
-        raise VMMError(f"cuCtxSetCurrent(back to the caller's context) failed with "
-                       f"{_name_of(err)}")
-
-
-_M = TypeVar("_M", bound=Callable[..., Any])
-
-
-def in_own_context(method: _M) -> _M:
-    """Decorate a method of an object with ``_drv`` and ``_ctx`` (None: not set up, or
-    released) so that it runs under :func:`own_context`."""
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._ctx is None:
-            return method(self, *args, **kwargs)
-        with own_context(self._drv, self._ctx):
-            return method(self, *args, **kwargs)
-    return wrapper  # type: ignore[return-value]
-
-
-def allocation_prop(driver: Any, device: int) -> Any:
-    """``CUmemAllocationProp`` for pinned memory on ``device``."""
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device
-    return prop
-
-
-def access_desc(driver: Any, device: int) -> Any:
-    """``CUmemAccessDesc`` granting ``device`` read/write access."""
-    desc = driver.CUmemAccessDesc()
-    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = device
-    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    return desc
+# format_call_args, own_context, in_own_context: re-exported from vmm.cuda_driver, their home
 
 
 class CudaBackend(Backend):
@@ -138,10 +68,11 @@ class CudaBackend(Backend):
 
     def __init__(self, device: int = 0, *, driver: Any = None, stream: Any = None,
                  fence_stream: Any = None) -> None:
-        self._drv = driver if driver is not None else _import_driver()
-        self._success = self._drv.CUresult.CUDA_SUCCESS
+        self._cu = CudaDriver(driver, label="cuda backend", device=device,
+                              what="the cuda backend",
+                              hint=" (or use SimBackend to plan without a GPU)")
         self.device = device
-        self.calls: dict[str, int] = {}
+        self.calls = self._cu.calls   # every driver call by name
         self._stream = stream
         self._fence_stream = fence_stream
         self._fences: collections.deque = collections.deque()   # (seq, event), oldest first
@@ -152,49 +83,21 @@ class CudaBackend(Backend):
         self._ctx = None
         self._batch = 0          # depth of one_synchronization blocks
         self._synced = False     # inside one: the device was synchronized already
-        self._call("cuInit", 0)
-        self._dev = self._call("cuDeviceGet", device)
-        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._dev)
-        with own_context(self._drv, self._ctx):
+        self._dev, self._ctx = self._cu.retain_primary_context()
+        with self._cu.context(self._ctx):
             self._setup()
 
     def _setup(self) -> None:
-        device = self.device
-        self._prop = allocation_prop(self._drv, device)
-        self.granularity = int(self._call(
-            "cuMemGetAllocationGranularity", self._prop,
-            self._drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        self._access = [access_desc(self._drv, device)]
+        self._prop = self._cu.allocation_prop()
+        self.granularity = int(self._call("cuMemGetAllocationGranularity", self._prop,
+                                          self._cu.granularity_minimum()))
+        self._access = [self._cu.access_desc()]
         self.ledger = Ledger(self.granularity, "cuda")
         self._handles: dict[int, Any] = {}  # int handle -> the driver's handle object
         self._closed = False
 
-    # -- the one place driver calls go through -----------------------------------------
     def _call(self, name: str, *args: Any) -> Any:
-        self.calls[name] = self.calls.get(name, 0) + 1
-        try:
-            result = getattr(self._drv, name)(*args)
-        except Exception as exc:
-            raise BackendCallError(f"cuda backend: {name}({format_call_args(args)}) raised "
-                                   f"{type(exc).__name__}: {exc}") from exc
-        err = result[0]
-        if err != self._success:
-            cls = DeviceOutOfMemory if _name_of(err) == "CUDA_ERROR_OUT_OF_MEMORY" else \
-                BackendCallError
-            raise cls(f"cuda backend: {name}({format_call_args(args)}) failed with "
-                      f"{self._error_name(err)} on device {self.device}")
-        if len(result) == 1:
-            return None
-        return result[1] if len(result) == 2 else result[1:]
-
-    def _error_name(self, err: Any) -> str:
-        try:
-            e2, text = self._drv.cuGetErrorName(err)
-            if e2 == self._success and text:
-                return text.decode() if isinstance(text, bytes) else str(text)
-        except Exception:  # the name lookup must never hide the original error
-            pass
-        return f"{_name_of(err)} ({int(err)})"
+        return self._cu.call(name, *args)
 
     # -- chunks ------------------------------------------------------------------------
     @in_own_context
@@ -243,7 +146,7 @@ class CudaBackend(Backend):
         except BackendCallError:
             self.ledger.remove_mappings(address, len(handles) * chunk_bytes)
             for i in range(done):  # undo the mappings that did succeed
-                self._drv.cuMemUnmap(address + i * chunk_bytes, chunk_bytes)
+                self._cu.attempt("cuMemUnmap", address + i * chunk_bytes, chunk_bytes)
             raise
 
     @in_own_context
@@ -273,7 +176,7 @@ class CudaBackend(Backend):
         self._poll_fences()
         stream = self._fence_stream() if callable(self._fence_stream) else self._fence_stream
         event = self._spare_events.pop() if self._spare_events else self._call(
-            "cuEventCreate", int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+            "cuEventCreate", self._cu.event_no_timing())
         self._call("cuEventRecord", event, stream)
         self._fence_seq += 1
         self._fences.append((self._fence_seq, event))
@@ -290,16 +193,14 @@ class CudaBackend(Backend):
     def _poll_fences(self) -> None:
         """Retire the fences that have passed, oldest first (events recorded on one stream
         complete in order; on several, a later one waits behind an earlier: safe)."""
-        not_ready = self._drv.CUresult.CUDA_ERROR_NOT_READY
+        cu = self._cu
         while self._fences:
             seq, event = self._fences[0]
-            self.calls["cuEventQuery"] = self.calls.get("cuEventQuery", 0) + 1
-            err = self._drv.cuEventQuery(event)[0]
-            if err == not_ready:
+            err = cu.raw("cuEventQuery", event)[0]
+            if err == cu.not_ready:
                 return
-            if err != self._success:
-                raise BackendCallError(f"cuda backend: cuEventQuery failed with "
-                                       f"{self._error_name(err)} on device {self.device}")
+            if err != cu.ok:
+                raise cu.error("cuEventQuery", err)
             self._fences.popleft()
             self._spare_events.append(event)
             self._passed_seq = seq
@@ -354,20 +255,3 @@ class CudaBackend(Backend):
     def __repr__(self) -> str:
         return (f"<CudaBackend device={self.device} granularity={self.granularity} "
                 f"chunks={len(self.ledger.chunks)} ranges={len(self.ledger.ranges())}>")
-
-
-def _name_of(err: Any) -> str:
-    return getattr(err, "name", None) or str(err)
-
-
-def format_call_args(args: tuple) -> str:
-    """Driver-call arguments for an error message: addresses in hex, handles by type."""
-    out = []
-    for a in args:
-        if isinstance(a, int) and a >= 1 << 32:  # an address
-            out.append(f"0x{a:x}")
-        elif isinstance(a, (int, float, str)):
-            out.append(repr(a))
-        else:
-            out.append(type(a).__name__)
-    return ", ".join(out)

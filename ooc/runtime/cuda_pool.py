@@ -1,8 +1,8 @@
 """Device memory on a GPU, taken from a ``vmm`` chunk pool of CUDA VMM chunks sized to the budget.
 
-:class:`CudaDevicePool` is :class:`~ooc.runtime.pool.DevicePool`'s counterpart for CUDA: the
-same ``take`` / ``reap`` / ``stats`` over ``vmm.VirtualAllocator(vmm.ChunkPool(
-vmm.CudaBackend(device)))``, so the pool's physical size is the budget and going over it is
+:class:`CudaDevicePool` is :class:`~ooc.runtime.cpu_pool.CpuDevicePool`'s counterpart for CUDA
+(both conform to :class:`~ooc.runtime.pool.DevicePool`): the same ``take`` / ``reap`` /
+``trim`` / ``stats`` over ``vmm.VirtualAllocator(vmm.ChunkPool(vmm.CudaBackend(device)))``, so the pool's physical size is the budget and going over it is
 :class:`~ooc.errors.OutOfBudget`, never a silent overflow. :func:`route_allocations` goes one
 step further and sends PyTorch's own CUDA allocations of the current thread into the same pool.
 
@@ -17,7 +17,7 @@ lifetime rule, the callbacks behind the ctypes function pointers, and the guards
 Lifetime rule (a violation is a use-after-free on the device, not an exception): a pool range
 is returned only when the last user lets go of it. ``take`` returns the owner object (a torch
 tensor on a GPU, whose storage keeps a cupy ``UnownedMemory`` and through it an owner object
-alive; a :class:`~ooc.runtime.devices.DevicePtr` with a fake driver); a ``weakref.finalize`` on
+alive; a :class:`~ooc.runtime.cuda_seam.DevicePtr` with a fake driver); a ``weakref.finalize`` on
 that owner queues the range, and the next ``take`` or ``reap`` hands it back to the allocator
 (never inside the finalizer, which may run on any thread). A range freed while kernels queued
 earlier still use it stays mapped (the allocator parks it) and is reused in stream order; the
@@ -48,7 +48,7 @@ import torch
 
 import vmm
 from ooc.errors import OOCError
-from ooc.runtime.devices import DevicePtr, cuda_runtime
+from ooc.runtime.cuda_seam import DevicePtr, cuda_runtime, cuda_torch
 from vmm.errors import OutOfBudget
 from vmm.units import format_size
 
@@ -97,7 +97,7 @@ class CudaDevicePool:
 
     def __init__(self, budget: int, chunk: int, driver: Any = None, device: int = 0, *,
                  as_tensor: bool | None = None, fence_stream: Any = None) -> None:
-        # The CUDA seam (ooc.runtime.devices.cuda_runtime): PyTorch's CUDA and cupy, or the
+        # The CUDA seam (ooc.runtime.cuda_seam.cuda_runtime): PyTorch's CUDA and cupy, or the
         # fake of ooc.testing.fake_cuda; kept for the pool's lifetime.
         self._rt = cuda_runtime()
         if driver is None:
@@ -159,11 +159,17 @@ class CudaDevicePool:
             while self._dead:
                 self.allocator.free(self._dead.pop())
 
-    def trim(self) -> int:
-        """Give unused chunks back to the driver at the end of a step (as the CPU pool does)."""
+    def trim(self, limit: int | None = None) -> int:
+        """Give unused chunks back to the driver (as the CPU pool does): every one, or whole
+        chunks covering ``limit`` bytes. Returns the bytes given back."""
         with self._lock:
             self.reap()
-            return self.allocator.trim()
+            return self.allocator.trim(limit)
+
+    @property
+    def granularity(self) -> int:
+        """What every range's size and address are a multiple of: the VMM granularity."""
+        return self.backend.granularity
 
     def stats(self) -> dict:
         """The allocator's statistics (see ``vmm.VirtualAllocator.stats``)."""
@@ -230,24 +236,6 @@ def close_lingering() -> int:
 
 
 atexit.register(close_lingering)
-
-
-def _wrap_range(address: int, nbytes: int, device: int, owner: Any) -> torch.Tensor:
-    """A flat uint8 CUDA tensor over ``[address, address + nbytes)``, zero-copy.
-
-    cupy's ``UnownedMemory`` wraps memory it does not own and keeps ``owner`` alive; the
-    ndarray over it goes to torch through DLPack, whose deleter keeps the ndarray (and so the
-    owner) alive for as long as any torch storage uses the memory. Run on an H100.
-    """
-    import cupy
-
-    with cupy.cuda.Device(device):
-        mem = cupy.cuda.UnownedMemory(address, max(nbytes, 1), owner, device_id=device)
-        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    try:
-        return torch.from_dlpack(arr)
-    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - older stacks
-        return torch.as_tensor(arr, device=f"cuda:{device}")  # __cuda_array_interface__
 
 
 # -- PyTorch's own allocations into the pool ---------------------------------------------------
@@ -358,21 +346,9 @@ def route_allocations(pool: CudaDevicePool) -> Iterator[Any]:
 
 
 def _require_cuda_torch() -> None:
-    if not _cuda_torch() or not hasattr(torch._C, "_cuda_customAllocator"):
+    if not cuda_torch() or not hasattr(torch._C, "_cuda_customAllocator"):
         raise OOCError(
             "route_allocations needs a CUDA build of PyTorch with a visible device "
             f"(this is torch {torch.__version__}, CUDA build: {torch.version.cuda}, "
             f"device available: {torch.cuda.is_available()}); install a CUDA wheel of PyTorch, "
             "or leave PyTorch's allocations to its caching allocator")
-
-
-def _cuda_torch() -> bool:
-    return torch.version.cuda is not None and torch.cuda.is_available()
-
-
-def _has_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -15,7 +15,6 @@ Two kinds of slot, because PyTorch holds them differently:
 
 from __future__ import annotations
 
-import ctypes
 import enum
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -23,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ooc.errors import StorageError
-from ooc.runtime.devices import byte_view_for
+from ooc.runtime.byte_views import byte_view, byte_view_for  # noqa: F401 - byte_view: its old home
+from ooc.runtime.pool import RangeSource
+from ooc.storage.tier import SlowerTier, Transfer
 from scheduler.actions import Residency
 from scheduler.ir import Kind
 from vmm.units import format_size
@@ -55,17 +56,6 @@ _RESIDENCY = {State.ABSENT: Residency.ABSENT, State.RESIDENT: Residency.RESIDENT
 _STATE = {**{r: s for s, r in _RESIDENCY.items()}, Residency.DEAD: State.ABSENT}
 
 
-def byte_view(storage: torch.UntypedStorage) -> memoryview:
-    """A zero-copy, writable view of a CPU storage's bytes for the I/O threads.
-
-    Built from the data pointer, not ``Tensor.numpy()``: numpy export marks the storage
-    non-resizable, and persistent storages must be resized to release their bytes. The
-    caller keeps ``storage`` alive while the view is in use (``Slot.pending``).
-    """
-    n = storage.nbytes()
-    return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
-
-
 @dataclass(eq=False)
 class Slot:
     """A managed variable: its plan id, bytes, where its bytes are, and its storage."""
@@ -78,7 +68,7 @@ class Slot:
     state: State = State.ABSENT
     storage: torch.UntypedStorage | None = None
     host_current: bool = False                 # the slower tier holds the current bytes
-    future: Future | None = None
+    future: Transfer | None = None
     pending: list = field(default_factory=list)  # keeps sources/destinations alive during I/O
 
     @property
@@ -89,7 +79,7 @@ class Slot:
         return self.state is State.RESIDENT
 
 
-def start_swap_out(slot: Slot, tier) -> None:
+def start_swap_out(slot: Slot, tier: SlowerTier) -> None:
     """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
     view = byte_view_for(slot.storage)
     slot.pending = [slot.storage, view]
@@ -118,7 +108,7 @@ def release(slot: Slot) -> None:
         slot.storage = None
 
 
-def start_swap_in(slot: Slot, tier, pool) -> None:
+def start_swap_in(slot: Slot, tier: SlowerTier, pool: RangeSource) -> None:
     """Take device memory and begin reading the slot's bytes back into it."""
     if slot.in_place:
         slot.storage.resize_(slot.nbytes)
@@ -160,7 +150,7 @@ def _result(slot: Slot, direction: str) -> None:
         raise err from e
 
 
-def block(future: Future) -> None:
+def block(future: Transfer) -> None:
     """Block the host until ``future``'s transfer is over, whatever kind of future the tier
     returned (a ``concurrent.futures.Future`` or a ``CopyFuture``); never raises its error."""
     if isinstance(future, Future):
@@ -174,7 +164,7 @@ def failed(slot: Slot) -> bool:
     return slot.future is not None and slot.future.done() and slot.future.exception() is not None
 
 
-def settle(slot: Slot, tier) -> BaseException | None:
+def settle(slot: Slot, tier: SlowerTier) -> BaseException | None:
     """Wait for the slot's transfer in flight, if any, and leave the slot consistent whatever
     happened: RESIDENT (its bytes in memory) or HOST (the tier holds them). Returns the
     transfer's error, named, or None. Used when a step ends, failed or not.

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ooc.runtime.devices import CudaRuntime, set_cuda_runtime
+from ooc.runtime.cuda_seam import CudaRuntime, set_cuda_runtime
 
 __all__ = ["FakeCudaRuntime", "fake_cuda"]
 
@@ -55,7 +55,7 @@ class _HostEvent:
 
 
 class FakeCudaRuntime(CudaRuntime):
-    """The CUDA seam (:class:`ooc.runtime.devices.CudaRuntime`) over a FAKE driver: one device
+    """The CUDA seam (:class:`ooc.runtime.cuda_seam.CudaRuntime`) over a FAKE driver: one device
     (index 0), tensors on the CPU, the compute stream is the fake's stream 0 (PyTorch's CPU
     kernels run at once), pool ranges become CPU tensors over the fake's host-backed device
     addresses, op timing uses host clocks. Every CPU storage counts as device memory: run

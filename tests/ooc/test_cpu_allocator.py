@@ -426,11 +426,11 @@ def test_the_device_pool_reports_its_used_and_idle_bytes_as_they_change():
     chunks holding none, on growth, when tensors die, on a partial and a full trim."""
     import gc
 
-    from ooc.runtime.pool import DevicePool
+    from ooc.runtime.cpu_pool import CpuDevicePool
 
     heard: list[tuple[int, int]] = []
     chunk = 1 << 20
-    pool = DevicePool(8 * chunk, chunk, on_physical=lambda used, idle: heard.append((used, idle)))
+    pool = CpuDevicePool(8 * chunk, chunk, on_physical=lambda used, idle: heard.append((used, idle)))
     a = pool.take(3 * chunk)
     b = pool.take(chunk // 2)
     assert heard == [(3 * chunk, 0), (4 * chunk, 0)]

@@ -359,7 +359,7 @@ def test_driver_errors_become_storage_errors(fake, pool, tier) -> None:
                                            r"while swapping out key 7 \(1 MiB, 1048576 bytes"):
         tier.write_async(7, src, MiB)
     assert 7 not in tier and tier.stats()["live_bytes"] == 0
-    assert tier._extents.free_bytes == tier._extents.end          # the space went back
+    assert tier._slabs.extents.free_bytes == tier._slabs.extents.end          # the space went back
 
     fake.fail_next("cuEventSynchronize", CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
     f = tier.write_async(8, src, MiB)
@@ -405,7 +405,7 @@ def test_pinned_capacity_and_host_oom(fake, pool) -> None:
     with PinnedTier(driver=small, capacity_bytes=8 * MiB, slab_bytes=2 * MiB) as t:
         with pytest.raises(StorageError, match="cuMemHostAlloc.*CUDA_ERROR_OUT_OF_MEMORY.*key 5"):
             t.write_async(5, s2, 3 * MiB)
-        assert t.stats()["slabs"] == 1 and t._extents.end == 0
+        assert t.stats()["slabs"] == 1 and t._slabs.extents.end == 0
         t.write_async(6, s2, MiB).result()
     del s2
     p2.close()
@@ -432,7 +432,7 @@ def test_extents_reused_and_deferred_while_in_flight(fake, pool, tier) -> None:
     tier.discard(3)
     fake.paused = False
     tier.synchronize()
-    assert tier._extents.free_bytes == tier._extents.end
+    assert tier._slabs.extents.free_bytes == tier._slabs.extents.end
     assert tier.trim() == 0 and tier.stats()["slabs"] == 0
     assert fake.violations == []
 
@@ -446,7 +446,7 @@ def test_verify_detects_corrupted_pinned_bytes(fake, pool) -> None:
         t.write_async(4, src, MiB)
         t.read_async(4, dst).result()                   # verify waits for the write itself
         assert fake.read_device(dst.address, MiB) == pattern(MiB, 9)
-        host = t._segments(t._records[4])[0][0]
+        host = t._slabs.segments(t._records[4])[0][0]
         ctypes.memset(host + 100, 0xFF, 1)
         with pytest.raises(StorageError, match="key 4 is corrupted: CRC-32 mismatch"):
             t.read_async(4, dst)
@@ -752,13 +752,16 @@ def test_route_allocations_needs_cuda_torch(fake: FakeCopyDriver) -> None:
 
 # -- devices.py ---------------------------------------------------------------------------------
 def test_make_tier_and_pool_by_device(fake: FakeCopyDriver, tmp_path, monkeypatch) -> None:
-    """CPU gives (FileTier, DevicePool); CUDA with the FAKE driver gives (PinnedTier,
+    """CPU gives (FileTier, CpuDevicePool); CUDA with the FAKE driver gives (PinnedTier,
     CudaDevicePool) working together; CUDA without cuda-python says what to install."""
+    from ooc.runtime.cpu_pool import CpuDevicePool
     from ooc.runtime.pool import DevicePool
+    from ooc.storage.tier import SlowerTier
     from ooc.storage import FileTier
 
     tier, pool = make_tier_and_pool("cpu", 8 * MiB, 2 * MiB, str(tmp_path), 1, False)
-    assert isinstance(tier, FileTier) and isinstance(pool, DevicePool)
+    assert isinstance(tier, FileTier) and isinstance(pool, CpuDevicePool)
+    assert isinstance(tier, SlowerTier) and isinstance(pool, DevicePool)
     tier.close()
 
     tier, pool = make_tier_and_pool("cuda:0", 8 * MiB, 2 * MiB, None, 2, True, driver=fake,

@@ -1,0 +1,183 @@
+"""One conformance suite for :class:`ooc.runtime.pool.DevicePool`, run over every pool.
+
+Implementations: the CPU pool (memfd chunks), the CUDA pool over the FAKE CUDA driver handing
+out ``DevicePtr`` (what tests pass a driver for), and the CUDA pool as the engine builds it
+under ``ooc.testing.fake_cuda()`` (ranges wrapped as tensors through the CUDA seam). The CUDA
+cases say "fake-driver" in their ids: they check the pool's logic against the driver's
+documented contract, not a GPU (``tests/ooc/test_cuda_gpu.py`` does that, with ``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import ooc.testing
+from ooc.errors import OOCError, OutOfBudget
+from ooc.runtime.cpu_pool import CpuDevicePool
+from ooc.runtime.cuda_pool import CudaDevicePool
+from ooc.runtime.pool import STATS_KEYS, DevicePool, RangeSource
+from ooc.testing.fake_cuda_copies import FakeCopyDriver
+from vmm.errors import VMMError
+
+KiB, MiB = 1 << 10, 1 << 20
+CHUNK = 2 * MiB
+BUDGET = 8 * CHUNK
+
+
+@dataclass
+class Harness:
+    pool: Any
+    fill: Callable[[Any, bytes], None]
+    read: Callable[[Any, int], bytes]
+    address: Callable[[Any], int]
+    driver: Any = None
+
+
+def _cpu() -> contextlib.AbstractContextManager[Harness]:
+    @contextlib.contextmanager
+    def make():
+        def fill(t: torch.Tensor, data: bytes) -> None:
+            t[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+        yield Harness(CpuDevicePool(BUDGET, CHUNK), fill, lambda t, n: t[:n].numpy().tobytes(),
+                      lambda t: t.data_ptr())
+    return make()
+
+
+def _cuda_ptr() -> contextlib.AbstractContextManager[Harness]:
+    @contextlib.contextmanager
+    def make():
+        fake = FakeCopyDriver()
+        yield Harness(CudaDevicePool(BUDGET, CHUNK, driver=fake),
+                      lambda p, data: fake.write_device(p.address, data),
+                      lambda p, n: fake.read_device(p.address, n), lambda p: p.address, fake)
+    return make()
+
+
+def _cuda_seam() -> contextlib.AbstractContextManager[Harness]:
+    @contextlib.contextmanager
+    def make():
+        with ooc.testing.fake_cuda(granularity=64 * KiB) as fake:
+            pool = CudaDevicePool(BUDGET, CHUNK)   # the driver and the tensors: the seam's
+            assert pool.as_tensor
+
+            def fill(t: torch.Tensor, data: bytes) -> None:
+                t[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+            yield Harness(pool, fill, lambda t, n: t[:n].numpy().tobytes(),
+                          lambda t: t.data_ptr(), fake)
+    return make()
+
+
+CASES = {"cpu": _cpu, "cuda-ptr-fake-driver": _cuda_ptr, "cuda-tensor-fake-driver": _cuda_seam}
+
+
+@pytest.fixture(params=list(CASES))
+def h(request):
+    with CASES[request.param]() as harness:
+        yield harness
+        gc.collect()
+        harness.pool.close()
+        if harness.driver is not None:
+            assert harness.driver.violations == []
+            assert not any(harness.driver.outstanding().values()), harness.driver.outstanding()
+
+
+def pattern(n: int, seed: int) -> bytes:
+    period = bytes((i * 7 + seed) % 251 for i in range(251))
+    return (period * (n // 251 + 1))[:n]
+
+
+def test_conforms_to_the_protocol(h: Harness) -> None:
+    assert isinstance(h.pool, DevicePool) and isinstance(h.pool, RangeSource)
+    g = h.pool.granularity
+    assert isinstance(g, int) and g > 0 and CHUNK % g == 0
+
+
+def test_ranges_are_aligned_distinct_and_hold_their_bytes(h: Harness) -> None:
+    sizes = [5000, CHUNK, CHUNK + 1, 3 * MiB]
+    ranges = [h.pool.take(n) for n in sizes]
+    for i, (r, n) in enumerate(zip(ranges, sizes)):
+        assert h.address(r) % h.pool.granularity == 0
+        h.fill(r, pattern(n, i))
+    for i, (r, n) in enumerate(zip(ranges, sizes)):
+        assert h.read(r, n) == pattern(n, i), f"range {i} was overwritten"
+    spans = sorted((h.address(r), h.address(r) + n) for r, n in zip(ranges, sizes))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_over_the_budget_is_out_of_budget_and_the_pool_stays_usable(h: Harness) -> None:
+    keep = h.pool.take(6 * CHUNK)
+    with pytest.raises(OutOfBudget):
+        h.pool.take(3 * CHUNK)
+    r = h.pool.take(2 * CHUNK)   # what is left still fits
+    h.fill(r, pattern(2 * CHUNK, 1))
+    assert h.read(r, 2 * CHUNK) == pattern(2 * CHUNK, 1)
+    del keep, r
+
+
+def test_a_range_goes_back_when_its_last_user_is_gone_at_the_next_reap(h: Harness) -> None:
+    r = h.pool.take(CHUNK)
+    if isinstance(r, torch.Tensor):
+        view = r[:10]
+        del r
+        gc.collect()
+        h.pool.reap()
+        assert h.pool.stats()["allocations"] == 1, "a view still uses the range"
+        r = view
+        del view
+    del r
+    gc.collect()
+    assert h.pool.stats()["allocations"] == 1, "handed back at the next reap, not before"
+    h.pool.reap()
+    st = h.pool.stats()
+    assert st["allocations"] == 0 and st["mapped_bytes"] == 0
+    assert h.pool.take(BUDGET) is not None, "the whole budget is free again"
+
+
+def test_trim_gives_back_whole_unused_chunks(h: Harness) -> None:
+    ranges = [h.pool.take(CHUNK) for _ in range(3)]
+    keep = h.pool.take(CHUNK)
+    del ranges
+    gc.collect()
+    assert h.pool.trim(1) == CHUNK, "a limit takes whole chunks covering it"
+    assert h.pool.trim() == 2 * CHUNK
+    assert h.pool.trim() == 0
+    assert h.pool.stats()["physical_bytes"] == CHUNK, "the live range keeps its chunk"
+    h.fill(keep, pattern(CHUNK, 4))
+    assert h.read(keep, CHUNK) == pattern(CHUNK, 4)
+
+
+def test_stats_have_the_stable_keys(h: Harness) -> None:
+    st = h.pool.stats()
+    assert set(STATS_KEYS) <= set(st) and all(isinstance(st[k], int) for k in STATS_KEYS)
+    a, b = h.pool.take(CHUNK), h.pool.take(3 * CHUNK)
+    st = h.pool.stats()
+    assert (st["allocations"], st["mapped_bytes"]) == (2, 4 * CHUNK)
+    del a
+    gc.collect()
+    h.pool.reap()
+    st = h.pool.stats()
+    assert (st["allocations"], st["peak_allocations"]) == (1, 2)
+    assert (st["mapped_bytes"], st["peak_mapped_bytes"]) == (3 * CHUNK, 4 * CHUNK)
+    del b
+
+
+def test_close_refuses_live_ranges_is_idempotent_and_final(h: Harness) -> None:
+    r = h.pool.take(CHUNK)
+    with pytest.raises(VMMError, match="live"):
+        h.pool.close()
+    h.fill(r, pattern(CHUNK, 2))
+    assert h.read(r, CHUNK) == pattern(CHUNK, 2), "a refused close leaves the range usable"
+    del r
+    gc.collect()
+    h.pool.close()
+    h.pool.close()
+    with pytest.raises(OOCError, match="closed"):
+        h.pool.take(CHUNK)
