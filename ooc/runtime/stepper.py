@@ -38,7 +38,7 @@ from ooc.runtime import slots as sl
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
-from ooc.runtime.op_info import _OPS, op_info, split_foreach, tensors as _tensors
+from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
