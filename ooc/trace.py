@@ -138,8 +138,9 @@ def trace(
     with torch.random.fork_rng(devices=rng_devices, device_type=dev.type if rng_devices else "cuda"):
         work, memo = copy_model(model, dev)
         opt = make_optimizer(optimizer, work, memo, on_meta)
-        inputs = to_device(example_inputs, dev)
-        tgt = to_device(targets, dev)
+        copies: dict[int, torch.Tensor] = {}
+        inputs = to_device(example_inputs, dev, copies)
+        tgt = to_device(targets, dev, copies)
         loss = loss_fn if loss_fn is not None else default_loss(targets is not None)
         rec = record_step(work, opt, inputs, tgt, loss, dev, measure, progress)
     return rec.sequence({

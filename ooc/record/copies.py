@@ -110,15 +110,21 @@ def _meta_or_clone(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone() if t.numel() <= 1 else torch.empty_like(t, device="meta")
 
 
-def to_device(value: Any, dev: torch.device) -> Any:
+def to_device(value: Any, dev: torch.device, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``value``'s tensors on ``dev`` (shapes only on meta). A tensor passed twice (the same
+    ids as ``input_ids`` and ``labels``) gets one copy, as the step would see one storage;
+    ``memo`` carries that across calls."""
+    if memo is None:
+        memo = {}
     if isinstance(value, torch.Tensor):
-        if dev.type == "meta":
-            return torch.empty_like(value, device="meta")
-        return value.to(dev)
+        if id(value) not in memo:
+            memo[id(value)] = (torch.empty_like(value, device="meta") if dev.type == "meta"
+                               else value.to(dev))
+        return memo[id(value)]
     if isinstance(value, dict):
-        return {k: to_device(v, dev) for k, v in value.items()}
+        return {k: to_device(v, dev, memo) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, dev) for v in value)
+        return type(value)(to_device(v, dev, memo) for v in value)
     return value
 
 

@@ -44,7 +44,11 @@ class OpInfo:
     def __init__(self, func: Any) -> None:
         self.func = func   # keeps the op alive: its id stays its own
         self.name = str(func)
-        self.skip = getattr(func, "namespace", "") == "profiler"
+        # Not recorded: the optimizers' ``record_function`` markers (``profiler.*``), and
+        # ``lift_fresh``, with which ``torch.tensor(data)`` marks its new tensor on a real
+        # device but not on meta (made there by an op no dispatch mode sees); it is an alias,
+        # with no uses either way, and recording it would make the two recordings differ.
+        self.skip = getattr(func, "namespace", "") == "profiler" or self.name.startswith("aten.lift_fresh.")
         self.view = False
         self.flop = _flop_formula(func)
         schema = getattr(func, "_schema", None)

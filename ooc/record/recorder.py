@@ -18,8 +18,9 @@ Uses per op (the rules, applied the same on every device)
 - a storage first met as an argument (created outside the recorded step and not one of
   the registered parameters, buffers, state tensors or inputs) is an external input:
   kind ``INPUT``, ``live_in``;
-- ``profiler.*`` ops (the optimizers' ``record_function`` markers) are not recorded (the
-  caller checks ``OpInfo.skip``).
+- ``profiler.*`` ops (the optimizers' ``record_function`` markers) and ``lift_fresh``
+  (``torch.tensor(data)`` emits it on real devices only) are not recorded (the caller
+  checks ``OpInfo.skip``).
 
 Kinds
 -----

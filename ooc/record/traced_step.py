@@ -4,7 +4,6 @@ exists before the step registered and what it created classified after."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 from ooc.errors import OOCError
 from ooc.record.copies import named_tensors
+from ooc.record.roles import Roles, mark_grads, mark_persistent, register_persistent
 from ooc.record.scopes import ModuleScopes
 from ooc.record.trace_mode import Recorder, TraceError
 from scheduler.ir import Kind
@@ -46,9 +46,7 @@ def record_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: Any, targe
             rec.scope = scopes.backward
             loss.backward()
             del loss
-            for pname, p in names.params:
-                if p.grad is not None:
-                    rec.mark(p.grad, Kind.GRAD, f"{pname}.grad")
+            mark_grads(rec.steps, names)
             rec.phase("optimizer")
             rec.scope = "optimizer"
             opt.step()
@@ -56,15 +54,7 @@ def record_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: Any, targe
     finally:
         scopes.remove()
         rec._stash.clear()
-    # Anything persistent the step replaced rather than updated in place stays alive.
-    for pname, p in names.params:
-        rec.mark(p, Kind.PARAM, pname, live_out=True)
-    for bname, b in names.buffers:
-        rec.mark(b, Kind.PARAM, bname, live_out=True)
-    for pname, p in names.params:
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                rec.mark(value, Kind.OPTIMIZER_STATE, f"{pname}.{key}", live_out=True)
+    mark_persistent(rec.steps, names, opt)
     return rec
 
 
@@ -89,38 +79,15 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-@dataclass
-class _Names:
-    params: list[tuple[str, nn.Parameter]]
-    buffers: list[tuple[str, torch.Tensor]]
-
-
 def _register(rec: Recorder, model: nn.Module, opt: torch.optim.Optimizer, inputs: Any,
-              targets: Any) -> _Names:
+              targets: Any) -> Roles:
     """Declare what exists before the step, in a fixed order (so ids are reproducible)."""
-    names = _Names(list(model.named_parameters()), list(model.named_buffers()))
-    pname = {id(p): n for n, p in names.params}
-    for n, p in names.params:
-        rec.register(p, Kind.PARAM, n, live_out=True)
-    for n, b in names.buffers:
-        rec.register(b, Kind.PARAM, n, live_out=True)
-    extra = 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            n = pname.get(id(p))
-            if n is None:  # an optimized tensor that is not a model parameter
-                n = f"param#{extra}"
-                extra += 1
-                rec.register(p, Kind.PARAM, n, live_out=True)
-                names.params.append((n, p))
-            for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    rec.register(value, Kind.OPTIMIZER_STATE, f"{n}.{key}", live_out=True)
+    roles = register_persistent(rec.steps, model, opt)
     for n, t in named_tensors("input", inputs):
         rec.register(t, Kind.INPUT, n)
     for n, t in named_tensors("target", targets):
         rec.register(t, Kind.INPUT, n)
-    return names
+    return roles
 
 
 class explain_failure:

@@ -38,7 +38,9 @@ from ooc.runtime import slots as sl
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
+from ooc.record import roles
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
+from ooc.record.recorder import StepRecorder
 from ooc.runtime.recording import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
@@ -137,6 +139,15 @@ class Stepper:
                 if slot.state in (State.RESIDENT, State.IN, State.OUT):
                     self.recent[slot] = None
         self.peak = self.resident   # the engine brought the start within the budget (_reconcile)
+        # A step that is not planned also records the whole step, every storage, with the
+        # recorder ``ooc.trace`` uses (ooc/record/): ``engine.last_recording`` is the step as
+        # ``ooc plan`` would plan it. A planned step does not pay for it.
+        self.full: StepRecorder | None = None
+        self.full_vars: dict[int, int] = {}   # saved activation's var -> its recorder variable
+        if not self.planned:
+            self.full = StepRecorder()
+            self.roles = roles.register_persistent(self.full, engine.model, engine.optimizer,
+                                                   self._persistent_bytes)
         # A recording step that decides the chunk (the engine's default chunk adapts, see
         # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
         # which of those autograd saves: would a smaller chunk manage them?
@@ -156,6 +167,11 @@ class Stepper:
         self.slots[slot.var] = slot
         if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
+
+    def _persistent_bytes(self, t: torch.Tensor) -> int | None:
+        """A managed persistent tensor's size (its storage may be empty: on the tier)."""
+        slot = self.slot_of(t)
+        return slot.nbytes if slot is not None else None
 
     def slot_of(self, t: torch.Tensor) -> Slot | None:
         s = t.untyped_storage()
@@ -425,6 +441,8 @@ class Stepper:
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
         rec.seconds[i] = t1 - t0
+        if self.full is not None and not info.skip:
+            self.full.op(info, args, kwargs, out, info.name, t1 - t0)
         if gpu_timing:
             end.record()
             self.gpu_events.append((i, start, end))
@@ -782,8 +800,18 @@ class Stepper:
                 return t
             else:
                 return Packed(slot, t)
+        full = self.full
+        if full is None:
+            with _disable_current_modes():
+                return self._pack(t)
+        full.saved(t)
         with _disable_current_modes():
-            return self._pack(t)
+            p = self._pack(t)
+        if isinstance(p, Packed):   # unpack brings it back in another storage: same variable
+            var = full.var(t)
+            if var is not None:
+                self.full_vars.setdefault(p.slot.var, var)
+        return p
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
@@ -852,5 +880,7 @@ class Stepper:
         # On demand keeps nothing, but the tensor handed to autograd holds the bytes as long
         # as the backward node runs: they count until it returns (close_node releases them).
         self.held[slot] = None
+        if self.full is not None and slot.var in self.full_vars:
+            self.full.alias(slot.storage, self.full_vars[slot.var])
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
