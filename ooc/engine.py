@@ -267,7 +267,7 @@ class OutOfCore:
 
         def promote(st: Stepper, p: torch.nn.Parameter) -> None:
             s = p.grad.untyped_storage()
-            b = st.rec.live_birth(id(s))
+            b = st.rec.live_birth(s)
             if b is not None and b.var is None and st.slot_of(p.grad) is None:
                 var = self.new_var()
                 st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
@@ -682,7 +682,7 @@ class OutOfCore:
             s = t.untyped_storage()
             slot = by_storage.get(id(s))
             if slot is None:
-                b = st.rec.live_birth(id(s))
+                b = st.rec.live_birth(s)
                 if b is None or b.nbytes < self.min_bytes:
                     continue
                 var = b.var if b.var is not None else self.new_var()

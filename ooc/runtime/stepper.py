@@ -31,7 +31,6 @@ import time
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
@@ -41,7 +40,7 @@ from ooc.runtime.labels import label
 from ooc.record import roles
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
-from ooc.runtime.recording import Birth, Recording
+from ooc.record.managed import Birth, Recording
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
 from scheduler.schedule import Op, Schedule
@@ -402,8 +401,8 @@ class Stepper:
             if slot is not None and slot.storage is s:
                 rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
-            elif key in births:
-                b = rec.live_birth(key)
+            elif s._cdata in births:
+                b = rec.live_birth(s)
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
@@ -458,13 +457,13 @@ class Stepper:
             if nbytes >= min_bytes:
                 if t.is_meta:
                     continue
-                rec.birth(key, StorageWeakRef(s), i, k, nbytes)
+                b = rec.birth(s, i, k, nbytes)
                 var = self.binding.get((i, k)) if self.planned else None
                 if var is not None:
                     self._bind_born(var, s, nbytes, i)
                 elif tracked is not None and key not in tracked:   # once per storage
                     tracked.add(key)
-                    keep.add(self._track_fresh(births[key], keep, i))
+                    keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
         self.after(i, touched)
@@ -550,7 +549,7 @@ class Stepper:
                     state=State.RESIDENT, storage=s)
         self._account(nbytes)
         self._register(slot)
-        b = self.rec.live_birth(id(s))
+        b = self.rec.live_birth(s)
         if b is not None:   # recorded too, in case the step diverges later and is re-planned
             self.rec.promote(b, var, v.kind, v.name)
 
@@ -793,7 +792,7 @@ class Stepper:
             s = t.untyped_storage()
             slot = self.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
-                b = self.rec.births.get(id(s))
+                b = self.rec.births.get(s._cdata)
                 if b is None or b.var is None:
                     return t   # not managed in this step: _pack returns it as it is too
             elif slot.kind is not Kind.ACTIVATION or isinstance(t, torch.nn.Parameter) or t.is_meta:
@@ -819,7 +818,7 @@ class Stepper:
         slot = self.slot_of(t)
         if slot is None:
             s = t.untyped_storage()
-            b = self.rec.live_birth(id(s))
+            b = self.rec.live_birth(s)
             if b is not None and b.var is not None and b.var in self.slots:
                 slot = self.slots[b.var]   # saved again after the engine let go of its bytes
                 return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
