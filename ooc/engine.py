@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import scheduler
 from ooc.errors import OOCError, StorageError
+from ooc.record import roles
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap
@@ -105,6 +106,10 @@ class OutOfCore:
 
     tier: SlowerTier   # where swapped-out bytes live (FileTier on a CPU, PinnedTier on a GPU)
     pool: DevicePool   # the budget: device memory for swapped-in tensors
+    #: The last step that ran unplanned (the recording step), whole, as ``ooc.trace``
+    #: records a step: every storage, of every kind, with the same recorder
+    #: (``ooc/record/``). None until one completed.
+    last_recording: scheduler.VariableSequence | None = None
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
@@ -269,7 +274,7 @@ class OutOfCore:
 
         def promote(e: OutOfCore, st: Stepper, p: torch.nn.Parameter) -> None:
             s = p.grad.untyped_storage()
-            b = st.rec.live_birth(id(s))
+            b = st.rec.live_birth(s)
             if b is not None and b.var is None and st.slot_of(p.grad) is None:
                 var = e.new_var()
                 st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
@@ -430,6 +435,9 @@ class OutOfCore:
         self._commit_point(st)
         if st.rec.optimizer_start is None:   # a second update in the step: the first one began it
             st.rec.optimizer_start = len(st.rec.names)
+            if st.full is not None:
+                st.full.phase("optimizer")
+                roles.mark_grads(st.full, st.roles)
         st.undo = None   # from here on the step is not rolled back: drop the undo copies
         st.updating = True
 
@@ -643,6 +651,10 @@ class OutOfCore:
             raise err
         if back_error is not None:   # the step is done; a tensor the tier holds could not come back
             raise back_error
+        if st.full is not None:
+            roles.mark_grads(st.full, st.roles)   # a step without an update: grads it left
+            roles.mark_persistent(st.full, st.roles, self.optimizer)
+            self.last_recording = st.full.sequence({"device": str(self.device)})
         if st.schedule is None or st.diverged_at is not None:
             st.book_device_times()
             if self._adapt_chunk(st):
@@ -677,7 +689,7 @@ class OutOfCore:
             s = t.untyped_storage()
             slot = by_storage.get(id(s))
             if slot is None:
-                b = st.rec.live_birth(id(s))
+                b = st.rec.live_birth(s)
                 if b is None or b.nbytes < self.min_bytes:
                     continue
                 var = b.var if b.var is not None else self.new_var()

@@ -31,15 +31,16 @@ import time
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.labels import label
-from ooc.runtime.op_info import _OPS, op_info, split_foreach, tensors as _tensors
-from ooc.runtime.recording import Birth, Recording
+from ooc.record import roles
+from ooc.record.managed import Birth, Recording
+from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
+from ooc.record.recorder import StepRecorder
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
 from scheduler.actions import TRANSITIONS, Names, refusal
@@ -140,6 +141,15 @@ class Stepper:
                 if slot.state in (State.RESIDENT, State.IN, State.OUT):
                     self.recent[slot] = None
         self.peak = self.resident   # the engine brought the start within the budget (_reconcile)
+        # A step that is not planned also records the whole step, every storage, with the
+        # recorder ``ooc.trace`` uses (ooc/record/): ``engine.last_recording`` is the step as
+        # ``ooc plan`` would plan it. A planned step does not pay for it.
+        self.full: StepRecorder | None = None
+        self.full_vars: dict[int, int] = {}   # saved activation's var -> its recorder variable
+        if not self.planned:
+            self.full = StepRecorder()
+            self.roles = roles.register_persistent(self.full, engine.model, engine.optimizer,
+                                                   self._persistent_bytes)
         # A recording step that decides the chunk (the engine's default chunk adapts, see
         # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
         # which of those autograd saves: would a smaller chunk manage them?
@@ -159,6 +169,11 @@ class Stepper:
         self.slots[slot.var] = slot
         if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
+
+    def _persistent_bytes(self, t: torch.Tensor) -> int | None:
+        """A managed persistent tensor's size (its storage may be empty: on the tier)."""
+        slot = self.slot_of(t)
+        return slot.nbytes if slot is not None else None
 
     def slot_of(self, t: torch.Tensor) -> Slot | None:
         s = t.untyped_storage()
@@ -389,8 +404,8 @@ class Stepper:
             if slot is not None and slot.storage is s:
                 rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
-            elif key in births:
-                b = rec.live_birth(key)
+            elif s._cdata in births:
+                b = rec.live_birth(s)
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
@@ -428,6 +443,8 @@ class Stepper:
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
         rec.seconds[i] = t1 - t0
+        if self.full is not None and not info.skip:
+            self.full.op(info, args, kwargs, out, info.name, t1 - t0)
         if gpu_timing:
             end.record()
             self.gpu_events.append((i, start, end))
@@ -443,13 +460,13 @@ class Stepper:
             if nbytes >= min_bytes:
                 if t.is_meta:
                     continue
-                rec.birth(key, StorageWeakRef(s), i, k, nbytes)
+                b = rec.birth(s, i, k, nbytes)
                 var = self.binding.get((i, k)) if self.planned else None
                 if var is not None:
                     self._bind_born(var, s, nbytes, i)
                 elif tracked is not None and key not in tracked:   # once per storage
                     tracked.add(key)
-                    keep.add(self._track_fresh(births[key], keep, i))
+                    keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
         self.after(i, touched)
@@ -535,7 +552,7 @@ class Stepper:
                     state=State.RESIDENT, storage=s)
         self._account(nbytes)
         self._register(slot)
-        b = self.rec.live_birth(id(s))
+        b = self.rec.live_birth(s)
         if b is not None:   # recorded too, in case the step diverges later and is re-planned
             self.rec.promote(b, var, v.kind, v.name)
 
@@ -773,15 +790,25 @@ class Stepper:
             s = t.untyped_storage()
             slot = self.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
-                b = self.rec.births.get(id(s))
+                b = self.rec.births.get(s._cdata)
                 if b is None or b.var is None:
                     return t   # not managed in this step: _pack returns it as it is too
             elif slot.kind is not Kind.ACTIVATION or isinstance(t, torch.nn.Parameter) or t.is_meta:
                 return t
             else:
                 return Packed(slot, t)
+        full = self.full
+        if full is None:
+            with _disable_current_modes():
+                return self._pack(t)
+        full.saved(t)
         with _disable_current_modes():
-            return self._pack(t)
+            p = self._pack(t)
+        if isinstance(p, Packed):   # unpack brings it back in another storage: same variable
+            var = full.var(t)
+            if var is not None:
+                self.full_vars.setdefault(p.slot.var, var)
+        return p
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
@@ -789,7 +816,7 @@ class Stepper:
         slot = self.slot_of(t)
         if slot is None:
             s = t.untyped_storage()
-            b = self.rec.live_birth(id(s))
+            b = self.rec.live_birth(s)
             if b is not None and b.var is not None and b.var in self.slots:
                 slot = self.slots[b.var]   # saved again after the engine let go of its bytes
                 return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
@@ -850,5 +877,7 @@ class Stepper:
         # On demand keeps nothing, but the tensor handed to autograd holds the bytes as long
         # as the backward node runs: they count until it returns (close_node releases them).
         self.held[slot] = None
+        if self.full is not None and slot.var in self.full_vars:
+            self.full.alias(slot.storage, self.full_vars[slot.var])
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)

@@ -1,0 +1,105 @@
+"""The managed view of a step the engine plans from: what one executed step did to managed
+memory, turned into a ``scheduler.VariableSequence``.
+
+Every step is recorded (it costs a few microseconds an op), so that when a step diverges
+from its plan the engine can re-plan from the step that just ran instead of guessing. The
+whole step, every storage, is recorded by ``ooc.record.recorder`` on a step that is not
+planned (what ``ooc.trace`` records); this view keeps only what the engine manages, and
+``tests/ooc/test_one_recorder.py`` checks that it is that recording, filtered.
+
+A variable is *born* at the op whose output storage is new (not one of its inputs'); it
+becomes managed later, when autograd saves it (an activation), when it lands in ``p.grad``
+(a gradient) or in the optimizer's state. Reads before that moment are kept, so the
+sequence has the variable's whole life: creation, forward reads, backward reads. Births are
+keyed as the recorder keys storages (``ooc.record.storages``: the ``StorageImpl`` address,
+which the birth's weak reference keeps from being reused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSequence
+
+
+@dataclass(eq=False)
+class Birth:
+    """A storage created by an op of this step, big enough to be managed."""
+
+    ref: StorageWeakRef
+    op: int
+    out: int              # position among the op's tensor outputs
+    nbytes: int
+    reads: list[int] = field(default_factory=list)
+    # The reads that wrote it in place (``out += identity``, ``relu_``): without them the plan
+    # would take a copy written out before them for current and drop the written bytes.
+    writes: list[int] = field(default_factory=list)
+    var: int | None = None  # set when it becomes a managed variable
+
+
+@dataclass
+class Recording:
+    names: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    uses: list[list[tuple[int, Access]]] = field(default_factory=list)
+    births: dict[int, Birth] = field(default_factory=dict)      # storage._cdata -> Birth
+    variables: dict[int, Variable] = field(default_factory=dict)
+    born_at: dict[int, tuple[int, int]] = field(default_factory=dict)  # var -> (op, out)
+    backward_start: int | None = None
+    optimizer_start: int | None = None
+
+    def begin_op(self, name: str) -> int:
+        self.names.append(name)
+        self.uses.append([])
+        self.seconds.append(0.0)
+        return len(self.names) - 1
+
+    def use(self, op: int, var: int, access: Access) -> None:
+        self.uses[op].append((var, access))
+
+    def birth(self, s: torch.UntypedStorage, op: int, out: int, nbytes: int) -> Birth:
+        b = self.births[s._cdata] = Birth(StorageWeakRef(s), op, out, nbytes)
+        return b
+
+    def live_birth(self, s: torch.UntypedStorage) -> Birth | None:
+        """The birth of storage ``s`` in this step, if it was born in it (and is alive)."""
+        key = s._cdata
+        b = self.births.get(key)
+        if b is not None and b.ref.expired():
+            del self.births[key]
+            return None
+        return b
+
+    def promote(self, birth: Birth, var: int, kind: Kind, name: str) -> None:
+        """The born storage becomes managed variable ``var``: replay its creation and reads."""
+        birth.var = var
+        self.variables[var] = Variable(var, birth.nbytes, kind, name)
+        self.born_at[var] = (birth.op, birth.out)
+        self.uses[birth.op].append((var, Access.WRITE))
+        for op in birth.reads:
+            self.uses[op].append((var, Access.READ))
+        for op in birth.writes:
+            self.uses[op].append((var, Access.WRITE))
+
+    def add_persistent(self, var: int, nbytes: int, kind: Kind, name: str, live_out: bool) -> None:
+        self.variables[var] = Variable(var, nbytes, kind, name, live_in=True, live_out=live_out)
+
+    def set_live_out(self, var: int, live_out: bool) -> None:
+        v = self.variables[var]
+        self.variables[var] = Variable(v.id, v.nbytes, v.kind, v.name, v.live_in, live_out)
+
+    def sequence(self, meta: dict) -> VariableSequence:
+        functions = []
+        for i, name in enumerate(self.names):
+            # Order uses by first appearance; a variable both read and written keeps both.
+            uses = tuple(Use(v, a) for v, a in dict.fromkeys(self.uses[i]))
+            functions.append(Function(i, name, uses, Cost(seconds=self.seconds[i])))
+        meta = dict(meta)
+        if self.backward_start is not None:
+            meta["backward_start"] = self.backward_start
+        if self.optimizer_start is not None:
+            meta["optimizer_start"] = self.optimizer_start
+        return VariableSequence(tuple(functions), dict(self.variables), meta)

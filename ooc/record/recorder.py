@@ -1,0 +1,212 @@
+"""The one recorder: aten ops in, a ``scheduler.VariableSequence`` out.
+
+``ooc.trace`` feeds it from a ``TorchDispatchMode`` on ``meta`` (or any device), the engine
+from its recording step (``Stepper.on_op``, for real, while it swaps). Both call ``op`` with
+the op's schema facts (``ooc.record.op_schema``), its arguments and its results, and both
+key storages the same way (``ooc.record.storages``), so the same step gives the same
+sequence whoever records it: ``tests/ooc/test_one_recorder.py`` checks that.
+
+Uses per op (the rules, applied the same on every device)
+---------------------------------------------------------
+- every tensor argument is a read of its storage (once per op, even if passed twice);
+- every result with a storage not seen before is a new variable, created by a write;
+- an argument the schema marks as mutated (``Tensor(a!)``: in-place and ``out=`` ops) is a
+  read *and* a write of its storage; results aliasing it add nothing more;
+- a view op (every result aliases an argument, nothing mutated: ``view``, ``t``,
+  ``transpose``, ``detach``, ...) allocates nothing and touches no data: it is kept in the
+  sequence as a function with *no* uses, so function indices match the op stream;
+- a storage first met as an argument (created outside the recorded step and not one of
+  the registered parameters, buffers, state tensors or inputs) is an external input:
+  kind ``INPUT``, ``live_in``;
+- ``profiler.*`` ops (the optimizers' ``record_function`` markers) and ``lift_fresh``
+  (``torch.tensor(data)`` emits it on real devices only) are not recorded (the caller
+  checks ``OpInfo.skip``).
+
+Kinds
+-----
+What exists before the step is ``register``-ed with its kind (parameters and buffers
+``PARAM``, optimizer state ``OPTIMIZER_STATE``, inputs ``INPUT``); what the step creates is
+``mark``-ed when its role shows (``p.grad`` after the backward: ``GRAD``); a storage that
+autograd saved (``saved``, from a pack hook) and that is none of those is an
+``ACTIVATION``; everything else a ``TEMPORARY``. A new variable is named after the function
+that wrote it: ``"<function>#<index>"``, with ``.k`` for the k-th result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ooc.record.op_schema import OpInfo
+from ooc.record.storages import StorageTable, storage_of
+from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSequence
+
+
+class StepRecorder:
+    """Functions, variables and uses of one step, as the module docstring's rules say."""
+
+    def __init__(self) -> None:
+        self.table = StorageTable()
+        self.nbytes: list[int] = []
+        self.vname: list[str] = []
+        self.kind: list[Kind | None] = []
+        self.live_in: list[bool] = []
+        self.live_out: list[bool] = []
+        self.fname: list[str] = []
+        self.fuses: list[tuple[tuple[int, bool], ...]] = []
+        self.fflops: list[float] = []
+        self.fbytes: list[int] = []
+        self.fsecs: list[float | None] = []
+        self.saved_vars: set[int] = set()        # variables autograd packed
+        self.marks: dict[str, int] = {}
+        self._external = 0
+
+    # -- what exists before the step, and what the step's tensors turn out to be -----------
+
+    def register(self, t: torch.Tensor, kind: Kind, name: str, *, live_in: bool = True,
+                 live_out: bool = False, nbytes: int | None = None) -> int | None:
+        """Declare a storage that exists before the step; the first registration wins.
+        ``nbytes``: its size when its bytes are elsewhere now (the runtime released it)."""
+        s = storage_of(t)
+        if s is None:
+            return None
+        vid = self.table.get(s)
+        if vid is None:
+            vid = self._new(s, name)
+            if nbytes is not None:
+                self.nbytes[vid] = nbytes
+            self.kind[vid], self.live_in[vid], self.live_out[vid] = kind, live_in, live_out
+        return vid
+
+    def mark(self, t: torch.Tensor, kind: Kind, name: str, *, live_out: bool = False) -> None:
+        """Classify a storage the step created (a gradient, replaced state) unless a
+        registration already classified it."""
+        vid = self.var(t)
+        if vid is not None and self.kind[vid] is None:
+            self.kind[vid], self.vname[vid], self.live_out[vid] = kind, name, live_out
+
+    def saved(self, t: torch.Tensor) -> None:
+        """Autograd saved ``t`` for the backward (call from a pack hook)."""
+        vid = self.var(t)
+        if vid is not None:
+            self.saved_vars.add(vid)
+
+    def phase(self, name: str) -> None:
+        """Note that phase ``name`` (e.g. ``"backward"``) starts at the next function."""
+        self.marks[f"{name}_start"] = len(self.fname)
+
+    def var(self, t: torch.Tensor) -> int | None:
+        """The variable ``t``'s storage holds, if it is one."""
+        s = storage_of(t)
+        return None if s is None else self.table.get(s)
+
+    def alias(self, s: torch.UntypedStorage, vid: int) -> None:
+        """``s`` now holds variable ``vid``'s bytes (the runtime brought them back into a new
+        storage): uses of ``s`` are uses of ``vid``."""
+        self.table.add(s, vid)
+
+    def _new(self, s: torch.UntypedStorage, name: str) -> int:
+        vid = len(self.nbytes)
+        self.table.add(s, vid)
+        self.nbytes.append(s.nbytes())
+        self.vname.append(name)
+        self.kind.append(None)
+        self.live_in.append(False)
+        self.live_out.append(False)
+        return vid
+
+    # -- the per-op rules (keep them small: they run for every recorded op) ----------------
+
+    def op(self, info: OpInfo, args: tuple, kwargs: dict, out: Any, name: str,
+           seconds: float | None = None) -> int:
+        """Record op ``info`` that ran on ``(args, kwargs)`` and returned ``out``, as function
+        ``name``; returns its index."""
+        index = len(self.fname)
+        self.fname.append(name)
+        self.fsecs.append(seconds)
+        if info.view:
+            self.fuses.append(())
+            self.fflops.append(0.0)
+            self.fbytes.append(0)
+            return index
+        var_of = self.table.var_of
+        uses: list[tuple[int, bool]] = []
+        seen: set[int] = set()
+        nbytes = 0
+        for t in info.inputs(args, kwargs):
+            nbytes += t.nbytes
+            s = storage_of(t)
+            if s is None:   # sparse and other storage-less tensors
+                continue
+            vid = var_of.get(s._cdata)
+            if vid is None:  # created outside the recorded step: an external input
+                vid = self._new(s, f"external#{self._external}")
+                self._external += 1
+                self.kind[vid], self.live_in[vid] = Kind.INPUT, True
+            if vid not in seen:
+                seen.add(vid)
+                uses.append((vid, False))
+        if info.writes:
+            for t in info.written(args, kwargs):
+                s = storage_of(t)
+                vid = None if s is None else var_of.get(s._cdata)   # read above
+                if vid is None:
+                    continue
+                uses.append((vid, True))
+                n = s.nbytes()
+                if n > self.nbytes[vid]:  # out= results may be resized
+                    self.nbytes[vid] = n
+        k = 0
+        for t in ((out,) if isinstance(out, torch.Tensor) else _results(out)):
+            nbytes += t.nbytes
+            s = storage_of(t)
+            if s is None:
+                continue
+            if s._cdata not in var_of:
+                vid = self._new(s, f"{name}#{index}" if k == 0 else f"{name}#{index}.{k}")
+                uses.append((vid, True))
+            k += 1
+        self.fuses.append(tuple(uses))
+        self.fbytes.append(nbytes)
+        flops = 0.0
+        if info.flop is not None:
+            try:
+                flops = float(info.flop(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not cover this overload
+                flops = 0.0
+        self.fflops.append(flops)
+        return index
+
+    # -- the result ---------------------------------------------------------------------------
+
+    def sequence(self, meta: dict[str, Any] | None = None) -> VariableSequence:
+        """The recorded functions and variables (classification applied)."""
+        saved = self.saved_vars
+        variables: dict[int, Variable] = {}
+        for vid in range(len(self.nbytes)):
+            kind = self.kind[vid]
+            if kind is None:
+                kind = Kind.ACTIVATION if vid in saved else Kind.TEMPORARY
+            variables[vid] = Variable(vid, self.nbytes[vid], kind, self.vname[vid],
+                                      self.live_in[vid], self.live_out[vid])
+        reads = [Use(v, Access.READ) for v in range(len(self.nbytes))]
+        writes = [Use(v, Access.WRITE) for v in range(len(self.nbytes))]
+        functions = tuple(
+            Function(i, self.fname[i],
+                     tuple(writes[v] if w else reads[v] for v, w in self.fuses[i]),
+                     Cost(self.fflops[i], self.fbytes[i], self.fsecs[i]))
+            for i in range(len(self.fname)))
+        return VariableSequence(functions, variables, {**self.marks, **(meta or {})})
+
+
+def _results(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned (a list or tuple of them, one level deep)."""
+    found: list[torch.Tensor] = []
+    if isinstance(out, (list, tuple)):
+        for a in out:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend(b for b in a if isinstance(b, torch.Tensor))
+    return found
