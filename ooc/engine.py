@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
-from ooc.runtime.composition import check_step_entry
+from ooc.runtime.composition import check_sharded_params, check_step_entry
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
@@ -115,6 +115,7 @@ class OutOfCore:
         if unknown:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
         self.manage = frozenset(manage)
+        check_sharded_params(model, self.manage)   # FSDP2: activations only
         if policy not in scheduler.POLICIES:
             raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
         self.policy = policy
