@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator, slots as sl
-from ooc.runtime.composition import check_sharded_params, check_step_entry
+from ooc.runtime.composition import check_sharded_params, check_step_entry, state_dict_owner
 from ooc.runtime.malloc import give_back_heap, release_freed_memory
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need
@@ -210,8 +210,9 @@ class OutOfCore:
             self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
         self._warned_released = False
         if self.manage & {"params", "grads", "optimizer_state"}:
-            self._hooks += [model.register_state_dict_pre_hook(self._bring_back_hook),
-                            model.register_load_state_dict_pre_hook(self._bring_back_hook)]
+            owner = state_dict_owner(model)   # DDP: its .module, whose hooks cover both
+            self._hooks += [owner.register_state_dict_pre_hook(self._bring_back_hook),
+                            owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
         if optimizer is not None:   # the update starts at optimizer.step(), however it is called

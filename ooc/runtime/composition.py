@@ -116,3 +116,17 @@ def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None
                 f"manage {', '.join(repr(k) for k in kinds)} only of a model without sharded "
                 f"parameters, and manage=('activations',) here (FSDP2 already frees the unsharded "
                 f"parameters after each use)")
+
+
+def state_dict_owner(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``state_dict()``/``load_state_dict()`` hooks cover every way to save
+    or load ``model``: for a ``DistributedDataParallel`` wrapper (or any wrapper that keeps
+    the model as ``.module`` with no parameters of its own), the wrapped module. A module's
+    state-dict hooks also run when a parent's ``state_dict()`` recurses into it, but not the
+    other way round: hooked on the wrapper, ``ddp.module.state_dict()`` (the usual way to
+    save a DDP checkpoint without the ``module.`` prefix) read released, 0-byte storages."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
