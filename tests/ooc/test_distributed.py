@@ -1,0 +1,96 @@
+"""ooc under DistributedDataParallel and FSDP2, 2 ranks on the CPU with gloo (issue 19).
+
+Each test starts 2 ranks as torchrun would (``dist_launch.py``; a hang kills them and fails
+within its timeout). Every rank trains the job twice in one process group, without ooc and
+with an engine per rank under about a quarter of the managed peak, from the same weights,
+batches and per-rank RNG seed (dropout), and reports whether its parameters are bitwise
+those of the job without ooc, plus their digest: parameters must also be equal across ranks.
+
+What composes, and what is refused:
+- DDP, with activations or all four kinds managed, gradient_as_bucket_view (p.grad becomes a
+  view into DDP's bucket, which ooc leaves alone: not born in the step), find_unused_parameters,
+  no_sync() accumulation; the engine on the DDP wrapper or on the inner module (the
+  state-dict hooks go on the inner module either way, so ``ddp.module.state_dict()`` brings
+  released parameters back).
+- FSDP2 (``fully_shard``) with activations managed; saved views of its unsharded parameters
+  (``weight.t()``) are FSDP2's to free and gather again, never swapped (with slow writes a
+  write in flight read the freed storage). Managed params/grads/optimizer state of DTensor
+  parameters are refused with an ``OOCError``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_launch
+
+pytestmark = pytest.mark.timeout(240)
+
+KiB = 1 << 10
+ALL = ["activations", "params", "grads", "optimizer_state"]
+
+
+def _check(results: list[list[dict]], names: list[str]) -> dict[str, list[dict]]:
+    by_name: dict[str, list[dict]] = {}
+    for rank_results in results:
+        for r in rank_results:
+            assert "crash" not in r, r["crash"]
+            by_name.setdefault(r["name"], []).append(r)
+    assert sorted(by_name) == sorted(names)
+    for name, ranks in by_name.items():
+        if any("error" in r for r in ranks):
+            continue
+        for r in ranks:
+            assert r["equal"], f"{name} rank {r['rank']}: parameters differ from the job without ooc"
+            s = r["stats"]
+            assert s["bytes_out"] > 0 and s["plan"]["bytes_out"] > 0, f"{name}: nothing moved ({s})"
+            assert s["last_planned"], f"{name}: the last step did not run a plan ({s})"
+            assert s.get("state_dict_ok", True), f"{name}: state_dict() read released storages"
+        assert len({r["digest"] for r in ranks}) == 1, f"{name}: parameters differ across ranks"
+    return by_name
+
+
+def test_ddp_bn_cnn_sgd_momentum(tmp_path):
+    configs = [
+        {"name": "activations", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB,
+         "manage": ["activations"], "steps": 5},
+        # all kinds, the engine on the inner module, DDP's bucket views, an unused layer,
+        # two micro-batches per update (the first under no_sync), writes delayed 20 ms
+        {"name": "all", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
+         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "inner",
+         "slow_writes": 0.02},
+    ]
+    _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
+
+
+def test_ddp_transformer_dropout_adamw(tmp_path):
+    configs = [
+        {"name": "activations", "model": "tr", "mode": "ddp", "budget": 896 * KiB,
+         "manage": ["activations"], "steps": 5, "slow_writes": 0.02},
+        # all kinds on the DDP wrapper, under the params+grads+state total: they stay
+        # released between steps, and ddp.module.state_dict() must bring them back
+        {"name": "all", "model": "tr", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
+         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "outer"},
+    ]
+    res = _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
+    assert all(r["stats"]["released_between_steps"] > 0 for r in res["all"])
+
+
+def test_fsdp2_activations_and_refusals(tmp_path):
+    configs = [
+        {"name": "tr-activations", "model": "tr", "mode": "fsdp", "budget": 896 * KiB,
+         "manage": ["activations"], "steps": 4, "slow_writes": 0.02},
+        {"name": "cnn-activations", "model": "cnn", "mode": "fsdp", "budget": 1024 * KiB,
+         "manage": ["activations"], "steps": 4},
+        {"name": "tr-params", "model": "tr", "mode": "fsdp", "budget": 1024 * KiB,
+         "manage": ALL, "steps": 1},
+    ]
+    res = _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
+    for r in res["tr-params"]:
+        assert r["error"].startswith("OOCError") and "DTensor" in r["error"] and "'params'" in r["error"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl)")
+def test_ddp_nccl_two_gpus(tmp_path):
+    pytest.skip("the nccl variant is not written yet: the worker runs gloo on the CPU")
