@@ -21,10 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(configs: list[dict], out: Path, *, world: int = 2, timeout: float = 120) -> list[list[dict]]:
-    """Run the configs on ``world`` ranks; return each rank's results. Raises on a hang, a
-    crash or a non-zero exit, with every rank's stderr."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+def launch(configs: list[dict], out: Path, *, world: int = 2, timeout: float = 120,
+           device: str = "cpu") -> list[list[dict]]:
+    """Run the configs on ``world`` ranks (``device="cuda"``: one GPU each, nccl); return each
+    rank's results. Raises on a hang, a crash or a non-zero exit, with every rank's stderr."""
+    env = dict(os.environ, WORLD_SIZE=str(world), OOC_DIST_DEVICE=device, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for rank in range(world):

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import ooc
 
 KiB = 1 << 10
+# OOC_DIST_DEVICE=cuda: each rank on its GPU (LOCAL_RANK) with nccl; else the CPU with gloo.
+DEVICE = torch.device("cpu")
 
 
 class WithSpare(nn.Module):
@@ -87,14 +89,15 @@ def wrap(model: nn.Module, cfg: dict) -> nn.Module:
 def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict | None]:
     kind = cfg["model"]
     model, loss_fn = build(kind, cfg.get("find_unused", False))
+    model.to(DEVICE)
     wrapped = wrap(model, cfg)
     opt = optimizer(kind, wrapped.parameters())
     engine = None
     if use_ooc:
         target = wrapped if cfg.get("target", "outer") == "outer" else model
         engine = ooc.OutOfCore(target, opt, budget=cfg["budget"], chunk=cfg.get("chunk", 16 * KiB),
-                               manage=tuple(cfg["manage"]))
-        if cfg.get("slow_writes"):   # a loaded disk: races show only when writes are slow
+                               manage=tuple(cfg["manage"]), device=DEVICE)
+        if cfg.get("slow_writes") and DEVICE.type == "cpu":   # a loaded disk: races show only when writes are slow
             write = engine.tier._run_write
 
             def slow(*a, **kw):
@@ -105,7 +108,7 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
     accum = cfg.get("accum", 1)
     for step in range(cfg.get("steps", 3)):
         for micro in range(accum):
-            x, y = batch(kind, rank, step, micro)
+            x, y = (t.to(DEVICE) for t in batch(kind, rank, step, micro))
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or cfg["mode"] != "ddp" else wrapped.no_sync()
             with (engine.step() if engine else contextlib.nullcontext()), sync:
@@ -133,7 +136,7 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
         t = t.detach()
         if hasattr(t, "full_tensor"):   # FSDP2: a DTensor shard; compare the whole
             t = t.full_tensor()
-        out.append(t.clone())
+        out.append(t.cpu().clone())
     return out, stats
 
 
@@ -151,7 +154,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    global DEVICE
+    backend = "gloo"
+    if os.environ.get("OOC_DIST_DEVICE") == "cuda":
+        DEVICE, backend = torch.device("cuda", int(os.environ["LOCAL_RANK"])), "nccl"
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=float(os.environ.get("OOC_DIST_TIMEOUT", 60))))
     results = []
     try:
