@@ -31,14 +31,52 @@ KiB = 1 << 10
 ALL = ["activations", "params", "grads", "optimizer_state"]
 
 
-def _check(results: list[list[dict]], names: list[str]) -> dict[str, list[dict]]:
+# One launch for the module (each process start and first distributed step costs ~10 s on
+# 2 busy cores); each test checks its own configs.
+CONFIGS = {
+    "cnn": [
+        {"name": "cnn-activations", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB,
+         "manage": ["activations"], "steps": 5},
+        # all kinds, the engine on the inner module, DDP's bucket views, an unused layer,
+        # two micro-batches per update (the first under no_sync), writes delayed 20 ms
+        {"name": "cnn-all", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
+         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "inner",
+         "slow_writes": 0.02},
+    ],
+    "transformer": [
+        {"name": "tr-activations", "model": "tr", "mode": "ddp", "budget": 896 * KiB,
+         "manage": ["activations"], "steps": 5, "slow_writes": 0.02},
+        # all kinds on the DDP wrapper, under the params+grads+state total: they stay
+        # released between steps, and ddp.module.state_dict() must bring them back
+        {"name": "tr-all", "model": "tr", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
+         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "outer"},
+    ],
+    "fsdp2": [
+        {"name": "fsdp-tr-activations", "model": "tr", "mode": "fsdp", "budget": 896 * KiB,
+         "manage": ["activations"], "steps": 4, "slow_writes": 0.02},
+        {"name": "fsdp-cnn-activations", "model": "cnn", "mode": "fsdp", "budget": 1024 * KiB,
+         "manage": ["activations"], "steps": 4},
+        {"name": "fsdp-tr-all", "model": "tr", "mode": "fsdp", "budget": 1024 * KiB,
+         "manage": ALL, "steps": 1},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    configs = [c for group in CONFIGS.values() for c in group]
     by_name: dict[str, list[dict]] = {}
-    for rank_results in results:
+    for rank_results in dist_launch.launch(configs, tmp_path_factory.mktemp("dist") / "r", timeout=200):
         for r in rank_results:
             assert "crash" not in r, r["crash"]
             by_name.setdefault(r["name"], []).append(r)
-    assert sorted(by_name) == sorted(names)
-    for name, ranks in by_name.items():
+    assert sorted(by_name) == sorted(c["name"] for c in configs)
+    return by_name
+
+
+def _check(results: dict[str, list[dict]], group: str) -> None:
+    for name in [c["name"] for c in CONFIGS[group]]:
+        ranks = results[name]
         if any("error" in r for r in ranks):
             continue
         for r in ranks:
@@ -48,46 +86,21 @@ def _check(results: list[list[dict]], names: list[str]) -> dict[str, list[dict]]
             assert s["last_planned"], f"{name}: the last step did not run a plan ({s})"
             assert s.get("state_dict_ok", True), f"{name}: state_dict() read released storages"
         assert len({r["digest"] for r in ranks}) == 1, f"{name}: parameters differ across ranks"
-    return by_name
 
 
-def test_ddp_bn_cnn_sgd_momentum(tmp_path):
-    configs = [
-        {"name": "activations", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB,
-         "manage": ["activations"], "steps": 5},
-        # all kinds, the engine on the inner module, DDP's bucket views, an unused layer,
-        # two micro-batches per update (the first under no_sync), writes delayed 20 ms
-        {"name": "all", "model": "cnn", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
-         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "inner",
-         "slow_writes": 0.02},
-    ]
-    _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
+def test_ddp_bn_cnn_sgd_momentum(results):
+    _check(results, "cnn")
 
 
-def test_ddp_transformer_dropout_adamw(tmp_path):
-    configs = [
-        {"name": "activations", "model": "tr", "mode": "ddp", "budget": 896 * KiB,
-         "manage": ["activations"], "steps": 5, "slow_writes": 0.02},
-        # all kinds on the DDP wrapper, under the params+grads+state total: they stay
-        # released between steps, and ddp.module.state_dict() must bring them back
-        {"name": "all", "model": "tr", "mode": "ddp", "budget": 1024 * KiB, "manage": ALL,
-         "steps": 4, "accum": 2, "bucket_view": True, "find_unused": True, "target": "outer"},
-    ]
-    res = _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
-    assert all(r["stats"]["released_between_steps"] > 0 for r in res["all"])
+def test_ddp_transformer_dropout_adamw(results):
+    _check(results, "transformer")
+    assert all(r["stats"]["released_between_steps"] > 0 for r in results["tr-all"])
 
 
-def test_fsdp2_activations_and_refusals(tmp_path):
-    configs = [
-        {"name": "tr-activations", "model": "tr", "mode": "fsdp", "budget": 896 * KiB,
-         "manage": ["activations"], "steps": 4, "slow_writes": 0.02},
-        {"name": "cnn-activations", "model": "cnn", "mode": "fsdp", "budget": 1024 * KiB,
-         "manage": ["activations"], "steps": 4},
-        {"name": "tr-params", "model": "tr", "mode": "fsdp", "budget": 1024 * KiB,
-         "manage": ALL, "steps": 1},
-    ]
-    res = _check(dist_launch.launch(configs, tmp_path / "r", timeout=150), [c["name"] for c in configs])
-    for r in res["tr-params"]:
+def test_fsdp2_activations_and_refusals(results):
+    _check(results, "fsdp2")
+    assert not any("error" in r for r in results["fsdp-tr-activations"] + results["fsdp-cnn-activations"])
+    for r in results["fsdp-tr-all"]:
         assert r["error"].startswith("OOCError") and "DTensor" in r["error"] and "'params'" in r["error"]
 
 
