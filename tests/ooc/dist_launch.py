@@ -35,6 +35,7 @@ def launch(configs: list[dict], out: Path, *, world: int = 2, timeout: float = 1
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     logs, hung = [], False
+    verbose = bool(os.environ.get("OOC_DIST_VERBOSE"))   # every rank's whole stderr
     for p in procs:
         try:
             o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -43,7 +44,9 @@ def launch(configs: list[dict], out: Path, *, world: int = 2, timeout: float = 1
             for q in procs:   # every rank: one hung rank blocks the others in a collective
                 q.kill()
             o, e = p.communicate()
-        logs.append(f"--- rank {len(logs)} rc={p.returncode}\n{o[-3000:]}\n{e[-6000:]}")
+        logs.append(f"--- rank {len(logs)} rc={p.returncode}\n{o[-3000:]}\n{e if verbose else e[-6000:]}")
+    if verbose:
+        print("\n".join(logs), file=sys.stderr)
     if hung or any(p.returncode for p in procs):
         raise AssertionError(("ranks hung past %.0f s\n" % timeout if hung else "a rank failed\n")
                              + "\n".join(logs))

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -106,6 +107,7 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
             engine.tier._run_write = slow
     torch.manual_seed(100 + rank)   # dropout: the same stream per rank with and without ooc
     accum = cfg.get("accum", 1)
+    bad_grads: list[str] = []
     for step in range(cfg.get("steps", 3)):
         for micro in range(accum):
             x, y = (t.to(DEVICE) for t in batch(kind, rank, step, micro))
@@ -115,7 +117,11 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
                 loss_fn(wrapped(x), y).backward()
                 if last:
                     opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+            if engine is not None:   # a managed gradient is one parameter's, never a DDP bucket
+                params = dict(engine.model.named_parameters())
+                bad_grads += [s.name for s in engine.persistent.values() if s.kind.value == "grad"
+                              and s.nbytes != params[s.name[:-5]].nbytes]
     stats = None
     if engine is not None and cfg["mode"] == "ddp":
         # Between steps, managed parameters over the budget stay released: state_dict() of
@@ -130,6 +136,7 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
         engine.close()
     if engine is not None and cfg["mode"] == "ddp":
         stats["released_between_steps"] = released
+        stats["grad_slots_not_a_grad"] = bad_grads
         stats["state_dict_ok"] = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     out = []
     for t in [*model.parameters(), *model.buffers()]:
@@ -153,6 +160,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=os.environ.get("OOC_LOG", "WARNING"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     global DEVICE
     backend = "gloo"
