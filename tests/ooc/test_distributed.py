@@ -8,7 +8,9 @@ those of the job without ooc, plus their digest: parameters must also be equal a
 
 What composes, and what is refused:
 - DDP, with activations or all four kinds managed, gradient_as_bucket_view (p.grad becomes a
-  view into DDP's bucket, which ooc leaves alone: not born in the step), find_unused_parameters,
+  view into DDP's bucket, which ooc leaves to DDP: a gradient that is a view is never
+  managed; the bucket DDP rebuilds in step 2 was adopted and released under gloo's
+  asynchronous all-reduce, "writev: Bad address"), find_unused_parameters,
   no_sync() accumulation; the engine on the DDP wrapper or on the inner module (the
   state-dict hooks go on the inner module either way, so ``ddp.module.state_dict()`` brings
   released parameters back).
