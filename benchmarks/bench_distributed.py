@@ -22,7 +22,7 @@ Targets (issue 19): at 2 ranks, the ratio within 5 % of the single-process ratio
 nothing to the all-reduce's critical path) and the saving of per-rank peak rise within 5
 points of the single-process saving.
 
-``--quick``: a narrower CNN at batch 4, one round of 4 steps (a smoke run).
+``--quick``: a two-block CNN of width 8 at batch 4, one round of 3 steps (a smoke run).
 Writes benchmarks/results/distributed.md (``--quick``: distributed-quick.md).
 """
 
@@ -135,10 +135,10 @@ def main() -> None:
     from ooc.measure import managed_peak
 
     quick = args.quick
-    model_kwargs = {"width": 16, "blocks": 4} if quick else {}
+    model_kwargs = {"width": 8, "blocks": 2} if quick else {}
     batch = 4 if quick else 16
     rounds = args.rounds or (1 if quick else 3)
-    steps = args.steps or (4 if quick else 8)
+    steps = args.steps or (3 if quick else 8)
     peak = managed_peak("small_cnn", batch, model_kwargs=model_kwargs)
     budget = peak // 4
     spec = {"model_kwargs": model_kwargs, "batch": batch, "steps": steps, "budget": budget}
