@@ -120,8 +120,8 @@ def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None
 
 def state_dict_owner(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose ``state_dict()``/``load_state_dict()`` hooks cover every way to save
-    or load ``model``: for a ``DistributedDataParallel`` wrapper (or any wrapper that keeps
-    the model as ``.module`` with no parameters of its own), the wrapped module. A module's
+    or load ``model``: for a ``DistributedDataParallel`` wrapper, the module it wraps
+    (``ddp.module``, which holds every parameter and buffer). A module's
     state-dict hooks also run when a parent's ``state_dict()`` recurses into it, but not the
     other way round: hooked on the wrapper, ``ddp.module.state_dict()`` (the usual way to
     save a DDP checkpoint without the ``module.`` prefix) read released, 0-byte storages."""
