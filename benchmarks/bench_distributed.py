@@ -169,6 +169,8 @@ def main() -> None:
                      f"{rise_in / 2**20:.0f}", f"{rise_oc / 2**20:.0f}", f"{saving:.0%}",
                      f"{median(o['bytes_out'] for b in oc for o in b) / 2**20:.0f}",
                      "yes" if same else "NO", "yes" if across else "NO"])
+    per_round = {w: ", ".join(f"{max(o['step_s'] for o in b) / max(i['step_s'] for i in a):.2f}"
+                              for a, b in zip(res[(w, "incore")], res[(w, "ooc")])) for w in (1, 2)}
     (r1, s1), (r2, s2) = summary[1], summary[2]
     ratio_ok = abs(r2 / r1 - 1) <= 0.05
     saving_ok = abs(s2 - s1) <= 0.05
@@ -188,6 +190,7 @@ def main() -> None:
               f"{'met' if ratio_ok else 'NOT met'}",
               f"- per-rank rise saved, 2 ranks vs 1: {s2:.0%} vs {s1:.0%} ({(s2 - s1) * 100:+.1f} points; "
               f"target within 5): {'met' if saving_ok else 'NOT met'}",
+              f"- ratio per round: 1 rank {per_round[1]}; 2 ranks {per_round[2]}",
               "- 2 ranks share this machine's 2 cores (and with them the I/O threads of both engines): "
               "with 1 rank the engine's I/O threads have a core of their own, which flatters the "
               "single-process ratio; on a machine with a core per rank and I/O to spare the two "
