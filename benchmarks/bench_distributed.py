@@ -22,7 +22,7 @@ Targets (issue 19): at 2 ranks, the ratio within 5 % of the single-process ratio
 nothing to the all-reduce's critical path) and the saving of per-rank peak rise within 5
 points of the single-process saving.
 
-``--quick``: a two-block CNN of width 8 at batch 4, one round of 3 steps (a smoke run).
+``--quick``: a two-block CNN of width 8 at batch 8, one round of 3 steps (a smoke run).
 Writes benchmarks/results/distributed.md (``--quick``: distributed-quick.md).
 """
 
@@ -136,7 +136,7 @@ def main() -> None:
 
     quick = args.quick
     model_kwargs = {"width": 8, "blocks": 2} if quick else {}
-    batch = 4 if quick else 16
+    batch = 8 if quick else 16
     rounds = args.rounds or (1 if quick else 3)
     steps = args.steps or (3 if quick else 8)
     peak = managed_peak("small_cnn", batch, model_kwargs=model_kwargs)
@@ -192,7 +192,7 @@ def main() -> None:
               f"target within 5): {'met' if saving_ok else 'NOT met'}",
               f"- ratio per round: 1 rank {per_round[1]}; 2 ranks {per_round[2]}",
               "- 2 ranks share this machine's 2 cores (and with them the I/O threads of both engines): "
-              "with 1 rank the engine's I/O threads have a core of their own, which flatters the "
+              "with 1 rank the engine's I/O threads have a core of their own, which likely flatters the "
               "single-process ratio; on a machine with a core per rank and I/O to spare the two "
               "should agree more closely."]
     path = common.write_report(common.result_path("distributed", quick, out=args.out), lines)
