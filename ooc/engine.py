@@ -20,7 +20,7 @@ import scheduler
 from ooc.errors import OOCError, StorageError
 from ooc.record import roles
 from ooc.runtime import cpu_allocator, slots as sl
-from ooc.runtime.composition import check_step_entry
+from ooc.runtime.composition import check_sharded_params, check_step_entry, state_dict_owner
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.devices import cuda_runtime, make_pool, make_tier_and_pool
 from ooc.runtime.dry_run import optimizer_need, state_sizes
@@ -129,6 +129,7 @@ class OutOfCore:
         if unknown:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
         self.manage = frozenset(manage)
+        check_sharded_params(model, self.manage)   # FSDP2: activations only
         if policy not in scheduler.POLICIES:
             raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
         self.policy = policy
@@ -207,8 +208,9 @@ class OutOfCore:
             self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
         self._warned_released = False
         if self.manage & {"params", "grads", "optimizer_state"}:
-            self._hooks += [model.register_state_dict_pre_hook(self._bring_back_hook),
-                            model.register_load_state_dict_pre_hook(self._bring_back_hook)]
+            owner = state_dict_owner(model)   # DDP: its .module, whose hooks cover both
+            self._hooks += [owner.register_state_dict_pre_hook(self._bring_back_hook),
+                            owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
         if optimizer is not None:   # the update starts at optimizer.step(), however it is called
@@ -273,6 +275,8 @@ class OutOfCore:
                 promote(e, st, p)
 
         def promote(e: OutOfCore, st: Stepper, p: torch.nn.Parameter) -> None:
+            if p.grad._base is not None:   # a window onto another owner's buffer (_live_out)
+                return
             s = p.grad.untyped_storage()
             b = st.rec.live_birth(s)
             if b is not None and b.var is None and st.slot_of(p.grad) is None:
@@ -679,7 +683,12 @@ class OutOfCore:
         for p, name in names.items():
             if "params" in self.manage:
                 candidates.append((p, Kind.PARAM, name))
-            if "grads" in self.manage and p.grad is not None:
+            # A gradient that is a view is a window onto a buffer another owner holds: DDP's
+            # gradient_as_bucket_view=True makes p.grad a view into its bucket, whose all-reduce
+            # runs asynchronously, after the op that started it returned. Managed, the whole
+            # bucket was adopted as one parameter's gradient (at DDP's bucket rebuild) and could
+            # be released under that all-reduce. The bucket stays DDP's.
+            if "grads" in self.manage and p.grad is not None and p.grad._base is None:
                 candidates.append((p.grad, Kind.GRAD, f"{name}.grad"))
             if "optimizer_state" in self.manage and self.optimizer is not None:
                 for key, t in self.optimizer.state.get(p, {}).items():

@@ -58,6 +58,17 @@ def _use_count(s: torch.UntypedStorage) -> int:
     return count(s._cdata) if count is not None else 2
 
 
+def _of_parameter(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is a parameter or a view of one (``weight.t()``, saved by a
+    linear layer's matmul). Its bytes are the parameter's owner's, never an activation's:
+    swapping it moves bytes that stay in memory anyway, and under FSDP2 the owner frees that
+    storage after the forward (``resize_(0)``, reshard_after_forward) and all-gathers into it
+    again before the backward, so a write still in flight read freed memory (parameters
+    differed from FSDP2 without ooc once writes were slow). Managed parameters are the
+    engine's persistent slots, never activations."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class _Unbudgeted:
     """Memory outside the pool, on the engine's device, for an on-demand step that has
     already failed its budget."""
@@ -793,7 +804,7 @@ class Stepper:
                 b = self.rec.births.get(s._cdata)
                 if b is None or b.var is None:
                     return t   # not managed in this step: _pack returns it as it is too
-            elif slot.kind is not Kind.ACTIVATION or isinstance(t, torch.nn.Parameter) or t.is_meta:
+            elif slot.kind is not Kind.ACTIVATION or _of_parameter(t) or t.is_meta:
                 return t
             else:
                 return Packed(slot, t)
@@ -811,7 +822,7 @@ class Stepper:
         return p
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if _of_parameter(t) or t.device.type == "meta":
             return t
         slot = self.slot_of(t)
         if slot is None:
