@@ -44,18 +44,18 @@ import logging
 
 from typing import Callable
 
-from scheduler.ir import Access, VariableSequence
+from scheduler.ir import VariableSequence
 from scheduler.replay import Chain
 from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
 from scheduler.window_paper import plan_window_paper
-from scheduler.working_sets import Infeasible, default_window, require_working_sets_fit, working_sets
+from scheduler.working_sets import (INF, Infeasible, Prepared, default_window, require_working_sets_fit,
+                                    working_sets)
 
 __all__ = ["plan_window", "plan_window_paper", "default_window", "require_working_sets_fit", "working_sets"]
 
 log = logging.getLogger(__name__)
 
-INF = float("inf")
 
 # Residency while planning (phase 1 decides where transfers go after the fact, so it keeps
 # its own states; ``plan`` replays the emitted schedule through ``scheduler.actions`` in
@@ -88,7 +88,7 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     """
     if window is None:
         window = default_window(budget)
-    prep = _Prepared(seq)
+    prep = Prepared(seq)
     require_working_sets_fit(seq, budget, prep.working_sets)
     variables = seq.variables
     uses_of = seq.uses_of
@@ -118,31 +118,6 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     return best.schedule()
 
 
-class _Prepared:
-    """Per-sequence facts both passes of policy "window" share (computed once)."""
-
-    def __init__(self, seq: VariableSequence) -> None:
-        self.seq = seq
-        variables = seq.variables
-        self.nbytes = {v: var.nbytes for v, var in variables.items()}
-        self.live_in = {v for v, var in variables.items() if var.live_in}
-        self.live_out = {v for v, var in variables.items() if var.live_out}
-        self.ids = [f.var_ids for f in seq.functions]
-        self.writes = [{u.var for u in f.uses if u.access is Access.WRITE} for f in seq.functions]
-        nb = self.nbytes
-        self.working_sets = [sum(nb[v] for v in ids) for ids in self.ids]
-        # next_after[i][k]: the next function after i that uses ids[i][k] (INF if none).
-        upcoming: dict[int, float] = {}
-        next_after: list[tuple[float, ...]] = [()] * len(self.ids)
-        for i in range(len(self.ids) - 1, -1, -1):
-            ids = self.ids[i]
-            next_after[i] = tuple(upcoming.get(v, INF) for v in ids)
-            for v in ids:
-                upcoming[v] = i
-        self.next_after = next_after
-        self.first_use = upcoming
-
-
 class _BudgetWindow:
     """One pass of policy "window" for a given set of variables resident at the start.
 
@@ -151,7 +126,7 @@ class _BudgetWindow:
     swap-in as early as the window and the recorded bytes allow.
     """
 
-    def __init__(self, prep: _Prepared, budget: int, window: int, resident: frozenset[int],
+    def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
                  recompute: "Recompute | None" = None) -> None:
         self.recompute = recompute
         self.prep = prep
