@@ -57,6 +57,9 @@ class Hardware:
     description: str = ""
     tier: str = "host"  # the slower tier: "host" (pinned host memory) or "storage" (a file)
     full_duplex: bool = True
+    # Compute-stream seconds each moved byte costs (CPU devices: the I/O threads and the
+    # copies take cycles from the compute threads). 0 where a DMA engine moves the bytes.
+    moved_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "mem_bandwidth", "h2d_bandwidth", "d2h_bandwidth"):
@@ -64,7 +67,7 @@ class Hardware:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
                     or value == float("inf"):
                 raise HardwareError(f"hardware {self.name!r}: {f} must be a positive number, got {value!r}")
-        for f in ("link_latency_s", "op_overhead_s"):
+        for f in ("link_latency_s", "op_overhead_s", "moved_byte_s"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 \
                     or value == float("inf"):
@@ -80,6 +83,14 @@ class Hardware:
         """Seconds one copy of ``nbytes`` occupies its channel: latency + bytes / bandwidth."""
         bw = self.h2d_bandwidth if to_device else self.d2h_bandwidth
         return self.link_latency_s + nbytes / bw
+
+    def function_s(self, cost: Any) -> float:
+        """Seconds a function of ``cost`` (a ``scheduler.ir.Cost``) takes on the compute
+        stream: the measured ``seconds`` when known, else the roofline
+        ``max(flops / peak_flops, bytes / mem_bandwidth) + op_overhead_s``."""
+        if cost.seconds is not None:
+            return cost.seconds
+        return max(cost.flops / self.peak_flops, cost.bytes / self.mem_bandwidth) + self.op_overhead_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,9 +157,14 @@ PRESETS: dict[str, Hardware] = {
     #   ``hardware("cpu-edge", storage_bandwidth=...)`` (both ways) or h2d_/d2h_bandwidth=.
     # - link_latency_s = 100 us: one large pread/pwrite on flash (syscall + queue + first
     #   page); op_overhead_s = 10 us: eager PyTorch's per-op dispatch cost on a small CPU.
+    # - moved_byte_s = 0.1 ns/B: a moved byte is read or written once more by a CPU core
+    #   (pwrite/pread through the page cache, ~10 GB/s per core for a memcpy-like pass);
+    #   an estimate, to be replaced by what benchmarks/bench_cpu.py measures (on 2 cores
+    #   background I/O took 12-18% of the compute threads' time at ~0.85 GB/s).
     "cpu-edge": Hardware(
         name="cpu-edge", device_bytes=4 * GiB, peak_flops=153.6e9, mem_bandwidth=17 * GB,
         h2d_bandwidth=1 * GB, d2h_bandwidth=1 * GB, link_latency_s=100e-6, op_overhead_s=10e-6,
+        moved_byte_s=0.1e-9,
         description="CPU edge board (4x Cortex-A76 2.4 GHz, 4 GiB LPDDR4X), swap to local "
                     "flash at 1 GB/s, half duplex", tier="storage", full_duplex=False),
 }

@@ -12,6 +12,8 @@ The stream follows the transition table of ``scheduler.actions`` exactly:
 - at the start, one alloc per ``initial_resident`` variable (live-in and on the device);
 - before/after function i, in schedule order: ``swap_in v`` allocs v (memory is taken when
   the copy is issued); ``wait_out``, ``drop`` and ``free`` free it;
+- ``discard`` frees v; ``recompute v`` allocs v, then its chain's temporaries (one block of
+  their peak bytes), freed when the chain ends;
 - when function i runs, one alloc per variable it creates (its first use, a write, of a
   variable that is not live-in), between its "before" and "after" actions.
 
@@ -53,9 +55,15 @@ def allocation_events(schedule: Schedule) -> list["Event"]:
                 events.extend(Event("alloc", v, nbytes[v], t) for v in ledger.run(i))
                 continue
             for a in acts:
-                eff = ledger.apply(a.op, a.var, i, phase)
+                eff = ledger.apply(a.op, a.var, i, phase, a.chain)
                 if eff.device:
                     events.append(Event("alloc" if eff.device > 0 else "free", a.var, nbytes[a.var], t))
+                if eff.needs_chain:   # the chain's temporaries, at their peak, while it runs
+                    temps = ledger.chain.temporaries_bytes
+                    if temps:
+                        key = f"recompute {a.var} temporaries {phase} {i}"
+                        events.append(Event("alloc", key, temps, t))
+                        events.append(Event("free", key, 0, t))
     return events
 
 

@@ -14,7 +14,12 @@ runtime executes it, in program order on the compute stream:
   f_i's output never starts before f_i has produced it), and waits for its channel likewise;
 - ``wait_in v`` / ``wait_out v`` stall the compute stream until that copy has finished: this
   is the only way transfers slow the step down;
-- ``drop`` and ``free`` take no time.
+- ``recompute v`` runs its chain on the compute stream: the chain's functions take their
+  times as above (``recompute_s``), and the chain's temporaries count in the peak;
+- on a CPU device each moved byte also costs the compute stream ``moved_byte_s`` (the
+  copies and I/O threads take cycles from the compute threads), charged when the copy is
+  issued (``copy_cpu_s``);
+- ``drop``, ``discard`` and ``free`` take no time.
 
 Device memory is counted by ``scheduler.actions``' transition table, the one ``check`` and the
 runtime follow: a swap-in takes its bytes when issued, a swap-out gives them back at its
@@ -22,8 +27,8 @@ runtime follow: a swap-in takes its bytes when issued, a swap-out gives them bac
 them back. Every change happens on the compute stream,
 so the peak over simulated time is the peak over program order, the figure ``check`` proves.
 
-``lower_bound_s`` is the step time with perfect overlap, ``max(compute, swap-in busy,
-swap-out busy)`` (compute vs the sum of both directions on a half-duplex tier): no schedule
+``lower_bound_s`` is the step time with perfect overlap, ``max(compute + recompute +
+copy_cpu, swap-in busy, swap-out busy)`` (compute vs the sum of both directions on a half-duplex tier): no schedule
 of the same transfers can beat it, and ``total_s - lower_bound_s`` is what the ordering costs.
 
 The simulator trusts the schedule's budget (``check`` proves it) but refuses to make up an
@@ -43,7 +48,7 @@ from scheduler.actions import IN, USE, Ledger, Refused, Residency
 from scheduler.errors import ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.schedule import Schedule
-from scheduler.timeline import COMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
+from scheduler.timeline import COMPUTE, RECOMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +66,10 @@ class SimResult:
     """Predicted time and memory of one step. Times in seconds, sizes in bytes.
 
     ``compute_s`` is the sum of function times (what the step takes in core, with nothing
-    swapped), ``stall_s`` the time the compute stream spent in ``wait_in``/``wait_out``, and
-    ``total_s`` the step's end: the compute stream's end or the last copy's, whichever is later.
+    swapped), ``stall_s`` the time the compute stream spent in ``wait_in``/``wait_out``,
+    ``recompute_s`` the time it spent rerunning recompute chains, ``copy_cpu_s`` the compute
+    time moved bytes took (``Hardware.moved_byte_s``), and ``total_s`` the step's end: the
+    compute stream's end or the last copy's, whichever is later.
 
     ``reserved_peak_bytes`` and ``fits`` come from replaying the allocation stream through the
     chosen ``allocator`` with the device's capacity; with ``allocator=None`` they describe an
@@ -91,6 +98,9 @@ class SimResult:
     reserved_peak_bytes: int = 0
     fits: bool = True
     oom_function: int | None = None
+    recompute_s: float = 0.0
+    bytes_recomputed: int = 0
+    copy_cpu_s: float = 0.0
 
     @property
     def relative_speed(self) -> float:
@@ -112,7 +122,8 @@ class SimResult:
             "total_s": self.total_s, "compute_s": self.compute_s, "stall_s": self.stall_s,
             "lower_bound_s": self.lower_bound_s, "peak_bytes": self.peak_bytes,
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-            "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
+            "recompute_s": self.recompute_s, "bytes_recomputed": self.bytes_recomputed,
+            "copy_cpu_s": self.copy_cpu_s, "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
         }
         if self.allocator is not None:
             out.update(allocator=self.allocator, chunk_bytes=self.chunk_bytes,
@@ -157,7 +168,6 @@ def simulate(
     nbytes = {v: var.nbytes for v, var in variables.items()}
     label = {v: (var.name or f"v{v}") for v, var in variables.items()}
 
-    peak_flops, mem_bw, overhead = hw.peak_flops, hw.mem_bandwidth, hw.op_overhead_s
     latency = hw.link_latency_s
     inv_bw = (1.0 / hw.h2d_bandwidth, 1.0 / hw.d2h_bandwidth)
     # chan[c]: when copy channel c is next free. A half-duplex tier has one channel for both.
@@ -173,7 +183,10 @@ def simulate(
     done: dict[int, float] = {}  # variable -> end of its copy in flight
     capacity = hw.device_bytes
     over_fn: int | None = None if ledger.device <= capacity else 0
-    t = compute = stall = 0.0
+    t = compute = stall = recompute = copy_cpu = 0.0
+    recomputed = 0
+    moved_byte_s = hw.moved_byte_s
+    functions = seq.functions
     tl: list[Event] | None = [] if timeline else None
 
     def fail(i: int, v: int, what: str) -> ScheduleError:
@@ -197,7 +210,11 @@ def simulate(
 
     def copy(v: int, i: int, direction: int) -> None:
         # Issue a copy now (time t): it starts when its channel is free, first come first served.
+        nonlocal t, copy_cpu
         n = nbytes[v]
+        if moved_byte_s:   # a CPU device: moving the bytes takes compute time
+            t += n * moved_byte_s
+            copy_cpu += n * moved_byte_s
         c = ch_out if direction else 0
         start = chan[c] if chan[c] > t else t
         dur = latency + n * inv_bw[direction]
@@ -221,16 +238,29 @@ def simulate(
                 tl.append(Event(WAIT, f"{op} {label[v]}", t, end, 0, {"var": v, "function": i}))
             t = end
 
+    def rerun(v: int, i: int, chain: tuple[int, ...]) -> None:
+        # recompute: the chain's functions run again, on the compute stream.
+        nonlocal t, recompute, recomputed
+        d = sum(hw.function_s(functions[k].cost) for k in chain)
+        if tl is not None:
+            tl.append(Event(RECOMPUTE, f"recompute {label[v]}", t, t + d, 0,
+                            {"var": v, "bytes": nbytes[v], "chain": list(chain), "function": i}))
+        t += d
+        recompute += d
+        recomputed += nbytes[v]
+
     def run(acts: tuple, i: int, phase: str) -> None:
         nonlocal over_fn
         for a in acts:
             v = a.var
-            eff = apply(a.op, v, i, phase)
+            eff = apply(a.op, v, i, phase, a.chain)
             if eff.in_flight > 0:     # swap_in / swap_out: a copy is issued
                 copy(v, i, 0 if eff.to is IN else 1)
             elif eff.in_flight < 0:   # wait_in / wait_out: the compute stream waits for it
                 wait(v, i, a.op.value)
-            if eff.device > 0 and over_fn is None and ledger.device > capacity:
+            elif eff.needs_chain:
+                rerun(v, i, a.chain)
+            if eff.device > 0 and over_fn is None and ledger.peak > capacity:
                 over_fn = i
 
     apply = ledger.apply
@@ -243,11 +273,8 @@ def simulate(
             ledger.run(i)
             if over_fn is None and ledger.device > capacity:
                 over_fn = i
-            cost = f.cost
-            if cost.seconds is not None:
-                d = cost.seconds
-            else:  # roofline: bound by arithmetic or by device memory traffic, plus the launch
-                d = max(cost.flops / peak_flops, cost.bytes / mem_bw) + overhead
+            # measured seconds, else the roofline (arithmetic or memory traffic, plus the launch)
+            d = hw.function_s(f.cost)
             if tl is not None:
                 tl.append(Event(COMPUTE, f.name, t, t + d, 0, {"function": i}))
             t += d
@@ -260,10 +287,11 @@ def simulate(
     peak_fn = ledger.peak_function or 0
 
     total = max(t, chan[0], chan[1])
+    busy_compute = compute + recompute + copy_cpu
     if hw.full_duplex:
-        lower = max(compute, busy[0], busy[1])
+        lower = max(busy_compute, busy[0], busy[1])
     else:
-        lower = max(compute, busy[0] + busy[1])
+        lower = max(busy_compute, busy[0] + busy[1])
 
     if allocator is None:
         reserved, fits, oom_fn = peak, over_fn is None, over_fn
@@ -278,7 +306,8 @@ def simulate(
         hardware=hw, policy=schedule.policy, budget=schedule.budget,
         timeline=tuple(tl) if tl is not None else (),
         allocator=allocator, chunk_bytes=chunk_bytes if allocator is not None else None,
-        reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn)
+        reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn,
+        recompute_s=recompute, bytes_recomputed=recomputed, copy_cpu_s=copy_cpu)
 
 
 def _replay(schedule: Schedule, hw: Hardware, allocator: str, chunk_bytes: int) -> tuple[int, bool, int | None]:

@@ -22,9 +22,10 @@ SWAP_IN = "swap-in"
 SWAP_OUT = "swap-out"
 WAIT = "wait"
 STEP = "step"
+RECOMPUTE = "recompute"
 
 # Tracks in display order; others follow in order of first appearance.
-TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT)
+TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT, RECOMPUTE)
 
 
 @dataclass(frozen=True, slots=True)
