@@ -976,7 +976,7 @@ def _collected(hooks: list, effects: ProcessEffects, held: _Held) -> None:
 
 # The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
 PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
-                  "peak_resident_bytes", "bytes_in", "bytes_out")
+                  "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
 
 
 def _numbers(prefix: str, stats: dict[str, Any]) -> dict[str, int | float]:

@@ -132,7 +132,7 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
     if engine is not None:
         stats = engine.stats()
         stats = {k: stats[k] for k in ("steps", "plans", "bytes_in", "bytes_out", "last_planned",
-                                        "last_diverged_at", "resident_peak_bytes", "plan")}
+                                        "last_diverged_at", "resident_peak_bytes", "plan.bytes_out")}
         engine.close()
     if engine is not None and cfg["mode"] == "ddp":
         stats["released_between_steps"] = released

@@ -13,9 +13,9 @@ from scheduler.planner import POLICIES
 from scheduler.schedule import Schedule
 
 SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core_peak_bytes",
-                "peak_resident_bytes", "bytes_in", "bytes_out"}
+                "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
-            "bytes_out", "hardware", "policy", "budget"}
+            "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s"}
 ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
 HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
 

@@ -87,7 +87,7 @@ def _check(results: dict[str, list[dict]], group: str) -> None:
         for r in ranks:
             assert r["equal"], f"{name} rank {r['rank']}: parameters differ from the job without ooc"
             s = r["stats"]
-            assert s["bytes_out"] > 0 and s["plan"]["bytes_out"] > 0, f"{name}: nothing moved ({s})"
+            assert s["bytes_out"] > 0 and s["plan.bytes_out"] > 0, f"{name}: nothing moved ({s})"
             assert s["last_planned"], f"{name}: the last step did not run a plan ({s})"
             assert s.get("state_dict_ok", True), f"{name}: state_dict() read released storages"
             assert not s.get("grad_slots_not_a_grad"), f"{name}: a DDP bucket managed as a gradient"
