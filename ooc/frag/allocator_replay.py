@@ -20,8 +20,8 @@ from vmm.alloc_conf import AllocConf
 from vmm.replay import Event, replay
 from vmm.units import format_size
 
-from ooc.frag.inputs import Trace, gc_paused
 from ooc.frag.report_data import AllocatorReport, Moment
+from ooc.frag.trace_data import Trace, gc_paused
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from vmm.units import format_size
 from ooc.frag.advice import ADVICE_MIN_GAIN, _gib, advise, pick_best, recommendation
 from ooc.frag.allocator_replay import (ENVELOPE_BINS, GRANULARITY, allocator_name, make_allocator,
                                        replay_one)
-from ooc.frag.inputs import Trace
 from ooc.frag.report_data import SCHEMA, VERSION, Advice, AllocatorReport, FragReport, Moment
+from ooc.frag.trace_data import Trace
 
 __all__ = ["DEFAULT_CHUNKS", "DEFAULT_CONFS", "GRANULARITY", "Moment", "AllocatorReport", "Advice",
            "FragReport", "advise", "analyze", "make_allocator", "allocator_name", "format_table",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from vmm.replay import ReplayResult
 
-from ooc.frag.inputs import Trace
+from ooc.frag.trace_data import Trace
 
 __all__ = ["SCHEMA", "VERSION", "Moment", "AllocatorReport", "Advice", "FragReport"]
 
