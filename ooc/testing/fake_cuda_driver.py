@@ -44,7 +44,7 @@ from ooc.testing.fake_cuda_contexts import FakeContexts
 from ooc.testing.fake_cuda_types import (  # noqa: F401 - the old import path
     CUresult, CUmemAllocationType, CUmemLocationType, CUmemAllocationGranularity_flags,
     CUmemAccess_flags, CUdeviceptr, CUdevice, CUcontext, CUstream,
-    CUmemGenericAllocationHandle, CUmemLocation, CUmemAllocationProp, CUmemAccessDesc, _Handle,
+    CUmemGenericAllocationHandle, CUmemLocation, CUmemAllocationProp, CUmemAccessDesc,
     _INVALID, _OK, _addr)
 
 
