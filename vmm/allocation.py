@@ -17,7 +17,6 @@ from vmm.units import format_size
 
 if TYPE_CHECKING:
     from vmm.range_reuse import _Range
-    from vmm.virtual import VirtualAllocator
 
 
 class AllocationError(VMMError):
@@ -44,7 +43,8 @@ class Allocation:
                  "__weakref__")
 
     def __init__(self, address: int, nbytes: int, mapped_bytes: int, rng: _Range | None,
-                 owner: "VirtualAllocator") -> None:
+                 owner: Any) -> None:
+        # ``owner``: the vmm.VirtualAllocator that made it (not imported: it imports this).
         self.address = address
         self.nbytes = nbytes
         self.mapped_bytes = mapped_bytes
