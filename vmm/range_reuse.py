@@ -36,13 +36,15 @@ class _Range:
         self.fence: Any = None
 
 
-
 class RangeReuse:
     """The range-placement half of :class:`vmm.VirtualAllocator` (see the module docstring).
     Its state (``_parked``, ``_parked_sizes``, ``_lru``, ``_by_capacity``, ``_quarantine``,
-    ``_ranges`` and the counters) is created by the allocator's constructor."""
+    ``_ranges`` and the counters) is created by the allocator's constructor; :meth:`check`
+    verifies the invariants that tie those indexes to the pool's chunk counts."""
 
     pool: ChunkPool
+    live_chunks: int
+    reserved_bytes: int
     backend: Any
     chunk_bytes: int
     lean: bool
@@ -53,6 +55,25 @@ class RangeReuse:
     _by_capacity: dict[int, dict[int, _Range]]
     _quarantine: list[tuple[_Range, int, Any]]
     _ranges: dict[int, _Range]
+
+    def check(self) -> None:
+        """Verify the internal invariants (for tests); raises AssertionError if broken."""
+        pool = self.pool
+        live = self.live_chunks
+        parked = sum(len(r.chunks) for r in self._lru.values())
+        assert parked == self.parked_chunks, (parked, self.parked_chunks)
+        assert pool.handed_out == live + parked, (pool.handed_out, live, parked)
+        assert pool.created == pool.handed_out + pool.cached
+        assert pool.created <= pool.max_chunks
+        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
+        for m, bucket in self._parked.items():
+            assert bucket and m in self._parked_sizes
+            for r in bucket.values():
+                assert len(r.chunks) == m and r.rid in self._lru
+        assert sorted(self._parked) == self._parked_sizes
+        for cap, bucket in self._by_capacity.items():
+            for r in bucket.values():
+                assert r.capacity == cap and len(r.chunks) <= cap
 
     def _place(self, k: int, nbytes: int) -> _Range:
         """Steps 2-4 of the class doc: find or make a range holding k mapped chunks."""

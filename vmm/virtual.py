@@ -327,25 +327,6 @@ class VirtualAllocator(RangeReuse):
             "ooms": self.ooms,
         }
 
-    def check(self) -> None:
-        """Verify the internal invariants (for tests); raises AssertionError if broken."""
-        pool = self.pool
-        live = self.live_chunks
-        parked = sum(len(r.chunks) for r in self._lru.values())
-        assert parked == self.parked_chunks, (parked, self.parked_chunks)
-        assert pool.handed_out == live + parked, (pool.handed_out, live, parked)
-        assert pool.created == pool.handed_out + pool.cached
-        assert pool.created <= pool.max_chunks
-        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
-        for m, bucket in self._parked.items():
-            assert bucket and m in self._parked_sizes
-            for r in bucket.values():
-                assert len(r.chunks) == m and r.rid in self._lru
-        assert sorted(self._parked) == self._parked_sizes
-        for cap, bucket in self._by_capacity.items():
-            for r in bucket.values():
-                assert r.capacity == cap and len(r.chunks) <= cap
-
     def __repr__(self) -> str:
         return (f"<VirtualAllocator {self.live_allocations} live, "
                 f"{format_size(self.requested_bytes)} requested, "
