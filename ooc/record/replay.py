@@ -85,7 +85,9 @@ class ReplayRule:
     """What an op's schema says about replaying it. ``replayable``/``rng`` hold for every
     call; ``training`` and ``running_mean`` are BatchNorm's (position, name) of those
     arguments (None for other ops): such a call ``updates_stats`` when it trains with running
-    statistics. ``why``: the rule that made the op not replayable (empty otherwise)."""
+    statistics (``always_training``: an op that has no ``training`` argument because it always
+    does, ``_batch_norm_with_update``). ``why``: the rule that made the op not replayable
+    (empty otherwise), for messages and tests."""
 
     replayable: bool
     rng: bool = False
@@ -119,7 +121,7 @@ def replay_rule(func: Any, view: bool, writes: tuple[tuple[int, str], ...]) -> R
     for tag in _NOT_REPLAYABLE_TAGS:
         if tag in tags:
             return ReplayRule(False, why=f"tagged {tag}")
-    if not any(_holds_tensor(r.type) for r in schema.returns):
+    if not any("Tensor" in str(r.type) for r in schema.returns):   # Tensor, Tensor[], Tensor?
         return ReplayRule(False, why="returns no tensor")
     if view:
         return ReplayRule(False, why="a view (allocates nothing)")
@@ -147,12 +149,8 @@ def replay_rule(func: Any, view: bool, writes: tuple[tuple[int, str], ...]) -> R
     return ReplayRule(True, rng=torch.Tag.nondeterministic_seeded in tags)
 
 
-def _holds_tensor(t: Any) -> bool:
-    s = str(t)
-    return "Tensor" in s
-
-
 def _arg(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:
+    """The argument at (position, name): passed by position, else by keyword, else None."""
     if where is None:
         return None
     pos, name = where
