@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 
 from scheduler.check import check
-from scheduler.errors import ScheduleError
+from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.ir import VariableSequence
 from scheduler.replay import Chain, chain_for, recompute_candidates
 from scheduler.schedule import Schedule
 from scheduler.simulate import simulate
 from scheduler.window import Recompute, plan_window
+from scheduler.working_sets import Infeasible
 
 __all__ = ["EXPOSURES", "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
 
@@ -78,9 +79,12 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     hw = default_hardware(seq) if hw is None else hardware(hw)
     best_s = simulate(best, hw, timeline=False).total_s
     for exposure in EXPOSURES:
-        candidate = plan_window(seq, budget, window, swap_or_recompute(seq, hw, exposure))
         try:
+            candidate = plan_window(seq, budget, window, swap_or_recompute(seq, hw, exposure))
             check(candidate)
+        except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
+            log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)
+            continue
         except ScheduleError as err:   # a planner bug: never let it cost the swap-only plan
             log.warning("window+recompute at exposure %.2f is unsafe, ignored: %s", exposure, err)
             continue
