@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import scheduler
 from ooc.errors import OOCError, StorageError
-from ooc.record import roles
 from ooc.runtime import cpu_allocator, slots as sl
 from ooc.runtime.composition import check_step_entry
 from ooc.runtime.malloc import give_back_heap
@@ -27,6 +26,7 @@ from ooc.runtime.dry_run import optimizer_need, state_sizes
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.process_effects import ProcessEffects
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_context import StepContext
 from ooc.runtime.stepper import Stepper
 from ooc.storage.tier import SlowerTier
 from scheduler import on_demand
@@ -270,16 +270,7 @@ class OutOfCore:
             if st is None or p.grad is None:
                 return
             with _disable_current_modes():
-                promote(e, st, p)
-
-        def promote(e: OutOfCore, st: Stepper, p: torch.nn.Parameter) -> None:
-            s = p.grad.untyped_storage()
-            b = st.rec.live_birth(s)
-            if b is not None and b.var is None and st.slot_of(p.grad) is None:
-                var = e.new_var()
-                st.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
-                st.adopt_grad(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
-                                   state=State.RESIDENT, storage=s))
+                st.adopt_grad_of(p.grad, name)
         return hook
 
     # -- the step ------------------------------------------------------------------------------
@@ -313,8 +304,8 @@ class OutOfCore:
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
-        st = Stepper(self, self.schedule, self.binding, observe_small=self._adapt_pending)
-        st.start_key = key
+        st = Stepper(self._step_context(key), self.schedule, self.binding,
+                     observe_small=self._adapt_pending)
         if self.device.type == "cpu":
             cpu_allocator.begin(self, _recycle_bytes(self.budget), _cache_cap(self.budget))
         self._stepper = st
@@ -338,6 +329,15 @@ class OutOfCore:
             raise
         self._stepper = None
         self._finish(st, None, time.perf_counter() - t0)
+
+    def _step_context(self, key: Any) -> StepContext:
+        """What the step that starts now needs from the engine (``ooc/runtime/step_context.py``)."""
+        runs = self.plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
+        return StepContext(budget=self.budget, chunk=self.chunk, min_bytes=self.min_bytes,
+                           manage=self.manage, device=self.device, tier=self.tier, pool=self.pool,
+                           new_var=self._ids.__next__, counters=self.counters, model=self.model,
+                           optimizer=self.optimizer, persistent=tuple(self.persistent.values()),
+                           plan_runs=runs, pool_excess=self.pool_excess, start_key=key)
 
     def _forget_dropped(self) -> None:
         """Stop managing the gradients and optimizer state that the model and the optimizer
@@ -428,18 +428,12 @@ class OutOfCore:
         st.close_node()
         if st.schedule is None:
             self._check_feasible(st)
-            if st.overflow is not None:   # feasible with a plan: only the unplanned step overflowed
+            overflow = st.forgive_overflow()
+            if overflow is not None:   # feasible with a plan: only the unplanned step overflowed
                 log.warning("the recording step went over the pool once (%s); planned steps stay "
-                            "within the budget", st.overflow)
-                st.overflow = None
+                            "within the budget", overflow)
         self._commit_point(st)
-        if st.rec.optimizer_start is None:   # a second update in the step: the first one began it
-            st.rec.optimizer_start = len(st.rec.names)
-            if st.full is not None:
-                st.full.phase("optimizer")
-                roles.mark_grads(st.full, st.roles)
-        st.undo = None   # from here on the step is not rolled back: drop the undo copies
-        st.updating = True
+        st.update_starts()   # from here on the step is not rolled back
 
     def _update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` post-hook: the update completed (its state exists, with its
@@ -447,7 +441,7 @@ class OutOfCore:
         self._optimizer_stepped = True
         st = self._stepper
         if st is not None:
-            st.updating = False
+            st.update_done()
         elif "optimizer_state" in self.manage:
             names = {p: n for n, p in self.model.named_parameters()}
             for p, state in optimizer.state.items():
@@ -463,12 +457,7 @@ class OutOfCore:
         Then reserves on the tier the room that the updated parameters and optimizer state
         may need, so that a full disk fails here and not halfway through the update.
         """
-        busy = [s for s in st.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
-        if busy:   # one wait for all of them (on a GPU, one host synchronization)
-            st._timed("wait", "commit point", self.tier.drain)
-        for s in busy:
-            if sl.failed(s):   # raises the transfer's error, named
-                (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)
+        st.wait_for_transfers()
         self.tier.reserve(self._writes_ahead(st))
 
     def _writes_ahead(self, st: Stepper) -> list[tuple[int | None, int]]:
@@ -594,7 +583,7 @@ class OutOfCore:
             errors = self._settle(st.slots.values())
         except BaseException as e:  # noqa: B036 - every slot is settled; raised at the end
             interrupt, errors = interrupt or e, []
-        st.in_flight_out.clear()
+        st.writes_settled()
         failed = exc is not None or bool(errors) or interrupt is not None
         if failed and st.rec.optimizer_start is None:
             note = st.roll_back()
@@ -607,9 +596,7 @@ class OutOfCore:
                 del self.persistent[var]
         for var, slot in live.items():
             self.persistent[var] = slot
-        for var, v in st.rec.variables.items():
-            if v.live_out != (var in live):
-                st.rec.set_live_out(var, var in live)
+        st.mark_live_out(live)
         for slot in st.slots.values():
             if slot.host_current and slot.var not in live:   # activations, dropped grads
                 self.tier.discard(slot.key)
@@ -651,17 +638,16 @@ class OutOfCore:
             raise err
         if back_error is not None:   # the step is done; a tensor the tier holds could not come back
             raise back_error
-        if st.full is not None:
-            roles.mark_grads(st.full, st.roles)   # a step without an update: grads it left
-            roles.mark_persistent(st.full, st.roles, self.optimizer)
-            self.last_recording = st.full.sequence({"device": str(self.device)})
+        recording = st.whole_recording()
+        if recording is not None:
+            self.last_recording = recording
         if st.schedule is None or st.diverged_at is not None:
             st.book_device_times()
             if self._adapt_chunk(st):
-                if st.overflow is not None:   # the next step records again, in the new chunks
+                overflow = st.forgive_overflow()
+                if overflow is not None:   # the next step records again, in the new chunks
                     log.warning("the recording step went over the pool once (%s); the next step "
-                                "records again with %s chunks", st.overflow, format_size(self.chunk))
-                    st.overflow = None
+                                "records again with %s chunks", overflow, format_size(self.chunk))
             else:
                 self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
@@ -689,13 +675,9 @@ class OutOfCore:
             s = t.untyped_storage()
             slot = by_storage.get(id(s))
             if slot is None:
-                b = st.rec.live_birth(s)
-                if b is None or b.nbytes < self.min_bytes:
+                slot = st.live_slot(s, kind, name)
+                if slot is None:
                     continue
-                var = b.var if b.var is not None else self.new_var()
-                if b.var is None:
-                    st.rec.promote(b, var, kind, name)
-                slot = Slot(var, kind, b.nbytes, name, in_place=True, state=State.RESIDENT, storage=s)
                 by_storage[id(s)] = slot
             elif slot.name != name and slot.var not in self.persistent:
                 st.rename(slot, name)   # optimizer state written out on demand before it had a name

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+import scheduler
 from ooc.runtime import slots as sl
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
@@ -41,7 +42,9 @@ from ooc.record import roles
 from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
+from ooc.runtime.rollback import StepRollback
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_context import StepContext
 from scheduler import on_demand
 from scheduler.actions import TRANSITIONS, Names, refusal
 from scheduler.ir import Access, Kind
@@ -84,9 +87,10 @@ class Packed:
 class Stepper:
     """The state of one step: op counter, plan cursor, recording, slots by storage."""
 
-    def __init__(self, engine, schedule: Schedule | None, binding: dict, *,
+    def __init__(self, ctx: StepContext, schedule: Schedule | None, binding: dict, *,
                  observe_small: bool = False) -> None:
-        self.e = engine
+        self.ctx = ctx
+        self.start_key = ctx.start_key
         self.schedule = schedule
         self.planned = schedule is not None
         self.binding = binding            # (op, out) -> var, for variables born in the step
@@ -105,7 +109,7 @@ class Stepper:
         self.unpacked: list[int] = []            # vars unpacked for the next op
         # On a GPU an op's host time is its launch, not its run: a step that will be planned
         # from (recording, on demand) times its ops with CUDA events instead, read at its end.
-        self.gpu_timing = engine.device.type == "cuda" and not self.planned
+        self.gpu_timing = ctx.device.type == "cuda" and not self.planned
         self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
         self.overflow: OutOfBudget | None = None # an on-demand need the pool could not meet
         # On demand: what may hold managed memory, least recently used first (slots, and the
@@ -119,25 +123,17 @@ class Stepper:
         self.adopted: list[Slot] = []
         self.node_vars: list[int] = []           # vars unpacked by the backward node now running
         self.ops_since_unpack = 0
-        # What a rollback needs if the step fails before its optimizer step: the buffers it
-        # may write in place (BatchNorm statistics), copied at their first use (id of the
-        # storage -> (buffer, copy); None once the optimizer starts), and the grads it creates.
-        self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
+        # What a rollback needs if the step fails before its optimizer step (ooc/runtime/rollback.py).
+        self.rollback = StepRollback(ctx.model)
         self.updating = False   # inside optimizer.step() (between the engine's pre and post hooks)
-        # Buffers by the id of their storage, which each entry keeps (the Python object too,
-        # so the id stays that storage's): the per-op loop has the inputs' storages in hand.
-        self.buffers: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {
-            id(s): (b, s) for b in engine.model.buffers() if (s := b.untyped_storage()).nbytes()}
-        params = list(engine.model.parameters())
-        self.grads_were_none = [p for p in params if p.grad is None]
-        self.grad_versions = {p: p.grad._version for p in params if p.grad is not None}
-        for slot in engine.persistent.values():
+        persistent = list(ctx.persistent)
+        for slot in persistent:
             self._register(slot)
             self.rec.add_persistent(slot.var, slot.nbytes, slot.kind, slot.name, live_out=True)
             if slot.state in (State.RESIDENT, State.IN, State.OUT):
                 self.resident += slot.nbytes
         if not self.planned:   # the last registered leave first: a forward uses them in order
-            for slot in reversed(engine.persistent.values()):
+            for slot in reversed(persistent):
                 if slot.state in (State.RESIDENT, State.IN, State.OUT):
                     self.recent[slot] = None
         self.peak = self.resident   # the engine brought the start within the budget (_reconcile)
@@ -148,7 +144,7 @@ class Stepper:
         self.full_vars: dict[int, int] = {}   # saved activation's var -> its recorder variable
         if not self.planned:
             self.full = StepRecorder()
-            self.roles = roles.register_persistent(self.full, engine.model, engine.optimizer,
+            self.roles = roles.register_persistent(self.full, ctx.model, ctx.optimizer,
                                                    self._persistent_bytes)
         # A recording step that decides the chunk (the engine's default chunk adapts, see
         # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
@@ -161,7 +157,7 @@ class Stepper:
         self._plan_names = [f.name for f in functions]
         self._before = schedule.before if schedule is not None else ()
         self._after = schedule.after if schedule is not None else ()
-        self._pool_excess = engine.pool_excess
+        self._pool_excess = ctx.pool_excess
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -186,6 +182,81 @@ class Stepper:
     def _account(self, delta: int) -> None:
         self.resident += delta
         self.peak = max(self.peak, self.resident)
+
+    # -- what the engine asks of the step ----------------------------------------------------
+
+    def adopt_grad_of(self, grad: torch.Tensor, name: str) -> None:
+        """A parameter's gradient autograd has finished accumulating (the engine's post-
+        accumulate hook): manage it, if this step created its storage and nothing manages it."""
+        s = grad.untyped_storage()
+        b = self.rec.live_birth(s)
+        if b is not None and b.var is None and self.slot_of(grad) is None:
+            var = self.ctx.new_var()
+            self.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
+            self.adopt_grad(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
+                                 state=State.RESIDENT, storage=s))
+
+    def forgive_overflow(self) -> OutOfBudget | None:
+        """The on-demand overflow so far, forgotten: the engine decided it does not fail the
+        step (a plan will keep later steps within the budget)."""
+        overflow, self.overflow = self.overflow, None
+        return overflow
+
+    def wait_for_transfers(self) -> None:
+        """The commit point's wait: every transfer in flight completes; a failed one raises
+        here, naming its variable."""
+        busy = [s for s in self.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
+        if busy:   # one wait for all of them (on a GPU, one host synchronization)
+            self._timed("wait", "commit point", self.ctx.tier.drain)
+        for s in busy:
+            if sl.failed(s):   # raises the transfer's error, named
+                (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)
+
+    def update_starts(self) -> None:
+        """``optimizer.step()`` begins, past the commit point: its ops are the optimizer
+        phase, and from here on the step is not rolled back (the undo copies go)."""
+        if self.rec.optimizer_start is None:   # a second update in the step: the first one began it
+            self.rec.optimizer_start = len(self.rec.names)
+            if self.full is not None:
+                self.full.phase("optimizer")
+                roles.mark_grads(self.full, self.roles)
+        self.rollback.commit()
+        self.updating = True
+
+    def update_done(self) -> None:
+        self.updating = False
+
+    def writes_settled(self) -> None:
+        """The engine waited for every transfer of the step (``OutOfCore._settle``): no
+        on-demand write is in flight any more."""
+        self.in_flight_out.clear()
+
+    def live_slot(self, s: torch.UntypedStorage, kind: Kind, name: str) -> Slot | None:
+        """A slot for storage ``s``, born in this step and managed from now on as ``name``
+        (a gradient or optimizer state that outlives the step); None if the step did not
+        create it or it is too small to manage."""
+        b = self.rec.live_birth(s)
+        if b is None or b.nbytes < self.ctx.min_bytes:
+            return None
+        var = b.var if b.var is not None else self.ctx.new_var()
+        if b.var is None:
+            self.rec.promote(b, var, kind, name)
+        return Slot(var, kind, b.nbytes, name, in_place=True, state=State.RESIDENT, storage=s)
+
+    def mark_live_out(self, live: dict[int, Slot]) -> None:
+        """Record which variables outlive the step (``live``), as the plan must know."""
+        for var, v in self.rec.variables.items():
+            if v.live_out != (var in live):
+                self.rec.set_live_out(var, var in live)
+
+    def whole_recording(self) -> scheduler.VariableSequence | None:
+        """The step as ``ooc.trace`` records it (every storage, every kind), if it was not
+        planned; None for a planned step, which records only its managed variables."""
+        if self.full is None:
+            return None
+        roles.mark_grads(self.full, self.roles)   # a step without an update: grads it left
+        roles.mark_persistent(self.full, self.roles, self.ctx.optimizer)
+        return self.full.sequence({"device": str(self.ctx.device)})
 
     # -- schedule actions --------------------------------------------------------------------
 
@@ -221,19 +292,19 @@ class Stepper:
             self._diverge(where, str(self.refused))
             return
         eff = TRANSITIONS[op, state]
-        e = self.e
+        ctx = self.ctx
         if op is Op.SWAP_IN:
             self._account(eff.device * slot.nbytes)   # the destination is taken at issue
             with label(f"ooc.swap_in {slot.name}"):
                 self._swap_in(slot, where)
-            e.counters["bytes_in"] += slot.nbytes
+            ctx.counters["bytes_in"] += slot.nbytes
         elif op is Op.WAIT_IN:
             self._timed("wait", f"wait_in {slot.name}", sl.finish_swap_in, slot)
             self._register(slot)
         elif op is Op.SWAP_OUT:
             with label(f"ooc.swap_out {slot.name}"):
                 self._start_out(slot)
-            e.counters["bytes_out"] += slot.nbytes
+            ctx.counters["bytes_out"] += slot.nbytes
         elif op is Op.WAIT_OUT:
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
         elif op is Op.DROP:
@@ -242,14 +313,14 @@ class Stepper:
             self._free(slot)
         slot.state = State.of(eff.to)
         if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
-            e.tier.discard(slot.key)
+            ctx.tier.discard(slot.key)
         if eff.tier is not None:
             slot.host_current = eff.tier
         if op is not Op.SWAP_IN and eff.device:
             self._account(eff.device * slot.nbytes)
 
     def _start_out(self, slot: Slot) -> None:
-        sl.start_swap_out(slot, self.e.tier)
+        sl.start_swap_out(slot, self.ctx.tier)
         self._trace_transfer(slot, "swap-out")
 
     def _trace_transfer(self, slot: Slot, track: str) -> None:
@@ -263,11 +334,11 @@ class Stepper:
 
     def _swap_in(self, slot: Slot, where: int) -> None:
         try:
-            sl.start_swap_in(slot, self.e.tier, self.e.pool)
+            sl.start_swap_in(slot, self.ctx.tier, self.ctx.pool)
         except OutOfBudget as exc:
             error = OutOfBudget(
                 f"op {where} ({self._name(where)}): swapping in {slot.name} ({format_size(slot.nbytes)}, "
-                f"{slot.nbytes} B) does not fit the {format_size(self.e.budget)} pool: {exc}")
+                f"{slot.nbytes} B) does not fit the {format_size(self.ctx.budget)} pool: {exc}")
             if self.planned:
                 raise error from None
             # On demand (no plan yet, or a diverged step) the bytes are needed now: take them
@@ -275,7 +346,7 @@ class Stepper:
             # (BudgetTooSmall with the minimum) or this error.
             if self.overflow is None:
                 self.overflow = error
-            sl.start_swap_in(slot, self.e.tier, _Unbudgeted(self.e.device))
+            sl.start_swap_in(slot, self.ctx.tier, _Unbudgeted(self.ctx.device))
         self._trace_transfer(slot, "swap-in")
 
     def _free(self, slot: Slot) -> None:
@@ -324,7 +395,7 @@ class Stepper:
             self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")
             self._account(slot.nbytes)
             self._swap_in(slot, i)
-            self.e.counters["bytes_in"] += slot.nbytes
+            self.ctx.counters["bytes_in"] += slot.nbytes
         if slot.state is State.IN:
             self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
             self._register(slot)
@@ -335,12 +406,12 @@ class Stepper:
             # A fresh plan's first run often meets what its recording step could not see
             # (optimizer state the optimizer creates on its first step): routine, say it
             # quietly. A plan that ran before and now diverges is worth a warning.
-            level = logging.WARNING if self.e.plan_runs.get(id(self.schedule), 0) else logging.INFO
+            level = logging.WARNING if self.ctx.plan_runs else logging.INFO
             log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
                     "re-planning next step", i, self._name(i), why)
             self.planned = False
             self.diverged_at = i
-            self.gpu_timing = self.e.device.type == "cuda"
+            self.gpu_timing = self.ctx.device.type == "cuda"
             self.recent = {s: None for s in self.slots.values()
                            if s.state in (State.RESIDENT, State.IN, State.OUT)}
             for slot in self.slots.values():   # on demand keeps no activation it need not
@@ -368,7 +439,7 @@ class Stepper:
         if self._pool_excess is not None:
             excess = self._pool_excess()
             if excess:   # the last op's allocations met the pool's idle chunks: shed them
-                self.e.pool.trim(excess)
+                self.ctx.pool.trim(excess)
         rec = self.rec
         i = rec.begin_op(info.name)
         self.i = i
@@ -395,7 +466,8 @@ class Stepper:
         in_ids = set()
         taken_back: list[tuple[Slot, torch.UntypedStorage]] = []
         by_storage, births = self.by_storage, rec.births
-        buffers = self.buffers if self.undo is not None else None
+        rollback = self.rollback
+        buffers = rollback.buffers if rollback.undo is not None else None
         for t in ins:
             s = t.untyped_storage()
             key = id(s)
@@ -428,7 +500,7 @@ class Stepper:
             self._take_back(slot, s, i)
         if buffers:   # copied before the step's first op that uses them, for a rollback
             for key in in_ids & buffers.keys():
-                self._save_before_write(key)
+                rollback.save_before_write(key)
         for t in written_tensors:
             slot = self.slot_of(t)
             if slot is not None:
@@ -450,7 +522,7 @@ class Stepper:
             self.gpu_events.append((i, start, end))
         self.events.append(("compute", info.name, t0, t1))
         tracked = set() if not self.planned and self._tracking() else None
-        min_bytes = self.e.min_bytes
+        min_bytes = self.ctx.min_bytes
         for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else _tensors(out)):
             s = t.untyped_storage()
             key = id(s)
@@ -475,7 +547,7 @@ class Stepper:
     def book_device_times(self) -> None:
         """Replace the recorded ops' launch times by their run times on the GPU (one host
         synchronization, at the end of a step the engine plans from)."""
-        if self.e.device.type != "cuda":
+        if self.ctx.device.type != "cuda":
             return
         if self.diverged_at is not None and self.schedule is not None:
             # The ops before the divergence ran planned, untimed: they are the plan's ops,
@@ -503,48 +575,19 @@ class Stepper:
         if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
         if slot.host_current:
-            self.e.tier.discard(slot.key)
+            self.ctx.tier.discard(slot.key)
             slot.host_current = False
         slot.storage = s   # counted as resident already: it replaces the copy, or the copy in flight
         slot.state = State.RESIDENT
         self._register(slot)
 
-    def _save_before_write(self, key: int) -> None:
-        """Copy buffer ``key`` (the id of its storage) before the step's first op that touches
-        it, for a rollback. Not only before a write: some ops change arguments their schema
-        does not mark as written (``native_batch_norm`` updates the running statistics), so
-        any use counts."""
-        if key not in self.undo:
-            b = self.buffers[key][0]
-            self.undo[key] = (b, b.detach().clone())   # the mode is off inside its handler
-
     def roll_back(self) -> str | None:
-        """Undo what a step that failed before its optimizer step did to the model: buffers
-        get their old bytes, gradients it created are dropped. Gradients that existed before
-        the step (accumulation over steps) and that its backward already added to cannot be
-        restored without a copy of each (memory the budget does not have): returns a note
-        naming them, else None."""
-        with torch.no_grad():
-            for b, copy in (self.undo or {}).values():
-                b.copy_(copy)
-        self.undo = None
-        for p in self.grads_were_none:
-            p.grad = None
-        names = {p: n for n, p in self.e.model.named_parameters()}
-        touched = [names.get(p, "?") for p, v in self.grad_versions.items()
-                   if p.grad is not None and p.grad._version != v]
-        if not touched:
-            return None
-        note = (f"ooc: the failed step's backward had already added to the gradients of "
-                f"{len(touched)} parameter(s) accumulated by earlier steps ({', '.join(touched[:4])}"
-                f"{', ...' if len(touched) > 4 else ''}): call optimizer.zero_grad() and redo the "
-                "accumulation; everything else is as before the step")
-        log.warning("%s", note)
-        return note
+        """Take back what the failed step did to the model (``StepRollback.roll_back``)."""
+        return self.rollback.roll_back()
 
     def _bind_born(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> None:
         v = self.schedule.sequence.variables[var]
-        planned_bytes = -(-nbytes // self.e.chunk) * self.e.chunk if v.kind is Kind.ACTIVATION else nbytes
+        planned_bytes = -(-nbytes // self.ctx.chunk) * self.ctx.chunk if v.kind is Kind.ACTIVATION else nbytes
         if planned_bytes != v.nbytes:   # same ops, other shapes (a new batch size)
             self._diverge(i, f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B")
             return
@@ -562,11 +605,11 @@ class Stepper:
                 self.run_actions(self._after[i], i, "after")
         else:
             self._on_demand_after(touched)
-        if self.resident > self.e.budget and self.planned:
+        if self.resident > self.ctx.budget and self.planned:
             raise OutOfBudget(
                 f"op {i} ({self._name(i)}): managed tensors take {format_size(self.resident)} "
-                f"({self.resident} B), over the {format_size(self.e.budget)} budget")
-        self.e.pool.reap()
+                f"({self.resident} B), over the {format_size(self.ctx.budget)} budget")
+        self.ctx.pool.reap()
 
     # -- on demand ---------------------------------------------------------------------------
 
@@ -585,7 +628,7 @@ class Stepper:
     def _write_out(self, slot: Slot) -> None:
         """On demand: start writing ``slot`` out; its bytes count until the write is reaped."""
         self._start_out(slot)
-        self.e.counters["bytes_out"] += slot.nbytes
+        self.ctx.counters["bytes_out"] += slot.nbytes
         self.in_flight_out.append(slot)
 
     def adopt(self, slot: Slot, what: str) -> None:
@@ -629,7 +672,7 @@ class Stepper:
                f"({self.resident} B: {self._kept_names()})" if self.resident else "alone it is larger")
         error = OutOfBudget(
             f"op {where} ({self._name(where)}): {what} ({format_size(nbytes)}, {nbytes} B) does "
-            f"not fit the {format_size(self.e.budget)} budget: {why}; raise the budget to at "
+            f"not fit the {format_size(self.ctx.budget)} budget: {why}; raise the budget to at "
             f"least {format_size(self.resident + nbytes)}")
         if self.overflow is None:
             log.warning("%s", error)
@@ -644,7 +687,7 @@ class Stepper:
         are reaped, a write in flight is waited for, a tensor the slower tier holds is
         released, any other is written out and waited for (the waits count as stall).
         """
-        budget = self.e.budget
+        budget = self.ctx.budget
         if self.resident + nbytes <= budget:
             return True
         self._reap_writes(block=False)
@@ -677,7 +720,7 @@ class Stepper:
             return
         if slot.state is State.RESIDENT:
             self._start_out(slot)
-            self.e.counters["bytes_out"] += slot.nbytes
+            self.ctx.counters["bytes_out"] += slot.nbytes
         if slot.state is State.OUT:
             self._timed("wait", f"evict {slot.name}", sl.finish_swap_out, slot)
             self._account(-slot.nbytes)
@@ -696,7 +739,7 @@ class Stepper:
         before its first update; SGD's momentum buffers join ``optimizer.state`` only when
         ``step()`` returns), and it is managed memory the budget must hold from the start."""
         return (not self.planned and self.rec.optimizer_start is not None
-                and "optimizer_state" in self.e.manage)
+                and "optimizer_state" in self.ctx.manage)
 
     def _track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
         """Count a storage the optimizer just created, after making room for it."""
@@ -722,7 +765,7 @@ class Stepper:
         if s is None:
             self._account(-b.nbytes)
             return
-        var = self.e.new_var()
+        var = self.ctx.new_var()
         name = f"{self.rec.names[b.op]}#{b.op}"
         self.rec.promote(b, var, Kind.OPTIMIZER_STATE, name)
         slot = Slot(var, Kind.OPTIMIZER_STATE, b.nbytes, name, in_place=True,
@@ -746,13 +789,13 @@ class Stepper:
             if slot.var in live or slot.state is not State.HOST or slot.storage is None:
                 continue
             if _use_count(slot.storage) > 1:   # more than the slot holds it
-                sl.start_swap_in(slot, self.e.tier, _Unbudgeted(self.e.device))
+                sl.start_swap_in(slot, self.ctx.tier, _Unbudgeted(self.ctx.device))
                 sl.finish_swap_in(slot)
-                self.e.counters["bytes_in"] += slot.nbytes
+                self.ctx.counters["bytes_in"] += slot.nbytes
 
     def _reap_writes(self, block: bool) -> None:
         """Finish on-demand writes, oldest first; block while too many bytes are in flight."""
-        limit = on_demand.in_flight_limit(self.e.budget)
+        limit = on_demand.in_flight_limit(self.ctx.budget)
         while self.in_flight_out:
             slot = self.in_flight_out[0]
             if slot.state is not State.OUT:
@@ -824,7 +867,7 @@ class Stepper:
                 if b is None and self.small_born is not None and id(s) in self.small_born:
                     self.small_saved[id(s)] = self.small_born[id(s)]
                 return t   # not born in this step (input, buffer), too small, or not in the plan
-            var = self.e.new_var()
+            var = self.ctx.new_var()
             name = f"{self.rec.names[b.op]}#{b.op}"
             self.rec.promote(b, var, Kind.ACTIVATION, name)
             slot = Slot(var, Kind.ACTIVATION, b.nbytes, name, in_place=False,
