@@ -14,6 +14,9 @@ wait_out    in flight out          host            -bytes  -bytes     current
 drop        resident, tier current host            -bytes    0        current (required)
 free        resident               dead            -bytes    0        forgotten
 free        host                   dead              0       0        forgotten
+free        discarded              dead              0       0        forgotten
+discard     resident               discarded       -bytes    0        forgotten
+recompute   discarded              resident        +bytes    0        stale
 ==========  =====================  ==============  ======  =========  ======================
 
 Why memory moves where it does: a swap-in takes its device bytes when it is *issued* (the
@@ -24,20 +27,30 @@ or data would be lost; ``free`` needs the variable to be dead (never used again,
 variable that is not ``live_in``) takes it from *absent* to *resident*, and any write
 makes the slower tier's copy stale.
 
-A new action (recomputation, next) is one more row of ``TRANSITIONS`` and one more entry
-of ``NEEDS``; every consumer picks it up. The :class:`Ledger` applies actions to
+Recomputation (``scheduler.replay``) is two rows: ``discard`` gives a variable's bytes back
+with no copy anywhere (after its last use before a gap), ``recompute`` re-creates it before
+its next use by rerunning the action's ``chain`` (function indices, in order). Its
+precondition is the chain's: the chain must be the one ``scheduler.replay.chain_for`` finds
+for that variable and that use, and every input of the chain must be resident. Its effect:
+the variable's bytes are taken, and while the chain runs its temporaries too (the peak
+counts them); the compute stream spends the chain's seconds (``simulate``).
+
+A new action is one more row of ``TRANSITIONS`` and one more entry of ``NEEDS``; every
+consumer picks it up. The :class:`Ledger` applies actions to
 per-variable states and running byte totals and raises :class:`Refused`, naming the
 action, the variable and the function, when a precondition fails.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
 from scheduler.errors import ScheduleError
 from scheduler.ir import Access
+from scheduler.replay import chain_for
 from vmm.units import format_size
 
 if TYPE_CHECKING:
@@ -55,6 +68,8 @@ class Op(str, Enum):
     WAIT_OUT = "wait_out"
     DROP = "drop"
     FREE = "free"
+    DISCARD = "discard"
+    RECOMPUTE = "recompute"
 
 
 class Residency(Enum):
@@ -66,10 +81,12 @@ class Residency(Enum):
     RESIDENT = "resident on the device"
     OUT = "being swapped out (no wait_out yet)"
     DEAD = "absent (freed)"
+    DISCARDED = "absent (discarded, to be recomputed)"
 
 
 ABSENT, HOST, IN, RESIDENT, OUT, DEAD = (Residency.ABSENT, Residency.HOST, Residency.IN,
                                          Residency.RESIDENT, Residency.OUT, Residency.DEAD)
+DISCARDED = Residency.DISCARDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +97,8 @@ class Effect:
     slower tier holds the current bytes afterwards (True), no longer does (False), or as
     before (None). ``needs_tier_current``: refused unless it holds them now (no data lost).
     ``needs_dead``: refused unless nothing uses the variable later and it is not live_out.
+    ``needs_chain``: refused unless the action's chain re-creates the variable for its next
+    use (``scheduler.replay.chain_for``) and the chain's inputs are resident.
     """
 
     to: Residency
@@ -88,6 +107,7 @@ class Effect:
     tier: bool | None
     needs_tier_current: bool = False
     needs_dead: bool = False
+    needs_chain: bool = False
 
 
 TRANSITIONS: dict[tuple[Op, Residency], Effect] = {
@@ -104,6 +124,12 @@ TRANSITIONS: dict[tuple[Op, Residency], Effect] = {
     # free: a dead variable gives back whatever it holds, on the device and in the tier.
     (Op.FREE, RESIDENT): Effect(DEAD, device=-1, in_flight=0, tier=False, needs_dead=True),
     (Op.FREE, HOST): Effect(DEAD, device=0, in_flight=0, tier=False, needs_dead=True),
+    (Op.FREE, DISCARDED): Effect(DEAD, device=0, in_flight=0, tier=False, needs_dead=True),
+    # discard: give the bytes back with no copy; only a recompute brings the variable back.
+    (Op.DISCARD, RESIDENT): Effect(DISCARDED, device=-1, in_flight=0, tier=False),
+    # recompute: rerun the chain on resident inputs; its bytes (and, while the chain runs,
+    # its temporaries) are taken now, on the compute stream.
+    (Op.RECOMPUTE, DISCARDED): Effect(RESIDENT, device=+1, in_flight=0, tier=False, needs_chain=True),
 }
 
 # Why an action is refused in any state the table has no row for (the precondition, in words).
@@ -113,7 +139,9 @@ NEEDS: dict[Op, str] = {
     Op.SWAP_OUT: "not resident",
     Op.WAIT_OUT: "there is no swap_out to wait for (no swap_out issued, or it was waited for already)",
     Op.DROP: "not resident",
-    Op.FREE: "only a resident or host-only variable can be freed",
+    Op.FREE: "only a resident or host-only variable can be freed (or a discarded one)",
+    Op.DISCARD: "not resident",
+    Op.RECOMPUTE: "only a discarded variable is recomputed",
 }
 
 USE = "use"   # what a Refused error names when a function's use, not an action, is refused
@@ -204,6 +232,8 @@ class Ledger:
         self.last_write: dict[int, int] = {}    # for messages about stale host copies
         self.freed_at: dict[int, str] = {}       # for messages about use after free
         self.device = self.in_flight = 0
+        self.recomputed = 0                      # bytes re-created by recompute actions
+        self.chain = None                        # the last recompute's Chain (scheduler.replay)
         for v in sorted(initial_resident):
             if v not in variables:
                 raise ScheduleError(f"initial_resident names unknown variable {v}", variable=v)
@@ -217,8 +247,9 @@ class Ledger:
         self.peak = self.device
         self.peak_function: int | None = None
 
-    def apply(self, op: Op, v: int, i: int, phase: str) -> Effect:
-        """Run action ``op`` on variable ``v`` ``phase`` (before/after) function ``i``."""
+    def apply(self, op: Op, v: int, i: int, phase: str, chain: tuple[int, ...] = ()) -> Effect:
+        """Run action ``op`` on variable ``v`` ``phase`` (before/after) function ``i``;
+        ``chain`` is a recompute's functions to rerun (the action's ``chain``)."""
         st = self.state[v]
         eff = TRANSITIONS.get((op, st))
         if eff is None or (eff.needs_tier_current and not self.tier_current[v]):
@@ -226,6 +257,12 @@ class Ledger:
         if eff.needs_dead:
             self._require_dead(op, v, i, phase, st)
             self.freed_at[v] = self.names.where(phase, i)
+        if eff.needs_chain:
+            # While the chain runs, its temporaries hold device bytes beside v's.
+            transient = self.device + self.nbytes[v] + self._require_chain(op, v, i, phase, st, chain)
+            if transient > self.peak:
+                self.peak, self.peak_function = transient, i
+            self.recomputed += self.nbytes[v]
         self.state[v] = eff.to
         if eff.tier is not None:
             self.tier_current[v] = eff.tier
@@ -267,10 +304,10 @@ class Ledger:
         apply = self.apply
         for i in range(len(self.seq.functions)):
             for a in before[i]:
-                apply(a.op, a.var, i, "before")
+                apply(a.op, a.var, i, "before", a.chain)
             self.run(i)
             for a in after[i]:
-                apply(a.op, a.var, i, "after")
+                apply(a.op, a.var, i, "after", a.chain)
         return self
 
     # -- why not -------------------------------------------------------------------------
@@ -278,7 +315,7 @@ class Ledger:
     def _refuse(self, op: Op, v: int, i: int, phase: str, st: Residency) -> Refused:
         n = self.names
         if TRANSITIONS.get((op, st)) is None:
-            sep = "; " if op is Op.FREE else ", "
+            sep = "; " if op in (Op.FREE, Op.RECOMPUTE) else ", "
             return n.refused(op, v, i, phase, st, f"it is {st.value}{sep}{NEEDS[op]}")
         lw = self.last_write.get(v)
         if lw is not None:
@@ -298,8 +335,35 @@ class Ledger:
         if lu > i or (lu == i and phase == "before"):
             raise n.refused(op, v, i, phase, st, f"{n.fn(lu)} uses it later; free it after its last use")
 
+    def _require_chain(self, op: Op, v: int, i: int, phase: str, st: Residency,
+                       chain: tuple[int, ...]) -> int:
+        """A recompute's precondition: ``chain`` re-creates v for its next use and its inputs
+        are resident. Returns the chain's temporaries' peak bytes."""
+        n = self.names
+        uses = self.seq.uses_of[v]
+        k = (bisect_left if phase == "before" else bisect_right)(uses, i)
+        if k == len(uses):
+            raise n.refused(op, v, i, phase, st, "nothing uses it later; there is nothing to recompute it for")
+        found = chain_for(self.seq, v, uses[k])
+        if found is None:
+            raise n.refused(op, v, i, phase, st,
+                            f"no replayable chain re-creates it for {n.fn(uses[k])} "
+                            f"(see scheduler.replay for the rules)")
+        if tuple(chain) != found.functions:
+            raise n.refused(op, v, i, phase, st,
+                            f"the action's chain {list(chain)} is not the functions that wrote it, "
+                            f"{list(found.functions)}")
+        for x in found.inputs:
+            if self.state[x] is not RESIDENT:
+                raise n.refused(op, v, i, phase, st,
+                                f"the chain's input {n.var(x)} is {self.state[x].value}; it must be resident")
+        self.chain = found
+        return found.temporaries_bytes
+
     def _refuse_use(self, access: Access, v: int, i: int, st: Residency) -> Refused:
-        if st is HOST:
+        if st is DISCARDED:
+            hint = f"add recompute of variable {v} before it"
+        elif st is HOST:
             hint = f"add swap_in + wait_in of variable {v} before it"
         elif st is IN:
             hint = f"add wait_in of variable {v} before it"

@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from scheduler.actions import HOST, IN, OUT, RESIDENT, DEAD, ABSENT, Ledger, Names
+from scheduler.actions import ABSENT, DEAD, DISCARDED, HOST, IN, OUT, RESIDENT, Ledger, Names
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 from vmm.units import format_size
@@ -124,15 +124,18 @@ def check(schedule: Schedule) -> CheckResult:
     def run(acts, phase: str, i: int) -> None:
         nonlocal bytes_in, bytes_out, transfers
         for a in acts:
-            eff = apply(a.op, a.var, i, phase)
+            eff = apply(a.op, a.var, i, phase, a.chain)
             if eff.in_flight > 0:      # a copy starts: count what it moves
                 transfers += 1
                 if eff.to is IN:
                     bytes_in += nbytes[a.var]
                 else:
                     bytes_out += nbytes[a.var]
-            if eff.device > 0 and ledger.device > budget:
-                raise over(ledger.device, f"after {a.op.value} of variable {a.var} {names.where(phase, i)}",
+            if eff.device > 0 and ledger.peak > budget:
+                # ledger.peak, not device: a recompute's temporaries count while its chain runs
+                cur = max(ledger.device, ledger.peak)
+                what = "during" if eff.needs_chain else "after"
+                raise over(cur, f"{what} {a.op.value} of variable {a.var} {names.where(phase, i)}",
                            i, a.var)
 
     n = len(seq.functions)
@@ -169,8 +172,9 @@ def _end_of_step(schedule: Schedule, ledger: Ledger, names: Names) -> list[int]:
                 f"{names.var(v)} is {st.value} at the end of the step: add {op} of variable {v} "
                 f"after the last function", function=last, variable=v)
         if var.live_out:
-            if st is ABSENT or st is DEAD:  # pragma: no cover - free of live_out is refused
-                raise ScheduleError(f"{names.var(v)} is live_out but absent at the end", variable=v)
+            if st is ABSENT or st is DEAD or st is DISCARDED:
+                raise ScheduleError(f"{names.var(v)} is live_out but {st.value} at the end of the step: "
+                                    f"it must survive the step", function=last, variable=v)
             if var.live_in:
                 want = RESIDENT if v in schedule.initial_resident else HOST
                 if st is not want:

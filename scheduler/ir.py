@@ -26,6 +26,8 @@ from scheduler.errors import SequenceFormatError
 
 SCHEMA = "ooc.sequence"
 VERSION = 1
+# Function flags about replaying an op, written to JSON only when true (older files lack them).
+_FLAGS = ("replayable", "rng", "updates_stats")
 
 
 class Kind(str, Enum):
@@ -69,10 +71,25 @@ class Cost:
 
 @dataclass(frozen=True, slots=True)
 class Function:
+    """One op of the step. The three flags are the recorder's, about replaying the op
+    (recomputation, ``scheduler.replay``); absent, as in every older file, they say "never
+    replay it", so plans of such sequences only keep or swap.
+
+    ``replayable``: rerunning the op on the same inputs gives the same bytes and touches
+    nothing outside its uses (no side effects; a random op only with its generator state
+    captured, which ``rng`` says). ``rng``: the op draws random numbers; a replay restores
+    the generator state recorded for it. ``updates_stats``: the op also updates running
+    statistics the IR does not list (BatchNorm in training mode); a replay must not update
+    them again (momentum 0, or restore the buffers).
+    """
+
     index: int
     name: str
     uses: tuple[Use, ...]
     cost: Cost = Cost()
+    replayable: bool = False
+    rng: bool = False
+    updates_stats: bool = False
 
     @property
     def var_ids(self) -> tuple[int, ...]:
@@ -101,6 +118,22 @@ class VariableSequence:
             for v in f.var_ids:
                 out[v].append(f.index)
         return {v: tuple(ix) for v, ix in out.items()}
+
+    @cached_property
+    def writers(self) -> dict[int, tuple[int, ...]]:
+        """Variable id -> sorted indices of the functions that write it."""
+        out: dict[int, list[int]] = {v: [] for v in self.variables}
+        for f in self.functions:
+            for v in dict.fromkeys(u.var for u in f.uses if u.access is Access.WRITE):
+                out[v].append(f.index)
+        return {v: tuple(ix) for v, ix in out.items()}
+
+    @cached_property
+    def producer(self) -> dict[int, int]:
+        """Variable id -> the function that creates it (its first use, a write), for every
+        variable that is not ``live_in`` and is used."""
+        return {v: ix[0] for v, ix in self.uses_of.items()
+                if ix and not self.variables[v].live_in}
 
     @cached_property
     def first_use(self) -> dict[int, int]:
@@ -159,7 +192,8 @@ class VariableSequence:
             "functions": [
                 {"name": f.name,
                  "uses": [[u.var, "w" if u.access is Access.WRITE else "r"] for u in f.uses],
-                 "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds}
+                 "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds,
+                 **{k: True for k in _FLAGS if getattr(f, k)}}
                 for f in self.functions
             ],
         }
@@ -281,10 +315,16 @@ def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
         seconds = raw.get("seconds")
         if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)):
             raise SequenceFormatError(f"{w}.seconds: expected a number or null")
+        flags = {}
+        for k in _FLAGS:   # absent (every file written before recomputation): False
+            value = raw.get(k, False)
+            if not isinstance(value, bool):
+                raise SequenceFormatError(f"{w}.{k}: expected true or false, got {value!r:.40}")
+            flags[k] = value
         functions.append(Function(
             index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
             cost=Cost(flops=_count(raw, "flops", w), bytes=int(_count(raw, "bytes", w)),
-                      seconds=None if seconds is None else float(seconds))))
+                      seconds=None if seconds is None else float(seconds)), **flags))
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
     return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
 
@@ -305,9 +345,10 @@ def build_sequence(
     variables: Iterable[Variable],
     meta: dict[str, Any] | None = None,
 ) -> VariableSequence:
-    """Convenience constructor: ``functions`` as (name, [(var, 'r'|'w'), ...], cost)."""
+    """Convenience constructor: ``functions`` as (name, [(var, 'r'|'w'), ...], cost), or
+    (name, uses, cost, flags) with ``flags`` a dict of :class:`Function`'s replay flags."""
     fs = tuple(
         Function(i, name, tuple(Use(v, Access.WRITE if a in ("w", Access.WRITE) else Access.READ)
-                                for v, a in uses), cost)
-        for i, (name, uses, cost) in enumerate(functions))
+                                for v, a in uses), cost, **(rest[0] if rest else {}))
+        for i, (name, uses, cost, *rest) in enumerate(functions))
     return VariableSequence(fs, {v.id: v for v in variables}, dict(meta or {}))

@@ -12,6 +12,8 @@ The stream follows the transition table of ``scheduler.actions`` exactly:
 - at the start, one alloc per ``initial_resident`` variable (live-in and on the device);
 - before/after function i, in schedule order: ``swap_in v`` allocs v (memory is taken when
   the copy is issued); ``wait_out``, ``drop`` and ``free`` free it;
+- ``discard`` frees v; ``recompute v`` allocs v, then its chain's temporaries (one block of
+  their peak bytes), freed when the chain ends;
 - when function i runs, one alloc per variable it creates (its first use, a write, of a
   variable that is not live-in), between its "before" and "after" actions.
 
@@ -21,13 +23,17 @@ stream's order is the schedule's, and the times say which function each request 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from scheduler.actions import Ledger
 from scheduler.ir import VariableSequence
 from scheduler.schedule import Schedule
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # vmm is imported lazily: ``import scheduler`` must not need it
+    from scheduler.hardware import Hardware
     from vmm.replay import Event
 
 
@@ -53,9 +59,15 @@ def allocation_events(schedule: Schedule) -> list["Event"]:
                 events.extend(Event("alloc", v, nbytes[v], t) for v in ledger.run(i))
                 continue
             for a in acts:
-                eff = ledger.apply(a.op, a.var, i, phase)
+                eff = ledger.apply(a.op, a.var, i, phase, a.chain)
                 if eff.device:
                     events.append(Event("alloc" if eff.device > 0 else "free", a.var, nbytes[a.var], t))
+                if eff.needs_chain:   # the chain's temporaries, at their peak, while it runs
+                    temps = ledger.chain.temporaries_bytes
+                    if temps:
+                        key = f"recompute {a.var} temporaries {phase} {i}"
+                        events.append(Event("alloc", key, temps, t))
+                        events.append(Event("free", key, 0, t))
     return events
 
 
@@ -74,3 +86,35 @@ def creations(schedule_or_seq: Schedule | VariableSequence) -> tuple[tuple[int, 
                     new.append(u.var)
         out.append(tuple(new))
     return tuple(out)
+
+
+def replay_allocator(schedule: Schedule, hw: "Hardware", allocator: str, chunk_bytes: int) -> tuple[int, bool, int | None]:
+    """Run the step's allocation stream through an allocator model of ``hw.device_bytes``.
+
+    Returns (peak reserved bytes, fits, first function that ran out or None). "Reserved" is
+    the allocator's ``mapped_bytes``: segment bytes for the caching allocator, chunks under
+    live allocations for virtual addressing (``vmm.replay.ReplayResult.peak_reserved_bytes``).
+    """
+    # vmm through its public API only, and only on this path: planning needs no allocator.
+    import vmm
+    from vmm.replay import replay
+
+    events = allocation_events(schedule)
+    # Mapping granularity: 2 MiB for CUDA VMM (cuMemGetAllocationGranularity on current
+    # GPUs), the 4 KiB page for host chunks in front of a storage tier.
+    granularity = (2 << 20) if hw.tier == "host" else 4096
+    backend = vmm.SimBackend(granularity)
+    if allocator == "caching":
+        model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
+        name = "caching"
+    else:
+        pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
+        model = vmm.VirtualAllocator(pool)
+        name = f"vmm-{chunk_bytes}"
+    result = replay(events, model, name=name)
+    if result.oom_index is None:
+        return result.peak_reserved_bytes, True, None
+    oom_function = int(events[result.oom_index].time)
+    log.debug("%s on %s: out of memory at function %d (%d B requested)",
+              name, hw.name, oom_function, result.oom_request)
+    return result.peak_reserved_bytes, False, oom_function

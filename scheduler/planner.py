@@ -14,8 +14,13 @@ True
 Policies (``POLICIES``):
 
 - ``"window"`` (default): the adaptive window scheduler, moving only what the budget forces
-  out (Belady victims, drops instead of copies where the host copy is current). Moves
-  nothing when ``budget >= seq.in_core_peak_bytes``. See ``scheduler.window``.
+  out (Belady victims, drops instead of copies where the host copy is current), each victim
+  swapped or recomputed, whichever costs less on ``hardware`` (option; a ``Hardware`` or a
+  preset name, default ``scheduler.recompute.default_hardware``). Moves nothing when
+  ``budget >= seq.in_core_peak_bytes``. See ``scheduler.window``, ``scheduler.recompute``.
+- ``"milp"``: the reference, an exact MILP over keep / swap / recompute per tensor
+  (``scheduler.milp``; needs scipy; graphs up to a few hundred functions). Options
+  ``hardware``, ``time_limit`` (seconds for the solver).
 - ``"window-paper"``: the same paper's algorithm as published (nnabla): swap out after every
   use that is the last inside the window. See ``scheduler.window``.
 - ``"vdnn"``, ``"lms"``, ``"none"``, ``"on-demand"`` (NNTrainer's synchronous swap, no
@@ -41,16 +46,18 @@ from scheduler.check import check
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
 from scheduler.schedule import Schedule
-from scheduler.window import Infeasible, plan_window, plan_window_paper
+from scheduler.recompute import plan_swap_or_recompute
+from scheduler.window import Infeasible, plan_window_paper
 
 __all__ = ["plan", "POLICIES"]
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand")
+POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand", "milp")
 
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "window": {},
+    "window": {"hardware": None},
+    "milp": {"hardware": None, "time_limit": 60.0},
     "window-paper": {},
     "vdnn": {"backward_start": None},
     "lms": {"swapout_threshold": LMS_SWAPOUT_THRESHOLD, "swapin_ahead": LMS_SWAPIN_AHEAD},
@@ -107,7 +114,7 @@ def plan(
         bs = opts["backward_start"]
         if not isinstance(bs, int) or isinstance(bs, bool) or not 0 <= bs <= len(seq.functions):
             raise ValueError(f"backward_start must be a function index in 0..{len(seq.functions)}, got {bs!r}")
-    if window is not None and policy not in ("window", "window-paper"):
+    if window is not None and policy not in ("window", "window-paper", "milp"):
         log.info("policy %r ignores window=%d", policy, window)
 
     # Planning allocates millions of small, acyclic objects (actions, heap entries); the
@@ -125,7 +132,12 @@ def _plan(seq: VariableSequence, budget: int | None, window: int | None, policy:
           opts: dict[str, Any]) -> Schedule:
     t0 = time.perf_counter()
     if policy == "window":
-        schedule = _with_minimum(seq, budget, lambda b: plan_window(seq, b, window))
+        hw = opts["hardware"]
+        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw))
+    elif policy == "milp":
+        from scheduler.milp import plan_milp   # scipy, imported only for this policy
+
+        schedule = plan_milp(seq, budget, window, **opts)
     elif policy == "window-paper":
         schedule = _with_minimum(seq, budget, lambda b: plan_window_paper(seq, b, window))
     elif policy == "vdnn":

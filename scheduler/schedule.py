@@ -11,6 +11,11 @@ Semantics (what ``check`` proves and the runtime executes), per variable:
 - ``drop v`` (after f_i): discard the device copy of v without a transfer, because the
   slower tier already holds the same bytes (v was swapped in and only read since).
 - ``free v`` (after f_i): v is dead (never used again); its memory is given back.
+- ``discard v`` (after f_i): v's memory is given back with no copy anywhere; v will be
+  recomputed before its next use.
+- ``recompute v`` (before f_i): rerun the action's ``chain`` (function indices, in order;
+  ``scheduler.replay``) on resident inputs; v is resident again. The chain's temporaries
+  hold memory while it runs.
 
 Device memory counts every resident variable, every transfer in flight in either direction,
 and the variables a function creates (first write) while it runs. A schedule is safe when
@@ -35,8 +40,12 @@ VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class Action:
+    """``op`` on variable ``var``; a ``recompute`` also names the functions to rerun, in
+    order (``chain``), so the runtime executes exactly what ``check`` proved."""
+
     op: Op
     var: int
+    chain: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,11 @@ class Schedule:
         return self._moved(Op.SWAP_OUT)
 
     @cached_property
+    def bytes_recomputed(self) -> int:
+        """Bytes re-created by ``recompute`` actions in one step."""
+        return self._moved(Op.RECOMPUTE)
+
+    @cached_property
     def peak_resident_bytes(self) -> int:
         """Peak device bytes the schedule needs (replayed through ``scheduler.actions``,
         as ``check`` replays it; a schedule the table refuses raises ``Refused``)."""
@@ -94,12 +108,14 @@ class Schedule:
             "peak_resident_bytes": self.peak_resident_bytes,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "bytes_recomputed": self.bytes_recomputed,
         }
 
     # -- JSON --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        enc = lambda lists: [[[a.op.value, a.var] for a in acts] for acts in lists]  # noqa: E731
+        enc = lambda lists: [[[a.op.value, a.var, list(a.chain)] if a.chain else [a.op.value, a.var]  # noqa: E731
+                              for a in acts] for acts in lists]
         return {
             "schema": SCHEMA, "version": VERSION, "policy": self.policy, "budget": self.budget,
             "window": self.window, "initial_resident": sorted(self.initial_resident),
@@ -118,12 +134,14 @@ class Schedule:
                     raise SequenceFormatError(f"{where}: {key}[{i}]: expected a list of actions")
                 row = []
                 for j, a in enumerate(acts):
-                    if (not isinstance(a, list) or len(a) != 2 or a[0] not in Op._value2member_map_
-                            or not isinstance(a[1], int) or isinstance(a[1], bool)):
+                    if (not isinstance(a, list) or len(a) not in (2, 3) or a[0] not in Op._value2member_map_
+                            or not isinstance(a[1], int) or isinstance(a[1], bool)
+                            or (len(a) == 3 and not (isinstance(a[2], list) and all(
+                                isinstance(k, int) and not isinstance(k, bool) for k in a[2])))):
                         raise SequenceFormatError(
-                            f"{where}: {key}[{i}][{j}]: expected [op, variable id] with op one of "
-                            f"{[o.value for o in Op]}, got {a!r}")
-                    row.append(Action(Op(a[0]), a[1]))
+                            f"{where}: {key}[{i}][{j}]: expected [op, variable id] or [op, variable id, "
+                            f"[function, ...]] with op one of {[o.value for o in Op]}, got {a!r}")
+                    row.append(Action(Op(a[0]), a[1], tuple(a[2]) if len(a) == 3 else ()))
                 out.append(tuple(row))
             return tuple(out)
 

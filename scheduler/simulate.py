@@ -14,7 +14,17 @@ runtime executes it, in program order on the compute stream:
   f_i's output never starts before f_i has produced it), and waits for its channel likewise;
 - ``wait_in v`` / ``wait_out v`` stall the compute stream until that copy has finished: this
   is the only way transfers slow the step down;
-- ``drop`` and ``free`` take no time.
+- ``recompute v`` runs its chain on the compute stream: the chain's functions take their
+  times as above (``recompute_s``), and the chain's temporaries count in the peak;
+- on a CPU device each moved byte also costs the compute stream ``moved_byte_s`` (the
+  copies and I/O threads take cycles from the compute threads), charged when the copy is
+  issued (``copy_cpu_s``);
+- ``drop``, ``discard`` and ``free`` take no time;
+- with ``data_parallel=r`` ranks, the gradients' all-reduce (``scheduler.data_parallel``:
+  DDP's buckets, ring all-reduce) is issued after a bucket's last gradient is written and
+  waited for before the first function that reads one of them again; it runs on its own
+  channel, or on both copy channels when ``Hardware.collective_bandwidth`` is 0 (the host
+  link), where it queues with the swaps (``allreduce_s``, ``allreduce_stall_s``).
 
 Device memory is counted by ``scheduler.actions``' transition table, the one ``check`` and the
 runtime follow: a swap-in takes its bytes when issued, a swap-out gives them back at its
@@ -22,8 +32,8 @@ runtime follow: a swap-in takes its bytes when issued, a swap-out gives them bac
 them back. Every change happens on the compute stream,
 so the peak over simulated time is the peak over program order, the figure ``check`` proves.
 
-``lower_bound_s`` is the step time with perfect overlap, ``max(compute, swap-in busy,
-swap-out busy)`` (compute vs the sum of both directions on a half-duplex tier): no schedule
+``lower_bound_s`` is the step time with perfect overlap, ``max(compute + recompute +
+copy_cpu, swap-in busy, swap-out busy)`` (compute vs the sum of both directions on a half-duplex tier): no schedule
 of the same transfers can beat it, and ``total_s - lower_bound_s`` is what the ordering costs.
 
 The simulator trusts the schedule's budget (``check`` proves it) but refuses to make up an
@@ -40,10 +50,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.actions import IN, USE, Ledger, Refused, Residency
+from scheduler.data_parallel import DDP_BUCKET_BYTES, Bucket, gradient_buckets, ring_bytes
 from scheduler.errors import ScheduleError
 from scheduler.hardware import Hardware, hardware
+from scheduler.memory_events import replay_allocator
 from scheduler.schedule import Schedule
-from scheduler.timeline import COMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
+from scheduler.timeline import ALLREDUCE, COMPUTE, RECOMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +73,10 @@ class SimResult:
     """Predicted time and memory of one step. Times in seconds, sizes in bytes.
 
     ``compute_s`` is the sum of function times (what the step takes in core, with nothing
-    swapped), ``stall_s`` the time the compute stream spent in ``wait_in``/``wait_out``, and
-    ``total_s`` the step's end: the compute stream's end or the last copy's, whichever is later.
+    swapped), ``stall_s`` the time the compute stream spent in ``wait_in``/``wait_out``,
+    ``recompute_s`` the time it spent rerunning recompute chains, ``copy_cpu_s`` the compute
+    time moved bytes took (``Hardware.moved_byte_s``), and ``total_s`` the step's end: the
+    compute stream's end or the last copy's, whichever is later.
 
     ``reserved_peak_bytes`` and ``fits`` come from replaying the allocation stream through the
     chosen ``allocator`` with the device's capacity; with ``allocator=None`` they describe an
@@ -91,6 +105,13 @@ class SimResult:
     reserved_peak_bytes: int = 0
     fits: bool = True
     oom_function: int | None = None
+    recompute_s: float = 0.0
+    bytes_recomputed: int = 0
+    copy_cpu_s: float = 0.0
+    data_parallel: int = 1
+    allreduce_bytes: int = 0      # bytes this rank sent (and received) in the step's all-reduce
+    allreduce_s: float = 0.0      # seconds its link was busy with them
+    allreduce_stall_s: float = 0.0   # of stall_s: the compute stream waiting for them
 
     @property
     def relative_speed(self) -> float:
@@ -112,7 +133,10 @@ class SimResult:
             "total_s": self.total_s, "compute_s": self.compute_s, "stall_s": self.stall_s,
             "lower_bound_s": self.lower_bound_s, "peak_bytes": self.peak_bytes,
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-            "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
+            "recompute_s": self.recompute_s, "bytes_recomputed": self.bytes_recomputed,
+            "copy_cpu_s": self.copy_cpu_s, "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
+            "data_parallel": self.data_parallel, "allreduce_bytes": self.allreduce_bytes,
+            "allreduce_s": self.allreduce_s, "allreduce_stall_s": self.allreduce_stall_s,
         }
         if self.allocator is not None:
             out.update(allocator=self.allocator, chunk_bytes=self.chunk_bytes,
@@ -127,6 +151,8 @@ def simulate(
     allocator: str | None = None,
     chunk_bytes: int | None = None,
     timeline: bool = True,
+    data_parallel: int = 1,
+    bucket_bytes: int = DDP_BUCKET_BYTES,
 ) -> SimResult:
     """Predict the time and device memory of one step of ``schedule`` on ``hw``.
 
@@ -139,6 +165,9 @@ def simulate(
             each, 2 MiB by default). Needs the ``vmm`` package's sim backend.
         timeline: record a :class:`scheduler.timeline.Event` per function, copy and stall
             (``write_chrome_trace(result.timeline, path)`` shows it); off for big sweeps.
+        data_parallel: ranks of a DistributedDataParallel job running this step; from 2 on,
+            the gradients' all-reduce runs beside the transfers (``bucket_bytes`` per DDP
+            bucket).
 
     Deterministic: the same inputs give the same result, bit for bit. One step of 100,000
     functions takes about a second.
@@ -152,12 +181,13 @@ def simulate(
     hw = hardware(hw)
     if allocator is not None and allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be None or one of {ALLOCATORS}, got {allocator!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive int (ranks), got {data_parallel!r}")
     seq = schedule.sequence
     variables = seq.variables
     nbytes = {v: var.nbytes for v, var in variables.items()}
     label = {v: (var.name or f"v{v}") for v, var in variables.items()}
 
-    peak_flops, mem_bw, overhead = hw.peak_flops, hw.mem_bandwidth, hw.op_overhead_s
     latency = hw.link_latency_s
     inv_bw = (1.0 / hw.h2d_bandwidth, 1.0 / hw.d2h_bandwidth)
     # chan[c]: when copy channel c is next free. A half-duplex tier has one channel for both.
@@ -173,7 +203,10 @@ def simulate(
     done: dict[int, float] = {}  # variable -> end of its copy in flight
     capacity = hw.device_bytes
     over_fn: int | None = None if ledger.device <= capacity else 0
-    t = compute = stall = 0.0
+    t = compute = stall = recompute = copy_cpu = 0.0
+    recomputed = 0
+    moved_byte_s = hw.moved_byte_s
+    functions = seq.functions
     tl: list[Event] | None = [] if timeline else None
 
     def fail(i: int, v: int, what: str) -> ScheduleError:
@@ -197,7 +230,11 @@ def simulate(
 
     def copy(v: int, i: int, direction: int) -> None:
         # Issue a copy now (time t): it starts when its channel is free, first come first served.
+        nonlocal t, copy_cpu
         n = nbytes[v]
+        if moved_byte_s:   # a CPU device: moving the bytes takes compute time
+            t += n * moved_byte_s
+            copy_cpu += n * moved_byte_s
         c = ch_out if direction else 0
         start = chan[c] if chan[c] > t else t
         dur = latency + n * inv_bw[direction]
@@ -221,16 +258,68 @@ def simulate(
                 tl.append(Event(WAIT, f"{op} {label[v]}", t, end, 0, {"var": v, "function": i}))
             t = end
 
+    def rerun(v: int, i: int, chain: tuple[int, ...]) -> None:
+        # recompute: the chain's functions run again, on the compute stream.
+        nonlocal t, recompute, recomputed
+        d = sum(hw.function_s(functions[k].cost) for k in chain)
+        if tl is not None:
+            tl.append(Event(RECOMPUTE, f"recompute {label[v]}", t, t + d, 0,
+                            {"var": v, "bytes": nbytes[v], "chain": list(chain), "function": i}))
+        t += d
+        recompute += d
+        recomputed += nbytes[v]
+
+    # Data-parallel: buckets issued after function i, waited for before function j.
+    buckets = gradient_buckets(seq, bucket_bytes) if data_parallel > 1 else []
+    issue_after: dict[int, list[Bucket]] = {}
+    wait_before: dict[int | None, list[Bucket]] = {}
+    for b in buckets:
+        issue_after.setdefault(b.ready_after, []).append(b)
+        wait_before.setdefault(b.needed_before, []).append(b)
+    shared = hw.collective_bandwidth == 0
+    coll = [0.0]   # when the collective channel is next free (own link only)
+    reduced: dict[Bucket, float] = {}
+    ar = [0, 0.0, 0.0]   # bytes sent, busy seconds, stall seconds
+
+    def all_reduce(b: Bucket) -> None:
+        n = ring_bytes(b.nbytes, data_parallel)
+        if shared:   # sends on the device-to-host lanes, receives on the host-to-device ones
+            start = max(t, chan[0], chan[ch_out])
+            end = start + latency + n * max(inv_bw)
+            chan[0] = chan[ch_out] = end
+        else:
+            start = max(t, coll[0])
+            end = start + hw.collective_latency_s + n / hw.collective_bandwidth
+            coll[0] = end
+        reduced[b] = end
+        ar[0] += n
+        ar[1] += end - start
+        if tl is not None:
+            tl.append(Event(ALLREDUCE, f"all-reduce {len(b.variables)} grads", start, end, 0,
+                            {"bytes": n, "gradients": list(b.variables), "issued_s": t}))
+
+    def await_reduced(bs: list[Bucket], i: int) -> None:
+        nonlocal t, stall
+        end = max(reduced.pop(b) for b in bs)
+        if end > t:
+            stall += end - t
+            ar[2] += end - t
+            if tl is not None:
+                tl.append(Event(WAIT, "all-reduce", t, end, 0, {"function": i}))
+            t = end
+
     def run(acts: tuple, i: int, phase: str) -> None:
         nonlocal over_fn
         for a in acts:
             v = a.var
-            eff = apply(a.op, v, i, phase)
+            eff = apply(a.op, v, i, phase, a.chain)
             if eff.in_flight > 0:     # swap_in / swap_out: a copy is issued
                 copy(v, i, 0 if eff.to is IN else 1)
             elif eff.in_flight < 0:   # wait_in / wait_out: the compute stream waits for it
                 wait(v, i, a.op.value)
-            if eff.device > 0 and over_fn is None and ledger.device > capacity:
+            elif eff.needs_chain:
+                rerun(v, i, a.chain)
+            if eff.device > 0 and over_fn is None and ledger.peak > capacity:
                 over_fn = i
 
     apply = ledger.apply
@@ -239,37 +328,42 @@ def simulate(
         for i, f in enumerate(seq.functions):
             if before[i]:
                 run(before[i], i, "before")
+            if i in wait_before:
+                await_reduced(wait_before[i], i)
             # (the function) every variable it touches must be resident; first writes create.
             ledger.run(i)
             if over_fn is None and ledger.device > capacity:
                 over_fn = i
-            cost = f.cost
-            if cost.seconds is not None:
-                d = cost.seconds
-            else:  # roofline: bound by arithmetic or by device memory traffic, plus the launch
-                d = max(cost.flops / peak_flops, cost.bytes / mem_bw) + overhead
+            # measured seconds, else the roofline (arithmetic or memory traffic, plus the launch)
+            d = hw.function_s(f.cost)
             if tl is not None:
                 tl.append(Event(COMPUTE, f.name, t, t + d, 0, {"function": i}))
             t += d
             compute += d
             if after[i]:
                 run(after[i], i, "after")
+            for b in issue_after.get(i, ()):
+                all_reduce(b)
+        if None in wait_before:   # read by nothing in the step: its end waits for them
+            await_reduced(wait_before[None], len(functions))
     except Refused as err:
         raise refused(err) from None
     peak = ledger.peak
     peak_fn = ledger.peak_function or 0
 
-    total = max(t, chan[0], chan[1])
+    total = max(t, chan[0], chan[1], coll[0])
+    busy_compute = compute + recompute + copy_cpu
+    link = (ar[1], ar[1]) if shared else (0.0, 0.0)   # the all-reduce on the copy channels
     if hw.full_duplex:
-        lower = max(compute, busy[0], busy[1])
+        lower = max(busy_compute, busy[0] + link[0], busy[1] + link[1], 0.0 if shared else ar[1])
     else:
-        lower = max(compute, busy[0] + busy[1])
+        lower = max(busy_compute, busy[0] + busy[1] + link[0], 0.0 if shared else ar[1])
 
     if allocator is None:
         reserved, fits, oom_fn = peak, over_fn is None, over_fn
     else:
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-        reserved, fits, oom_fn = _replay(schedule, hw, allocator, chunk_bytes)
+        reserved, fits, oom_fn = replay_allocator(schedule, hw, allocator, chunk_bytes)
 
     return SimResult(
         total_s=total, compute_s=compute, stall_s=stall, lower_bound_s=lower,
@@ -278,38 +372,6 @@ def simulate(
         hardware=hw, policy=schedule.policy, budget=schedule.budget,
         timeline=tuple(tl) if tl is not None else (),
         allocator=allocator, chunk_bytes=chunk_bytes if allocator is not None else None,
-        reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn)
-
-
-def _replay(schedule: Schedule, hw: Hardware, allocator: str, chunk_bytes: int) -> tuple[int, bool, int | None]:
-    """Run the step's allocation stream through an allocator model of ``hw.device_bytes``.
-
-    Returns (peak reserved bytes, fits, first function that ran out or None). "Reserved" is
-    the allocator's ``mapped_bytes``: segment bytes for the caching allocator, chunks under
-    live allocations for virtual addressing (``vmm.replay.ReplayResult.peak_reserved_bytes``).
-    """
-    # vmm through its public API only, and only on this path: planning needs no allocator.
-    import vmm
-    from vmm.replay import replay
-
-    from scheduler.memory_events import allocation_events
-
-    events = allocation_events(schedule)
-    # Mapping granularity: 2 MiB for CUDA VMM (cuMemGetAllocationGranularity on current
-    # GPUs), the 4 KiB page for host chunks in front of a storage tier.
-    granularity = (2 << 20) if hw.tier == "host" else 4096
-    backend = vmm.SimBackend(granularity)
-    if allocator == "caching":
-        model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
-        name = "caching"
-    else:
-        pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
-        model = vmm.VirtualAllocator(pool)
-        name = f"vmm-{chunk_bytes}"
-    result = replay(events, model, name=name)
-    if result.oom_index is None:
-        return result.peak_reserved_bytes, True, None
-    oom_function = int(events[result.oom_index].time)
-    log.debug("%s on %s: out of memory at function %d (%d B requested)",
-              name, hw.name, oom_function, result.oom_request)
-    return result.peak_reserved_bytes, False, oom_function
+        reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn,
+        recompute_s=recompute, bytes_recomputed=recomputed, copy_cpu_s=copy_cpu,
+        data_parallel=data_parallel, allreduce_bytes=ar[0], allreduce_s=ar[1], allreduce_stall_s=ar[2])

@@ -22,9 +22,11 @@ SWAP_IN = "swap-in"
 SWAP_OUT = "swap-out"
 WAIT = "wait"
 STEP = "step"
+RECOMPUTE = "recompute"
+ALLREDUCE = "all-reduce"
 
 # Tracks in display order; others follow in order of first appearance.
-TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT)
+TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT, RECOMPUTE, ALLREDUCE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,26 +38,31 @@ point: it validates arguments and proves every schedule with ``scheduler.check``
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 
-import numpy as np
+from typing import Callable
 
-from scheduler.ir import Access, VariableSequence
+from scheduler.ir import VariableSequence
+from scheduler.replay import Chain
+from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
 from scheduler.window_paper import plan_window_paper
-from scheduler.working_sets import Infeasible, default_window, require_working_sets_fit, working_sets
+from scheduler.working_sets import (INF, Infeasible, Prepared, default_window, require_working_sets_fit,
+                                    working_sets)
 
 __all__ = ["plan_window", "plan_window_paper", "default_window", "require_working_sets_fit", "working_sets"]
 
 log = logging.getLogger(__name__)
 
-INF = float("inf")
 
 # Residency while planning (phase 1 decides where transfers go after the fact, so it keeps
 # its own states; ``plan`` replays the emitted schedule through ``scheduler.actions`` in
 # ``check`` before returning it).
-_ABSENT, _RESIDENT, _HOST = range(3)
+_ABSENT, _RESIDENT, _HOST, _GONE = range(4)   # _GONE: discarded, to be recomputed
+
+Recompute = Callable[[int, int], "Chain | None"]
 
 
 # =============================================================================================
@@ -65,7 +70,8 @@ _ABSENT, _RESIDENT, _HOST = range(3)
 # =============================================================================================
 
 
-def plan_window(seq: VariableSequence, budget: int, window: int | None = None) -> Schedule:
+def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
+                recompute: "Recompute | None" = None) -> Schedule:
     """The default policy: the window scheduler moving only what the budget forces out.
 
     Starts with every ``live_in`` variable that the step needs resident, replays the step,
@@ -74,10 +80,15 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None) -
     state is refined once: a variable that the first plan had to swap back in at the end to
     restore it is tried starting in the slower tier instead, and the plan moving fewer bytes
     wins (ties go to the first). See the module docstring for steps (a)-(d).
+
+    ``recompute(v, at)``: for a victim that would be swapped out, the chain to recompute it
+    with before its next use ``at`` instead (``scheduler.replay.Chain``), or None to swap it
+    (``scheduler.recompute`` prices the two). Without it, or when it always says None, the
+    plan is the swap-only plan.
     """
     if window is None:
         window = default_window(budget)
-    prep = _Prepared(seq)
+    prep = Prepared(seq)
     require_working_sets_fit(seq, budget, prep.working_sets)
     variables = seq.variables
     uses_of = seq.uses_of
@@ -95,7 +106,7 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None) -
         if resident_at_start in tried:
             break
         tried.add(resident_at_start)
-        planner = _BudgetWindow(prep, budget, window, resident_at_start)
+        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute)
         planner.decide()
         log.debug("window: start with %d resident -> %d B moved", len(resident_at_start), planner.moved)
         if best is None or planner.moved < best.moved:
@@ -107,31 +118,6 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None) -
     return best.schedule()
 
 
-class _Prepared:
-    """Per-sequence facts both passes of policy "window" share (computed once)."""
-
-    def __init__(self, seq: VariableSequence) -> None:
-        self.seq = seq
-        variables = seq.variables
-        self.nbytes = {v: var.nbytes for v, var in variables.items()}
-        self.live_in = {v for v, var in variables.items() if var.live_in}
-        self.live_out = {v for v, var in variables.items() if var.live_out}
-        self.ids = [f.var_ids for f in seq.functions]
-        self.writes = [{u.var for u in f.uses if u.access is Access.WRITE} for f in seq.functions]
-        nb = self.nbytes
-        self.working_sets = [sum(nb[v] for v in ids) for ids in self.ids]
-        # next_after[i][k]: the next function after i that uses ids[i][k] (INF if none).
-        upcoming: dict[int, float] = {}
-        next_after: list[tuple[float, ...]] = [()] * len(self.ids)
-        for i in range(len(self.ids) - 1, -1, -1):
-            ids = self.ids[i]
-            next_after[i] = tuple(upcoming.get(v, INF) for v in ids)
-            for v in ids:
-                upcoming[v] = i
-        self.next_after = next_after
-        self.first_use = upcoming
-
-
 class _BudgetWindow:
     """One pass of policy "window" for a given set of variables resident at the start.
 
@@ -140,7 +126,9 @@ class _BudgetWindow:
     swap-in as early as the window and the recorded bytes allow.
     """
 
-    def __init__(self, prep: _Prepared, budget: int, window: int, resident: frozenset[int]) -> None:
+    def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
+                 recompute: "Recompute | None" = None) -> None:
+        self.recompute = recompute
         self.prep = prep
         self.seq = prep.seq
         self.working_sets = prep.working_sets
@@ -184,10 +172,14 @@ class _BudgetWindow:
         demand_ready: list[list[int]] = [[] for _ in range(n + 1)]
         after: list[list[Action]] = [[] for _ in range(n)]
         during = [0] * n
+        regen: list[list[Chain]] = [[] for _ in range(n)]   # recomputed before f_i
+        pinned: dict[int, int] = {}   # inputs of chains still to run: never discarded
+        protect: set[int] = set()     # the inputs of the chains about to run: not evicted now
 
         def evict(excess: int, i: int) -> None:
             """(c) schedule swap-out of Belady's victims, with (d) and (b), freeing ``excess`` bytes."""
             nonlocal mem
+            spared = []
             while excess > 0:
                 if not heap:
                     raise Infeasible(i, mem + excess)
@@ -195,6 +187,9 @@ class _BudgetWindow:
                 v = key[3]
                 if state[v] != _RESIDENT or key[4] != stamp[v]:
                     continue  # stale entry
+                if v in protect:
+                    spared.append(key)
+                    continue
                 if -key[0] <= i:
                     # Everything left is needed by f_i itself: the working-set check makes
                     # this unreachable, but never return an unsafe plan.
@@ -211,6 +206,17 @@ class _BudgetWindow:
                     # its last use.
                     after[anchor[v]].append(Action(Op.DROP, v))
                     ready[v] = anchor[v] + 1
+                elif (chain := self._recompute_instead(v, -key[0], state, pinned)) is not None:
+                    # Recompute instead of a swap: no transfer; discard it right after its
+                    # last use, rerun its chain right before its next use.
+                    after[anchor[v]].append(Action(Op.DISCARD, v))
+                    regen[chain.at].append(chain)
+                    for x in chain.inputs:
+                        pinned[x] = pinned.get(x, 0) + 1
+                    state[v] = _GONE
+                    mem -= nb
+                    excess -= nb
+                    continue
                 else:
                     # (c) swap out right after its last use, so the copy overlaps the
                     # functions in between; (b) its memory comes back here, at wait_out.
@@ -221,6 +227,8 @@ class _BudgetWindow:
                 state[v] = _HOST
                 mem -= nb
                 excess -= nb
+            for key in spared:
+                heapq.heappush(heap, key)
 
         ids_of, writes_of, next_of = prep.ids, prep.writes, prep.next_after
         heappush = heapq.heappush
@@ -228,7 +236,19 @@ class _BudgetWindow:
             ids = ids_of[i]
             incoming = []
             created = []
-            extra = 0
+            extra = transient = 0
+            fetched = []   # chain inputs in the slower tier: swapped in for the recompute
+            if regen[i]:
+                protect.clear()
+                for chain in regen[i]:
+                    extra += nbytes[chain.var]
+                    transient = max(transient, chain.temporaries_bytes)
+                    for x in chain.inputs:
+                        protect.add(x)
+                        pinned[x] -= 1
+                        if state[x] == _HOST and x not in ids and x not in fetched:
+                            fetched.append(x)
+                            extra += nbytes[x]
             for v in ids:
                 st = state[v]
                 if st == _HOST:
@@ -237,9 +257,15 @@ class _BudgetWindow:
                 elif st == _ABSENT:
                     created.append(v)
                     extra += nbytes[v]
-            if mem + extra > budget:
-                evict(mem + extra - budget, i)
-            for v in incoming:
+            if mem + extra + transient > budget:
+                evict(mem + extra + transient - budget, i)
+            if regen[i]:
+                self._bring_chain_inputs(i, regen[i], fetched, state, clean, untouched, anchor, stamp, heap)
+                protect.clear()
+                for chain in regen[i]:
+                    state[chain.var] = _RESIDENT
+                    clean[chain.var] = False
+            for v in fetched + incoming:
                 demand[i].append(v)
                 demand_ready[i].append(ready[v])
                 state[v] = _RESIDENT
@@ -248,7 +274,7 @@ class _BudgetWindow:
                 state[v] = _RESIDENT
                 clean[v] = False
             mem += extra
-            during[i] = mem
+            during[i] = mem + transient
             written = writes_of[i]
             for v, nxt in zip(ids, next_of[i]):
                 if untouched:
@@ -294,13 +320,14 @@ class _BudgetWindow:
         self.moved += sum(nbytes[v] for d in demand for v in d)
         self.start_set = frozenset(start_set)
         self.waits, self.demand, self.demand_ready = waits, demand, demand_ready
-        self.after, self.during = after, during
+        self.after, self.during, self.regen = after, during, regen
 
     def schedule(self) -> Schedule:
         """Phase 2, step (a): prefetch through the window, then assemble the action lists."""
         n = len(self.seq.functions)
         waits, demand, after = self.waits, self.demand, self.after
-        prefetch = self._prefetch(self.during, demand, self.demand_ready, self.prep.nbytes)
+        prefetch = prefetch_through_window(self.seq, self.budget, self.window, self.working_sets,
+                                           self.during, demand, self.demand_ready, self.prep.nbytes)
 
         # Assemble: before f_i, (b) wait for swap-outs, then swap-ins (demanded, then
         # prefetched for later functions), then wait_in for f_i's own.
@@ -310,6 +337,7 @@ class _BudgetWindow:
             acts += [Action(Op.SWAP_IN, v) for v, hoisted in demand[i] if not hoisted]
             acts += [Action(Op.SWAP_IN, v) for v in prefetch[i]]
             acts += [Action(Op.WAIT_IN, v) for v, _ in demand[i]]
+            acts += [Action(Op.RECOMPUTE, c.var, c.functions) for c in self.regen[i]]
             before_out.append(tuple(acts))
         end = [Action(Op.WAIT_OUT, v) for v in waits[n]]
         end += [Action(Op.SWAP_IN, v) for v, hoisted in demand[n] if not hoisted]
@@ -319,6 +347,35 @@ class _BudgetWindow:
             sequence=self.seq, budget=self.budget, policy="window", window=self.window,
             before=tuple(before_out), after=tuple(map(tuple, after)),
             initial_resident=self.start_set)
+
+    def _recompute_instead(self, v: int, nxt: float, state: dict[int, int],
+                           pinned: dict[int, int]) -> Chain | None:
+        """The chain to recompute victim ``v`` with before its next use ``nxt``, when the
+        pricing rule prefers it to a swap; never for an input of a chain still to run, nor
+        with an input that is itself discarded."""
+        if self.recompute is None or nxt == INF or pinned.get(v):
+            return None
+        chain = self.recompute(v, int(nxt))
+        if chain is None or any(state[x] == _GONE for x in chain.inputs):
+            return None
+        return chain
+
+    def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,
+                            untouched, anchor, stamp, heap) -> None:
+        """Before the recomputes of f_i, the chains' inputs are resident; those swapped in
+        for it (``fetched``) are clean and next needed at their next use."""
+        uses_of = self.seq.uses_of
+        for chain in chains:
+            for x in chain.inputs:
+                untouched.discard(x)
+                anchor[x] = max(anchor.get(x, i), i)   # a later eviction goes after f_i
+        for x in fetched:
+            state[x] = _RESIDENT
+            clean[x] = True
+            uses = uses_of[x]
+            k = bisect.bisect_right(uses, i)
+            stamp[x] += 1
+            heapq.heappush(heap, (-(uses[k] if k < len(uses) else INF), 0, self.prep.nbytes[x], x, stamp[x]))
 
     def _leave(self, v: int, n: int, clean: dict[int, bool], anchor: dict[int, int],
                after: list[list[Action]], waits: list[list[int]]) -> None:
@@ -332,56 +389,3 @@ class _BudgetWindow:
             after[anchor[v]].append(Action(Op.SWAP_OUT, v))
             waits[n].append(v)
             self.moved += self.prep.nbytes[v]
-
-    def _prefetch(self, during: list[int], demand: list[list], demand_ready: list[list[int]],
-                  nbytes: dict[int, int]) -> list[list[int]]:
-        """(a) swap-in through the window: issue each demanded swap-in as early as allowed.
-
-        A swap-in needed by f_u may move to before f_k (k < u) when the variable is in the
-        slower tier by then (``ready``), the uses of f_k .. f_u fit in ``window`` bytes, and
-        the device bytes recorded for f_k .. f_{u-1} plus the variable stay within the
-        budget. Earlier needs are placed first. Rewrites ``demand[u]`` to (var, hoisted).
-        """
-        seq, budget, window = self.seq, self.budget, self.window
-        n = len(seq.functions)
-        prefix = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(self.working_sets, out=prefix[1:])
-        level = np.asarray(during, dtype=np.int64)
-        prefetch: list[list[int]] = [[] for _ in range(n)]
-        lo_window = 0
-        for u in range(n + 1):
-            if not demand[u]:
-                continue
-            # The earliest function from which f_u's uses are within the window.
-            top = int(prefix[min(u + 1, n)])
-            lo_window = int(np.searchsorted(prefix, top - window, side="left"))
-            out = []
-            for v, ready in zip(demand[u], demand_ready[u]):
-                nb = nbytes[v]
-                start = _earliest_fit(level, max(lo_window, ready), u, budget - nb)
-                if start < u:
-                    prefetch[start].append(v)
-                    level[start:u] += nb
-                    out.append((v, True))
-                else:
-                    out.append((v, False))
-            demand[u] = out
-        return prefetch
-
-
-def _earliest_fit(level: "np.ndarray", lo: int, hi: int, limit: int) -> int:
-    """Smallest k in [lo, hi] with ``level[k:hi] <= limit`` everywhere.
-
-    Searches backwards from ``hi`` in growing blocks, so the cost is proportional to the
-    distance found, not to the window.
-    """
-    k_hi = hi
-    step = 256
-    while k_hi > lo:
-        k_lo = max(lo, k_hi - step)
-        over = np.flatnonzero(level[k_lo:k_hi] > limit)
-        if over.size:
-            return k_lo + int(over[-1]) + 1
-        k_hi = k_lo
-        step *= 8
-    return lo

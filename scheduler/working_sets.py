@@ -7,9 +7,11 @@ while it runs, so no plan fits a budget below the largest one.
 from __future__ import annotations
 
 from scheduler.errors import BudgetTooSmall
-from scheduler.ir import VariableSequence
+from scheduler.ir import Access, VariableSequence
 
-__all__ = ["Infeasible", "default_window", "require_working_sets_fit", "working_sets"]
+__all__ = ["INF", "Infeasible", "Prepared", "default_window", "require_working_sets_fit", "working_sets"]
+
+INF = float("inf")
 
 
 def default_window(budget: int) -> int:
@@ -47,3 +49,29 @@ class Infeasible(Exception):
         super().__init__(f"function {index} needs {needed} B")
         self.index = index
         self.needed = needed
+
+
+class Prepared:
+    """Per-sequence facts both passes of policy "window" share (computed once): each
+    function's variables, writes and working set, and each use's next use (INF: none)."""
+
+    def __init__(self, seq: VariableSequence) -> None:
+        self.seq = seq
+        variables = seq.variables
+        self.nbytes = {v: var.nbytes for v, var in variables.items()}
+        self.live_in = {v for v, var in variables.items() if var.live_in}
+        self.live_out = {v for v, var in variables.items() if var.live_out}
+        self.ids = [f.var_ids for f in seq.functions]
+        self.writes = [{u.var for u in f.uses if u.access is Access.WRITE} for f in seq.functions]
+        nb = self.nbytes
+        self.working_sets = [sum(nb[v] for v in ids) for ids in self.ids]
+        # next_after[i][k]: the next function after i that uses ids[i][k] (INF if none).
+        upcoming: dict[int, float] = {}
+        next_after: list[tuple[float, ...]] = [()] * len(self.ids)
+        for i in range(len(self.ids) - 1, -1, -1):
+            ids = self.ids[i]
+            next_after[i] = tuple(upcoming.get(v, INF) for v in ids)
+            for v in ids:
+                upcoming[v] = i
+        self.next_after = next_after
+        self.first_use = upcoming

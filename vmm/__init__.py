@@ -20,7 +20,7 @@ _EXPORTS = {
     "SimBackend": "sim",
     "CudaBackend": "cuda",
     "ChunkPool": "pool",
-    "VirtualAllocator": "virtual", "Allocation": "virtual",
+    "VirtualAllocator": "virtual", "Allocation": "allocation",
     "CachingAllocator": "caching",
 }
 

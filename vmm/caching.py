@@ -27,6 +27,10 @@ at least that large are never split and are not handed to smaller requests; so a
 :class:`vmm.expandable.ExpandableAllocator`; :mod:`vmm.alloc_conf` builds either from a
 ``PYTORCH_CUDA_ALLOC_CONF`` line.
 
+Where the pieces are: the size rules both PyTorch models share in :mod:`vmm.block_sizes`, the
+segments and how they are had from the backend in :mod:`vmm.caching_segments`; here the block
+search, splitting, coalescing, garbage collection and the statistics.
+
 Each segment is one ``cudaMalloc`` in PyTorch; here it is one chunk of the segment's size
 mapped onto its own reserved range of the backend (sim for planning at device scale,
 host for real bytes), so ``map_calls`` counts segment allocations. Free blocks sit in
@@ -41,92 +45,24 @@ from typing import Any
 
 from vmm.backend import Backend
 from vmm.block_counters import BlockCounters
-from vmm.errors import OutOfBudget, VMMError
+from vmm.block_sizes import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,
+                             K_SMALL_BUFFER, K_SMALL_SIZE, allocation_size, block_size,
+                             round_size)
+from vmm.caching_segments import Block, SegmentSource, _Segment
+from vmm.errors import CachingAllocatorError
 from vmm.gc_threshold import check_threshold, segments_to_release
 from vmm.pool import BudgetExceeded
-from vmm.roundup import check_divisions, round_up
+from vmm.roundup import check_divisions
 from vmm.units import format_size
 
-K_MIN_BLOCK_SIZE = 512
-K_SMALL_SIZE = 1 << 20
-K_SMALL_BUFFER = 2 << 20
-K_LARGE_BUFFER = 20 << 20
-K_MIN_LARGE_ALLOC = 10 << 20
-K_ROUND_LARGE = 2 << 20
+__all__ = ["CachingAllocator", "Block", "CachingAllocatorError", "K_MIN_BLOCK_SIZE",
+           "K_SMALL_SIZE", "K_SMALL_BUFFER", "K_LARGE_BUFFER", "K_MIN_LARGE_ALLOC",
+           "K_ROUND_LARGE", "allocation_size", "block_size", "round_size"]
 
 _SHIFT = 64  # free-list key = size << 64 | address: one int compares faster than a tuple
 
 
-class CachingAllocatorError(VMMError):
-    """Misuse of the caching allocator: double free, a foreign or split-away block."""
-
-
-def round_size(nbytes: int) -> int:
-    """PyTorch's ``round_size``: at least 512, else up to a multiple of 512."""
-    if nbytes < K_MIN_BLOCK_SIZE:
-        return K_MIN_BLOCK_SIZE
-    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
-
-
-def allocation_size(size: int) -> int:
-    """PyTorch's ``get_allocation_size``: the segment a rounded request would get."""
-    if size <= K_SMALL_SIZE:
-        return K_SMALL_BUFFER
-    if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
-    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
-
-
-class _Segment:
-    __slots__ = ("address", "size", "handle", "small", "active", "first")
-
-    def __init__(self, address: int, size: int, handle: Any, small: bool) -> None:
-        self.address = address
-        self.size = size
-        self.handle = handle
-        self.small = small
-        self.active = 0  # allocated blocks in this segment
-        self.first: Block | None = None  # the block at the segment's start
-
-
-class Block:
-    """A block of a segment: ``address``, ``size`` (rounded, after splitting) and, while
-    allocated, ``requested`` (the bytes asked for). What :meth:`CachingAllocator.alloc`
-    returns and :meth:`CachingAllocator.free` takes."""
-
-    __slots__ = ("address", "size", "requested", "allocated", "prev", "next", "segment",
-                 "gc_base")
-
-    def __init__(self, address: int, size: int, segment: _Segment | None,
-                 prev: "Block | None" = None, next: "Block | None" = None) -> None:
-        self.address = address
-        self.size = size
-        self.requested = 0
-        self.allocated = False
-        self.prev = prev
-        self.next = next
-        self.segment = segment
-        self.gc_base = 0  # the pool's search count when this block last became free
-
-    @property
-    def nbytes(self) -> int:
-        return self.requested
-
-    def __repr__(self) -> str:
-        state = "allocated" if self.allocated else "free"
-        return f"<Block 0x{self.address:x} size={self.size} requested={self.requested} {state}>"
-
-
-def block_size(nbytes: int, roundup_divisions: int = 1) -> int:
-    """PyTorch's ``round_size``: 512-byte multiples, or the ``roundup_power2_divisions``
-    rounding when it is set (more than one division)."""
-    if roundup_divisions > 1:
-        return round_up(nbytes, roundup_divisions)
-    return K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else \
-        -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
-
-
-class CachingAllocator(BlockCounters):
+class CachingAllocator(SegmentSource, BlockCounters):
     """PyTorch's best-fit caching allocator over a backend (see the module docstring).
 
     Args:
@@ -411,65 +347,6 @@ class CachingAllocator(BlockCounters):
             block = self._free_blocks.pop(key & _MASK)
             self._release_segment(block.segment)
             self.gc_released += 1
-
-    def _alloc_block(self, size: int, small: bool, nbytes: int) -> Block:
-        """A new segment for the request; on failure free cached segments, retry once."""
-        seg_size = allocation_size(size)
-        g = self._granularity
-        if seg_size % g:
-            seg_size = -(-seg_size // g) * g
-        seg = self._new_segment(seg_size, small)
-        if seg is None:
-            self.num_alloc_retries += 1
-            self.empty_cache()
-            seg = self._new_segment(seg_size, small)
-            if seg is None:
-                self.ooms += 1
-                raise self._oom(nbytes, size, seg_size)
-        block = Block(seg.address, seg.size, seg)
-        seg.first = block
-        return block
-
-    def _new_segment(self, seg_size: int, small: bool) -> _Segment | None:
-        cap = self.capacity_bytes
-        if cap is not None and self.mapped_bytes + seg_size > cap:
-            return None
-        backend = self.backend
-        address = handle = None
-        try:
-            address = backend.reserve_range(seg_size)
-            handle = backend.create_chunk(seg_size)
-            backend.map(address, handle, seg_size)
-            backend.set_access(address, seg_size)
-        except OutOfBudget:  # the backend itself is full (DeviceOutOfMemory)
-            if handle is not None:
-                backend.release_chunk(handle)
-            if address is not None:
-                backend.free_range(address, seg_size)
-            return None
-        seg = _Segment(address, seg_size, handle, small)
-        self._segments[address] = seg
-        self.map_calls += 1
-        self.mapped_bytes += seg_size
-        if small:
-            self.small_pool_bytes += seg_size
-        if self.mapped_bytes > self.peak_mapped_bytes:
-            self.peak_mapped_bytes = self.mapped_bytes
-        if len(self._segments) > self.peak_segments:
-            self.peak_segments = len(self._segments)
-        return seg
-
-    def _release_segment(self, seg: _Segment) -> int:
-        backend = self.backend
-        backend.unmap(seg.address, seg.size)
-        backend.release_chunk(seg.handle)
-        backend.free_range(seg.address, seg.size)
-        del self._segments[seg.address]
-        self.unmap_calls += 1
-        self.mapped_bytes -= seg.size
-        if seg.small:
-            self.small_pool_bytes -= seg.size
-        return seg.size
 
     def _oom(self, nbytes: int, size: int, seg_size: int) -> BudgetExceeded:
         cap = self.capacity_bytes

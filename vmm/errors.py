@@ -21,3 +21,7 @@ class OutOfBudget(OOCError, MemoryError):
 
 class VMMError(OOCError):
     """A virtual-memory operation failed (bad chunk size, backend call error, misuse)."""
+
+
+class CachingAllocatorError(VMMError):
+    """Misuse of the caching allocator: double free, a foreign or split-away block."""

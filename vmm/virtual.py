@@ -7,124 +7,27 @@ waste is inside the last chunk of each allocation: less than one chunk per alloc
 less than N_max x chunk in total (N_max = allocations live at once), never holes between
 allocations (Hayakawa & Narihira, "Out-of-core training ... adaptive window-based
 scheduling", the virtual-addressing half).
+
+This module is the allocator's public API and its byte accounting; how a request finds its
+range (reuse of parked ranges, stealing, quarantine) is :mod:`vmm.range_reuse`, and what a
+caller holds (:class:`Allocation`, its buffers and misuse errors) is :mod:`vmm.allocation`.
 """
 
 from __future__ import annotations
 
 import gc
-import weakref
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from typing import Any
 
-from vmm.errors import OutOfBudget, VMMError
-from vmm.pool import BudgetExceeded, Chunk, ChunkPool
+from vmm.allocation import Allocation, AllocationError, BufferInUse
+from vmm.pool import BudgetExceeded, ChunkPool
+from vmm.range_reuse import _EMPTY, RangeReuse, _Range
 from vmm.units import format_size
 
-
-class AllocationError(VMMError):
-    """Misuse of an allocation: double free, a foreign allocation, a negative size."""
+__all__ = ["VirtualAllocator", "Allocation", "AllocationError", "BufferInUse"]
 
 
-class BufferInUse(AllocationError):
-    """``free()`` of an allocation while a buffer exported from it is still referenced."""
-
-
-class _Range:
-    """One reserved virtual range: ``capacity`` chunks of address space, the first
-    ``len(chunks)`` of them mapped (the chunks in mapping order)."""
-
-    __slots__ = ("address", "capacity", "chunks", "rid", "fence")
-
-    def __init__(self, address: int, capacity: int, rid: int) -> None:
-        self.address = address
-        self.capacity = capacity
-        self.chunks: list[Chunk] = []
-        self.rid = rid
-        # Parked: the backend's mark of the moment it was freed (``Backend.fence``): work
-        # queued before it may still use the chunks; an unmap that finds it passed need not
-        # wait for the device. None while in use (or if the backend keeps no fences).
-        self.fence: Any = None
-
-
-class Allocation:
-    """A live allocation: ``address`` (contiguous, aligned to the backend granularity),
-    ``nbytes`` (requested), ``mapped_bytes`` (k whole chunks), ``chunks`` (in mapping order).
-
-    Lifetime rule for :meth:`buffer`: a buffer is a zero-copy window onto the mapped range
-    and is valid exactly while the allocation is live. The allocator refuses to free an
-    allocation while any buffer exported from it (or a numpy array / torch tensor /
-    memoryview made from such a buffer, which all hold a reference to it) is still alive,
-    raising :class:`BufferInUse`; drop them first. A raw ``address`` carries no such guard:
-    code that uses the address directly must stop before calling ``free``.
-    """
-
-    __slots__ = ("address", "nbytes", "mapped_bytes", "_range", "_owner", "_exports",
-                 "__weakref__")
-
-    def __init__(self, address: int, nbytes: int, mapped_bytes: int, rng: _Range | None,
-                 owner: "VirtualAllocator") -> None:
-        self.address = address
-        self.nbytes = nbytes
-        self.mapped_bytes = mapped_bytes
-        self._range = rng
-        self._owner = owner
-        self._exports: list[weakref.ref] | None = None
-
-    @property
-    def live(self) -> bool:
-        return self._range is not None
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        """The physical chunks behind the range, in address order (empty once freed)."""
-        rng = self._range
-        return tuple(rng.chunks) if rng is not None else ()
-
-    @property
-    def alignment(self) -> int:
-        """What ``address`` is a multiple of (the backend granularity: 4096 on the host)."""
-        return self._owner.alignment
-
-    def buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
-        """A writable, zero-copy buffer over ``[offset, offset + nbytes)`` of the allocation.
-
-        Host backend only (a ctypes ``c_char`` array: works with ``memoryview``,
-        ``numpy.frombuffer`` and ``torch.frombuffer``). The buffer keeps this allocation
-        object alive, and ``free()`` raises :class:`BufferInUse` while the buffer or anything
-        made from it is referenced (see the class docstring). ``nbytes`` defaults to the rest
-        of the requested size; up to ``mapped_bytes`` may be asked for.
-        """
-        if self._range is None:
-            raise AllocationError(f"buffer() of a freed allocation (was at 0x{self.address:x})")
-        if nbytes is None:
-            nbytes = self.nbytes - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > self.mapped_bytes:
-            raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the "
-                                  f"{self.mapped_bytes} mapped bytes of allocation 0x{self.address:x}")
-        buf = self._owner.backend.buffer(self.address + offset, nbytes)
-        buf._ooc_allocation = self  # the buffer keeps the allocation (and its backend) alive
-        if self._exports is None:
-            self._exports = []
-        else:
-            self._exports = [r for r in self._exports if r() is not None]
-        self._exports.append(weakref.ref(buf))
-        return buf
-
-    def exports_alive(self) -> int:
-        """How many buffers exported by :meth:`buffer` are still referenced."""
-        return 0 if not self._exports else sum(r() is not None for r in self._exports)
-
-    def free(self) -> None:
-        """Same as ``allocator.free(self)``."""
-        self._owner.free(self)
-
-    def __repr__(self) -> str:
-        state = "live" if self._range is not None else "freed"
-        return (f"<Allocation 0x{self.address:x} {format_size(self.nbytes)} requested, "
-                f"{format_size(self.mapped_bytes)} mapped, {state}>")
-
-
-class VirtualAllocator:
+class VirtualAllocator(RangeReuse):
     """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
 
     ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
@@ -424,25 +327,6 @@ class VirtualAllocator:
             "ooms": self.ooms,
         }
 
-    def check(self) -> None:
-        """Verify the internal invariants (for tests); raises AssertionError if broken."""
-        pool = self.pool
-        live = self.live_chunks
-        parked = sum(len(r.chunks) for r in self._lru.values())
-        assert parked == self.parked_chunks, (parked, self.parked_chunks)
-        assert pool.handed_out == live + parked, (pool.handed_out, live, parked)
-        assert pool.created == pool.handed_out + pool.cached
-        assert pool.created <= pool.max_chunks
-        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
-        for m, bucket in self._parked.items():
-            assert bucket and m in self._parked_sizes
-            for r in bucket.values():
-                assert len(r.chunks) == m and r.rid in self._lru
-        assert sorted(self._parked) == self._parked_sizes
-        for cap, bucket in self._by_capacity.items():
-            for r in bucket.values():
-                assert r.capacity == cap and len(r.chunks) <= cap
-
     def __repr__(self) -> str:
         return (f"<VirtualAllocator {self.live_allocations} live, "
                 f"{format_size(self.requested_bytes)} requested, "
@@ -465,218 +349,6 @@ class VirtualAllocator:
                 self.peak_mapped_bytes = self.mapped_bytes
                 self.peak_chunks_in_use = self.live_chunks
         return allocation
-
-    def _place(self, k: int, nbytes: int) -> _Range:
-        """Steps 2-4 of the class doc: find or make a range holding k mapped chunks."""
-        self._flush_quarantine()
-        chunk = self.chunk_bytes
-        sizes = self._parked_sizes
-        # 2. shrink the smallest larger parked range, if that costs fewer calls than k maps
-        # and the chunks would otherwise have to be stolen from parked ranges anyway.
-        # Not while the device may still use the range (its fence has not passed): the
-        # unmap would make the host wait; steps 3-4 steal without waiting instead.
-        i = bisect_right(sizes, k)
-        if (i < len(sizes) and sizes[i] < 2 * k
-                and (self.pool.cached if self.lean else self.pool.available) < k):
-            rng = next(reversed(self._parked[sizes[i]].values()))
-            if rng.fence is None or self.backend.fence_passed(rng.fence):
-                self._detach_parked(rng)
-                self._remove_free(rng)
-                self._unmap_tail(rng, k)
-                self.reuse_shrink += 1
-                return rng
-        # 3. grow a range of capacity k in place (it holds fewer than k chunks).
-        target = None
-        have = 0
-        by_cap = self._by_capacity.get(k)
-        if by_cap:
-            target = next(reversed(by_cap.values()))
-            have = len(target.chunks)
-            if have:
-                self._detach_parked(target)
-            self._remove_free(target)
-        need = k - have
-        pool = self.pool
-        if need > pool.available + self.parked_chunks:
-            if target is not None:
-                self._restore_free(target)
-            self.ooms += 1
-            raise self._oom(nbytes, k)
-        got: list[Chunk] = []
-        try:
-            # Where the chunks come from: the pool's cache first (free, unmapped); then,
-            # by default, new chunks up to the budget before parked ones (parked ranges
-            # survive for exact reuse as long as the budget allows), or with ``lean``,
-            # parked ones before new ones (physical memory grows only when every chunk is
-            # under a live allocation).
-            take = min(need, pool.cached)
-            if take:
-                got = pool.acquire(take)
-            rest = need - take
-            if rest and not self.lean:
-                create = min(rest, pool.max_chunks - pool.created)
-                if create:
-                    try:
-                        got.extend(pool.acquire(create))
-                        rest -= create
-                    except OutOfBudget:
-                        # The device is full before the budget is: use what was created,
-                        # then parked chunks (a request that fits must not fail for this).
-                        extra = min(rest, pool.cached)
-                        if extra:
-                            got.extend(pool.acquire(extra))
-                            rest -= extra
-                        if rest > self.parked_chunks:
-                            raise
-            if rest:
-                steal = min(rest, self.parked_chunks)
-                if steal:
-                    got.extend(self._steal(steal))
-                    rest -= steal
-                if rest:
-                    got.extend(pool.acquire(rest))
-            if target is None:
-                address = self.backend.reserve_range(k * chunk)
-                self.reserve_calls += 1
-                target = _Range(address, k, self._next_rid)
-                self._next_rid += 1
-                self._ranges[target.rid] = target
-                self.reserved_bytes += k * chunk
-                if self.reserved_bytes > self.peak_reserved_bytes:
-                    self.peak_reserved_bytes = self.reserved_bytes
-                self.new_ranges += 1
-            elif have:
-                self.reuse_grow += 1
-            else:
-                self.reuse_range += 1
-            start = target.address + have * chunk
-            self.backend.map_many(start, [c.handle for c in got], chunk)
-            target.chunks.extend(got)
-            self.map_calls += need
-            got = []
-            self.backend.set_access(start, need * chunk)
-        except BaseException:
-            # A backend failure (device out of memory, a driver error): every chunk taken
-            # goes back to the pool unmapped, the range back to the free ranges.
-            pool.release(got)
-            if target is not None:
-                if target.chunks:
-                    self._unmap_tail(target, 0)
-                self._restore_free(target)
-            raise
-        return target
-
-    def _trim_some(self, count: int) -> int:
-        from_cache = min(count, self.pool.cached)
-        freed = self.pool.trim(from_cache * self.chunk_bytes)
-        stolen = min(count - from_cache, self.parked_chunks)
-        if stolen:
-            self.pool.release(self._steal(stolen, defer=False))   # released: truly unmapped
-            freed += self.pool.trim(stolen * self.chunk_bytes)
-        return freed
-
-    def _steal(self, count: int, *, defer: bool = True) -> list[Chunk]:
-        """Take ``count`` chunks from parked ranges, least recently parked first (``defer``:
-        chunks may stay mapped at their old address for a while, see below)."""
-        chunk = self.chunk_bytes
-        out: list[Chunk] = []
-        with self.backend.one_synchronization():   # one device wait for every range below
-            while count:
-                count = self._steal_from_oldest(count, out, chunk, defer)
-        return out
-
-    def _steal_from_oldest(self, count: int, out: list[Chunk], chunk: int, defer: bool) -> int:
-        """Move up to ``count`` chunks off the tail of the least recently parked range into
-        ``out``; return how many are still wanted.
-
-        If the range's fence has not passed (kernels queued before it was let go may still
-        use its addresses), nothing is unmapped now, which would need the host to wait for
-        the device: the chunks move on while still mapped there too (the driver allows a
-        chunk at two addresses), and the range waits in quarantine until its fence passes
-        (:meth:`_flush_quarantine`). Safe because the chunks' new users are ordered after
-        the old ones on the device: kernels on the same stream, copies ordered after it."""
-        rng = next(iter(self._lru.values()))
-        m = len(rng.chunks)
-        take = min(count, m)
-        keep = m - take
-        self._detach_parked(rng)
-        if defer and rng.fence is not None and not self.backend.fence_passed(rng.fence):
-            out.extend(rng.chunks[keep:])
-            if keep:
-                self.pool.release(rng.chunks[:keep])   # free for any range, as parked ones are
-            rng.chunks.clear()
-            self._remove_free(rng)
-            self._quarantine.append((rng, m, rng.fence))
-            self.deferred_unmaps += 1
-            self.steals += 1
-            return count - take
-        self.backend.unmap(rng.address + keep * chunk, take * chunk, fence=rng.fence)
-        self.unmap_calls += take
-        out.extend(rng.chunks[keep:])
-        del rng.chunks[keep:]
-        if keep:
-            self._park(rng)
-        self.steals += 1
-        return count - take
-
-    def _flush_quarantine(self, *, force: bool = False) -> None:
-        """Unmap the quarantined ranges whose fence has passed (all of them with ``force``:
-        the device is synchronized once) and make them free, empty ranges again."""
-        if not self._quarantine:
-            return
-        chunk = self.chunk_bytes
-        waiting = []
-        with self.backend.one_synchronization():
-            for rng, m, fence in self._quarantine:
-                if force or self.backend.fence_passed(fence):
-                    self.backend.unmap(rng.address, m * chunk, fence=fence)
-                    self.unmap_calls += m
-                    self._by_capacity.setdefault(rng.capacity, {})[rng.rid] = rng
-                else:
-                    waiting.append((rng, m, fence))
-        self._quarantine = waiting
-
-    def _unmap_tail(self, rng: _Range, keep: int) -> None:
-        """Unmap the range's chunks past the first ``keep`` and return them to the pool."""
-        drop = len(rng.chunks) - keep
-        if drop > 0:
-            self.backend.unmap(rng.address + keep * self.chunk_bytes, drop * self.chunk_bytes,
-                               fence=rng.fence)
-            self.unmap_calls += drop
-            self.pool.release(rng.chunks[keep:])
-            del rng.chunks[keep:]
-
-    def _park(self, rng: _Range) -> None:
-        m = len(rng.chunks)
-        bucket = self._parked.get(m)
-        if bucket is None:
-            self._parked[m] = {rng.rid: rng}
-            insort(self._parked_sizes, m)
-        else:
-            bucket[rng.rid] = rng
-        self._lru[rng.rid] = rng
-        self.parked_chunks += m
-
-    def _detach_parked(self, rng: _Range) -> None:
-        m = len(rng.chunks)
-        bucket = self._parked[m]
-        del bucket[rng.rid]
-        if not bucket:
-            del self._parked[m]
-            del self._parked_sizes[bisect_left(self._parked_sizes, m)]
-        del self._lru[rng.rid]
-        self.parked_chunks -= m
-
-    def _remove_free(self, rng: _Range) -> None:
-        by_cap = self._by_capacity[rng.capacity]
-        del by_cap[rng.rid]
-        if not by_cap:
-            del self._by_capacity[rng.capacity]
-
-    def _restore_free(self, rng: _Range) -> None:
-        if rng.chunks:
-            self._park(rng)
-        self._by_capacity.setdefault(rng.capacity, {})[rng.rid] = rng
 
     def _check_exports(self, allocation: Allocation) -> None:
         alive = allocation.exports_alive()
@@ -706,5 +378,3 @@ class VirtualAllocator:
             requested=nbytes, in_use=self.requested_bytes, budget=pool.budget_bytes,
             largest_fit=fit)
 
-
-_EMPTY = _Range(0, 0, -1)  # the range of every zero-byte allocation (never mapped)

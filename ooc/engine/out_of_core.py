@@ -27,7 +27,7 @@ from ooc.engine.step_end import StepEnd
 from ooc.engine.update_hooks import UpdateHooks
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
-from ooc.runtime.composition import check_step_entry
+from ooc.runtime.composition import check_sharded_params, check_step_entry, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.process_effects import ProcessEffects
@@ -126,6 +126,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         if unknown:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
         self.manage = frozenset(manage)
+        check_sharded_params(model, self.manage)   # FSDP2: activations only
         if policy not in scheduler.POLICIES:
             raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
         self.policy = policy
@@ -188,8 +189,9 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         if "optimizer_state" in self.manage and optimizer is not None:
             self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
         if self.manage & {"params", "grads", "optimizer_state"}:
-            self._hooks += [model.register_state_dict_pre_hook(self._bring_back_hook),
-                            model.register_load_state_dict_pre_hook(self._bring_back_hook)]
+            owner = state_dict_owner(model)   # DDP: its .module, whose hooks cover both
+            self._hooks += [owner.register_state_dict_pre_hook(self._bring_back_hook),
+                            owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
         if optimizer is not None:   # the update starts at optimizer.step(), however it is called
@@ -352,7 +354,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
 
 # The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
 PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
-                  "peak_resident_bytes", "bytes_in", "bytes_out")
+                  "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
 
 
 def _numbers(prefix: str, stats: dict[str, Any]) -> dict[str, int | float]:

@@ -86,6 +86,8 @@ class PersistentTensors:
             st = None if e is None else e._stepper
             if st is None or p.grad is None:
                 return
+            if p.grad._base is not None:   # a window onto another owner's buffer (_live_out)
+                return
             with _disable_current_modes():
                 st.adopt_grad_of(p.grad, name)
         return hook

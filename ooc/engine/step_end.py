@@ -137,7 +137,12 @@ class StepEnd:
         for p, name in names.items():
             if "params" in self.manage:
                 candidates.append((p, Kind.PARAM, name))
-            if "grads" in self.manage and p.grad is not None:
+            # A gradient that is a view is a window onto a buffer another owner holds: DDP's
+            # gradient_as_bucket_view=True makes p.grad a view into its bucket, whose all-reduce
+            # runs asynchronously, after the op that started it returned. Managed, the whole
+            # bucket was adopted as one parameter's gradient (at DDP's bucket rebuild) and could
+            # be released under that all-reduce. The bucket stays DDP's.
+            if "grads" in self.manage and p.grad is not None and p.grad._base is None:
                 candidates.append((p.grad, Kind.GRAD, f"{name}.grad"))
             if "optimizer_state" in self.manage and self.optimizer is not None:
                 for key, t in self.optimizer.state.get(p, {}).items():

@@ -30,8 +30,8 @@ from typing import Any
 
 from vmm.errors import OutOfBudget
 
-from ooc.frag.inputs import Trace, gc_paused
-from ooc.frag.report import allocator_name, make_allocator
+from ooc.frag.allocator_replay import allocator_name, make_allocator
+from ooc.frag.trace_data import Trace, gc_paused
 
 __all__ = ["ExportInfo", "build_snapshot", "export_snapshot"]
 

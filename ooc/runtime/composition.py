@@ -95,3 +95,38 @@ def check_hooks_inside(own_pack: Any) -> None:
         "them in its budget. Remove them from the step (ooc already moves saved activations to "
         "its slower tier within the budget; torch.utils.checkpoint composes with it), or create "
         "the engine with manage= without 'activations' to leave activations to those hooks")
+
+
+def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None:
+    """Refuse managed params/grads/optimizer state of a model whose parameters are DTensors
+    (FSDP2's ``fully_shard``, tensor parallelism). A DTensor is a wrapper with no storage of
+    its own: the engine releases and restores storages in place, and it sees only the ops on
+    the wrapper (its dispatch mode runs before DTensor's, which then runs the ops on each
+    rank's local shard out of its sight), so it could neither move the shard nor know when an
+    op needs it. FSDP2 already frees the unsharded parameters after each use; ooc composes
+    with it by managing activations."""
+    kinds = sorted(manage & {"params", "grads", "optimizer_state"})
+    if not kinds:
+        return
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+            raise OOCError(
+                f"manage={tuple(sorted(manage))}: parameter {name} is a DTensor (FSDP2's fully_shard "
+                f"or tensor parallelism), whose shard ooc cannot release or see the ops of; "
+                f"manage {', '.join(repr(k) for k in kinds)} only of a model without sharded "
+                f"parameters, and manage=('activations',) here (FSDP2 already frees the unsharded "
+                f"parameters after each use)")
+
+
+def state_dict_owner(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``state_dict()``/``load_state_dict()`` hooks cover every way to save
+    or load ``model``: for a ``DistributedDataParallel`` wrapper, the module it wraps
+    (``ddp.module``, which holds every parameter and buffer). A module's
+    state-dict hooks also run when a parent's ``state_dict()`` recurses into it, but not the
+    other way round: hooked on the wrapper, ``ddp.module.state_dict()`` (the usual way to
+    save a DDP checkpoint without the ``module.`` prefix) read released, 0-byte storages."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model

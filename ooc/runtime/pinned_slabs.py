@@ -15,15 +15,12 @@ import logging
 import os
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ooc.errors import StorageError
 from ooc.storage.extents import Extents, round_up
 from vmm.cuda_driver import CudaDriver, DriverCallError
 from vmm.units import format_size
-
-if TYPE_CHECKING:
-    from ooc.runtime.copy_streams import InFlightCopy
 
 __all__ = ["ALIGN", "DEFAULT_SLAB", "KeyBytes", "PinnedSlabs", "TierResources",
            "half_the_ram", "release_resources"]
@@ -53,7 +50,9 @@ class KeyBytes:
     refs: int = 0
     retired: bool = False
     crc: int | None = None
-    write: "InFlightCopy | None" = None   # the key's write until it is known complete
+    # The key's write until it is known complete: a copy_streams.InFlightCopy (not imported:
+    # copy_streams builds on this module, not the other way round).
+    write: Any = None
     write_error: StorageError | None = None
 
 

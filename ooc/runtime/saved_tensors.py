@@ -19,6 +19,17 @@ from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
 
 
+def _of_parameter(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is a parameter or a view of one (``weight.t()``, saved by a
+    linear layer's matmul). Its bytes are the parameter's owner's, never an activation's:
+    swapping it moves bytes that stay in memory anyway, and under FSDP2 the owner frees that
+    storage after the forward (``resize_(0)``, reshard_after_forward) and all-gathers into it
+    again before the backward, so a write still in flight read freed memory (parameters
+    differed from FSDP2 without ooc once writes were slow). Managed parameters are the
+    engine's persistent slots, never activations."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class Packed:
     """What autograd keeps for a saved activation: the slot and how to rebuild the view."""
 
@@ -63,7 +74,7 @@ class SavedTensors:
                 b = self.rec.births.get(s._cdata)
                 if b is None or b.var is None:
                     return t   # not managed in this step: _pack returns it as it is too
-            elif slot.kind is not Kind.ACTIVATION or isinstance(t, torch.nn.Parameter) or t.is_meta:
+            elif slot.kind is not Kind.ACTIVATION or _of_parameter(t) or t.is_meta:
                 return t
             else:
                 return Packed(slot, t)
@@ -81,7 +92,7 @@ class SavedTensors:
         return p
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if _of_parameter(t) or t.device.type == "meta":
             return t
         slot = self.slot_of(t)
         if slot is None:

@@ -4,27 +4,32 @@ The runtime engine swaps a tensor out with :meth:`FileTier.write_async`, release
 memory once the returned future resolves, and brings it back with :meth:`FileTier.read_async`
 into a buffer of its pool. Everything else here — where the bytes live in the file, which
 descriptor moves them, checksums, errors — is invisible to it.
+
+This module is the tier's public API and its bookkeeping under one lock (a record per key,
+the file's extents, the counters, the I/O thread pool). How a key's bytes move on an I/O
+thread (CRC chunks, O_DIRECT and its bounce page, buffered write-back) is
+:mod:`ooc.storage.swap_transfer`; which caller objects are accepted as bytes is
+:mod:`ooc.storage.byte_views`; what a failed operation tells the user is
+:mod:`ooc.storage.io_errors`; where the bytes go in the file is :mod:`ooc.storage.extents`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 import threading
-import time
-import traceback
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from ooc.errors import StorageError
 from ooc.storage.extents import Extents, room_to_write
+from ooc.storage.byte_views import byte_view
+from ooc.storage.io_errors import filesystem as _filesystem  # noqa: F401 - the old import path
+from ooc.storage.io_errors import io_error
 from ooc.storage.private_dir import make_private_dir, remove_private_dir
-from ooc.storage.swapfile import ALIGN, Fault, ShortTransfer, SwapFile, buffer_address
-from vmm.units import format_size
+from ooc.storage.swap_transfer import TransferTasks
+from ooc.storage.swapfile import ALIGN, Fault, SwapFile, buffer_address
 
 __all__ = ["FileTier"]
 
@@ -46,7 +51,7 @@ class _Record:
     write: Future | None = None
 
 
-class FileTier:
+class FileTier(TransferTasks):
     """A swap file on local storage, with ``threads`` background I/O threads.
 
     ``write_async(key, src, nbytes)`` copies the first ``nbytes`` of ``src`` into the tier and
@@ -155,7 +160,7 @@ class FileTier:
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        base, view = _byte_view(src, writable=False)
+        base, view = byte_view(src, writable=False)
         if len(view) < nbytes:
             base.release()
             raise ValueError(f"key {key}: src holds {len(view)} bytes, fewer than nbytes={nbytes}")
@@ -177,7 +182,7 @@ class FileTier:
 
     def read_async(self, key: int, dst) -> Future:
         """Copy ``key``'s bytes into the start of ``dst`` (which holds at least that many)."""
-        base, view = _byte_view(dst, writable=True)
+        base, view = byte_view(dst, writable=True)
         with self._lock:
             self._check_open()
             rec = self._records.get(key)
@@ -343,153 +348,8 @@ class FileTier:
                 self._stats[f"{kind}s"] += 1
                 self._stats["direct_transfers" if direct else "buffered_transfers"] += 1
 
-    # -- the I/O threads -------------------------------------------------------------------
-
-    def _run_write(self, key: int, rec: _Record, base: memoryview, view: memoryview,
-                   direct: bool) -> None:
-        t0 = time.perf_counter()
-        ok = False
-        try:
-            self._transfer("pwrite", key, rec, view, direct)
-            ok = True
-        except OSError as e:
-            _forget_buffers(e)
-            raise self._error("write", key, rec.nbytes, e) from e
-        finally:
-            # Release our views of the caller's buffer before the future resolves, so the
-            # caller may free or resize it the moment it sees the result.
-            view.release()
-            base.release()
-            self._done(rec, "write", rec.nbytes, time.perf_counter() - t0, ok, direct)
-
-    def _run_read(self, key: int, rec: _Record, base: memoryview, view: memoryview,
-                  direct: bool) -> None:
-        t0 = None
-        ok = False
-        try:
-            # The key's write was queued before this read (FIFO pool), so it is running or
-            # done: this wait is short and cannot deadlock, even with one thread.
-            exc = rec.write.exception()
-            if exc is not None:
-                err = StorageError(f"cannot read key {key}: its write failed: {exc}")
-                err.errno = getattr(exc, "errno", None)
-                raise err from exc
-            t0 = time.perf_counter()
-            self._transfer("pread", key, rec, view, direct)
-            ok = True
-        except OSError as e:
-            _forget_buffers(e)
-            if isinstance(e, StorageError):
-                raise
-            raise self._error("read", key, rec.nbytes, e) from e
-        finally:
-            view.release()
-            base.release()
-            seconds = 0.0 if t0 is None else time.perf_counter() - t0
-            self._done(rec, "read", rec.nbytes, seconds, ok, direct)
-
-    def _transfer(self, op: str, key: int, rec: _Record, view: memoryview, direct: bool) -> None:
-        """Move the key's bytes piece by piece, in steps that never cross a chunk boundary of
-        the key's bytes (so each step feeds exactly one CRC)."""
-        f, chunk, nbytes = self._file, self.chunk_bytes, rec.nbytes
-        writing = op == "pwrite"
-        crc_now: dict[int, int] = {}
-        chunk_file_off: dict[int, int] = {}
-        pos = 0  # bytes of the key moved so far
-        for off, plen in rec.pieces:
-            data = min(plen, nbytes - pos)  # the last piece ends with < 4096 bytes of padding
-            s = 0
-            while s < data:
-                step = min(data - s, chunk - (pos + s) % chunk)
-                part = view[pos + s:pos + s + step]
-                try:  # released on every path: a live slice would pin the caller's buffer
-                    foff = off + s
-                    idx = (pos + s) // chunk
-                    chunk_file_off.setdefault(idx, foff)
-                    if writing and rec.crcs is not None:
-                        rec.crcs[idx] = zlib.crc32(part, rec.crcs[idx])
-                    if direct:
-                        self._direct_step(op, key, part, foff)
-                    else:
-                        f.transfer(op, key, False, part, foff)
-                        if writing:
-                            if self._flush == "range":  # start write-back now, wait at the end
-                                f.start_writeback(key, foff, step)
-                        else:  # clean pages: drop them at once
-                            f.drop_cache(key, foff, step, dirty=False)
-                    if not writing and rec.crcs is not None:
-                        crc_now[idx] = zlib.crc32(part, crc_now.get(idx, 0))
-                        end = min((idx + 1) * chunk, nbytes)
-                        if pos + s + step == end and crc_now[idx] != rec.crcs[idx]:
-                            raise StorageError(
-                                f"FileTier: key {key} is corrupted: CRC-32 mismatch in the "
-                                f"chunk at byte {idx * chunk} of the key ({end - idx * chunk} "
-                                f"bytes, file offset {chunk_file_off[idx]}); the bytes changed "
-                                "on storage after they were written (disk, file system or "
-                                "memory fault)")
-                finally:
-                    part.release()
-                s += step
-            if writing and not direct:
-                written = data
-                if data < plen:  # zero the padding so the file covers the extent (O_DIRECT reads)
-                    f.transfer(op, key, False, memoryview(bytes(plen - data)), off + data)
-                    written = plen
-                # DONTNEED only drops clean pages: wait for the write-back, then drop.
-                if self._flush == "range":
-                    f.drop_cache(key, off, written, dirty=True)
-                else:
-                    f.fdatasync_range(key, off, written)
-            pos += data
-
-    def _direct_step(self, op: str, key: int, part: memoryview, foff: int) -> None:
-        """An O_DIRECT step: the aligned body straight from/to the caller's buffer, the last
-        partial page through a page of our own (the caller's buffer may end mid-page)."""
-        f = self._file
-        body = len(part) - len(part) % ALIGN
-        if body:
-            f.transfer(op, key, True, part[:body], foff)
-        tail = len(part) - body
-        if tail:
-            page = f.bounce_page(threading.get_ident())
-            if op == "pwrite":
-                page[:tail] = part[body:]
-                page[tail:] = bytes(ALIGN - tail)
-                f.transfer(op, key, True, memoryview(page), foff + body)
-            else:
-                f.transfer(op, key, True, memoryview(page), foff + body)
-                part[body:] = page[:tail]
-
     def _error(self, op: str, key: int, nbytes: int, e: OSError) -> StorageError:
-        if isinstance(e, StorageError):
-            return e
-        where = _filesystem(self.directory)
-        if e.errno == errno.ENOSPC:
-            doing = ("reserving room for the writes ahead" if op == "reserve"
-                     else f"writing key {key}")
-            err = StorageError(
-                f"FileTier: no space left on the file system at {where['mount']} "
-                f"({format_size(where['free'])} free; swap directory {self.directory}) while "
-                f"{doing}: it needs {format_size(nbytes)} ({nbytes} bytes); the swap "
-                f"file has {format_size(self._extents.end)} allocated. Free space there, point the "
-                "swap directory (OutOfCore(storage=...), FileTier(directory=...)) at a larger "
-                "disk, or raise the budget so less is swapped")
-        else:
-            kind = "short transfer" if isinstance(e, ShortTransfer) else "error"
-            err = StorageError(
-                f"FileTier: {op} of key {key} ({format_size(nbytes)}, {nbytes} bytes) failed "
-                f"with an I/O {kind}: {e.strerror or e} [errno {e.errno}] (file system at "
-                f"{where['mount']}, swap directory {self.directory})")
-        err.errno = e.errno
-        return err
-
-
-def _forget_buffers(e: BaseException) -> None:
-    """Clear the locals of the failed transfer's frames. The exception lives on in the future,
-    and its traceback would otherwise keep slices of the caller's buffer (and so the buffer's
-    export) alive: an mmap could not be closed, a bytearray not resized."""
-    if e.__traceback__ is not None:
-        traceback.clear_frames(e.__traceback__.tb_next or e.__traceback__)
+        return io_error(op, key, nbytes, e, self.directory, self._extents.end)
 
 
 def _cleanup(pool: ThreadPoolExecutor | None, file: SwapFile, directory: str, dir_fd: int) -> None:
@@ -505,56 +365,3 @@ def _cleanup(pool: ThreadPoolExecutor | None, file: SwapFile, directory: str, di
     file.close()
     remove_private_dir(directory, dir_fd)
 
-
-def _filesystem(path: str) -> dict:
-    """Mount point and free bytes of the file system holding ``path`` (for error messages)."""
-    mount = os.path.realpath(path)
-    while not os.path.ismount(mount) and mount != os.path.dirname(mount):
-        mount = os.path.dirname(mount)
-    try:
-        st = os.statvfs(path)
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        free = 0
-    return {"mount": mount, "free": free}
-
-
-def _byte_view(obj, *, writable: bool) -> tuple[memoryview, memoryview]:
-    """(base, bytes) memoryviews of a C-contiguous buffer or a contiguous CPU torch tensor.
-    Both must be released by the caller (base last)."""
-    if hasattr(obj, "untyped_storage") and hasattr(obj, "data_ptr"):  # a torch tensor
-        obj = _tensor_bytes(obj)
-    base = memoryview(obj)
-    if not base.c_contiguous:
-        base.release()
-        raise ValueError("FileTier needs a C-contiguous buffer")
-    if writable and base.readonly:
-        base.release()
-        raise ValueError("FileTier.read_async needs a writable dst buffer")
-    if base.format == "B" and base.ndim == 1:
-        return base, base[:]
-    try:
-        return base, base.cast("B")
-    except TypeError:  # a format cast() refuses (non-native byte order, complex): numpy can
-        base.release()
-        import numpy as np
-
-        base = memoryview(np.frombuffer(obj, dtype=np.uint8))
-        return base, base[:]
-
-
-def _tensor_bytes(tensor):
-    """The bytes of a contiguous CPU tensor as a ctypes array over its data pointer.
-
-    Not ``tensor.numpy()``: a numpy export marks the storage non-resizable for good, and the
-    runtime releases swapped storages with ``resize_(0)``. The array keeps the tensor alive
-    while the tier's views of it exist.
-    """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("FileTier needs a contiguous CPU tensor")
-    n = tensor.numel() * tensor.element_size()
-    if n == 0:
-        return bytearray()
-    arr = (ctypes.c_char * n).from_address(tensor.data_ptr())
-    arr._ooc_owner = tensor
-    return arr

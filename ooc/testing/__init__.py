@@ -15,10 +15,11 @@ listed in ``driver.violations``. It says nothing about speed, and a GPU may stil
 a CPU stand-in cannot (kernels that really run concurrently with copies): the real-GPU
 tests in ``tests/ooc/test_cuda_gpu.py`` and ``benchmarks/bench_gpu.py`` are for that.
 
-The fake driver modules: :mod:`ooc.testing.fake_cuda_driver` (the VMM contract),
-:mod:`ooc.testing.fake_cuda_copies` (streams, events, pinned memory, async copies with real
-bytes), :mod:`ooc.testing.fake_cuda_host` (device memory in host memory at the device
-addresses, what :func:`fake_cuda` uses).
+The fake driver modules: :mod:`ooc.testing.fake_cuda_driver` (the VMM contract, over
+:mod:`~ooc.testing.fake_cuda_types` and :mod:`~ooc.testing.fake_cuda_contexts`),
+:mod:`ooc.testing.fake_cuda_copies` (pinned memory, async copies with real bytes, over the
+streams and events of :mod:`~ooc.testing.fake_cuda_streams`), :mod:`ooc.testing.fake_cuda_host`
+(device memory in host memory at the device addresses, what :func:`fake_cuda` uses).
 """
 
 from __future__ import annotations

@@ -27,126 +27,28 @@ defers the free) and ``cuMemUnmap`` while a launched kernel has not been synchro
 
 ``calls`` lists every call by name in order; ``outstanding()`` tells what is still
 allocated, for teardown tests; ``fail_next(name, error)`` injects a driver error.
+
+Where the pieces are: the value types (``CUresult``, enums, handles, property structs) in
+:mod:`ooc.testing.fake_cuda_types`, initialisation, devices and contexts in
+:mod:`ooc.testing.fake_cuda_contexts`; here the VMM calls and the contract they enforce.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import types
 from bisect import bisect_right, insort
 from typing import Any
 
-
-class CUresult(enum.IntEnum):
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_INVALID_VALUE = 1
-    CUDA_ERROR_OUT_OF_MEMORY = 2
-    CUDA_ERROR_NOT_INITIALIZED = 3
-    CUDA_ERROR_NO_DEVICE = 100
-    CUDA_ERROR_INVALID_DEVICE = 101
-    CUDA_ERROR_INVALID_CONTEXT = 201
-    CUDA_ERROR_INVALID_HANDLE = 400
-    CUDA_ERROR_ILLEGAL_ADDRESS = 700
-    CUDA_ERROR_NOT_PERMITTED = 800
-    CUDA_ERROR_NOT_SUPPORTED = 801
+from ooc.testing.fake_cuda_contexts import FakeContexts
+from ooc.testing.fake_cuda_types import (  # noqa: F401 - the old import path
+    CUresult, CUmemAllocationType, CUmemLocationType, CUmemAllocationGranularity_flags,
+    CUmemAccess_flags, CUdeviceptr, CUdevice, CUcontext, CUstream,
+    CUmemGenericAllocationHandle, CUmemLocation, CUmemAllocationProp, CUmemAccessDesc,
+    _INVALID, _OK, _addr)
 
 
-class CUmemAllocationType(enum.IntEnum):
-    CU_MEM_ALLOCATION_TYPE_INVALID = 0
-    CU_MEM_ALLOCATION_TYPE_PINNED = 1
-
-
-class CUmemLocationType(enum.IntEnum):
-    CU_MEM_LOCATION_TYPE_INVALID = 0
-    CU_MEM_LOCATION_TYPE_DEVICE = 1
-    CU_MEM_LOCATION_TYPE_HOST = 2
-
-
-class CUmemAllocationGranularity_flags(enum.IntEnum):  # noqa: N801 - the driver's name
-    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
-    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
-
-
-class CUmemAccess_flags(enum.IntEnum):  # noqa: N801 - the driver's name
-    CU_MEM_ACCESS_FLAGS_PROT_NONE = 0
-    CU_MEM_ACCESS_FLAGS_PROT_READ = 1
-    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-
-
-class _Handle:
-    """Like cuda-python's opaque handle classes: wraps an int, ``int()`` gives it back."""
-
-    def __init__(self, value: int = 0) -> None:
-        self._value = int(value)
-
-    def __int__(self) -> int:
-        return self._value
-
-    def __index__(self) -> int:
-        return self._value
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and int(other) == self._value
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._value))
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._value:#x}>"
-
-
-class CUdeviceptr(_Handle):
-    pass
-
-
-class CUdevice(_Handle):
-    pass
-
-
-class CUcontext(_Handle):
-    pass
-
-
-class CUstream(_Handle):
-    pass
-
-
-class CUmemGenericAllocationHandle(_Handle):
-    pass
-
-
-class CUmemLocation:
-    def __init__(self) -> None:
-        self.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID
-        self.id = 0
-
-
-class CUmemAllocationProp:
-    def __init__(self) -> None:
-        self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
-        self.location = CUmemLocation()
-        self.requestedHandleTypes = 0
-
-
-class CUmemAccessDesc:
-    def __init__(self) -> None:
-        self.location = CUmemLocation()
-        self.flags = CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE
-
-
-_OK = (CUresult.CUDA_SUCCESS,)
-_INVALID = CUresult.CUDA_ERROR_INVALID_VALUE
-
-
-def _addr(value: Any) -> int | None:
-    """A CUdeviceptr argument: cuda-python accepts the wrapper or a plain int."""
-    if isinstance(value, (CUdeviceptr, int)) and not isinstance(value, bool):
-        return int(value)
-    return None
-
-
-class FakeDriver:
+class FakeDriver(FakeContexts):
     """One fake driver instance (its own devices, memory, calls). Pass it where
     ``cuda.bindings.driver`` is expected, or install :meth:`as_module` in ``sys.modules``.
 
@@ -193,15 +95,6 @@ class FakeDriver:
         self._next_handle = 0x1000
         self._next_va = 0x7F00_0000_0000
         self._fail: dict[str, CUresult] = {}
-
-    @property
-    def current(self) -> "CUcontext | None":
-        """The calling thread's current context (None: none)."""
-        return getattr(self._thread, "ctx", None)
-
-    @current.setter
-    def current(self, ctx: "CUcontext | None") -> None:
-        self._thread.ctx = ctx
 
     # -- fake-only helpers -------------------------------------------------------------
     def fail_next(self, name: str, error: CUresult) -> None:
@@ -284,87 +177,7 @@ class FakeDriver:
             yield pos, None
             return
 
-    # -- the driver API ----------------------------------------------------------------
-    def cuInit(self, flags: int) -> tuple:  # noqa: N802 - the driver's names
-        if (r := self._enter("cuInit", needs_init=False)) is not None:
-            return r
-        if flags != 0:
-            return (_INVALID,)
-        if self.devices == 0:
-            return (CUresult.CUDA_ERROR_NO_DEVICE,)
-        self.initialized = True
-        return _OK
-
-    def cuDeviceGetCount(self) -> tuple:  # noqa: N802
-        if (r := self._enter("cuDeviceGetCount")) is not None:
-            return r + (None,)
-        return (CUresult.CUDA_SUCCESS, self.devices)
-
-    def cuDeviceGet(self, ordinal: int) -> tuple:  # noqa: N802
-        if (r := self._enter("cuDeviceGet")) is not None:
-            return r + (None,)
-        if not isinstance(ordinal, int) or not 0 <= ordinal < self.devices:
-            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
-        return (CUresult.CUDA_SUCCESS, CUdevice(ordinal))
-
-    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple:  # noqa: N802
-        if (r := self._enter("cuDevicePrimaryCtxRetain")) is not None:
-            return r + (None,)
-        if not isinstance(dev, CUdevice) or not 0 <= int(dev) < self.devices:
-            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
-        self.retained[int(dev)] = self.retained.get(int(dev), 0) + 1
-        return (CUresult.CUDA_SUCCESS, CUcontext(0xC0 + int(dev)))
-
-    def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple:  # noqa: N802
-        if (r := self._enter("cuDevicePrimaryCtxRelease")) is not None:
-            return r
-        if not isinstance(dev, CUdevice) or not self.retained.get(int(dev)):
-            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
-        self.retained[int(dev)] -= 1
-        if not self.retained[int(dev)]:
-            del self.retained[int(dev)]
-            if self.current is not None and int(self.current) == 0xC0 + int(dev):
-                self.current = None
-        return _OK
-
-    def cuCtxSetCurrent(self, ctx: Any) -> tuple:  # noqa: N802
-        if (r := self._enter("cuCtxSetCurrent")) is not None:
-            return r
-        if ctx is None or (isinstance(ctx, CUcontext) and int(ctx) == 0):
-            self.current = None     # NULL: no context current in this thread
-            return _OK
-        if not isinstance(ctx, CUcontext) or int(ctx) - 0xC0 not in self.retained:
-            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
-        self.current = ctx
-        return _OK
-
-    def cuCtxGetCurrent(self) -> tuple:  # noqa: N802
-        if (r := self._enter("cuCtxGetCurrent")) is not None:
-            return r + (None,)
-        ctx = self.current
-        return (CUresult.CUDA_SUCCESS, ctx if ctx is not None else CUcontext(0))
-
-    def cuCtxSynchronize(self) -> tuple:  # noqa: N802
-        if (r := self._enter("cuCtxSynchronize", needs_ctx=True)) is not None:
-            return r
-        self.pending_work = False
-        return _OK
-
-    def cuStreamSynchronize(self, stream: Any) -> tuple:  # noqa: N802
-        if (r := self._enter("cuStreamSynchronize", needs_ctx=True)) is not None:
-            return r
-        if not isinstance(stream, (CUstream, int)):
-            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-        self.pending_work = False
-        return _OK
-
-    def cuGetErrorName(self, error: Any) -> tuple:  # noqa: N802
-        self.calls.append("cuGetErrorName")
-        try:
-            return (CUresult.CUDA_SUCCESS, CUresult(int(error)).name.encode())
-        except (ValueError, TypeError):
-            return (_INVALID, None)
-
+    # -- the driver API: memory (contexts and devices: FakeContexts) -------------------
     def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple:  # noqa: N802
         if (r := self._enter("cuMemGetAllocationGranularity")) is not None:
             return r + (None,)

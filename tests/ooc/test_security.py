@@ -187,7 +187,7 @@ def test_no_unsafe_deserialization_or_eval_in_the_source_tree():
 
 
 def test_the_allow_listing_unpickler_is_what_the_snapshot_loader_uses():
-    source = (ROOT / "ooc/frag/inputs.py").read_text()
+    source = (ROOT / "ooc/frag/snapshot_input.py").read_text()   # the snapshot reader
     assert "safe_load(" in source and not _violations(source)
     from ooc.frag import safe_pickle
     assert issubclass(safe_pickle.SafeUnpickler, pickle._Unpickler)

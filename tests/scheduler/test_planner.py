@@ -292,7 +292,7 @@ def test_arguments_are_checked() -> None:
         plan(seq, None)
     with pytest.raises(ValueError, match="window must be positive"):
         plan(seq, 10**6, window=-1)
-    with pytest.raises(TypeError, match="does not take option.*swapin_ahead.*accepts: none"):
+    with pytest.raises(TypeError, match="does not take option.*swapin_ahead.*accepts: hardware"):
         plan(seq, 10**6, swapin_ahead=2)
     with pytest.raises(ValueError, match="swapin_ahead"):
         plan(seq, 10**6, policy="lms", swapin_ahead=-1)

@@ -212,7 +212,8 @@ def test_to_dict_has_the_stable_plain_fields() -> None:
     r = simulate(_prefetch(B, 2.0), "v100-16gb-nvlink")
     d = r.to_dict()
     assert set(d) == {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
-                      "bytes_out", "hardware", "policy", "budget"}
+                      "bytes_out", "recompute_s", "bytes_recomputed", "copy_cpu_s", "hardware", "policy",
+                      "budget", "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s"}
     assert json.loads(json.dumps(d)) == d
     assert d["hardware"] == "v100-16gb-nvlink" and d["policy"] == "hand"
     with pytest.raises(ValueError, match="allocator"):
@@ -263,7 +264,9 @@ def test_chain_step_overlaps_on_a_fast_link_and_stalls_on_a_slow_one() -> None:
         assert r.lower_bound_s <= r.total_s + 1e-12
         assert r.compute_s == pytest.approx(0.4) and r.bytes_in == r.bytes_out == 190 << 20
         assert r.peak_bytes <= s.budget
-        assert r.total_s == pytest.approx(r.compute_s + r.stall_s)  # nothing trails the last wait
+        # nothing trails the last wait; on the CPU preset moved bytes also cost compute time
+        assert r.total_s == pytest.approx(r.compute_s + r.stall_s + r.copy_cpu_s)
+    assert fast.copy_cpu_s == 0.0 and slow.copy_cpu_s == pytest.approx(380 * 2**20 * 0.1e-9)
     assert simulate(s, "cpu-edge") == simulate(s, "cpu-edge")  # deterministic
 
 

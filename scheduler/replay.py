@@ -1,0 +1,155 @@
+"""Recomputation: which functions to rerun, in order, to re-create a variable before a use.
+
+A variable the budget forces off the device can be swapped (its bytes go to the slower tier
+and come back) or *discarded* and recomputed: before the function that needs it again, the
+functions that wrote it run a second time, on inputs that are resident at that point. This
+module finds that *chain* from the variable sequence alone; the transition table
+(``scheduler.actions``, ``recompute``) checks it, ``simulate`` prices it, the planners choose
+it and the runtime executes exactly ``Chain.functions``.
+
+The chain of variable ``v`` needed again by function ``at`` is every function that wrote
+``v`` before ``at``, in order: the one that created it, then each in-place update
+(``relu_`` after a BatchNorm, ``add_`` of a residual). It is valid when
+
+- ``v`` is created during the step and does not outlive it (not ``live_in``, not
+  ``live_out``): its bytes come from the step's own functions;
+- every function of the chain is ``replayable`` (the recorder's verdict: no side effects; a
+  random op only with its generator state captured, ``rng``; BatchNorm in training mode is
+  replayed without updating its running statistics, ``updates_stats``);
+- a chain function writes nothing but ``v`` and the variables it creates itself (an
+  in-place update of any other input would be applied twice);
+- every *input* of the chain (a variable a chain function reads that is neither ``v`` nor
+  created inside the chain) still holds the bytes it held when the function first ran (no
+  write between that function and ``at``) and is still alive at ``at`` (used at or after
+  ``at``, or ``live_out``): the replay then reads exactly what the first run read.
+
+The other variables the chain's functions create (BatchNorm's saved mean and inverse std,
+say) are *temporaries* of the replay: allocated while it runs, freed as soon as the chain no
+longer reads them. ``Chain.temporaries_bytes`` is their peak, what ``check`` adds to the
+device bytes while the chain runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from scheduler.ir import Access, Function, VariableSequence
+
+__all__ = ["Chain", "chain_for", "mark_replayable", "recompute_candidates"]
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """How to re-create ``var`` right before function ``at``: rerun ``functions`` in order,
+    with every variable of ``inputs`` resident; ``temporaries_bytes`` more device bytes at the
+    replay's peak (besides ``var`` itself)."""
+
+    var: int
+    at: int
+    functions: tuple[int, ...]
+    inputs: tuple[int, ...]
+    temporaries_bytes: int
+
+
+def chain_for(seq: VariableSequence, v: int, at: int) -> Chain | None:
+    """The chain that re-creates ``v`` before function ``at``, or None if there is none
+    (the rules are the module's docstring). Cached per sequence: planners ask often."""
+    cache = _cache(seq)
+    key = (v, at)
+    if key not in cache:
+        cache[key] = _chain(seq, v, at)
+    return cache[key]
+
+
+def recompute_candidates(seq: VariableSequence) -> bool:
+    """Whether any function of ``seq`` may be replayed at all (else plans only keep or swap)."""
+    return any(f.replayable for f in seq.functions)
+
+
+def mark_replayable(seq: VariableSequence, rule: Callable[[Function], dict[str, bool] | None]) -> VariableSequence:
+    """A copy of ``seq`` with each function's replay flags set by ``rule(f)``: a dict of
+    ``replayable``/``rng``/``updates_stats`` (missing keys False), or None to leave ``f``
+    as it is. For tests and for recorders that classify ops by name."""
+    import dataclasses
+
+    fs = []
+    for f in seq.functions:
+        flags = rule(f)
+        fs.append(f if flags is None else dataclasses.replace(
+            f, replayable=bool(flags.get("replayable", False)), rng=bool(flags.get("rng", False)),
+            updates_stats=bool(flags.get("updates_stats", False))))
+    return VariableSequence(tuple(fs), dict(seq.variables), dict(seq.meta))
+
+
+# -- finding a chain --------------------------------------------------------------------------
+
+_CACHES: "dict[int, tuple[VariableSequence, dict]]" = {}
+
+
+def _cache(seq: VariableSequence) -> dict:
+    # Keyed by identity, holding the sequence so the id cannot be reused while cached.
+    entry = _CACHES.get(id(seq))
+    if entry is None or entry[0] is not seq:
+        if len(_CACHES) > 64:
+            _CACHES.clear()
+        entry = _CACHES[id(seq)] = (seq, {})
+    return entry[1]
+
+
+def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
+    var = seq.variables[v]
+    if var.live_in or var.live_out:
+        return None
+    functions = tuple(w for w in seq.writers[v] if w < at)
+    if not functions or seq.producer.get(v) != functions[0]:
+        return None
+    made: set[int] = set()          # created inside the chain (besides v): temporaries
+    inputs: dict[int, int] = {}     # input -> the first chain function that reads it
+    producer = seq.producer
+    for w in functions:
+        f = seq.functions[w]
+        if not f.replayable:
+            return None
+        for u in f.uses:
+            x = u.var
+            if x == v or x in made:
+                continue
+            if producer.get(x) == w:          # a fresh output of w: a temporary of the replay
+                made.add(x)
+            elif u.access is Access.WRITE:    # w updates another input in place
+                return None
+            else:
+                inputs.setdefault(x, w)
+    writers, last_use, variables = seq.writers, seq.last_use, seq.variables
+    for x, w in inputs.items():
+        if any(w < k < at for k in writers[x]):
+            return None                        # x changed since the chain first read it
+        if not variables[x].live_out and last_use.get(x, -1) < at:
+            return None                        # x is gone by then
+    return Chain(var=v, at=at, functions=functions, inputs=tuple(inputs),
+                 temporaries_bytes=_temporaries_peak(seq, v, functions, made))
+
+
+def _temporaries_peak(seq: VariableSequence, v: int, functions: tuple[int, ...], made: set[int]) -> int:
+    """Peak bytes of the chain's temporaries: each lives from the chain function that creates
+    it to the last chain function that reads it."""
+    last_read: dict[int, int] = {}
+    for pos, w in enumerate(functions):
+        for x in seq.functions[w].var_ids:
+            if x in made:
+                last_read[x] = pos
+    nbytes = seq.variables
+    live = peak = 0
+    born: set[int] = set()
+    for pos, w in enumerate(functions):
+        for x in seq.functions[w].var_ids:
+            if x in made and x not in born:
+                born.add(x)
+                live += nbytes[x].nbytes
+        peak = max(peak, live)
+        for x in [x for x in born if last_read[x] == pos]:
+            live -= nbytes[x].nbytes
+            born.discard(x)
+            last_read[x] = -1
+    return peak

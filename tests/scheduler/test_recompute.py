@@ -1,0 +1,164 @@
+"""Recomputation: replay flags in the IR, the chain that re-creates a variable, the discard and
+recompute rows of the action table, and the planners that choose swap or recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import Action, Cost, Kind, Op, Schedule, ScheduleError, Variable, VariableSequence, build_sequence, check, plan, simulate
+from scheduler.actions import Refused
+from scheduler.hardware import hardware
+from scheduler.recompute import swap_or_recompute
+from scheduler.replay import chain_for, mark_replayable
+from scheduler.window import plan_window
+
+R = {"replayable": True}
+MiB = 1 << 20
+
+
+def _seq(replayable: bool = True, mutate_input_later: bool = False) -> VariableSequence:
+    """x -> conv -> c -> bn (+ stats) -> b, relu_(b) -> ... backward reads b, then c."""
+    flags = R if replayable else {}
+    fns = [
+        ("conv", [(0, "r"), (1, "r"), (2, "w")], Cost(seconds=1.0), flags),
+        ("bn", [(2, "r"), (3, "w"), (4, "w")], Cost(seconds=1e-4), {**flags, "updates_stats": replayable}),
+        ("relu_", [(3, "r"), (3, "w")], Cost(seconds=1e-4), flags),
+        ("head", [(3, "r"), (5, "w")], Cost(seconds=1.0)),
+        ("mid", [(5, "r"), (6, "w"), (2, "r")] + ([(2, "w")] if mutate_input_later else []), Cost(seconds=1.0)),
+        ("back_relu", [(6, "r"), (3, "r"), (7, "w")], Cost(seconds=0.1)),
+        ("back_bn", [(7, "r"), (2, "r"), (4, "r")], Cost(seconds=0.1)),
+        ("back_conv", [(2, "r"), (0, "r"), (1, "r"), (1, "w")], Cost(seconds=1.0)),
+    ]
+    vs = [Variable(0, MiB, Kind.INPUT, "x", live_in=True), Variable(1, MiB, Kind.PARAM, "w", live_in=True, live_out=True),
+          Variable(2, 4 * MiB, Kind.ACTIVATION, "c"), Variable(3, 4 * MiB, Kind.ACTIVATION, "b"),
+          Variable(4, 2 * MiB, Kind.ACTIVATION, "stats"), Variable(5, MiB, Kind.ACTIVATION, "h"),
+          Variable(6, MiB, Kind.TEMPORARY, "m"), Variable(7, MiB, Kind.TEMPORARY, "gb")]
+    return build_sequence(fns, vs, {"device": "meta"})
+
+
+def test_flags_round_trip_and_old_files_read_as_not_replayable(tmp_path) -> None:
+    seq = _seq()
+    assert seq.producer[3] == 1 and seq.writers[3] == (1, 2) and 0 not in seq.producer
+    seq.to_json(tmp_path / "s.json")
+    back = VariableSequence.from_json(tmp_path / "s.json")
+    assert [(f.replayable, f.rng, f.updates_stats) for f in back.functions] == \
+           [(f.replayable, f.rng, f.updates_stats) for f in seq.functions]
+    old = _seq(replayable=False).to_dict()
+    assert all("replayable" not in f for f in old["functions"])     # older files look the same
+    assert not any(f.replayable for f in VariableSequence.from_dict(old).functions)
+
+
+def test_the_chain_is_every_write_of_the_variable_on_unchanged_resident_inputs() -> None:
+    seq = _seq()
+    chain = chain_for(seq, 3, 5)
+    assert chain.functions == (1, 2) and set(chain.inputs) == {2}
+    assert chain.temporaries_bytes == 2 * MiB                       # bn's stats, made again
+    assert chain_for(_seq(replayable=False), 3, 5) is None          # no flags: never replayed
+    assert chain_for(_seq(mutate_input_later=True), 3, 5) is None   # c changed since bn read it
+    assert chain_for(seq, 1, 7) is None                             # a parameter: not the step's
+
+
+def _recompute_schedule(seq: VariableSequence, chain=(1, 2), budget=1 << 40) -> Schedule:
+    n = len(seq.functions)
+    before = [()] * n
+    after = [()] * n
+    before[5] = (Action(Op.RECOMPUTE, 3, tuple(chain)),)
+    after[3] = (Action(Op.DISCARD, 3),)
+    after[4] = (Action(Op.FREE, 5),)
+    after[5] = (Action(Op.FREE, 6), Action(Op.FREE, 3))
+    after[6] = (Action(Op.FREE, 7), Action(Op.FREE, 4))
+    after[7] = (Action(Op.FREE, 2), Action(Op.FREE, 0))
+    return Schedule(sequence=seq, budget=budget, policy="hand", window=0, before=tuple(before),
+                    after=tuple(after), initial_resident=frozenset({0, 1}))
+
+
+def test_check_proves_a_recompute_and_counts_its_temporaries() -> None:
+    seq = _seq()
+    s = _recompute_schedule(seq)
+    r = check(s)
+    # before back_relu: x, w, c, stats, m resident; b comes back with bn's stats made again
+    assert r.peak_bytes == 2 * MiB + 4 * MiB + 2 * MiB + MiB + 4 * MiB + 2 * MiB
+    with pytest.raises(ScheduleError, match="during recompute"):
+        check(_recompute_schedule(seq, budget=r.peak_bytes - 1))
+    with pytest.raises(Refused, match="not the functions that wrote it"):
+        check(_recompute_schedule(seq, chain=(1,)))
+    with pytest.raises(Refused, match="add recompute of variable 3"):
+        bad = _recompute_schedule(seq)
+        check(Schedule(**{**{k: getattr(bad, k) for k in ("sequence", "budget", "policy", "window",
+                                                             "after", "initial_resident")},
+                          "before": tuple(() for _ in seq.functions)}))
+    assert Schedule.from_dict(s.to_dict()).before == s.before        # the chain travels with the plan
+
+
+def test_simulate_runs_the_chain_on_the_compute_stream() -> None:
+    s = _recompute_schedule(_seq())
+    r = simulate(s, "v100-16gb-nvlink")
+    assert r.recompute_s == pytest.approx(2e-4) and r.bytes_recomputed == 4 * MiB
+    assert r.total_s == pytest.approx(r.compute_s + 2e-4)
+    assert any(e.track == "recompute" for e in r.timeline)
+
+
+def test_without_replayable_functions_the_default_plan_is_the_swap_only_plan() -> None:
+    seq = _seq(replayable=False)
+    budget = seq.in_core_peak_bytes - MiB
+    assert plan(seq, budget=budget).to_dict() == plan_window(seq, budget).to_dict()
+
+
+def test_the_rule_prices_chain_seconds_against_transfers_and_moved_bytes() -> None:
+    seq = _seq()
+    # bn + relu_ take 0.2 ms; 4 MiB out and back take ~8 ms on flash, ~0.19 ms over NVLink
+    assert swap_or_recompute(seq, hardware("cpu-edge"), 1.0)(3, 5).functions == (1, 2)
+    assert swap_or_recompute(seq, hardware("v100-16gb-nvlink"), 1.0)(3, 5) is None
+    assert swap_or_recompute(seq, hardware("cpu-edge"), 1.0)(2, 6) is None     # conv: 1 s
+
+
+def test_the_window_planner_recomputes_what_the_rule_chooses() -> None:
+    seq = _seq()
+    budget = seq.in_core_peak_bytes - 3 * MiB
+    s = plan_window(seq, budget, recompute=lambda v, at: chain_for(seq, v, at))
+    assert s.bytes_recomputed > 0 and check(s).peak_bytes <= budget
+    for hw in ("cpu-edge", "v100-16gb-nvlink"):   # the default keeps the faster plan
+        assert simulate(plan(seq, budget=budget, hardware=hw), hw).total_s <= \
+            simulate(plan_window(seq, budget), hw).total_s
+
+
+# -- the zoo: default planner vs the MILP reference ------------------------------------------
+
+SAFE_OPS = ("relu", "threshold", "batch_norm", "add", "gelu", "mul", "div", "empty_like", "bernoulli",
+            "layer_norm", "convolution", "addmm", "mm", "bmm", "_softmax", "clone", "masked_fill")
+
+
+def _by_op_name(f):
+    """Replay flags from aten op names, as a recorder that classifies ops would set them."""
+    op = f.name.split(":")[-1]
+    if "backward" in op or not any(s in op for s in SAFE_OPS):
+        return None
+    return {"replayable": True, "rng": "bernoulli" in op, "updates_stats": "batch_norm" in op}
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    torch = pytest.importorskip("torch")
+    import ooc
+
+    out = {}
+    for name in ("small_cnn", "tiny_transformer"):
+        with torch.device("meta"):
+            model = ooc.models.get(name)
+        x, y = ooc.models.example_batch(name, 4, "meta")
+        out[name] = ooc.trace(model, x, y, loss_fn=ooc.models.loss_fn(name), optimizer="sgd")
+    return out
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "tiny_transformer"])
+@pytest.mark.parametrize("fraction", [2, 4])
+@pytest.mark.parametrize("hw", ["v100-16gb-nvlink", "cpu-edge"])
+def test_default_planner_is_within_5_percent_of_the_milp(zoo, name, fraction, hw) -> None:
+    pytest.importorskip("scipy")
+    seq = mark_replayable(zoo[name], _by_op_name)
+    budget = seq.in_core_peak_bytes // fraction
+    default = simulate(plan(seq, budget=budget, hardware=hw), hw).total_s
+    reference = simulate(plan(seq, budget=budget, policy="milp", hardware=hw), hw).total_s
+    assert default <= 1.05 * reference
+    # and never slower than swapping alone
+    assert default <= simulate(plan(zoo[name], budget=budget), hw).total_s * (1 + 1e-9)

@@ -1,0 +1,107 @@
+"""What a caller of :class:`vmm.VirtualAllocator` holds: an :class:`Allocation` (address,
+sizes, chunks) and the buffers exported from it, with the misuse errors.
+
+Apart from the allocator because this is the caller's side of the contract (the lifetime rule
+of :meth:`Allocation.buffer`, what ``free`` refuses), while :mod:`vmm.virtual` and
+:mod:`vmm.range_reuse` are the allocator's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vmm.errors import VMMError
+from vmm.pool import Chunk
+from vmm.units import format_size
+
+if TYPE_CHECKING:
+    from vmm.range_reuse import _Range
+
+
+class AllocationError(VMMError):
+    """Misuse of an allocation: double free, a foreign allocation, a negative size."""
+
+
+class BufferInUse(AllocationError):
+    """``free()`` of an allocation while a buffer exported from it is still referenced."""
+
+
+class Allocation:
+    """A live allocation: ``address`` (contiguous, aligned to the backend granularity),
+    ``nbytes`` (requested), ``mapped_bytes`` (k whole chunks), ``chunks`` (in mapping order).
+
+    Lifetime rule for :meth:`buffer`: a buffer is a zero-copy window onto the mapped range
+    and is valid exactly while the allocation is live. The allocator refuses to free an
+    allocation while any buffer exported from it (or a numpy array / torch tensor /
+    memoryview made from such a buffer, which all hold a reference to it) is still alive,
+    raising :class:`BufferInUse`; drop them first. A raw ``address`` carries no such guard:
+    code that uses the address directly must stop before calling ``free``.
+    """
+
+    __slots__ = ("address", "nbytes", "mapped_bytes", "_range", "_owner", "_exports",
+                 "__weakref__")
+
+    def __init__(self, address: int, nbytes: int, mapped_bytes: int, rng: _Range | None,
+                 owner: Any) -> None:
+        # ``owner``: the vmm.VirtualAllocator that made it (not imported: it imports this).
+        self.address = address
+        self.nbytes = nbytes
+        self.mapped_bytes = mapped_bytes
+        self._range = rng
+        self._owner = owner
+        self._exports: list[weakref.ref] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._range is not None
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The physical chunks behind the range, in address order (empty once freed)."""
+        rng = self._range
+        return tuple(rng.chunks) if rng is not None else ()
+
+    @property
+    def alignment(self) -> int:
+        """What ``address`` is a multiple of (the backend granularity: 4096 on the host)."""
+        return self._owner.alignment
+
+    def buffer(self, offset: int = 0, nbytes: int | None = None) -> Any:
+        """A writable, zero-copy buffer over ``[offset, offset + nbytes)`` of the allocation.
+
+        Host backend only (a ctypes ``c_char`` array: works with ``memoryview``,
+        ``numpy.frombuffer`` and ``torch.frombuffer``). The buffer keeps this allocation
+        object alive, and ``free()`` raises :class:`BufferInUse` while the buffer or anything
+        made from it is referenced (see the class docstring). ``nbytes`` defaults to the rest
+        of the requested size; up to ``mapped_bytes`` may be asked for.
+        """
+        if self._range is None:
+            raise AllocationError(f"buffer() of a freed allocation (was at 0x{self.address:x})")
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.mapped_bytes:
+            raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the "
+                                  f"{self.mapped_bytes} mapped bytes of allocation 0x{self.address:x}")
+        buf = self._owner.backend.buffer(self.address + offset, nbytes)
+        buf._ooc_allocation = self  # the buffer keeps the allocation (and its backend) alive
+        if self._exports is None:
+            self._exports = []
+        else:
+            self._exports = [r for r in self._exports if r() is not None]
+        self._exports.append(weakref.ref(buf))
+        return buf
+
+    def exports_alive(self) -> int:
+        """How many buffers exported by :meth:`buffer` are still referenced."""
+        return 0 if not self._exports else sum(r() is not None for r in self._exports)
+
+    def free(self) -> None:
+        """Same as ``allocator.free(self)``."""
+        self._owner.free(self)
+
+    def __repr__(self) -> str:
+        state = "live" if self._range is not None else "freed"
+        return (f"<Allocation 0x{self.address:x} {format_size(self.nbytes)} requested, "
+                f"{format_size(self.mapped_bytes)} mapped, {state}>")
+
