@@ -36,7 +36,6 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes  # noqa: F401 - re-exported (tests)
 
 from ooc.record import roles
 from ooc.record.managed import Birth, Recording
