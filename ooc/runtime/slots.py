@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ooc.errors import StorageError
-from ooc.runtime.byte_views import byte_view, byte_view_for  # noqa: F401 - byte_view: its old home
+from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
 from scheduler.actions import Residency

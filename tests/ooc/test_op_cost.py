@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ooc
 from ooc import OutOfCore
 from ooc.runtime import saved_tensors as saved_tensors_module, stepper as stepper_module
-from ooc.runtime.op_info import OpInfo, op_info, tensors
+from ooc.record.op_schema import OpInfo, op_info, tensors
 
 pytestmark = pytest.mark.timeout(120)
 
