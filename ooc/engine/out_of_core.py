@@ -90,6 +90,12 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         verify: checksum swapped bytes and raise ``StorageError`` on corruption.
         min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2, and it
             adapts with the default chunk).
+        recompute: let the plan discard a saved activation and rerun the ops that made it
+            before the backward needs it, where that costs less than swapping it (priced on
+            the device, ``scheduler.recompute``; the replay gives the same bytes: random ops
+            replay their generator state, BatchNorm does not update its running statistics
+            twice). False: swap only. "prefer": recompute every activation the budget
+            forces out that can be (tests, and devices where moving bytes is dearest).
 
     Example::
 
@@ -112,7 +118,8 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                  budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
                  window: int | str | None = None, chunk: int | str | None = None,
                  manage: tuple[str, ...] | list[str] | str = ("activations",), policy: str = "window",
-                 verify: bool = False, min_bytes: int | str | None = None, threads: int = 2) -> None:
+                 verify: bool = False, min_bytes: int | str | None = None, threads: int = 2,
+                 recompute: bool | str = True) -> None:
         self.budget = parse_size(budget, what="budget")
         # With neither chunk nor min_bytes given, the chunk adapts to what the first
         # recording step saves (_adapt_chunk); either one given keeps both as before.
@@ -130,6 +137,9 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         if policy not in scheduler.POLICIES:
             raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
         self.policy = policy
+        if recompute not in (True, False, "prefer"):
+            raise OOCError(f"recompute must be True, False or 'prefer', got {recompute!r}")
+        self.recompute = recompute
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise OOCError(f"device {self.device}: the runtime runs on 'cpu' or 'cuda'")
@@ -285,6 +295,8 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
             "plans": self.counters["plans"],
             "bytes_in": self.counters["bytes_in"],
             "bytes_out": self.counters["bytes_out"],
+            "bytes_recomputed": self.counters["bytes_recomputed"],
+            "recompute_s": float(self.counters["recompute_s"]),
             "budget": self.budget,
             "chunk": self.chunk,
             "last_step_s": last.get("step_s") or 0.0,

@@ -19,6 +19,7 @@ from ooc.runtime.devices import make_pool
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.ir import Kind
+from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
 from vmm.units import format_size
 
@@ -87,17 +88,21 @@ class Planning:
                 self._adopt(p, Kind.PARAM, name)
 
     def _replan(self, st: Stepper) -> None:
-        seq = st.rec.sequence({"policy": self.policy, "chunk": self.chunk})
+        seq = st.rec.sequence({"policy": self.policy, "chunk": self.chunk, "device": str(self.device)})
+        if not self.recompute:   # swap only: no function may be replayed
+            seq = mark_replayable(seq, lambda f: {})
         seq = _round_activations(seq, self.chunk)
         t0 = time.perf_counter()
-        schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
+        options = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
+        schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy, **options)
         scheduler.check(schedule)
         self.schedule = schedule
         self.binding = {where: var for var, where in st.rec.born_at.items()}
         self.plans[st.start_key] = (self.schedule, self.binding)
         self.counters["plans"] += 1
-        log.info("planned %d ops in %.3fs: %s in, %s out per step", len(seq.functions),
-                 time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out))
+        log.info("planned %d ops in %.3fs: %s in, %s out, %s recomputed per step", len(seq.functions),
+                 time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out),
+                 format_size(schedule.bytes_recomputed))
 
 
 def _start_chunk(budget: int) -> int:

@@ -1,7 +1,7 @@
 """Executing a checked ``Schedule``: the plan's memory actions, as the transition table says.
 
 ``PlanExecutor.apply`` runs one action (swap-in, wait for a swap-in, swap-out, wait for a
-swap-out, drop, free) on one managed tensor: the precondition, the new state and the device
+swap-out, drop, free, discard, recompute: the last two in ``recompute.py``) on one managed tensor: the precondition, the new state and the device
 bytes are ``scheduler.actions.TRANSITIONS``'; only the byte moves are this module's. An action
 the table refuses means the step is not where its plan is: it diverges and finishes on demand.
 Every wait for a transfer counts as stall and shows on the step's timeline.
@@ -57,9 +57,10 @@ class PlanExecutor:
             if slot is None:
                 self._diverge(where, f"variable {a.var} of the plan is not bound")
                 return
-            self.apply(a.op, slot, where, phase)
+            self.apply(a.op, slot, where, phase, a.chain)
 
-    def apply(self, op: Op, slot: Slot, where: int, phase: str = "before") -> None:
+    def apply(self, op: Op, slot: Slot, where: int, phase: str = "before",
+              chain: tuple[int, ...] = ()) -> None:
         """Run plan action ``op`` on ``slot`` as the transition table (``scheduler.actions``)
         defines it: its precondition on the slot's state, its new state and device bytes are
         the table's; only the byte moves are this method's. A refused action means the step
@@ -91,12 +92,18 @@ class PlanExecutor:
             sl.release(slot)
         elif op is Op.FREE:
             self._free(slot)
+        elif op is Op.DISCARD:
+            if not self._discard(slot, where):   # its chain cannot re-create it exactly
+                return
+        elif op is Op.RECOMPUTE:
+            self._account(eff.device * slot.nbytes)
+            self._recompute(slot, chain, where)
         slot.state = State.of(eff.to)
         if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
             ctx.tier.discard(slot.key)
         if eff.tier is not None:
             slot.host_current = eff.tier
-        if op is not Op.SWAP_IN and eff.device:
+        if op not in (Op.SWAP_IN, Op.RECOMPUTE) and eff.device:
             self._account(eff.device * slot.nbytes)
 
     def _start_out(self, slot: Slot) -> None:

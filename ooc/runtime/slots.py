@@ -39,6 +39,7 @@ class State(enum.Enum):
     IN = "in"              # swap-in in flight: memory taken, not usable yet
     OUT = "out"            # swap-out in flight: memory still taken, not usable
     HOST = "host"          # only the slower tier holds the bytes
+    DISCARDED = "discarded"  # nowhere: its chain re-creates it (ooc/runtime/recompute.py)
 
     @property
     def residency(self) -> Residency:
@@ -52,7 +53,7 @@ class State(enum.Enum):
 
 
 _RESIDENCY = {State.ABSENT: Residency.ABSENT, State.RESIDENT: Residency.RESIDENT, State.IN: Residency.IN,
-              State.OUT: Residency.OUT, State.HOST: Residency.HOST}
+              State.OUT: Residency.OUT, State.HOST: Residency.HOST, State.DISCARDED: Residency.DISCARDED}
 _STATE = {**{r: s for s, r in _RESIDENCY.items()}, Residency.DEAD: State.ABSENT}
 
 

@@ -23,6 +23,8 @@ Where each part lives, in the order a step meets them:
 - this module: the step's state and the per-op protocol above (``Stepper.on_op``);
 - ``saved_tensors.py``: autograd's pack and unpack hooks (``Packed``);
 - ``executor.py``: the plan's actions, as ``scheduler.actions`` defines them;
+  ``recompute.py``: discard and recompute (capturing the ops a chain reruns, the replay);
+- ``binding.py``: the storages born in the step bound to the plan's variables;
 - ``on_demand_room.py``: on demand, room within the budget (victims chosen by
   ``scheduler.on_demand``); ``fresh_storages.py``: the optimizer's new storages there;
 - ``step_recording.py``: what the engine plans the next steps from;
@@ -42,17 +44,19 @@ from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
 from ooc.runtime import slots as sl
+from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.executor import PlanExecutor
 from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.on_demand_room import OnDemandRoom
+from ooc.runtime.recompute import Recomputation
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import Packed, SavedTensors
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.step_recording import StepRecording
-from scheduler.ir import Access, Kind
+from scheduler.ir import Access
 from scheduler.schedule import Schedule
 from vmm.errors import OutOfBudget
 from vmm.units import format_size
@@ -62,7 +66,7 @@ __all__ = ["Packed", "StepContext", "Stepper"]
 log = logging.getLogger(__name__)
 
 
-class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecording):
+class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, FreshStorages, StepRecording):
     """The state of one step: op counter, plan cursor, recording, slots by storage.
 
     Made by the engine for each step from a ``StepContext``; it never sees the engine. The
@@ -123,6 +127,7 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
         self._init_room(persistent)
         self._init_fresh()
         self._init_saved()
+        self._init_recompute(schedule, binding)
         # A step that is not planned also records the whole step, every storage, with the
         # recorder ``ooc.trace`` uses (ooc/record/): ``engine.last_recording`` is the step as
         # ``ooc plan`` would plan it. A planned step does not pay for it.
@@ -196,6 +201,11 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
             self._account(-slot.nbytes)
         self._touch(slot)
+        if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
+            self._make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
+            self._account(slot.nbytes)
+            self._recompute(slot, self.chains[slot.var], i)
+            return
         if slot.state is State.HOST:
             self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")
             self._account(slot.nbytes)
@@ -286,6 +296,7 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
                 if b is not None:
                     if b.var is None:
                         b.reads.append(i)      # replayed if it becomes managed later
+                        rec.anonymous_reads.append((i, b))
                         if key in written:
                             b.writes.append(i)
                         if b in self.fresh:
@@ -316,6 +327,8 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
             cuda = cuda_runtime()   # torch.cuda.Event, or host timing under the fake
             start, end = cuda.timing_event(), cuda.timing_event()
             start.record()
+        recipe = i in self.recipe_ops and self.planned
+        rng = self.rng_before(i, info, self.ctx.device) if recipe else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
@@ -328,10 +341,12 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
         self.events.append(("compute", info.name, t0, t1))
         tracked = set() if not self.planned and self._tracking() else None
         min_bytes = self.ctx.min_bytes
+        aliased = False   # a result in an input's storage, not written in place (replay.py)
         for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else _tensors(out)):
             s = t.untyped_storage()
             key = id(s)
             if key in in_ids:
+                aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
             if nbytes >= min_bytes:
@@ -346,44 +361,16 @@ class Stepper(SavedTensors, PlanExecutor, OnDemandRoom, FreshStorages, StepRecor
                     keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
+        if info.replay.replayable and not aliased and not self.updating:
+            rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
+        if recipe:
+            self.capture(i, info, func, args, kwargs, rng)
         self.after(i, touched)
         return out
-
-    def _take_back(self, slot: Slot, s: torch.UntypedStorage, i: int) -> None:
-        """Op ``i`` writes in place into the storage activation ``slot`` was born in, after the
-        engine let go of it (wrote it out; maybe read a copy back into the pool). The forward
-        still holds that storage (ResNet's ``out += identity; relu_(out)`` before autograd
-        saves ``out``), so the op's bytes land there, not in the engine's copies: the slot
-        takes the storage back, drops its copy in memory (same bytes until now) and forgets
-        the tier's, which goes stale. Else unpack hands the backward the pre-write bytes."""
-        if slot.storage is s:
-            return   # the storage appears twice among the op's arguments
-        if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
-            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
-        if slot.host_current:
-            self.ctx.tier.discard(slot.key)
-            slot.host_current = False
-        slot.storage = s   # counted as resident already: it replaces the copy, or the copy in flight
-        slot.state = State.RESIDENT
-        self._register(slot)
 
     def roll_back(self) -> str | None:
         """Take back what the failed step did to the model (``StepRollback.roll_back``)."""
         return self.rollback.roll_back()
-
-    def _bind_born(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> None:
-        v = self.schedule.sequence.variables[var]
-        planned_bytes = -(-nbytes // self.ctx.chunk) * self.ctx.chunk if v.kind is Kind.ACTIVATION else nbytes
-        if planned_bytes != v.nbytes:   # same ops, other shapes (a new batch size)
-            self._diverge(i, f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B")
-            return
-        slot = Slot(var, v.kind, nbytes, v.name, in_place=v.kind is not Kind.ACTIVATION,
-                    state=State.RESIDENT, storage=s)
-        self._account(nbytes)
-        self._register(slot)
-        b = self.rec.live_birth(s)
-        if b is not None:   # recorded too, in case the step diverges later and is re-planned
-            self.rec.promote(b, var, v.kind, v.name)
 
     def after(self, i: int, touched: list[Slot]) -> None:
         if self.planned:

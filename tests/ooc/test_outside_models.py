@@ -305,3 +305,20 @@ def test_outside_model_trains_bitwise_at_a_quarter_of_its_peak(name: str, manage
     if case.precision == "fp16":
         first = ref["scale"][case.accumulate - 1]
         assert first < SKIP_FIRST["init_scale"], "the scaler must skip the first update"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "transformers"])
+def test_outside_model_recomputes_bitwise(name: str) -> None:
+    """recompute="prefer": every activation the budget forces out that a chain can re-create
+    is discarded and recomputed (dropout's generator state replayed, autocast off for the
+    replay of ops already cast, GradScaler, clipping, accumulation around it): bitwise."""
+    case = CASES[name]
+    _, why = _library(case.library)
+    if why is not None:
+        pytest.skip(why)
+    ref = _reference(name)
+    budget = _managed_peak(name, MANAGE["default"]) // 4
+    got = _train(case, _model(name), {"budget": budget, "recompute": "prefer"})
+    _assert_bitwise(ref, got, name)
+    assert got["stats"]["bytes_recomputed"] > 0, "nothing was recomputed"
+    assert any(got["planned"]), "no step ran its plan"
