@@ -226,6 +226,9 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
                     "re-planning next step", i, self._name(i), why)
             self.planned = False
             self.diverged_at = i
+            # The flags of the ops it ran as planned are the plan's (recorded the same way).
+            planned_ops = self.schedule.sequence.functions[:i]
+            self.rec.flags[:len(planned_ops)] = [(f.replayable, f.rng, f.updates_stats) for f in planned_ops]
             self.gpu_timing = self.ctx.device.type == "cuda"
             self.recent = {s: None for s in self.slots.values()
                            if s.state in (State.RESIDENT, State.IN, State.OUT)}
@@ -361,7 +364,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
                     keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
-        if info.replay.replayable and not aliased and not self.updating:
+        if not self.planned and info.replay.replayable and not aliased and not self.updating:
             rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
         if recipe:
             self.capture(i, info, func, args, kwargs, rng)
