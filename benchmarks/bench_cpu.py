@@ -12,7 +12,9 @@ seed with:
   trace); a budget below what the plan needs is reported as "infeasible (min X)". These run
   with the engine's defaults, recomputation included (the planner swaps or recomputes each
   activation the budget forces out, whichever it prices cheaper);
-- ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False`` (issue 15's comparison);
+- ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
+  recompute=prefer``: every activation forced out that a chain can re-create is recomputed
+  (issue 15's comparison: what each lever costs on this machine);
 - ``checkpoint``: ``torch.utils.checkpoint`` around every block, and around every other block;
 - ``ooc`` at 1/4 with ``verify=True`` (a checksum per swapped chunk), for the small CNN
   (ResNet-50 runs budgets 1, 1/2 and 1/4 only, to keep the run under a quarter of an hour).
@@ -180,6 +182,8 @@ def build_rows(model: Model, steps: int, tmp: Path, quick: bool) -> tuple[list[R
     if not quick or model.target:   # issue 15: the same budget without recomputation
         rows.append(Row("ooc 1/4 swap-only", replace(base, method="ooc", budget=peak // 4, recompute=False,
                                                      params_out=out("swap"))))
+        rows.append(Row("ooc 1/4 recompute=prefer", replace(base, method="ooc", budget=peak // 4,
+                                                            recompute="prefer", params_out=out("prefer"))))
     if not quick or model.target:
         rows.append(Row("checkpoint (every block)", replace(base, method="checkpoint", params_out=out("cp1"))))
     if not quick or model.label == "GPT":

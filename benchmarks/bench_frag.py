@@ -3,7 +3,7 @@
     python benchmarks/bench_frag.py [--quick] [--events N] [--runs N] [--out PATH]
 
 Builds a synthetic snapshot of ``--events`` allocation events (1,000,000; ``--quick``:
-200,000): the allocation trace of a swap schedule repeated step after step
+50,000): the allocation trace of a swap schedule repeated step after step
 (``vmm.replay.swap_trace``, 48 layers, sizes 64 KiB-96 MiB, 5% size jitter between steps),
 written in PyTorch's snapshot format by the caching allocator model (``segment_alloc``,
 ``alloc``, ``free_requested`` + ``free_completed`` per event: 1.5 entries per event). Then,
@@ -45,10 +45,10 @@ TARGET = 200_000
 def main(argv: list[str] | None = None) -> int:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--events", type=int,
-                    help="events in the synthetic snapshot (default 1M; quick 200k)")
+                    help="events in the synthetic snapshot (default 1M; quick 50k)")
     ap.add_argument("--runs", type=int, help="runs per measurement (default 3; quick 1)")
     args = ap.parse_args(argv)
-    n = args.events or (200_000 if args.quick else 1_000_000)
+    n = args.events or (50_000 if args.quick else 1_000_000)
     runs = max(1, args.runs or (1 if args.quick else 3))
     load0 = common.load_average()
 
