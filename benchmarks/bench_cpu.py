@@ -342,12 +342,11 @@ def breakdown(rows: list[Row]) -> list[str]:
     if not (inc and full and q):
         return []
     stall = q.stat("last_stall_s") or 0.0
-    plan = q.stat("plan") or {}
-    moved = plan.get("bytes_in", 0) + plan.get("bytes_out", 0)
+    moved = (q.stat("plan.bytes_in") or 0) + (q.stat("plan.bytes_out") or 0)
     out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
            f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
            f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
-           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step), saved "
+           f"in Python ({full.stat('plan.functions') or '?'} ops per step), saved "
            "tensors through pack/unpack hooks, and memory the allocator's capped cache did not "
            "keep is faulted in (zeroed) again",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
@@ -355,13 +354,13 @@ def breakdown(rows: list[Row]) -> list[str]:
            f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
            "preempted by them), and the host's work for the virtual disk (steal time)",
            f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
-    resident = (plan.get("peak_resident_bytes") or 0)
+    resident = q.stat("plan.peak_resident_bytes") or 0
     out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "
                f"tensors (the plan's resident peak, within the {_mib(q.case.budget)} MiB budget) + "
                f"{_mib(q.rise - resident)} MiB that PyTorch allocates outside the budget (gradients "
                f"flowing backward, workspaces, weights' grads and momentum, saved tensors < "
                f"{format_size(q.case.chunk // 2)}); in core the same outside part is "
-               f"~{_mib(inc.rise - (full.stat('plan') or {}).get('peak_resident_bytes', 0))} MiB; ooc's pool "
+               f"~{_mib(inc.rise - (full.stat('plan.peak_resident_bytes') or 0))} MiB; ooc's pool "
                f"mapped at most {_mib(q.stat('pool_peak_mapped_bytes') or 0)} MiB")
     one = by.get("ooc 1/4, 1 I/O thread")
     if one:
