@@ -290,6 +290,19 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
             f"meta trace): {format_size(peak)}.", ""] + common.md_table(head, out)
 
 
+def monotonic(rows: list[Row]) -> list[str]:
+    """Issue 15 item 6: the measured peak rise never grows as the budget falls (the default
+    ooc rows, by budget)."""
+    pts = sorted(((r.case.budget, r.rise) for r in rows if re.fullmatch(r"ooc [0-9/]+", r.label) and r.results),
+                 reverse=True)
+    if len(pts) < 2:
+        return []
+    ok = all(b[1] <= a[1] for a, b in zip(pts, pts[1:]))
+    chain = " / ".join(f"{_mib(rise)}" for _, rise in pts)
+    return [f"Peak rise as the budget falls ({', '.join(format_size(b) for b, _ in pts)}): {chain} MiB: "
+            f"{'never rises' if ok else '**rises**'}.", ""]
+
+
 def targets(model: Model, rows: list[Row]) -> tuple[list[str], dict[str, bool | None]]:
     by = {r.label: r for r in rows}
     inc, q = by["in-core"], by["ooc 1/4"]
@@ -444,7 +457,7 @@ def main() -> None:
     ])
     verdict = None
     for model, rows, peak in plans:
-        lines += table(model, rows, peak) + [""]
+        lines += table(model, rows, peak) + [""] + monotonic(rows)
         if model.target:
             tlines, verdict = targets(model, rows)
             lines += tlines
