@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -267,6 +268,7 @@ def _reference(name: str) -> dict:
     return _REFERENCE[name]
 
 
+@functools.lru_cache(maxsize=None)
 def _managed_peak(name: str, manage: tuple[str, ...]) -> int:
     """The in-core peak of the managed tensors: the plan of the second update's step (the
     first made the optimizer's state; with fp16, the first is skipped), huge budget."""
