@@ -186,8 +186,7 @@ class StepRecorder:
         self.fuses.append(tuple(uses))
         rule = info.replay
         self.fflags.append(_NEVER if not rule.replayable or aliased or persistent else
-                           (True, rule.rng, rule.running_mean is not None
-                            and rule.updates_stats(args, kwargs)))
+                           rule.flags(args, kwargs))
         self.fbytes.append(nbytes)
         flops = 0.0
         if info.flop is not None:

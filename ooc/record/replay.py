@@ -104,6 +104,11 @@ class ReplayRule:
             return False
         return self.always_training or bool(_arg(args, kwargs, self.training))
 
+    def flags(self, args: tuple, kwargs: dict) -> tuple[bool, bool, bool]:
+        """``Function``'s (replayable, rng, updates_stats) for this call of a replayable op
+        (the call rules of ``StepRecorder.op`` decided it may be replayed)."""
+        return True, self.rng, self.updates_stats(args, kwargs)
+
 
 _NEVER_OTHER = ReplayRule(False, why="not a schema op")
 

@@ -1,8 +1,9 @@
 """Executing a checked ``Schedule``: the plan's memory actions, as the transition table says.
 
 ``PlanExecutor.apply`` runs one action (swap-in, wait for a swap-in, swap-out, wait for a
-swap-out, drop, free, discard, recompute: the last two in ``recompute.py``) on one managed tensor: the precondition, the new state and the device
-bytes are ``scheduler.actions.TRANSITIONS``'; only the byte moves are this module's. An action
+swap-out, drop, free, discard, recompute: the last two in ``recompute.py``) on one managed
+tensor: the precondition, the new state and the device bytes are
+``scheduler.actions.TRANSITIONS``'; only the byte moves are this module's. An action
 the table refuses means the step is not where its plan is: it diverges and finishes on demand.
 Every wait for a transfer counts as stall and shows on the step's timeline.
 """

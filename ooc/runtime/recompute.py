@@ -23,13 +23,14 @@ Swapping copies bytes; so must this: the replay gives the same bytes, or it does
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.errors import OOCError
 from ooc.record.managed import NOT_REPLAYABLE
@@ -102,20 +103,16 @@ def chains_of(schedule: Schedule | None) -> dict[int, tuple[int, ...]]:
 class Recomputation:
     """The ``Stepper``'s discard and recompute (a mixin). Its state (``_init_recompute``):
     ``chains`` (var -> functions to rerun), ``recipe_ops`` (every function of some chain: the
-    ones ``on_op`` captures), ``recipes`` (function -> ``Recipe``), ``born`` (var -> (op,
-    output) it was born at)."""
+    ones ``on_op`` captures), ``recipes`` (function -> ``Recipe``)."""
 
-    def _init_recompute(self, schedule: Schedule | None, binding: dict) -> None:
+    def _init_recompute(self, schedule: Schedule | None) -> None:
         self.chains = chains_of(schedule)
         self.recipe_ops = frozenset(w for chain in self.chains.values() for w in chain)
         self.recipes: dict[int, Recipe] = {}
-        self.born = {var: where for where, var in binding.items()} if self.chains else {}
 
-    def rng_before(self, i: int, info: Any, device: torch.device) -> torch.Tensor | None:
-        """The generator state op ``i`` is about to draw from, if a chain may replay it."""
-        if i in self.recipe_ops and info.replay.rng:
-            return _rng_state(device)
-        return None
+    def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
+        """The generator state a chain function is about to draw from (random ops only)."""
+        return _rng_state(device) if info.replay.rng else None
 
     def capture(self, i: int, info: Any, func: Any, args: tuple, kwargs: dict,
                 rng: torch.Tensor | None) -> None:
@@ -133,7 +130,7 @@ class Recomputation:
 
         rule = info.replay
         stats = None
-        if rule.running_mean is not None and rule.updates_stats(args, kwargs):
+        if rule.updates_stats(args, kwargs):
             pos = rule.running_mean[0]
             stats = (pos, pos + 1)   # running_mean, running_var: adjacent in every BatchNorm schema
         self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats)
@@ -144,19 +141,17 @@ class Recomputation:
         buffers, state, tensors under the threshold) cannot be replayed."""
         births = self.rec.births
         for t in written_tensors:
-            s = t.untyped_storage()
-            if s._cdata not in births:
+            if t.untyped_storage()._cdata not in births:
                 return NOT_REPLAYABLE
-        rule = info.replay
-        return True, rule.rng, rule.running_mean is not None and rule.updates_stats(args, kwargs)
+        return info.replay.flags(args, kwargs)
 
     def _discard(self, slot: Slot, where: int) -> bool:
         """Give ``slot``'s bytes back with no copy, if its chain can bring them back exactly;
         else the step diverges (on demand writes the activation out). Returns whether it did."""
         chain = self.chains.get(slot.var, ())
-        missing = [w for w in chain if w not in self.recipes]
-        changed = next((t for w in chain if w in self.recipes
-                        for t in [self.recipes[w].changed()] if t is not None), None)
+        recipes = [self.recipes.get(w) for w in chain]
+        missing = [w for w, r in zip(chain, recipes) if r is None]
+        changed = next((t for r in recipes if r is not None and (t := r.changed()) is not None), None)
         if not chain or missing or changed is not None:
             why = (f"ops {missing} of its chain were not captured" if missing or not chain
                    else f"an input of its chain ({tuple(changed.shape)}) was written since")
@@ -179,7 +174,7 @@ class Recomputation:
                     f"cannot recompute {slot.name} before op {where} ({self._name(where)}): a "
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
                     f"in place since; pass recompute=False to OutOfCore to swap instead")
-        out_index = self.born[slot.var][1]
+        out_index = self.rec.born_at[slot.var][1]   # (op, output) the plan bound it at
         device = self.ctx.device
         with _disable_current_modes(), torch.no_grad(), _no_autocast():
             for w, r in zip(chain, recipes):
@@ -202,7 +197,7 @@ class Recomputation:
                     out = r.func(*args, **kwargs)
                 if w == chain[0]:
                     outs = (out,) if isinstance(out, torch.Tensor) else [
-                        t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                        t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                     s = outs[out_index].untyped_storage()
                     if s.nbytes() != slot.nbytes:
                         raise OOCError(
@@ -223,20 +218,12 @@ def _materialize(x: Any) -> Any:
 
 
 def _refs(r: Recipe) -> list[Ref]:
-    from torch.utils._pytree import tree_leaves
-
     return [x for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, Ref)]
 
 
-class _no_autocast:
+def _no_autocast() -> contextlib.ExitStack:
     """Autocast off for every device type while a chain replays (see the module docstring)."""
-
-    def __enter__(self) -> None:
-        self._cms = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
-                     if d == "cpu" or torch.cuda.is_available()]
-        for cm in self._cms:
-            cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for cm in reversed(self._cms):
-            cm.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    for d in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        stack.enter_context(torch.autocast(d, enabled=False))
+    return stack

@@ -127,7 +127,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         self._init_room(persistent)
         self._init_fresh()
         self._init_saved()
-        self._init_recompute(schedule, binding)
+        self._init_recompute(schedule)
         # A step that is not planned also records the whole step, every storage, with the
         # recorder ``ooc.trace`` uses (ooc/record/): ``engine.last_recording`` is the step as
         # ``ooc plan`` would plan it. A planned step does not pay for it.
@@ -331,7 +331,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             start, end = cuda.timing_event(), cuda.timing_event()
             start.record()
         recipe = i in self.recipe_ops and self.planned
-        rng = self.rng_before(i, info, self.ctx.device) if recipe else None
+        rng = self.rng_before(info, self.ctx.device) if recipe else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()

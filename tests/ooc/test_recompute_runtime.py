@@ -151,7 +151,7 @@ class _Step(rc.Recomputation):
 
         self.ctx = SimpleNamespace(device=torch.device("cpu"), counters=Counter())
         self.events: list = []
-        self.recipes, self.born = {0: recipe}, {7: (0, 0)}
+        self.recipes, self.rec = {0: recipe}, SimpleNamespace(born_at={7: (0, 0)})
 
     def ensure(self, slot, i, keep=()) -> None:
         pass
