@@ -259,7 +259,10 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
-            self._finish(st, exc, time.perf_counter() - t0)
+            try:
+                self._finish(st, exc, time.perf_counter() - t0)
+            finally:   # an update that raised: a Ctrl-C it held is delivered now
+                self._interrupts.release()
             if (st.updating and isinstance(exc, StorageError)
                     and self.manage & {"params", "optimizer_state"}):
                 err = StorageError(

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from ooc.errors import StorageError
+from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.slots import Slot
@@ -61,6 +61,10 @@ class StepEnd:
             note = st.roll_back()
             if note and exc is not None and hasattr(exc, "add_note"):
                 exc.add_note(note)
+        lost = self._drop_given_back_grads(st)
+        if lost and exc is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"ooc: the gradients of {', '.join(lost)} were given back after the update, "
+                         "as the plan does; they are None now")
         live = self._live_out(st)
         st.hand_back(live)
         for var, slot in list(self.persistent.items()):
@@ -124,6 +128,27 @@ class StepEnd:
                 self._replan(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow
+        if lost:
+            raise OOCError(
+                f"the gradients of {', '.join(lost)} outlived this step, but its plan (recorded from a "
+                "step that set them to None after optimizer.step()) gave their bytes back after the "
+                "update: they are None now. Call zero_grad(set_to_none=True) after the update in every "
+                "step, or never inside the step")
+
+    def _drop_given_back_grads(self, st: Stepper) -> list[str]:
+        """Gradients whose bytes the plan freed after the update (they died in the recorded
+        step) but which outlive this one (an exception or a Ctrl-C before ``zero_grad``, a
+        loop that stopped zeroing them): their storage is empty, and a read would be of freed
+        memory. They become None, as ``zero_grad`` would have made them; named for the error."""
+        if "grads" not in self.manage:
+            return []
+        freed = {id(s.storage) for s in st.slots.values() if s.kind is Kind.GRAD and s.given_back()}
+        lost = []
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and id(p.grad.untyped_storage()) in freed:
+                p.grad = None
+                lost.append(name)
+        return lost
 
     def _live_out(self, st: Stepper) -> dict[int, Slot]:
         """The managed tensors that exist after the step: parameters, kept grads, state."""

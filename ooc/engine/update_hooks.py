@@ -4,8 +4,8 @@ The pre-hook (``_update_starts``) is the step's commit point: the recording step
 the budget feasible for the update (``_check_feasible``), then every transfer in flight is
 waited for and the room the update will write is reserved on the tier (``_commit_point``),
 so that neither a failed transfer nor a full disk can stop the update halfway. From there on
-the step is not rolled back. The post-hook (``_update_done``) notes that the optimizer's state
-exists.
+the step is not rolled back, and a Ctrl-C is held until the update is whole. The post-hook
+(``_update_done``) notes that the optimizer's state exists and delivers a held Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 import scheduler
 from ooc.errors import OOCError
+from ooc.runtime.deferred_interrupt import DeferredInterrupt
 from ooc.runtime.dry_run import optimizer_need, state_sizes
 from ooc.runtime.stepper import Stepper
 from scheduler.errors import BudgetTooSmall
@@ -34,6 +35,7 @@ class UpdateHooks:
     def _init_update(self) -> None:
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
+        self._interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
@@ -77,7 +79,10 @@ class UpdateHooks:
                 log.warning("the recording step went over the pool once (%s); planned steps stay "
                             "within the budget", overflow)
         self._commit_point(st)
-        st.update_starts()   # from here on the step is not rolled back
+        # From here on the step is not rolled back, so Ctrl-C waits until the update is whole
+        # (ooc/runtime/deferred_interrupt.py): the step is then either undone or complete.
+        self._interrupts.hold()
+        st.update_starts()
 
     def _update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` post-hook: the update completed (its state exists, with its
@@ -86,6 +91,7 @@ class UpdateHooks:
         st = self._stepper
         if st is not None:
             st.update_done()
+            self._interrupts.release()   # a Ctrl-C held during the update raises here
         elif "optimizer_state" in self.manage:
             names = {p: n for n, p in self.model.named_parameters()}
             for p, state in optimizer.state.items():

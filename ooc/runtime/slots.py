@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ooc.errors import StorageError
+from ooc.errors import OOCError, StorageError
 from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
@@ -78,6 +78,23 @@ class Slot:
 
     def usable(self) -> bool:
         return self.state is State.RESIDENT
+
+    def given_back(self) -> bool:
+        """The plan freed this tensor's bytes (it died in the recorded step) but the tensor
+        lives on: a gradient read after ``optimizer.step()``, or kept past the step, where
+        the recorded step had set it to None. Its storage is empty; no copy exists."""
+        return (self.state is State.ABSENT and self.in_place and self.storage is not None
+                and self.nbytes > 0 and self.storage.nbytes() == 0)
+
+
+def given_back_error(slot: Slot, where: str) -> OOCError:
+    """What reading a tensor whose bytes the plan gave back raises (never a read of freed
+    memory: a segfault or garbage)."""
+    return OOCError(
+        f"{where} reads {slot.name} ({format_size(slot.nbytes)}, {slot.nbytes} B), whose bytes the plan "
+        f"gave back after its last use in the step it was recorded from (nothing read it later "
+        f"there). Read gradients before optimizer.step() (clip_grad_norm_ returns the norm), do the "
+        f"same reads in every step, or leave 'grads' out of manage")
 
 
 def start_swap_out(slot: Slot, tier: SlowerTier) -> None:

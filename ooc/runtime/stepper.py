@@ -195,6 +195,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             return
         if self.planned:
             self._diverge(i, f"{slot.name} is {slot.state.value} at its use")
+        if slot.given_back():
+            raise sl.given_back_error(slot, f"op {i} ({self._name(i)})")
         if slot.state is State.OUT:
             if not slot.in_place:
                 return  # the engine still holds the source: reading it while it is written is safe
