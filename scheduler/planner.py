@@ -18,7 +18,9 @@ Policies (``POLICIES``):
   swapped or recomputed, whichever costs less on ``hardware`` (option; a ``Hardware`` or a
   preset name, default ``scheduler.recompute.default_hardware``); option ``recompute``:
   ``"auto"`` (that rule), ``"prefer"`` (recompute every victim that has a chain),
-  ``"never"`` (swap only). Moves nothing when
+  ``"never"`` (swap only); option ``pins``: ``{variable id: pin}``, the user's say per
+  tensor (``"keep"``, ``"offload"``, ``"prefer_recompute"``, ``"must_recompute"``; see
+  ``scheduler.pins``). Moves nothing when
   ``budget >= seq.in_core_peak_bytes``. See ``scheduler.window``, ``scheduler.recompute``.
 - ``"milp"``: the reference, an exact MILP over keep / swap / recompute per tensor
   (``scheduler.milp``; needs scipy; graphs up to a few hundred functions). Options
@@ -47,6 +49,7 @@ from scheduler.baselines import (LMS_SWAPIN_AHEAD, LMS_SWAPOUT_THRESHOLD, plan_l
 from scheduler.check import check
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
+from scheduler.pins import Pins
 from scheduler.schedule import Schedule
 from scheduler.recompute import RECOMPUTE_MODES, plan_swap_or_recompute
 from scheduler.window import Infeasible, plan_window_paper
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand", "milp")
 
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "window": {"hardware": None, "recompute": "auto"},
+    "window": {"hardware": None, "recompute": "auto", "pins": None},
     "milp": {"hardware": None, "time_limit": 60.0},
     "window-paper": {},
     "vdnn": {"backward_start": None},
@@ -134,10 +137,10 @@ def _plan(seq: VariableSequence, budget: int | None, window: int | None, policy:
           opts: dict[str, Any]) -> Schedule:
     t0 = time.perf_counter()
     if policy == "window":
-        hw, mode = opts["hardware"], opts["recompute"]
+        hw, mode, pins = opts["hardware"], opts["recompute"], Pins.of(seq, opts["pins"])
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
-        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw, mode))
+        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw, mode, pins))
     elif policy == "milp":
         from scheduler.milp import plan_milp   # scipy, imported only for this policy
 

@@ -27,6 +27,7 @@ from scheduler.check import check
 from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.ir import VariableSequence
+from scheduler.pins import Pins, pinned_rule
 from scheduler.replay import Chain, chain_for, recompute_candidates
 from scheduler.schedule import Schedule
 from scheduler.simulate import simulate
@@ -70,18 +71,27 @@ def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float) -> R
 
 
 def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | None = None,
-                           hw: Hardware | str | None = None, mode: str = "auto") -> Schedule:
+                           hw: Hardware | str | None = None, mode: str = "auto",
+                           pins: Pins = Pins()) -> Schedule:
     """Policy "window" with recomputation: the swap-only plan, and one plan per exposure in
     ``EXPOSURES`` with the rule choosing swap or recompute per victim; the fastest on ``hw``
     (``simulate``) wins, ties to the swap-only plan. ``mode="prefer"``: every victim that
     has a chain is recomputed (the swap-only plan only if that one does not fit);
-    ``"never"``: the swap-only plan."""
-    best = plan_window(seq, budget, window)
+    ``"never"``: the swap-only plan. ``pins`` (``scheduler.pins``) apply to every plan tried
+    (a swap-only plan follows only ``keep``)."""
+    best = plan_window(seq, budget, window, None, pins.swap_only())
     if mode == "never" or not recompute_candidates(seq):
         return best     # nothing may be replayed: today's plan, byte for byte
+    if pins.prefer or pins.must:   # the user's recompute pins bind every plan tried
+        try:
+            best = plan_window(seq, budget, window, pinned_rule(seq, pins), pins)
+            check(best)
+        except (Infeasible, BudgetTooSmall) as err:
+            log.info("the recompute pins do not fit this budget; swapping those tensors: %s", err)
     if mode == "prefer":
         try:
-            candidate = plan_window(seq, budget, window, lambda v, at: chain_for(seq, v, at))
+            candidate = plan_window(seq, budget, window, pinned_rule(seq, pins, lambda v, at: chain_for(seq, v, at)),
+                                    pins)
             check(candidate)
             return candidate
         except (Infeasible, BudgetTooSmall) as err:
@@ -91,7 +101,8 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     best_s = simulate(best, hw, timeline=False).total_s
     for exposure in EXPOSURES:
         try:
-            candidate = plan_window(seq, budget, window, swap_or_recompute(seq, hw, exposure))
+            candidate = plan_window(seq, budget, window, pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure)),
+                                    pins)
             check(candidate)
         except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
             log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)

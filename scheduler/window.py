@@ -30,10 +30,9 @@ variables that start resident and are evicted before their first use simply star
 slower tier, step (d). Then step (a) prefetches each swap-in as early as both the window and
 the budget allow. With a budget of at least ``in_core_peak_bytes`` it moves nothing.
 
-The paper's planner is ``scheduler.window_paper``; the working-set helpers both use are
-``scheduler.working_sets``. Both raise :class:`~scheduler.errors.BudgetTooSmall` when one function's working set alone
-exceeds the budget; above that they always succeed. ``scheduler.planner.plan`` is the entry
-point: it validates arguments and proves every schedule with ``scheduler.check``.
+The paper's planner is ``scheduler.window_paper``, their helpers ``scheduler.working_sets``.
+Both raise ``BudgetTooSmall`` when one function's working set alone exceeds the budget;
+``scheduler.planner.plan`` validates arguments and proves every schedule with ``check``.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ import logging
 from typing import Callable
 
 from scheduler.ir import VariableSequence
+from scheduler.pins import Pins
 from scheduler.replay import Chain
 from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
@@ -71,7 +71,7 @@ Recompute = Callable[[int, int], "Chain | None"]
 
 
 def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
-                recompute: "Recompute | None" = None) -> Schedule:
+                recompute: "Recompute | None" = None, pins: Pins = Pins()) -> Schedule:
     """The default policy: the window scheduler moving only what the budget forces out.
 
     Starts with every ``live_in`` variable that the step needs resident, replays the step,
@@ -84,7 +84,9 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     ``recompute(v, at)``: for a victim that would be swapped out, the chain to recompute it
     with before its next use ``at`` instead (``scheduler.replay.Chain``), or None to swap it
     (``scheduler.recompute`` prices the two). Without it, or when it always says None, the
-    plan is the swap-only plan.
+    plan is the swap-only plan. ``pins`` (``scheduler.pins``): ``keep`` is never evicted,
+    ``must`` is discarded after each use not followed at once by the next (``recompute``
+    must give its chain, as ``pinned_rule`` does).
     """
     if window is None:
         window = default_window(budget)
@@ -106,7 +108,7 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
         if resident_at_start in tried:
             break
         tried.add(resident_at_start)
-        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute)
+        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute, pins)
         planner.decide()
         log.debug("window: start with %d resident -> %d B moved", len(resident_at_start), planner.moved)
         if best is None or planner.moved < best.moved:
@@ -127,8 +129,9 @@ class _BudgetWindow:
     """
 
     def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
-                 recompute: "Recompute | None" = None) -> None:
+                 recompute: "Recompute | None" = None, pins: Pins = Pins()) -> None:
         self.recompute = recompute
+        self.pins = pins
         self.prep = prep
         self.seq = prep.seq
         self.working_sets = prep.working_sets
@@ -175,6 +178,18 @@ class _BudgetWindow:
         regen: list[list[Chain]] = [[] for _ in range(n)]   # recomputed before f_i
         pinned: dict[int, int] = {}   # inputs of chains still to run: never discarded
         protect: set[int] = set()     # the inputs of the chains about to run: not evicted now
+        keep, must = self.pins.keep, self.pins.must
+
+        def discard(v: int, last: int, chain: Chain) -> None:
+            """Recompute ``v`` instead of a swap: discarded right after its last use ``last``,
+            its chain rerun right before its next use."""
+            nonlocal mem
+            after[last].append(Action(Op.DISCARD, v))
+            regen[chain.at].append(chain)
+            for x in chain.inputs:
+                pinned[x] = pinned.get(x, 0) + 1
+            state[v] = _GONE
+            mem -= nbytes[v]
 
         def evict(excess: int, i: int) -> None:
             """(c) schedule swap-out of Belady's victims, with (d) and (b), freeing ``excess`` bytes."""
@@ -187,7 +202,7 @@ class _BudgetWindow:
                 v = key[3]
                 if state[v] != _RESIDENT or key[4] != stamp[v]:
                     continue  # stale entry
-                if v in protect:
+                if v in protect or v in keep:
                     spared.append(key)
                     continue
                 if -key[0] <= i:
@@ -207,14 +222,7 @@ class _BudgetWindow:
                     after[anchor[v]].append(Action(Op.DROP, v))
                     ready[v] = anchor[v] + 1
                 elif (chain := self._recompute_instead(v, -key[0], state, pinned)) is not None:
-                    # Recompute instead of a swap: no transfer; discard it right after its
-                    # last use, rerun its chain right before its next use.
-                    after[anchor[v]].append(Action(Op.DISCARD, v))
-                    regen[chain.at].append(chain)
-                    for x in chain.inputs:
-                        pinned[x] = pinned.get(x, 0) + 1
-                    state[v] = _GONE
-                    mem -= nb
+                    discard(v, anchor[v], chain)   # no transfer
                     excess -= nb
                     continue
                 else:
@@ -287,6 +295,8 @@ class _BudgetWindow:
                     after[i].append(Action(Op.FREE, v))
                     state[v] = _ABSENT
                     mem -= nbytes[v]
+                elif v in must and nxt > i + 1 and (chain := self._recompute_instead(v, nxt, state, pinned)):
+                    discard(v, i, chain)   # pinned "must_recompute": never kept across a gap
                 else:
                     stamp[v] += 1
                     heappush(heap, (-nxt, 0 if clean[v] else 1, nbytes[v], v, stamp[v]))
@@ -356,9 +366,7 @@ class _BudgetWindow:
         if self.recompute is None or nxt == INF or pinned.get(v):
             return None
         chain = self.recompute(v, int(nxt))
-        if chain is None or any(state[x] == _GONE for x in chain.inputs):
-            return None
-        return chain
+        return None if chain is None or any(state[x] == _GONE for x in chain.inputs) else chain
 
     def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,
                             untouched, anchor, stamp, heap) -> None:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import scheduler
 from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
+from ooc.engine.pin_policy import pin_function
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
 from ooc.engine.step_end import StepEnd
 from ooc.engine.update_hooks import UpdateHooks
@@ -96,6 +97,12 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
             replay their generator state, BatchNorm does not update its running statistics
             twice). False: swap only. "prefer": recompute every activation the budget
             forces out that can be (tests, and devices where moving bytes is dearest).
+        pin: the user's say per op, as torch.utils.checkpoint's selective checkpointing
+            policy: ``{op: pin}`` or ``fn(op) -> pin | None``, a pin being "keep" (never
+            leaves the device), "offload" (swapped, never recomputed), "prefer_recompute",
+            "must_recompute" (recomputed even when the budget would keep it) or a
+            ``CheckpointPolicy``; it applies to the activations the op saves
+            (``ooc/engine/pin_policy.py``, ``scheduler/pins.py``).
 
     Example::
 
@@ -119,7 +126,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                  window: int | str | None = None, chunk: int | str | None = None,
                  manage: tuple[str, ...] | list[str] | str = ("activations",), policy: str = "window",
                  verify: bool = False, min_bytes: int | str | None = None, threads: int = 2,
-                 recompute: bool | str = True) -> None:
+                 recompute: bool | str = True, pin: Any = None) -> None:
         self.budget = parse_size(budget, what="budget")
         # With neither chunk nor min_bytes given, the chunk adapts to what the first
         # recording step saves (_adapt_chunk); either one given keeps both as before.
@@ -140,6 +147,9 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         if recompute not in (True, False, "prefer"):
             raise OOCError(f"recompute must be True, False or 'prefer', got {recompute!r}")
         self.recompute = recompute
+        self._pin = pin_function(pin)
+        if self._pin is not None and policy != "window":
+            raise OOCError(f"pin: policy {policy!r} does not take pins; they belong to policy 'window'")
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise OOCError(f"device {self.device}: the runtime runs on 'cpu' or 'cuda'")

@@ -15,6 +15,7 @@ import time
 
 import scheduler
 from ooc.engine.lifetime import close_pool
+from ooc.engine.pin_policy import pins_of
 from ooc.runtime.devices import make_pool
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
@@ -93,8 +94,17 @@ class Planning:
             seq = mark_replayable(seq, lambda f: {})
         seq = _round_activations(seq, self.chunk)
         t0 = time.perf_counter()
-        options = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
-        schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy, **options)
+        options: dict = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
+        if self._pin is not None:   # the user's pins (ooc/engine/pin_policy.py)
+            options["pins"] = pins_of(seq, self._pin)
+        try:
+            schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy, **options)
+        except scheduler.BudgetTooSmall as err:
+            kept = [v for v, p in options.get("pins", {}).items() if p == "keep"]
+            if kept:
+                err.add_note(f"ooc: pin keeps {len(kept)} activations "
+                             f"({format_size(sum(seq.variables[v].nbytes for v in kept))}) on the device")
+            raise
         scheduler.check(schedule)
         self.schedule = schedule
         self.binding = {where: var for var, where in st.rec.born_at.items()}

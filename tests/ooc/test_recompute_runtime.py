@@ -181,3 +181,49 @@ def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
     again = torch.empty(0).set_(slot.storage, 0, first.size(), first.stride())
     assert torch.equal(again, first)
     assert step.ctx.counters["bytes_recomputed"] == slot.nbytes
+
+
+# -- pins: OutOfCore(pin=...), the user's say per op ------------------------------------------
+
+
+def _fates(schedule, op_name: str) -> list[set]:
+    """What the plan does to each variable that ``op_name`` produced."""
+    seq = schedule.sequence
+    acts = [a for side in (schedule.before, schedule.after) for step in side for a in step]
+    out = []
+    for v, var in seq.variables.items():
+        writers = seq.writers[v]
+        if var.kind.value == "activation" and writers and seq.functions[writers[0]].name.startswith(op_name):
+            out.append({a.op for a in acts if a.var == v})
+    return out
+
+
+def test_pins_keep_and_must_recompute_steer_the_plan_and_stay_bitwise() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ref = _reference("sgd")
+    # keep the convolution outputs: the budget takes everything else, never them
+    kept = _train("sgd", budget="10MiB", pin={torch.ops.aten.convolution: "keep"})
+    _assert_bitwise(ref, kept)
+    fates = _fates(kept["schedule"], "aten.convolution")
+    assert fates and all(f <= {Op.FREE} for f in fates)
+    assert kept["stats"]["bytes_in"] + kept["stats"]["bytes_recomputed"] > 0   # others did leave
+    assert not all(f <= {Op.FREE} for f in _fates(_train("sgd", budget="10MiB")["schedule"], "aten.convolution"))
+    # BatchNorm outputs must be recomputed, even at a budget where nothing has to move
+    roomy = _train("sgd", budget="64MiB", recompute=True)
+    assert roomy["schedule"].bytes_recomputed == 0 and roomy["schedule"].bytes_in == 0
+    must = _train("sgd", budget="64MiB",
+                  pin=lambda op: CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.aten.native_batch_norm.default else None)
+    _assert_bitwise(ref, must)
+    assert must["schedule"].bytes_recomputed > 0 and must["stats"]["bytes_recomputed"] > 0
+    assert any(Op.RECOMPUTE in f for f in _fates(must["schedule"], "aten.native_batch_norm"))
+
+
+@pytest.mark.parametrize("pin, words", [
+    ({"aten.convolution": "save"}, "expected one of keep"), ({3: "keep"}, "is not an op"),
+    (["aten.convolution"], "mapping from ops to pins"),
+])
+def test_bad_pins_fail_at_construction(pin, words) -> None:
+    model = _model()
+    with pytest.raises(ooc.OOCError, match=words):
+        ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="8MiB", pin=pin)

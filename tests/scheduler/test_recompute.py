@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Action, Cost, Kind, Op, Schedule, ScheduleError, Variable, VariableSequence, build_sequence, check, plan, simulate
+from scheduler import (Action, BudgetTooSmall, Cost, Kind, Op, Schedule, ScheduleError, Variable, VariableSequence,
+                       build_sequence, check, plan, simulate)
 from scheduler.actions import Refused
 from scheduler.hardware import hardware
 from scheduler.recompute import swap_or_recompute
@@ -154,3 +155,52 @@ def test_default_planner_is_within_5_percent_of_the_milp(zoo, name, fraction, hw
     # and never slower than swapping alone
     swap_only = mark_replayable(seq, lambda f: {})
     assert default <= simulate(plan(swap_only, budget=budget), hw).total_s * (1 + 1e-9)
+
+
+# -- pins: the user's say per tensor (scheduler.pins) ------------------------------------------
+
+
+def _fate(s: Schedule, v: int) -> set[Op]:
+    """What the plan does to variable ``v``: the ops of its actions."""
+    return {a.op for acts in (*s.before, *s.after) for a in acts if a.var == v}
+
+
+def test_pins_keep_offload_prefer_and_must_recompute() -> None:
+    seq = _seq()
+    tight, roomy = seq.in_core_peak_bytes - 3 * MiB, seq.in_core_peak_bytes
+    # Unpinned, the budget evicts the BatchNorm statistics (4): swapped on both presets.
+    for hw in ("cpu-edge", "v100-16gb-nvlink"):
+        assert _fate(plan(seq, budget=tight, hardware=hw), 4) >= {Op.SWAP_OUT, Op.SWAP_IN}
+    # prefer_recompute: recomputed instead, whatever the price
+    s = plan(seq, budget=tight, hardware="v100-16gb-nvlink", pins={4: "prefer_recompute"})
+    assert _fate(s, 4) >= {Op.DISCARD, Op.RECOMPUTE} and check(s).peak_bytes <= tight
+    # offload: swapped even where recompute="prefer" would recompute it
+    assert Op.RECOMPUTE in _fate(plan(seq, budget=tight, recompute="prefer"), 4)
+    s = plan(seq, budget=tight, recompute="prefer", pins={4: "offload"})
+    assert _fate(s, 4) >= {Op.SWAP_OUT, Op.SWAP_IN} and Op.RECOMPUTE not in _fate(s, 4)
+    # keep: never leaves; other tensors go instead
+    s = plan(seq, budget=tight, pins={4: "keep"})
+    assert _fate(s, 4) <= {Op.FREE} and s.bytes_in > 0 and check(s).peak_bytes <= tight
+    # must_recompute: with room for everything nothing moves, unless pinned
+    assert plan(seq, budget=roomy).bytes_recomputed == 0
+    s = plan(seq, budget=roomy, pins={3: "must_recompute"})
+    assert _fate(s, 3) >= {Op.DISCARD, Op.RECOMPUTE}
+    assert check(s).peak_bytes < check(plan(seq, budget=roomy)).peak_bytes
+    # a swap-only plan ignores recompute pins
+    assert plan(seq, budget=roomy, recompute="never", pins={3: "must_recompute"}).bytes_recomputed == 0
+
+
+def test_keeping_what_must_leave_fails_with_a_budget_that_works() -> None:
+    seq = _seq()
+    keep_all = {v: "keep" for v in (2, 3, 4, 5)}
+    budget = seq.in_core_peak_bytes - 3 * MiB
+    with pytest.raises(BudgetTooSmall) as err:
+        plan(seq, budget=budget, pins=keep_all)
+    assert err.value.minimum > budget
+    check(plan(seq, budget=err.value.minimum, pins=keep_all))
+
+
+@pytest.mark.parametrize("pins, words", [({3: "pin"}, "not one of"), ({99: "keep"}, "does not have")])
+def test_bad_pins_are_refused(pins, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        plan(_seq(), budget=1 << 30, pins=pins)
