@@ -3,11 +3,18 @@
 Reads a variable sequence (``ooc trace ... -o trace.json``; a plan file works too: its
 sequence is planned again), runs ``scheduler.plan`` (which proves the schedule safe with
 ``scheduler.check`` before returning it), writes the Schedule with ``-o`` and prints a
-table: policy, budget, window, in-core peak, peak resident, bytes in/out, transfers, plan time.
+table: policy, budget, window, in-core peak, peak resident, bytes in/out, transfers, plan time,
+and when the plan recomputes tensors instead of swapping them, the largest of those tensors
+with the function before which each is recomputed, the chain it reruns and the chain's
+predicted seconds (``ooc.cli.recomputed``; priced on the hardware the planner priced on,
+``scheduler.recompute.default_hardware``). ``--recompute auto|prefer|never`` is the window
+policy's ``recompute`` option (``scheduler.plan``).
 
 ``--json`` prints one JSON object: the keys of ``Schedule.summary()`` (policy, budget,
 window, functions, variables, in_core_peak_bytes, peak_resident_bytes, bytes_in,
-bytes_out) plus ``plan_seconds``, ``transfers_in``, ``transfers_out`` and ``output``.
+bytes_out, bytes_recomputed) plus ``plan_seconds``, ``transfers_in``, ``transfers_out``,
+``output`` and ``recomputed`` (every recompute action: ``{"var", "name", "bytes", "before",
+"functions", "seconds"}``; empty when the plan only swaps).
 
 ``--compare`` plans every policy at the same budget and prints them side by side (with
 ``--json``: ``{"budget", "window", "policies": [...]}``, one entry per policy, either its
@@ -15,7 +22,8 @@ summary or ``{"policy", "feasible": false, "minimum_bytes"}``). ``-o`` still wri
 ``--policy`` schedule.
 
 Errors the user can fix (missing or foreign file, a size such as "sixteen", a budget below
-what the step needs, an unknown policy) print one line and exit 2.
+what the step needs, an unknown policy, ``--recompute`` with a policy that only swaps) print
+one line and exit 2.
 """
 
 from __future__ import annotations
@@ -28,10 +36,14 @@ import time
 from typing import Any
 
 DEFAULT_POLICY = "window"
+RECOMPUTE_HELP = ("how policy window frees memory: auto (default: swap or recompute each tensor, "
+                  "whichever the hardware prices lower), prefer (recompute every tensor that can be), "
+                  "never (swap only)")
 
 
 def register(subparsers: Any) -> None:
     from scheduler.planner import POLICIES
+    from scheduler.recompute import RECOMPUTE_MODES
 
     from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
 
@@ -46,6 +58,8 @@ def register(subparsers: Any) -> None:
                    help="prefetch window of the window policies (default 1.5 x budget)")
     p.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", type=choice(POLICIES, "policy"),
                    help=f"{DEFAULT_POLICY} (default), " + ", ".join(n for n in POLICIES if n != DEFAULT_POLICY))
+    p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
+                   help=RECOMPUTE_HELP)
     p.add_argument("-o", "--output", metavar="FILE", type=output_file(), help="write the schedule as JSON here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--compare", action="store_true",
@@ -59,8 +73,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from scheduler.errors import BudgetTooSmall
     from scheduler.planner import POLICIES
+    from scheduler.recompute import default_hardware
+
+    from ooc.cli.recomputed import as_json, recomputed
 
     policy, budget, window = args.policy, args.budget, args.window  # checked by the parser
+    check_recompute(args.recompute, policy, compare=args.compare)
     policies = POLICIES if args.compare else (policy,)
     with Progress(1 + len(policies) + bool(args.output), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
@@ -70,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         for name in policies:
             bar.stage(f"planning ({name})")
             try:
-                s, info = plan_and_summarize(seq, budget, window, name)
+                s, info = plan_and_summarize(seq, budget, window, name, recompute=args.recompute)
             except BudgetTooSmall as exc:
                 if not args.compare:
                     raise
@@ -81,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 schedule = s
         if args.output:
             if schedule is None:  # --compare, and the chosen policy does not fit: say why
-                plan_and_summarize(seq, budget, window, policy)
+                plan_and_summarize(seq, budget, window, policy, recompute=args.recompute)
             bar.stage(f"writing {args.output}")
             schedule.to_json(args.output)
     if args.compare:
@@ -91,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(_compare_table(seq, budget, window, rows, policy, args.output))
         return 0
-    info = {**rows[policy], "output": args.output}
+    # the hardware the planner priced swap against recompute on (plan's default)
+    hw = default_hardware(seq)
+    rc = recomputed(schedule, hw)
+    info = {**rows[policy], "output": args.output, "recomputed": as_json(rc)}
     if args.data_parallel > 1:   # beside the transfers: what the same link may also carry
         from scheduler.data_parallel import allreduce_bytes
 
@@ -99,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
     else:
-        print(_table(info))
+        print(_table(info, _listing(rc, schedule, hw)))
     return 0
 
 
@@ -148,14 +169,32 @@ def load_sequence(path: str) -> Any:
     return obj.sequence if isinstance(obj, Schedule) else obj
 
 
-def plan_and_summarize(seq: Any, budget: int, window: int | None, policy: str) -> tuple[Any, dict[str, Any]]:
+def check_recompute(recompute: str | None, policy: str, *, compare: bool = False) -> None:
+    """Refuse ``--recompute`` with a policy that does not take it, before any work: silently
+    ignoring it would show a swap-only plan to a user who asked for recomputation."""
+    from vmm.errors import OOCError
+
+    if recompute is not None and policy != "window" and not compare:
+        raise OOCError(f"--recompute chooses how policy window frees memory; policy {policy} does not "
+                       f"take it: drop --recompute, or plan with --policy window")
+
+
+def plan_and_summarize(seq: Any, budget: int, window: int | None, policy: str, *,
+                       recompute: str | None = None, hardware: Any = None) -> tuple[Any, dict[str, Any]]:
     """``scheduler.plan`` timed, and its summary: ``Schedule.summary()`` + plan_seconds +
-    transfers_in/transfers_out. ``window`` is passed to the window policies only."""
+    transfers_in/transfers_out. ``window`` is passed to the window policies only,
+    ``recompute`` (None: plan's default) to policy window only, ``hardware`` (None: plan's
+    default) to the policies that price recomputation on it (window, milp)."""
     from scheduler.planner import plan
     from scheduler.schedule import Op
 
+    options: dict[str, Any] = {}
+    if policy == "window" and recompute is not None:
+        options["recompute"] = recompute
+    if policy in ("window", "milp") and hardware is not None:
+        options["hardware"] = hardware
     t0 = time.perf_counter()
-    s = plan(seq, budget, window if policy.startswith("window") else None, policy)
+    s = plan(seq, budget, window if policy.startswith("window") else None, policy, **options)
     seconds = time.perf_counter() - t0
     n_in = n_out = 0
     for acts in (*s.before, *s.after):
@@ -200,7 +239,21 @@ class Progress:
 # -- tables ---------------------------------------------------------------------------------
 
 
-def _table(info: dict[str, Any]) -> str:
+def _listing(rows: list[Any], schedule: Any, hw: Any) -> list[str]:
+    """The recomputed tensors under a one-line total, or nothing when the plan only swaps."""
+    from vmm.units import format_size as fs
+
+    from ooc.cli.recomputed import table
+
+    if not rows:
+        return []
+    seconds = sum(r.seconds for r in rows)
+    return [f"{'recomputed':<15}{len(rows):,} tensors, {fs(sum(r.nbytes for r in rows))}; their chains "
+            f"rerun {seconds * 1e3:,.3f} ms on {hw.name} (predicted)",
+            *table(rows, schedule)]
+
+
+def _table(info: dict[str, Any], listing: list[str]) -> str:
     from vmm.units import format_size as fs
 
     def size(n: int) -> str:
@@ -223,8 +276,9 @@ def _table(info: dict[str, Any]) -> str:
         ("plan time", f"{info['plan_seconds']:.3f} s (planned and checked)"),
     ]
     lines = [f"{k:<15}{v}" for k, v in rows]
-    if info["bytes_in"] == 0 and info["bytes_out"] == 0:
+    if info["bytes_in"] == 0 and info["bytes_out"] == 0 and not info.get("bytes_recomputed"):
         lines.append("nothing moves: the step fits in the budget as is")
+    lines.extend(listing)
     if info.get("output"):
         lines.append(f"wrote {info['output']}")
     return "\n".join(lines)

@@ -2,18 +2,24 @@
 
 Runs ``scheduler.simulate`` (a discrete-event model: one compute stream, one copy channel
 per direction, the hardware preset's datasheet figures) on a plan from ``ooc plan -o``, or
-on a trace with ``--budget`` (planned first, as ``ooc plan`` would). The results are
+on a trace with ``--budget`` (planned first, as ``ooc plan`` would, but swap against
+recompute priced on ``--hardware``; ``--recompute`` as in ``ooc plan``). The results are
 *predictions*, not measurements. Prints a table: step time, compute, stall, lower bound,
 peak device bytes, bytes in/out, speed relative to compute only (the paper's "55% of
 in-core speed" is 0.55), and with ``--allocator`` whether the allocation stream fits the
 device's memory under PyTorch's caching allocator or fixed-size chunks (``vmm``, ``--chunk``).
+When the plan recomputes tensors, the table lists the largest with what their chains cost on
+this hardware (``ooc.cli.recomputed``: the seconds ``scheduler.simulate`` charges them).
 
 ``--data-parallel N`` simulates one rank of an N-rank DistributedDataParallel job: the
 gradients' all-reduce runs beside the transfers, over the preset's interconnect or, on the
 PCIe presets, over the same host link as the swaps (``scheduler/data_parallel.py``).
 
-``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()``;
-``--timeline FILE`` writes the predicted timeline as a Chrome/Perfetto trace.
+``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()`` and
+``recomputed`` (every recompute action: ``{"var", "name", "bytes", "before", "functions",
+"seconds"}``, its seconds on this hardware; empty when the plan only swaps);
+``--timeline FILE`` writes the predicted timeline as a Chrome/Perfetto trace, with one track
+per kind of work: compute, wait, swap-in, swap-out, and recompute (one span per chain).
 
 Errors the user can fix print one line and exit 2 (see ``ooc plan``).
 """
@@ -30,9 +36,11 @@ DEFAULT_HARDWARE = "v100-16gb-nvlink"
 def register(subparsers: Any) -> None:
     from scheduler.hardware import PRESETS
     from scheduler.planner import POLICIES
+    from scheduler.recompute import RECOMPUTE_MODES
     from scheduler.simulate import ALLOCATORS
 
     from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
+    from ooc.cli.cmd_plan import RECOMPUTE_HELP
 
     p = subparsers.add_parser(
         "simulate", help="predict step time and device memory of a plan on given hardware",
@@ -57,6 +65,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--window", metavar="SIZE", type=size, help="with --budget: prefetch window (window policies)")
     p.add_argument("--policy", metavar="NAME", type=choice(POLICIES, "policy"),
                    help=f"with --budget: planner policy ({', '.join(POLICIES)}; default window)")
+    p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
+                   help=f"with --budget: {RECOMPUTE_HELP}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -69,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from vmm.errors import OOCError
     from vmm.units import format_size
 
-    from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, load, plan_and_summarize
+    from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, check_recompute, load, plan_and_summarize
+    from ooc.cli.recomputed import as_json, recomputed
 
     # Every value was checked by the parser; what remains are combinations, still before work.
     overrides = {}
@@ -83,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         chunk = args.chunk
     budget, window = args.budget, args.window
     policy = args.policy if args.policy is not None else DEFAULT_POLICY
-    if budget is None and (args.window is not None or args.policy is not None):
-        raise OOCError("--window and --policy plan a trace: give --budget too")
+    if budget is None and (args.window is not None or args.policy is not None or args.recompute is not None):
+        raise OOCError("--window, --policy and --recompute plan a trace: give --budget too")
+    check_recompute(args.recompute, policy)
 
     with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
@@ -94,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
             if budget is not None:
                 raise OOCError(
                     f"{args.input} is already a plan (policy {obj.policy}, budget {format_size(obj.budget)}); "
-                    f"--budget/--window/--policy apply to a trace: re-plan with `ooc plan`")
+                    f"--budget/--window/--policy/--recompute apply to a trace: re-plan with `ooc plan`")
             schedule = obj
         else:
             if budget is None:
                 raise OOCError(f"{args.input} is a trace, not a plan: give --budget SIZE to plan it "
                                f"first, or run `ooc plan` and simulate its -o file")
-            schedule, _ = plan_and_summarize(obj, budget, window, policy)
+            # priced on the hardware simulated: auto's swap-or-recompute choice is made for it
+            schedule, _ = plan_and_summarize(obj, budget, window, policy, recompute=args.recompute,
+                                             hardware=hw)
         bar.stage(f"simulating on {hw.name}")
         result = simulate(schedule, hw, allocator=args.allocator, chunk_bytes=chunk,
                           timeline=bool(args.timeline), data_parallel=args.data_parallel)
@@ -108,15 +122,18 @@ def run(args: argparse.Namespace) -> int:
             bar.stage(f"writing {args.timeline}")
             write_chrome_trace(result.timeline, args.timeline,
                                process_name=f"ooc simulate ({hw.name}, {schedule.policy})")
+    rc = recomputed(schedule, hw)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "recomputed": as_json(rc)}))
     else:
-        print(_table(result, schedule, args.timeline))
+        print(_table(result, schedule, args.timeline, rc))
     return 0
 
 
-def _table(r: Any, schedule: Any, timeline: str | None) -> str:
+def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any]) -> str:
     from vmm.units import format_size as fs
+
+    from ooc.cli.recomputed import table
 
     def ms(s: float) -> str:
         return f"{s * 1e3:,.2f} ms"
@@ -147,6 +164,10 @@ def _table(r: Any, schedule: Any, timeline: str | None) -> str:
     if r.allocator is not None:
         name = r.allocator if r.allocator == "caching" else f"vmm, {fs(r.chunk_bytes)} chunks"
         lines.append(f"{'allocator':<16}{name}: reserved peak {fs(r.reserved_peak_bytes)}")
+    if rc:
+        lines.append(f"{'recompute':<16}{ms(r.recompute_s)}  ({len(rc):,} tensors, {fs(r.bytes_recomputed)} "
+                     f"re-created by rerunning their chains on the compute stream)")
+        lines.extend(table(rc, schedule))
     if r.fits:
         lines.append(f"{'fits':<16}yes, within {fs(hw.device_bytes)}")
     else:
@@ -154,7 +175,8 @@ def _table(r: Any, schedule: Any, timeline: str | None) -> str:
         lines.append(f"{'fits':<16}NO: out of device memory{where}")
         lines.append(f"{'':<16}{_what_to_do(r)}")
     if timeline:
-        lines.append(f"wrote {timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
+        lines.append(f"wrote {timeline} (open in https://ui.perfetto.dev or chrome://tracing)"
+                     + ("; recomputes on the 'recompute' track" if rc else ""))
     return "\n".join(lines)
 
 

@@ -52,12 +52,13 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     }),
     "plan": (["INPUT", "{trace}", "--budget", "64MiB"], {
         "INPUT": INPUT, "--budget": SIZE, "--window": SIZE, "--policy": NAME, "--output": OUTPUT,
-        "--data-parallel": POSITIVE_INT,
+        "--data-parallel": POSITIVE_INT, "--recompute": NAME + ["always"],
     }),
     "simulate": (["INPUT", "{plan}"], {
         "INPUT": INPUT, "--hardware": NAME + ["h200"], "--device-memory": SIZE,
         "--allocator": NAME + ["buddy"], "--chunk": SIZE, "--timeline": OUTPUT, "--budget": SIZE,
         "--window": SIZE, "--policy": NAME, "--data-parallel": POSITIVE_INT,
+        "--recompute": NAME + ["always"],
     }),
     "frag": (["INPUT", "{trace}"], {
         "INPUT": INPUT, "--chunks": ["3MiB", "lots", ",", "0"], "--device-memory": SIZE,
@@ -85,6 +86,10 @@ COMBINATIONS = [
     ["report", "{trace}"],
     ["report", "{plan}", "--budget", "16GiB"],
     ["plan", "{trace}", "--budget", "16GiB", "--bogus"],
+    ["plan", "{trace}", "--budget", "16GiB", "--policy", "lms", "--recompute", "prefer"],
+    ["simulate", "{trace}", "--recompute", "never"],
+    ["simulate", "{trace}", "--budget", "16GiB", "--policy", "vdnn", "--recompute", "prefer"],
+    ["simulate", "{plan}", "--budget", "16GiB", "--recompute", "never"],
     ["frag", "{trace}", "--device-memory", "1MiB"],
 ]
 

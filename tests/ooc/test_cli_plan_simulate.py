@@ -16,7 +16,7 @@ SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core
                 "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
             "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s",
-            "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s"}
+            "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s", "recomputed"}
 ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
 HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
 
@@ -196,3 +196,128 @@ def test_data_parallel_shows_the_all_reduce_beside_the_transfers(trace_file, tig
     assert main(["simulate", str(trace_file), "--budget", str(tight), "--hardware", "h100-80gb-pcie5",
                  "--data-parallel", "4", "--no-progress"]) == 0
     assert "over the host link, queued with the swaps" in capsys.readouterr().out
+
+
+# -- recomputed tensors ---------------------------------------------------------------------
+
+
+def _recomputes(schedule, hw):
+    """What the listing must say, from the Schedule itself: (var, name, bytes, before, chain,
+    seconds) per recompute action, in program order, priced as ``simulate`` prices it."""
+    from scheduler.actions import Op
+
+    seq = schedule.sequence
+    return [{"var": a.var, "name": seq.variables[a.var].name, "bytes": seq.variables[a.var].nbytes,
+             "before": i, "functions": list(a.chain),
+             "seconds": sum(hw.function_s(seq.functions[k].cost) for k in a.chain)}
+            for i, acts in enumerate(schedule.before) for a in acts if a.op is Op.RECOMPUTE]
+
+
+@pytest.fixture(scope="module")
+def recomputing(trace_file):
+    """Half the in-core peak with --recompute prefer: the small CNN's batch norms and ReLUs are
+    replayable, so the plan recomputes more tensors than the table shows."""
+    from ooc.cli.recomputed import LIMIT
+    from scheduler.planner import plan
+
+    seq = VariableSequence.from_json(trace_file)
+    budget = seq.in_core_peak_bytes // 2
+    schedule = plan(seq, budget, recompute="prefer")
+    assert len(_recomputes(schedule, _hw("v100-16gb-nvlink"))) > LIMIT, "pick a lower budget"
+    return budget, schedule
+
+
+def _hw(name):
+    from scheduler.hardware import hardware
+
+    return hardware(name)
+
+
+def test_plan_lists_the_tensors_it_recomputes(trace_file, recomputing, tmp_path, capsys):
+    from ooc.cli.recomputed import LIMIT, short
+    from scheduler.recompute import default_hardware
+    from vmm.units import format_size as fs
+
+    budget, schedule = recomputing
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(trace_file), "--budget", str(budget), "--recompute", "prefer",
+                 "-o", str(out), "--json", "--no-progress"]) == 0
+    info = _json(capsys)
+    hw = default_hardware(schedule.sequence)   # what the planner priced recompute on
+    expected = _recomputes(schedule, hw)
+    assert info["recomputed"] == pytest.approx(expected)
+    assert sum(r["bytes"] for r in info["recomputed"]) == info["bytes_recomputed"] == schedule.bytes_recomputed
+    assert _recomputes(Schedule.from_json(out), hw) == expected   # the file holds the plan listed
+
+    assert main(["plan", str(trace_file), "--budget", str(budget), "--recompute", "prefer"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(k for k, line in enumerate(lines) if line.startswith("recomputed"))
+    assert f"{len(expected)} tensors, {fs(schedule.bytes_recomputed)}" in lines[head]
+    assert hw.name in lines[head]
+    largest = sorted(expected, key=lambda r: (-r["bytes"], r["before"]))[:LIMIT]
+    rows = lines[head + 2: head + 2 + LIMIT]
+    for row, r in zip(rows, largest):
+        assert row.split()[:3] == [short(r["name"]), *fs(r["bytes"]).split()], row
+        assert f" {r['before']} " in row and f"  {len(r['functions'])}: " in row, row
+    rest = sum(r["bytes"] for r in expected) - sum(r["bytes"] for r in largest)
+    assert lines[head + 2 + LIMIT] == f"  ... and {len(expected) - LIMIT} more ({fs(rest)})"
+
+
+def test_plan_recompute_never_swaps_only_and_lists_nothing(trace_file, recomputing, capsys):
+    budget, _ = recomputing
+    assert main(["plan", str(trace_file), "--budget", str(budget), "--recompute", "never", "--json"]) == 0
+    info = _json(capsys)
+    assert info["recomputed"] == [] and info["bytes_recomputed"] == 0 and info["bytes_in"] > 0
+    assert main(["plan", str(trace_file), "--budget", str(budget), "--recompute", "never"]) == 0
+    text = capsys.readouterr().out
+    assert "recomputed" not in text and "nothing moves" not in text
+
+
+def test_simulate_lists_recomputes_priced_on_its_hardware_and_draws_their_track(recomputing, tmp_path, capsys):
+    """Each row's seconds are what simulate charged (they add up to recompute_s), and the
+    Chrome trace has one span per recompute on a 'recompute' track of its own."""
+    _, schedule = recomputing
+    plan_file = tmp_path / "plan.json"
+    schedule.to_json(plan_file)
+    timeline = tmp_path / "timeline.json"
+    assert main(["simulate", str(plan_file), "--hardware", "cpu-edge", "--timeline", str(timeline),
+                 "--json"]) == 0
+    info = _json(capsys)
+    expected = _recomputes(schedule, _hw("cpu-edge"))
+    assert info["recomputed"] == pytest.approx(expected)
+    assert sum(r["seconds"] for r in info["recomputed"]) == pytest.approx(info["recompute_s"])
+    assert sum(r["bytes"] for r in info["recomputed"]) == info["bytes_recomputed"] > 0
+
+    events = json.loads(timeline.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"compute", "swap-in", "swap-out", "recompute"} <= set(tracks.values())
+    spans = [e for e in events if e["ph"] == "X" and tracks[e["tid"]] == "recompute"]
+    assert [(e["args"]["var"], e["args"]["bytes"], e["args"]["chain"], e["args"]["function"])
+            for e in spans] == [(r["var"], r["bytes"], r["functions"], r["before"]) for r in expected]
+    assert [e["dur"] for e in spans] == pytest.approx([r["seconds"] * 1e6 for r in expected], abs=1e-3)
+
+    assert main(["simulate", str(plan_file), "--hardware", "cpu-edge", "--timeline", str(timeline)]) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("recompute "))
+    assert f"{len(expected)} tensors" in line
+    assert "... and " in text and "recomputes on the 'recompute' track" in text
+
+
+def test_simulate_plans_a_trace_with_the_recompute_mode_asked_for(trace_file, recomputing, capsys):
+    budget, schedule = recomputing
+    found = {}
+    for mode in ("prefer", "never"):
+        assert main(["simulate", str(trace_file), "--budget", str(budget), "--recompute", mode,
+                     "--json", "--no-progress"]) == 0
+        found[mode] = _json(capsys)
+    assert found["prefer"]["bytes_recomputed"] == schedule.bytes_recomputed > 0
+    assert [r["name"] for r in found["prefer"]["recomputed"]] == \
+        [r["name"] for r in _recomputes(schedule, _hw(found["prefer"]["hardware"]))]
+    assert found["never"]["recomputed"] == [] and found["never"]["bytes_recomputed"] == 0
+
+
+def test_names_in_the_listing_drop_the_aten_namespace_and_overload():
+    from ooc.cli.recomputed import op, short
+
+    assert short("blocks.1.bn2:aten.native_batch_norm.default#24.1") == "blocks.1.bn2:native_batch_norm#24.1"
+    assert op("blocks.1:aten.add_.Tensor") == "add_" and op("f0") == "f0"
