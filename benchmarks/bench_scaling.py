@@ -13,7 +13,13 @@ For each model and batch of a grid, traced on meta with ``ooc.trace`` (each batc
 nothing is extrapolated), and each method:
 
 - in-core + caching allocator (policy ``none``: nothing moves);
-- window-paper + caching, window + caching, window + VMM at 2 / 20 / 40 MiB chunks;
+- window-paper + caching and + VMM 2 MiB (the seed paper's schedule as published: swaps only);
+- window (ours) + caching, + VMM at 2 / 20 / 40 MiB chunks, with the planner's default
+  ``recompute="auto"``: each tensor the budget forces out is swapped or recomputed, whichever
+  the planner prices cheaper on the V100 preset (passed to ``plan`` as ``hardware``);
+- window swap-only (``recompute="never"``) and window recompute=prefer (every evicted tensor
+  that has a replay chain is recomputed; when that plan does not fit, the planner prices swap
+  against recompute as in auto), each + caching and + VMM 2 MiB;
 - vDNN + caching, LMS + caching (the baselines' fixed rules);
 
 a batch *fits* when the plan is feasible within the device's usable memory AND the
@@ -22,7 +28,8 @@ policies take a budget: the highest of a descending list of budgets (100%, 98%, 
 usable memory) whose replay fits is used, as a user would lower the budget until the
 allocator copes (fragmentation needs headroom; fixed chunks need less). Throughput is
 batch / predicted step time, relative to the in-core step at the largest batch that fits
-in core. ``--quick``: ResNet-50 at two batches, fewer budgets, < 30 s.
+in core. Each cell also keeps the simulated step's breakdown (compute, recompute, stall,
+bytes moved and recomputed, busy time of each link). ``--quick``: ResNet-50 at two batches, fewer budgets, < 30 s.
 
 Writes benchmarks/results/scaling.md and scaling.png (``--quick``: scaling-quick.*).
 """
@@ -61,6 +68,7 @@ class Method:
     policy: str
     allocator: str
     chunk: int | None = None
+    recompute: str = "auto"  # policy "window" only: plan(..., recompute=...)
 
     @property
     def budgeted(self) -> bool:
@@ -73,7 +81,11 @@ METHODS = (
     Method("window-paper + caching", "window-paper", "caching"),
     Method("window-paper + VMM 2 MiB", "window-paper", "vmm", 2 * MiB),
     Method("window + caching", "window", "caching"),
+    Method("window swap-only + caching", "window", "caching", recompute="never"),
+    Method("window recompute=prefer + caching", "window", "caching", recompute="prefer"),
     Method("window + VMM 2 MiB", "window", "vmm", 2 * MiB),
+    Method("window swap-only + VMM 2 MiB", "window", "vmm", 2 * MiB, recompute="never"),
+    Method("window recompute=prefer + VMM 2 MiB", "window", "vmm", 2 * MiB, recompute="prefer"),
     Method("window + VMM 20 MiB", "window", "vmm", 20 * MiB),
     Method("window + VMM 40 MiB", "window", "vmm", 40 * MiB),
     Method("vDNN + caching", "vdnn", "caching"),
@@ -130,6 +142,13 @@ class Cell:
     total_s: float = 0.0
     compute_s: float = 0.0
     moved: int = 0
+    recomputed: int = 0
+    recompute_s: float = 0.0
+    stall_s: float = 0.0
+    h2d_s: float = 0.0
+    d2h_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
     reserved: int = 0
     why: str = ""
     tries: int = 0
@@ -159,9 +178,12 @@ def evaluate(seq: Any, m: Method, hw: Any, fractions: tuple[float, ...]) -> Cell
         return (f"allocator OOM at budget {format_size(oom[0])}" if len(oom) == 1 else
                 f"allocator OOM at every budget {format_size(oom[0])}-{format_size(oom[-1])}")
 
+    # The window planner prices swap vs recompute on the hardware it is given: the same V100
+    # preset the step is simulated on (its default for a meta trace, made explicit here).
+    opts = {"hardware": hw, "recompute": m.recompute} if m.policy == "window" else {}
     for k, b in enumerate(budgets, 1):
         try:
-            s = plan(seq, b, policy=m.policy)
+            s = plan(seq, b, policy=m.policy, **opts)
         except BudgetTooSmall as exc:
             need = f"plan infeasible (needs {format_size(exc.minimum)})"
             return Cell(False, why=f"{ooms()}; below, {need}" if oom else need, tries=k)
@@ -170,7 +192,10 @@ def evaluate(seq: Any, m: Method, hw: Any, fractions: tuple[float, ...]) -> Cell
         r = simulate(s, hw, allocator=m.allocator, chunk_bytes=m.chunk, timeline=False)
         if r.fits:
             return Cell(True, budget=s.budget, total_s=r.total_s, compute_s=r.compute_s,
-                        moved=r.bytes_in + r.bytes_out, reserved=r.reserved_peak_bytes, tries=k)
+                        moved=r.bytes_in + r.bytes_out, recomputed=r.bytes_recomputed,
+                        recompute_s=r.recompute_s, stall_s=r.stall_s, h2d_s=r.h2d_busy_s,
+                        d2h_s=r.d2h_busy_s, bytes_in=r.bytes_in, bytes_out=r.bytes_out,
+                        reserved=r.reserved_peak_bytes, tries=k)
         oom.append(s.budget)
     why = ooms() if m.budgeted else f"allocator OOM (plan peak {format_size(r.peak_bytes)})"
     return Cell(False, why=why, tries=len(budgets))
@@ -251,14 +276,14 @@ def case_tables(res: dict[str, Any], hw: Any) -> list[str]:
     rows = []
     if case.model == "resnet50":
         rows.append(["*paper, in-core (as cited in our issue)*", f"*{PAPER_IN_CORE[0]}*",
-                     f"*{PAPER_IN_CORE[1]}*", "-", "*1.00*", "-", "-"])
+                     f"*{PAPER_IN_CORE[1]}*", "-", "*1.00*", "-", "-", "-", "-"])
         rows.append(["*paper, window + virtual addressing (as cited)*", "*1440*", "-", "-",
-                     f"*{PAPER_1440:.2f} at 1440*", "-", "-"])
+                     f"*{PAPER_1440:.2f} at 1440*", "-", "-", "-", "-"])
     for m in METHODS:
         best, fail = max_batch(res, m)
         if best is None:
             first = res["cells"][m.label, case.batches[0]]
-            rows.append([m.label, "none", case.batches[0], "-", "-", "-", first.why])
+            rows.append([m.label, "none", case.batches[0], "-", "-", "-", "-", "-", first.why])
             continue
         c = res["cells"][m.label, best]
         gap = fail is not None and fail < best
@@ -270,13 +295,36 @@ def case_tables(res: dict[str, Any], hw: Any) -> list[str]:
         budget = ("-" if m.policy == "none" else
                   f"{format_size(c.budget)} ({c.budget / hw.device_bytes:.0%})")
         rows.append([m.label, best_s, fail_s, budget, f"{rel(res, m, best):.2f}",
-                     format_size(c.moved), why])
+                     format_size(c.moved),
+                     format_size(c.recomputed) if m.policy == "window" else "-",
+                     f"{c.recompute_s * 1e3:,.0f} ms" if m.policy == "window" else "-", why])
     lines += common.md_table(
         ["method", "max batch that fits", "first batch that fails", "budget used at max",
-         f"{case.unit}/s rel. to in-core max", "bytes moved per step at max", "why it fails there"],
-        rows, "lrrrrrl")
+         f"{case.unit}/s rel. to in-core max", "bytes moved per step at max",
+         "bytes recomputed per step at max", "recompute time at max", "why it fails there"],
+        rows, "lrrrrrrrl")
     lines.append("")
     return lines
+
+
+def breakdown_table(res: dict[str, Any], batch: int) -> list[str]:
+    """Where the predicted step time goes at ``batch``, for each method that fits there."""
+    rows = []
+    for m in METHODS:
+        c = res["cells"].get((m.label, batch))
+        if c is None or not c.fits:
+            continue
+        link = ("-" if not c.moved else
+                f"{'host-to-device' if c.h2d_s >= c.d2h_s else 'device-to-host'} "
+                f"({max(c.h2d_s, c.d2h_s) / c.total_s:.0%} of the step)")
+        rows.append([m.label, f"{rel(res, m, batch):.2f}", f"{c.total_s:.3f}", f"{c.compute_s:.3f}",
+                     f"{c.recompute_s:.3f}", f"{c.stall_s:.3f}", format_size(c.bytes_in),
+                     format_size(c.bytes_out), format_size(c.recomputed), f"{c.h2d_s:.3f}",
+                     f"{c.d2h_s:.3f}", link])
+    return common.md_table(
+        ["method", f"{res['case'].unit}/s rel.", "step s", "compute s", "recompute s", "stall s",
+         "bytes in", "bytes out", "bytes recomputed", "host-to-device busy s",
+         "device-to-host busy s", "busier link"], rows, "lrrrrrrrrrrl") + [""]
 
 
 def throughput_table(res: dict[str, Any], batches: tuple[int, ...]) -> list[str]:
@@ -289,15 +337,22 @@ def throughput_table(res: dict[str, Any], batches: tuple[int, ...]) -> list[str]
             c = res["cells"][m.label, b]
             cells.append(f"{r:.2f}" if r is not None else "(no)" if c.skipped else "no")
         rows.append([m.label] + cells)
-    moved = []
+    moved, recomputed = [], []
     for m in METHODS[1:]:
         moved.append([m.label] + [format_size(res["cells"][m.label, b].moved)
                                   if res["cells"][m.label, b].fits else "-" for b in bs])
-    return (common.md_table(["method \\ batch"] + [str(b) for b in bs], rows) + [
+        if m.policy == "window":
+            recomputed.append([m.label] + [format_size(res["cells"][m.label, b].recomputed)
+                                           if res["cells"][m.label, b].fits else "-" for b in bs])
+    head = ["method \\ batch"] + [str(b) for b in bs]
+    return (common.md_table(head, rows) + [
             "", "no: does not fit (plan infeasible or allocator OOM at every budget tried); (no): "
             f"not tried after {STOP_AFTER} smaller batches failed.", "", "Bytes moved "
             "per step (in + out) at those points:", ""]
-            + common.md_table(["method \\ batch"] + [str(b) for b in bs], moved) + [""])
+            + common.md_table(head, moved) + [
+            "", "Bytes recomputed per step at those points (window policies; the others never "
+            "recompute):", ""]
+            + common.md_table(head, recomputed) + [""])
 
 
 def plot(results: list[dict[str, Any]], path: Any) -> None:
@@ -309,6 +364,10 @@ def plot(results: list[dict[str, Any]], path: Any) -> None:
     styles = {"in-core + caching": ("k", "o", "-"), "window-paper + caching": ("tab:orange", "v", "-"),
               "window-paper + VMM 2 MiB": ("tab:brown", "<", "--"),
               "window + caching": ("tab:blue", "s", "-"), "window + VMM 2 MiB": ("tab:green", "^", "-"),
+              "window swap-only + caching": ("tab:blue", "s", ":"),
+              "window recompute=prefer + caching": ("tab:blue", "1", "-."),
+              "window swap-only + VMM 2 MiB": ("tab:green", "^", ":"),
+              "window recompute=prefer + VMM 2 MiB": ("tab:green", "2", "-."),
               "window + VMM 20 MiB": ("tab:olive", "D", "--"),
               "window + VMM 40 MiB": ("tab:cyan", "x", ":"),
               "vDNN + caching": ("tab:red", "P", "-"), "LMS + caching": ("tab:purple", "*", "-")}
@@ -399,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{resnet['ref_batch']}", "",
                   "The paper (as cited in our issue): batch 1440 at 0.55 of in-core speed.", ""]
         lines += throughput_table(resnet, BEYOND if not args.quick else resnet["case"].batches)
+        top = resnet["case"].batches[-1]
+        lines += [f"## ResNet-50 at batch {top}: where the predicted step time goes", "",
+                  "`scheduler.simulate`'s breakdown for each method that fits: step = compute + "
+                  "recompute + stall (the compute stream waiting for a copy); the links run "
+                  "beside the compute stream, full duplex, so a copy costs time only where it "
+                  "stalls it.", ""]
+        lines += breakdown_table(resnet, top)
     lines += [f"![relative throughput vs batch]({png.name})", ""]
     lines += notes(results, hw)
     common.write_report(common.result_path("scaling", args.quick, out=args.out), lines)
@@ -434,24 +500,44 @@ def notes(results: list[dict[str, Any]], hw: Any) -> list[str]:
                       f"in-core peak, {small} of them under 1 MiB; {format_size(sum(live))} of data "
                       f"take {format_size(chunked(20 * MiB))} in 20 MiB chunks and "
                       f"{format_size(chunked(40 * MiB))} in 40 MiB chunks")
+    large = []   # where the 20 / 40 MiB chunk rows fit at all
+    for res in results:
+        for m in METHODS:
+            if m.allocator == "vmm" and (m.chunk or 0) >= 20 * MiB:
+                ok = [b for b in res["case"].batches if res["cells"][m.label, b].fits]
+                if ok:
+                    span = str(ok[0]) if len(ok) == 1 else f"{ok[0]}-{ok[-1]}"
+                    large.append(f"{res['case'].label} with {format_size(m.chunk)} chunks at "
+                                 f"batch {span}")
     if chunky:
         out.append(
             "- VMM with 20 or 40 MiB chunks fails almost everywhere because the modelled allocator "
             "(`vmm.VirtualAllocator`) rounds *every* allocation up to whole chunks, and a training "
             "step keeps hundreds of small tensors live (biases, BatchNorm parameters and "
             "statistics, their gradients and optimizer state): " + "; ".join(chunky) + ". Large "
-            "chunks fit only where that rounded footprint stays under usable memory (U-Net with "
-            "20 MiB chunks, up to batch 24). 2 MiB chunks (CUDA's granularity) waste little. Serving small requests from a separate small-block pool, "
+            "chunks fit only where that rounded footprint stays under usable memory ("
+            + ("; ".join(large) if large else "nowhere in this run") + "). 2 MiB chunks (CUDA's "
+            "granularity) waste little. Serving small requests from a separate small-block pool, "
             "as PyTorch's allocator does below 1 MiB, would make large chunks usable; it is not "
             "modelled here.")
     out += [
         "- window-paper + VMM 2 MiB is the paper's own configuration (its published schedule on "
-        "virtual addressing); window + VMM is ours (budget-forced swaps only).",
+        "virtual addressing); window + VMM is ours: only what the budget forces out leaves the "
+        "device, and with `recompute=\"auto\"` (the planner's default, the rows without a "
+        "qualifier) each such tensor is swapped or recomputed, whichever the planner prices "
+        "cheaper on the V100 preset (it plans with a few exposures of transfer time and keeps "
+        "the plan `simulate` predicts fastest, the swap-only plan included). *swap-only* is "
+        "`recompute=\"never\"` (the planner before recomputation); *recompute=prefer* "
+        "recomputes every evicted tensor that has a replay chain; when that plan does not fit "
+        "the budget (recomputing every one holds more chain inputs), the planner prices swap "
+        "against recompute as in auto (a row equal to auto is that fallback).",
         "- Relative throughput > 1 is possible: with a roofline model per op, larger batches "
         "amortize the fixed per-op launch overhead, so in-core samples/s still grows with batch.",
         "- The caching allocator needs budget headroom (fragmentation of segments); fixed chunks "
-        "waste less than one chunk per allocation, so window + VMM runs at a higher budget, "
-        "moves fewer bytes and stalls less. The budget column shows the headroom each needed.",
+        "waste less than one chunk per allocation, so window + VMM usually runs at a higher "
+        "budget, moves fewer bytes and stalls less (the swap-only rows show it most plainly). "
+        "With recomputation the plan itself changes with the budget, and the order can flip. "
+        "The budget column shows the headroom each needed.",
         "- vDNN and LMS apply fixed rules that ignore the budget: when their own peak exceeds "
         "usable memory, no budget helps (\"plan infeasible (needs X)\").",
         "- These are predictions from datasheet figures (no GPU on this machine); they show the "

@@ -76,7 +76,8 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     """Policy "window" with recomputation: the swap-only plan, and one plan per exposure in
     ``EXPOSURES`` with the rule choosing swap or recompute per victim; the fastest on ``hw``
     (``simulate``) wins, ties to the swap-only plan. ``mode="prefer"``: every victim that
-    has a chain is recomputed (the swap-only plan only if that one does not fit);
+    has a chain is recomputed (if that plan does not fit, as ``"auto"``: recomputing every
+    one can hold more chain inputs than the budget allows where recomputing some fits);
     ``"never"``: the swap-only plan. ``pins`` (``scheduler.pins``) apply to every plan tried
     (a swap-only plan follows only ``keep``)."""
     best = plan_window(seq, budget, window, None, pins.swap_only())
@@ -94,9 +95,8 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
                                     pins)
             check(candidate)
             return candidate
-        except (Infeasible, BudgetTooSmall) as err:
-            log.info("recompute='prefer' does not fit; swapping instead: %s", err)
-            return best
+        except (Infeasible, BudgetTooSmall) as err:   # the priced plans below recompute less
+            log.info("recompute='prefer' does not fit; pricing swap against recompute instead: %s", err)
     hw = default_hardware(seq) if hw is None else hardware(hw)
     best_s = simulate(best, hw, timeline=False).total_s
     for exposure in EXPOSURES:
