@@ -23,13 +23,16 @@ class _Range:
     """One reserved virtual range: ``capacity`` chunks of address space, the first
     ``len(chunks)`` of them mapped (the chunks in mapping order)."""
 
-    __slots__ = ("address", "capacity", "chunks", "rid", "fence")
+    __slots__ = ("address", "capacity", "chunks", "rid", "fence", "head")
 
     def __init__(self, address: int, capacity: int, rid: int) -> None:
         self.address = address
         self.capacity = capacity
         self.chunks: list[Chunk] = []
         self.rid = rid
+        # Live ranges only: chunks unmapped at the front by ``release_head`` (the mapped
+        # ones then start at address + head x chunk, not at address); 0 otherwise.
+        self.head = 0
         # Parked: the backend's mark of the moment it was freed (``Backend.fence``): work
         # queued before it may still use the chunks; an unmap that finds it passed need not
         # wait for the device. None while in use (or if the backend keeps no fences).
@@ -174,6 +177,39 @@ class RangeReuse:
                 self._restore_free(target)
             raise
         return target
+
+    def release_head(self, allocation: Any) -> int:
+        """Unmap every chunk of a live allocation but its last, and give them to the pool;
+        return the bytes given back. The last chunk stays mapped at its address (for
+        :class:`vmm.SmallBlockAllocator`, whose small blocks may live in the unused tail of a
+        large allocation after the large block itself is freed); ``free`` unmaps it and makes
+        the range a free, empty one (never parked: parked ranges are mapped from the front).
+        The allocation keeps its ``nbytes``; its ``mapped_bytes`` and the allocator's counts
+        drop by the chunks given back."""
+        rng = allocation._range
+        drop = len(rng.chunks) - 1
+        if drop <= 0:
+            return 0
+        chunk = self.chunk_bytes
+        fence = self.backend.fence()   # work queued before now may still use the chunks
+        self.backend.unmap(rng.address + rng.head * chunk, drop * chunk, fence=fence)
+        self.unmap_calls += drop
+        self.pool.release(rng.chunks[:drop])
+        del rng.chunks[:drop]
+        rng.head += drop
+        self.mapped_bytes -= drop * chunk
+        self.live_chunks -= drop
+        return drop * chunk
+
+    def _free_headless(self, rng: _Range) -> None:
+        """``free`` of a range after ``release_head``: unmap its last chunk, keep it free."""
+        chunk = self.chunk_bytes
+        self.backend.unmap(rng.address + rng.head * chunk, len(rng.chunks) * chunk,
+                           fence=self.backend.fence())
+        self.unmap_calls += len(rng.chunks)
+        self.pool.release(rng.chunks)
+        rng.chunks = []
+        rng.head = 0
 
     def _trim_some(self, count: int) -> int:
         from_cache = min(count, self.pool.cached)

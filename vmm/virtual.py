@@ -206,7 +206,9 @@ class VirtualAllocator(RangeReuse):
         self.mapped_bytes -= k * self.chunk_bytes
         self.live_chunks -= k
         rid = rng.rid
-        if self.keep_mapped:
+        if rng.head:
+            self._free_headless(rng)
+        elif self.keep_mapped:
             rng.fence = self.backend.fence()
             bucket = self._parked.get(k)   # park (inline _park: the hot path)
             if bucket is None:
