@@ -56,6 +56,7 @@ from bisect import bisect_left
 from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
+from vmm.errors import OutOfBudget
 from vmm.small_slabs import SmallBlock, _check_exports, _Free, _Slab, _Tier
 from vmm.units import format_size
 from vmm.virtual import VirtualAllocator
@@ -67,12 +68,14 @@ DEFAULT_ALIGN = 512
 DEFAULT_PACK_WASTE = 0.25
 
 
-def default_tiers(chunk: int) -> tuple[tuple[int, int], ...]:
+def default_tiers(chunk: int, align: int = DEFAULT_ALIGN) -> tuple[tuple[int, int], ...]:
     """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
     pairs (measured on the traces of benchmarks/bench_frag.py, see the module docstring):
     every request below a chunk into one-chunk slabs, those up to 2 chunks that round badly
-    into 5-chunk slabs."""
-    return ((chunk - DEFAULT_ALIGN, chunk), (2 * chunk, 5 * chunk))
+    into 5-chunk slabs. None where a chunk holds fewer than two blocks of ``align``."""
+    if chunk < 2 * align:
+        return ()
+    return ((chunk - align, chunk), (2 * chunk, 5 * chunk))
 
 class SmallBlockAllocator:
     """ooc's allocator: small requests packed into chunks, large ones as stitched virtual
@@ -101,7 +104,7 @@ class SmallBlockAllocator:
                  pack_waste: float = DEFAULT_PACK_WASTE) -> None:
         chunk = virtual.chunk_bytes
         if tiers is None:
-            tiers = default_tiers(chunk)
+            tiers = default_tiers(chunk, align)
         if align <= 0 or align & (align - 1) or chunk % align:
             raise ValueError(f"align {align} must be a power of two dividing the chunk ({chunk} B)")
         last = 0
@@ -117,7 +120,7 @@ class SmallBlockAllocator:
         self.chunk_bytes = chunk
         self.tiers = tuple(_Tier(limit, slab) for limit, slab in tiers)
         self.threshold = last     # requests above it take the virtual-range path
-        self._first_limit = self.tiers[0].limit
+        self._first_limit = self.tiers[0].limit if self.tiers else 0
         self.pack_waste = pack_waste
         self.align = align
         self.alignment = align   # what every address is a multiple of (small blocks included)
@@ -133,6 +136,7 @@ class SmallBlockAllocator:
         self.tail_blocks = 0          # small blocks placed in large allocations' last chunks
         self._slab_allocations = 0    # virtual allocations held for small blocks only
         self._tails: dict[int, _Slab] = {}   # id(large allocation) -> its tail slab
+        self.peak_allocations = 0
 
     # -- counters of the virtual allocator (one physical pool, one count) -------------------
     @property
@@ -153,28 +157,43 @@ class SmallBlockAllocator:
 
     # -- public API ---------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation | SmallBlock:
-        """A small block if ``0 < nbytes <= threshold``, else a virtual range (see class doc)."""
-        if nbytes > self.threshold or nbytes <= 0 or (
-                nbytes > self._first_limit and -nbytes % self.chunk_bytes <= self.pack_waste * nbytes):
-            out = self.virtual.alloc(nbytes)
-            a = self.align
-            used = (nbytes + a - 1) & -a
-            if nbytes > 0 and out.mapped_bytes - used >= a:
-                # The unused end of the last chunk takes small blocks (a tail slab).
-                chunk = self.chunk_bytes
-                base = out.mapped_bytes - chunk
-                tier = self.tiers[0]
-                slab = self._tails[id(out)] = _Slab(out, self, tier, base, chunk, used - base)
-                slab.used = used - base
-                f = _Free(slab, used, out.mapped_bytes - used)
-                slab.free[used] = f
-                slab.ends[out.mapped_bytes] = f
-                tier.index(f)
+        """A packed block if ``0 < nbytes <= threshold`` (and, above the first tier, if whole
+        chunks would waste more than ``pack_waste`` of it), else a virtual range (see the
+        module doc). A medium request whose slab does not fit the budget takes the virtual
+        path, so a request fails only when its whole chunks do not fit."""
+        if 0 < nbytes <= self.threshold and (
+                nbytes <= self._first_limit or -nbytes % self.chunk_bytes > self.pack_waste * nbytes):
+            try:
+                out: Allocation | SmallBlock = self._alloc_small(nbytes)
+            except OutOfBudget:
+                if nbytes <= self._first_limit:
+                    raise
+                out = self._alloc_large(nbytes)
         else:
-            out = self._alloc_small(nbytes)
+            out = self._alloc_large(nbytes)
         r = self.requested_bytes = self.requested_bytes + nbytes
         if r > self.peak_requested_bytes:
             self.peak_requested_bytes = r
+        n = self.virtual.live_allocations - self._slab_allocations + self.small_blocks
+        if n > self.peak_allocations:
+            self.peak_allocations = n
+        return out
+
+    def _alloc_large(self, nbytes: int) -> Allocation:
+        out = self.virtual.alloc(nbytes)
+        a = self.align
+        used = (nbytes + a - 1) & -a
+        if nbytes > 0 and out.mapped_bytes - used >= a and self.tiers:
+            # The unused end of the last chunk takes small blocks (a tail slab).
+            chunk = self.chunk_bytes
+            base = out.mapped_bytes - chunk
+            tier = self.tiers[0]
+            slab = self._tails[id(out)] = _Slab(out, self, tier, base, chunk, used - base)
+            slab.used = used - base
+            f = _Free(slab, used, out.mapped_bytes - used)
+            slab.free[used] = f
+            slab.ends[out.mapped_bytes] = f
+            tier.index(f)
         return out
 
     def free(self, handle: Allocation | SmallBlock) -> None:
@@ -296,6 +315,7 @@ class SmallBlockAllocator:
         st["peak_requested_bytes"] = self.peak_requested_bytes
         st["internal_fragmentation_bytes"] = self.mapped_bytes - self.requested_bytes
         st["allocations"] = self.live_allocations
+        st["peak_allocations"] = self.peak_allocations
         st["largest_fit_bytes"] = self.largest_fit()
         st.update(small_blocks=self.small_blocks, small_chunks=self.small_chunks,
                   peak_small_chunks=self.peak_small_chunks,
