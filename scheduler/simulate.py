@@ -332,8 +332,11 @@ def _replay(schedule: Schedule, hw: Hardware, allocator: str, chunk_bytes: int) 
         model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
         name = "caching"
     else:
+        # ooc's allocator, as the runtime's device pools and ``ooc frag`` (vmm-N) build it.
         pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
-        model = vmm.VirtualAllocator(pool)
+        # (blocks 512-byte aligned on a GPU, page-aligned on a CPU, as those pools pack them).
+        model = vmm.SmallBlockAllocator(vmm.VirtualAllocator(pool),
+                                        align=512 if hw.tier == "host" else granularity)
         name = f"vmm-{chunk_bytes}"
     result = replay(events, model, name=name)
     if result.oom_index is None:
