@@ -1,6 +1,6 @@
 """Replaying a trace through one allocator while watching it: the caching model under a
-``PYTORCH_CUDA_ALLOC_CONF`` setting, or a virtual allocator of one chunk size, on the sim
-backend (nothing is allocated).
+``PYTORCH_CUDA_ALLOC_CONF`` setting, or ooc's allocator (or pure chunks) of one chunk size,
+on the sim backend (nothing is allocated).
 
 :func:`replay_one` drives ``vmm.replay`` over the events and reads the allocator between them
 (:class:`_Watched`): the moment its reserved bytes peak, its state at each recorded OOM, and

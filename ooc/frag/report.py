@@ -1,6 +1,8 @@
 """Replay one trace through PyTorch's caching allocator model (as recorded, and under the
-``PYTORCH_CUDA_ALLOC_CONF`` settings a user can switch on) and through virtual addressing at
-several chunk sizes, measure fragmentation, and say what to set and what it saves.
+``PYTORCH_CUDA_ALLOC_CONF`` settings a user can switch on) and through ooc's allocator
+(``vmm.SmallBlockAllocator``: small requests packed into chunks, large ones as virtual ranges
+of whole chunks) at several chunk sizes, measure fragmentation, and say what to set and what
+it saves.
 
 The numbers are data (:class:`FragReport`, :meth:`FragReport.to_dict` for ``--json``); the
 table and the recommendation are text made from them. Definitions, per allocator:
