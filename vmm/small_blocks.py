@@ -101,7 +101,7 @@ class SmallBlockAllocator:
 
     def __init__(self, virtual: VirtualAllocator, *,
                  tiers: Sequence[tuple[int, int]] | None = None, align: int = DEFAULT_ALIGN,
-                 pack_waste: float = DEFAULT_PACK_WASTE) -> None:
+                 pack_waste: float = DEFAULT_PACK_WASTE, pack_tails: bool = True) -> None:
         chunk = virtual.chunk_bytes
         if tiers is None:
             tiers = default_tiers(chunk, align)
@@ -122,6 +122,7 @@ class SmallBlockAllocator:
         self.threshold = last     # requests above it take the virtual-range path
         self._first_limit = self.tiers[0].limit if self.tiers else 0
         self.pack_waste = pack_waste
+        self.pack_tails = pack_tails
         self.align = align
         self.alignment = align   # what every address is a multiple of (small blocks included)
         self.requested_bytes = 0
@@ -183,7 +184,7 @@ class SmallBlockAllocator:
         out = self.virtual.alloc(nbytes)
         a = self.align
         used = (nbytes + a - 1) & -a
-        if nbytes > 0 and out.mapped_bytes - used >= a and self.tiers:
+        if nbytes > 0 and out.mapped_bytes - used >= a and self.tiers and self.pack_tails:
             # The unused end of the last chunk takes small blocks (a tail slab).
             chunk = self.chunk_bytes
             base = out.mapped_bytes - chunk
@@ -272,7 +273,8 @@ class SmallBlockAllocator:
     def largest_fit(self) -> int:
         """Bytes of the largest request that would succeed now (a free chunk's worth or a
         small block's, whichever is larger)."""
-        free = max((min(t.sizes[-1], t.limit) for t in self.tiers if t.sizes), default=0)
+        free = max((min(max(t.sizes[-1:] + t.tsizes[-1:]), t.limit) for t in self.tiers
+                    if t.sizes or t.tsizes), default=0)
         return max(self.virtual.largest_fit(), free)
 
     def trim(self, limit: int | None = None) -> int:
@@ -290,14 +292,17 @@ class SmallBlockAllocator:
         self.virtual.check()
         chunks = 0
         for tier in self.tiers:
-            slabs = {f.slab for bucket in tier.by_size.values() for f in bucket.values()}
+            slabs = {f.slab for by in (tier.by_size, tier.tby_size) for bucket in by.values()
+                     for f in bucket.values()}
             for slab in slabs:
                 assert slab.used > 0 and slab.allocation.live and slab.tier is tier
                 free = sum(f.size for f in slab.free.values())
                 assert {f.offset + f.size: f for f in slab.free.values()} == slab.ends
                 assert free + slab.used == slab.total, (free, slab.used)
                 assert all(slab.base <= f.offset < slab.base + slab.total for f in slab.free.values())
-            assert sorted(tier.by_size) == tier.sizes
+            assert sorted(tier.by_size) == tier.sizes and sorted(tier.tby_size) == tier.tsizes
+            assert all(f.slab.tail for b in tier.tby_size.values() for f in b.values())
+            assert not any(f.slab.tail for b in tier.by_size.values() for f in b.values())
             own = [s for s in slabs if not s.head]
             assert len(own) <= tier.slabs
             chunks += tier.slabs * tier.slab_bytes // self.chunk_bytes
@@ -338,14 +343,20 @@ class SmallBlockAllocator:
         for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
             if size <= tier.limit:
                 break
-        sizes = tier.sizes
+        # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
+        # in a tail keeps that chunk mapped after the large block goes (release_head, an
+        # unmap and later a map), so tails take only what no slab can.
+        sizes, by_size = tier.sizes, tier.by_size
         i = bisect_left(sizes, size)
+        if i == len(sizes):
+            sizes, by_size = tier.tsizes, tier.tby_size
+            i = bisect_left(sizes, size)
         if i < len(sizes):
             have = sizes[i]
-            bucket = tier.by_size[have]
+            bucket = by_size[have]
             _, f = bucket.popitem()        # best fit; among equals the one freed last
             if not bucket:
-                del tier.by_size[have]
+                del by_size[have]
                 del sizes[i]
             slab = f.slab
             offset = f.offset

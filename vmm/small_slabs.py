@@ -87,7 +87,8 @@ class _Slab:
     whose bytes past the large block serve small blocks too (``head`` > 0 while the large
     block lives)."""
 
-    __slots__ = ("allocation", "owner", "tier", "free", "ends", "used", "base", "total", "head")
+    __slots__ = ("allocation", "owner", "tier", "free", "ends", "used", "base", "total", "head",
+                 "tail")
 
     def __init__(self, allocation: Allocation, owner: Any, tier: _Tier,
                  base: int = 0, total: int = 0, head: int = 0) -> None:
@@ -97,6 +98,7 @@ class _Slab:
         self.base = base      # the slab is [base, base + total) of its allocation
         self.total = total or tier.slab_bytes
         self.head = head      # tail slab of a live large block: its bytes in the last chunk
+        self.tail = head > 0  # made in a large range's last chunk (indexed apart, for life)
         self.free: dict[int, _Free] = {}   # offset -> free stretch
         self.ends: dict[int, _Free] = {}   # offset + size -> the same stretch
         self.used = 0                      # bytes of live blocks (rounded)
@@ -105,31 +107,41 @@ class _Slab:
 class _Tier:
     """Requests up to ``limit`` bytes, packed best fit into slabs of ``slab_bytes``: the free
     stretches of its slabs by size (sorted distinct sizes; per size, in the order they became
-    free)."""
+    free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second)."""
 
-    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "slabs")
+    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "tsizes", "tby_size", "slabs")
 
     def __init__(self, limit: int, slab_bytes: int) -> None:
         self.limit = limit
         self.slab_bytes = slab_bytes
         self.sizes: list[int] = []
         self.by_size: dict[int, dict[int, _Free]] = {}
+        self.tsizes: list[int] = []
+        self.tby_size: dict[int, dict[int, _Free]] = {}
         self.slabs = 0
 
     def index(self, f: _Free) -> None:
-        bucket = self.by_size.get(f.size)
+        if f.slab.tail:
+            by_size, sizes = self.tby_size, self.tsizes
+        else:
+            by_size, sizes = self.by_size, self.sizes
+        bucket = by_size.get(f.size)
         if bucket is None:
-            self.by_size[f.size] = {id(f): f}
-            insort(self.sizes, f.size)
+            by_size[f.size] = {id(f): f}
+            insort(sizes, f.size)
         else:
             bucket[id(f)] = f
 
     def unindex(self, f: _Free) -> None:
-        bucket = self.by_size[f.size]
+        if f.slab.tail:
+            by_size, sizes = self.tby_size, self.tsizes
+        else:
+            by_size, sizes = self.by_size, self.sizes
+        bucket = by_size[f.size]
         del bucket[id(f)]
         if not bucket:
-            del self.by_size[f.size]
-            del self.sizes[bisect_left(self.sizes, f.size)]
+            del by_size[f.size]
+            del sizes[bisect_left(sizes, f.size)]
 
 
 def _check_exports(block: SmallBlock) -> None:

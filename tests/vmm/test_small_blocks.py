@@ -91,7 +91,7 @@ def _run(a: SmallBlockAllocator, program, pure_bound: bool = False) -> None:
         a.free(h)
     _invariants(a, [])
     assert a.mapped_bytes == 0 and a.small_chunks == 0 and a.virtual.live_chunks == 0
-    assert all(t.slabs == 0 and not t.sizes for t in a.tiers)
+    assert all(t.slabs == 0 and not t.sizes and not t.tsizes for t in a.tiers)
 
 
 @settings(max_examples=150, deadline=None)
