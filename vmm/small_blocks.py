@@ -92,6 +92,11 @@ class SmallBlockAllocator:
             the chunk; 512 by default; the page where I/O needs O_DIRECT alignment).
         pack_waste: a request above the first tier's limit is packed only if rounding it up
             to whole chunks would waste more than this fraction of it.
+        pack_tails: let small blocks fill the unused tail of large ranges (default). Saves
+            memory where small tensors are few (ResNet-18's step: 204 vs 212 MiB), but a
+            tail block outliving its range costs an unmap and a later map of that range's
+            other chunks (benchmarks/results/frag.md: 297k map calls per 1M swap events,
+            1.7k without).
 
     Same interface as :class:`vmm.VirtualAllocator` for callers and for ``vmm.replay``:
     ``alloc``, ``free``, ``trim``, ``close``, ``largest_fit``, ``stats`` and the plain
