@@ -1,6 +1,6 @@
 """Out-of-core training on this CPU: step time and process memory against in-core and checkpointing.
 
-    python benchmarks/bench_cpu.py [--quick] [--rounds N] [--steps N] [--out PATH]
+    python benchmarks/bench_cpu.py [--quick] [--rounds N] [--steps N] [--models A,B] [--out PATH]
 
 For ResNet-50 (the issue's CNN), a small CNN (small_cnn) and a GPT-2 style transformer, each
 at a batch where saved activations dominate memory, trains the same batches from the same
@@ -9,7 +9,12 @@ seed with:
 - ``incore``: plain PyTorch;
 - ``ooc`` (``OutOfCore``, activations managed, policy "window") at budgets of 1, 1/2, 1/4 and
   1/8 of the in-core peak of the managed tensors (``ooc.measure.managed_peak``, a meta
-  trace); a budget below what the plan needs is reported as "infeasible (min X)";
+  trace); a budget below what the plan needs is reported as "infeasible (min X)". These run
+  with the engine's defaults, recomputation included (the planner swaps or recomputes each
+  activation the budget forces out, whichever it prices cheaper);
+- ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
+  recompute=prefer``: every activation forced out that a chain can re-create is recomputed
+  (issue 15's comparison: what each lever costs on this machine);
 - ``checkpoint``: ``torch.utils.checkpoint`` around every block, and around every other block;
 - ``ooc`` at 1/4 with ``verify=True`` (a checksum per swapped chunk), for the small CNN
   (ResNet-50 runs budgets 1, 1/2 and 1/4 only, to keep the run under a quarter of an hour).
@@ -174,6 +179,11 @@ def build_rows(model: Model, steps: int, tmp: Path, quick: bool) -> tuple[list[R
     for frac in QUICK_FRACTIONS[model.label] if quick else model.fractions:
         rows.append(Row(f"ooc {frac}", replace(base, method="ooc", budget=int(peak * Fraction(frac)),
                                                params_out=out("ooc" + frac.replace("/", "of")))))
+    if not quick or model.target:   # issue 15: the same budget without recomputation
+        rows.append(Row("ooc 1/4 swap-only", replace(base, method="ooc", budget=peak // 4, recompute=False,
+                                                     params_out=out("swap"))))
+        rows.append(Row("ooc 1/4 recompute=prefer", replace(base, method="ooc", budget=peak // 4,
+                                                            recompute="prefer", params_out=out("prefer"))))
     if not quick or model.target:
         rows.append(Row("checkpoint (every block)", replace(base, method="checkpoint", params_out=out("cp1"))))
     if not quick or model.label == "GPT":
@@ -256,9 +266,10 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
     for row in rows:
         budget = "-" if row.case.budget is None else format_size(row.case.budget)
         if not row.results:
-            out.append([row.label, budget, row.infeasible or f"failed: {row.error}"] + [""] * 7)
+            out.append([row.label, budget, row.infeasible or f"failed: {row.error}"] + [""] * 8)
             continue
         moved = (row.stat("plan.bytes_in") + row.stat("plan.bytes_out")) if row.stat("plan.functions") else None
+        recomputed = row.stat("plan.bytes_recomputed") if row.stat("plan.functions") else None
         stall = row.stat("last_stall_s")
         planned = row.stat("last_planned")
         ident = row.identical or "-"
@@ -270,12 +281,26 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
             f"{row.step_s:.3f}", f"{row.ratio:.2f}x" + (f" ({min(row.ratios):.2f}-{max(row.ratios):.2f})"
                                                          if len(row.ratios) > 1 else ""), _mib(row.rise), f"{rel:+.0%}", _mib(row.total),
             "-" if stall is None else f"{stall:.3f}",
-            "-" if moved is None else f"{moved / MiB:,.0f}", ident])
+            "-" if moved is None else f"{moved / MiB:,.0f}",
+            "-" if recomputed is None else f"{recomputed / MiB:,.0f}", ident])
     head = ["method", "budget", "step s", "vs in-core (range over rounds)", "peak rise MiB", "rise vs in-core",
-            "peak total MiB", "stall s/step", "MiB moved/step", "params bitwise = in-core"]
+            "peak total MiB", "stall s/step", "MiB moved/step", "MiB recomputed/step", "params bitwise = in-core"]
     return [f"### {model.label}: {model.describe()}", "",
             f"In-core peak of the managed tensors (activations >= {format_size(model.chunk // 2)}, "
             f"meta trace): {format_size(peak)}.", ""] + common.md_table(head, out)
+
+
+def monotonic(rows: list[Row]) -> list[str]:
+    """Issue 15 item 6: the measured peak rise never grows as the budget falls (the default
+    ooc rows, by budget)."""
+    pts = sorted(((r.case.budget, r.rise) for r in rows if re.fullmatch(r"ooc [0-9/]+", r.label) and r.results),
+                 reverse=True)
+    if len(pts) < 2:
+        return []
+    ok = all(b[1] <= a[1] for a, b in zip(pts, pts[1:]))
+    chain = " / ".join(f"{_mib(rise)}" for _, rise in pts)
+    return [f"Peak rise as the budget falls ({', '.join(format_size(b) for b, _ in pts)}): {chain} MiB: "
+            f"{'never rises' if ok else '**rises**'}.", ""]
 
 
 def targets(model: Model, rows: list[Row]) -> tuple[list[str], dict[str, bool | None]]:
@@ -330,12 +355,11 @@ def breakdown(rows: list[Row]) -> list[str]:
     if not (inc and full and q):
         return []
     stall = q.stat("last_stall_s") or 0.0
-    plan = q.stat("plan") or {}
-    moved = plan.get("bytes_in", 0) + plan.get("bytes_out", 0)
+    moved = (q.stat("plan.bytes_in") or 0) + (q.stat("plan.bytes_out") or 0)
     out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
            f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
            f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
-           f"in Python ({(full.stat('plan') or {}).get('functions', '?')} ops per step), saved "
+           f"in Python ({full.stat('plan.functions') or '?'} ops per step), saved "
            "tensors through pack/unpack hooks, and memory the allocator's capped cache did not "
            "keep is faulted in (zeroed) again",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
@@ -343,13 +367,13 @@ def breakdown(rows: list[Row]) -> list[str]:
            f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
            "preempted by them), and the host's work for the virtual disk (steal time)",
            f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
-    resident = (plan.get("peak_resident_bytes") or 0)
+    resident = q.stat("plan.peak_resident_bytes") or 0
     out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "
                f"tensors (the plan's resident peak, within the {_mib(q.case.budget)} MiB budget) + "
                f"{_mib(q.rise - resident)} MiB that PyTorch allocates outside the budget (gradients "
                f"flowing backward, workspaces, weights' grads and momentum, saved tensors < "
                f"{format_size(q.case.chunk // 2)}); in core the same outside part is "
-               f"~{_mib(inc.rise - (full.stat('plan') or {}).get('peak_resident_bytes', 0))} MiB; ooc's pool "
+               f"~{_mib(inc.rise - (full.stat('plan.peak_resident_bytes') or 0))} MiB; ooc's pool "
                f"mapped at most {_mib(q.stat('pool_peak_mapped_bytes') or 0)} MiB")
     one = by.get("ooc 1/4, 1 I/O thread")
     if one:
@@ -392,10 +416,18 @@ def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
     ap.add_argument("--steps", type=int, help="steps per case (default 4: 2 warm-up + 2 timed; quick 3)")
+    ap.add_argument("--models", help="comma-separated labels of the models to run (default: all; "
+                    f"{', '.join(m.label for m in FULL)})")
     args = ap.parse_args()
     rounds = max(1, args.rounds or (1 if args.quick else 3))
     steps = max(3, args.steps or (3 if args.quick else 4))
     models = QUICK if args.quick else FULL
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = set(wanted) - {m.label for m in models}
+        if unknown:
+            ap.error(f"--models: no model labelled {', '.join(sorted(unknown))}")
+        models = tuple(m for m in models if m.label in wanted)
     log = functools.partial(print, flush=True)
     load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
@@ -425,7 +457,7 @@ def main() -> None:
     ])
     verdict = None
     for model, rows, peak in plans:
-        lines += table(model, rows, peak) + [""]
+        lines += table(model, rows, peak) + [""] + monotonic(rows)
         if model.target:
             tlines, verdict = targets(model, rows)
             lines += tlines

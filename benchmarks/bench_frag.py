@@ -14,7 +14,7 @@ expandable) + 2% on every trace, and at most 1.3x the live peak on the many-smal
 
 Speed:
 Builds a synthetic snapshot of ``--events`` allocation events (1,000,000; ``--quick``:
-200,000): the allocation trace of a swap schedule repeated step after step
+50,000): the allocation trace of a swap schedule repeated step after step
 (``vmm.replay.swap_trace``, 48 layers, sizes 64 KiB-96 MiB, 5% size jitter between steps),
 written in PyTorch's snapshot format by the caching allocator model (``segment_alloc``,
 ``alloc``, ``free_requested`` + ``free_completed`` per event: 1.5 entries per event). Then,
@@ -57,7 +57,7 @@ TARGET = 200_000
 def main(argv: list[str] | None = None) -> int:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--events", type=int,
-                    help="events in the synthetic snapshot (default 1M; quick 200k)")
+                    help="events in the synthetic snapshot (default 1M; quick 50k)")
     ap.add_argument("--runs", type=int, help="runs per measurement (default 3; quick 1)")
     ap.add_argument("--only", choices=("footprint", "speed"), help="run one half only")
     args = ap.parse_args(argv)
@@ -146,7 +146,7 @@ def footprint(quick: bool) -> list[str]:
 
 def speed(args: argparse.Namespace, load0: str) -> list[str]:
     """Replay speed and end-to-end time on one large synthetic snapshot (module doc)."""
-    n = args.events or (200_000 if args.quick else 1_000_000)
+    n = args.events or (50_000 if args.quick else 1_000_000)
     runs = max(1, args.runs or (1 if args.quick else 3))
 
     t0 = time.perf_counter()

@@ -22,7 +22,8 @@ in depth; Adam, so every parameter carries 16 bytes of state (weight, gradient, 
 Each case is one fresh process (``bench_nntrainer.run_steady``), 3 steps (2 warm-up, the
 first records and plans, the second re-plans once Adam's state exists), so step times are
 single steady steps for the big models: the point is what trains, and roughly how fast.
-``--quick``: width 128, a 32 MiB budget, a few seconds per case.
+``--quick``: width 128, a 16 MiB budget, depth 1 in core, depths 3 and 6 out of core (the
+last one moves bytes), a few seconds per case.
 Writes benchmarks/results/model_size.md (``--quick``: model_size-quick.md).
 """
 
@@ -76,7 +77,7 @@ class Family:
 FULL = Family(width=1024, heads=16, seq_len=256, vocab=8192, batch=2, chunk=2 * MiB,
               incore_depths=(2, 4, 6, 8, 10, 12), ooc_depths=(24, 48, 96))
 QUICK = Family(width=128, heads=2, seq_len=64, vocab=512, batch=2, chunk=256 << 10,
-               incore_depths=(1, 4), ooc_depths=(8, 16))
+               incore_depths=(1,), ooc_depths=(3, 6))
 
 
 @dataclass
@@ -171,13 +172,13 @@ def _planned(s: Steady) -> str:
 
 def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    ap.add_argument("--budget", default=None, help="memory budget (default 2GiB; quick 32MiB)")
+    ap.add_argument("--budget", default=None, help="memory budget (default 2GiB; quick 16MiB)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="minutes for the whole search (default 7; quick 2)")
     ap.add_argument("--steps", type=int, default=3, help="steps per case (default 3: 2 warm-up + 1)")
     args = ap.parse_args()
     fam = QUICK if args.quick else FULL
-    budget = parse_size(args.budget or ("32MiB" if args.quick else "2GiB"), what="budget")
+    budget = parse_size(args.budget or ("16MiB" if args.quick else "2GiB"), what="budget")
     limit_s = 60 * (args.time_limit or (2 if args.quick else 7))
     steps = max(3, args.steps)
     log = functools.partial(print, flush=True)

@@ -2,16 +2,18 @@
 
     python benchmarks/bench_storage.py [--quick] [--dir DIR] [--out PATH]
 
-Sequential writes then reads of 2, 16 and 64 MiB transfers through the tier, for O_DIRECT
-(page-aligned buffers, as the runtime's pool gives) vs buffered + write-back + DONTNEED,
-1 vs 2 I/O threads, verify off/on. Each run moves ``--total`` bytes (512 MiB, --quick 128 MiB)
-as the runtime would: every write submitted at once from one shared source, reads kept 4 in
-flight into 4 reused destination buffers. The first pass over a fresh tier (the file grows) is
-a warm-up; the medians of the following runs are steady state (rewriting allocated blocks).
+Sequential writes then reads of 2, 16 and 64 MiB transfers (--quick: 2 and 16 MiB) through
+the tier, for O_DIRECT (page-aligned buffers, as the runtime's pool gives) vs buffered +
+write-back + DONTNEED, 1 vs 2 I/O threads, verify off/on. Each run moves 512 MiB (--quick
+32 MiB; at least two transfers) as the runtime would: every write submitted at once from one
+shared source, reads kept 4 in flight into 4 reused destination buffers. The first pass over
+a fresh tier (the file grows) is a warm-up; the medians of the following 5 runs (--quick 2)
+are steady state (rewriting allocated blocks).
 CPU s/GB is the process's CPU time per GB moved: what the I/O threads take from compute.
 
 Extra rows: first write into a growing file, an unaligned (torch-like, 64-byte) source,
-fdatasync vs sync_file_range for the buffered write-back, chunk size, and the checksum speed.
+fdatasync vs sync_file_range for the buffered write-back, chunk size (64 MiB transfers;
+--quick 16 MiB), and the checksum speed.
 Writes a Markdown table to benchmarks/results/storage.md.
 """
 
@@ -166,12 +168,14 @@ def _summary(rows: list, extra: list) -> list[str]:
         return [c for size, p, t, v, c in rows if p == path and t == threads and v == verify
                 and c.supported and size >= 16]
 
+    large = sorted({size for size, *_ in rows if size >= 16})
+    span = f"{large[0]}-{large[-1]} MiB" if len(large) > 1 else f"{large[0]} MiB"
     out = []
     direct, buffered = pick("O_DIRECT", 2, False), pick("buffered+fadvise", 2, False)
     if direct and buffered:
         dcpu = statistics.median([Case.median(c.wc + c.rc) for c in direct])
         bcpu = statistics.median([Case.median(c.wc + c.rc) for c in buffered])
-        out.append(f"- CPU per GB moved (16-64 MiB, 2 threads): O_DIRECT {dcpu:.2f} s, buffered "
+        out.append(f"- CPU per GB moved ({span}, 2 threads): O_DIRECT {dcpu:.2f} s, buffered "
                    f"{bcpu:.2f} s ({bcpu / dcpu:.1f}x more): the buffered path copies every "
                    "byte through the page cache, CPU that 2 cores take from compute.")
         dgb = statistics.median([Case.median(c.w + c.r) for c in direct])
@@ -186,13 +190,13 @@ def _summary(rows: list, extra: list) -> list[str]:
         if off and on:
             w = statistics.median([Case.median(b.w) / Case.median(a.w) for a, b in zip(off, on)])
             r = statistics.median([Case.median(b.r) / Case.median(a.r) for a, b in zip(off, on)])
-            out.append(f"- verify=True ({path}, 16-64 MiB, 2 threads) keeps {w:.0%} of write and "
+            out.append(f"- verify=True ({path}, {span}, 2 threads) keeps {w:.0%} of write and "
                        f"{r:.0%} of read throughput (CRC-32 per chunk, in the I/O threads).")
     one, two = pick("O_DIRECT", 1, False), pick("O_DIRECT", 2, False)
     if one and two:
         gain = statistics.median([Case.median(b.w + b.r) / Case.median(a.w + a.r)
                                   for a, b in zip(one, two)])
-        out.append(f"- 2 I/O threads vs 1 (O_DIRECT, 16-64 MiB): {gain:.2f}x throughput.")
+        out.append(f"- 2 I/O threads vs 1 (O_DIRECT, {span}): {gain:.2f}x throughput.")
     flush = {name: c for name, c, _ in extra if "write-back by" in name}
     if len(flush) == 2:
         sfr, fds = (Case.median(c.w) for c in flush.values())
@@ -218,12 +222,14 @@ def _fs_info(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="128 MiB per run, 3 runs")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 and 16 MiB transfers, 32 MiB per run, 2 runs")
     ap.add_argument("--dir", default=None, help="parent of the swap directory (default $TMPDIR)")
     ap.add_argument("--out", help="Markdown output (default benchmarks/results/storage.md, "
                                    "storage-quick.md with --quick)")
     args = ap.parse_args(argv)
-    total, runs = (128 * MiB, 3) if args.quick else (512 * MiB, 5)
+    total, runs = (32 * MiB, 2) if args.quick else (512 * MiB, 5)
+    sizes_mib, big = ((2, 16), 16 * MiB) if args.quick else ((2, 16, 64), 64 * MiB)
     directory = args.dir or tempfile.gettempdir()
     started = time.time()
     load_before = common.load_average()
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         direct_tmp = probe.direct_io
 
     rows = []
-    for size_mib in (2, 16, 64):
+    for size_mib in sizes_mib:
         size = size_mib * MiB
         src = _aligned(size)
         dsts = [mmap.mmap(-1, size) for _ in range(WINDOW)]
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     size = 16 * MiB
     src, dsts = _aligned(size), [mmap.mmap(-1, size) for _ in range(WINDOW)]
     usrc, udsts = _unaligned(size), [_unaligned(size) for _ in range(WINDOW)]
-    src64, dsts64 = _aligned(64 * MiB), [mmap.mmap(-1, 64 * MiB) for _ in range(WINDOW)]
+    src_big, dsts_big = _aligned(big), [mmap.mmap(-1, big) for _ in range(WINDOW)]
     variants = [
         ("O_DIRECT, first write into a new file (it grows)",
          Case(directory, size, total, direct=True, threads=2, verify=False, src=src, dsts=dsts,
@@ -272,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         ("buffered, write-back by fdatasync",
          Case(directory, size, total, direct=False, threads=2, verify=False, src=src,
               dsts=dsts, flush="fdatasync"), ""),
-        ("O_DIRECT 64 MiB transfers, chunk_bytes=2 MiB (the default)",
-         Case(directory, 64 * MiB, total, direct=True, threads=2, verify=False, src=src64,
-              dsts=dsts64, chunk_bytes=2 * MiB), "one syscall per chunk"),
-        ("O_DIRECT 64 MiB transfers, chunk_bytes=8 MiB",
-         Case(directory, 64 * MiB, total, direct=True, threads=2, verify=False, src=src64,
-              dsts=dsts64, chunk_bytes=8 * MiB), "one syscall per chunk"),
+        (f"O_DIRECT {big // MiB} MiB transfers, chunk_bytes=2 MiB (the default)",
+         Case(directory, big, total, direct=True, threads=2, verify=False, src=src_big,
+              dsts=dsts_big, chunk_bytes=2 * MiB), "one syscall per chunk"),
+        (f"O_DIRECT {big // MiB} MiB transfers, chunk_bytes=8 MiB",
+         Case(directory, big, total, direct=True, threads=2, verify=False, src=src_big,
+              dsts=dsts_big, chunk_bytes=8 * MiB), "one syscall per chunk"),
     ]
     run_interleaved([case for _, case, _ in variants], runs)
     extra = [(name, case, note) for name, case, note in variants if case.supported]

@@ -42,6 +42,7 @@ class Case:
     params_out: str | None = None
     seed: int = 0
     policy: str = "window"
+    recompute: bool | str = True   # OutOfCore's: False swaps only
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def _child(spec: dict[str, Any]) -> None:
     if case.method == "ooc":
         engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage,
                                storage=case.storage, chunk=case.chunk, threads=case.threads,
-                               policy=case.policy)
+                               policy=case.policy, recompute=case.recompute)
     before = _status()
     exact = _reset_peak()
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]

@@ -31,6 +31,13 @@ bytes of the tensor arguments plus bytes of the results (views: 0), an estimate 
 traffic for a roofline. ``Cost.seconds``: wall time of the op when ``measure=True`` on a
 real device, else ``None``.
 
+Replay flags
+------------
+``Function.replayable``, ``rng`` and ``updates_stats`` (may a plan recompute this function,
+with the generator state restored, without updating BatchNorm's running statistics again)
+are the recorder's, from each op's schema and tags: ``ooc.record.replay`` has the rules. The
+engine's recording step sets the same flags.
+
 Names: parameters and buffers by ``named_parameters()``/``named_buffers()`` paths, grads
 ``"<param>.grad"``, state ``"<param>.<key>"`` (``"fc.weight.exp_avg"``). Functions are
 ``"<scope>:<aten op>"`` where scope is the module path running the op in the forward

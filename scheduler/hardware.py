@@ -60,6 +60,11 @@ class Hardware:
     # Compute-stream seconds each moved byte costs (CPU devices: the I/O threads and the
     # copies take cycles from the compute threads). 0 where a DMA engine moves the bytes.
     moved_byte_s: float = 0.0
+    # Data-parallel training (scheduler/data_parallel.py): bytes per second, per direction,
+    # between this device and its peers for the gradient all-reduce, and the latency of one
+    # collective. 0 bandwidth: the collectives go over the host link, sharing it with swaps.
+    collective_bandwidth: float = 0.0
+    collective_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "mem_bandwidth", "h2d_bandwidth", "d2h_bandwidth"):
@@ -67,7 +72,8 @@ class Hardware:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
                     or value == float("inf"):
                 raise HardwareError(f"hardware {self.name!r}: {f} must be a positive number, got {value!r}")
-        for f in ("link_latency_s", "op_overhead_s", "moved_byte_s"):
+        for f in ("link_latency_s", "op_overhead_s", "moved_byte_s", "collective_bandwidth",
+                  "collective_latency_s"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 \
                     or value == float("inf"):
@@ -111,6 +117,11 @@ class Hardware:
 #   roofline estimates only; measured ``cost.seconds`` already include it.
 _GPU_LINK_LATENCY_S = 10e-6
 _GPU_OP_OVERHEAD_S = 5e-6
+# Collectives (data-parallel): ~20 us a ring all-reduce step takes before bytes flow (NCCL's
+# small-message latency on one node); the V100 preset's peers are on NVLink 2.0 (2 bricks,
+# 50 GB/s per direction, nominal), the PCIe presets reach theirs over their own PCIe lanes,
+# the lanes the swaps use (collective_bandwidth 0). Nominal: pass your machine's figures.
+_COLLECTIVE_LATENCY_S = 20e-6
 
 PRESETS: dict[str, Hardware] = {
     # The seed paper's machine (Hayakawa & Narihira): Tesla V100 SXM2 16 GB.
@@ -125,6 +136,7 @@ PRESETS: dict[str, Hardware] = {
         name="v100-16gb-nvlink", device_bytes=16 * GiB, peak_flops=15.7e12, mem_bandwidth=900 * GB,
         h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB,
         link_latency_s=_GPU_LINK_LATENCY_S, op_overhead_s=_GPU_OP_OVERHEAD_S,
+        collective_bandwidth=50 * GB, collective_latency_s=_COLLECTIVE_LATENCY_S,
         description="Tesla V100 SXM2 16 GB, NVLink 2.0 host link 50 GB/s per direction "
                     "(the paper's machine); FP32 15.7 TFLOP/s, HBM2 900 GB/s"),
     # A100 PCIe 40 GB (NVIDIA A100 datasheet): 40 GiB HBM2, 1,555 GB/s, 19.5 TFLOP/s FP32
@@ -134,6 +146,7 @@ PRESETS: dict[str, Hardware] = {
         name="a100-40gb-pcie4", device_bytes=40 * GiB, peak_flops=19.5e12, mem_bandwidth=1555 * GB,
         h2d_bandwidth=25 * GB, d2h_bandwidth=25 * GB,
         link_latency_s=_GPU_LINK_LATENCY_S, op_overhead_s=_GPU_OP_OVERHEAD_S,
+        collective_latency_s=_COLLECTIVE_LATENCY_S,
         description="A100 PCIe 40 GB, PCIe 4.0 x16 ~25 GB/s effective per direction; "
                     "FP32 19.5 TFLOP/s, HBM2 1,555 GB/s"),
     # H100 PCIe 80 GB (NVIDIA H100 datasheet, PCIe form factor): 80 GiB HBM2e, 2.0 TB/s,
@@ -143,6 +156,7 @@ PRESETS: dict[str, Hardware] = {
         name="h100-80gb-pcie5", device_bytes=80 * GiB, peak_flops=51e12, mem_bandwidth=2000 * GB,
         h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB,
         link_latency_s=_GPU_LINK_LATENCY_S, op_overhead_s=_GPU_OP_OVERHEAD_S,
+        collective_latency_s=_COLLECTIVE_LATENCY_S,
         description="H100 PCIe 80 GB, PCIe 5.0 x16 ~50 GB/s effective per direction; "
                     "FP32 51 TFLOP/s, HBM2e 2.0 TB/s"),
     # A CPU edge board, modelled on a Raspberry Pi 5 class SoC (4x Cortex-A76 at 2.4 GHz):
@@ -157,6 +171,8 @@ PRESETS: dict[str, Hardware] = {
     #   ``hardware("cpu-edge", storage_bandwidth=...)`` (both ways) or h2d_/d2h_bandwidth=.
     # - link_latency_s = 100 us: one large pread/pwrite on flash (syscall + queue + first
     #   page); op_overhead_s = 10 us: eager PyTorch's per-op dispatch cost on a small CPU.
+    # - peers (data-parallel) over 1 Gb/s Ethernet, 0.125 GB/s, beside the flash; ~100 us a
+    #   collective step (TCP through gloo).
     # - moved_byte_s = 0.1 ns/B: a moved byte is read or written once more by a CPU core
     #   (pwrite/pread through the page cache, ~10 GB/s per core for a memcpy-like pass);
     #   an estimate, to be replaced by what benchmarks/bench_cpu.py measures (on 2 cores
@@ -164,7 +180,7 @@ PRESETS: dict[str, Hardware] = {
     "cpu-edge": Hardware(
         name="cpu-edge", device_bytes=4 * GiB, peak_flops=153.6e9, mem_bandwidth=17 * GB,
         h2d_bandwidth=1 * GB, d2h_bandwidth=1 * GB, link_latency_s=100e-6, op_overhead_s=10e-6,
-        moved_byte_s=0.1e-9,
+        moved_byte_s=0.1e-9, collective_bandwidth=0.125 * GB, collective_latency_s=100e-6,
         description="CPU edge board (4x Cortex-A76 2.4 GHz, 4 GiB LPDDR4X), swap to local "
                     "flash at 1 GB/s, half duplex", tier="storage", full_duplex=False),
 }

@@ -23,13 +23,17 @@ stream's order is the schedule's, and the times say which function each request 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from scheduler.actions import Ledger
 from scheduler.ir import VariableSequence
 from scheduler.schedule import Schedule
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # vmm is imported lazily: ``import scheduler`` must not need it
+    from scheduler.hardware import Hardware
     from vmm.replay import Event
 
 
@@ -82,3 +86,38 @@ def creations(schedule_or_seq: Schedule | VariableSequence) -> tuple[tuple[int, 
                     new.append(u.var)
         out.append(tuple(new))
     return tuple(out)
+
+
+def replay_allocator(schedule: Schedule, hw: "Hardware", allocator: str, chunk_bytes: int) -> tuple[int, bool, int | None]:
+    """Run the step's allocation stream through an allocator model of ``hw.device_bytes``.
+
+    Returns (peak reserved bytes, fits, first function that ran out or None). "Reserved" is
+    the allocator's ``mapped_bytes``: segment bytes for the caching allocator, chunks under
+    live allocations for virtual addressing (``vmm.replay.ReplayResult.peak_reserved_bytes``).
+    """
+    # vmm through its public API only, and only on this path: planning needs no allocator.
+    import vmm
+    from vmm.replay import replay
+
+    events = allocation_events(schedule)
+    # Mapping granularity: 2 MiB for CUDA VMM (cuMemGetAllocationGranularity on current
+    # GPUs), the 4 KiB page for host chunks in front of a storage tier.
+    granularity = (2 << 20) if hw.tier == "host" else 4096
+    backend = vmm.SimBackend(granularity)
+    if allocator == "caching":
+        model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
+        name = "caching"
+    else:
+        # ooc's allocator, as the runtime's device pools and ``ooc frag`` (vmm-N) build it.
+        pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
+        # (blocks 512-byte aligned on a GPU, page-aligned on a CPU, as those pools pack them).
+        model = vmm.SmallBlockAllocator(vmm.VirtualAllocator(pool),
+                                        align=512 if hw.tier == "host" else granularity)
+        name = f"vmm-{chunk_bytes}"
+    result = replay(events, model, name=name)
+    if result.oom_index is None:
+        return result.peak_reserved_bytes, True, None
+    oom_function = int(events[result.oom_index].time)
+    log.debug("%s on %s: out of memory at function %d (%d B requested)",
+              name, hw.name, oom_function, result.oom_request)
+    return result.peak_reserved_bytes, False, oom_function

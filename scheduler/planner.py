@@ -16,7 +16,9 @@ Policies (``POLICIES``):
 - ``"window"`` (default): the adaptive window scheduler, moving only what the budget forces
   out (Belady victims, drops instead of copies where the host copy is current), each victim
   swapped or recomputed, whichever costs less on ``hardware`` (option; a ``Hardware`` or a
-  preset name, default ``scheduler.recompute.default_hardware``). Moves nothing when
+  preset name, default ``scheduler.recompute.default_hardware``); option ``recompute``:
+  ``"auto"`` (that rule), ``"prefer"`` (recompute every victim that has a chain),
+  ``"never"`` (swap only). Moves nothing when
   ``budget >= seq.in_core_peak_bytes``. See ``scheduler.window``, ``scheduler.recompute``.
 - ``"milp"``: the reference, an exact MILP over keep / swap / recompute per tensor
   (``scheduler.milp``; needs scipy; graphs up to a few hundred functions). Options
@@ -46,7 +48,7 @@ from scheduler.check import check
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
 from scheduler.schedule import Schedule
-from scheduler.recompute import plan_swap_or_recompute
+from scheduler.recompute import RECOMPUTE_MODES, plan_swap_or_recompute
 from scheduler.window import Infeasible, plan_window_paper
 
 __all__ = ["plan", "POLICIES"]
@@ -56,7 +58,7 @@ log = logging.getLogger(__name__)
 POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand", "milp")
 
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "window": {"hardware": None},
+    "window": {"hardware": None, "recompute": "auto"},
     "milp": {"hardware": None, "time_limit": 60.0},
     "window-paper": {},
     "vdnn": {"backward_start": None},
@@ -132,8 +134,10 @@ def _plan(seq: VariableSequence, budget: int | None, window: int | None, policy:
           opts: dict[str, Any]) -> Schedule:
     t0 = time.perf_counter()
     if policy == "window":
-        hw = opts["hardware"]
-        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw))
+        hw, mode = opts["hardware"], opts["recompute"]
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw, mode))
     elif policy == "milp":
         from scheduler.milp import plan_milp   # scipy, imported only for this policy
 

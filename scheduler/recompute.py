@@ -24,19 +24,21 @@ from __future__ import annotations
 import logging
 
 from scheduler.check import check
-from scheduler.errors import ScheduleError
+from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.ir import VariableSequence
 from scheduler.replay import Chain, chain_for, recompute_candidates
 from scheduler.schedule import Schedule
 from scheduler.simulate import simulate
 from scheduler.window import Recompute, plan_window
+from scheduler.working_sets import Infeasible
 
-__all__ = ["EXPOSURES", "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
+__all__ = ["EXPOSURES", "RECOMPUTE_MODES", "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
 
 log = logging.getLogger(__name__)
 
 EXPOSURES = (1.0, 0.5, 0.1)
+RECOMPUTE_MODES = ("auto", "prefer", "never")
 
 
 def default_hardware(seq: VariableSequence) -> Hardware:
@@ -68,19 +70,32 @@ def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float) -> R
 
 
 def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | None = None,
-                           hw: Hardware | str | None = None) -> Schedule:
+                           hw: Hardware | str | None = None, mode: str = "auto") -> Schedule:
     """Policy "window" with recomputation: the swap-only plan, and one plan per exposure in
     ``EXPOSURES`` with the rule choosing swap or recompute per victim; the fastest on ``hw``
-    (``simulate``) wins, ties to the swap-only plan."""
+    (``simulate``) wins, ties to the swap-only plan. ``mode="prefer"``: every victim that
+    has a chain is recomputed (the swap-only plan only if that one does not fit);
+    ``"never"``: the swap-only plan."""
     best = plan_window(seq, budget, window)
-    if not recompute_candidates(seq):
+    if mode == "never" or not recompute_candidates(seq):
         return best     # nothing may be replayed: today's plan, byte for byte
+    if mode == "prefer":
+        try:
+            candidate = plan_window(seq, budget, window, lambda v, at: chain_for(seq, v, at))
+            check(candidate)
+            return candidate
+        except (Infeasible, BudgetTooSmall) as err:
+            log.info("recompute='prefer' does not fit; swapping instead: %s", err)
+            return best
     hw = default_hardware(seq) if hw is None else hardware(hw)
     best_s = simulate(best, hw, timeline=False).total_s
     for exposure in EXPOSURES:
-        candidate = plan_window(seq, budget, window, swap_or_recompute(seq, hw, exposure))
         try:
+            candidate = plan_window(seq, budget, window, swap_or_recompute(seq, hw, exposure))
             check(candidate)
+        except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
+            log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)
+            continue
         except ScheduleError as err:   # a planner bug: never let it cost the swap-only plan
             log.warning("window+recompute at exposure %.2f is unsafe, ignored: %s", exposure, err)
             continue

@@ -19,7 +19,12 @@ runtime executes it, in program order on the compute stream:
 - on a CPU device each moved byte also costs the compute stream ``moved_byte_s`` (the
   copies and I/O threads take cycles from the compute threads), charged when the copy is
   issued (``copy_cpu_s``);
-- ``drop``, ``discard`` and ``free`` take no time.
+- ``drop``, ``discard`` and ``free`` take no time;
+- with ``data_parallel=r`` ranks, the gradients' all-reduce (``scheduler.data_parallel``:
+  DDP's buckets, ring all-reduce) is issued after a bucket's last gradient is written and
+  waited for before the first function that reads one of them again; it runs on its own
+  channel, or on both copy channels when ``Hardware.collective_bandwidth`` is 0 (the host
+  link), where it queues with the swaps (``allreduce_s``, ``allreduce_stall_s``).
 
 Device memory is counted by ``scheduler.actions``' transition table, the one ``check`` and the
 runtime follow: a swap-in takes its bytes when issued, a swap-out gives them back at its
@@ -45,10 +50,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.actions import IN, USE, Ledger, Refused, Residency
+from scheduler.data_parallel import DDP_BUCKET_BYTES, Bucket, gradient_buckets, ring_bytes
 from scheduler.errors import ScheduleError
 from scheduler.hardware import Hardware, hardware
+from scheduler.memory_events import replay_allocator
 from scheduler.schedule import Schedule
-from scheduler.timeline import COMPUTE, RECOMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
+from scheduler.timeline import ALLREDUCE, COMPUTE, RECOMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,10 @@ class SimResult:
     recompute_s: float = 0.0
     bytes_recomputed: int = 0
     copy_cpu_s: float = 0.0
+    data_parallel: int = 1
+    allreduce_bytes: int = 0      # bytes this rank sent (and received) in the step's all-reduce
+    allreduce_s: float = 0.0      # seconds its link was busy with them
+    allreduce_stall_s: float = 0.0   # of stall_s: the compute stream waiting for them
 
     @property
     def relative_speed(self) -> float:
@@ -124,6 +135,8 @@ class SimResult:
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "recompute_s": self.recompute_s, "bytes_recomputed": self.bytes_recomputed,
             "copy_cpu_s": self.copy_cpu_s, "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
+            "data_parallel": self.data_parallel, "allreduce_bytes": self.allreduce_bytes,
+            "allreduce_s": self.allreduce_s, "allreduce_stall_s": self.allreduce_stall_s,
         }
         if self.allocator is not None:
             out.update(allocator=self.allocator, chunk_bytes=self.chunk_bytes,
@@ -138,6 +151,8 @@ def simulate(
     allocator: str | None = None,
     chunk_bytes: int | None = None,
     timeline: bool = True,
+    data_parallel: int = 1,
+    bucket_bytes: int = DDP_BUCKET_BYTES,
 ) -> SimResult:
     """Predict the time and device memory of one step of ``schedule`` on ``hw``.
 
@@ -150,6 +165,9 @@ def simulate(
             each, 2 MiB by default). Needs the ``vmm`` package's sim backend.
         timeline: record a :class:`scheduler.timeline.Event` per function, copy and stall
             (``write_chrome_trace(result.timeline, path)`` shows it); off for big sweeps.
+        data_parallel: ranks of a DistributedDataParallel job running this step; from 2 on,
+            the gradients' all-reduce runs beside the transfers (``bucket_bytes`` per DDP
+            bucket).
 
     Deterministic: the same inputs give the same result, bit for bit. One step of 100,000
     functions takes about a second.
@@ -163,6 +181,8 @@ def simulate(
     hw = hardware(hw)
     if allocator is not None and allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be None or one of {ALLOCATORS}, got {allocator!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive int (ranks), got {data_parallel!r}")
     seq = schedule.sequence
     variables = seq.variables
     nbytes = {v: var.nbytes for v, var in variables.items()}
@@ -249,6 +269,45 @@ def simulate(
         recompute += d
         recomputed += nbytes[v]
 
+    # Data-parallel: buckets issued after function i, waited for before function j.
+    buckets = gradient_buckets(seq, bucket_bytes) if data_parallel > 1 else []
+    issue_after: dict[int, list[Bucket]] = {}
+    wait_before: dict[int | None, list[Bucket]] = {}
+    for b in buckets:
+        issue_after.setdefault(b.ready_after, []).append(b)
+        wait_before.setdefault(b.needed_before, []).append(b)
+    shared = hw.collective_bandwidth == 0
+    coll = [0.0]   # when the collective channel is next free (own link only)
+    reduced: dict[Bucket, float] = {}
+    ar = [0, 0.0, 0.0]   # bytes sent, busy seconds, stall seconds
+
+    def all_reduce(b: Bucket) -> None:
+        n = ring_bytes(b.nbytes, data_parallel)
+        if shared:   # sends on the device-to-host lanes, receives on the host-to-device ones
+            start = max(t, chan[0], chan[ch_out])
+            end = start + latency + n * max(inv_bw)
+            chan[0] = chan[ch_out] = end
+        else:
+            start = max(t, coll[0])
+            end = start + hw.collective_latency_s + n / hw.collective_bandwidth
+            coll[0] = end
+        reduced[b] = end
+        ar[0] += n
+        ar[1] += end - start
+        if tl is not None:
+            tl.append(Event(ALLREDUCE, f"all-reduce {len(b.variables)} grads", start, end, 0,
+                            {"bytes": n, "gradients": list(b.variables), "issued_s": t}))
+
+    def await_reduced(bs: list[Bucket], i: int) -> None:
+        nonlocal t, stall
+        end = max(reduced.pop(b) for b in bs)
+        if end > t:
+            stall += end - t
+            ar[2] += end - t
+            if tl is not None:
+                tl.append(Event(WAIT, "all-reduce", t, end, 0, {"function": i}))
+            t = end
+
     def run(acts: tuple, i: int, phase: str) -> None:
         nonlocal over_fn
         for a in acts:
@@ -269,6 +328,8 @@ def simulate(
         for i, f in enumerate(seq.functions):
             if before[i]:
                 run(before[i], i, "before")
+            if i in wait_before:
+                await_reduced(wait_before[i], i)
             # (the function) every variable it touches must be resident; first writes create.
             ledger.run(i)
             if over_fn is None and ledger.device > capacity:
@@ -281,23 +342,28 @@ def simulate(
             compute += d
             if after[i]:
                 run(after[i], i, "after")
+            for b in issue_after.get(i, ()):
+                all_reduce(b)
+        if None in wait_before:   # read by nothing in the step: its end waits for them
+            await_reduced(wait_before[None], len(functions))
     except Refused as err:
         raise refused(err) from None
     peak = ledger.peak
     peak_fn = ledger.peak_function or 0
 
-    total = max(t, chan[0], chan[1])
+    total = max(t, chan[0], chan[1], coll[0])
     busy_compute = compute + recompute + copy_cpu
+    link = (ar[1], ar[1]) if shared else (0.0, 0.0)   # the all-reduce on the copy channels
     if hw.full_duplex:
-        lower = max(busy_compute, busy[0], busy[1])
+        lower = max(busy_compute, busy[0] + link[0], busy[1] + link[1], 0.0 if shared else ar[1])
     else:
-        lower = max(busy_compute, busy[0] + busy[1])
+        lower = max(busy_compute, busy[0] + busy[1] + link[0], 0.0 if shared else ar[1])
 
     if allocator is None:
         reserved, fits, oom_fn = peak, over_fn is None, over_fn
     else:
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-        reserved, fits, oom_fn = _replay(schedule, hw, allocator, chunk_bytes)
+        reserved, fits, oom_fn = replay_allocator(schedule, hw, allocator, chunk_bytes)
 
     return SimResult(
         total_s=total, compute_s=compute, stall_s=stall, lower_bound_s=lower,
@@ -307,41 +373,5 @@ def simulate(
         timeline=tuple(tl) if tl is not None else (),
         allocator=allocator, chunk_bytes=chunk_bytes if allocator is not None else None,
         reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn,
-        recompute_s=recompute, bytes_recomputed=recomputed, copy_cpu_s=copy_cpu)
-
-
-def _replay(schedule: Schedule, hw: Hardware, allocator: str, chunk_bytes: int) -> tuple[int, bool, int | None]:
-    """Run the step's allocation stream through an allocator model of ``hw.device_bytes``.
-
-    Returns (peak reserved bytes, fits, first function that ran out or None). "Reserved" is
-    the allocator's ``mapped_bytes``: segment bytes for the caching allocator, chunks under
-    live allocations for virtual addressing (``vmm.replay.ReplayResult.peak_reserved_bytes``).
-    """
-    # vmm through its public API only, and only on this path: planning needs no allocator.
-    import vmm
-    from vmm.replay import replay
-
-    from scheduler.memory_events import allocation_events
-
-    events = allocation_events(schedule)
-    # Mapping granularity: 2 MiB for CUDA VMM (cuMemGetAllocationGranularity on current
-    # GPUs), the 4 KiB page for host chunks in front of a storage tier.
-    granularity = (2 << 20) if hw.tier == "host" else 4096
-    backend = vmm.SimBackend(granularity)
-    if allocator == "caching":
-        model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
-        name = "caching"
-    else:
-        # ooc's allocator, as the runtime's device pools and ``ooc frag`` (vmm-N) build it.
-        pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
-        # (blocks 512-byte aligned on a GPU, page-aligned on a CPU, as those pools pack them).
-        model = vmm.SmallBlockAllocator(vmm.VirtualAllocator(pool),
-                                        align=512 if hw.tier == "host" else granularity)
-        name = f"vmm-{chunk_bytes}"
-    result = replay(events, model, name=name)
-    if result.oom_index is None:
-        return result.peak_reserved_bytes, True, None
-    oom_function = int(events[result.oom_index].time)
-    log.debug("%s on %s: out of memory at function %d (%d B requested)",
-              name, hw.name, oom_function, result.oom_request)
-    return result.peak_reserved_bytes, False, oom_function
+        recompute_s=recompute, bytes_recomputed=recomputed, copy_cpu_s=copy_cpu,
+        data_parallel=data_parallel, allreduce_bytes=ar[0], allreduce_s=ar[1], allreduce_stall_s=ar[2])

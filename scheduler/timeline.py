@@ -23,9 +23,10 @@ SWAP_OUT = "swap-out"
 WAIT = "wait"
 STEP = "step"
 RECOMPUTE = "recompute"
+ALLREDUCE = "all-reduce"
 
 # Tracks in display order; others follow in order of first appearance.
-TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT, RECOMPUTE)
+TRACKS = (STEP, COMPUTE, WAIT, SWAP_IN, SWAP_OUT, RECOMPUTE, ALLREDUCE)
 
 
 @dataclass(frozen=True, slots=True)

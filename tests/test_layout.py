@@ -1,6 +1,7 @@
 """The layout rules of issue 14, checked on the source: no import cycle among the modules of
 ooc/, scheduler/ and vmm/ (imports inside functions and under TYPE_CHECKING count: a cycle a
-reader must untangle is one whether or not Python does), and scheduler/ plans without torch."""
+reader must untangle is one whether or not Python does), no module over 400 lines, and
+scheduler/ plans without torch."""
 
 from __future__ import annotations
 
@@ -107,3 +108,9 @@ def test_scheduler_plans_without_torch():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             assert not any(n == "torch" or n.startswith(("torch.", "ooc")) for n in names), (name, names)
+
+
+def test_no_module_over_400_lines():
+    """Issue 14's rule: a module is split by responsibility before it reaches 400 lines."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}

@@ -33,7 +33,7 @@ DEFAULT_POLICY = "window"
 def register(subparsers: Any) -> None:
     from scheduler.planner import POLICIES
 
-    from ooc.cli.args import SIZE_HELP, choice, output_file, size
+    from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
 
     p = subparsers.add_parser(
         "plan", help="plan swap-outs and swap-ins of a traced step within a device budget",
@@ -50,6 +50,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--compare", action="store_true",
                    help="plan every policy at this budget and print them side by side")
+    p.add_argument("--data-parallel", metavar="N", type=positive_int, default=1,
+                   help="ranks of a DDP job: also show the bytes each rank all-reduces per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -90,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             print(_compare_table(seq, budget, window, rows, policy, args.output))
         return 0
     info = {**rows[policy], "output": args.output}
+    if args.data_parallel > 1:   # beside the transfers: what the same link may also carry
+        from scheduler.data_parallel import allreduce_bytes
+
+        info.update(data_parallel=args.data_parallel, allreduce_bytes=allreduce_bytes(seq, args.data_parallel))
     if args.json:
         print(json.dumps(info))
     else:
@@ -211,6 +217,9 @@ def _table(info: dict[str, Any]) -> str:
         ("bytes in", size(info["bytes_in"])),
         ("bytes out", size(info["bytes_out"])),
         ("transfers", f"{info['transfers_in']:,} in, {info['transfers_out']:,} out"),
+        *([("all-reduce", f"{size(info['allreduce_bytes'])} per rank per step ({info['data_parallel']} "
+                          f"ranks, ring); ooc simulate --data-parallel shows whether it shares a link")]
+          if "allreduce_bytes" in info else []),
         ("plan time", f"{info['plan_seconds']:.3f} s (planned and checked)"),
     ]
     lines = [f"{k:<15}{v}" for k, v in rows]

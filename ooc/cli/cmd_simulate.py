@@ -8,6 +8,10 @@ peak device bytes, bytes in/out, speed relative to compute only (the paper's "55
 in-core speed" is 0.55), and with ``--allocator`` whether the allocation stream fits the
 device's memory under PyTorch's caching allocator or fixed-size chunks (``vmm``, ``--chunk``).
 
+``--data-parallel N`` simulates one rank of an N-rank DistributedDataParallel job: the
+gradients' all-reduce runs beside the transfers, over the preset's interconnect or, on the
+PCIe presets, over the same host link as the swaps (``scheduler/data_parallel.py``).
+
 ``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()``;
 ``--timeline FILE`` writes the predicted timeline as a Chrome/Perfetto trace.
 
@@ -28,7 +32,7 @@ def register(subparsers: Any) -> None:
     from scheduler.planner import POLICIES
     from scheduler.simulate import ALLOCATORS
 
-    from ooc.cli.args import SIZE_HELP, choice, output_file, size
+    from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
 
     p = subparsers.add_parser(
         "simulate", help="predict step time and device memory of a plan on given hardware",
@@ -47,6 +51,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeline", metavar="FILE", type=output_file(),
                    help="write the timeline as a Chrome trace JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--data-parallel", metavar="N", type=positive_int, default=1,
+                   help="ranks of a DDP job: simulate one rank, its gradient all-reduce beside the swaps")
     p.add_argument("--budget", metavar="SIZE", type=size, help="plan a trace input within this budget first")
     p.add_argument("--window", metavar="SIZE", type=size, help="with --budget: prefetch window (window policies)")
     p.add_argument("--policy", metavar="NAME", type=choice(POLICIES, "policy"),
@@ -97,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             schedule, _ = plan_and_summarize(obj, budget, window, policy)
         bar.stage(f"simulating on {hw.name}")
         result = simulate(schedule, hw, allocator=args.allocator, chunk_bytes=chunk,
-                          timeline=bool(args.timeline))
+                          timeline=bool(args.timeline), data_parallel=args.data_parallel)
         if args.timeline:
             bar.stage(f"writing {args.timeline}")
             write_chrome_trace(result.timeline, args.timeline,
@@ -133,6 +139,11 @@ def _table(r: Any, schedule: Any, timeline: str | None) -> str:
         f"{'bytes out':<16}{fs(r.bytes_out)}  in {r.transfers_out:,} copies, "
         f"link busy {ms(r.d2h_busy_s)}",
     ]
+    if r.data_parallel > 1:
+        link = ("over the host link, queued with the swaps" if hw.collective_bandwidth == 0 else
+                f"over its own {hw.collective_bandwidth / 1e9:.3g} GB/s interconnect")
+        lines.append(f"{'all-reduce':<16}{fs(r.allreduce_bytes)} per rank ({r.data_parallel} ranks, ring), "
+                     f"{link}: busy {ms(r.allreduce_s)}, compute waited {ms(r.allreduce_stall_s)}")
     if r.allocator is not None:
         name = r.allocator if r.allocator == "caching" else f"vmm, {fs(r.chunk_bytes)} chunks"
         lines.append(f"{'allocator':<16}{name}: reserved peak {fs(r.reserved_peak_bytes)}")

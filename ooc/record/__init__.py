@@ -5,6 +5,8 @@
   runtime's per-op path reads it too);
 - ``storages``: storages as variables, the key and why it stays unique;
 - ``recorder``: the per-op use rules and the variables they make (``StepRecorder``);
+- ``replay``: which functions a plan may recompute (``replayable``, ``rng``,
+  ``updates_stats``), per op from its schema and tags;
 - ``roles``: parameters, buffers, optimizer state and gradients, told to the recorder the
   same way by both drivers;
 - ``managed``: the view of a step the engine plans from (managed tensors only);

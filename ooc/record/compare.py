@@ -4,8 +4,9 @@ the two must be the same step.
 
 Variable ids depend on the order in which storages were first met or registered, and
 names on who recorded (the engine does not see the inputs' names nor module scopes): the
-canonical form renumbers variables by first use and keeps, per function, the aten op and its
-uses, and per variable its bytes, kind and whether it lives in or out of the step.
+canonical form renumbers variables by first use and keeps, per function, the aten op, its
+uses and its replay flags, and per variable its bytes, kind and whether it lives in or out of
+the step.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from dataclasses import dataclass
 
 from scheduler.ir import VariableSequence
 
+_FLAGS = ("replayable", "rng", "updates_stats")
+
 
 @dataclass(frozen=True, slots=True)
 class CanonicalStep:
-    """``functions[i]`` = (aten op, ((variable, "r"|"w"), ...)); ``variables[v]`` =
+    """``functions[i]`` = (aten op, ((variable, "r"|"w"), ...), flags) with ``flags`` the
+    replay flags set, a subset of ("replayable", "rng", "updates_stats"); ``variables[v]`` =
     (bytes, kind, live_in, live_out) for the variable numbered ``v`` by first use; variables
     no function uses come last, sorted."""
 
-    functions: tuple[tuple[str, tuple[tuple[int, str], ...]], ...]
+    functions: tuple[tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]], ...]
     variables: tuple[tuple[int, str, bool, bool], ...]
 
 
@@ -38,7 +42,8 @@ def canonical(seq: VariableSequence) -> CanonicalStep:
         for u in f.uses:
             v = number.setdefault(u.var, len(number))
             uses.append((v, "w" if u.access.value == "write" else "r"))
-        functions.append((op_name(f.name), tuple(uses)))
+        flags = tuple(k for k in _FLAGS if getattr(f, k))
+        functions.append((op_name(f.name), tuple(uses), flags))
 
     def facts(var: int) -> tuple[int, str, bool, bool]:
         v = seq.variables[var]

@@ -25,6 +25,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSequence
 
 
+NOT_REPLAYABLE = (False, False, False)
+
+
 @dataclass(eq=False)
 class Birth:
     """A storage created by an op of this step, big enough to be managed."""
@@ -50,11 +53,17 @@ class Recording:
     born_at: dict[int, tuple[int, int]] = field(default_factory=dict)  # var -> (op, out)
     backward_start: int | None = None
     optimizer_start: int | None = None
+    # Per op, the recorder's replay flags (replayable, rng, updates_stats: ooc/record/replay.py)
+    # as this call met them; and the births read before they were managed (an op that read one
+    # the engine never managed is not replayable here: its input is nobody's to bring back).
+    flags: list[tuple[bool, bool, bool]] = field(default_factory=list)
+    anonymous_reads: list[tuple[int, Birth]] = field(default_factory=list)
 
     def begin_op(self, name: str) -> int:
         self.names.append(name)
         self.uses.append([])
         self.seconds.append(0.0)
+        self.flags.append(NOT_REPLAYABLE)
         return len(self.names) - 1
 
     def use(self, op: int, var: int, access: Access) -> None:
@@ -92,11 +101,17 @@ class Recording:
         self.variables[var] = Variable(v.id, v.nbytes, v.kind, v.name, v.live_in, live_out)
 
     def sequence(self, meta: dict) -> VariableSequence:
+        flags = list(self.flags)
+        for i, b in self.anonymous_reads:
+            if b.var is None:
+                flags[i] = NOT_REPLAYABLE
+        update = self.optimizer_start if self.optimizer_start is not None else len(self.names)
         functions = []
         for i, name in enumerate(self.names):
             # Order uses by first appearance; a variable both read and written keeps both.
             uses = tuple(Use(v, a) for v, a in dict.fromkeys(self.uses[i]))
-            functions.append(Function(i, name, uses, Cost(seconds=self.seconds[i])))
+            functions.append(Function(i, name, uses, Cost(seconds=self.seconds[i]),
+                                      *(flags[i] if i < update else NOT_REPLAYABLE)))
         meta = dict(meta)
         if self.backward_start is not None:
             meta["backward_start"] = self.backward_start

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from ooc.record.replay import replay_rule
 # Schema argument types (as ``str(argument.type)`` spells them) that never hold a tensor:
 # their positions are not scanned. ScalarType, Layout and MemoryFormat read as "int",
 # Scalar as "number". Any other type (Tensor, Tensor?[], Tensor[], generic ones) is.
@@ -37,9 +38,11 @@ class OpInfo:
     For the recorder: ``skip`` (a ``profiler.*`` marker, not recorded), ``view`` (every result
     aliases an argument and nothing is written: ``view``, ``t``, ``detach``; it allocates
     nothing and touches no data) and ``flop`` (``torch.utils.flop_counter``'s formula, or
-    None)."""
+    None). For recomputation: ``replay``, whether a call may be replayed
+    (``ooc.record.replay``'s rules)."""
 
-    __slots__ = ("flop", "func", "lists", "name", "skip", "tensor_positions", "view", "writes")
+    __slots__ = ("flop", "func", "lists", "name", "replay", "skip", "tensor_positions", "view",
+                 "writes")
 
     def __init__(self, func: Any) -> None:
         self.func = func   # keeps the op alive: its id stays its own
@@ -56,6 +59,7 @@ class OpInfo:
             self.tensor_positions: tuple[int, ...] | None = None
             self.writes: tuple[tuple[int, str], ...] = ()
             self.lists: tuple[tuple[int, str], ...] | None = None
+            self.replay = replay_rule(func, False, ())
             return
         arguments = schema.arguments
         self.tensor_positions = tuple(i for i, a in enumerate(arguments) if str(a.type) not in _NO_TENSOR)
@@ -65,6 +69,7 @@ class OpInfo:
         returns = schema.returns
         self.view = (not self.writes and bool(returns)
                      and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+        self.replay = replay_rule(func, self.view, self.writes)
 
     def inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensors among the op's arguments, in order: positional ones first, then those

@@ -22,6 +22,15 @@ Uses per op (the rules, applied the same on every device)
   (``torch.tensor(data)`` emits it on real devices only) are not recorded (the caller
   checks ``OpInfo.skip``).
 
+Replay flags (recomputation)
+----------------------------
+Each function gets ``replayable``, ``rng`` and ``updates_stats`` from the op's
+``OpInfo.replay`` (``ooc.record.replay`` has the rules and why), plus two rules about the
+call: a result that aliases an existing storage makes it not replayable, and so does an
+in-place write to a storage that exists before the step (``num_batches_tracked.add_(1)``,
+parameters, state: no replay can re-create those), and being in the optimizer phase
+(``phase("optimizer")``; applied in ``sequence``).
+
 Kinds
 -----
 What exists before the step is ``register``-ed with its kind (parameters and buffers
@@ -58,6 +67,7 @@ class StepRecorder:
         self.fflops: list[float] = []
         self.fbytes: list[int] = []
         self.fsecs: list[float | None] = []
+        self.fflags: list[tuple[bool, bool, bool]] = []   # replayable, rng, updates_stats
         self.saved_vars: set[int] = set()        # variables autograd packed
         self.marks: dict[str, int] = {}
         self._external = 0
@@ -129,6 +139,7 @@ class StepRecorder:
             self.fuses.append(())
             self.fflops.append(0.0)
             self.fbytes.append(0)
+            self.fflags.append(_NEVER)
             return index
         var_of = self.table.var_of
         uses: list[tuple[int, bool]] = []
@@ -147,6 +158,7 @@ class StepRecorder:
             if vid not in seen:
                 seen.add(vid)
                 uses.append((vid, False))
+        persistent = False   # writes in place what existed before the step
         if info.writes:
             for t in info.written(args, kwargs):
                 s = storage_of(t)
@@ -154,10 +166,12 @@ class StepRecorder:
                 if vid is None:
                     continue
                 uses.append((vid, True))
+                persistent = persistent or self.live_in[vid]
                 n = s.nbytes()
                 if n > self.nbytes[vid]:  # out= results may be resized
                     self.nbytes[vid] = n
         k = 0
+        aliased = False   # a result in an existing storage, not written in place
         for t in ((out,) if isinstance(out, torch.Tensor) else _results(out)):
             nbytes += t.nbytes
             s = storage_of(t)
@@ -166,8 +180,13 @@ class StepRecorder:
             if s._cdata not in var_of:
                 vid = self._new(s, f"{name}#{index}" if k == 0 else f"{name}#{index}.{k}")
                 uses.append((vid, True))
+            elif not info.writes:
+                aliased = True
             k += 1
         self.fuses.append(tuple(uses))
+        rule = info.replay
+        self.fflags.append(_NEVER if not rule.replayable or aliased or persistent else
+                           rule.flags(args, kwargs))
         self.fbytes.append(nbytes)
         flops = 0.0
         if info.flop is not None:
@@ -192,12 +211,19 @@ class StepRecorder:
                                       self.live_in[vid], self.live_out[vid])
         reads = [Use(v, Access.READ) for v in range(len(self.nbytes))]
         writes = [Use(v, Access.WRITE) for v in range(len(self.nbytes))]
+        # The optimizer's update runs once per step: none of it is replayed (see replay.py).
+        update = self.marks.get("optimizer_start", len(self.fname))
+        flags = self.fflags
         functions = tuple(
             Function(i, self.fname[i],
                      tuple(writes[v] if w else reads[v] for v, w in self.fuses[i]),
-                     Cost(self.fflops[i], self.fbytes[i], self.fsecs[i]))
+                     Cost(self.fflops[i], self.fbytes[i], self.fsecs[i]),
+                     *(flags[i] if i < update else _NEVER))
             for i in range(len(self.fname)))
         return VariableSequence(functions, variables, {**self.marks, **(meta or {})})
+
+
+_NEVER = (False, False, False)
 
 
 def _results(out: Any) -> list[torch.Tensor]:

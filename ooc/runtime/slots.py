@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ooc.errors import StorageError
-from ooc.runtime.byte_views import byte_view, byte_view_for  # noqa: F401 - byte_view: its old home
+from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
 from scheduler.actions import Residency
@@ -39,6 +39,7 @@ class State(enum.Enum):
     IN = "in"              # swap-in in flight: memory taken, not usable yet
     OUT = "out"            # swap-out in flight: memory still taken, not usable
     HOST = "host"          # only the slower tier holds the bytes
+    DISCARDED = "discarded"  # nowhere: its chain re-creates it (ooc/runtime/recompute.py)
 
     @property
     def residency(self) -> Residency:
@@ -52,7 +53,7 @@ class State(enum.Enum):
 
 
 _RESIDENCY = {State.ABSENT: Residency.ABSENT, State.RESIDENT: Residency.RESIDENT, State.IN: Residency.IN,
-              State.OUT: Residency.OUT, State.HOST: Residency.HOST}
+              State.OUT: Residency.OUT, State.HOST: Residency.HOST, State.DISCARDED: Residency.DISCARDED}
 _STATE = {**{r: s for s, r in _RESIDENCY.items()}, Residency.DEAD: State.ABSENT}
 
 

@@ -52,11 +52,12 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     }),
     "plan": (["INPUT", "{trace}", "--budget", "64MiB"], {
         "INPUT": INPUT, "--budget": SIZE, "--window": SIZE, "--policy": NAME, "--output": OUTPUT,
+        "--data-parallel": POSITIVE_INT,
     }),
     "simulate": (["INPUT", "{plan}"], {
         "INPUT": INPUT, "--hardware": NAME + ["h200"], "--device-memory": SIZE,
         "--allocator": NAME + ["buddy"], "--chunk": SIZE, "--timeline": OUTPUT, "--budget": SIZE,
-        "--window": SIZE, "--policy": NAME,
+        "--window": SIZE, "--policy": NAME, "--data-parallel": POSITIVE_INT,
     }),
     "frag": (["INPUT", "{trace}"], {
         "INPUT": INPUT, "--chunks": ["3MiB", "lots", ",", "0"], "--device-memory": SIZE,

@@ -8,14 +8,15 @@ import pytest
 
 from ooc.cli import main
 from scheduler.check import check
-from scheduler.ir import VariableSequence
+from scheduler.ir import Kind, VariableSequence
 from scheduler.planner import POLICIES
 from scheduler.schedule import Schedule
 
 SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core_peak_bytes",
                 "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
-            "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s"}
+            "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s",
+            "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s"}
 ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
 HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
 
@@ -174,3 +175,24 @@ def test_a_plan_file_is_accepted_where_a_trace_is(trace_file, tight, tmp_path, c
     assert _json(capsys)["bytes_in"] == 0
     assert main(["simulate", str(plan_file), "--budget", HUGE]) == 2  # a plan already has a budget
     assert "already a plan" in capsys.readouterr().err
+
+
+def test_data_parallel_shows_the_all_reduce_beside_the_transfers(trace_file, tight, capsys):
+    """One rank of a 4-rank DDP job: plan says how many bytes each rank all-reduces (ring:
+    2 * 3/4 of the step's gradient bytes, in DDP's buckets); simulate runs them on the V100's
+    NVLink beside the swaps, and on the H100 PCIe preset over the host link with them."""
+    seq = VariableSequence.from_json(trace_file)
+    grads = sum(v.nbytes for v in seq.variables.values() if v.kind is Kind.GRAD)
+    assert main(["plan", str(trace_file), "--budget", str(tight), "--json", "--data-parallel", "4",
+                 "--no-progress"]) == 0
+    info = _json(capsys)
+    assert info["data_parallel"] == 4 and grads * 3 // 2 <= info["allreduce_bytes"] <= grads * 3 // 2 + 64
+    results = {}
+    for hw in ("v100-16gb-nvlink", "h100-80gb-pcie5"):
+        assert main(["simulate", str(trace_file), "--budget", str(tight), "--hardware", hw,
+                     "--data-parallel", "4", "--json", "--no-progress"]) == 0
+        results[hw] = _json(capsys)
+        assert results[hw]["allreduce_bytes"] == info["allreduce_bytes"] and results[hw]["allreduce_s"] > 0
+    assert main(["simulate", str(trace_file), "--budget", str(tight), "--hardware", "h100-80gb-pcie5",
+                 "--data-parallel", "4", "--no-progress"]) == 0
+    assert "over the host link, queued with the swaps" in capsys.readouterr().out

@@ -116,5 +116,5 @@ def test_frozen_resnet18_with_inplace_relu_is_bitwise_identical() -> None:
     # in its backward): a planned step diverges, if at all, only in the optimizer, where SGD's
     # momentum buffers appear in the first planned step.
     for at, optimizer_start in diverged:
-        assert at is None or at >= optimizer_start, f"diverged at op {at}, before the optimizer"
+        assert at == -1 or at >= optimizer_start, f"diverged at op {at}, before the optimizer"
     assert stats["last_planned"] and stats["last_diverged_at"] == -1

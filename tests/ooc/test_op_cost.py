@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
 from ooc import OutOfCore
-from ooc.runtime import stepper as stepper_module
-from ooc.runtime.op_info import OpInfo, op_info, tensors
+from ooc.runtime import saved_tensors as saved_tensors_module, stepper as stepper_module
+from ooc.record.op_schema import OpInfo, op_info, tensors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,7 +106,7 @@ def test_saved_tensor_hooks_of_a_planned_step_leave_the_dispatch_modes_alone(mon
     model, opt, engine = _planned(min_bytes)
     managed = engine.stats()["plan.variables"]
     counts = {"disable": 0, "pack": 0, "unpack": 0}
-    disable, pack, unpack = (stepper_module._disable_current_modes, stepper_module.Stepper.pack,
+    disable, pack, unpack = (saved_tensors_module._disable_current_modes, stepper_module.Stepper.pack,
                              stepper_module.Stepper._unpack)
 
     def counting_disable():
@@ -121,7 +121,7 @@ def test_saved_tensor_hooks_of_a_planned_step_leave_the_dispatch_modes_alone(mon
         counts["unpack"] += 1
         return unpack(self, p)
 
-    monkeypatch.setattr(stepper_module, "_disable_current_modes", counting_disable)
+    monkeypatch.setattr(saved_tensors_module, "_disable_current_modes", counting_disable)
     monkeypatch.setattr(stepper_module.Stepper, "pack", counting_pack)
     monkeypatch.setattr(stepper_module.Stepper, "_unpack", counting_unpack)
     _step(model, opt, engine, 3)

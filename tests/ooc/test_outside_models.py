@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -267,6 +268,7 @@ def _reference(name: str) -> dict:
     return _REFERENCE[name]
 
 
+@functools.lru_cache(maxsize=None)
 def _managed_peak(name: str, manage: tuple[str, ...]) -> int:
     """The in-core peak of the managed tensors: the plan of the second update's step (the
     first made the optimizer's state; with fp16, the first is skipped), huge budget."""
@@ -305,3 +307,20 @@ def test_outside_model_trains_bitwise_at_a_quarter_of_its_peak(name: str, manage
     if case.precision == "fp16":
         first = ref["scale"][case.accumulate - 1]
         assert first < SKIP_FIRST["init_scale"], "the scaler must skip the first update"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "transformers"])
+def test_outside_model_recomputes_bitwise(name: str) -> None:
+    """recompute="prefer": every activation the budget forces out that a chain can re-create
+    is discarded and recomputed (dropout's generator state replayed, autocast off for the
+    replay of ops already cast, GradScaler, clipping, accumulation around it): bitwise."""
+    case = CASES[name]
+    _, why = _library(case.library)
+    if why is not None:
+        pytest.skip(why)
+    ref = _reference(name)
+    budget = _managed_peak(name, MANAGE["default"]) // 4
+    got = _train(case, _model(name), {"budget": budget, "recompute": "prefer"})
+    _assert_bitwise(ref, got, name)
+    assert got["stats"]["bytes_recomputed"] > 0, "nothing was recomputed"
+    assert any(got["planned"]), "no step ran its plan"

@@ -125,8 +125,13 @@ def _check_peak(s: Schedule) -> int | None:
 
 def _events_peak(s: Schedule) -> int:
     live = peak = 0
+    size: dict = {}   # a free's own nbytes is ignored (vmm.replay.Event): the alloc's counts
     for e in allocation_events(s):
-        live += e.nbytes if e.action == "alloc" else -e.nbytes
+        if e.action == "alloc":
+            size[e.key] = e.nbytes
+            live += e.nbytes
+        else:
+            live -= size.pop(e.key)
         peak = max(peak, live)
     return max(peak, 0)
 

@@ -213,7 +213,7 @@ def test_to_dict_has_the_stable_plain_fields() -> None:
     d = r.to_dict()
     assert set(d) == {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
                       "bytes_out", "recompute_s", "bytes_recomputed", "copy_cpu_s", "hardware", "policy",
-                      "budget"}
+                      "budget", "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s"}
     assert json.loads(json.dumps(d)) == d
     assert d["hardware"] == "v100-16gb-nvlink" and d["policy"] == "hand"
     with pytest.raises(ValueError, match="allocator"):

@@ -1,0 +1,17 @@
+"""``OutOfCore``: train a model whose working memory exceeds a budget, bit for bit as in core.
+
+The engine, in the order a step meets it (``ooc/runtime/stepper.py`` runs the ops):
+
+- ``out_of_core.py``: ``OutOfCore``, its settings, the step context manager, stats, close;
+- ``persistent.py``: the parameters, gradients and optimizer state it manages across steps;
+- ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point;
+- ``step_end.py``: finishing a step (settle, roll back, what outlives it);
+- ``planning.py``: re-planning from a recorded step, the adaptive chunk;
+- ``lifetime.py``: what it holds outside itself (hooks, tier, pool), and letting go.
+"""
+
+from ooc.engine.out_of_core import KINDS, OutOfCore
+from ooc.engine.planning import DEFAULT_CHUNK
+from ooc.engine.step_end import TIMELINE_STEPS
+
+__all__ = ["DEFAULT_CHUNK", "KINDS", "OutOfCore", "TIMELINE_STEPS"]

@@ -1,0 +1,294 @@
+"""The engine's persistent tensors: parameters, gradients and optimizer state it manages.
+
+They outlive a step (activations do not): the engine adopts them (``_adopt``), keeps one
+variable id per name across steps (``_stable_vars``, which plans are keyed by), puts them where
+a step's plan expects them at its start (``_reconcile``), forgets those the model and the
+optimizer let go of, and between steps brings them back (``_step_end_bring_back``,
+``resident()``, the ``state_dict`` hooks) and notices writes made outside a step
+(``_note_writes_between``), whose copies on the tier then go stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ooc.runtime import slots as sl
+from ooc.runtime.slots import Slot, State
+from scheduler import on_demand
+from scheduler.ir import Kind
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+
+class PersistentTensors:
+    """``OutOfCore``'s persistent tensors (a mixin over the engine's tier, pool, budget,
+    model and optimizer). Its state (``_init_persistent``): ``persistent``, var -> ``Slot``;
+    ``_between``, var -> tensor version at the end of the last step; ``_canon`` and
+    ``_canon_name``, a persistent tensor's name -> its variable id, and back."""
+
+    def _init_persistent(self) -> None:
+        self._ids = itertools.count()
+        self.persistent: dict[int, Slot] = {}
+        self._between: dict[int, int] = {}   # var -> tensor version at the end of the last step
+        # A persistent tensor's name -> its variable id, and back (``_stable_vars``).
+        self._canon: dict[tuple[Kind, str], int] = {}
+        self._canon_name: dict[int, tuple[Kind, str]] = {}
+        self._warned_released = False
+
+    def new_var(self) -> int:
+        return next(self._ids)
+
+    def _adopt(self, t: torch.Tensor, kind: Kind, name: str) -> Slot | None:
+        s = t.untyped_storage()
+        for slot in self.persistent.values():
+            if slot.storage is s:
+                return slot
+        if s.nbytes() < self.min_bytes:
+            return None
+        slot = Slot(self.new_var(), kind, s.nbytes(), name, in_place=True,
+                    state=State.RESIDENT, storage=s)
+        self.persistent[slot.var] = slot
+        return slot
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.load_state_dict`` put new tensors in its state: manage those instead of
+        the ones it replaced (whose tier copies go), from the next step on, which re-plans."""
+        for var, slot in list(self.persistent.items()):
+            if slot.kind is Kind.OPTIMIZER_STATE:
+                if slot.host_current:
+                    self.tier.discard(slot.key)
+                    slot.host_current = False
+                del self.persistent[var]
+        names = {p: n for n, p in self.model.named_parameters()}
+        for p, state in optimizer.state.items():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    if not t.untyped_storage().resizable():   # torch.load's: cannot be released
+                        t = state[key] = t.clone()
+                    self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
+
+    def _grad_hook(self, name: str):
+        # A parameter's hooks are held from C++, where the garbage collector cannot follow
+        # them: a hook that held the engine would keep it, and with it the model, forever.
+        # The model's state_dict hooks (Python) keep the engine alive while the model lives.
+        engine = weakref.ref(self)
+
+        def hook(p: torch.nn.Parameter) -> None:
+            e = engine()
+            st = None if e is None else e._stepper
+            if st is None or p.grad is None:
+                return
+            if p.grad._base is not None:   # a window onto another owner's buffer (_live_out)
+                return
+            with _disable_current_modes():
+                st.adopt_grad_of(p.grad, name)
+        return hook
+
+    def _forget_dropped(self) -> None:
+        """Stop managing the gradients and optimizer state that the model and the optimizer
+        let go of between steps (``zero_grad()`` before the step, ``opt.state.clear()``): the
+        engine's reference would keep their bytes, and the tier their copies, for nothing;
+        and the next step's plan would count tensors that no longer exist."""
+        held = {id(t.untyped_storage()) for t in self._persistent_tensors()}
+        for var, slot in list(self.persistent.items()):
+            if slot.kind is Kind.PARAM or slot.storage is None or id(slot.storage) in held:
+                continue
+            if slot.host_current:
+                self.tier.discard(slot.key)
+                slot.host_current = False
+            slot.storage = None
+            del self.persistent[var]
+            self._between.pop(var, None)
+
+    def _stable_vars(self) -> None:
+        """Give each persistent tensor the variable id its name had when first managed.
+
+        A gradient set to None and created again in the step (``zero_grad()`` at the top of
+        the loop, inside the step, with grads managed) is a new variable at the step's end;
+        with a fresh id each time, no step ever started in a state a plan was made for, and
+        every step ran on demand and re-planned. Plans are keyed by these ids
+        (``_start_key``), so the same tensors under the same names must keep their ids."""
+        taken = set(self.persistent)
+        renamed: dict[int, Slot] = {}
+        for var, slot in self.persistent.items():
+            name = (slot.kind, slot.name)
+            canon = self._canon.get(name)
+            if canon is None and var not in self._canon_name:   # one id per name, one name per id
+                self._canon[name], self._canon_name[var] = var, name
+                canon = var
+            if canon is not None and canon != var and canon not in taken:   # never two slots with one id
+                taken.discard(var)
+                taken.add(canon)
+                if var in self._between:
+                    self._between[canon] = self._between.pop(var)
+                slot.var = canon
+            renamed[slot.var] = slot
+        self.persistent = renamed
+
+    def _start_key(self) -> tuple[frozenset[int], tuple[bool, ...]]:
+        """The state a step starts in, which decides its ops: the managed persistent tensors,
+        and which parameters have a gradient. Autograd creates a missing gradient (a detach)
+        and adds to an existing one (``add_``): the first micro-batch of an accumulation
+        window and the others run different ops. With grads unmanaged (the default) no
+        persistent variable says which, and the two kinds of step replaced each other's plan
+        at every step. (A step that also calls ``optimizer_step()`` extends the plan of its
+        starting state: it diverges once at the plan's end, and the steps without an update
+        run the longer plan's prefix.)"""
+        return frozenset(self.persistent), tuple(p.grad is not None for p in self.model.parameters())
+
+    def _reconcile(self) -> None:
+        """Bring persistent tensors to where the plan expects them at the start of a step;
+        with no plan for this start (a step on demand), within the budget."""
+        self._note_writes_between()
+        try:
+            if self.schedule is None:
+                self._fit_persistent()
+                return
+            want = self.schedule.initial_resident
+            for slot in self.persistent.values():
+                if slot.var in want and slot.state is State.HOST:
+                    sl.start_swap_in(slot, self.tier, self.pool)
+                    sl.finish_swap_in(slot)
+                    self.counters["bytes_in"] += slot.nbytes
+                elif slot.var not in want and slot.state is State.RESIDENT:
+                    self._to_tier(slot)
+        except BaseException:
+            self._settle(self.persistent.values())   # nothing changed yet: every slot consistent
+            raise
+
+    def _fit_persistent(self) -> None:
+        """Before a step on demand, move resident persistent tensors to the tier until the rest
+        fits the budget: the whole model is resident before the first step, the optimizer
+        state the first update created may be after it. Which ones go is the scheduler's
+        choice (``scheduler.on_demand.persistent_to_evict``); the step evicts the rest as
+        needed."""
+        resident = [(s, s.nbytes) for s in self.persistent.values() if s.state is State.RESIDENT]
+        for slot in on_demand.persistent_to_evict(resident, self.budget):
+            self._to_tier(slot)
+
+    def _to_tier(self, slot: Slot) -> None:
+        """Give a resident persistent slot's memory back, writing it out first if needed."""
+        if slot.host_current:
+            sl.release(slot)
+        else:
+            sl.start_swap_out(slot, self.tier)
+            sl.finish_swap_out(slot)
+            self.counters["bytes_out"] += slot.nbytes
+        slot.state = State.HOST
+
+    def _settle(self, slots) -> list[BaseException]:
+        """Wait for the transfers of ``slots``; leave each resident or on the tier. Returns the
+        transfers' errors; a KeyboardInterrupt during the wait is raised once all are done."""
+        errors: list[BaseException] = []
+        interrupt: BaseException | None = None
+        for slot in list(slots):
+            try:
+                e = sl.settle(slot, self.tier)
+            except BaseException as exc:  # noqa: B036 - an interrupt: re-raised below
+                interrupt = interrupt or exc
+                continue
+            if e is not None:
+                errors.append(e)
+        if interrupt is not None:
+            raise interrupt
+        return errors
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Bring every managed parameter, grad and state tensor back, e.g. to evaluate or save.
+
+        Needed only when the managed params, grads and state together exceed the budget:
+        otherwise every step's end already brought them back (see ``_step_end_bring_back``),
+        and ``state_dict()``/``load_state_dict()`` of the model and the optimizer bring them
+        back by themselves in any case. The next step puts them where its plan wants them.
+        """
+        self._bring_back()
+        yield
+
+    def _step_end_bring_back(self) -> None:
+        """At a step's end, bring the managed persistent tensors back if all of them fit the
+        budget: between steps a released storage has 0 bytes under a tensor that still has
+        its shape, and PyTorch does not check that on a read (``torch.save`` wrote empty
+        storages, ``p.sum()`` read freed memory: a segfault), and no hook can catch an
+        arbitrary read of a plain tensor. Within the budget this costs no memory the budget
+        did not grant. A model whose params, grads and state exceed the budget (the reason to
+        manage them) keeps them on the tier between steps: ``state_dict()`` and
+        ``load_state_dict()`` bring them back through hooks, other reads need
+        ``with engine.resident():`` (README)."""
+        total = sum(s.nbytes for s in self.persistent.values())
+        if total <= self.budget:
+            self._bring_back(between_steps=False)
+            return
+        if not self._warned_released and any(s.state is State.HOST for s in self.persistent.values()):
+            self._warned_released = True
+            log.warning("managed params/grads/optimizer state (%s) exceed the %s budget: between "
+                        "steps they stay on the slower tier; state_dict()/load_state_dict() bring "
+                        "them back, other reads need `with engine.resident():`",
+                        format_size(total), format_size(self.budget))
+        self._between = self._versions()
+
+    def _bring_back(self, *, between_steps: bool = True) -> None:
+        """Read every managed persistent tensor the tier holds back into its storage (the
+        tier's copies stay current: the next step lets go of them again without writing,
+        unless they were written in between)."""
+        if between_steps:   # a step's own writes are the stepper's to track
+            self._note_writes_between()   # before the versions are taken again below
+        try:
+            for slot in self.persistent.values():
+                if slot.state is State.HOST:
+                    sl.start_swap_in(slot, self.tier, self.pool)
+                    sl.finish_swap_in(slot)
+                    self.counters["bytes_in"] += slot.nbytes
+        except BaseException:
+            self._settle(self.persistent.values())
+            raise
+        self._between = self._versions()
+
+    def _bring_back_hook(self, *args: Any, **kwargs: Any) -> None:
+        """``state_dict()``/``load_state_dict()`` pre-hook: their reads and copies need the
+        bytes (inside a step the stepper brings each tensor back at its use)."""
+        if self._stepper is None and not self._closed:
+            self._bring_back()
+
+    def _note_writes_between(self) -> None:
+        """A persistent tensor written between steps (load_state_dict's copy_, an in-place
+        edit) has a stale copy on the tier: forget it, since releasing the bytes without
+        writing them would lose the write. Runs before anything records new versions."""
+        for var, version in self._versions().items():
+            slot = self.persistent[var]
+            if (slot.state is State.RESIDENT and slot.host_current
+                    and self._between.get(var) != version):
+                self.tier.discard(slot.key)
+                slot.host_current = False
+
+    def _versions(self) -> dict[int, int]:
+        """The version counter of the tensor that holds each persistent variable (params,
+        their grads, optimizer state): in-place writes between steps bump it."""
+        if not self.persistent:   # activations only: nothing to look for (twice a step)
+            return {}
+        by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
+        out: dict[int, int] = {}
+        for t in self._persistent_tensors():
+            slot = by_storage.get(id(t.untyped_storage()))
+            if slot is not None and slot.storage is t.untyped_storage():
+                out[slot.var] = t._version
+        return out
+
+    def _persistent_tensors(self) -> list[torch.Tensor]:
+        """The tensors the model and the optimizer hold now: parameters, their grads, state
+        (of every parameter the optimizer has state for)."""
+        tensors = []
+        for p in self.model.parameters():
+            tensors += [p, p.grad] if p.grad is not None else [p]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        return tensors

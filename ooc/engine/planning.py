@@ -1,0 +1,124 @@
+"""Plans: re-planning from a recorded step, and the adaptive chunk.
+
+A step that did not follow a plan (the recording step, a diverged step) is planned from its
+own recording (``_replan``: ``scheduler.plan`` then ``scheduler.check``), and the plan is kept
+for the state the step started in. With the default chunk, the first recording step also
+chooses the pool's chunk from the sizes it saved (``_adapt_chunk``,
+``scheduler.chunk_size``); a new chunk means a new pool and a new recording.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+
+import scheduler
+from ooc.engine.lifetime import close_pool
+from ooc.runtime.devices import make_pool
+from ooc.runtime.stepper import Stepper
+from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
+from scheduler.ir import Kind
+from scheduler.replay import mark_replayable
+from scheduler.schedule import Schedule
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
+
+
+class Planning:
+    """``OutOfCore``'s plans and chunk (a mixin; ``chunk``, ``min_bytes`` and whether the
+    chunk adapts are the constructor's, from its arguments). Its state (``_init_plans``):
+    ``plans``, ``schedule``, ``binding``, ``plan_runs``."""
+
+    def _init_plans(self) -> None:
+        # A plan holds for the state a step starts in: which parameters, grads and optimizer
+        # state exist. Gradient accumulation alternates two such states, so plans are kept
+        # per starting state (``_start_key``) instead of one.
+        self.plans: dict[tuple[frozenset[int], tuple[bool, ...]],
+                         tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        self.plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
+        self.schedule: Schedule | None = None   # the current step's plan and its binding
+        self.binding: dict[tuple[int, int], int] = {}
+
+    def _adapt_chunk(self, st: Stepper) -> bool:
+        """With the default chunk, after the first recording step that completes: choose the
+        chunk (and threshold, half a chunk) from the sizes it saved and the budget
+        (``scheduler.chunk_size.choose_chunk``). A smaller chunk gives a new pool, and the
+        next step records again (this one's sequence leaves out the tensors now managed).
+        Returns whether the chunk changed. Decided once; ``set_budget`` asks again."""
+        saved = st.saved_sizes()
+        if not self._adapt_pending or saved is None:
+            return False
+        self._adapt_pending = False
+        floor = self.pool.granularity   # the page; on a GPU, the VMM granularity
+        chunk = choose_chunk(saved, self.budget, self.chunk, floor)
+        left = unmanaged_bytes(saved, chunk // 2)
+        if sum(saved) > self.budget and left > self.budget // UNMANAGED_SHARE:
+            log.warning("saved activations in tensors under %s take %s, more than an eighth of the "
+                        "%s budget, and stay outside it: the chunk cannot go below %s, the %s "
+                        "granularity. Pass min_bytes= to manage smaller tensors (each takes a whole "
+                        "chunk of the budget)", format_size(chunk // 2), format_size(left),
+                        format_size(self.budget), format_size(floor), self.device.type)
+        if chunk == self.chunk:
+            return False
+        log.info("chunk %s -> %s (tensors from %s managed): saved activations under %s took %s of "
+                 "the %s budget; the next step records again", format_size(self.chunk),
+                 format_size(chunk), format_size(chunk // 2), format_size(self.min_bytes),
+                 format_size(unmanaged_bytes(saved, self.min_bytes)), format_size(self.budget))
+        self._set_chunk(chunk, chunk // 2)
+        return True
+
+    def _set_chunk(self, chunk: int, min_bytes: int) -> None:
+        """Manage tensors from ``min_bytes`` on, in a new pool of ``chunk``-sized chunks sized
+        to the budget; the plans made before go. Between steps only: no activation holds a
+        pool range then (parameters, grads and state are resized in place, never in it)."""
+        self.chunk, self.min_bytes = chunk, min_bytes
+        self.pool.trim()   # the old pool's idle chunks: nothing will reuse them
+        old, self.pool = self.pool, make_pool(self.device, self.budget, chunk)
+        self._held.pool = self.pool
+        close_pool(old)
+        self.plans.clear()
+        self.schedule = None
+        self.binding = {}
+        if "params" in self.manage:   # parameters now above the threshold are managed too
+            for name, p in self.model.named_parameters():
+                self._adopt(p, Kind.PARAM, name)
+
+    def _replan(self, st: Stepper) -> None:
+        seq = st.rec.sequence({"policy": self.policy, "chunk": self.chunk, "device": str(self.device)})
+        if not self.recompute:   # swap only: no function may be replayed
+            seq = mark_replayable(seq, lambda f: {})
+        seq = _round_activations(seq, self.chunk)
+        t0 = time.perf_counter()
+        options = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
+        schedule = scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy, **options)
+        scheduler.check(schedule)
+        self.schedule = schedule
+        self.binding = {where: var for var, where in st.rec.born_at.items()}
+        self.plans[st.start_key] = (self.schedule, self.binding)
+        self.counters["plans"] += 1
+        log.info("planned %d ops in %.3fs: %s in, %s out, %s recomputed per step", len(seq.functions),
+                 time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out),
+                 format_size(schedule.bytes_recomputed))
+
+
+def _start_chunk(budget: int) -> int:
+    """The adaptive chunk a CPU engine starts with: 2 MiB, or for a smaller budget the largest
+    power of two within it (at least a page: a smaller budget is refused as below a chunk)."""
+    if budget >= DEFAULT_CHUNK:
+        return DEFAULT_CHUNK
+    return max(mmap.PAGESIZE, 1 << (max(budget, 1).bit_length() - 1))
+
+
+def _round_activations(seq: scheduler.VariableSequence, chunk: int) -> scheduler.VariableSequence:
+    """Activations come back into pool ranges of whole chunks: plan with those sizes."""
+    from scheduler.ir import Variable, VariableSequence
+
+    variables = {
+        v: (Variable(x.id, -(-x.nbytes // chunk) * chunk, x.kind, x.name, x.live_in, x.live_out)
+            if x.kind is Kind.ACTIVATION else x)
+        for v, x in seq.variables.items()}
+    return VariableSequence(seq.functions, variables, seq.meta)

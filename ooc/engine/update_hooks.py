@@ -1,0 +1,148 @@
+"""The update: ``optimizer.step()`` inside a managed step, seen through the optimizer's hooks.
+
+The pre-hook (``_update_starts``) is the step's commit point: the recording step first proves
+the budget feasible for the update (``_check_feasible``), then every transfer in flight is
+waited for and the room the update will write is reserved on the tier (``_commit_point``),
+so that neither a failed transfer nor a full disk can stop the update halfway. From there on
+the step is not rolled back. The post-hook (``_update_done``) notes that the optimizer's state
+exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import scheduler
+from ooc.errors import OOCError
+from ooc.runtime.dry_run import optimizer_need, state_sizes
+from ooc.runtime.stepper import Stepper
+from scheduler.errors import BudgetTooSmall
+from scheduler.ir import Kind
+
+log = logging.getLogger(__name__)
+
+
+class UpdateHooks:
+    """``OutOfCore``'s optimizer hooks (a mixin). Its state (``_init_update``):
+    ``_optimizer_stepped``, whether the optimizer's state exists (its size is known); before
+    it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
+    on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable)."""
+
+    def _init_update(self) -> None:
+        self._optimizer_stepped = False
+        self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
+
+    def optimizer_step(self) -> None:
+        """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
+
+        A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
+        ``with engine.step():`` is recognised as the update by itself (see ``_update_starts``).
+        """
+        if self.optimizer is None:
+            raise OOCError("this engine was created without an optimizer")
+        if self._stepper is None:
+            raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _update_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` pre-hook: the update starts here, whoever calls it (the user,
+        ``GradScaler.step``, which skips it when the gradients are not finite, or
+        ``optimizer_step()``).
+
+        In the recording step it first checks that the budget is feasible, so that a budget
+        that is too small fails before any parameter changes. Then, the commit point: every
+        transfer still in flight is waited for (a failed one raises here) and the room the
+        update will write is reserved on the swap file (a full disk raises here), so that
+        neither failure can stop the update halfway. From here on the step is not rolled back.
+
+        Outside ``engine.step()`` the update is plain PyTorch: managed tensors on the tier are
+        brought back first (an empty storage read there is garbage or a segfault), and the
+        next step sees the update's writes as writes between steps.
+        """
+        st = self._stepper
+        if st is None:
+            self._bring_back_hook()
+            return
+        # The backward is over: its last node returned, so the activations it unpacked are no
+        # longer held by autograd (on demand, their bytes go back before the update needs room).
+        st.close_node()
+        if st.schedule is None:
+            self._check_feasible(st)
+            overflow = st.forgive_overflow()
+            if overflow is not None:   # feasible with a plan: only the unplanned step overflowed
+                log.warning("the recording step went over the pool once (%s); planned steps stay "
+                            "within the budget", overflow)
+        self._commit_point(st)
+        st.update_starts()   # from here on the step is not rolled back
+
+    def _update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` post-hook: the update completed (its state exists, with its
+        size). Outside a step, the state it created there becomes managed too."""
+        self._optimizer_stepped = True
+        st = self._stepper
+        if st is not None:
+            st.update_done()
+        elif "optimizer_state" in self.manage:
+            names = {p: n for n, p in self.model.named_parameters()}
+            for p, state in optimizer.state.items():
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor):
+                        self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
+
+    def _commit_point(self, st: Stepper) -> None:
+        """Make sure nothing the step did so far can fail once parameters start changing.
+
+        Waits for every transfer in flight: a failed one raises here, naming its variable,
+        while model and optimizer are still as before the step (the step is rolled back).
+        Then reserves on the tier the room that the updated parameters and optimizer state
+        may need, so that a full disk fails here and not halfway through the update.
+        """
+        st.wait_for_transfers()
+        self.tier.reserve(self._writes_ahead(st))
+
+    def _writes_ahead(self, st: Stepper) -> list[tuple[int | None, int]]:
+        """(tier key, or None for a new one; bytes) of each managed tensor the optimizer step
+        may write to the tier: the updated parameters and the optimizer state."""
+        out: list[tuple[int | None, int]] = []
+        if not self.manage & {"params", "optimizer_state"}:
+            return out
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                slot = st.slot_of(p)
+                if "params" in self.manage and slot is not None:
+                    out.append((slot.key, slot.nbytes))
+                if "optimizer_state" not in self.manage:
+                    continue
+                state = [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+                for t in state:
+                    s = st.slot_of(t)
+                    if s is not None:
+                        out.append((s.key, s.nbytes))
+                if not state and not self._optimizer_stepped:   # created now: as measured
+                    out += [(None, n) for n in (self._state_sizes or {}).get(p, ()) if n >= self.min_bytes]
+        return out
+
+    def _check_feasible(self, st: Stepper) -> None:
+        """Plan what was recorded so far (forward, backward), then measure what the update
+        will need: the first one runs on demand and must find room, op by op, for every
+        managed tensor and every new storage of the optimizer that the op touches. It is
+        measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
+        shapes: here the parameters and grads are on the tier, their storages empty (sizes
+        read from them said 0 bytes, and an overflowing update got through)."""
+        seq = st.rec.sequence({})
+        scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
+        if "optimizer_state" in self.manage and not self._optimizer_stepped:
+            self._state_sizes = state_sizes(self.optimizer)   # what the first update creates
+        counted = self.manage & {"params", "grads", "optimizer_state"}
+        if not counted:
+            return
+        names = {p: n for n, p in self.model.named_parameters()}
+        need = optimizer_need(self.optimizer, names, counted, self.min_bytes, len(st.rec.names))
+        if need is not None and need.nbytes > self.budget:
+            raise BudgetTooSmall(function=need.index,
+                                 name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
+                                 working_set=need.nbytes, budget=self.budget, minimum=need.nbytes)

@@ -1,0 +1,160 @@
+"""Executing a checked ``Schedule``: the plan's memory actions, as the transition table says.
+
+``PlanExecutor.apply`` runs one action (swap-in, wait for a swap-in, swap-out, wait for a
+swap-out, drop, free, discard, recompute: the last two in ``recompute.py``) on one managed
+tensor: the precondition, the new state and the device bytes are
+``scheduler.actions.TRANSITIONS``'; only the byte moves are this module's. An action
+the table refuses means the step is not where its plan is: it diverges and finishes on demand.
+Every wait for a transfer counts as stall and shows on the step's timeline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ooc.runtime import slots as sl
+from ooc.runtime.devices import cuda_runtime
+from ooc.runtime.labels import label
+from ooc.runtime.slots import Slot, State
+from scheduler.actions import TRANSITIONS, Names, refusal
+from scheduler.schedule import Op
+from vmm.errors import OutOfBudget
+from vmm.units import format_size
+
+
+class _Unbudgeted:
+    """Memory outside the pool, on the engine's device, for an on-demand step that has
+    already failed its budget."""
+
+    def __init__(self, device: torch.device) -> None:
+        # where the device's tensors live (the CPU under ooc.testing.fake_cuda)
+        self.device = cuda_runtime().tensor_device(device) if device.type == "cuda" else device
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+class PlanExecutor:
+    """The ``Stepper``'s plan actions and transfers (a mixin: it works on the step's slots,
+    resident bytes and timeline, which the ``Stepper`` holds). Its own state: ``refused``,
+    the plan action the table refused, if any (set by ``apply``)."""
+
+    def _timed(self, track: str, name: str, fn, *args) -> None:
+        """Block on a transfer; the time counts as stall and shows on the timeline."""
+        t0 = time.perf_counter()
+        with label(f"ooc.{name}"):
+            fn(*args)
+        t1 = time.perf_counter()
+        self.stall_s += t1 - t0
+        self.events.append((track, name, t0, t1))
+
+    def run_actions(self, actions, where: int, phase: str = "before") -> None:
+        for a in actions:
+            if not self.planned:
+                return   # diverged: the rest of the step runs on demand
+            slot = self.slots.get(a.var)
+            if slot is None:
+                self._diverge(where, f"variable {a.var} of the plan is not bound")
+                return
+            self.apply(a.op, slot, where, phase, a.chain)
+
+    def apply(self, op: Op, slot: Slot, where: int, phase: str = "before",
+              chain: tuple[int, ...] = ()) -> None:
+        """Run plan action ``op`` on ``slot`` as the transition table (``scheduler.actions``)
+        defines it: its precondition on the slot's state, its new state and device bytes are
+        the table's; only the byte moves are this method's. A refused action means the step
+        is not where its plan is: it diverges, with the error ``scheduler.check`` gives for
+        the same action (``Refused``), and finishes on demand."""
+        state = slot.state.residency
+        why = refusal(op, state, slot.host_current)
+        if why is not None:
+            self.refused = Names(self.schedule.sequence).refused(op, slot.var, where, phase, state, why)
+            self._diverge(where, str(self.refused))
+            return
+        eff = TRANSITIONS[op, state]
+        ctx = self.ctx
+        if op is Op.SWAP_IN:
+            self._account(eff.device * slot.nbytes)   # the destination is taken at issue
+            with label(f"ooc.swap_in {slot.name}"):
+                self._swap_in(slot, where)
+            ctx.counters["bytes_in"] += slot.nbytes
+        elif op is Op.WAIT_IN:
+            self._timed("wait", f"wait_in {slot.name}", sl.finish_swap_in, slot)
+            self._register(slot)
+        elif op is Op.SWAP_OUT:
+            with label(f"ooc.swap_out {slot.name}"):
+                self._start_out(slot)
+            ctx.counters["bytes_out"] += slot.nbytes
+        elif op is Op.WAIT_OUT:
+            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+        elif op is Op.DROP:
+            sl.release(slot)
+        elif op is Op.FREE:
+            self._free(slot)
+        elif op is Op.DISCARD:
+            if not self._discard(slot, where):   # its chain cannot re-create it exactly
+                return
+        elif op is Op.RECOMPUTE:
+            self._account(eff.device * slot.nbytes)
+            self._recompute(slot, chain, where)
+        slot.state = State.of(eff.to)
+        if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
+            ctx.tier.discard(slot.key)
+        if eff.tier is not None:
+            slot.host_current = eff.tier
+        if op not in (Op.SWAP_IN, Op.RECOMPUTE) and eff.device:
+            self._account(eff.device * slot.nbytes)
+
+    def _start_out(self, slot: Slot) -> None:
+        sl.start_swap_out(slot, self.ctx.tier)
+        self._trace_transfer(slot, "swap-out")
+
+    def _trace_transfer(self, slot: Slot, track: str) -> None:
+        """Put the transfer on the timeline from issue to completion (the I/O threads do it,
+        so only their completion callback knows when it ended)."""
+        future = slot.future
+        if future is None or not hasattr(future, "add_done_callback"):
+            return
+        t0, name, events = time.perf_counter(), f"{track} {slot.name}", self.events
+        future.add_done_callback(lambda _: events.append((track, name, t0, time.perf_counter())))
+
+    def _swap_in(self, slot: Slot, where: int) -> None:
+        try:
+            sl.start_swap_in(slot, self.ctx.tier, self.ctx.pool)
+        except OutOfBudget as exc:
+            error = OutOfBudget(
+                f"op {where} ({self._name(where)}): swapping in {slot.name} ({format_size(slot.nbytes)}, "
+                f"{slot.nbytes} B) does not fit the {format_size(self.ctx.budget)} pool: {exc}")
+            if self.planned:
+                raise error from None
+            # On demand (no plan yet, or a diverged step) the bytes are needed now: take them
+            # outside the pool, finish the step, and fail it at its end with the plan's verdict
+            # (BudgetTooSmall with the minimum) or this error.
+            if self.overflow is None:
+                self.overflow = error
+            sl.start_swap_in(slot, self.ctx.tier, _Unbudgeted(self.ctx.device))
+        self._trace_transfer(slot, "swap-in")
+
+    def _free(self, slot: Slot) -> None:
+        """Give a dead variable's device bytes back (the table allows resident or host only)."""
+        if slot.state is State.RESIDENT:
+            if not slot.in_place:
+                slot.storage = None
+            elif slot.storage is not None and slot.storage.resizable():
+                # A gradient dead for the rest of the step (the plan frees only variables that
+                # are not live-out and never used again): give its bytes back now. Otherwise
+                # p.grad keeps them until zero_grad, and every gradient of the model piles up
+                # through the optimizer step, outside the budget.
+                slot.storage.resize_(0)
+
+    def wait_for_transfers(self) -> None:
+        """The commit point's wait: every transfer in flight completes; a failed one raises
+        here, naming its variable."""
+        busy = [s for s in self.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
+        if busy:   # one wait for all of them (on a GPU, one host synchronization)
+            self._timed("wait", "commit point", self.ctx.tier.drain)
+        for s in busy:
+            if sl.failed(s):   # raises the transfer's error, named
+                (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)

@@ -1,0 +1,229 @@
+"""Recomputation at run time: the plan's ``discard`` and ``recompute`` actions.
+
+A plan may discard a saved activation after its last forward use (no copy anywhere) and, before
+the backward needs it again, rerun the functions that wrote it (its *chain*,
+``scheduler.replay.chain_for``: its producer, then each in-place update such as ``relu_``).
+Swapping copies bytes; so must this: the replay gives the same bytes, or it does not run.
+
+- Each chain function is *captured* when the forward runs it (``Recipe``): the aten op, its
+  arguments with every managed tensor replaced by a ``Ref`` (its slot and how to rebuild the
+  view, as ``Packed`` does: holding the tensor would keep bytes the plan moves), every other
+  tensor held as it is (parameters, the batch, tensors under the threshold) with its version
+  counter, and for a random op the generator state it drew from.
+- ``discard`` runs only if every chain function was captured and no captured tensor changed
+  since; otherwise the step diverges and the activation is written out as on demand: nothing
+  is lost.
+- ``recompute`` replays the chain with its inputs usable (the plan made them resident; on
+  demand they are brought back), under ``no_grad``, with autocast off (the dispatch mode saw
+  each op after autocast had cast its inputs: replaying the aten op as recorded is exactly
+  what ran) and with the generator state restored around random ops. BatchNorm in training
+  mode gets copies of its running statistics, so the replay does not update them twice
+  (torch.utils.checkpoint does: pytorch#96136); its output does not depend on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ooc.errors import OOCError
+from ooc.record.managed import NOT_REPLAYABLE
+from ooc.runtime.slots import Slot, State
+from scheduler.schedule import Op, Schedule
+from vmm.units import format_size
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A managed tensor among a recipe's arguments: rebuilt on its slot's storage at replay."""
+
+    slot: Slot
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.slot.storage.device).set_(
+            self.slot.storage, self.offset, self.size, self.stride)
+
+
+@dataclass(slots=True)
+class Recipe:
+    """One captured call of a chain function: ``func(*args, **kwargs)`` with ``Ref``s for
+    managed tensors; ``held`` the other tensors and their versions then; ``rng`` the generator
+    state before it ran (random ops only); ``stats``: the positions of BatchNorm's running
+    statistics, copied for the replay (None if the call does not update them)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    held: list[tuple[torch.Tensor, int]]
+    rng: torch.Tensor | None
+    stats: tuple[int, int] | None
+
+    def changed(self) -> torch.Tensor | None:
+        """A held tensor written since the capture (its bytes are not what the op read)."""
+        for t, version in self.held:
+            if t._version != version:
+                return t
+        return None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def chains_of(schedule: Schedule | None) -> dict[int, tuple[int, ...]]:
+    """var -> the chain its ``recompute`` action reruns, for every recompute of the plan."""
+    chains: dict[int, tuple[int, ...]] = {}
+    if schedule is not None:
+        for actions in (*schedule.before, *schedule.after):
+            for a in actions:
+                if a.op is Op.RECOMPUTE:
+                    chains[a.var] = a.chain
+    return chains
+
+
+class Recomputation:
+    """The ``Stepper``'s discard and recompute (a mixin). Its state (``_init_recompute``):
+    ``chains`` (var -> functions to rerun), ``recipe_ops`` (every function of some chain: the
+    ones ``on_op`` captures), ``recipes`` (function -> ``Recipe``)."""
+
+    def _init_recompute(self, schedule: Schedule | None) -> None:
+        self.chains = chains_of(schedule)
+        self.recipe_ops = frozenset(w for chain in self.chains.values() for w in chain)
+        self.recipes: dict[int, Recipe] = {}
+
+    def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
+        """The generator state a chain function is about to draw from (random ops only)."""
+        return _rng_state(device) if info.replay.rng else None
+
+    def capture(self, i: int, info: Any, func: Any, args: tuple, kwargs: dict,
+                rng: torch.Tensor | None) -> None:
+        """Keep what replaying op ``i`` needs (called after it ran and its outputs were bound)."""
+        held: list[tuple[torch.Tensor, int]] = []
+
+        def keep(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            slot = self.slot_of(x)
+            if slot is not None:
+                return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset())
+            held.append((x, x._version))
+            return x
+
+        rule = info.replay
+        stats = None
+        if rule.updates_stats(args, kwargs):
+            pos = rule.running_mean[0]
+            stats = (pos, pos + 1)   # running_mean, running_var: adjacent in every BatchNorm schema
+        self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats)
+
+    def _replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
+        """The recorder's flags for this call (``ooc.record.replay``; the call rules of
+        ``StepRecorder.op``): an in-place write to what the step did not create (parameters,
+        buffers, state, tensors under the threshold) cannot be replayed."""
+        births = self.rec.births
+        for t in written_tensors:
+            if t.untyped_storage()._cdata not in births:
+                return NOT_REPLAYABLE
+        return info.replay.flags(args, kwargs)
+
+    def _discard(self, slot: Slot, where: int) -> bool:
+        """Give ``slot``'s bytes back with no copy, if its chain can bring them back exactly;
+        else the step diverges (on demand writes the activation out). Returns whether it did."""
+        chain = self.chains.get(slot.var, ())
+        recipes = [self.recipes.get(w) for w in chain]
+        missing = [w for w, r in zip(chain, recipes) if r is None]
+        changed = next((t for r in recipes if r is not None and (t := r.changed()) is not None), None)
+        if not chain or missing or changed is not None:
+            why = (f"ops {missing} of its chain were not captured" if missing or not chain
+                   else f"an input of its chain ({tuple(changed.shape)}) was written since")
+            self._diverge(where, f"cannot discard {slot.name}: {why}")
+            return False
+        slot.storage = None
+        return True
+
+    def _recompute(self, slot: Slot, chain: tuple[int, ...], where: int) -> None:
+        """Rerun ``chain`` to re-create ``slot`` before op ``where`` (the module docstring)."""
+        t0 = time.perf_counter()
+        recipes = [self.recipes[w] for w in chain]
+        for r in recipes:   # every managed input usable (the plan made them resident)
+            for ref in _refs(r):
+                if ref.slot is not slot:
+                    self.ensure(ref.slot, where, keep={ref.slot, slot})
+            changed = r.changed()
+            if changed is not None:
+                raise OOCError(
+                    f"cannot recompute {slot.name} before op {where} ({self._name(where)}): a "
+                    f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
+                    f"in place since; pass recompute=False to OutOfCore to swap instead")
+        out_index = self.rec.born_at[slot.var][1]   # (op, output) the plan bound it at
+        device = self.ctx.device
+        with _disable_current_modes(), torch.no_grad(), _no_autocast():
+            for w, r in zip(chain, recipes):
+                args = tree_map(_materialize, r.args)
+                kwargs = tree_map(_materialize, r.kwargs)
+                if r.stats is not None:
+                    args = list(args)
+                    for pos in r.stats:
+                        if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                            args[pos] = args[pos].clone()
+                    args = tuple(args)
+                if r.rng is not None:
+                    saved = _rng_state(device)
+                    _set_rng_state(device, r.rng)
+                    try:
+                        out = r.func(*args, **kwargs)
+                    finally:
+                        _set_rng_state(device, saved)
+                else:
+                    out = r.func(*args, **kwargs)
+                if w == chain[0]:
+                    outs = (out,) if isinstance(out, torch.Tensor) else [
+                        t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                    s = outs[out_index].untyped_storage()
+                    if s.nbytes() != slot.nbytes:
+                        raise OOCError(
+                            f"recomputing {slot.name}: its producer {self._name(w)} gave "
+                            f"{format_size(s.nbytes())} ({s.nbytes()} B), not {slot.nbytes} B")
+                    slot.storage = s
+                    self._register(slot)
+                del out
+        slot.state = State.RESIDENT
+        t1 = time.perf_counter()
+        self.ctx.counters["bytes_recomputed"] += slot.nbytes
+        self.ctx.counters["recompute_s"] += t1 - t0
+        self.events.append(("recompute", f"recompute {slot.name}", t0, t1))
+
+
+def _materialize(x: Any) -> Any:
+    return x.tensor() if isinstance(x, Ref) else x
+
+
+def _refs(r: Recipe) -> list[Ref]:
+    return [x for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, Ref)]
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    """Autocast off for every device type while a chain replays (see the module docstring)."""
+    stack = contextlib.ExitStack()
+    for d in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        stack.enter_context(torch.autocast(d, enabled=False))
+    return stack

@@ -1,0 +1,164 @@
+"""Saved activations: the step's ``saved_tensors_hooks``.
+
+Autograd's pack hook runs when an op saves a tensor for backward (in forward order), its
+unpack hook when a backward node needs it (in backward order), *before* that node's first op:
+unpack runs the plan's actions before the next op early, and nothing else happens in between.
+A saved activation is kept as a ``Packed`` (its slot and how to rebuild the view); the slot,
+not autograd, holds the bytes, so the plan can move them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ooc.runtime import slots as sl
+from ooc.runtime.slots import Slot, State
+from scheduler.ir import Access, Kind
+
+
+def _of_parameter(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is a parameter or a view of one (``weight.t()``, saved by a
+    linear layer's matmul). Its bytes are the parameter's owner's, never an activation's:
+    swapping it moves bytes that stay in memory anyway, and under FSDP2 the owner frees that
+    storage after the forward (``resize_(0)``, reshard_after_forward) and all-gathers into it
+    again before the backward, so a write still in flight read freed memory (parameters
+    differed from FSDP2 without ooc once writes were slow). Managed parameters are the
+    engine's persistent slots, never activations."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+class Packed:
+    """What autograd keeps for a saved activation: the slot and how to rebuild the view."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset", "tensor")
+
+    def __init__(self, slot: Slot, t: torch.Tensor) -> None:
+        self.slot = slot
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+
+class SavedTensors:
+    """The ``Stepper``'s pack and unpack hooks (a mixin). Its state (``_init_saved``):
+    ``unpacked``, vars unpacked for the next op; ``node_vars``, vars unpacked by the backward
+    node now running; ``ops_since_unpack``; ``full_vars``, a saved activation's var -> its
+    variable in the whole-step recording; ``small_saved``, storages under the threshold that
+    autograd saved (for the adaptive chunk); the pack hook this step pushed."""
+
+    def _init_saved(self) -> None:
+        self.unpacked: list[int] = []
+        self.node_vars: list[int] = []
+        self.ops_since_unpack = 0
+        self.full_vars: dict[int, int] = {}
+        self.small_saved: dict[int, int] = {}
+        self._own_pack: Any = None   # the pack hook this step pushed (see saved_tensors_hooks)
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks through which this step manages saved activations. Remembers its pack
+        hook: an op that finds other hooks innermost (``save_on_cpu`` entered inside the
+        step) is refused, since the activations saved under them would bypass the engine."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._own_pack = hooks.pack_hook
+        return hooks
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.planned:
+            # A planned step only looks its storage up: no op runs, so the dispatch modes
+            # need not be taken off the stack and put back (what most of the time went to).
+            s = t.untyped_storage()
+            slot = self.by_storage.get(id(s))
+            if slot is None or slot.storage is not s:
+                b = self.rec.births.get(s._cdata)
+                if b is None or b.var is None:
+                    return t   # not managed in this step: _pack returns it as it is too
+            elif slot.kind is not Kind.ACTIVATION or _of_parameter(t) or t.is_meta:
+                return t
+            else:
+                return Packed(slot, t)
+        full = self.full
+        if full is None:
+            with _disable_current_modes():
+                return self._pack(t)
+        full.saved(t)
+        with _disable_current_modes():
+            p = self._pack(t)
+        if isinstance(p, Packed):   # unpack brings it back in another storage: same variable
+            var = full.var(t)
+            if var is not None:
+                self.full_vars.setdefault(p.slot.var, var)
+        return p
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if _of_parameter(t) or t.device.type == "meta":
+            return t
+        slot = self.slot_of(t)
+        if slot is None:
+            s = t.untyped_storage()
+            b = self.rec.live_birth(s)
+            if b is not None and b.var is not None and b.var in self.slots:
+                slot = self.slots[b.var]   # saved again after the engine let go of its bytes
+                return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
+            if b is None or self.planned:
+                if b is None and self.small_born is not None and id(s) in self.small_born:
+                    self.small_saved[id(s)] = self.small_born[id(s)]
+                return t   # not born in this step (input, buffer), too small, or not in the plan
+            var = self.ctx.new_var()
+            name = f"{self.rec.names[b.op]}#{b.op}"
+            self.rec.promote(b, var, Kind.ACTIVATION, name)
+            slot = Slot(var, Kind.ACTIVATION, b.nbytes, name, in_place=False,
+                        state=State.RESIDENT, storage=s)
+            self.adopt(slot, f"the saved activation {name}")
+        if slot.kind is not Kind.ACTIVATION:
+            return t
+        if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
+            self._write_out(slot)     # on demand: write it out at once
+        return Packed(slot, t)
+
+    def close_node(self) -> None:
+        """The backward node that unpacked ``node_vars`` has returned by the time the next
+        node unpacks: autograd held those tensors until then, so they count as used up to
+        the last op that ran (the plan must not give their memory back earlier)."""
+        last = len(self.rec.names) - 1
+        if last >= 0:
+            for var in self.node_vars:
+                self.rec.use(last, var, Access.READ)
+        self.node_vars.clear()
+        self.ops_since_unpack = 0
+        if not self.planned:
+            self._release_held()
+        self.held.clear()
+
+    def _release_held(self) -> None:
+        """On demand: the node's unpacked activations count until it returns (autograd held
+        them); then their bytes go back, the slower tier keeps a copy."""
+        for slot in self.held:
+            if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
+                sl.release(slot)
+                slot.state = State.HOST
+                self._account(-slot.nbytes)
+
+    def unpack(self, p: Any) -> torch.Tensor:
+        if not isinstance(p, Packed):
+            return p
+        with _disable_current_modes():
+            return self._unpack(p)
+
+    def _unpack(self, p: Packed) -> torch.Tensor:
+        nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
+        if self.ops_since_unpack:
+            self.close_node()
+        self.before(nxt)
+        slot = p.slot
+        self.unpacked.append(slot.var)
+        self.node_vars.append(slot.var)
+        self.ensure(slot, nxt)
+        # On demand keeps nothing, but the tensor handed to autograd holds the bytes as long
+        # as the backward node runs: they count until it returns (close_node releases them).
+        self.held[slot] = None
+        if self.full is not None and slot.var in self.full_vars:
+            self.full.alias(slot.storage, self.full_vars[slot.var])
+        return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
+            slot.storage, p.offset, p.size, p.stride)

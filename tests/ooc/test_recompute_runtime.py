@@ -1,0 +1,183 @@
+"""Recomputation at run time (ooc/runtime/recompute.py): a discarded activation comes back
+by rerunning its chain, and training stays bitwise identical to in-core training: parameters,
+losses, optimizer state AND BatchNorm's running statistics (torch.utils.checkpoint updates
+those twice; ooc must not), with dropout's generator state replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ooc
+from ooc.runtime import recompute as rc
+from ooc.runtime.executor import PlanExecutor
+from scheduler.schedule import Op
+
+X, Y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 10
+
+
+class Block(nn.Module):
+    """conv-BN-ReLU(inplace)-dropout-conv-BN, a skip connection, ReLU(inplace)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu_(self.b1(self.c1(x))))
+        y = self.b2(self.c2(y))
+        y += x
+        return torch.relu_(y)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), *[Block(32) for _ in range(3)],
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def _train(opt_name: str, steps: int = 4, **engine_kw) -> dict:
+    model = _model()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=1e-3))
+    torch.manual_seed(1)   # dropout
+    engine = ooc.OutOfCore(model, opt, chunk="256KiB", **engine_kw) if engine_kw else None
+    losses = []
+    try:
+        for _ in range(steps):
+            with engine.step() if engine is not None else torch.enable_grad():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(X), Y)
+                loss.backward()
+                opt.step()
+            losses.append(loss.detach().clone())
+        out = {"stats": engine.stats() if engine else {}, "schedule": engine and engine.schedule}
+    finally:
+        if engine is not None:
+            engine.close()
+    out.update(losses=losses, state={k: v.clone() for k, v in model.state_dict().items()},
+               opt=[{k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+                    for s in opt.state.values()])
+    return out
+
+
+_REF: dict[str, dict] = {}
+
+
+def _reference(opt_name: str) -> dict:
+    if opt_name not in _REF:
+        _REF[opt_name] = _train(opt_name)
+    return _REF[opt_name]
+
+
+def _assert_bitwise(ref: dict, got: dict) -> None:
+    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert torch.equal(a, b), f"loss of step {i} differs"
+    for k, a in ref["state"].items():   # parameters, running_mean/var, num_batches_tracked
+        assert torch.equal(a, got["state"][k]), f"{k} differs"
+    for s_ref, s in zip(ref["opt"], got["opt"]):
+        for k, v in s_ref.items():
+            assert torch.equal(v, s[k]), f"optimizer state {k} differs"
+
+
+def _chains(schedule) -> set[tuple[str, ...]]:
+    fs = schedule.sequence.functions
+    return {tuple(fs[w].name for w in a.chain) for acts in schedule.before for a in acts
+            if a.op is Op.RECOMPUTE}
+
+
+# 3 MiB: the dropout masks and convolution outputs are recomputed; 8 MiB: BatchNorm + relu_.
+@pytest.mark.parametrize("budget, expect", [("3MiB", "aten.bernoulli_.float"),
+                                            ("8MiB", "aten.native_batch_norm.default")])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_recomputed_training_is_bitwise_in_core(opt_name: str, budget: str, expect: str) -> None:
+    got = _train(opt_name, budget=budget, recompute="prefer")
+    _assert_bitwise(_reference(opt_name), got)
+    assert any(expect in chain for chain in _chains(got["schedule"])), _chains(got["schedule"])
+    stats = got["stats"]
+    assert stats["bytes_recomputed"] > 0 and stats["recompute_s"] > 0
+    assert stats["plan.bytes_recomputed"] > 0 and stats["last_planned"] == 1
+
+
+def test_swap_only_recomputes_nothing() -> None:
+    got = _train("sgd", budget="3MiB", recompute=False)
+    _assert_bitwise(_reference("sgd"), got)
+    assert not _chains(got["schedule"])
+    assert got["stats"]["bytes_recomputed"] == 0 and got["stats"]["plan.bytes_recomputed"] == 0
+
+
+def test_recompute_takes_true_false_or_prefer() -> None:
+    with pytest.raises(ooc.OOCError, match="recompute must be"):
+        ooc.OutOfCore(_model(), budget="8MiB", recompute="always")
+
+
+def test_a_chain_input_written_since_keeps_the_activation(monkeypatch) -> None:
+    """The safety valve: discard refuses when its chain's inputs changed since the capture
+    (here: every time); the step diverges, the activation is written out on demand, and the
+    results are still bitwise."""
+    monkeypatch.setattr(rc.Recipe, "changed", lambda self: X)
+    got = _train("sgd", budget="3MiB", recompute="prefer")
+    _assert_bitwise(_reference("sgd"), got)
+    assert got["stats"]["bytes_recomputed"] == 0
+    assert got["stats"]["last_diverged_at"] >= 0
+
+
+def test_a_diverged_step_recomputes_a_discarded_activation_on_demand(monkeypatch) -> None:
+    """The plan's recompute never runs (the step diverges right before it): the backward's
+    unpack finds the activation discarded, and on demand reruns its chain."""
+    run = PlanExecutor.run_actions
+
+    def diverge_before_recompute(self, actions, where, phase="before"):
+        if self.planned and any(a.op is Op.RECOMPUTE for a in actions):
+            self._diverge(where, "test: diverged before a recompute")
+        return run(self, actions, where, phase)
+
+    monkeypatch.setattr(PlanExecutor, "run_actions", diverge_before_recompute)
+    got = _train("adam", budget="3MiB", recompute="prefer")
+    _assert_bitwise(_reference("adam"), got)
+    assert got["stats"]["bytes_recomputed"] > 0
+    assert got["stats"]["last_diverged_at"] >= 0
+
+
+class _Step(rc.Recomputation):
+    """Just what ``_recompute`` reads of a ``Stepper``: one captured op, its output a slot."""
+
+    def __init__(self, recipe: rc.Recipe) -> None:
+        from collections import Counter
+        from types import SimpleNamespace
+
+        self.ctx = SimpleNamespace(device=torch.device("cpu"), counters=Counter())
+        self.events: list = []
+        self.recipes, self.rec = {0: recipe}, SimpleNamespace(born_at={7: (0, 0)})
+
+    def ensure(self, slot, i, keep=()) -> None:
+        pass
+
+    def _register(self, slot) -> None:
+        pass
+
+    def _name(self, i: int) -> str:
+        return "addmm"
+
+
+def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
+    """The dispatch mode records each op after autocast cast its inputs, so the replay runs
+    them with autocast off. A backward (where replays run) inside an autocast region would
+    otherwise rerun an fp32 addmm of an fp32 forward in bf16."""
+    from ooc.runtime.slots import Slot, State
+    from scheduler.ir import Kind
+
+    g = torch.Generator().manual_seed(0)
+    bias, a, b = torch.randn(64, generator=g), torch.randn(32, 48, generator=g), torch.randn(48, 64, generator=g)
+    first = torch.ops.aten.addmm.default(bias, a, b)
+    step = _Step(rc.Recipe(torch.ops.aten.addmm.default, (bias, a, b), {}, [], None, None))
+    slot = Slot(7, Kind.ACTIVATION, first.untyped_storage().nbytes(), "addmm#0", in_place=False,
+                state=State.DISCARDED)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step._recompute(slot, (0,), 1)
+    again = torch.empty(0).set_(slot.storage, 0, first.size(), first.stride())
+    assert torch.equal(again, first)
+    assert step.ctx.counters["bytes_recomputed"] == slot.nbytes
