@@ -10,7 +10,10 @@ Three paths, by size (chunk c = 2 MiB in the defaults, :func:`default_tiers`):
 
 - **small** (below a chunk, ``c - 512``): rounded up to ``align`` bytes (512, PyTorch's
   ``kMinBlockSize``) and placed **best fit** (the smallest free stretch that is large enough,
-  the one freed last among equals) in a one-chunk *slab*; the rest of the stretch stays free;
+  the one freed last among equals) in a one-chunk *slab*; the rest of the stretch stays free.
+  A request that no stretch fits starts a new chunk, as a one-chunk range of its own whose
+  rest takes the next blocks: the slab is made when one lands (the same layout as a slab
+  opened for it, without a slab's bookkeeping for the many chunks that never get a second);
 - **medium** (up to 2 chunks, and only if rounding it up to whole chunks would waste more than
   ``pack_waste`` = 1/4 of it, e.g. 2.25 MiB -> 4 MiB): best fit in 5-chunk slabs, as PyTorch
   packs 1-10 MiB blocks into 20 MiB segments;
@@ -24,10 +27,11 @@ A slab is one allocation of the virtual allocator (same physical pool, same budg
 block **coalesces** with its free neighbours; when a slab's blocks are all free the slab goes
 back to the virtual allocator at once (parked mapped or unmapped, as its ``keep_mapped``
 says), where any request can take its chunks. The **tail** of a large range (the bytes of its
-last chunk past the request) is a slab too: small blocks fill it. When the large block is
-freed while small blocks still live in its tail, every chunk of the range but the last is
-unmapped and given back (:meth:`vmm.VirtualAllocator.release_head`), and the last stays as an
-ordinary one-chunk slab until its blocks go.
+last chunk past the request) is a slab too: small blocks fill it, after the slabs' stretches.
+When the large block is freed while small blocks still live in its tail, the last chunk stays
+as an ordinary one-chunk slab until its blocks go, and the others stay mapped but idle
+(:mod:`vmm.range_heads`: counted as free, taken by a request that needs chunks, else parked
+with the range when its tail empties, so that the next request of its size maps nothing).
 
 Why these (benchmarks/results/frag.md, peak reserved on model steps, swap schedules, a
 many-small-tensor CNN and a transformer with a growing KV cache): packing everything below a
@@ -40,7 +44,7 @@ fragments the slabs: 4-10% more on a swap schedule).
 The bound (what the tests check), with B_t the live blocks packed in tier t, s_t its slab
 size and L the live large allocations, at every moment:
 
-    mapped_bytes = sum over L of (chunks still mapped) x c + sum over t of (slabs of t) x s_t
+    mapped_bytes = sum over L of (chunks still in use) x c + sum over t of (slabs of t) x s_t
     slabs of t <= B_t          (a slab with no live block is given back at once)
     => mapped_bytes <= sum over L of ceil(n / c) x c + sum over t of B_t x s_t
 
@@ -57,7 +61,8 @@ from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
 from vmm.errors import OutOfBudget
-from vmm.small_slabs import SmallBlock, _check_exports, _Free, _Slab, _Tier
+from vmm.small_slabs import (SmallBlock, _check_exports, _check_packing, _Free, _make_tiers,
+                             _packing_stats, _Slab, _Tier)
 from vmm.units import format_size
 from vmm.virtual import VirtualAllocator
 
@@ -92,11 +97,10 @@ class SmallBlockAllocator:
             the chunk; 512 by default; the page where I/O needs O_DIRECT alignment).
         pack_waste: a request above the first tier's limit is packed only if rounding it up
             to whole chunks would waste more than this fraction of it.
-        pack_tails: let small blocks fill the unused tail of large ranges (default). Saves
-            memory where small tensors are few (ResNet-18's step: 204 vs 212 MiB), but a
-            tail block outliving its range costs an unmap and a later map of that range's
-            other chunks (benchmarks/results/frag.md: 297k map calls per 1M swap events,
-            1.7k without).
+        pack_tails: let small blocks fill the unused tail of ranges of several chunks
+            (default). Saves memory where small tensors are few (ResNet-18's step: 204 vs
+            212 MiB); a tail block outliving its range keeps that range out of reuse until
+            it goes (its other chunks idle, :mod:`vmm.range_heads`).
 
     Same interface as :class:`vmm.VirtualAllocator` for callers and for ``vmm.replay``:
     ``alloc``, ``free``, ``trim``, ``close``, ``largest_fit``, ``stats`` and the plain
@@ -110,21 +114,12 @@ class SmallBlockAllocator:
         chunk = virtual.chunk_bytes
         if tiers is None:
             tiers = default_tiers(chunk, align)
-        if align <= 0 or align & (align - 1) or chunk % align:
-            raise ValueError(f"align {align} must be a power of two dividing the chunk ({chunk} B)")
-        last = 0
-        for limit, slab in tiers:
-            if not last < limit < slab or slab % chunk or limit % align:
-                raise ValueError(f"tier ({limit} B, slab {slab} B): limits must grow, be multiples "
-                                 f"of {align} B and each below its slab, slabs whole chunks of "
-                                 f"{chunk} B")
-            last = limit
         self.virtual = virtual
         self.pool = virtual.pool
         self.backend = virtual.backend
         self.chunk_bytes = chunk
-        self.tiers = tuple(_Tier(limit, slab) for limit, slab in tiers)
-        self.threshold = last     # requests above it take the virtual-range path
+        self.tiers = _make_tiers(tiers, chunk, align)
+        self.threshold = self.tiers[-1].limit if self.tiers else 0   # above: virtual ranges
         self._first_limit = self.tiers[0].limit if self.tiers else 0
         self.pack_waste = pack_waste
         self.pack_tails = pack_tails
@@ -140,15 +135,16 @@ class SmallBlockAllocator:
         self.small_allocs = 0
         self.small_chunk_opens = 0    # slabs opened
         self.tail_blocks = 0          # small blocks placed in large allocations' last chunks
-        self._slab_allocations = 0    # virtual allocations held for small blocks only
-        self._tails: dict[int, _Slab] = {}   # id(large allocation) -> its tail slab
+        # id(large allocation) -> its tail: the free stretch (no block yet) or the slab.
+        self._tails: dict[int, _Free | _Slab] = {}
+        self._tier0 = self.tiers[0] if self.tiers else None
+        self.live_allocations = 0
         self.peak_allocations = 0
+        # The virtual allocator's, copied after each of its calls (replay reads it per event;
+        # a plain attribute, not a property): chunks under live blocks and slabs.
+        self.mapped_bytes = virtual.mapped_bytes
 
     # -- counters of the virtual allocator (one physical pool, one count) -------------------
-    @property
-    def mapped_bytes(self) -> int:
-        return self.virtual.mapped_bytes
-
     @property
     def map_calls(self) -> int:
         return self.virtual.map_calls
@@ -157,17 +153,13 @@ class SmallBlockAllocator:
     def unmap_calls(self) -> int:
         return self.virtual.unmap_calls
 
-    @property
-    def live_allocations(self) -> int:
-        return self.virtual.live_allocations - self._slab_allocations + self.small_blocks
-
     # -- public API ---------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation | SmallBlock:
         """A packed block if ``0 < nbytes <= threshold`` (and, above the first tier, if whole
         chunks would waste more than ``pack_waste`` of it), else a virtual range (see the
         module doc). A medium request whose slab does not fit the budget takes the virtual
         path, so a request fails only when its whole chunks do not fit."""
-        if 0 < nbytes <= self.threshold and (
+        if nbytes <= self.threshold and nbytes > 0 and (
                 nbytes <= self._first_limit or -nbytes % self.chunk_bytes > self.pack_waste * nbytes):
             try:
                 out: Allocation | SmallBlock = self._alloc_small(nbytes)
@@ -180,47 +172,68 @@ class SmallBlockAllocator:
         r = self.requested_bytes = self.requested_bytes + nbytes
         if r > self.peak_requested_bytes:
             self.peak_requested_bytes = r
-        n = self.virtual.live_allocations - self._slab_allocations + self.small_blocks
+        n = self.live_allocations = self.live_allocations + 1
         if n > self.peak_allocations:
             self.peak_allocations = n
         return out
 
     def _alloc_large(self, nbytes: int) -> Allocation:
-        out = self.virtual.alloc(nbytes)
+        v = self.virtual
+        out = v.alloc(nbytes)
+        self.mapped_bytes = v.mapped_bytes
         a = self.align
-        used = (nbytes + a - 1) & -a
-        if nbytes > 0 and out.mapped_bytes - used >= a and self.tiers and self.pack_tails:
-            # The unused end of the last chunk takes small blocks (a tail slab).
-            chunk = self.chunk_bytes
-            base = out.mapped_bytes - chunk
-            tier = self.tiers[0]
-            slab = self._tails[id(out)] = _Slab(out, self, tier, base, chunk, used - base)
-            slab.used = used - base
-            f = _Free(slab, used, out.mapped_bytes - used)
-            slab.free[used] = f
-            slab.ends[out.mapped_bytes] = f
-            tier.index(f)
+        end = out.mapped_bytes
+        free = end - ((nbytes + a - 1) & -a)
+        if free >= a and nbytes > 0 and self._tier0 is not None:
+            # The unused end of the last chunk takes small blocks: one free stretch, indexed
+            # now; its slab is made when a block first lands there (most tails get none).
+            # A one-chunk range's is searched with the slabs' (it is a slab opened by its first
+            # block); a longer range's after them, and only with ``pack_tails``.
+            tail = end > self.chunk_bytes
+            if not tail or self.pack_tails:
+                f = self._tails[id(out)] = _Free(out, end - free, free)
+                self._tier0.index(f, tail)
         return out
+
+    def _open_tail(self, f: _Free, tier: _Tier) -> _Slab:
+        """The slab of a large range's tail, made when its first block lands (``f``: the
+        tail's free stretch, whose ``slab`` was the allocation until now)."""
+        out = f.slab
+        end = out.mapped_bytes
+        base = end - self.chunk_bytes
+        slab = f.slab = self._tails[id(out)] = _Slab(out, self, tier, base, self.chunk_bytes,
+                                                     f.offset - base, end > self.chunk_bytes)
+        slab.used = f.offset - base
+        slab.free[f.offset] = f
+        slab.ends[end] = f
+        return slab
 
     def free(self, handle: Allocation | SmallBlock) -> None:
         """Free a block or a range; a chunk whose small blocks are all free goes back."""
         if type(handle) is not SmallBlock:
-            slab = self._tails.pop(id(handle), None) if handle._range is not None else None
-            if slab is None or slab.used == slab.head:   # no small block in its tail
-                if slab is not None:
-                    self._drop_slab(slab)
-                self.virtual.free(handle)
-                self.requested_bytes -= handle.nbytes
-                return
-            # 3. the large block goes, small blocks in its tail stay: keep the last chunk
-            # (a one-chunk slab of its own from now on), unmap the others.
-            self.virtual.release_head(handle)
+            v = self.virtual
+            # (Every key of _tails is a live allocation, kept alive by its entry: a freed or
+            # foreign handle is not found, and the virtual allocator refuses it.)
+            tail = self._tails.pop(id(handle), None)
+            if tail is None:
+                v.free(handle)
+            elif type(tail) is _Free:           # no block ever landed in its tail
+                self._tier0.unindex(tail, handle.mapped_bytes > self.chunk_bytes)
+                v.free(handle)
+            elif tail.used == tail.head:        # none lives there now
+                self._drop_slab(tail)
+                v.free(handle)
+            else:
+                # 3. the large block goes, small blocks in its tail stay: the last chunk is a
+                # one-chunk slab of its own from now on, the others are idle (vmm.range_heads).
+                v.retire_head(handle)
+                head, tail.head = tail.head, 0
+                tail.tier.slabs += 1
+                self.small_chunks += 1
+                self._release(tail, tail.base, head)
+            self.mapped_bytes = v.mapped_bytes
             self.requested_bytes -= handle.nbytes
-            head, slab.head = slab.head, 0
-            slab.tier.slabs += 1
-            self.small_chunks += 1
-            self._slab_allocations += 1
-            self._release(slab, slab.base, head)
+            self.live_allocations -= 1
             return
         slab = handle._slab
         if slab is None:
@@ -231,6 +244,7 @@ class SmallBlockAllocator:
         if handle._exports:
             _check_exports(handle)
         handle._slab = None
+        self.live_allocations -= 1
         size = handle.mapped_bytes
         self.requested_bytes -= handle.nbytes
         self.small_requested_bytes -= handle.nbytes
@@ -248,30 +262,30 @@ class SmallBlockAllocator:
             self._drop_slab(slab)
             slab.tier.slabs -= 1
             self.small_chunks -= slab.total // self.chunk_bytes
-            self._slab_allocations -= 1
             self.virtual.free(slab.allocation)
+            self.mapped_bytes = self.virtual.mapped_bytes
             return
         # 1. coalesce with the free neighbours in the chunk, then index the merged stretch.
         end = offset + size
         nxt = slab.free.pop(end, None)
         if nxt is not None:
             del slab.ends[end + nxt.size]
-            slab.tier.unindex(nxt)
+            slab.tier.unindex(nxt, slab.tail)
             size += nxt.size
         prev = slab.ends.pop(offset, None)
         if prev is not None:
-            slab.tier.unindex(prev)
+            slab.tier.unindex(prev, slab.tail)
             prev.size += size
         else:
             prev = _Free(slab, offset, size)
             slab.free[offset] = prev
         slab.ends[prev.offset + prev.size] = prev
-        slab.tier.index(prev)
+        slab.tier.index(prev, slab.tail)
 
     @staticmethod
     def _drop_slab(slab: _Slab) -> None:
         for f in slab.free.values():
-            slab.tier.unindex(f)
+            slab.tier.unindex(f, slab.tail)
         slab.free.clear()
         slab.ends.clear()
 
@@ -295,24 +309,7 @@ class SmallBlockAllocator:
     def check(self) -> None:
         """Verify the invariants (for tests); raises AssertionError if broken."""
         self.virtual.check()
-        chunks = 0
-        for tier in self.tiers:
-            slabs = {f.slab for by in (tier.by_size, tier.tby_size) for bucket in by.values()
-                     for f in bucket.values()}
-            for slab in slabs:
-                assert slab.used > 0 and slab.allocation.live and slab.tier is tier
-                free = sum(f.size for f in slab.free.values())
-                assert {f.offset + f.size: f for f in slab.free.values()} == slab.ends
-                assert free + slab.used == slab.total, (free, slab.used)
-                assert all(slab.base <= f.offset < slab.base + slab.total for f in slab.free.values())
-            assert sorted(tier.by_size) == tier.sizes and sorted(tier.tby_size) == tier.tsizes
-            assert all(f.slab.tail for b in tier.tby_size.values() for f in b.values())
-            assert not any(f.slab.tail for b in tier.by_size.values() for f in b.values())
-            own = [s for s in slabs if not s.head]
-            assert len(own) <= tier.slabs
-            chunks += tier.slabs * tier.slab_bytes // self.chunk_bytes
-        assert chunks == self.small_chunks
-        assert sum(t.slabs for t in self.tiers) <= self.small_blocks
+        _check_packing(self)
 
     def stats(self) -> dict[str, int]:
         """The virtual allocator's :meth:`~vmm.VirtualAllocator.stats` with the requests of
@@ -320,37 +317,24 @@ class SmallBlockAllocator:
         ``small_chunks`` (chunks under them), ``peak_small_chunks``, ``small_requested_bytes``,
         ``small_block_bytes`` (rounded sizes), ``small_free_bytes`` (free stretches inside
         small chunks), ``small_allocs``, ``small_chunk_opens`` and ``threshold_bytes``."""
-        st = self.virtual.stats()
-        st["requested_bytes"] = self.requested_bytes
-        st["peak_requested_bytes"] = self.peak_requested_bytes
-        st["internal_fragmentation_bytes"] = self.mapped_bytes - self.requested_bytes
-        st["allocations"] = self.live_allocations
-        st["peak_allocations"] = self.peak_allocations
-        st["largest_fit_bytes"] = self.largest_fit()
-        st.update(small_blocks=self.small_blocks, small_chunks=self.small_chunks,
-                  peak_small_chunks=self.peak_small_chunks,
-                  small_requested_bytes=self.small_requested_bytes,
-                  small_block_bytes=self.small_block_bytes,
-                  small_free_bytes=self.small_chunks * self.chunk_bytes - self.small_block_bytes,
-                  small_allocs=self.small_allocs, small_chunk_opens=self.small_chunk_opens,
-                  tail_blocks=self.tail_blocks,
-                  threshold_bytes=self.threshold)
-        return st
+        return _packing_stats(self, self.virtual.stats())
 
     def __repr__(self) -> str:
         return (f"<SmallBlockAllocator {self.small_blocks} small blocks in {self.small_chunks} "
                 f"chunks (<= {format_size(self.threshold)}), {self.virtual!r}>")
 
     # -- the small path -----------------------------------------------------------------------
-    def _alloc_small(self, nbytes: int) -> SmallBlock:
+    def _alloc_small(self, nbytes: int) -> SmallBlock | Allocation:
         a = self.align
         size = (nbytes + a - 1) & -a
-        for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
-            if size <= tier.limit:
-                break
+        tier = self._tier0
+        if size > tier.limit:
+            for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
+                if size <= tier.limit:
+                    break
         # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
-        # in a tail keeps that chunk mapped after the large block goes (release_head, an
-        # unmap and later a map), so tails take only what no slab can.
+        # in a tail keeps that chunk in use after the large block goes (and the range out of
+        # reuse until it goes too), so tails take only what no slab can.
         sizes, by_size = tier.sizes, tier.by_size
         i = bisect_left(sizes, size)
         if i == len(sizes):
@@ -364,21 +348,27 @@ class SmallBlockAllocator:
                 del by_size[have]
                 del sizes[i]
             slab = f.slab
+            if type(slab) is not _Slab:    # the first block in a large range's tail
+                slab = self._open_tail(f, tier)
             offset = f.offset
             del slab.free[offset]
             if have > size:                # split: the rest stays free (same end)
                 f.offset += size
                 f.size -= size
                 slab.free[f.offset] = f
-                tier.index(f)
+                tier.index(f, slab.tail)
             else:
                 del slab.ends[offset + have]
         else:
             whole = tier.slab_bytes
+            if whole == self.chunk_bytes and tier is self._tier0:
+                # A new chunk, first block at its start: a one-chunk range, whose rest takes
+                # small blocks as a slab's would (the slab is made if one lands, _open_tail).
+                return self._alloc_large(nbytes)
             allocation = self.virtual.alloc(whole)   # may raise BudgetExceeded
+            self.mapped_bytes = self.virtual.mapped_bytes
             slab = _Slab(allocation, self, tier)
             tier.slabs += 1
-            self._slab_allocations += 1
             self.small_chunks += whole // self.chunk_bytes
             self.small_chunk_opens += 1
             if self.small_chunks > self.peak_small_chunks:
@@ -387,7 +377,7 @@ class SmallBlockAllocator:
             f = _Free(slab, size, whole - size)
             slab.free[size] = f
             slab.ends[whole] = f
-            tier.index(f)
+            tier.index(f, False)
         slab.used += size
         if slab.head:
             self.tail_blocks += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 from bisect import bisect_left, insort
-from typing import Any
+from typing import Any, Sequence
 
 from vmm.allocation import Allocation, AllocationError, BufferInUse
 from vmm.units import format_size
@@ -71,7 +71,8 @@ class SmallBlock:
 
 
 class _Free:
-    """A free stretch of a chunk: [offset, offset + size)."""
+    """A free stretch of a chunk: [offset, offset + size). ``slab`` is its :class:`_Slab`, or,
+    for the tail of a large range where no block has landed yet, that range's allocation."""
 
     __slots__ = ("slab", "offset", "size")
 
@@ -91,14 +92,14 @@ class _Slab:
                  "tail")
 
     def __init__(self, allocation: Allocation, owner: Any, tier: _Tier,
-                 base: int = 0, total: int = 0, head: int = 0) -> None:
+                 base: int = 0, total: int = 0, head: int = 0, tail: bool = False) -> None:
         self.allocation = allocation
         self.owner = owner    # the vmm.SmallBlockAllocator (not imported: it imports this)
         self.tier = tier
         self.base = base      # the slab is [base, base + total) of its allocation
         self.total = total or tier.slab_bytes
         self.head = head      # tail slab of a live large block: its bytes in the last chunk
-        self.tail = head > 0  # made in a large range's last chunk (indexed apart, for life)
+        self.tail = tail      # made in a multi-chunk range's last chunk (indexed apart, for life)
         self.free: dict[int, _Free] = {}   # offset -> free stretch
         self.ends: dict[int, _Free] = {}   # offset + size -> the same stretch
         self.used = 0                      # bytes of live blocks (rounded)
@@ -109,7 +110,8 @@ class _Tier:
     stretches of its slabs by size (sorted distinct sizes; per size, in the order they became
     free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second)."""
 
-    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "tsizes", "tby_size", "slabs")
+    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "tsizes", "tby_size", "slabs",
+                 "_indexes")
 
     def __init__(self, limit: int, slab_bytes: int) -> None:
         self.limit = limit
@@ -119,12 +121,11 @@ class _Tier:
         self.tsizes: list[int] = []
         self.tby_size: dict[int, dict[int, _Free]] = {}
         self.slabs = 0
+        self._indexes = ((self.by_size, self.sizes), (self.tby_size, self.tsizes))  # [tail]
 
-    def index(self, f: _Free) -> None:
-        if f.slab.tail:
-            by_size, sizes = self.tby_size, self.tsizes
-        else:
-            by_size, sizes = self.by_size, self.sizes
+    def index(self, f: _Free, tail: bool) -> None:
+        """Index a free stretch (``tail``: of a slab in a multi-chunk range's last chunk)."""
+        by_size, sizes = self._indexes[tail]
         bucket = by_size.get(f.size)
         if bucket is None:
             by_size[f.size] = {id(f): f}
@@ -132,11 +133,8 @@ class _Tier:
         else:
             bucket[id(f)] = f
 
-    def unindex(self, f: _Free) -> None:
-        if f.slab.tail:
-            by_size, sizes = self.tby_size, self.tsizes
-        else:
-            by_size, sizes = self.by_size, self.sizes
+    def unindex(self, f: _Free, tail: bool) -> None:
+        by_size, sizes = self._indexes[tail]
         bucket = by_size[f.size]
         del bucket[id(f)]
         if not bucket:
@@ -156,3 +154,66 @@ def _check_exports(block: SmallBlock) -> None:
             f"while {alive} buffer(s) exported from it are still referenced: drop them first, "
             "their memory would be reused")
     block._exports = None
+
+
+def _check_packing(a: Any) -> None:
+    """The invariants of a :class:`vmm.SmallBlockAllocator`'s packing (its ``check``)."""
+    chunks = 0
+    for tier in a.tiers:
+        stretches = [f for by in (tier.by_size, tier.tby_size) for bucket in by.values()
+                     for f in bucket.values()]
+        slabs = {f.slab for f in stretches if type(f.slab) is _Slab}
+        tail_slabs = {f.slab for b in tier.tby_size.values() for f in b.values()}
+        for f in stretches:
+            if type(f.slab) is not _Slab:   # a tail with no block yet: the range's end
+                assert f.slab.live and a._tails[id(f.slab)] is f and tier is a.tiers[0]
+                assert f.offset + f.size == f.slab.mapped_bytes and f.size < a.chunk_bytes
+                one = f.slab.mapped_bytes == a.chunk_bytes   # searched with the slabs'
+                assert tier.by_size.get(f.size, {}).get(id(f)) is f if one else \
+                    tier.tby_size.get(f.size, {}).get(id(f)) is f
+        for slab in slabs:
+            assert slab.used > 0 and slab.allocation.live and slab.tier is tier
+            free = sum(f.size for f in slab.free.values())
+            assert {f.offset + f.size: f for f in slab.free.values()} == slab.ends
+            assert free + slab.used == slab.total, (free, slab.used)
+            assert all(slab.base <= f.offset < slab.base + slab.total for f in slab.free.values())
+        assert sorted(tier.by_size) == tier.sizes and sorted(tier.tby_size) == tier.tsizes
+        assert all(s.tail for s in slabs if s in tail_slabs)
+        assert not any(s.tail for s in slabs if s not in tail_slabs)
+        own = [s for s in slabs if not s.head]
+        assert len(own) <= tier.slabs
+        chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
+    assert chunks == a.small_chunks
+    assert sum(t.slabs for t in a.tiers) <= a.small_blocks
+
+
+def _make_tiers(tiers: Sequence[tuple[int, int]], chunk: int, align: int) -> tuple[_Tier, ...]:
+    """The tiers of a :class:`vmm.SmallBlockAllocator`, checked (its ``tiers`` and ``align``)."""
+    if align <= 0 or align & (align - 1) or chunk % align:
+        raise ValueError(f"align {align} must be a power of two dividing the chunk ({chunk} B)")
+    last = 0
+    for limit, slab in tiers:
+        if not last < limit < slab or slab % chunk or limit % align:
+            raise ValueError(f"tier ({limit} B, slab {slab} B): limits must grow, be multiples "
+                             f"of {align} B and each below its slab, slabs whole chunks of "
+                             f"{chunk} B")
+        last = limit
+    return tuple(_Tier(limit, slab) for limit, slab in tiers)
+
+
+def _packing_stats(a: Any, st: dict[str, int]) -> dict[str, int]:
+    """A :class:`vmm.SmallBlockAllocator`'s ``stats()`` from its virtual allocator's ``st``."""
+    st["requested_bytes"] = a.requested_bytes
+    st["peak_requested_bytes"] = a.peak_requested_bytes
+    st["internal_fragmentation_bytes"] = a.mapped_bytes - a.requested_bytes
+    st["allocations"] = a.live_allocations
+    st["peak_allocations"] = a.peak_allocations
+    st["largest_fit_bytes"] = a.largest_fit()
+    st.update(small_blocks=a.small_blocks, small_chunks=a.small_chunks,
+              peak_small_chunks=a.peak_small_chunks,
+              small_requested_bytes=a.small_requested_bytes,
+              small_block_bytes=a.small_block_bytes,
+              small_free_bytes=a.small_chunks * a.chunk_bytes - a.small_block_bytes,
+              small_allocs=a.small_allocs, small_chunk_opens=a.small_chunk_opens,
+              tail_blocks=a.tail_blocks, threshold_bytes=a.threshold)
+    return st

@@ -10,7 +10,9 @@ Guarantees checked after every operation:
 - a slab holds at least one live block (one with none is given back at once), hence the
   bound  mapped <= sum over large of ceil(n / c) x c + sum over tiers of B_t x slab_t;
   with the first tier only (no medium slabs), never more than pure chunks would map;
-- once everything is freed nothing is mapped.
+- once everything is freed nothing is mapped;
+- chunks kept mapped but unused (idle heads, parked ranges) are free: a budget of the peak
+  of ``mapped_bytes`` holds the same program.
 """
 
 from __future__ import annotations
@@ -106,6 +108,35 @@ def test_first_tier_only_never_maps_more_than_pure_chunks(program):
     _run(make(default_tiers(C)[:1]), program, pure_bound=True)
 
 
+@settings(max_examples=100, deadline=None)
+@given(ops)
+def test_a_budget_of_the_peak_mapped_bytes_is_enough(program):
+    # Idle and parked chunks are free chunks: a device of the peak of mapped_bytes (what
+    # ``ooc frag`` reports as peak reserved) holds the program. First tier only: the
+    # medium tier falls back to whole chunks under a budget, a different packing.
+    tiers = default_tiers(C)[:1]
+    a = make(tiers)
+    peak, live = 0, []
+    for op, arg in program:
+        if op == "alloc":
+            live.append(a.alloc(arg))
+            peak = max(peak, a.mapped_bytes)
+        elif live:
+            a.free(live.pop(arg % len(live)))
+    b = make(tiers, capacity=max(peak, C))
+    live = []
+    for op, arg in program:
+        if op == "alloc":
+            live.append(b.alloc(arg))
+        elif live:
+            b.free(live.pop(arg % len(live)))
+        b.check()
+    for h in live:
+        b.free(h)
+    b.check()
+    assert b.mapped_bytes == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_page_aligned_blocks(program):
@@ -115,15 +146,22 @@ def test_page_aligned_blocks(program):
 def test_small_blocks_share_a_chunk_and_it_goes_back_with_the_last():
     a = make()
     blocks = [a.alloc(1000) for _ in range(10)]
-    assert a.mapped_bytes == C and a.small_chunks == 1
-    assert len({b.address for b in blocks}) == 10 and all(b.mapped_bytes == 1024 for b in blocks)
+    # The first starts a chunk (a one-chunk range of its own), the others fill its rest.
+    assert a.mapped_bytes == C and a.virtual.live_chunks == 1
+    first = blocks[0]
+    assert type(first) is Allocation and all(type(b) is SmallBlock for b in blocks[1:])
+    assert all(first.address < b.address < first.address + C and b.mapped_bytes == 1024
+               for b in blocks[1:])
+    assert len({b.address for b in blocks}) == 10
     for b in blocks[:-1]:
         a.free(b)
-    assert a.mapped_bytes == C
+    assert a.mapped_bytes == C and a.small_chunks == 1   # the chunk is a slab of its own now
     a.free(blocks[-1])
     assert a.mapped_bytes == 0 and a.stats()["small_chunks"] == 0
     with pytest.raises(AllocationError, match="double free"):
         a.free(blocks[0])
+    with pytest.raises(AllocationError, match="double free"):
+        a.free(blocks[1])
 
 
 def test_best_fit_takes_the_smallest_free_stretch():
@@ -140,18 +178,44 @@ def test_the_tail_of_a_large_range_takes_small_blocks_and_outlives_it():
     a = make()
     big = a.alloc(3 * C + 1000)                   # 4 chunks, most of the last unused
     assert a.mapped_bytes == 4 * C
-    small = a.alloc(8 * KiB)
+    small = a.alloc(8 * KiB)                      # no slab has room: the tail takes it
     assert big.address + 3 * C < small.address < big.address + 4 * C
     assert a.mapped_bytes == 4 * C and a.tail_blocks == 1
-    a.free(big)                                   # the first three chunks go back
-    assert a.mapped_bytes == C and a.small_chunks == 1 and a.live_allocations == 1
+    filler = a.alloc(56 * KiB)                    # fits no stretch: a chunk of its own
+    assert a.mapped_bytes == 5 * C
+    a.free(big)                                   # the first three chunks are idle, mapped
+    assert a.mapped_bytes == 2 * C and a.small_chunks == 1 and a.live_allocations == 2
+    assert a.virtual.idle_chunks == 3 and a.stats()["chunks_idle"] == 3
     a.check()
-    other = a.alloc(4 * KiB)                      # the freed head's room in the last chunk
+    other = a.alloc(12 * KiB)                     # too large for the filler's chunk's rest
     assert big.address + 3 * C <= other.address < big.address + 4 * C
+    maps = a.map_calls
     a.free(small)
+    a.free(other)                                 # the range is parked whole: reused as is
+    assert a.mapped_bytes == C and a.virtual.idle_chunks == 0
+    again = a.alloc(3 * C + 2000)
+    assert again.address == big.address and a.map_calls == maps and a.unmap_calls == 0
+    a.free(again)
+    a.free(filler)
+    assert a.mapped_bytes == 0
+    a.check()
+
+
+def test_idle_chunks_serve_a_request_that_needs_them():
+    a = make(capacity=5 * C)
+    big = a.alloc(3 * C + 1000)
+    small = a.alloc(C // 2 + 4 * KiB)             # in big's tail
+    a.free(big)                                   # 3 idle chunks, 1 under small: 4 created
+    assert a.largest_fit() >= 4 * C
+    other = a.alloc(4 * C)                        # the 5th chunk is new, 3 are taken: unmapped
+    assert a.unmap_calls == 3 and a.virtual.idle_chunks == 0
+    a.check()
+    a.free(small)                                 # big's range: its last chunk unmapped
     a.free(other)
     assert a.mapped_bytes == 0
     a.check()
+    a.close()
+    assert a.pool.created == 0
 
 
 def test_a_medium_request_falls_back_to_whole_chunks_under_a_tight_budget():
