@@ -23,6 +23,7 @@ _EXPORTS = {
     "VirtualAllocator": "virtual", "Allocation": "allocation",
     "CachingAllocator": "caching",
     "SmallBlockAllocator": "small_blocks", "SmallBlock": "small_blocks",
+    "default_tiers": "small_blocks",
 }
 
 __all__ = sorted([*_EXPORTS, "OOCError", "OutOfBudget", "VMMError", "SizeError",

@@ -73,14 +73,22 @@ DEFAULT_ALIGN = 512
 DEFAULT_PACK_WASTE = 0.25
 
 
-def default_tiers(chunk: int, align: int = DEFAULT_ALIGN) -> tuple[tuple[int, int], ...]:
+def default_tiers(chunk: int, align: int = DEFAULT_ALIGN, *,
+                  medium: bool = True) -> tuple[tuple[int, int], ...]:
     """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
     pairs (measured on the traces of benchmarks/bench_frag.py, see the module docstring):
     every request below a chunk into one-chunk slabs, those up to 2 chunks that round badly
-    into 5-chunk slabs. None where a chunk holds fewer than two blocks of ``align``."""
+    into 5-chunk slabs. None where a chunk holds fewer than two blocks of ``align``.
+
+    ``medium=False``: the first tier only, for a pool that runs a plan. It then never maps more
+    than pure chunks would for the same live requests (each slab is one chunk under at least
+    one live block of under a chunk; tails add no chunk), so a plan made with sizes rounded up
+    to whole chunks fits it. A 5-chunk slab can hold one live 2-chunk block after the others
+    are freed: up to 3 chunks more than the plan counted, and a planned swap-in fails."""
     if chunk < 2 * align:
         return ()
-    return ((chunk - align, chunk), (2 * chunk, 5 * chunk))
+    first = (chunk - align, chunk)
+    return (first, (2 * chunk, 5 * chunk)) if medium else (first,)
 
 class SmallBlockAllocator:
     """ooc's allocator: small requests packed into chunks, large ones as stitched virtual

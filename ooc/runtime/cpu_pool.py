@@ -46,8 +46,11 @@ class CpuDevicePool:
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
         # Blocks packed at page alignment: reads and writes of the storage tier stay O_DIRECT.
-        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool),
-                                                 align=self.backend.granularity)
+        # No medium tier: the pool then never maps more than the plan's chunk-rounded sizes.
+        page = self.backend.granularity
+        self.allocator = vmm.SmallBlockAllocator(
+            vmm.VirtualAllocator(self.pool), align=page,
+            tiers=vmm.default_tiers(chunk, page, medium=False))
         self._dead: list[vmm.Allocation] = []
         self._on_physical = on_physical
         self._reported = (0, 0)

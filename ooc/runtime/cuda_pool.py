@@ -120,9 +120,11 @@ class CudaDevicePool:
             raise
         # ooc's allocator (the one ``ooc frag`` replays as vmm-N): tensors below a chunk share
         # chunks in 512-byte blocks, as PyTorch's own allocator aligns them; larger ones get
-        # whole chunks whose unused tail takes small ones. Reuse of a freed block is stream
-        # ordered, as for parked ranges (module doc).
-        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool))
+        # whole chunks whose unused tail takes small ones. No medium tier: the pool then never
+        # maps more than the plan's chunk-rounded sizes (vmm.small_blocks.default_tiers).
+        # Reuse of a freed block is stream ordered, as for parked ranges (module doc).
+        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool),
+                                                 tiers=vmm.default_tiers(chunk, medium=False))
         if as_tensor is None:
             as_tensor = real and self._rt.can_wrap_ranges()
         elif as_tensor and not self._rt.can_wrap_ranges():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -244,6 +245,28 @@ def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(h: Harness) -> None:
     gc.collect()
     h.pool.reap()
     assert h.pool.stats()["mapped_bytes"] == 0
+
+
+def test_a_pool_never_maps_more_than_whole_chunks_per_range(h: Harness) -> None:
+    # What lets a plan made with sizes rounded up to whole chunks fit the pool: no medium
+    # tier (two 2.25 MiB ranges would take a 5-chunk slab, and keep it for one).
+    rng = random.Random(0)
+    sizes = [100 * KiB, CHUNK // 2, CHUNK + CHUNK // 8, CHUNK + CHUNK // 2, 2 * CHUNK + 1]
+    live: list[tuple[Any, int]] = []
+    for _ in range(120):
+        if live and (rng.random() < 0.45 or len(live) > 6):
+            live.pop(rng.randrange(len(live)))
+            gc.collect()
+            h.pool.reap()
+        else:
+            n = rng.choice(sizes)
+            with contextlib.suppress(OutOfBudget):
+                live.append((h.pool.take(n), n))
+        whole = sum(-(-n // CHUNK) * CHUNK for _, n in live)
+        assert h.pool.stats()["mapped_bytes"] <= whole
+    del live
+    gc.collect()
+    h.pool.reap()
 
 
 def test_small_ranges_past_the_budget_are_out_of_budget(h: Harness) -> None:
