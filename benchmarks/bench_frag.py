@@ -1,7 +1,19 @@
-"""Replay speed of ``ooc frag``: events per second through each allocator, and end to end.
+"""``ooc frag``'s allocators: peak reserved on many traces, replay speed, end-to-end time.
 
-    python benchmarks/bench_frag.py [--quick] [--events N] [--runs N] [--out PATH]
+    python benchmarks/bench_frag.py [--quick] [--only footprint|speed] [--events N] [--runs N]
+                                    [--out PATH]
 
+Footprint (issue 18 item 4): the traces of ``frag_traces.py`` (what the project generates:
+zoo models' eager steps traced on meta, their swap schedules at 1/4 of the peak, the synthetic
+swap schedule; real-world shapes: many small tensors, a transformer step with a growing KV
+cache) replayed through PyTorch's caching allocator model, ``expandable_segments:True``, ooc's
+allocator (``vmm-2MiB``: :class:`vmm.SmallBlockAllocator` with its default tiers, which the
+runtime's device pools run without the medium tier; and ``vmm-20MiB``) and pure 2 MiB chunks
+(``chunks-2MiB``: ooc's allocator before the small-block pool). Targets: ooc's allocator
+(2 MiB chunks) peaks at most min(caching, expandable) + 2% on every trace, and at most 1.3x
+the live peak on the many-small-tensor one.
+
+Speed:
 Builds a synthetic snapshot of ``--events`` allocation events (1,000,000; ``--quick``:
 50,000): the allocation trace of a swap schedule repeated step after step
 (``vmm.replay.swap_trace``, 48 layers, sizes 64 KiB-96 MiB, 5% size jitter between steps),
@@ -31,6 +43,7 @@ import time
 from pathlib import Path
 
 import common
+import frag_traces
 import ooc
 from ooc import frag
 from ooc.frag.inputs import Trace, gc_paused
@@ -47,10 +60,96 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int,
                     help="events in the synthetic snapshot (default 1M; quick 50k)")
     ap.add_argument("--runs", type=int, help="runs per measurement (default 3; quick 1)")
+    ap.add_argument("--only", choices=("footprint", "speed"), help="run one half only")
     args = ap.parse_args(argv)
+    load0 = common.load_average()
+    lines = common.header("`ooc frag`'s allocators: peak reserved, replay speed, end-to-end time",
+                          quick=args.quick, notes=[f"ooc {ooc.__version__}"])
+    if args.only != "speed":
+        lines += footprint(args.quick)
+    if args.only != "footprint":
+        lines += speed(args, load0)
+    common.write_report(args.out or common.result_path("frag", args.quick), lines)
+    return 0
+
+
+FOOT_MODELS = (("caching", None, None, False), ("expandable_segments:True", None,
+               "expandable_segments:True", False), ("vmm-2MiB", 2 << 20, None, False),
+               ("vmm-20MiB", 20 << 20, None, False), ("chunks-2MiB", 2 << 20, None, True))
+SMALL_TARGET = 1.3
+SLACK = 0.02
+
+
+def footprint(quick: bool) -> list[str]:
+    """Peak reserved of each allocator on each trace, against the targets (module doc)."""
+    ft = frag_traces
+    if quick:
+        makers = [lambda: ft.model_step("small_cnn", 16), lambda: ft.many_small_cnn(steps=2),
+                  lambda: ft.transformer_kv(layers=4, prompt=64, generate=64)]
+    else:
+        makers = [lambda: ft.synthetic_swap(200_000),
+                  lambda: ft.model_step("small_cnn", 16),
+                  lambda: ft.model_step("resnet18", 8, image_size=64),
+                  lambda: ft.model_step("resnet50", 8, image_size=128),
+                  lambda: ft.model_step("unet", 2, image_size=128),
+                  lambda: ft.model_step("tiny_transformer", 8),
+                  lambda: ft.model_step("gpt2", 2),
+                  lambda: ft.model_plan("small_cnn", 16),
+                  lambda: ft.model_plan("resnet18", 8, image_size=64),
+                  lambda: ft.model_plan("gpt2", 2),
+                  lambda: ft.many_small_cnn(), lambda: ft.transformer_kv()]
+    rows, missed = [], []
+    for make in makers:
+        label, note, events = make()
+        peaks = {}
+        live = 0
+        for name, chunk, conf, pure in FOOT_MODELS:
+            alloc = make_allocator(chunk, None, conf=AllocConf.parse(conf) if conf else None,
+                                   pure=pure)
+            with gc_paused():
+                res = replay(events, alloc, name=name)
+            peaks[name] = res.peak_reserved_bytes
+            live = res.peak_live_bytes
+        ooc_peak = peaks["vmm-2MiB"]
+        ref = min(peaks["caching"], peaks["expandable_segments:True"])
+        ok = ooc_peak <= ref * (1 + SLACK)
+        small = label.startswith("many small")
+        if small:
+            ok = ok and ooc_peak <= SMALL_TARGET * live
+        if not ok:
+            missed.append(label)
+        print(f"footprint {label}: live {format_size(live)}, "
+              + ", ".join(f"{k} {format_size(v)}" for k, v in peaks.items()), flush=True)
+
+        def cell(name: str) -> str:
+            return f"{format_size(peaks[name])} ({peaks[name] / live:.2f}x)" if live else "-"
+
+        target = f"<= {format_size(int(ref * (1 + SLACK)))}" + (
+            f" and <= {format_size(int(SMALL_TARGET * live))}" if small else "")
+        rows.append([f"{label}<br>{note}", f"{len(events):,}", format_size(live), cell("caching"),
+                     cell("expandable_segments:True"), f"**{cell('vmm-2MiB')}**",
+                     cell("vmm-20MiB"), cell("chunks-2MiB"), target,
+                     "met" if ok else "**not met**"])
+    out = ["## Peak reserved (footprint)", "",
+           "Peak reserved bytes of each allocator replaying each trace (unlimited device; in "
+           "parentheses: over the trace's peak live bytes). `vmm-2MiB`: ooc's allocator "
+           "(`vmm.SmallBlockAllocator` over 2 MiB chunks, default tiers; the runtime's device "
+           "pools run it without the medium tier, see README); "
+           "`chunks-2MiB`: pure chunks, ooc's allocator before the small-block pool. Target: "
+           "`vmm-2MiB` <= min(caching, expandable) + 2% on every trace, and <= 1.3x the live "
+           "peak on the many-small-tensor one.", ""]
+    out += common.md_table(["trace", "events", "peak live", "caching", "expandable_segments:True",
+                            "ooc (vmm-2MiB)", "vmm-20MiB", "chunks-2MiB (before)", "target",
+                            "met"], rows, align="lrrrrrrrrl")
+    out += ["", f"Targets not met on: {', '.join(missed)}." if missed else
+            "Targets met on every trace.", ""]
+    return out
+
+
+def speed(args: argparse.Namespace, load0: str) -> list[str]:
+    """Replay speed and end-to-end time on one large synthetic snapshot (module doc)."""
     n = args.events or (50_000 if args.quick else 1_000_000)
     runs = max(1, args.runs or (1 if args.quick else 3))
-    load0 = common.load_average()
 
     t0 = time.perf_counter()
     events = swap_trace(n, jitter=0.05, seed=0)
@@ -122,14 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp.rmdir()
 
     med = statistics.median
-    lines = common.header("`ooc frag`: replay speed and end-to-end time", quick=args.quick, notes=[
-        f"ooc {ooc.__version__}",
+    lines = ["## Replay speed and end-to-end time", ""] + [f"- {x}" for x in [
         f"load average (1/5/15 min) at start {load0}, at end {common.load_average()} (machine "
         f"shared with other jobs: times are wall-clock)",
         f"input: synthetic snapshot, {n:,} events ({info.entries:,} trace entries, "
         f"{format_size(size)} pickle): `vmm.replay.swap_trace({n}, jitter=0.05)` exported through "
         f"the caching allocator model; medians of {runs} run(s)",
-    ])
+    ]] + [""]
     lines += [
         "Wall-clock events/s is what a user waits for; events per CPU second (time.process_time of "
         "the process) is the same run with the other jobs' share of the 2 cores taken out.",
@@ -167,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"`vmm.replay alone` column is their speed without ooc frag's watcher.")
     else:
         lines.append(f"Target (>= {TARGET:,} events/s replayed through every allocator): met.")
-    common.write_report(args.out or common.result_path("frag", args.quick), lines)
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

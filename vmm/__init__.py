@@ -22,6 +22,8 @@ _EXPORTS = {
     "ChunkPool": "pool",
     "VirtualAllocator": "virtual", "Allocation": "allocation",
     "CachingAllocator": "caching",
+    "SmallBlockAllocator": "small_blocks", "SmallBlock": "small_blocks",
+    "default_tiers": "small_blocks",
 }
 
 __all__ = sorted([*_EXPORTS, "OOCError", "OutOfBudget", "VMMError", "SizeError",

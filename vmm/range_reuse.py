@@ -23,13 +23,18 @@ class _Range:
     """One reserved virtual range: ``capacity`` chunks of address space, the first
     ``len(chunks)`` of them mapped (the chunks in mapping order)."""
 
-    __slots__ = ("address", "capacity", "chunks", "rid", "fence")
+    __slots__ = ("address", "capacity", "chunks", "rid", "fence", "head", "idle")
 
     def __init__(self, address: int, capacity: int, rid: int) -> None:
         self.address = address
         self.capacity = capacity
         self.chunks: list[Chunk] = []
         self.rid = rid
+        # Live ranges only (vmm.range_heads): the first ``idle`` mapped chunks serve no
+        # block (an idle head), and ``head`` chunks at the front were taken from it (the
+        # mapped ones then start at address + head x chunk, not at address); 0 otherwise.
+        self.head = 0
+        self.idle = 0
         # Parked: the backend's mark of the moment it was freed (``Backend.fence``): work
         # queued before it may still use the chunks; an unmap that finds it passed need not
         # wait for the device. None while in use (or if the backend keeps no fences).
@@ -49,6 +54,7 @@ class RangeReuse:
     chunk_bytes: int
     lean: bool
     parked_chunks: int
+    idle_chunks: int
     _parked: dict[int, dict[int, _Range]]
     _parked_sizes: list[int]
     _lru: dict[int, _Range]
@@ -62,7 +68,9 @@ class RangeReuse:
         live = self.live_chunks
         parked = sum(len(r.chunks) for r in self._lru.values())
         assert parked == self.parked_chunks, (parked, self.parked_chunks)
-        assert pool.handed_out == live + parked, (pool.handed_out, live, parked)
+        self._check_idle()
+        idle = self.idle_chunks
+        assert pool.handed_out == live + parked + idle, (pool.handed_out, live, parked, idle)
         assert pool.created == pool.handed_out + pool.cached
         assert pool.created <= pool.max_chunks
         assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
@@ -106,7 +114,7 @@ class RangeReuse:
             self._remove_free(target)
         need = k - have
         pool = self.pool
-        if need > pool.available + self.parked_chunks:
+        if need > pool.available + self.parked_chunks + self.idle_chunks:
             if target is not None:
                 self._restore_free(target)
             self.ooms += 1
@@ -135,12 +143,18 @@ class RangeReuse:
                         if extra:
                             got.extend(pool.acquire(extra))
                             rest -= extra
-                        if rest > self.parked_chunks:
+                        if rest > self.parked_chunks + self.idle_chunks:
                             raise
             if rest:
+                # Parked ranges first (least recently parked), then idle heads (a range whose
+                # tail still lives: its chunks come back whole when the tail goes).
                 steal = min(rest, self.parked_chunks)
                 if steal:
                     got.extend(self._steal(steal))
+                    rest -= steal
+                steal = min(rest, self.idle_chunks)
+                if steal:
+                    got.extend(self._steal_idle(steal))
                     rest -= steal
                 if rest:
                     got.extend(pool.acquire(rest))
@@ -182,6 +196,10 @@ class RangeReuse:
         if stolen:
             self.pool.release(self._steal(stolen, defer=False))   # released: truly unmapped
             freed += self.pool.trim(stolen * self.chunk_bytes)
+        idle = min(count - from_cache - stolen, self.idle_chunks)
+        if idle:
+            self.pool.release(self._steal_idle(idle))
+            freed += self.pool.trim(idle * self.chunk_bytes)
         return freed
 
     def _steal(self, count: int, *, defer: bool = True) -> list[Chunk]:

@@ -21,13 +21,14 @@ from typing import Any
 
 from vmm.allocation import Allocation, AllocationError, BufferInUse
 from vmm.pool import BudgetExceeded, ChunkPool
+from vmm.range_heads import IdleHeads
 from vmm.range_reuse import _EMPTY, RangeReuse, _Range
 from vmm.units import format_size
 
 __all__ = ["VirtualAllocator", "Allocation", "AllocationError", "BufferInUse"]
 
 
-class VirtualAllocator(RangeReuse):
+class VirtualAllocator(RangeReuse, IdleHeads):
     """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
 
     ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
@@ -67,6 +68,7 @@ class VirtualAllocator(RangeReuse):
       (CUDA), a range let go so recently that queued kernels may still use its addresses
       is not unmapped (that needs the host to wait for the device): its chunks move on
       while still mapped there, and the range is unmapped once its fence has passed.
+      Then from idle heads (:mod:`vmm.range_heads`: free chunks at the front of a live range).
 
     Why these: the reference implementation (nnabla's virtual caching allocator) reuses an
     exact-size range, grows an adjacent one, or steals chunks from a larger one. Exact
@@ -137,6 +139,9 @@ class VirtualAllocator(RangeReuse):
         # (range, chunks still mapped there, fence), unmapped once the fence has passed.
         self._quarantine: list[tuple[_Range, int, Any]] = []
         self.deferred_unmaps = 0
+        self._idle: dict[int, _Range] = {}   # live ranges with an idle head (vmm.range_heads)
+        self.idle_chunks = 0
+        self.heads_retired = self.heads_reclaimed = 0
         self._ranges: dict[int, _Range] = {}
         self._next_rid = 0
 
@@ -202,11 +207,14 @@ class VirtualAllocator(RangeReuse):
         if rng is _EMPTY:
             return
         k = len(rng.chunks)
+        used = k - self._forget_idle(rng) if rng.idle else k
         self.requested_bytes -= allocation.nbytes
-        self.mapped_bytes -= k * self.chunk_bytes
-        self.live_chunks -= k
+        self.mapped_bytes -= used * self.chunk_bytes
+        self.live_chunks -= used
         rid = rng.rid
-        if self.keep_mapped:
+        if rng.head:
+            self._free_headless(rng)
+        elif self.keep_mapped:
             rng.fence = self.backend.fence()
             bucket = self._parked.get(k)   # park (inline _park: the hot path)
             if bucket is None:
@@ -240,6 +248,8 @@ class VirtualAllocator(RangeReuse):
         self._flush_quarantine(force=True)   # no chunk may be released while still mapped
         if limit is not None:
             return self._trim_some(-(-max(0, limit) // self.chunk_bytes))
+        if self.idle_chunks:
+            self.pool.release(self._steal_idle(self.idle_chunks))
         for rng in list(self._lru.values()):
             self._detach_parked(rng)
             self._unmap_tail(rng, 0)
@@ -270,8 +280,10 @@ class VirtualAllocator(RangeReuse):
         - ``budget_bytes``, ``chunk_bytes``, ``max_chunks``: the pool's limits.
         - ``chunks_in_use``: chunks under live allocations.
         - ``chunks_cached``: chunks that exist but serve no live allocation (pool cache +
-          parked); any request can take them.
-        - ``chunks_parked``: the part of ``chunks_cached`` still mapped in parked ranges.
+          parked + idle); any request can take them.
+        - ``chunks_parked`` / ``chunks_idle``: the parts of ``chunks_cached`` still mapped in
+          parked ranges / at the front of live ranges (:mod:`vmm.range_heads`, idle heads);
+          ``heads_retired`` / ``heads_reclaimed``: heads made idle / parked with their range.
         - ``internal_fragmentation_bytes``: ``mapped_bytes - requested_bytes`` (< one chunk
           per live allocation).
         - ``largest_fit_bytes``: the largest request that would succeed now.
@@ -301,6 +313,9 @@ class VirtualAllocator(RangeReuse):
             "chunks_in_use": self.live_chunks,
             "chunks_cached": pool.created - self.live_chunks,
             "chunks_parked": self.parked_chunks,
+            "chunks_idle": self.idle_chunks,
+            "heads_retired": self.heads_retired,
+            "heads_reclaimed": self.heads_reclaimed,
             "internal_fragmentation_bytes": self.mapped_bytes - self.requested_bytes,
             "largest_fit_bytes": self.largest_fit(),
             "peak_requested_bytes": self.peak_requested_bytes,

@@ -23,11 +23,11 @@ from typing import Any
 
 from ooc.frag.export import ExportInfo, build_snapshot, export_snapshot
 from ooc.frag.inputs import FragInputError, OomMarker, Trace, load
-from ooc.frag.report import (DEFAULT_CHUNKS, AllocatorReport, FragReport, analyze, format_table,
+from ooc.frag.report import (DEFAULT_CHUNKS, PURE_CHUNKS, AllocatorReport, FragReport, analyze, format_table,
                              recommendation)
 from ooc.frag.safe_pickle import UnsafePickleError, safe_load
 
-__all__ = ["DEFAULT_CHUNKS", "AllocatorReport", "ExportInfo", "FragInputError", "FragReport",
+__all__ = ["DEFAULT_CHUNKS", "PURE_CHUNKS", "AllocatorReport", "ExportInfo", "FragInputError", "FragReport",
            "OomMarker", "Trace", "UnsafePickleError", "analyze", "build_snapshot",
            "export_snapshot", "format_table", "load", "plot_timeline", "recommendation",
            "safe_load"]

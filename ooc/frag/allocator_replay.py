@@ -1,6 +1,6 @@
 """Replaying a trace through one allocator while watching it: the caching model under a
-``PYTORCH_CUDA_ALLOC_CONF`` setting, or a virtual allocator of one chunk size, on the sim
-backend (nothing is allocated).
+``PYTORCH_CUDA_ALLOC_CONF`` setting, or ooc's allocator (or pure chunks) of one chunk size,
+on the sim backend (nothing is allocated).
 
 :func:`replay_one` drives ``vmm.replay`` over the events and reads the allocator between them
 (:class:`_Watched`): the moment its reserved bytes peak, its state at each recorded OOM, and
@@ -33,19 +33,26 @@ _UNLIMITED = 1 << 60
 ENVELOPE_BINS = 1200  # the plot's resolution along the events (about one bin per pixel)
 
 
-def allocator_name(chunk_bytes: int | None, conf: AllocConf | None = None) -> str:
-    """``"caching"``, ``"vmm-20MiB"`` or a ``PYTORCH_CUDA_ALLOC_CONF`` line such as
-    ``"expandable_segments:True"``: the names the report, JSON and plot use."""
+def allocator_name(chunk_bytes: int | None, conf: AllocConf | None = None, *,
+                   pure: bool = False) -> str:
+    """``"caching"``, ``"vmm-20MiB"`` (ooc's allocator: small blocks packed into 20 MiB
+    chunks, larger requests as virtual ranges of whole chunks), ``"chunks-2MiB"`` (pure
+    chunks: every request rounded up to whole chunks, the comparison row) or a
+    ``PYTORCH_CUDA_ALLOC_CONF`` line such as ``"expandable_segments:True"``: the names the
+    report, JSON and plot use."""
     if chunk_bytes is None:
         return (conf.line() if conf is not None else "") or "caching"
-    return "vmm-" + format_size(chunk_bytes).replace(" ", "")
+    return ("chunks-" if pure else "vmm-") + format_size(chunk_bytes).replace(" ", "")
 
 
 def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped: bool = True,
-                   conf: AllocConf | None = None) -> Any:
+                   conf: AllocConf | None = None, pure: bool = False) -> Any:
     """A fresh allocator on the sim backend: the caching model (``chunk_bytes`` None) under
-    ``conf`` (None: PyTorch's defaults) or a virtual allocator with chunks of ``chunk_bytes``
-    (``capacity`` None: unlimited)."""
+    ``conf`` (None: PyTorch's defaults), or ooc's allocator with chunks of ``chunk_bytes``
+    (``capacity`` None: unlimited): :class:`vmm.SmallBlockAllocator` over a virtual
+    allocator with its default tiers (the runtime's device pools leave out the medium tier,
+    ``vmm.default_tiers(medium=False)``, to fit their plans; ``pure``: the virtual allocator
+    alone, every request in whole chunks)."""
     import vmm
 
     if chunk_bytes is None:
@@ -54,7 +61,8 @@ def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped
         return vmm.CachingAllocator(vmm.SimBackend(granularity=GRANULARITY), capacity_bytes=capacity)
     pool = vmm.ChunkPool(vmm.SimBackend(granularity=GRANULARITY), chunk_bytes=chunk_bytes,
                          capacity_bytes=capacity if capacity is not None else _UNLIMITED)
-    return vmm.VirtualAllocator(pool, keep_mapped=keep_mapped)
+    virtual = vmm.VirtualAllocator(pool, keep_mapped=keep_mapped)
+    return virtual if pure else vmm.SmallBlockAllocator(virtual)
 
 
 class _Watched:
@@ -154,10 +162,11 @@ class _Watched:
 
 
 def replay_one(trace: Trace, chunk: int | None, capacity: int | None,
-                progress: Callable[[int], None], conf: AllocConf | None = None) -> AllocatorReport:
-    name = allocator_name(chunk, conf)
-    kind = "caching" if chunk is None else "virtual"
-    allocator = make_allocator(chunk, capacity, conf=conf)
+                progress: Callable[[int], None], conf: AllocConf | None = None, *,
+                pure: bool = False) -> AllocatorReport:
+    name = allocator_name(chunk, conf, pure=pure)
+    kind = "caching" if chunk is None else "chunks" if pure else "virtual"
+    allocator = make_allocator(chunk, capacity, conf=conf, pure=pure)
     watched = _Watched(trace.events, allocator, kind, [m.index for m in trace.ooms])
     with gc_paused():  # the events and blocks all stay alive: nothing for the collector to find
         t0, c0 = time.perf_counter(), time.process_time()
@@ -184,7 +193,7 @@ def replay_one(trace: Trace, chunk: int | None, capacity: int | None,
         req, mapped = st["requested_bytes"], st["mapped_bytes"]
         alloc = st.get("allocated_bytes", mapped)
         largest = res.largest_free_at_oom
-        if kind == "virtual" and capacity is None:
+        if kind != "caching" and capacity is None:
             largest = None
         oom = Moment(res.oom_index, req, mapped, alloc - req, mapped - alloc, largest)
     at_rec = fits = None

@@ -15,7 +15,9 @@ Two pictures of the same trace, chosen by ``chunk_bytes``:
   its ``alloc`` and unmapped (``segment_unmap``) right after its free. The rounding to
   chunks shows as the block's unrequested tail. (The allocator runs with
   ``keep_mapped=False`` here, so the picture is exactly map-on-alloc / unmap-on-free; the
-  peaks are the same as with parking, only the map-call counts differ.)
+  peaks are the same as with parking, only the map-call counts differ.) The picture is of
+  pure chunks (``chunks-N`` in the report): ooc's allocator packs small requests into shared
+  chunks, which this one-range-per-allocation drawing cannot show.
 
 If the allocator runs out of memory (``device_memory``), the trace ends with an ``oom``
 entry there, like a run that crashed.
@@ -49,7 +51,7 @@ def build_snapshot(trace: Trace, *, chunk_bytes: int | None = None,
     """The snapshot dict of ``trace`` replayed through one allocator (see the module doc),
     and the index of the event that ran out of memory (None if all fit)."""
     caching = chunk_bytes is None
-    allocator = make_allocator(chunk_bytes, device_memory, keep_mapped=False)
+    allocator = make_allocator(chunk_bytes, device_memory, keep_mapped=False, pure=True)
     labels = trace.labels
     entries: list[dict[str, Any]] = []
     add = entries.append
@@ -123,7 +125,7 @@ def build_snapshot(trace: Trace, *, chunk_bytes: int | None = None,
         "device_traces": [entries],
         "allocator_settings": {},
         # Read back by ``ooc frag`` (and ignored by PyTorch's tools): the device size replayed.
-        "ooc": {"allocator": allocator_name(chunk_bytes), "input": trace.name,
+        "ooc": {"allocator": allocator_name(chunk_bytes, pure=True), "input": trace.name,
                 "device_memory": device_memory},
     }
     return snap, oom_event
@@ -174,4 +176,4 @@ def export_snapshot(trace: Trace, path: str | os.PathLike[str], *, chunk_bytes: 
         with open(tmp, "wb") as fh:
             pickle.dump(snap, fh, protocol=4)
     os.replace(tmp, path)
-    return ExportInfo(path, allocator_name(chunk_bytes), len(snap["device_traces"][0]), oom_event)
+    return ExportInfo(path, allocator_name(chunk_bytes, pure=True), len(snap["device_traces"][0]), oom_event)

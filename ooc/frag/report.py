@@ -1,6 +1,8 @@
 """Replay one trace through PyTorch's caching allocator model (as recorded, and under the
-``PYTORCH_CUDA_ALLOC_CONF`` settings a user can switch on) and through virtual addressing at
-several chunk sizes, measure fragmentation, and say what to set and what it saves.
+``PYTORCH_CUDA_ALLOC_CONF`` settings a user can switch on) and through ooc's allocator
+(``vmm.SmallBlockAllocator``: small requests packed into chunks, large ones as virtual ranges
+of whole chunks) at several chunk sizes, measure fragmentation, and say what to set and what
+it saves.
 
 The numbers are data (:class:`FragReport`, :meth:`FragReport.to_dict` for ``--json``); the
 table and the recommendation are text made from them. Definitions, per allocator:
@@ -50,11 +52,15 @@ from ooc.frag.allocator_replay import (ENVELOPE_BINS, GRANULARITY, allocator_nam
 from ooc.frag.report_data import SCHEMA, VERSION, Advice, AllocatorReport, FragReport, Moment
 from ooc.frag.trace_data import Trace
 
-__all__ = ["DEFAULT_CHUNKS", "DEFAULT_CONFS", "GRANULARITY", "Moment", "AllocatorReport", "Advice",
+__all__ = ["DEFAULT_CHUNKS", "PURE_CHUNKS", "DEFAULT_CONFS", "GRANULARITY", "Moment", "AllocatorReport", "Advice",
            "FragReport", "advise", "analyze", "make_allocator", "allocator_name", "format_table",
            "recommendation", "ADVICE_MIN_GAIN", "ENVELOPE_BINS", "SCHEMA", "VERSION"]
 
 DEFAULT_CHUNKS = (2 << 20, 20 << 20, 40 << 20)
+# Pure chunks (every request rounded up to whole chunks, no small-block pool): a comparison
+# row that shows what ooc's allocator gains by packing small requests (benchmarks/bench_frag.py
+# replays it; ``ooc frag`` does not by default).
+PURE_CHUNKS = (2 << 20,)
 # The PYTORCH_CUDA_ALLOC_CONF settings replayed by default, beside the default allocator.
 DEFAULT_CONFS = ("expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4",
                  "garbage_collection_threshold:0.8")
@@ -62,9 +68,12 @@ DEFAULT_CONFS = ("expandable_segments:True", "max_split_size_mb:128", "roundup_p
 
 def analyze(trace: Trace, *, chunks: Sequence[int] = DEFAULT_CHUNKS, device_memory: int | None = None,
             progress: Callable[[int], None] | None = None,
-            confs: Sequence[str | AllocConf] = DEFAULT_CONFS) -> FragReport:
+            confs: Sequence[str | AllocConf] = DEFAULT_CONFS,
+            pure_chunks: Sequence[int] = ()) -> FragReport:
     """Replay ``trace`` through the caching model, the caching model under each
-    ``PYTORCH_CUDA_ALLOC_CONF`` setting of ``confs`` and a virtual allocator per chunk size.
+    ``PYTORCH_CUDA_ALLOC_CONF`` setting of ``confs``, ooc's allocator per chunk size of
+    ``chunks`` (``vmm-N``: small blocks packed into chunks, :class:`vmm.SmallBlockAllocator`)
+    and, for comparison, pure chunks per size of ``pure_chunks`` (``chunks-N``).
 
     ``device_memory`` (bytes) caps every allocator; ``None`` takes the trace's own
     (``trace.device_memory``, e.g. estimated from a snapshot's OOM), else unlimited.
@@ -94,19 +103,20 @@ def analyze(trace: Trace, *, chunks: Sequence[int] = DEFAULT_CHUNKS, device_memo
     expandable = AllocConf(expandable_segments=True)
     if trace.expandable and expandable not in models:
         models.insert(0, expandable)
-    runs: list[tuple[int | None, AllocConf | None]] = [(None, None)]
-    runs += [(None, conf) for conf in models]
-    runs += [(chunk, None) for chunk in chunks]
+    runs: list[tuple[int | None, AllocConf | None, bool]] = [(None, None, False)]
+    runs += [(None, conf, False) for conf in models]
+    runs += [(chunk, None, False) for chunk in chunks]
+    runs += [(chunk, None, True) for chunk in pure_chunks]
     reports = []
     done = 0
-    for chunk, conf in runs:
+    for chunk, conf, pure in runs:
         base = done
 
         def step(n: int, _base: int = base) -> None:
             if progress is not None:
                 progress(_base + n)
 
-        reports.append(replay_one(trace, chunk, device_memory, step, conf))
+        reports.append(replay_one(trace, chunk, device_memory, step, conf, pure=pure))
         done += len(trace.events)
     best = pick_best(reports)
     rep = FragReport(trace=trace, device_memory=device_memory, device_memory_source=source,
@@ -166,7 +176,9 @@ def format_table(rep: FragReport, *, width: int = 100) -> str:
         "resv/live: peak reserved over peak live; mean, max: reserved/live over the run. "
         "internal/external: at the peak of reserved bytes (or at the OOM). caching: reserved = "
         "segments (cudaMalloc), map/unmap = segments allocated/freed, largest free = largest free "
-        "block; vmm-N: reserved = chunks mapped under live allocations, map/unmap = chunk "
+        "block; vmm-N: ooc's allocator (requests up to half a chunk packed into shared chunks, "
+        "larger ones in whole chunks), chunks-N: whole chunks only; both: reserved = chunks "
+        "mapped under live allocations, map/unmap = chunk "
         "mappings, largest free = largest request that fits. Names with a colon: PyTorch's "
         "caching allocator under that PYTORCH_CUDA_ALLOC_CONF (expandable segments: reserved = "
         "pages mapped). max unused: the most bytes reserved but not live during the run.",

@@ -5,7 +5,10 @@ One of the two :class:`~ooc.runtime.pool.DevicePool` implementations (the other 
 
 Why a pool and not ``torch.empty``: the pool's physical size *is* the budget (going over is
 ``OutOfBudget``, never a silent overflow), its ranges are page-aligned so reads can use
-O_DIRECT, and chunks are reused without fragmenting.
+O_DIRECT, and chunks are reused without fragmenting. The allocator is ooc's
+(``vmm.SmallBlockAllocator``, the one ``ooc frag`` replays as ``vmm-N``): a tensor smaller
+than a chunk shares a chunk with others (page-aligned blocks), a larger one gets a contiguous
+range of whole chunks whose unused tail takes small ones.
 
 Lifetime rule (a violation is a segfault, not an exception): a pool range is returned only
 when the last tensor viewing it is gone. ``torch.from_numpy`` keeps the numpy array alive as
@@ -30,8 +33,9 @@ __all__ = ["CpuDevicePool"]
 
 
 class CpuDevicePool:
-    """Page-aligned byte buffers for managed tensors, backed by ``vmm.VirtualAllocator`` over
-    host chunks (memfd + mmap). Conforms to :class:`~ooc.runtime.pool.DevicePool`."""
+    """Page-aligned byte buffers for managed tensors, backed by ``vmm.SmallBlockAllocator``
+    over a ``vmm.VirtualAllocator`` of host chunks (memfd + mmap). Conforms to
+    :class:`~ooc.runtime.pool.DevicePool`."""
 
     def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None, *,
                  on_physical: Callable[[int, int], None] | None = None) -> None:
@@ -41,7 +45,12 @@ class CpuDevicePool:
         self.backend = backend if backend is not None else vmm.HostBackend()
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
-        self.allocator = vmm.VirtualAllocator(self.pool)
+        # Blocks packed at page alignment: reads and writes of the storage tier stay O_DIRECT.
+        # No medium tier: the pool then never maps more than the plan's chunk-rounded sizes.
+        page = self.backend.granularity
+        self.allocator = vmm.SmallBlockAllocator(
+            vmm.VirtualAllocator(self.pool), align=page,
+            tiers=vmm.default_tiers(chunk, page, medium=False))
         self._dead: list[vmm.Allocation] = []
         self._on_physical = on_physical
         self._reported = (0, 0)
@@ -92,11 +101,16 @@ class CpuDevicePool:
 
     @property
     def granularity(self) -> int:
-        """What every range's size and address are a multiple of: the page."""
+        """The chunk's smallest size and the alignment of every range: the page."""
         return self.backend.granularity
 
+    @property
+    def alignment(self) -> int:
+        """What every range's address is a multiple of: the page (blocks are page-aligned)."""
+        return self.allocator.alignment
+
     def stats(self) -> dict:
-        """The allocator's statistics (see ``vmm.VirtualAllocator.stats``)."""
+        """The allocator's statistics (see ``vmm.SmallBlockAllocator.stats``)."""
         return self.allocator.stats()
 
     def close(self) -> None:

@@ -118,7 +118,13 @@ class CudaDevicePool:
         except BaseException:
             self.backend.close()
             raise
-        self.allocator = vmm.VirtualAllocator(self.pool)
+        # ooc's allocator (the one ``ooc frag`` replays as vmm-N): tensors below a chunk share
+        # chunks in 512-byte blocks, as PyTorch's own allocator aligns them; larger ones get
+        # whole chunks whose unused tail takes small ones. No medium tier: the pool then never
+        # maps more than the plan's chunk-rounded sizes (vmm.small_blocks.default_tiers).
+        # Reuse of a freed block is stream ordered, as for parked ranges (module doc).
+        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool),
+                                                 tiers=vmm.default_tiers(chunk, medium=False))
         if as_tensor is None:
             as_tensor = real and self._rt.can_wrap_ranges()
         elif as_tensor and not self._rt.can_wrap_ranges():
@@ -168,11 +174,17 @@ class CudaDevicePool:
 
     @property
     def granularity(self) -> int:
-        """What every range's size and address are a multiple of: the VMM granularity."""
+        """The smallest chunk: the VMM granularity."""
         return self.backend.granularity
 
+    @property
+    def alignment(self) -> int:
+        """What every range's address is a multiple of: 512 bytes (blocks packed in chunks;
+        a range of whole chunks is aligned to the granularity)."""
+        return self.allocator.alignment
+
     def stats(self) -> dict:
-        """The allocator's statistics (see ``vmm.VirtualAllocator.stats``)."""
+        """The allocator's statistics (see ``vmm.SmallBlockAllocator.stats``)."""
         with self._lock:
             return self.allocator.stats()
 

@@ -2,7 +2,9 @@
 
 The device pool is the budget: memory for swapped-in tensors, whose physical size is the
 budget, so that going over it is :class:`~ooc.errors.OutOfBudget`, never a silent overflow.
-Two pools implement it, both over ``vmm.VirtualAllocator(vmm.ChunkPool(backend))``:
+Two pools implement it, both over ooc's allocator,
+``vmm.SmallBlockAllocator(vmm.VirtualAllocator(vmm.ChunkPool(backend)))`` (tensors below a
+chunk share chunks; larger ones get contiguous ranges of whole chunks):
 
 ==================================================  =======================================
 :class:`~ooc.runtime.cpu_pool.CpuDevicePool` (CPU)   host chunks (memfd + mmap); ``take``
@@ -43,7 +45,7 @@ class DevicePool(RangeSource, Protocol):
     Guarantees every implementation gives (and the conformance suite checks):
 
     * ``take(nbytes)`` gives a range of at least ``nbytes`` whose address is a multiple of
-      :attr:`granularity`, distinct from every live range; past the budget it raises
+      :attr:`alignment`, distinct from every live range; past the budget it raises
       :class:`~ooc.errors.OutOfBudget` and the pool stays usable.
     * A range is handed back only when its last user is gone, at the next ``take`` or
       ``reap`` (never in a finalizer, which may run on any thread).
@@ -53,8 +55,13 @@ class DevicePool(RangeSource, Protocol):
 
     @property
     def granularity(self) -> int:
-        """Bytes every range's size and address are a multiple of (a page on the CPU, the VMM
-        granularity on a GPU): the smallest chunk the engine may choose."""
+        """The smallest chunk the engine may choose (a page on the CPU, the VMM granularity
+        on a GPU); a range of whole chunks starts at a multiple of it."""
+
+    @property
+    def alignment(self) -> int:
+        """Bytes every range's address is a multiple of (a page on the CPU, 512 on a GPU:
+        ranges smaller than a chunk are packed into shared chunks)."""
 
     def reap(self) -> None:
         """Hand back the ranges whose last user died since the previous call."""

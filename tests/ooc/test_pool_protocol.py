@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -98,13 +99,15 @@ def test_conforms_to_the_protocol(h: Harness) -> None:
     assert isinstance(h.pool, DevicePool) and isinstance(h.pool, RangeSource)
     g = h.pool.granularity
     assert isinstance(g, int) and g > 0 and CHUNK % g == 0
+    a = h.pool.alignment
+    assert isinstance(a, int) and a > 0 and g % a == 0 and a & (a - 1) == 0
 
 
 def test_ranges_are_aligned_distinct_and_hold_their_bytes(h: Harness) -> None:
     sizes = [5000, CHUNK, CHUNK + 1, 3 * MiB]
     ranges = [h.pool.take(n) for n in sizes]
     for i, (r, n) in enumerate(zip(ranges, sizes)):
-        assert h.address(r) % h.pool.granularity == 0
+        assert h.address(r) % h.pool.alignment == 0
         h.fill(r, pattern(n, i))
     for i, (r, n) in enumerate(zip(ranges, sizes)):
         assert h.read(r, n) == pattern(n, i), f"range {i} was overwritten"
@@ -181,3 +184,96 @@ def test_close_refuses_live_ranges_is_idempotent_and_final(h: Harness) -> None:
     h.pool.close()
     with pytest.raises(OOCError, match="closed"):
         h.pool.take(CHUNK)
+
+
+# -- small tensors: packed into shared chunks ----------------------------------------------
+
+
+def _fill_and_check(h: Harness, ranges: list, sizes: list[int]) -> None:
+    for i, (r, n) in enumerate(zip(ranges, sizes)):
+        assert h.address(r) % h.pool.alignment == 0
+        h.fill(r, pattern(n, i))
+    for i, (r, n) in enumerate(zip(ranges, sizes)):
+        assert h.read(r, n) == pattern(n, i), f"range {i} ({n} B) was overwritten"
+    spans = sorted((h.address(r), h.address(r) + n) for r, n in zip(ranges, sizes))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_small_ranges_share_chunks_and_keep_their_bytes(h: Harness) -> None:
+    sizes = [1, 100, 4096, 5000, 64 * KiB, 300 * KiB, CHUNK // 2, CHUNK - 8192]
+    ranges = [h.pool.take(n) for n in sizes]
+    _fill_and_check(h, ranges, sizes)
+    st = h.pool.stats()
+    assert st["allocations"] == len(sizes)
+    # Far fewer chunks than ranges (pure chunks would map one each): every one but the last
+    # two fills a chunk with the others.
+    assert st["mapped_bytes"] <= 3 * CHUNK < len(sizes) * CHUNK
+    # Each chunk's first range starts it (a one-chunk range), the others are blocks in its rest.
+    assert st["small_blocks"] == len(sizes) - st["mapped_bytes"] // CHUNK
+
+
+def test_small_ranges_go_back_and_their_chunk_with_the_last(h: Harness) -> None:
+    small = [h.pool.take(20 * KiB) for _ in range(10)]
+    assert h.pool.stats()["mapped_bytes"] == CHUNK, "ten 20 KiB ranges in one chunk"
+    del small[:9]
+    gc.collect()
+    h.pool.reap()
+    st = h.pool.stats()
+    assert (st["allocations"], st["mapped_bytes"]) == (1, CHUNK), "the chunk stays for the last"
+    del small
+    gc.collect()
+    h.pool.reap()
+    st = h.pool.stats()
+    assert (st["allocations"], st["mapped_bytes"], st["small_chunks"]) == (0, 0, 0)
+    assert h.pool.take(BUDGET) is not None, "the whole budget is free again"
+
+
+def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(h: Harness) -> None:
+    big = h.pool.take(3 * CHUNK + 64 * KiB)          # four chunks, most of the last unused
+    tail = [h.pool.take(100 * KiB) for _ in range(3)]  # packed into that unused tail
+    assert h.pool.stats()["mapped_bytes"] == 4 * CHUNK
+    _fill_and_check(h, [big, *tail], [3 * CHUNK + 64 * KiB] + [100 * KiB] * 3)
+    del big
+    gc.collect()
+    h.pool.reap()
+    st = h.pool.stats()
+    assert (st["allocations"], st["mapped_bytes"]) == (3, CHUNK), "only the tail chunk stays"
+    for i, r in enumerate(tail):
+        assert h.read(r, 100 * KiB) == pattern(100 * KiB, i + 1), "the tail kept its bytes"
+    more = h.pool.take(7 * CHUNK)                     # the first three went back to the budget
+    del tail, more, r
+    gc.collect()
+    h.pool.reap()
+    assert h.pool.stats()["mapped_bytes"] == 0
+
+
+def test_a_pool_never_maps_more_than_whole_chunks_per_range(h: Harness) -> None:
+    # What lets a plan made with sizes rounded up to whole chunks fit the pool: no medium
+    # tier (two 2.25 MiB ranges would take a 5-chunk slab, and keep it for one).
+    rng = random.Random(0)
+    sizes = [100 * KiB, CHUNK // 2, CHUNK + CHUNK // 8, CHUNK + CHUNK // 2, 2 * CHUNK + 1]
+    live: list[tuple[Any, int]] = []
+    for _ in range(120):
+        if live and (rng.random() < 0.45 or len(live) > 6):
+            live.pop(rng.randrange(len(live)))
+            gc.collect()
+            h.pool.reap()
+        else:
+            n = rng.choice(sizes)
+            with contextlib.suppress(OutOfBudget):
+                live.append((h.pool.take(n), n))
+        whole = sum(-(-n // CHUNK) * CHUNK for _, n in live)
+        assert h.pool.stats()["mapped_bytes"] <= whole
+    del live
+    gc.collect()
+    h.pool.reap()
+
+
+def test_small_ranges_past_the_budget_are_out_of_budget(h: Harness) -> None:
+    keep = [h.pool.take(CHUNK - 8192) for _ in range(BUDGET // CHUNK)]
+    with pytest.raises(OutOfBudget):
+        h.pool.take(16 * KiB)
+    r = h.pool.take(4096)                             # what is left in the chunks still fits
+    h.fill(r, pattern(4096, 9))
+    assert h.read(r, 4096) == pattern(4096, 9)
+    del keep, r

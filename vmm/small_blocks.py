@@ -1,0 +1,396 @@
+"""ooc's allocator: a small-block pool in front of virtual addressing.
+
+Pure virtual addressing (:class:`vmm.VirtualAllocator`) rounds every request up to whole
+chunks: no external fragmentation, but a 4 KiB tensor costs a 2 MiB chunk, so a program of
+many small tensors reserves several times its live bytes (a scientific CNN snapshot: 2.11x
+at 2 MiB chunks, 14x at 20 MiB). :class:`SmallBlockAllocator` keeps the chunk design for
+what it is good at and packs what it is bad at:
+
+Three paths, by size (chunk c = 2 MiB in the defaults, :func:`default_tiers`):
+
+- **small** (below a chunk, ``c - 512``): rounded up to ``align`` bytes (512, PyTorch's
+  ``kMinBlockSize``) and placed **best fit** (the smallest free stretch that is large enough,
+  the one freed last among equals) in a one-chunk *slab*; the rest of the stretch stays free.
+  A request that no stretch fits starts a new chunk, as a one-chunk range of its own whose
+  rest takes the next blocks: the slab is made when one lands (the same layout as a slab
+  opened for it, without a slab's bookkeeping for the many chunks that never get a second);
+- **medium** (up to 2 chunks, and only if rounding it up to whole chunks would waste more than
+  ``pack_waste`` = 1/4 of it, e.g. 2.25 MiB -> 4 MiB): best fit in 5-chunk slabs, as PyTorch
+  packs 1-10 MiB blocks into 20 MiB segments;
+- **large** (anything else): the virtual-range path, k = ceil(n / c) chunks from wherever
+  they are, mapped back to back onto one contiguous range. That is GMLake's *stitching*
+  (Guo et al., ASPLOS'24): physically scattered free chunks serve one large tensor, so a
+  large request never fails or grows the footprint for lack of a contiguous hole. Packed
+  blocks never span slabs (stitching a 4 KiB block would save nothing).
+
+A slab is one allocation of the virtual allocator (same physical pool, same budget). A freed
+block **coalesces** with its free neighbours; when a slab's blocks are all free the slab goes
+back to the virtual allocator at once (parked mapped or unmapped, as its ``keep_mapped``
+says), where any request can take its chunks. The **tail** of a large range (the bytes of its
+last chunk past the request) is a slab too: small blocks fill it, after the slabs' stretches.
+When the large block is freed while small blocks still live in its tail, the last chunk stays
+as an ordinary one-chunk slab until its blocks go, and the others stay mapped but idle
+(:mod:`vmm.range_heads`: counted as free, taken by a request that needs chunks, else parked
+with the range when its tail empties, so that the next request of its size maps nothing).
+
+Why these (benchmarks/results/frag.md, peak reserved on model steps, swap schedules, a
+many-small-tensor CNN and a transformer with a growing KV cache): packing everything below a
+chunk beats packing below half a chunk (a 1.2 MiB tensor no longer takes 2 MiB); tails
+filled with small blocks remove most of the rounding loss of large tensors (ResNet's 2.25 and
+4.5 MiB activations); the medium tier removes the rest where small tensors are too few to fill
+the tails, and only where rounding wastes over a quarter (packing requests that round well
+fragments the slabs: 4-10% more on a swap schedule).
+
+The bound (what the tests check), with B_t the live blocks packed in tier t, s_t its slab
+size and L the live large allocations, at every moment:
+
+    mapped_bytes = sum over L of (chunks still in use) x c + sum over t of (slabs of t) x s_t
+    slabs of t <= B_t          (a slab with no live block is given back at once)
+    => mapped_bytes <= sum over L of ceil(n / c) x c + sum over t of B_t x s_t
+
+and nothing is mapped once everything is freed. No non-moving allocator bounds the slabs
+by the live *bytes* after an adversarial order of frees (one live block per slab); what
+best fit adds is that a slab is opened only when no free stretch of its tier fits.
+
+Addresses: a large allocation's address is a multiple of the backend granularity; a small
+block's, of ``align``. Not thread-safe (callers hold one lock, as for the virtual allocator).
+"""
+
+from bisect import bisect_left
+from typing import Sequence
+
+from vmm.allocation import Allocation, AllocationError
+from vmm.errors import OutOfBudget
+from vmm.small_slabs import (SmallBlock, _check_exports, _check_packing, _Free, _make_tiers,
+                             _packing_stats, _Slab, _Tier)
+from vmm.units import format_size
+from vmm.virtual import VirtualAllocator
+
+__all__ = ["SmallBlockAllocator", "SmallBlock", "DEFAULT_ALIGN", "DEFAULT_PACK_WASTE",
+           "default_tiers"]
+
+DEFAULT_ALIGN = 512
+DEFAULT_PACK_WASTE = 0.25
+
+
+def default_tiers(chunk: int, align: int = DEFAULT_ALIGN, *,
+                  medium: bool = True) -> tuple[tuple[int, int], ...]:
+    """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
+    pairs (measured on the traces of benchmarks/bench_frag.py, see the module docstring):
+    every request below a chunk into one-chunk slabs, those up to 2 chunks that round badly
+    into 5-chunk slabs. None where a chunk holds fewer than two blocks of ``align``.
+
+    ``medium=False``: the first tier only, for a pool that runs a plan. It then never maps more
+    than pure chunks would for the same live requests (each slab is one chunk under at least
+    one live block of under a chunk; tails add no chunk), so a plan made with sizes rounded up
+    to whole chunks fits it. A 5-chunk slab can hold one live 2-chunk block after the others
+    are freed: up to 3 chunks more than the plan counted, and a planned swap-in fails."""
+    if chunk < 2 * align:
+        return ()
+    first = (chunk - align, chunk)
+    return (first, (2 * chunk, 5 * chunk)) if medium else (first,)
+
+class SmallBlockAllocator:
+    """ooc's allocator: small requests packed into chunks, large ones as stitched virtual
+    ranges (see the module docstring for the rules and the bound).
+
+    Args:
+        virtual: the :class:`vmm.VirtualAllocator` both paths take chunks from (its pool is
+            the budget).
+        tiers: ``(limit, slab)`` pairs, limits growing: a request of at most ``limit``
+            bytes (and above the previous limit) is packed into slabs of ``slab`` bytes
+            (whole chunks, above the limit); default :func:`default_tiers`. ``threshold``
+            is the last limit: larger requests take the virtual-range path.
+        align: packed blocks' size and address are multiples of it (a power of two dividing
+            the chunk; 512 by default; the page where I/O needs O_DIRECT alignment).
+        pack_waste: a request above the first tier's limit is packed only if rounding it up
+            to whole chunks would waste more than this fraction of it.
+        pack_tails: let small blocks fill the unused tail of ranges of several chunks
+            (default). Saves memory where small tensors are few (ResNet-18's step: 204 vs
+            212 MiB); a tail block outliving its range keeps that range out of reuse until
+            it goes (its other chunks idle, :mod:`vmm.range_heads`).
+
+    Same interface as :class:`vmm.VirtualAllocator` for callers and for ``vmm.replay``:
+    ``alloc``, ``free``, ``trim``, ``close``, ``largest_fit``, ``stats`` and the plain
+    counters ``requested_bytes`` / ``mapped_bytes`` / ``map_calls`` / ``unmap_calls``.
+    ``mapped_bytes`` counts a chunk under small blocks whole: what the device holds for them.
+    """
+
+    def __init__(self, virtual: VirtualAllocator, *,
+                 tiers: Sequence[tuple[int, int]] | None = None, align: int = DEFAULT_ALIGN,
+                 pack_waste: float = DEFAULT_PACK_WASTE, pack_tails: bool = True) -> None:
+        chunk = virtual.chunk_bytes
+        if tiers is None:
+            tiers = default_tiers(chunk, align)
+        self.virtual = virtual
+        self.pool = virtual.pool
+        self.backend = virtual.backend
+        self.chunk_bytes = chunk
+        self.tiers = _make_tiers(tiers, chunk, align)
+        self.threshold = self.tiers[-1].limit if self.tiers else 0   # above: virtual ranges
+        self._first_limit = self.tiers[0].limit if self.tiers else 0
+        self.pack_waste = pack_waste
+        self.pack_tails = pack_tails
+        self.align = align
+        self.alignment = align   # what every address is a multiple of (small blocks included)
+        self.requested_bytes = 0
+        self.peak_requested_bytes = 0
+        self.small_requested_bytes = 0
+        self.small_block_bytes = 0    # rounded sizes of live small blocks
+        self.small_blocks = 0
+        self.small_chunks = 0         # chunks under slabs
+        self.peak_small_chunks = 0
+        self.small_allocs = 0
+        self.small_chunk_opens = 0    # slabs opened
+        self.tail_blocks = 0          # small blocks placed in large allocations' last chunks
+        # id(large allocation) -> its tail: the free stretch (no block yet) or the slab.
+        self._tails: dict[int, _Free | _Slab] = {}
+        self._tier0 = self.tiers[0] if self.tiers else None
+        self.live_allocations = 0
+        self.peak_allocations = 0
+        # The virtual allocator's, copied after each of its calls (replay reads it per event;
+        # a plain attribute, not a property): chunks under live blocks and slabs.
+        self.mapped_bytes = virtual.mapped_bytes
+
+    # -- counters of the virtual allocator (one physical pool, one count) -------------------
+    @property
+    def map_calls(self) -> int:
+        return self.virtual.map_calls
+
+    @property
+    def unmap_calls(self) -> int:
+        return self.virtual.unmap_calls
+
+    # -- public API ---------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Allocation | SmallBlock:
+        """A packed block if ``0 < nbytes <= threshold`` (and, above the first tier, if whole
+        chunks would waste more than ``pack_waste`` of it), else a virtual range (see the
+        module doc). A medium request whose slab does not fit the budget takes the virtual
+        path, so a request fails only when its whole chunks do not fit."""
+        if nbytes <= self.threshold and nbytes > 0 and (
+                nbytes <= self._first_limit or -nbytes % self.chunk_bytes > self.pack_waste * nbytes):
+            try:
+                out: Allocation | SmallBlock = self._alloc_small(nbytes)
+            except OutOfBudget:
+                if nbytes <= self._first_limit:
+                    raise
+                out = self._alloc_large(nbytes)
+        else:
+            out = self._alloc_large(nbytes)
+        r = self.requested_bytes = self.requested_bytes + nbytes
+        if r > self.peak_requested_bytes:
+            self.peak_requested_bytes = r
+        n = self.live_allocations = self.live_allocations + 1
+        if n > self.peak_allocations:
+            self.peak_allocations = n
+        return out
+
+    def _alloc_large(self, nbytes: int) -> Allocation:
+        v = self.virtual
+        out = v.alloc(nbytes)
+        self.mapped_bytes = v.mapped_bytes
+        a = self.align
+        end = out.mapped_bytes
+        free = end - ((nbytes + a - 1) & -a)
+        if free >= a and nbytes > 0 and self._tier0 is not None:
+            # The unused end of the last chunk takes small blocks: one free stretch, indexed
+            # now; its slab is made when a block first lands there (most tails get none).
+            # A one-chunk range's is searched with the slabs' (it is a slab opened by its first
+            # block); a longer range's after them, and only with ``pack_tails``.
+            tail = end > self.chunk_bytes
+            if not tail or self.pack_tails:
+                f = self._tails[id(out)] = _Free(out, end - free, free)
+                self._tier0.index(f, tail)
+        return out
+
+    def _open_tail(self, f: _Free, tier: _Tier) -> _Slab:
+        """The slab of a large range's tail, made when its first block lands (``f``: the
+        tail's free stretch, whose ``slab`` was the allocation until now)."""
+        out = f.slab
+        end = out.mapped_bytes
+        base = end - self.chunk_bytes
+        slab = f.slab = self._tails[id(out)] = _Slab(out, self, tier, base, self.chunk_bytes,
+                                                     f.offset - base, end > self.chunk_bytes)
+        slab.used = f.offset - base
+        slab.free[f.offset] = f
+        slab.ends[end] = f
+        return slab
+
+    def free(self, handle: Allocation | SmallBlock) -> None:
+        """Free a block or a range; a chunk whose small blocks are all free goes back."""
+        if type(handle) is not SmallBlock:
+            v = self.virtual
+            # (Every key of _tails is a live allocation, kept alive by its entry: a freed or
+            # foreign handle is not found, and the virtual allocator refuses it.)
+            tail = self._tails.pop(id(handle), None)
+            if tail is None:
+                v.free(handle)
+            elif type(tail) is _Free:           # no block ever landed in its tail
+                self._tier0.unindex(tail, handle.mapped_bytes > self.chunk_bytes)
+                v.free(handle)
+            elif tail.used == tail.head:        # none lives there now
+                self._drop_slab(tail)
+                v.free(handle)
+            else:
+                # 3. the large block goes, small blocks in its tail stay: the last chunk is a
+                # one-chunk slab of its own from now on, the others are idle (vmm.range_heads).
+                v.retire_head(handle)
+                head, tail.head = tail.head, 0
+                tail.tier.slabs += 1
+                self.small_chunks += 1
+                self._release(tail, tail.base, head)
+            self.mapped_bytes = v.mapped_bytes
+            self.requested_bytes -= handle.nbytes
+            self.live_allocations -= 1
+            return
+        slab = handle._slab
+        if slab is None:
+            raise AllocationError(f"double free of the small block at 0x{handle.address:x} "
+                                  f"({format_size(handle.nbytes)})")
+        if slab.owner is not self:
+            raise AllocationError(f"free of {handle!r}, which belongs to another allocator")
+        if handle._exports:
+            _check_exports(handle)
+        handle._slab = None
+        self.live_allocations -= 1
+        size = handle.mapped_bytes
+        self.requested_bytes -= handle.nbytes
+        self.small_requested_bytes -= handle.nbytes
+        self.small_block_bytes -= size
+        self.small_blocks -= 1
+        if slab.head:
+            self.tail_blocks -= 1
+        self._release(slab, handle.address - slab.allocation.address, size)
+
+    def _release(self, slab: _Slab, offset: int, size: int) -> None:
+        """Make ``[offset, offset + size)`` of a slab free again."""
+        slab.used -= size
+        if slab.used == 0:
+            # 2. the chunk's blocks are all free: give it back whole (no coalescing needed).
+            self._drop_slab(slab)
+            slab.tier.slabs -= 1
+            self.small_chunks -= slab.total // self.chunk_bytes
+            self.virtual.free(slab.allocation)
+            self.mapped_bytes = self.virtual.mapped_bytes
+            return
+        # 1. coalesce with the free neighbours in the chunk, then index the merged stretch.
+        end = offset + size
+        nxt = slab.free.pop(end, None)
+        if nxt is not None:
+            del slab.ends[end + nxt.size]
+            slab.tier.unindex(nxt, slab.tail)
+            size += nxt.size
+        prev = slab.ends.pop(offset, None)
+        if prev is not None:
+            slab.tier.unindex(prev, slab.tail)
+            prev.size += size
+        else:
+            prev = _Free(slab, offset, size)
+            slab.free[offset] = prev
+        slab.ends[prev.offset + prev.size] = prev
+        slab.tier.index(prev, slab.tail)
+
+    @staticmethod
+    def _drop_slab(slab: _Slab) -> None:
+        for f in slab.free.values():
+            slab.tier.unindex(f, slab.tail)
+        slab.free.clear()
+        slab.ends.clear()
+
+    def largest_fit(self) -> int:
+        """Bytes of the largest request that would succeed now (a free chunk's worth or a
+        small block's, whichever is larger)."""
+        free = max((min(max(t.sizes[-1:] + t.tsizes[-1:]), t.limit) for t in self.tiers
+                    if t.sizes or t.tsizes), default=0)
+        return max(self.virtual.largest_fit(), free)
+
+    def trim(self, limit: int | None = None) -> int:
+        """As :meth:`vmm.VirtualAllocator.trim`: chunks under small blocks are in use."""
+        return self.virtual.trim(limit)
+
+    def close(self) -> None:
+        if self.small_blocks:
+            raise AllocationError(f"close() with {self.small_blocks} live small block(s) "
+                                  f"({format_size(self.small_requested_bytes)}): free them first")
+        self.virtual.close()
+
+    def check(self) -> None:
+        """Verify the invariants (for tests); raises AssertionError if broken."""
+        self.virtual.check()
+        _check_packing(self)
+
+    def stats(self) -> dict[str, int]:
+        """The virtual allocator's :meth:`~vmm.VirtualAllocator.stats` with the requests of
+        both paths in ``requested_bytes``/``allocations``, plus: ``small_blocks`` (live),
+        ``small_chunks`` (chunks under them), ``peak_small_chunks``, ``small_requested_bytes``,
+        ``small_block_bytes`` (rounded sizes), ``small_free_bytes`` (free stretches inside
+        small chunks), ``small_allocs``, ``small_chunk_opens`` and ``threshold_bytes``."""
+        return _packing_stats(self, self.virtual.stats())
+
+    def __repr__(self) -> str:
+        return (f"<SmallBlockAllocator {self.small_blocks} small blocks in {self.small_chunks} "
+                f"chunks (<= {format_size(self.threshold)}), {self.virtual!r}>")
+
+    # -- the small path -----------------------------------------------------------------------
+    def _alloc_small(self, nbytes: int) -> SmallBlock | Allocation:
+        a = self.align
+        size = (nbytes + a - 1) & -a
+        tier = self._tier0
+        if size > tier.limit:
+            for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
+                if size <= tier.limit:
+                    break
+        # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
+        # in a tail keeps that chunk in use after the large block goes (and the range out of
+        # reuse until it goes too), so tails take only what no slab can.
+        sizes, by_size = tier.sizes, tier.by_size
+        i = bisect_left(sizes, size)
+        if i == len(sizes):
+            sizes, by_size = tier.tsizes, tier.tby_size
+            i = bisect_left(sizes, size)
+        if i < len(sizes):
+            have = sizes[i]
+            bucket = by_size[have]
+            _, f = bucket.popitem()        # best fit; among equals the one freed last
+            if not bucket:
+                del by_size[have]
+                del sizes[i]
+            slab = f.slab
+            if type(slab) is not _Slab:    # the first block in a large range's tail
+                slab = self._open_tail(f, tier)
+            offset = f.offset
+            del slab.free[offset]
+            if have > size:                # split: the rest stays free (same end)
+                f.offset += size
+                f.size -= size
+                slab.free[f.offset] = f
+                tier.index(f, slab.tail)
+            else:
+                del slab.ends[offset + have]
+        else:
+            whole = tier.slab_bytes
+            if whole == self.chunk_bytes and tier is self._tier0:
+                # A new chunk, first block at its start: a one-chunk range, whose rest takes
+                # small blocks as a slab's would (the slab is made if one lands, _open_tail).
+                return self._alloc_large(nbytes)
+            allocation = self.virtual.alloc(whole)   # may raise BudgetExceeded
+            self.mapped_bytes = self.virtual.mapped_bytes
+            slab = _Slab(allocation, self, tier)
+            tier.slabs += 1
+            self.small_chunks += whole // self.chunk_bytes
+            self.small_chunk_opens += 1
+            if self.small_chunks > self.peak_small_chunks:
+                self.peak_small_chunks = self.small_chunks
+            offset = 0
+            f = _Free(slab, size, whole - size)
+            slab.free[size] = f
+            slab.ends[whole] = f
+            tier.index(f, False)
+        slab.used += size
+        if slab.head:
+            self.tail_blocks += 1
+        self.small_allocs += 1
+        self.small_blocks += 1
+        self.small_requested_bytes += nbytes
+        self.small_block_bytes += size
+        return SmallBlock(slab.allocation.address + offset, nbytes, size, slab)
