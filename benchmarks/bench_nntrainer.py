@@ -148,7 +148,8 @@ def _child(spec: dict[str, Any]) -> None:
     engine = None
     if case.method == "ooc":
         engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage, policy=case.policy,
-                               storage=case.storage, chunk=case.chunk, threads=case.threads, verify=verify)
+                               storage=case.storage, chunk=case.chunk, threads=case.threads, verify=verify,
+                               recompute=case.recompute)
     elif case.method != "incore":
         raise ValueError(f"method {case.method!r}: the steady harness runs incore and ooc")
     build_s = time.perf_counter() - t0
@@ -271,8 +272,10 @@ def main() -> None:
                     od = common.plan_stats(res.stats).get("peak_resident_bytes")
                     if od:
                         same = -(-od // base.chunk) * base.chunk
-                        rows.append(Row(f"window at on-demand's peak ({format_size(same)})",
-                                        replace(ooc_case, budget=same, params_out=str(Path(tmp) / "w0.pt"))))
+                        for mode, tag in ((True, ""), (False, ", swap-only"), ("prefer", ", recompute=prefer")):
+                            rows.append(Row(f"window at on-demand's peak ({format_size(same)}{tag})",
+                                            replace(ooc_case, budget=same, recompute=mode,
+                                                    params_out=str(Path(tmp) / f"w0{tag[2:6]}.pt"))))
                     for div in (() if args.quick else (2, 4)):
                         rows.append(Row(f"window 1/{div} ({format_size(peak // div)})",
                                         replace(ooc_case, budget=peak // div,
@@ -294,7 +297,7 @@ def main() -> None:
     table = []
     for row in rows:
         if not row.results:
-            table.append([row.label, f"failed: {row.error}"] + [""] * 9)
+            table.append([row.label, f"failed: {row.error}"] + [""] * 10)
             continue
         plan = common.plan_stats(row.results[-1].stats)
         stats = row.results[-1].stats or {}
@@ -304,6 +307,7 @@ def main() -> None:
             f"{row.med(lambda r: r.rise_bytes) / MiB:,.0f}",
             "-" if not plan else f"{plan['peak_resident_bytes'] / MiB:,.0f}",
             "-" if not plan else f"{(plan['bytes_in'] + plan['bytes_out']) / MiB:,.0f}",
+            "-" if not plan else f"{plan.get('bytes_recomputed', 0) / MiB:,.0f}",
             "-" if not stats else f"{stats['last_stall_s']:.3f}",
             "(reference)" if row is rows[0] else ("yes" if row.identical else "**NO**" if row.identical is False else "-"),
             _planned(row.results),
@@ -324,7 +328,8 @@ def main() -> None:
     ])
     lines += common.md_table(
         ["method", "step s", "latency vs no swap", "training memory MiB", "peak total MiB",
-         "rise MiB", "plan resident peak MiB", "MiB moved/step", "stall s/step", "params bitwise",
+         "rise MiB", "plan resident peak MiB", "MiB moved/step", "MiB recomputed/step", "stall s/step",
+         "params bitwise",
          "last step planned"], table)
     lines += ["", "NNTrainer's figures (whole-process peak, ARM board, their framework):", ""]
     lines += common.md_table(["method", "peak memory", "latency"],
