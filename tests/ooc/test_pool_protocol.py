@@ -105,14 +105,7 @@ def test_conforms_to_the_protocol(h: Harness) -> None:
 
 def test_ranges_are_aligned_distinct_and_hold_their_bytes(h: Harness) -> None:
     sizes = [5000, CHUNK, CHUNK + 1, 3 * MiB]
-    ranges = [h.pool.take(n) for n in sizes]
-    for i, (r, n) in enumerate(zip(ranges, sizes)):
-        assert h.address(r) % h.pool.alignment == 0
-        h.fill(r, pattern(n, i))
-    for i, (r, n) in enumerate(zip(ranges, sizes)):
-        assert h.read(r, n) == pattern(n, i), f"range {i} was overwritten"
-    spans = sorted((h.address(r), h.address(r) + n) for r, n in zip(ranges, sizes))
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    _fill_and_check(h, [h.pool.take(n) for n in sizes], sizes)
 
 
 def test_over_the_budget_is_out_of_budget_and_the_pool_stays_usable(h: Harness) -> None:
