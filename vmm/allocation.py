@@ -27,6 +27,17 @@ class BufferInUse(AllocationError):
     """``free()`` of an allocation while a buffer exported from it is still referenced."""
 
 
+def buffer_span(offset: int, nbytes: int | None, requested: int, mapped: int, what: str) -> int:
+    """The length of ``buffer(offset, nbytes)`` over ``requested`` bytes of which ``mapped``
+    may be read: ``nbytes`` defaults to the rest of the request; a span outside the mapped
+    bytes raises ``AllocationError`` naming ``what`` they are."""
+    if nbytes is None:
+        nbytes = requested - offset
+    if offset < 0 or nbytes <= 0 or offset + nbytes > mapped:
+        raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the {mapped} {what}")
+    return nbytes
+
+
 class Allocation:
     """A live allocation: ``address`` (contiguous, aligned to the backend granularity),
     ``nbytes`` (requested), ``mapped_bytes`` (k whole chunks), ``chunks`` (in mapping order).
@@ -78,11 +89,8 @@ class Allocation:
         """
         if self._range is None:
             raise AllocationError(f"buffer() of a freed allocation (was at 0x{self.address:x})")
-        if nbytes is None:
-            nbytes = self.nbytes - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > self.mapped_bytes:
-            raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the "
-                                  f"{self.mapped_bytes} mapped bytes of allocation 0x{self.address:x}")
+        nbytes = buffer_span(offset, nbytes, self.nbytes, self.mapped_bytes,
+                             f"mapped bytes of allocation 0x{self.address:x}")
         buf = self._owner.backend.buffer(self.address + offset, nbytes)
         buf._ooc_allocation = self  # the buffer keeps the allocation (and its backend) alive
         if self._exports is None:

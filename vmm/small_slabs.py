@@ -13,7 +13,7 @@ import weakref
 from bisect import bisect_left, insort
 from typing import Any, Sequence
 
-from vmm.allocation import Allocation, AllocationError, BufferInUse
+from vmm.allocation import Allocation, AllocationError, BufferInUse, buffer_span
 from vmm.units import format_size
 
 __all__ = ["SmallBlock"]
@@ -47,11 +47,8 @@ class SmallBlock:
         """A zero-copy buffer over ``[offset, offset + nbytes)`` of the block (host backend)."""
         if self._slab is None:
             raise AllocationError(f"buffer() of a freed small block (was at 0x{self.address:x})")
-        if nbytes is None:
-            nbytes = self.nbytes - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > self.mapped_bytes:
-            raise AllocationError(f"buffer(offset={offset}, nbytes={nbytes}) outside the "
-                                  f"{self.mapped_bytes} bytes of small block 0x{self.address:x}")
+        nbytes = buffer_span(offset, nbytes, self.nbytes, self.mapped_bytes,
+                             f"bytes of small block 0x{self.address:x}")
         chunk = self._slab.allocation
         buf = chunk.buffer(self.address - chunk.address + offset, nbytes)
         if self._exports is None:
