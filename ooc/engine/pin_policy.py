@@ -26,6 +26,7 @@ __all__ = ["PinFn", "pin_function", "pins_of"]
 PinFn = Callable[[str], "str | None"]
 
 
+@functools.lru_cache(maxsize=1)
 def _checkpoint_policies() -> dict[Any, str | None]:
     try:
         from torch.utils.checkpoint import CheckpointPolicy

@@ -143,6 +143,8 @@ class StepEnd:
         if "grads" not in self.manage:
             return []
         freed = {id(s.storage) for s in st.slots.values() if s.kind is Kind.GRAD and s.given_back()}
+        if not freed:   # the usual step: no parameter to look at
+            return []
         lost = []
         for name, p in self.model.named_parameters():
             if p.grad is not None and id(p.grad.untyped_storage()) in freed:

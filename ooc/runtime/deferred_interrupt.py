@@ -33,10 +33,6 @@ class DeferredInterrupt:
         self._held = False
         self._arrived = False
 
-    @property
-    def held(self) -> bool:
-        return self._held
-
     def hold(self) -> None:
         if self._held or threading.current_thread() is not threading.main_thread():
             return
