@@ -11,7 +11,11 @@ of a second or so, where a fixed cost per op weighs most), trained with SGD, fou
   op: what PyTorch's own Python dispatch costs per op, the floor of any engine that sees
   every op in Python (ooc records and follows its plan from there);
 - ``ooc, nothing moves``: ``OutOfCore`` with a budget of twice the managed peak, so the
-  plan moves no byte (checked: the row says so): the engine's own cost;
+  plan moves no byte (checked: the row says so): the engine's own cost. After one step that
+  follows the plan, its steps run plain (no op intercepted, ``ooc/runtime/plain_step.py``);
+- ``ooc, nothing moves, per-op path``: the same with plain steps off
+  (``engine.plain_steps = False``): every op through the engine's dispatch mode, as a plan
+  that moves bytes runs;
 - ``ooc 1/4``: a budget of a quarter of the managed peak (the bytes moved cost on top), or
   the smallest budget the planner accepts where a quarter is below it.
 
@@ -133,6 +137,7 @@ def _child(spec: dict[str, Any]) -> None:
     if method.startswith("ooc"):
         chunk = spec["setting"]["chunk"]
         engine = ooc.OutOfCore(model, opt, budget=spec["budget"], **({"chunk": chunk} if chunk else {}))
+        engine.plain_steps = "per-op path" not in method
 
     def step() -> None:
         if engine is not None:
@@ -167,7 +172,7 @@ def _child(spec: dict[str, Any]) -> None:
         plan = common.plan_stats(stats)
         out.update(ops=plan.get("functions"), planned=stats["last_planned"],
                    moved=plan.get("bytes_in", 0) + plan.get("bytes_out", 0),
-                   managed=plan.get("variables"), chunk=engine.chunk)
+                   managed=plan.get("variables"), chunk=engine.chunk, plain_steps=stats["plain_steps"])
         if spec.get("profile"):   # one more planned step, counting calls into ooc's functions
             prof = cProfile.Profile()
             prof.enable()
@@ -207,7 +212,7 @@ def measure(setting: Setting, rows: list[Row], rounds: int, steps: int, threads:
             params = str(tmp / f"{setting.image_size}-{setting.batch}-{row.method}.pt") if r == 0 else None
             spec = {"setting": asdict(setting), "method": row.method, "budget": row.budget,
                     "steps": steps, "params_out": params, "threads": threads,
-                    "profile": r == 0 and row.method == "ooc, nothing moves"}
+                    "profile": r == 0 and row.method.startswith("ooc, nothing moves")}
             res = run_child(spec)
             res["params"] = params
             row.results.append(res)
@@ -222,14 +227,15 @@ def measure(setting: Setting, rows: list[Row], rounds: int, steps: int, threads:
 
 
 def table(setting: Setting, rows: list[Row], peak: int) -> tuple[list[str], float | None]:
-    inc, mode, full = rows[0], rows[1], rows[2]
+    inc, mode, full, per_op_path = rows[0], rows[1], rows[2], rows[3]
     ooc0 = full.results[0]
     ops = ooc0.get("ops") or 0
     lines = [f"### {setting.label}: batch {setting.batch}, {setting.image_size}x{setting.image_size} images",
              "",
              f"Model from {ooc0['source']}; {ops} ops per step; managed peak {format_size(peak)} "
              f"(activations of at least half a chunk, chunk {format_size(ooc0['chunk'])}); "
-             f"'nothing moves' plan: {ooc0['moved']} bytes moved, {ooc0['managed']} managed tensors.",
+             f"'nothing moves' plan: {ooc0['moved']} bytes moved, {ooc0['managed']} managed tensors; "
+             f"plain steps in its run: {ooc0.get('plain_steps', 0)} of {len(ooc0['times'])}.",
              ""]
     body = []
     for row in rows:
@@ -249,17 +255,21 @@ def table(setting: Setting, rows: list[Row], peak: int) -> tuple[list[str], floa
     ratio, cpu_ratio = median(full.ratios), median(full.cpu_ratios)
     floor_us = (mode.cpu_s - inc.cpu_s) / ops * 1e6 if ops else float("nan")
     engine_us = (full.cpu_s - mode.cpu_s) / ops * 1e6 if ops else float("nan")
-    calls = ooc0.get("ooc_calls")
+    calls, per_op_calls = ooc0.get("ooc_calls"), per_op_path.results[0].get("ooc_calls")
+    per_op_us = (per_op_path.cpu_s - mode.cpu_s) / ops * 1e6 if ops else float("nan")
     lines += ["",
               f"- engine with nothing moved: **{ratio:.3f}x** in-core in wall time, {cpu_ratio:.3f}x in "
               f"CPU time (target <= {TARGET:.2f}x: {'met' if ratio <= TARGET else 'not met'} in wall time, "
               f"{'met' if cpu_ratio <= TARGET else 'not met'} in CPU time); {inc.results[0]['threads']} "
               f"torch thread(s)",
               f"- per op, in CPU time (medians): {floor_us:+.1f} us of PyTorch's Python dispatch (the "
-              f"mode-only row minus in-core) and {engine_us:+.1f} us above it (ooc's own work per op, "
-              f"its step start and end, and memory faulted in again: the column before last)",
-              f"- Python calls into ooc's functions in one planned step: {calls:,} ({calls / ops:.1f} per op)"
-              if calls and ops else "- Python calls per op: not measured",
+              f"mode-only row minus in-core); the engine {engine_us:+.1f} us above that with plain "
+              f"steps, {per_op_us:+.1f} us on its per-op path (ooc's own work per op, its step start and "
+              f"end, and memory faulted in again: the column before last)",
+              f"- Python calls into ooc's functions in one step that moves nothing: plain "
+              f"{calls if calls is not None else '-'} ({(calls or 0) / ops:.2f} per op), per-op path "
+              f"{per_op_calls if per_op_calls is not None else '-'} ({(per_op_calls or 0) / ops:.1f} per op)"
+              if ops else "- Python calls per op: not measured",
               ""]
     return lines, ratio
 
@@ -292,7 +302,7 @@ def main() -> None:
             except BudgetTooSmall as e:   # a small model: one op's tensors take more than 1/4
                 quarter, label = e.minimum, "ooc, smallest feasible budget"
             rows = [Row("in-core"), Row("dispatch mode only"), Row("ooc, nothing moves", max(2 * peak, chunk)),
-                    Row(label, quarter)]
+                    Row("ooc, nothing moves, per-op path", max(2 * peak, chunk)), Row(label, quarter)]
             log(f"{setting.label}: batch {setting.batch}, managed peak {format_size(peak)}")
             measure(setting, rows, rounds, steps, args.threads, Path(tmp), log)
             results.append((setting, rows, peak))

@@ -23,6 +23,7 @@ import scheduler
 from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
+from ooc.engine.plain_steps import PLAIN_CACHE_CAP, PlainSteps
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
 from ooc.engine.step_end import StepEnd
 from ooc.engine.update_hooks import UpdateHooks
@@ -54,7 +55,7 @@ class _Mode(TorchDispatchMode):
         return self.stepper.on_op(func, args, kwargs or {})
 
 
-class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
+class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
 
     The first step records every aten op (forward, backward, optimizer) and the managed
@@ -192,6 +193,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                                                   threads, verify)
         self._init_persistent()
         self._init_plans()
+        self._init_plain()
         self.counters: Counter = Counter()
         self.last: dict[str, Any] = {}
         self.events: list[tuple[str, str, float, float, int]] = []
@@ -256,21 +258,28 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
-        st = Stepper(self._step_context(key), self.schedule, self.binding,
-                     observe_small=self._adapt_pending)
-        if self.device.type == "cpu":
-            cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget))
+        plain = self._plain_step(key)
+        if plain is not None:   # the plan has nothing to do: no op is intercepted (plain_steps.py)
+            cpu_allocator.begin(self, recycle_bytes(self.budget), PLAIN_CACHE_CAP)
+            st, finish = plain, self._finish_plain
+        else:
+            st = Stepper(self._step_context(key), self.schedule, self.binding,
+                         observe_small=self._adapt_pending)
+            finish = self._finish
+            if self.device.type == "cpu":
+                cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget))
         self._stepper = st
         try:
             with contextlib.ExitStack() as stack:
                 if "activations" in self.manage:
                     stack.enter_context(st.saved_tensors_hooks())
-                stack.enter_context(_Mode(st))
+                if plain is None:
+                    stack.enter_context(_Mode(st))
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
             try:
-                self._finish(st, exc, time.perf_counter() - t0)
+                finish(st, exc, time.perf_counter() - t0)
             finally:   # an update that raised: a Ctrl-C it held is delivered now
                 self._interrupts.release()
             if (st.updating and isinstance(exc, StorageError)
@@ -283,7 +292,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                 raise err from exc
             raise
         self._stepper = None
-        self._finish(st, None, time.perf_counter() - t0)
+        finish(st, None, time.perf_counter() - t0)
 
     def _step_context(self, key: Any) -> StepContext:
         """What the step that starts now needs from the engine (``ooc/runtime/step_context.py``)."""
@@ -292,7 +301,8 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
                            manage=self.manage, device=self.device, tier=self.tier, pool=self.pool,
                            new_var=self._ids.__next__, counters=self.counters, model=self.model,
                            optimizer=self.optimizer, persistent=tuple(self.persistent.values()),
-                           plan_runs=runs, pool_excess=self.pool_excess, start_key=key)
+                           plan_runs=runs, pool_excess=self.pool_excess, start_key=key,
+                           plain_candidate=self._plain_candidate())
 
     def stats(self) -> dict[str, int | float]:
         """Flat numbers with stable keys, like ``torch.cuda.memory_stats()``: what moved, what
@@ -306,6 +316,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning):
         out: dict[str, int | float] = {
             "steps": self.counters["steps"],
             "plans": self.counters["plans"],
+            "plain_steps": self.counters["plain_steps"],
             "bytes_in": self.counters["bytes_in"],
             "bytes_out": self.counters["bytes_out"],
             "bytes_recomputed": self.counters["bytes_recomputed"],

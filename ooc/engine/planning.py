@@ -82,6 +82,7 @@ class Planning:
         self._held.pool = self.pool
         close_pool(old)
         self.plans.clear()
+        self._plain.clear()
         self.schedule = None
         self.binding = {}
         if "params" in self.manage:   # parameters now above the threshold are managed too

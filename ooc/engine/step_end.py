@@ -91,14 +91,8 @@ class StepEnd:
             self.pool.trim()
         if self.device.type == "cpu":
             give_back_heap()   # parameters built before the engine left their pages in glibc's heap
-        self.counters["steps"] += 1
-        for tr, name, t0, t1 in st.events:
-            self.events.append((tr, name, t0, t1, self.counters["steps"]))
-        oldest = self.counters["steps"] - TIMELINE_STEPS
-        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
-        del self.events[:-200_000]
-        self.last = {"step_s": seconds, "stall_s": st.stall_s, "planned": st.planned,
-                     "diverged_at": st.diverged_at, "resident_peak_bytes": st.peak}
+        self._book_step(st.events, seconds, st.stall_s, planned=st.planned, diverged_at=st.diverged_at,
+                        peak=st.peak)
         if interrupt is not None:
             raise interrupt
         if exc is not None:
@@ -117,6 +111,7 @@ class StepEnd:
         recording = st.whole_recording()
         if recording is not None:
             self.last_recording = recording
+        self._note_verified(st)
         if st.schedule is None or st.diverged_at is not None:
             st.book_device_times()
             if self._adapt_chunk(st):
@@ -134,6 +129,19 @@ class StepEnd:
                 "step that set them to None after optimizer.step()) gave their bytes back after the "
                 "update: they are None now. Call zero_grad(set_to_none=True) after the update in every "
                 "step, or never inside the step")
+
+    def _book_step(self, events: list[tuple[str, str, float, float]], seconds: float, stall_s: float, *,
+                   planned: bool, diverged_at: int | None, peak: int) -> None:
+        """Count the step, keep its timeline events (the last ``TIMELINE_STEPS`` steps') and
+        what ``stats()`` says of the last step."""
+        self.counters["steps"] += 1
+        for tr, name, t0, t1 in events:
+            self.events.append((tr, name, t0, t1, self.counters["steps"]))
+        oldest = self.counters["steps"] - TIMELINE_STEPS
+        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
+        del self.events[:-200_000]
+        self.last = {"step_s": seconds, "stall_s": stall_s, "planned": planned,
+                     "diverged_at": diverged_at, "resident_peak_bytes": peak}
 
     def _drop_given_back_grads(self, st: Stepper) -> list[str]:
         """Gradients whose bytes the plan freed after the update (they died in the recorded

@@ -57,20 +57,24 @@ def _is_checkpoint(hook: Callable) -> bool:
     return getattr(hook, "__module__", None) == _CHECKPOINT_MODULE
 
 
+_NESTED = ("engine.step() was entered inside the step of another OutOfCore engine: steps of two "
+           "engines do not nest (the inner engine would take the saved activations of every model "
+           "run inside it, the other engine's too, and both would record each other's ops). Finish "
+           "one engine's step before starting the other's, or manage both models with one engine "
+           "(e.g. over an nn.ModuleDict holding them)")
+
+
 def check_step_entry(engine_mode: type, manages_activations: bool) -> None:
     """Refuse to start a step inside another engine's step, or (activations managed) under
     saved-tensor hooks that the step's own hooks would silently replace."""
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, engine_mode):
-            raise OOCError(
-                "engine.step() was entered inside the step of another OutOfCore engine: steps "
-                "of two engines do not nest (the inner engine would take the saved activations "
-                "of every model run inside it, the other engine's too, and both would record "
-                "each other's ops). Finish one engine's step before starting the other's, or "
-                "manage both models with one engine (e.g. over an nn.ModuleDict holding them)")
+            raise OOCError(_NESTED)
+    top = _top_hooks()
+    if top is not None and _is_plain_step(top[0]):
+        raise OOCError(_NESTED)   # a plain step of the other engine: no dispatch mode to find
     if not manages_activations:
         return
-    top = _top_hooks()
     if top is not None:
         raise OOCError(
             f"saved-tensor hooks ({_describe(top[0])}) are active around engine.step(): the "
@@ -79,6 +83,14 @@ def check_step_entry(engine_mode: type, manages_activations: bool) -> None:
             "to its slower tier: leave those hooks (torch.autograd.graph.save_on_cpu or your "
             "own) out of the step, or create the engine with manage= without 'activations' "
             "to keep them in charge of activations")
+
+
+def _is_plain_step(hook: Callable) -> bool:
+    """Whether ``hook`` is the pack hook of an engine's plain step (``plain_step.py``), which
+    runs without the dispatch mode the check above looks for."""
+    from ooc.runtime.plain_step import PlainStep
+
+    return isinstance(getattr(hook, "__self__", None), PlainStep)
 
 
 def check_hooks_inside(own_pack: Any) -> None:

@@ -55,6 +55,10 @@ class SavedTensors:
         self.full_vars: dict[int, int] = {}
         self.small_saved: dict[int, int] = {}
         self._own_pack: Any = None   # the pack hook this step pushed (see saved_tensors_hooks)
+        # A planned step of a plan that moves nothing notes what it saves (plain_step.Signature):
+        # if it keeps to the plan, its next steps may run plain (``ooc/runtime/plain_step.py``).
+        self.signature: list[tuple[int, int, bool]] | None = (
+            [] if self.planned and self.ctx.plain_candidate else None)
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks through which this step manages saved activations. Remembers its pack
@@ -69,6 +73,10 @@ class SavedTensors:
             # A planned step only looks its storage up: no op runs, so the dispatch modes
             # need not be taken off the stack and put back (what most of the time went to).
             s = t.untyped_storage()
+            if self.signature is not None:   # what a plain step will compare its saves with
+                n = s.nbytes()
+                if n >= self.ctx.min_bytes:
+                    self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)))
             slot = self.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
                 b = self.rec.births.get(s._cdata)

@@ -320,6 +320,7 @@ SHED = """
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     with ooc.OutOfCore(model, opt, budget="2MiB", chunk="64KiB") as engine:
+        engine.plain_steps = False   # the plan moves nothing: keep its steps on the per-op path
         def step():
             with engine.step():
                 torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -77,10 +77,13 @@ def _step(model, opt, engine, step: int) -> None:
         engine.optimizer_step()
 
 
-def _planned(min_bytes: str) -> tuple[nn.Module, torch.optim.Optimizer, OutOfCore]:
-    """An engine whose plan is in force and moves nothing (budget far above the step)."""
+def _planned(min_bytes: str, plain: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, OutOfCore]:
+    """An engine whose plan is in force and moves nothing (budget far above the step). Such a
+    plan's steps run plain (no op intercepted, ooc/runtime/plain_step.py); ``plain=False``
+    keeps them on the per-op path, which is what a plan that moves bytes runs."""
     model, opt = _fresh()
     engine = OutOfCore(model, opt, budget="64MiB", chunk="8KiB", min_bytes=min_bytes)
+    engine.plain_steps = plain
     for step in range(3):   # record, re-plan once SGD's momentum exists, planned
         _step(model, opt, engine, step)
     stats = engine.stats()
@@ -156,6 +159,34 @@ def test_a_planned_step_makes_few_python_calls_per_op() -> None:
         f"{calls} Python calls into ooc for {ops} ops ({calls / ops:.1f} per op): the per-op path "
         f"of a planned step does more than it did (at most {MAX_CALLS_PER_OP} per op)")
     _same_as_in_core(model, 4)
+
+
+def test_a_plain_step_makes_a_python_call_per_saved_tensor_only() -> None:
+    """The same step with plain steps on: no op goes through the engine. Its Python calls
+    are autograd's hooks (a pack and an unpack per saved tensor) and a fixed number at the
+    step's start and end, whatever the number of ops."""
+    model, opt, engine = _planned("4KiB", plain=True)
+    ops = engine.stats()["plan.functions"]
+    calls = {"hooks": 0, "other": 0}
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(OOC_DIR):
+            calls["hooks" if frame.f_code.co_name in ("pack", "unpack") else "other"] += 1
+
+    _step(model, opt, engine, 3)   # the first plain step
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+        _step(*_fresh(), None, 3)   # in core, another copy: how many tensors autograd saves
+    sys.setprofile(profile)
+    try:
+        _step(model, opt, engine, 4)
+    finally:
+        sys.setprofile(None)
+    stats = engine.stats()
+    assert stats["plain_steps"] == 2 and stats["last_diverged_at"] == -1
+    engine.close()
+    assert calls["hooks"] == 2 * len(saved), (calls, len(saved))
+    assert calls["other"] <= 100, f"{calls['other']} Python calls into ooc besides the hooks for {ops} ops"
 
 
 class _Capture(TorchDispatchMode):

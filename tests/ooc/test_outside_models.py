@@ -189,20 +189,20 @@ def _quiet_transformers():
 # -- training ------------------------------------------------------------------------------
 
 
-def _optimizer(case: Case, model: nn.Module):
+def _optimizer(case: Case, model: nn.Module, updates: int = UPDATES):
     if case.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3 if case.optimizer == "adamw" else 0.1,
-                                                total_steps=UPDATES) if case.schedule else None
+                                                total_steps=updates) if case.schedule else None
     return opt, sched
 
 
 def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = UPDATES) -> dict:
     """The user's loop, one ``engine.step()`` per micro-batch; ``engine_kw=None``: in core."""
     model.train()
-    opt, sched = _optimizer(case, model)
+    opt, sched = _optimizer(case, model, updates)
     scaler = torch.amp.GradScaler("cpu", **SKIP_FIRST) if case.precision == "fp16" else None
     autocast = (torch.autocast("cpu", dtype=torch.float16 if case.precision == "fp16" else torch.bfloat16)
                 if case.precision != "fp32" else contextlib.nullcontext())
@@ -324,3 +324,20 @@ def test_outside_model_recomputes_bitwise(name: str) -> None:
     _assert_bitwise(ref, got, name)
     assert got["stats"]["bytes_recomputed"] > 0, "nothing was recomputed"
     assert any(got["planned"]), "no step ran its plan"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "transformers"])
+def test_outside_model_runs_plain_steps_bitwise_when_nothing_moves(name: str) -> None:
+    """A budget far above the peak: the plan moves nothing, and once a step has kept to it the
+    next ones run plain (no op through the engine, ooc/runtime/plain_step.py), with the
+    clipping, accumulation, autocast and GradScaler of each case around them: bitwise."""
+    case = CASES[name]
+    _, why = _library(case.library)
+    if why is not None:
+        pytest.skip(why)
+    updates = UPDATES + 2   # GPT-2's GradScaler and scheduler make the first plans diverge twice
+    ref = _train(case, _model(name), None, updates=updates)
+    got = _train(case, _model(name), {"budget": "4GiB"}, updates=updates)
+    _assert_bitwise(ref, got, name)
+    stats = got["stats"]
+    assert stats["plan.bytes_out"] == 0 and stats["plain_steps"] > 0, stats["plain_steps"]

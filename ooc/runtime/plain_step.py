@@ -1,0 +1,177 @@
+"""A step whose plan moves nothing runs as plain PyTorch, watched only by autograd's hooks.
+
+Why: when the budget holds the whole step, the plan has no action at all, yet a planned step
+still sends every aten op through the engine's ``TorchDispatchMode``. PyTorch's Python dispatch
+alone costs 10-25 us per op (measured: +7% on a ResNet-18 step of 0.17 s at 32 px, more than
+the 5% an engine that moves nothing may cost; benchmarks/results/overhead.md). So once a plan
+that moves nothing has run once as planned, its later steps run without the mode:
+
+- the guard is the saved-tensor pack hook (one Python call per saved tensor, not per op): the
+  storages autograd saves, in order, must have the sizes the verified step saved
+  (``Signature``). The activations are what the budget holds; if they are the same, so is the
+  step's managed memory;
+- a step that saves something else has diverged: from there on, every saved activation that
+  would take the step's saved bytes over the budget is written to the slower tier at once and
+  read back when the backward needs it (what an on-demand step does, without the mode), and
+  the engine records and re-plans the next step;
+- a step that fails before its update is rolled back as a planned one is: the buffers (BatchNorm
+  statistics) are copied when the step starts, since no per-op path sees their first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from ooc.runtime.byte_views import byte_view_for
+from ooc.runtime.rollback import StepRollback
+from ooc.runtime.saved_tensors import _of_parameter
+from ooc.storage.tier import SlowerTier
+from scheduler.schedule import Schedule
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+# What a verified step saved, in order: (bytes of the storage, the op that saved it, whether
+# it counts in the budget) of every saved tensor of at least ``min_bytes``: activations and
+# inputs count, parameters (and views of them) do not (the budget is not theirs).
+Signature = tuple[tuple[int, int, bool], ...]
+
+
+def moves_nothing(schedule: Schedule) -> bool:
+    """Whether ``schedule`` has nothing to do: no byte moved, none recomputed."""
+    return not (schedule.bytes_in or schedule.bytes_out or schedule.bytes_recomputed)
+
+
+class Spilled:
+    """A saved activation that a diverged plain step wrote to the tier: where, and its view."""
+
+    __slots__ = ("key", "nbytes", "device", "dtype", "size", "stride", "offset")
+
+    def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
+        self.key, self.nbytes, self.device = key, nbytes, t.device
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+
+class PlainStep:
+    """One step of a verified plan that moves nothing (the module docstring says why).
+
+    The engine drives it as it drives a ``Stepper`` from its optimizer hooks
+    (``close_node``, ``wait_for_transfers``, ``update_starts``, ``update_done``, ``schedule``,
+    ``updating``), and reads ``diverged_at`` (the op of the plan where the saved tensors first
+    differed, None if they did not), ``saved_bytes`` (the saved activations' bytes, an upper
+    bound of their peak), ``spilled_bytes``, ``read_bytes``, ``stall_s`` and ``events`` at its end.
+    """
+
+    planned = True
+    refused = None   # no plan action runs, so the transition table refuses none
+
+    def __init__(self, schedule: Schedule, signature: Signature, *, budget: int, min_bytes: int,
+                 tier: SlowerTier, model: torch.nn.Module, new_key: Callable[[], int],
+                 start_key: Any = None) -> None:
+        self.schedule, self.start_key = schedule, start_key
+        self.signature = signature
+        self.budget, self.min_bytes = budget, min_bytes
+        self.tier, self.new_key = tier, new_key
+        self.k = 0                 # saved tensors of at least min_bytes so far
+        self.saved_bytes = 0       # their bytes (a saved storage counted at each save: an upper bound)
+        self.diverged_at: int | None = None
+        self.why = ""
+        self.spilled: list[int] = []   # tier keys this step wrote
+        self.spilled_bytes = 0
+        self.read_bytes = 0
+        self.stall_s = 0.0
+        self.updating = False
+        self.events: list[tuple[str, str, float, float]] = []
+        self.t0 = time.perf_counter()
+        self.rollback = StepRollback(model)
+        for key in self.rollback.buffers:   # no per-op path sees a buffer's first use: copy all now
+            self.rollback.save_before_write(key)
+
+    # -- autograd's hooks --------------------------------------------------------------------
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes < self.min_bytes:
+            return t
+        k = self.k
+        self.k = k + 1
+        if self.diverged_at is None:
+            expected = self.signature[k][0] if k < len(self.signature) else None
+            if expected == nbytes:
+                return t
+            self._diverge(k, f"saved tensor {k} has {nbytes} B, the plan's had "
+                          f"{'none' if expected is None else f'{expected} B'}")
+        if _of_parameter(t) or t.is_meta:
+            return t
+        if self.saved_bytes + nbytes <= self.budget:
+            self.saved_bytes += nbytes
+            return t
+        return self._spill(t, nbytes)
+
+    def unpack(self, p: Any) -> torch.Tensor:
+        if not isinstance(p, Spilled):
+            return p
+        t0 = time.perf_counter()
+        dest = torch.empty(p.nbytes, dtype=torch.uint8, device=p.device).untyped_storage()
+        self.tier.read_async(p.key, byte_view_for(dest)).result()
+        t1 = time.perf_counter()
+        self.stall_s += t1 - t0
+        self.read_bytes += p.nbytes
+        self.events.append(("wait", f"read back saved tensor ({format_size(p.nbytes)})", t0, t1))
+        return torch.empty(0, dtype=p.dtype, device=p.device).set_(dest, p.offset, p.size, p.stride)
+
+    def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
+        """Write a saved activation of a diverged step to the tier; autograd keeps only where."""
+        key = self.new_key()
+        storage = t.untyped_storage()
+        t0 = time.perf_counter()
+        self.tier.write_async(key, byte_view_for(storage), nbytes).result()
+        t1 = time.perf_counter()
+        self.stall_s += t1 - t0
+        self.spilled.append(key)
+        self.spilled_bytes += nbytes
+        self.events.append(("wait", f"write out saved tensor ({format_size(nbytes)})", t0, t1))
+        return Spilled(key, t, nbytes)
+
+    def _diverge(self, k: int, why: str) -> None:
+        sig = self.signature
+        self.diverged_at = sig[min(k, len(sig) - 1)][1] if sig else 0
+        self.why = why
+        # What was saved so far matched the plan, which fits the budget: count it from here.
+        self.saved_bytes = sum(n for n, _, counted in sig[:k] if counted)
+
+    def finish(self, failed: bool) -> None:
+        """The step is over: a completed one that saved fewer tensors than the plan diverged
+        too; the tier forgets what the step wrote (nothing reads it after the backward)."""
+        if not failed and self.diverged_at is None and self.k != len(self.signature):
+            self._diverge(self.k, f"{self.k} saved tensors of at least {format_size(self.min_bytes)}, "
+                          f"the plan's step saved {len(self.signature)}")
+        if self.diverged_at is None:   # as the plan's step: what it saved counts
+            self.saved_bytes = sum(n for n, _, counted in self.signature if counted)
+        for key in self.spilled:
+            self.tier.discard(key)
+        self.spilled.clear()
+        self.events.insert(0, ("compute", "plain step (no op intercepted)", self.t0, time.perf_counter()))
+
+    # -- what the engine's optimizer hooks call ----------------------------------------------
+
+    def close_node(self) -> None:
+        """No backward node holds anything of the engine's: nothing to close."""
+
+    def wait_for_transfers(self) -> None:
+        """The commit point's wait: a plain step's writes are synchronous, none is in flight."""
+
+    def update_starts(self) -> None:
+        self.rollback.commit()
+        self.updating = True
+
+    def update_done(self) -> None:
+        self.updating = False
