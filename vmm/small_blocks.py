@@ -265,10 +265,19 @@ class SmallBlockAllocator:
     def _release(self, slab: _Slab, offset: int, size: int) -> None:
         """Make ``[offset, offset + size)`` of a slab free again."""
         slab.used -= size
+        if slab.tier.sparse:
+            # The chunks no other block touches go back now (vmm.sparse_ranges).
+            c = self.chunk_bytes
+            self.small_chunks -= self.virtual.untouch(slab.allocation, offset // c,
+                                                      (offset + size - 1) // c)
+            self.mapped_bytes = self.virtual.mapped_bytes
         if slab.used == 0:
-            # 2. the chunk's blocks are all free: give it back whole (no coalescing needed).
+            # 2. the slab's blocks are all free: give it back whole (no coalescing needed).
             self._drop_slab(slab)
             slab.tier.slabs -= 1
+            if slab.tier.sparse:
+                self.virtual.release_sparse(slab.allocation)   # nothing mapped any more
+                return
             self.small_chunks -= slab.total // self.chunk_bytes
             self.virtual.free(slab.allocation)
             self.mapped_bytes = self.virtual.mapped_bytes
@@ -340,6 +349,7 @@ class SmallBlockAllocator:
             for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
                 if size <= tier.limit:
                     break
+            return self._alloc_sparse(nbytes, size, tier)
         # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
         # in a tail keeps that chunk in use after the large block goes (and the range out of
         # reuse until it goes too), so tails take only what no slab can.
@@ -394,3 +404,81 @@ class SmallBlockAllocator:
         self.small_requested_bytes += nbytes
         self.small_block_bytes += size
         return SmallBlock(slab.allocation.address + offset, nbytes, size, slab)
+
+    def _alloc_sparse(self, nbytes: int, size: int, tier: _Tier) -> SmallBlock:
+        """A block of ``size`` (rounded) bytes in a slab of several chunks, mapped only where
+        blocks lie (:mod:`vmm.sparse_ranges`). The block starts at most ``k x c - size``
+        bytes into a chunk (k = ceil(size / c)), so it touches k chunks, no more than whole
+        chunks of its own would map. Among the free stretches where it can go, the place that
+        maps the fewest new chunks (sharing a chunk with a neighbour), then the smallest
+        stretch (best fit), then the one freed last; a new slab only if no stretch can take it.
+        Of each stretch two places are tried: as near its start, and as near its end, as
+        the rule allows (the rest of the stretch stays one or two free stretches)."""
+        c = self.chunk_bytes
+        k = -(-size // c)
+        slack = k * c - size
+        best: _Free | None = None
+        best_new = k + 1
+        best_at = 0
+        sizes = tier.sizes
+        for have in sizes[bisect_left(sizes, size):]:
+            for f in reversed(tier.by_size[have].values()):
+                o = f.offset
+                q = o + have - size      # the last start inside the stretch
+                r = o % c
+                p = o if r <= slack else o - r + c
+                if p > q:
+                    continue
+                r = q % c
+                e = q if r <= slack else q - r + slack
+                rng = f.slab.allocation
+                for x in (p, e):
+                    new = rng.missing(x // c, (x + size - 1) // c)
+                    if new < best_new:
+                        best, best_new, best_at = f, new, x
+                if not best_new:
+                    break
+            if not best_new:
+                break
+        v = self.virtual
+        if best is None:
+            rng = v.sparse_range(tier.slab_bytes // c)
+            try:
+                new = v.touch(rng, 0, k - 1, nbytes)
+            except BaseException:
+                v.release_sparse(rng)
+                raise
+            slab = _Slab(rng, self, tier)
+            tier.slabs += 1
+            self.small_chunk_opens += 1
+            self._add_free(slab, size, slab.total - size)
+            x = 0
+        else:
+            slab, x = best.slab, best_at
+            rng = slab.allocation
+            new = v.touch(rng, x // c, (x + size - 1) // c, nbytes)   # may raise: nothing changed
+            o, end = best.offset, best.offset + best.size
+            del slab.free[o]
+            del slab.ends[end]
+            tier.unindex(best, False)
+            if x > o:
+                self._add_free(slab, o, x - o)
+            if x + size < end:
+                self._add_free(slab, x + size, end - x - size)
+        self.mapped_bytes = v.mapped_bytes
+        self.small_chunks += new
+        if self.small_chunks > self.peak_small_chunks:
+            self.peak_small_chunks = self.small_chunks
+        slab.used += size
+        self.small_allocs += 1
+        self.small_blocks += 1
+        self.small_requested_bytes += nbytes
+        self.small_block_bytes += size
+        return SmallBlock(rng.address + x, nbytes, size, slab)
+
+    @staticmethod
+    def _add_free(slab: _Slab, offset: int, size: int) -> None:
+        f = _Free(slab, offset, size)
+        slab.free[offset] = f
+        slab.ends[offset + size] = f
+        slab.tier.index(f, False)

@@ -107,12 +107,13 @@ class _Tier:
     stretches of its slabs by size (sorted distinct sizes; per size, in the order they became
     free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second)."""
 
-    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "tsizes", "tby_size", "slabs",
-                 "_indexes")
+    __slots__ = ("limit", "slab_bytes", "sparse", "sizes", "by_size", "tsizes", "tby_size",
+                 "slabs", "_indexes")
 
-    def __init__(self, limit: int, slab_bytes: int) -> None:
+    def __init__(self, limit: int, slab_bytes: int, sparse: bool = False) -> None:
         self.limit = limit
         self.slab_bytes = slab_bytes
+        self.sparse = sparse   # slabs of several chunks: mapped only where blocks lie
         self.sizes: list[int] = []
         self.by_size: dict[int, dict[int, _Free]] = {}
         self.tsizes: list[int] = []
@@ -179,7 +180,17 @@ def _check_packing(a: Any) -> None:
         assert not any(s.tail for s in slabs if s not in tail_slabs)
         own = [s for s in slabs if not s.head]
         assert len(own) <= tier.slabs
-        chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
+        if tier.sparse:
+            for slab in slabs:   # a chunk is mapped where a block lies, and only there
+                rng, c = slab.allocation, a.chunk_bytes
+                free = [0] * rng.capacity
+                for f in slab.free.values():
+                    for j in range(f.offset // c, (f.offset + f.size - 1) // c + 1):
+                        free[j] += min(f.offset + f.size, (j + 1) * c) - max(f.offset, j * c)
+                assert all((rng.chunks[j] is None) == (free[j] == c) for j in range(rng.capacity))
+        else:
+            chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
+    chunks += sum(r.mapped for r in a.virtual._sparse_live.values())
     assert chunks == a.small_chunks
     assert sum(t.slabs for t in a.tiers) <= a.small_blocks
 
@@ -190,12 +201,12 @@ def _make_tiers(tiers: Sequence[tuple[int, int]], chunk: int, align: int) -> tup
         raise ValueError(f"align {align} must be a power of two dividing the chunk ({chunk} B)")
     last = 0
     for limit, slab in tiers:
-        if not last < limit < slab or slab % chunk or limit % align:
+        if not last < limit < slab or slab % chunk or limit % align or (not last and slab != chunk):
             raise ValueError(f"tier ({limit} B, slab {slab} B): limits must grow, be multiples "
                              f"of {align} B and each below its slab, slabs whole chunks of "
-                             f"{chunk} B")
+                             f"{chunk} B (the first tier's one chunk)")
         last = limit
-    return tuple(_Tier(limit, slab) for limit, slab in tiers)
+    return tuple(_Tier(limit, slab, slab > chunk) for limit, slab in tiers)
 
 
 def _packing_stats(a: Any, st: dict[str, int]) -> dict[str, int]:

@@ -23,12 +23,13 @@ from vmm.allocation import Allocation, AllocationError, BufferInUse
 from vmm.pool import BudgetExceeded, ChunkPool
 from vmm.range_heads import IdleHeads
 from vmm.range_reuse import _EMPTY, RangeReuse, _Range
+from vmm.sparse_ranges import SparseRanges
 from vmm.units import format_size
 
 __all__ = ["VirtualAllocator", "Allocation", "AllocationError", "BufferInUse"]
 
 
-class VirtualAllocator(RangeReuse, IdleHeads):
+class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
     """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
 
     ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
@@ -144,6 +145,8 @@ class VirtualAllocator(RangeReuse, IdleHeads):
         self.heads_retired = self.heads_reclaimed = 0
         self._ranges: dict[int, _Range] = {}
         self._next_rid = 0
+        self._spare: dict[int, list] = {}    # empty sparse ranges by capacity (vmm.sparse_ranges)
+        self._sparse_live: dict[int, Any] = {}
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation:
@@ -260,6 +263,7 @@ class VirtualAllocator(RangeReuse, IdleHeads):
                 self.reserved_bytes -= rng.capacity * self.chunk_bytes
                 del self._ranges[rng.rid]
         self._by_capacity.clear()
+        self._trim_sparse()
         return self.pool.trim()
 
     def close(self) -> None:
