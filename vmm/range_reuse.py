@@ -73,8 +73,8 @@ class RangeReuse:
         assert pool.handed_out == live + parked + idle, (pool.handed_out, live, parked, idle)
         assert pool.created == pool.handed_out + pool.cached
         assert pool.created <= pool.max_chunks
-        sparse = self._check_sparse()
-        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes + sparse
+        assert self.reserved_bytes == (sum(r.capacity for r in self._ranges.values())
+                                       * self.chunk_bytes + self._check_sparse()[1])
         for m, bucket in self._parked.items():
             assert bucket and m in self._parked_sizes
             for r in bucket.values():

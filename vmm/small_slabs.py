@@ -181,16 +181,16 @@ def _check_packing(a: Any) -> None:
         own = [s for s in slabs if not s.head]
         assert len(own) <= tier.slabs
         if tier.sparse:
-            for slab in slabs:   # a chunk is mapped where a block lies, and only there
+            for slab in slabs:   # a chunk is in use where a block lies, and only there
                 rng, c = slab.allocation, a.chunk_bytes
                 free = [0] * rng.capacity
                 for f in slab.free.values():
                     for j in range(f.offset // c, (f.offset + f.size - 1) // c + 1):
                         free[j] += min(f.offset + f.size, (j + 1) * c) - max(f.offset, j * c)
-                assert all((rng.chunks[j] is None) == (free[j] == c) for j in range(rng.capacity))
+                assert all((rng.touch[j] == 0) == (free[j] == c) for j in range(rng.capacity))
         else:
             chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
-    chunks += sum(r.mapped for r in a.virtual._sparse_live.values())
+    chunks += sum(r.mapped - r.idle for r in a.virtual._sparse_live.values())
     assert chunks == a.small_chunks
     assert sum(t.slabs for t in a.tiers) <= a.small_blocks
 

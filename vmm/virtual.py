@@ -147,6 +147,7 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         self._next_rid = 0
         self._spare: dict[int, list] = {}    # empty sparse ranges by capacity (vmm.sparse_ranges)
         self._sparse_live: dict[int, Any] = {}
+        self._sparse_idle: dict[int, Any] = {}
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation:

@@ -50,9 +50,8 @@ def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped
     """A fresh allocator on the sim backend: the caching model (``chunk_bytes`` None) under
     ``conf`` (None: PyTorch's defaults), or ooc's allocator with chunks of ``chunk_bytes``
     (``capacity`` None: unlimited): :class:`vmm.SmallBlockAllocator` over a virtual
-    allocator with its default tiers (the runtime's device pools leave out the medium tier,
-    ``vmm.default_tiers(medium=False)``, to fit their plans; ``pure``: the virtual allocator
-    alone, every request in whole chunks)."""
+    allocator with :func:`vmm.default_tiers`, the configuration the runtime's device pools
+    run (``pure``: the virtual allocator alone, every request in whole chunks)."""
     import vmm
 
     if chunk_bytes is None:
