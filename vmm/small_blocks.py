@@ -67,7 +67,7 @@ Addresses: a large allocation's address is a multiple of the backend granularity
 block's, of ``align``. Not thread-safe (callers hold one lock, as for the virtual allocator).
 """
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
@@ -155,8 +155,8 @@ class SmallBlockAllocator:
         self.small_allocs = 0
         self.small_chunk_opens = 0    # slabs opened
         self.tail_blocks = 0          # small blocks placed in large allocations' last chunks
-        # id(large allocation) -> its tail: the free stretch (no block yet) or the slab.
-        self._tails: dict[int, _Free | _Slab] = {}
+        # large allocation -> its tail: the free stretch (no block yet) or the slab.
+        self._tails: dict[Allocation, _Free | _Slab] = {}
         self._tier0 = self.tiers[0] if self.tiers else None
         self.live_allocations = 0
         self.peak_allocations = 0
@@ -179,11 +179,39 @@ class SmallBlockAllocator:
         chunks would waste more than ``pack_waste`` of it), else a virtual range (see the
         module doc). A medium block needs at most its whole chunks (fewer where it shares a
         chunk), so a request fails only when its whole chunks do not fit."""
+        out: Allocation | SmallBlock | None = None
         if nbytes <= self.threshold and nbytes > 0 and (
                 nbytes <= self._first_limit or -nbytes % self.chunk_bytes > self.pack_waste * nbytes):
-            out: Allocation | SmallBlock = self._alloc_small(nbytes)
-        else:
-            out = self._alloc_large(nbytes)
+            out = self._alloc_small(nbytes)   # None: no stretch fits, a new chunk (below)
+        if out is None:
+            # The virtual-range path (inline: most requests of a replay take it).
+            v = self.virtual
+            out = v.alloc(nbytes)
+            self.mapped_bytes = v.mapped_bytes
+            a = self.align
+            end = out.mapped_bytes
+            free = end - ((nbytes + a - 1) & -a)
+            t = self._tier0
+            if free >= a and t is not None:
+                # The unused end of the last chunk takes small blocks: one free stretch,
+                # indexed now; its slab is made when a block first lands there (most tails
+                # get none). A one-chunk range's is searched with the slabs' (it is a slab
+                # opened by its first block); a longer range's after them, and only with
+                # ``pack_tails``. (_Tier.index inline.)
+                if end <= self.chunk_bytes:
+                    by_size, sizes = t.by_size, t.sizes
+                elif self.pack_tails:
+                    by_size, sizes = t.tby_size, t.tsizes
+                else:
+                    by_size = None
+                if by_size is not None:
+                    f = self._tails[out] = _Free(out, end - free, free)
+                    bucket = by_size.get(free)
+                    if bucket is None:
+                        by_size[free] = {f: f}
+                        insort(sizes, free)
+                    else:
+                        bucket[f] = f
         r = self.requested_bytes = self.requested_bytes + nbytes
         if r > self.peak_requested_bytes:
             self.peak_requested_bytes = r
@@ -192,31 +220,13 @@ class SmallBlockAllocator:
             self.peak_allocations = n
         return out
 
-    def _alloc_large(self, nbytes: int) -> Allocation:
-        v = self.virtual
-        out = v.alloc(nbytes)
-        self.mapped_bytes = v.mapped_bytes
-        a = self.align
-        end = out.mapped_bytes
-        free = end - ((nbytes + a - 1) & -a)
-        if free >= a and nbytes > 0 and self._tier0 is not None:
-            # The unused end of the last chunk takes small blocks: one free stretch, indexed
-            # now; its slab is made when a block first lands there (most tails get none).
-            # A one-chunk range's is searched with the slabs' (it is a slab opened by its first
-            # block); a longer range's after them, and only with ``pack_tails``.
-            tail = end > self.chunk_bytes
-            if not tail or self.pack_tails:
-                f = self._tails[id(out)] = _Free(out, end - free, free)
-                self._tier0.index(f, tail)
-        return out
-
     def _open_tail(self, f: _Free, tier: _Tier) -> _Slab:
         """The slab of a large range's tail, made when its first block lands (``f``: the
         tail's free stretch, whose ``slab`` was the allocation until now)."""
         out = f.slab
         end = out.mapped_bytes
         base = end - self.chunk_bytes
-        slab = f.slab = self._tails[id(out)] = _Slab(out, self, tier, base, self.chunk_bytes,
+        slab = f.slab = self._tails[out] = _Slab(out, self, tier, base, self.chunk_bytes,
                                                      f.offset - base, end > self.chunk_bytes)
         slab.used = f.offset - base
         slab.free[f.offset] = f
@@ -229,11 +239,21 @@ class SmallBlockAllocator:
             v = self.virtual
             # (Every key of _tails is a live allocation, kept alive by its entry: a freed or
             # foreign handle is not found, and the virtual allocator refuses it.)
-            tail = self._tails.pop(id(handle), None)
+            tail = self._tails.pop(handle, None)
             if tail is None:
                 v.free(handle)
             elif type(tail) is _Free:           # no block ever landed in its tail
-                self._tier0.unindex(tail, handle.mapped_bytes > self.chunk_bytes)
+                t = self._tier0                 # (_Tier.unindex inline)
+                size = tail.size
+                if handle.mapped_bytes > self.chunk_bytes:
+                    by_size, sizes = t.tby_size, t.tsizes
+                else:
+                    by_size, sizes = t.by_size, t.sizes
+                bucket = by_size[size]
+                del bucket[tail]
+                if not bucket:
+                    del by_size[size]
+                    del sizes[bisect_left(sizes, size)]
                 v.free(handle)
             elif tail.used == tail.head:        # none lives there now
                 self._drop_slab(tail)
@@ -308,9 +328,22 @@ class SmallBlockAllocator:
 
     @staticmethod
     def _drop_slab(slab: _Slab) -> None:
-        for f in slab.free.values():
-            slab.tier.unindex(f, slab.tail)
-        slab.free.clear()
+        free = slab.free
+        if len(free) == 1:   # the usual case: the slab's one stretch (_Tier.unindex inline)
+            tier = slab.tier
+            f = next(iter(free.values()))
+            by_size = tier.tby_size if slab.tail else tier.by_size
+            size = f.size
+            bucket = by_size[size]
+            del bucket[f]
+            if not bucket:
+                del by_size[size]
+                sizes = tier.tsizes if slab.tail else tier.sizes
+                del sizes[bisect_left(sizes, size)]
+        else:
+            for f in free.values():
+                slab.tier.unindex(f, slab.tail)
+        free.clear()
         slab.ends.clear()
 
     def largest_fit(self) -> int:
@@ -348,7 +381,10 @@ class SmallBlockAllocator:
                 f"chunks (<= {format_size(self.threshold)}), {self.virtual!r}>")
 
     # -- the small path -----------------------------------------------------------------------
-    def _alloc_small(self, nbytes: int) -> SmallBlock | Allocation:
+    def _alloc_small(self, nbytes: int) -> SmallBlock | None:
+        """A block in a slab or a tail, or None where none has room: then the block starts a
+        new chunk, as a one-chunk range (``alloc``'s virtual path) whose rest takes small
+        blocks as a slab's would (the slab is made if one lands, :meth:`_open_tail`)."""
         a = self.align
         size = (nbytes + a - 1) & -a
         tier = self._tier0
@@ -379,15 +415,18 @@ class SmallBlockAllocator:
             del slab.free[offset]
             if have > size:                # split: the rest stays free (same end)
                 f.offset += size
-                f.size -= size
+                have = f.size = have - size
                 slab.free[f.offset] = f
-                tier.index(f, slab.tail)
+                bucket = by_size.get(have)     # (_Tier.index inline, same index as before)
+                if bucket is None:
+                    by_size[have] = {f: f}
+                    insort(sizes, have)
+                else:
+                    bucket[f] = f
             else:
                 del slab.ends[offset + have]
         else:
-            # A new chunk, first block at its start: a one-chunk range, whose rest takes
-            # small blocks as a slab's would (the slab is made if one lands, _open_tail).
-            return self._alloc_large(nbytes)
+            return None
         slab.used += size
         if slab.head:
             self.tail_blocks += 1

@@ -105,39 +105,42 @@ class _Slab:
 class _Tier:
     """Requests up to ``limit`` bytes, packed best fit into slabs of ``slab_bytes``: the free
     stretches of its slabs by size (sorted distinct sizes; per size, in the order they became
-    free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second)."""
+    free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second). A bucket
+    maps each stretch to itself (an object's hash is its identity: cheaper than ``id``)."""
 
     __slots__ = ("limit", "slab_bytes", "sparse", "sizes", "by_size", "tsizes", "tby_size",
-                 "slabs", "_indexes")
+                 "slabs")
 
     def __init__(self, limit: int, slab_bytes: int, sparse: bool = False) -> None:
         self.limit = limit
         self.slab_bytes = slab_bytes
         self.sparse = sparse   # slabs of several chunks: mapped only where blocks lie
         self.sizes: list[int] = []
-        self.by_size: dict[int, dict[int, _Free]] = {}
+        self.by_size: dict[int, dict[_Free, _Free]] = {}
         self.tsizes: list[int] = []
-        self.tby_size: dict[int, dict[int, _Free]] = {}
+        self.tby_size: dict[int, dict[_Free, _Free]] = {}
         self.slabs = 0
-        self._indexes = ((self.by_size, self.sizes), (self.tby_size, self.tsizes))  # [tail]
 
     def index(self, f: _Free, tail: bool) -> None:
         """Index a free stretch (``tail``: of a slab in a multi-chunk range's last chunk)."""
-        by_size, sizes = self._indexes[tail]
-        bucket = by_size.get(f.size)
+        by_size = self.tby_size if tail else self.by_size
+        size = f.size
+        bucket = by_size.get(size)
         if bucket is None:
-            by_size[f.size] = {id(f): f}
-            insort(sizes, f.size)
+            by_size[size] = {f: f}
+            insort(self.tsizes if tail else self.sizes, size)
         else:
-            bucket[id(f)] = f
+            bucket[f] = f
 
     def unindex(self, f: _Free, tail: bool) -> None:
-        by_size, sizes = self._indexes[tail]
-        bucket = by_size[f.size]
-        del bucket[id(f)]
+        by_size = self.tby_size if tail else self.by_size
+        size = f.size
+        bucket = by_size[size]
+        del bucket[f]
         if not bucket:
-            del by_size[f.size]
-            del sizes[bisect_left(sizes, f.size)]
+            del by_size[size]
+            sizes = self.tsizes if tail else self.sizes
+            del sizes[bisect_left(sizes, size)]
 
 
 def _check_exports(block: SmallBlock) -> None:
@@ -164,11 +167,11 @@ def _check_packing(a: Any) -> None:
         tail_slabs = {f.slab for b in tier.tby_size.values() for f in b.values()}
         for f in stretches:
             if type(f.slab) is not _Slab:   # a tail with no block yet: the range's end
-                assert f.slab.live and a._tails[id(f.slab)] is f and tier is a.tiers[0]
+                assert f.slab.live and a._tails[f.slab] is f and tier is a.tiers[0]
                 assert f.offset + f.size == f.slab.mapped_bytes and f.size < a.chunk_bytes
                 one = f.slab.mapped_bytes == a.chunk_bytes   # searched with the slabs'
-                assert tier.by_size.get(f.size, {}).get(id(f)) is f if one else \
-                    tier.tby_size.get(f.size, {}).get(id(f)) is f
+                assert tier.by_size.get(f.size, {}).get(f) is f if one else \
+                    tier.tby_size.get(f.size, {}).get(f) is f
         for slab in slabs:
             assert slab.used > 0 and slab.allocation.live and slab.tier is tier
             free = sum(f.size for f in slab.free.values())

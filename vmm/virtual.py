@@ -20,6 +20,7 @@ from bisect import bisect_left, insort
 from typing import Any
 
 from vmm.allocation import Allocation, AllocationError, BufferInUse
+from vmm.backend import Backend
 from vmm.pool import BudgetExceeded, ChunkPool
 from vmm.range_heads import IdleHeads
 from vmm.range_reuse import _EMPTY, RangeReuse, _Range
@@ -104,6 +105,10 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         self.alignment = self.backend.granularity
         self.keep_mapped = keep_mapped
         self.lean = lean
+        # Whether the backend marks moments in the device's work (CUDA); else a parked
+        # range's fence stays None ("unknown"), what ``Backend.fence`` would return: no call
+        # per free.
+        self._fences = type(self.backend).fence is not Backend.fence
         # Live accounting (plain attributes: replay reads them per event).
         self.requested_bytes = 0
         self.mapped_bytes = 0      # chunks under live allocations x chunk_bytes
@@ -219,7 +224,8 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         if rng.head:
             self._free_headless(rng)
         elif self.keep_mapped:
-            rng.fence = self.backend.fence()
+            if self._fences:
+                rng.fence = self.backend.fence()
             bucket = self._parked.get(k)   # park (inline _park: the hot path)
             if bucket is None:
                 self._parked[k] = {rid: rng}
