@@ -455,22 +455,27 @@ class SmallBlockAllocator:
         best: _Free | None = None
         best_new = k + 1
         best_at = 0
-        sizes = tier.sizes
-        for have in sizes[bisect_left(sizes, size):]:
-            for f in reversed(tier.by_size[have].values()):
+        sizes, by_size = tier.sizes, tier.by_size
+        for i in range(bisect_left(sizes, size), len(sizes)):
+            have = sizes[i]
+            for f in reversed(by_size[have].values()):
                 o = f.offset
                 q = o + have - size      # the last start inside the stretch
                 r = o % c
                 p = o if r <= slack else o - r + c
                 if p > q:
                     continue
+                # The chunks the block would put newly in use: those no block touches yet.
+                touch = f.slab.allocation.touch
+                new = touch[p // c:(p + size - 1) // c + 1].count(0)
+                if new < best_new:
+                    best, best_new, best_at = f, new, p
                 r = q % c
                 e = q if r <= slack else q - r + slack
-                rng = f.slab.allocation
-                for x in (p, e):
-                    new = rng.missing(x // c, (x + size - 1) // c)
+                if e != p:
+                    new = touch[e // c:(e + size - 1) // c + 1].count(0)
                     if new < best_new:
-                        best, best_new, best_at = f, new, x
+                        best, best_new, best_at = f, new, e
                 if not best_new:
                     break
             if not best_new:

@@ -59,11 +59,6 @@ class SparseRange:
         self.live = False
         self.fence: Any = None
 
-    def missing(self, first: int, last: int) -> int:
-        """How many of positions ``first..last`` (inclusive) no block touches now: the chunks
-        a block over them would add to those in use."""
-        return self.touch[first:last + 1].count(0)
-
     def buffer(self, offset: int, nbytes: int) -> Any:
         """A host buffer over ``[offset, offset + nbytes)`` (host backend; chunks in use only)."""
         buf = self.owner.backend.buffer(self.address + offset, nbytes)
@@ -128,27 +123,32 @@ class SparseRanges:
         many were not in use before. Raises :class:`vmm.pool.BudgetExceeded` (changing
         nothing) when the budget lacks the chunks to map."""
         touch, chunks = rng.touch, rng.chunks
-        span = range(first, last + 1)
-        fresh = [j for j in span if not touch[j]]
-        need = sum(1 for j in fresh if chunks[j] is None)
-        revive = len(fresh) - need
+        need = revive = 0
+        for j in range(first, last + 1):
+            if not touch[j]:
+                if chunks[j] is None:
+                    need += 1
+                else:
+                    revive += 1
         if need > self.pool.available + self.parked_chunks + self.idle_chunks - revive:
             self.ooms += 1
             raise self._oom(nbytes, need)
         # Touched before any chunk is gathered: a steal takes only untouched chunks.
-        for j in span:
+        for j in range(first, last + 1):
             touch[j] += 1
-        self._set_idle(rng, rng.idle - revive)
+        if revive:
+            self._set_idle(rng, rng.idle - revive)
         if need:
             try:
                 self._map_missing(rng, first, last, need)
             except BaseException:
                 # A backend failure: what this call took back or mapped is idle again.
-                for j in span:
+                for j in range(first, last + 1):
                     touch[j] -= 1
-                self._set_idle(rng, rng.idle + sum(1 for j in fresh if chunks[j] is not None))
+                self._set_idle(rng, rng.idle + sum(
+                    1 for j in range(first, last + 1) if not touch[j] and chunks[j] is not None))
                 raise
-        used = len(fresh)
+        used = need + revive
         if used:
             self.live_chunks += used
             total = self.mapped_bytes = self.mapped_bytes + used * self.chunk_bytes
