@@ -67,7 +67,7 @@ Addresses: a large allocation's address is a multiple of the backend granularity
 block's, of ``align``. Not thread-safe (callers hold one lock, as for the virtual allocator).
 """
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
@@ -197,21 +197,11 @@ class SmallBlockAllocator:
                 # indexed now; its slab is made when a block first lands there (most tails
                 # get none). A one-chunk range's is searched with the slabs' (it is a slab
                 # opened by its first block); a longer range's after them, and only with
-                # ``pack_tails``. (_Tier.index inline.)
-                if end <= self.chunk_bytes:
-                    by_size, sizes = t.by_size, t.sizes
-                elif self.pack_tails:
-                    by_size, sizes = t.tby_size, t.tsizes
-                else:
-                    by_size = None
-                if by_size is not None:
+                # ``pack_tails``.
+                tail = end > self.chunk_bytes
+                if not tail or self.pack_tails:
                     f = self._tails[out] = _Free(out, end - free, free)
-                    bucket = by_size.get(free)
-                    if bucket is None:
-                        by_size[free] = {f: f}
-                        insort(sizes, free)
-                    else:
-                        bucket[f] = f
+                    t.index(f, tail)
         r = self.requested_bytes = self.requested_bytes + nbytes
         if r > self.peak_requested_bytes:
             self.peak_requested_bytes = r
@@ -243,17 +233,7 @@ class SmallBlockAllocator:
             if tail is None:
                 v.free(handle)
             elif type(tail) is _Free:           # no block ever landed in its tail
-                t = self._tier0                 # (_Tier.unindex inline)
-                size = tail.size
-                if handle.mapped_bytes > self.chunk_bytes:
-                    by_size, sizes = t.tby_size, t.tsizes
-                else:
-                    by_size, sizes = t.by_size, t.sizes
-                bucket = by_size[size]
-                del bucket[tail]
-                if not bucket:
-                    del by_size[size]
-                    del sizes[bisect_left(sizes, size)]
+                self._tier0.unindex(tail, handle.mapped_bytes > self.chunk_bytes)
                 v.free(handle)
             elif tail.used == tail.head:        # none lives there now
                 self._drop_slab(tail)
@@ -328,22 +308,9 @@ class SmallBlockAllocator:
 
     @staticmethod
     def _drop_slab(slab: _Slab) -> None:
-        free = slab.free
-        if len(free) == 1:   # the usual case: the slab's one stretch (_Tier.unindex inline)
-            tier = slab.tier
-            f = next(iter(free.values()))
-            by_size = tier.tby_size if slab.tail else tier.by_size
-            size = f.size
-            bucket = by_size[size]
-            del bucket[f]
-            if not bucket:
-                del by_size[size]
-                sizes = tier.tsizes if slab.tail else tier.sizes
-                del sizes[bisect_left(sizes, size)]
-        else:
-            for f in free.values():
-                slab.tier.unindex(f, slab.tail)
-        free.clear()
+        for f in slab.free.values():
+            slab.tier.unindex(f, slab.tail)
+        slab.free.clear()
         slab.ends.clear()
 
     def largest_fit(self) -> int:
@@ -415,14 +382,9 @@ class SmallBlockAllocator:
             del slab.free[offset]
             if have > size:                # split: the rest stays free (same end)
                 f.offset += size
-                have = f.size = have - size
+                f.size -= size
                 slab.free[f.offset] = f
-                bucket = by_size.get(have)     # (_Tier.index inline, same index as before)
-                if bucket is None:
-                    by_size[have] = {f: f}
-                    insort(sizes, have)
-                else:
-                    bucket[f] = f
+                tier.index(f, slab.tail)
             else:
                 del slab.ends[offset + have]
         else:
