@@ -7,8 +7,8 @@ Footprint (issue 18 item 4): the traces of ``frag_traces.py`` (what the project 
 zoo models' eager steps traced on meta, their swap schedules at 1/4 of the peak, the synthetic
 swap schedule; real-world shapes: many small tensors, a transformer step with a growing KV
 cache) replayed through PyTorch's caching allocator model, ``expandable_segments:True``, ooc's
-allocator (``vmm-2MiB``: :class:`vmm.SmallBlockAllocator` with its default tiers, which the
-runtime's device pools run without the medium tier; and ``vmm-20MiB``) and pure 2 MiB chunks
+allocator (``vmm-2MiB``: :class:`vmm.SmallBlockAllocator` with :func:`vmm.default_tiers`, the
+configuration the runtime's device pools run; and ``vmm-20MiB``) and pure 2 MiB chunks
 (``chunks-2MiB``: ooc's allocator before the small-block pool). Targets: ooc's allocator
 (2 MiB chunks) peaks at most min(caching, expandable) + 2% on every trace, and at most 1.3x
 the live peak on the many-small-tensor one.
@@ -133,8 +133,8 @@ def footprint(quick: bool) -> list[str]:
     out = ["## Peak reserved (footprint)", "",
            "Peak reserved bytes of each allocator replaying each trace (unlimited device; in "
            "parentheses: over the trace's peak live bytes). `vmm-2MiB`: ooc's allocator "
-           "(`vmm.SmallBlockAllocator` over 2 MiB chunks, default tiers; the runtime's device "
-           "pools run it without the medium tier, see README); "
+           "(`vmm.SmallBlockAllocator` over 2 MiB chunks, `vmm.default_tiers`: the "
+           "configuration the runtime's device pools run, see README); "
            "`chunks-2MiB`: pure chunks, ooc's allocator before the small-block pool. Target: "
            "`vmm-2MiB` <= min(caching, expandable) + 2% on every trace, and <= 1.3x the live "
            "peak on the many-small-tensor one.", ""]

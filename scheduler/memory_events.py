@@ -108,13 +108,12 @@ def replay_allocator(schedule: Schedule, hw: "Hardware", allocator: str, chunk_b
         model = vmm.CachingAllocator(backend, capacity_bytes=hw.device_bytes)
         name = "caching"
     else:
-        # ooc's allocator, as the runtime's device pools build it: blocks 512-byte aligned on
-        # a GPU, page-aligned on a CPU, and no medium tier (a plan's chunk-rounded sizes bound
-        # what it maps; vmm.small_blocks.default_tiers).
+        # ooc's allocator, as the runtime's device pools build it (and ``ooc frag`` replays
+        # it): blocks 512-byte aligned on a GPU, page-aligned on a CPU; a plan's chunk-rounded
+        # sizes bound what it maps (vmm.small_blocks: the bound).
         pool = vmm.ChunkPool(backend, chunk_bytes=chunk_bytes, capacity_bytes=hw.device_bytes)
         align = 512 if hw.tier == "host" else granularity
-        model = vmm.SmallBlockAllocator(vmm.VirtualAllocator(pool), align=align,
-                                        tiers=vmm.default_tiers(chunk_bytes, align, medium=False))
+        model = vmm.SmallBlockAllocator(vmm.VirtualAllocator(pool), align=align)
         name = f"vmm-{chunk_bytes}"
     result = replay(events, model, name=name)
     if result.oom_index is None:

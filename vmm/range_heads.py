@@ -45,10 +45,12 @@ class IdleHeads:
     live_chunks: int
     mapped_bytes: int
     unmap_calls: int
-    idle_chunks: int
+    idle_chunks: int          # idle heads' chunks and sparse ranges' (vmm.sparse_ranges)
     heads_retired: int
     heads_reclaimed: int
     _idle: dict[int, Any]
+    _steal_sparse: Any
+    _check_sparse: Any
 
     def retire_head(self, allocation: Any) -> int:
         """Count every chunk of a live allocation but its last as no longer in use, keeping
@@ -70,13 +72,14 @@ class IdleHeads:
         return drop * self.chunk_bytes
 
     def _steal_idle(self, count: int) -> list[Chunk]:
-        """Unmap ``count`` idle chunks, from the fronts of the oldest idle heads, and return
-        them (still handed out by the pool). An unmap whose fence has not passed waits for
+        """Unmap ``count`` idle chunks, from the fronts of the oldest idle heads, then those of
+        sparse ranges (``idle_chunks`` counts both), and return them (still handed out by the
+        pool). An unmap whose fence has not passed waits for
         the device (the range is live: its address cannot be quarantined as a whole)."""
         chunk = self.chunk_bytes
         out: list[Chunk] = []
         with self.backend.one_synchronization():
-            while count:
+            while count and self._idle:
                 rng = next(iter(self._idle.values()))
                 take = min(count, rng.idle)
                 self.backend.unmap(rng.address + rng.head * chunk, take * chunk, fence=rng.fence)
@@ -89,6 +92,8 @@ class IdleHeads:
                 if not rng.idle:
                     del self._idle[rng.rid]
                 count -= take
+            if count:   # then the idle chunks of sparse ranges (vmm.sparse_ranges)
+                out.extend(self._steal_sparse(count))
         return out
 
     def _forget_idle(self, rng: Any) -> int:
@@ -113,5 +118,5 @@ class IdleHeads:
         rng.head = 0
 
     def _check_idle(self) -> None:
-        assert self.idle_chunks == sum(r.idle for r in self._idle.values())
+        assert self.idle_chunks == sum(r.idle for r in self._idle.values()) + self._check_sparse()[0]
         assert all(0 < r.idle < len(r.chunks) for r in self._idle.values())

@@ -73,7 +73,8 @@ class RangeReuse:
         assert pool.handed_out == live + parked + idle, (pool.handed_out, live, parked, idle)
         assert pool.created == pool.handed_out + pool.cached
         assert pool.created <= pool.max_chunks
-        assert self.reserved_bytes == sum(r.capacity for r in self._ranges.values()) * self.chunk_bytes
+        assert self.reserved_bytes == (sum(r.capacity for r in self._ranges.values())
+                                       * self.chunk_bytes + self._check_sparse()[1])
         for m, bucket in self._parked.items():
             assert bucket and m in self._parked_sizes
             for r in bucket.values():
@@ -121,11 +122,50 @@ class RangeReuse:
             raise self._oom(nbytes, k)
         got: list[Chunk] = []
         try:
-            # Where the chunks come from: the pool's cache first (free, unmapped); then,
-            # by default, new chunks up to the budget before parked ones (parked ranges
-            # survive for exact reuse as long as the budget allows), or with ``lean``,
-            # parked ones before new ones (physical memory grows only when every chunk is
-            # under a live allocation).
+            got = self._gather(need)
+            if target is None:
+                address = self.backend.reserve_range(k * chunk)
+                self.reserve_calls += 1
+                target = _Range(address, k, self._next_rid)
+                self._next_rid += 1
+                self._ranges[target.rid] = target
+                self.reserved_bytes += k * chunk
+                if self.reserved_bytes > self.peak_reserved_bytes:
+                    self.peak_reserved_bytes = self.reserved_bytes
+                self.new_ranges += 1
+            elif have:
+                self.reuse_grow += 1
+            else:
+                self.reuse_range += 1
+            start = target.address + have * chunk
+            self.backend.map_many(start, [c.handle for c in got], chunk)
+            target.chunks.extend(got)
+            self.map_calls += need
+            got = []
+            self.backend.set_access(start, need * chunk)
+        except BaseException:
+            # A backend failure (device out of memory, a driver error): every chunk taken
+            # goes back to the pool unmapped, the range back to the free ranges.
+            pool.release(got)
+            if target is not None:
+                if target.chunks:
+                    self._unmap_tail(target, 0)
+                self._restore_free(target)
+            raise
+        return target
+
+    def _gather(self, need: int) -> list[Chunk]:
+        """``need`` unmapped chunks for a request (the caller checked that ``need`` is at most
+        ``pool.available + parked_chunks + idle_chunks``); on failure every chunk taken goes
+        back to the pool.
+
+        Where they come from: the pool's cache first (free, unmapped); then, by default, new
+        chunks up to the budget before parked ones (parked ranges survive for exact reuse as
+        long as the budget allows), or with ``lean``, parked ones before new ones (physical
+        memory grows only when every chunk is under a live allocation)."""
+        pool = self.pool
+        got: list[Chunk] = []
+        try:
             take = min(need, pool.cached)
             if take:
                 got = pool.acquire(take)
@@ -158,36 +198,10 @@ class RangeReuse:
                     rest -= steal
                 if rest:
                     got.extend(pool.acquire(rest))
-            if target is None:
-                address = self.backend.reserve_range(k * chunk)
-                self.reserve_calls += 1
-                target = _Range(address, k, self._next_rid)
-                self._next_rid += 1
-                self._ranges[target.rid] = target
-                self.reserved_bytes += k * chunk
-                if self.reserved_bytes > self.peak_reserved_bytes:
-                    self.peak_reserved_bytes = self.reserved_bytes
-                self.new_ranges += 1
-            elif have:
-                self.reuse_grow += 1
-            else:
-                self.reuse_range += 1
-            start = target.address + have * chunk
-            self.backend.map_many(start, [c.handle for c in got], chunk)
-            target.chunks.extend(got)
-            self.map_calls += need
-            got = []
-            self.backend.set_access(start, need * chunk)
         except BaseException:
-            # A backend failure (device out of memory, a driver error): every chunk taken
-            # goes back to the pool unmapped, the range back to the free ranges.
             pool.release(got)
-            if target is not None:
-                if target.chunks:
-                    self._unmap_tail(target, 0)
-                self._restore_free(target)
             raise
-        return target
+        return got
 
     def _trim_some(self, count: int) -> int:
         from_cache = min(count, self.pool.cached)

@@ -14,19 +14,26 @@ Three paths, by size (chunk c = 2 MiB in the defaults, :func:`default_tiers`):
   A request that no stretch fits starts a new chunk, as a one-chunk range of its own whose
   rest takes the next blocks: the slab is made when one lands (the same layout as a slab
   opened for it, without a slab's bookkeeping for the many chunks that never get a second);
-- **medium** (up to 2 chunks, and only if rounding it up to whole chunks would waste more than
-  ``pack_waste`` = 1/4 of it, e.g. 2.25 MiB -> 4 MiB): best fit in 5-chunk slabs, as PyTorch
-  packs 1-10 MiB blocks into 20 MiB segments;
+- **medium** (up to 4 chunks, and only if rounding it up to whole chunks would waste more than
+  ``pack_waste`` = 1/4 of it, e.g. 2.25 MiB -> 4 MiB): placed in 10-chunk *sparse* slabs
+  (:mod:`vmm.sparse_ranges`), reserved address space whose chunks are in use only where a
+  block lies, and placed so that a block of n bytes touches exactly ceil(n / c) chunks (it
+  starts at most ceil(n / c) x c - n bytes into a chunk). Two blocks that share a chunk save
+  one: four 2.25 MiB blocks side by side take 5 chunks, not 8. Among the places allowed, the
+  one that puts the fewest chunks newly in use, then best fit;
 - **large** (anything else): the virtual-range path, k = ceil(n / c) chunks from wherever
   they are, mapped back to back onto one contiguous range. That is GMLake's *stitching*
   (Guo et al., ASPLOS'24): physically scattered free chunks serve one large tensor, so a
   large request never fails or grows the footprint for lack of a contiguous hole. Packed
   blocks never span slabs (stitching a 4 KiB block would save nothing).
 
-A slab is one allocation of the virtual allocator (same physical pool, same budget). A freed
-block **coalesces** with its free neighbours; when a slab's blocks are all free the slab goes
-back to the virtual allocator at once (parked mapped or unmapped, as its ``keep_mapped``
-says), where any request can take its chunks. The **tail** of a large range (the bytes of its
+A one-chunk slab is one allocation of the virtual allocator (same physical pool, same
+budget), a sparse slab a sparse range of it (same pool too). A freed block **coalesces** with
+its free neighbours; when a one-chunk slab's blocks are all free the slab goes back to the
+virtual allocator at once (parked mapped or unmapped, as its ``keep_mapped`` says), where any
+request can take its chunks; a chunk of a sparse slab that no block touches any more goes idle
+at once (mapped, counted free, taken back by the next block there or by any request that needs
+chunks). The **tail** of a large range (the bytes of its
 last chunk past the request) is a slab too: small blocks fill it, after the slabs' stretches.
 When the large block is freed while small blocks still live in its tail, the last chunk stays
 as an ordinary one-chunk slab until its blocks go, and the others stay mapped but idle
@@ -38,19 +45,23 @@ many-small-tensor CNN and a transformer with a growing KV cache): packing everyt
 chunk beats packing below half a chunk (a 1.2 MiB tensor no longer takes 2 MiB); tails
 filled with small blocks remove most of the rounding loss of large tensors (ResNet's 2.25 and
 4.5 MiB activations); the medium tier removes the rest where small tensors are too few to fill
-the tails, and only where rounding wastes over a quarter (packing requests that round well
-fragments the slabs: 4-10% more on a swap schedule).
+the tails. Its slabs are sparse so that it never costs more chunks than whole chunks per
+request: with 5-chunk slabs mapped whole, one slab could keep 5 chunks for one live 2-chunk
+tensor, more than a plan made with chunk-rounded sizes counted (a planned swap-in of GPT-2 at a
+quarter of its peak ran out of the runtime's pool), so the runtime ran without the tier and
+missed two footprint targets (resnet18 step 214 MiB for 206, gpt2 step 7.38 GiB for 7.36).
 
-The bound (what the tests check), with B_t the live blocks packed in tier t, s_t its slab
-size and L the live large allocations, at every moment:
+The bound (what the tests check): every chunk in use lies under a live large allocation
+(ceil(n / c) of them at most), is a one-chunk slab under at least one live small block, or is
+touched by live blocks of a sparse slab, each of which touches ceil(n / c) chunks; a tail adds
+no chunk. So at every moment
 
-    mapped_bytes = sum over L of (chunks still in use) x c + sum over t of (slabs of t) x s_t
-    slabs of t <= B_t          (a slab with no live block is given back at once)
-    => mapped_bytes <= sum over L of ceil(n / c) x c + sum over t of B_t x s_t
+    mapped_bytes <= sum over live requests of ceil(n / c) x c
 
-and nothing is mapped once everything is freed. No non-moving allocator bounds the slabs
-by the live *bytes* after an adversarial order of frees (one live block per slab); what
-best fit adds is that a slab is opened only when no free stretch of its tier fits.
+(what pure chunks would map: a plan made with sizes rounded up to whole chunks fits the pool),
+and nothing is in use once everything is freed. No non-moving allocator bounds the slabs by
+the live *bytes* after an adversarial order of frees (one live block per slab); what best fit
+adds is that a slab is opened only when no free stretch of its tier fits.
 
 Addresses: a large allocation's address is a multiple of the backend granularity; a small
 block's, of ``align``. Not thread-safe (callers hold one lock, as for the virtual allocator).
@@ -60,7 +71,6 @@ from bisect import bisect_left
 from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
-from vmm.errors import OutOfBudget
 from vmm.small_slabs import (SmallBlock, _check_exports, _check_packing, _Free, _make_tiers,
                              _packing_stats, _Slab, _Tier)
 from vmm.units import format_size
@@ -73,22 +83,23 @@ DEFAULT_ALIGN = 512
 DEFAULT_PACK_WASTE = 0.25
 
 
-def default_tiers(chunk: int, align: int = DEFAULT_ALIGN, *,
-                  medium: bool = True) -> tuple[tuple[int, int], ...]:
+def default_tiers(chunk: int, align: int = DEFAULT_ALIGN) -> tuple[tuple[int, int], ...]:
     """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
-    pairs (measured on the traces of benchmarks/bench_frag.py, see the module docstring):
-    every request below a chunk into one-chunk slabs, those up to 2 chunks that round badly
-    into 5-chunk slabs. None where a chunk holds fewer than two blocks of ``align``.
+    pairs: every request below a chunk into one-chunk slabs, those up to 4 chunks that round
+    badly into 10-chunk sparse slabs (mapped only where blocks lie). None where a chunk holds
+    fewer than two blocks of ``align``. The one configuration of ooc's allocator: the
+    runtime's device pools, ``ooc simulate --allocator vmm`` and ``ooc frag``'s ``vmm-N``
+    models all use it, and it never maps more than whole chunks per request would (module
+    docstring), so a plan made with sizes rounded up to whole chunks fits it.
 
-    ``medium=False``: the first tier only, for a pool that runs a plan. It then never maps more
-    than pure chunks would for the same live requests (each slab is one chunk under at least
-    one live block of under a chunk; tails add no chunk), so a plan made with sizes rounded up
-    to whole chunks fits it. A 5-chunk slab can hold one live 2-chunk block after the others
-    are freed: up to 3 chunks more than the plan counted, and a planned swap-in fails."""
+    Measured on the 12 traces of benchmarks/bench_frag.py (peak reserved at 2 MiB chunks, see
+    benchmarks/results/frag.md): 4-chunk limit and 10-chunk slabs peak at or below 2-chunk /
+    5-chunk (resnet18 step 198 vs 202 MiB, its plan at 1/4 58 vs 64 MiB) and 8-chunk / 20-chunk
+    slabs; no medium tier misses two targets (resnet18 step 214 MiB, gpt2 step 7.38 GiB)."""
     if chunk < 2 * align:
         return ()
-    first = (chunk - align, chunk)
-    return (first, (2 * chunk, 5 * chunk)) if medium else (first,)
+    return ((chunk - align, chunk), (4 * chunk, 10 * chunk))
+
 
 class SmallBlockAllocator:
     """ooc's allocator: small requests packed into chunks, large ones as stitched virtual
@@ -99,8 +110,9 @@ class SmallBlockAllocator:
             the budget).
         tiers: ``(limit, slab)`` pairs, limits growing: a request of at most ``limit``
             bytes (and above the previous limit) is packed into slabs of ``slab`` bytes
-            (whole chunks, above the limit); default :func:`default_tiers`. ``threshold``
-            is the last limit: larger requests take the virtual-range path.
+            (whole chunks, above the limit: the first tier's one chunk, the others' sparse);
+            default :func:`default_tiers`. ``threshold`` is the last limit: larger requests
+            take the virtual-range path.
         align: packed blocks' size and address are multiples of it (a power of two dividing
             the chunk; 512 by default; the page where I/O needs O_DIRECT alignment).
         pack_waste: a request above the first tier's limit is packed only if rounding it up
@@ -143,8 +155,8 @@ class SmallBlockAllocator:
         self.small_allocs = 0
         self.small_chunk_opens = 0    # slabs opened
         self.tail_blocks = 0          # small blocks placed in large allocations' last chunks
-        # id(large allocation) -> its tail: the free stretch (no block yet) or the slab.
-        self._tails: dict[int, _Free | _Slab] = {}
+        # large allocation -> its tail: the free stretch (no block yet) or the slab.
+        self._tails: dict[Allocation, _Free | _Slab] = {}
         self._tier0 = self.tiers[0] if self.tiers else None
         self.live_allocations = 0
         self.peak_allocations = 0
@@ -165,18 +177,31 @@ class SmallBlockAllocator:
     def alloc(self, nbytes: int) -> Allocation | SmallBlock:
         """A packed block if ``0 < nbytes <= threshold`` (and, above the first tier, if whole
         chunks would waste more than ``pack_waste`` of it), else a virtual range (see the
-        module doc). A medium request whose slab does not fit the budget takes the virtual
-        path, so a request fails only when its whole chunks do not fit."""
+        module doc). A medium block needs at most its whole chunks (fewer where it shares a
+        chunk), so a request fails only when its whole chunks do not fit."""
+        out: Allocation | SmallBlock | None = None
         if nbytes <= self.threshold and nbytes > 0 and (
                 nbytes <= self._first_limit or -nbytes % self.chunk_bytes > self.pack_waste * nbytes):
-            try:
-                out: Allocation | SmallBlock = self._alloc_small(nbytes)
-            except OutOfBudget:
-                if nbytes <= self._first_limit:
-                    raise
-                out = self._alloc_large(nbytes)
-        else:
-            out = self._alloc_large(nbytes)
+            out = self._alloc_small(nbytes)   # None: no stretch fits, a new chunk (below)
+        if out is None:
+            # The virtual-range path (inline: most requests of a replay take it).
+            v = self.virtual
+            out = v.alloc(nbytes)
+            self.mapped_bytes = v.mapped_bytes
+            a = self.align
+            end = out.mapped_bytes
+            free = end - ((nbytes + a - 1) & -a)
+            t = self._tier0
+            if free >= a and t is not None:
+                # The unused end of the last chunk takes small blocks: one free stretch,
+                # indexed now; its slab is made when a block first lands there (most tails
+                # get none). A one-chunk range's is searched with the slabs' (it is a slab
+                # opened by its first block); a longer range's after them, and only with
+                # ``pack_tails``.
+                tail = end > self.chunk_bytes
+                if not tail or self.pack_tails:
+                    f = self._tails[out] = _Free(out, end - free, free)
+                    t.index(f, tail)
         r = self.requested_bytes = self.requested_bytes + nbytes
         if r > self.peak_requested_bytes:
             self.peak_requested_bytes = r
@@ -185,31 +210,13 @@ class SmallBlockAllocator:
             self.peak_allocations = n
         return out
 
-    def _alloc_large(self, nbytes: int) -> Allocation:
-        v = self.virtual
-        out = v.alloc(nbytes)
-        self.mapped_bytes = v.mapped_bytes
-        a = self.align
-        end = out.mapped_bytes
-        free = end - ((nbytes + a - 1) & -a)
-        if free >= a and nbytes > 0 and self._tier0 is not None:
-            # The unused end of the last chunk takes small blocks: one free stretch, indexed
-            # now; its slab is made when a block first lands there (most tails get none).
-            # A one-chunk range's is searched with the slabs' (it is a slab opened by its first
-            # block); a longer range's after them, and only with ``pack_tails``.
-            tail = end > self.chunk_bytes
-            if not tail or self.pack_tails:
-                f = self._tails[id(out)] = _Free(out, end - free, free)
-                self._tier0.index(f, tail)
-        return out
-
     def _open_tail(self, f: _Free, tier: _Tier) -> _Slab:
         """The slab of a large range's tail, made when its first block lands (``f``: the
         tail's free stretch, whose ``slab`` was the allocation until now)."""
         out = f.slab
         end = out.mapped_bytes
         base = end - self.chunk_bytes
-        slab = f.slab = self._tails[id(out)] = _Slab(out, self, tier, base, self.chunk_bytes,
+        slab = f.slab = self._tails[out] = _Slab(out, self, tier, base, self.chunk_bytes,
                                                      f.offset - base, end > self.chunk_bytes)
         slab.used = f.offset - base
         slab.free[f.offset] = f
@@ -222,7 +229,7 @@ class SmallBlockAllocator:
             v = self.virtual
             # (Every key of _tails is a live allocation, kept alive by its entry: a freed or
             # foreign handle is not found, and the virtual allocator refuses it.)
-            tail = self._tails.pop(id(handle), None)
+            tail = self._tails.pop(handle, None)
             if tail is None:
                 v.free(handle)
             elif type(tail) is _Free:           # no block ever landed in its tail
@@ -265,10 +272,19 @@ class SmallBlockAllocator:
     def _release(self, slab: _Slab, offset: int, size: int) -> None:
         """Make ``[offset, offset + size)`` of a slab free again."""
         slab.used -= size
+        if slab.tier.sparse:
+            # The chunks no other block touches go back now (vmm.sparse_ranges).
+            c = self.chunk_bytes
+            self.small_chunks -= self.virtual.untouch(slab.allocation, offset // c,
+                                                      (offset + size - 1) // c)
+            self.mapped_bytes = self.virtual.mapped_bytes
         if slab.used == 0:
-            # 2. the chunk's blocks are all free: give it back whole (no coalescing needed).
+            # 2. the slab's blocks are all free: give it back whole (no coalescing needed).
             self._drop_slab(slab)
             slab.tier.slabs -= 1
+            if slab.tier.sparse:
+                self.virtual.release_sparse(slab.allocation)   # nothing mapped any more
+                return
             self.small_chunks -= slab.total // self.chunk_bytes
             self.virtual.free(slab.allocation)
             self.mapped_bytes = self.virtual.mapped_bytes
@@ -332,7 +348,10 @@ class SmallBlockAllocator:
                 f"chunks (<= {format_size(self.threshold)}), {self.virtual!r}>")
 
     # -- the small path -----------------------------------------------------------------------
-    def _alloc_small(self, nbytes: int) -> SmallBlock | Allocation:
+    def _alloc_small(self, nbytes: int) -> SmallBlock | None:
+        """A block in a slab or a tail, or None where none has room: then the block starts a
+        new chunk, as a one-chunk range (``alloc``'s virtual path) whose rest takes small
+        blocks as a slab's would (the slab is made if one lands, :meth:`_open_tail`)."""
         a = self.align
         size = (nbytes + a - 1) & -a
         tier = self._tier0
@@ -340,6 +359,7 @@ class SmallBlockAllocator:
             for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
                 if size <= tier.limit:
                     break
+            return self._alloc_sparse(nbytes, size, tier)
         # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
         # in a tail keeps that chunk in use after the large block goes (and the range out of
         # reuse until it goes too), so tails take only what no slab can.
@@ -368,24 +388,7 @@ class SmallBlockAllocator:
             else:
                 del slab.ends[offset + have]
         else:
-            whole = tier.slab_bytes
-            if whole == self.chunk_bytes and tier is self._tier0:
-                # A new chunk, first block at its start: a one-chunk range, whose rest takes
-                # small blocks as a slab's would (the slab is made if one lands, _open_tail).
-                return self._alloc_large(nbytes)
-            allocation = self.virtual.alloc(whole)   # may raise BudgetExceeded
-            self.mapped_bytes = self.virtual.mapped_bytes
-            slab = _Slab(allocation, self, tier)
-            tier.slabs += 1
-            self.small_chunks += whole // self.chunk_bytes
-            self.small_chunk_opens += 1
-            if self.small_chunks > self.peak_small_chunks:
-                self.peak_small_chunks = self.small_chunks
-            offset = 0
-            f = _Free(slab, size, whole - size)
-            slab.free[size] = f
-            slab.ends[whole] = f
-            tier.index(f, False)
+            return None
         slab.used += size
         if slab.head:
             self.tail_blocks += 1
@@ -394,3 +397,90 @@ class SmallBlockAllocator:
         self.small_requested_bytes += nbytes
         self.small_block_bytes += size
         return SmallBlock(slab.allocation.address + offset, nbytes, size, slab)
+
+    def _alloc_sparse(self, nbytes: int, size: int, tier: _Tier) -> SmallBlock:
+        """A block of ``size`` (rounded) bytes in a slab of several chunks, in use only where
+        blocks lie (:mod:`vmm.sparse_ranges`). The block starts at most ``k x c - size``
+        bytes into a chunk (k = ceil(size / c)), so it touches k chunks, no more than whole
+        chunks of its own would map. Among the free stretches where it can go, the place that
+        puts the fewest chunks newly in use (sharing a chunk with a neighbour), then the
+        smallest stretch (best fit), then the one freed last; a new slab only if no stretch
+        can take it. Of each stretch two places are tried: as near its start, and as near its
+        end, as the rule allows (the rest of the stretch stays one or two free stretches).
+
+        Small blocks are not placed beside medium ones (in the unused end of their chunks):
+        measured on bench_frag's traces it saved as much as it cost (resnet18 plan 1/4 +2 MiB,
+        unet step -4 MiB, within 4 MiB on every trace)."""
+        c = self.chunk_bytes
+        k = -(-size // c)
+        slack = k * c - size
+        best: _Free | None = None
+        best_new = k + 1
+        best_at = 0
+        sizes, by_size = tier.sizes, tier.by_size
+        for i in range(bisect_left(sizes, size), len(sizes)):
+            have = sizes[i]
+            for f in reversed(by_size[have].values()):
+                o = f.offset
+                q = o + have - size      # the last start inside the stretch
+                r = o % c
+                p = o if r <= slack else o - r + c
+                if p > q:
+                    continue
+                # The chunks the block would put newly in use: those no block touches yet.
+                touch = f.slab.allocation.touch
+                new = touch[p // c:(p + size - 1) // c + 1].count(0)
+                if new < best_new:
+                    best, best_new, best_at = f, new, p
+                r = q % c
+                e = q if r <= slack else q - r + slack
+                if e != p:
+                    new = touch[e // c:(e + size - 1) // c + 1].count(0)
+                    if new < best_new:
+                        best, best_new, best_at = f, new, e
+                if not best_new:
+                    break
+            if not best_new:
+                break
+        v = self.virtual
+        if best is None:
+            rng = v.sparse_range(tier.slab_bytes // c)
+            try:
+                new = v.touch(rng, 0, k - 1, nbytes)
+            except BaseException:
+                v.release_sparse(rng)
+                raise
+            slab = _Slab(rng, self, tier)
+            tier.slabs += 1
+            self.small_chunk_opens += 1
+            self._add_free(slab, size, slab.total - size)
+            x = 0
+        else:
+            slab, x = best.slab, best_at
+            rng = slab.allocation
+            new = v.touch(rng, x // c, (x + size - 1) // c, nbytes)   # may raise: nothing changed
+            o, end = best.offset, best.offset + best.size
+            del slab.free[o]
+            del slab.ends[end]
+            tier.unindex(best, False)
+            if x > o:
+                self._add_free(slab, o, x - o)
+            if x + size < end:
+                self._add_free(slab, x + size, end - x - size)
+        self.mapped_bytes = v.mapped_bytes
+        self.small_chunks += new
+        if self.small_chunks > self.peak_small_chunks:
+            self.peak_small_chunks = self.small_chunks
+        slab.used += size
+        self.small_allocs += 1
+        self.small_blocks += 1
+        self.small_requested_bytes += nbytes
+        self.small_block_bytes += size
+        return SmallBlock(rng.address + x, nbytes, size, slab)
+
+    @staticmethod
+    def _add_free(slab: _Slab, offset: int, size: int) -> None:
+        f = _Free(slab, offset, size)
+        slab.free[offset] = f
+        slab.ends[offset + size] = f
+        slab.tier.index(f, False)

@@ -105,38 +105,42 @@ class _Slab:
 class _Tier:
     """Requests up to ``limit`` bytes, packed best fit into slabs of ``slab_bytes``: the free
     stretches of its slabs by size (sorted distinct sizes; per size, in the order they became
-    free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second)."""
+    free), those of tail slabs apart (``tsizes``, ``tby_size``: searched second). A bucket
+    maps each stretch to itself (an object's hash is its identity: cheaper than ``id``)."""
 
-    __slots__ = ("limit", "slab_bytes", "sizes", "by_size", "tsizes", "tby_size", "slabs",
-                 "_indexes")
+    __slots__ = ("limit", "slab_bytes", "sparse", "sizes", "by_size", "tsizes", "tby_size",
+                 "slabs")
 
-    def __init__(self, limit: int, slab_bytes: int) -> None:
+    def __init__(self, limit: int, slab_bytes: int, sparse: bool = False) -> None:
         self.limit = limit
         self.slab_bytes = slab_bytes
+        self.sparse = sparse   # slabs of several chunks: mapped only where blocks lie
         self.sizes: list[int] = []
-        self.by_size: dict[int, dict[int, _Free]] = {}
+        self.by_size: dict[int, dict[_Free, _Free]] = {}
         self.tsizes: list[int] = []
-        self.tby_size: dict[int, dict[int, _Free]] = {}
+        self.tby_size: dict[int, dict[_Free, _Free]] = {}
         self.slabs = 0
-        self._indexes = ((self.by_size, self.sizes), (self.tby_size, self.tsizes))  # [tail]
 
     def index(self, f: _Free, tail: bool) -> None:
         """Index a free stretch (``tail``: of a slab in a multi-chunk range's last chunk)."""
-        by_size, sizes = self._indexes[tail]
-        bucket = by_size.get(f.size)
+        by_size = self.tby_size if tail else self.by_size
+        size = f.size
+        bucket = by_size.get(size)
         if bucket is None:
-            by_size[f.size] = {id(f): f}
-            insort(sizes, f.size)
+            by_size[size] = {f: f}
+            insort(self.tsizes if tail else self.sizes, size)
         else:
-            bucket[id(f)] = f
+            bucket[f] = f
 
     def unindex(self, f: _Free, tail: bool) -> None:
-        by_size, sizes = self._indexes[tail]
-        bucket = by_size[f.size]
-        del bucket[id(f)]
+        by_size = self.tby_size if tail else self.by_size
+        size = f.size
+        bucket = by_size[size]
+        del bucket[f]
         if not bucket:
-            del by_size[f.size]
-            del sizes[bisect_left(sizes, f.size)]
+            del by_size[size]
+            sizes = self.tsizes if tail else self.sizes
+            del sizes[bisect_left(sizes, size)]
 
 
 def _check_exports(block: SmallBlock) -> None:
@@ -163,11 +167,11 @@ def _check_packing(a: Any) -> None:
         tail_slabs = {f.slab for b in tier.tby_size.values() for f in b.values()}
         for f in stretches:
             if type(f.slab) is not _Slab:   # a tail with no block yet: the range's end
-                assert f.slab.live and a._tails[id(f.slab)] is f and tier is a.tiers[0]
+                assert f.slab.live and a._tails[f.slab] is f and tier is a.tiers[0]
                 assert f.offset + f.size == f.slab.mapped_bytes and f.size < a.chunk_bytes
                 one = f.slab.mapped_bytes == a.chunk_bytes   # searched with the slabs'
-                assert tier.by_size.get(f.size, {}).get(id(f)) is f if one else \
-                    tier.tby_size.get(f.size, {}).get(id(f)) is f
+                assert tier.by_size.get(f.size, {}).get(f) is f if one else \
+                    tier.tby_size.get(f.size, {}).get(f) is f
         for slab in slabs:
             assert slab.used > 0 and slab.allocation.live and slab.tier is tier
             free = sum(f.size for f in slab.free.values())
@@ -179,7 +183,17 @@ def _check_packing(a: Any) -> None:
         assert not any(s.tail for s in slabs if s not in tail_slabs)
         own = [s for s in slabs if not s.head]
         assert len(own) <= tier.slabs
-        chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
+        if tier.sparse:
+            for slab in slabs:   # a chunk is in use where a block lies, and only there
+                rng, c = slab.allocation, a.chunk_bytes
+                free = [0] * rng.capacity
+                for f in slab.free.values():
+                    for j in range(f.offset // c, (f.offset + f.size - 1) // c + 1):
+                        free[j] += min(f.offset + f.size, (j + 1) * c) - max(f.offset, j * c)
+                assert all((rng.touch[j] == 0) == (free[j] == c) for j in range(rng.capacity))
+        else:
+            chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
+    chunks += sum(r.mapped - r.idle for r in a.virtual._sparse_live.values())
     assert chunks == a.small_chunks
     assert sum(t.slabs for t in a.tiers) <= a.small_blocks
 
@@ -190,12 +204,12 @@ def _make_tiers(tiers: Sequence[tuple[int, int]], chunk: int, align: int) -> tup
         raise ValueError(f"align {align} must be a power of two dividing the chunk ({chunk} B)")
     last = 0
     for limit, slab in tiers:
-        if not last < limit < slab or slab % chunk or limit % align:
+        if not last < limit < slab or slab % chunk or limit % align or (not last and slab != chunk):
             raise ValueError(f"tier ({limit} B, slab {slab} B): limits must grow, be multiples "
                              f"of {align} B and each below its slab, slabs whole chunks of "
-                             f"{chunk} B")
+                             f"{chunk} B (the first tier's one chunk)")
         last = limit
-    return tuple(_Tier(limit, slab) for limit, slab in tiers)
+    return tuple(_Tier(limit, slab, slab > chunk) for limit, slab in tiers)
 
 
 def _packing_stats(a: Any, st: dict[str, int]) -> dict[str, int]:

@@ -20,15 +20,17 @@ from bisect import bisect_left, insort
 from typing import Any
 
 from vmm.allocation import Allocation, AllocationError, BufferInUse
+from vmm.backend import Backend
 from vmm.pool import BudgetExceeded, ChunkPool
 from vmm.range_heads import IdleHeads
 from vmm.range_reuse import _EMPTY, RangeReuse, _Range
+from vmm.sparse_ranges import SparseRanges
 from vmm.units import format_size
 
 __all__ = ["VirtualAllocator", "Allocation", "AllocationError", "BufferInUse"]
 
 
-class VirtualAllocator(RangeReuse, IdleHeads):
+class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
     """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
 
     ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
@@ -103,6 +105,10 @@ class VirtualAllocator(RangeReuse, IdleHeads):
         self.alignment = self.backend.granularity
         self.keep_mapped = keep_mapped
         self.lean = lean
+        # Whether the backend marks moments in the device's work (CUDA); else a parked
+        # range's fence stays None ("unknown"), what ``Backend.fence`` would return: no call
+        # per free.
+        self._fences = type(self.backend).fence is not Backend.fence
         # Live accounting (plain attributes: replay reads them per event).
         self.requested_bytes = 0
         self.mapped_bytes = 0      # chunks under live allocations x chunk_bytes
@@ -144,6 +150,9 @@ class VirtualAllocator(RangeReuse, IdleHeads):
         self.heads_retired = self.heads_reclaimed = 0
         self._ranges: dict[int, _Range] = {}
         self._next_rid = 0
+        self._spare: dict[int, list] = {}    # empty sparse ranges by capacity (vmm.sparse_ranges)
+        self._sparse_live: dict[int, Any] = {}
+        self._sparse_idle: dict[int, Any] = {}
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation:
@@ -215,7 +224,8 @@ class VirtualAllocator(RangeReuse, IdleHeads):
         if rng.head:
             self._free_headless(rng)
         elif self.keep_mapped:
-            rng.fence = self.backend.fence()
+            if self._fences:
+                rng.fence = self.backend.fence()
             bucket = self._parked.get(k)   # park (inline _park: the hot path)
             if bucket is None:
                 self._parked[k] = {rid: rng}
@@ -260,6 +270,7 @@ class VirtualAllocator(RangeReuse, IdleHeads):
                 self.reserved_bytes -= rng.capacity * self.chunk_bytes
                 del self._ranges[rng.rid]
         self._by_capacity.clear()
+        self._trim_sparse()
         return self.pool.trim()
 
     def close(self) -> None:

@@ -50,9 +50,8 @@ def make_allocator(chunk_bytes: int | None, capacity: int | None, *, keep_mapped
     """A fresh allocator on the sim backend: the caching model (``chunk_bytes`` None) under
     ``conf`` (None: PyTorch's defaults), or ooc's allocator with chunks of ``chunk_bytes``
     (``capacity`` None: unlimited): :class:`vmm.SmallBlockAllocator` over a virtual
-    allocator with its default tiers (the runtime's device pools leave out the medium tier,
-    ``vmm.default_tiers(medium=False)``, to fit their plans; ``pure``: the virtual allocator
-    alone, every request in whole chunks)."""
+    allocator with :func:`vmm.default_tiers`, the configuration the runtime's device pools
+    run (``pure``: the virtual allocator alone, every request in whole chunks)."""
     import vmm
 
     if chunk_bytes is None:
@@ -101,15 +100,19 @@ class _Watched:
     def _run(self) -> Iterator[Event]:
         a = self.allocator
         caching = self.kind == "caching"
-        best = -1
         marks = self.marks
         next_mark = marks[0] if marks else -1
         mi = 0
         width = max(1, -(-len(self.events) // ENVELOPE_BINS))
         cut = width
         first = 0
-        hi_r = hi_m = -1
-        lo_m = 1 << 62
+        # The peak and the bin's extremes start at the state before the first event (the
+        # loop's first comparisons then change nothing), so that a new high is tested before
+        # a new low, and a new peak only under a new high of the bin (best >= hi_m): the
+        # fewest comparisons per event.
+        hi_m = lo_m = best = a.mapped_bytes
+        hi_r = a.requested_bytes
+        self.peak = (0, hi_r, a.allocated_bytes if caching else best, best)
         unused = 0
         env = self.envelope
         i = 0
@@ -117,9 +120,6 @@ class _Watched:
             # State i is the allocator after events[:i], seen just before events[i] is applied.
             for i, ev in enumerate(self.events):
                 m = a.mapped_bytes
-                if m > best:
-                    best = m
-                    self.peak = (i, a.requested_bytes, a.allocated_bytes if caching else m, m)
                 r = a.requested_bytes
                 if m - r > unused:
                     unused = m - r
@@ -127,10 +127,16 @@ class _Watched:
                     env.append((first, hi_r, hi_m, lo_m))
                     first, cut = i, cut + width
                     hi_r, hi_m, lo_m = r, m, m
+                    if m > best:
+                        best = m
+                        self.peak = (i, r, a.allocated_bytes if caching else m, m)
                 else:
                     if m > hi_m:
                         hi_m = m
-                    if m < lo_m:
+                        if m > best:
+                            best = m
+                            self.peak = (i, r, a.allocated_bytes if caching else m, m)
+                    elif m < lo_m:
                         lo_m = m
                     if r > hi_r:
                         hi_r = r

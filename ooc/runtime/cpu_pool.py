@@ -45,12 +45,11 @@ class CpuDevicePool:
         self.backend = backend if backend is not None else vmm.HostBackend()
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
-        # Blocks packed at page alignment: reads and writes of the storage tier stay O_DIRECT.
-        # No medium tier: the pool then never maps more than the plan's chunk-rounded sizes.
+        # ooc's allocator with its default tiers, as ``ooc frag`` replays it, with blocks
+        # packed at page alignment: reads and writes of the storage tier stay O_DIRECT. It
+        # never maps more than the plan's chunk-rounded sizes (vmm.small_blocks: the bound).
         page = self.backend.granularity
-        self.allocator = vmm.SmallBlockAllocator(
-            vmm.VirtualAllocator(self.pool), align=page,
-            tiers=vmm.default_tiers(chunk, page, medium=False))
+        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool), align=page)
         self._dead: list[vmm.Allocation] = []
         self._on_physical = on_physical
         self._reported = (0, 0)

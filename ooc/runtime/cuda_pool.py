@@ -118,13 +118,13 @@ class CudaDevicePool:
         except BaseException:
             self.backend.close()
             raise
-        # ooc's allocator (the one ``ooc frag`` replays as vmm-N): tensors below a chunk share
-        # chunks in 512-byte blocks, as PyTorch's own allocator aligns them; larger ones get
-        # whole chunks whose unused tail takes small ones. No medium tier: the pool then never
-        # maps more than the plan's chunk-rounded sizes (vmm.small_blocks.default_tiers).
+        # ooc's allocator with its default tiers (vmm.default_tiers; the one ``ooc frag``
+        # replays as vmm-N): tensors below a chunk share chunks in 512-byte blocks, as
+        # PyTorch's own allocator aligns them; those up to 4 chunks that round badly share
+        # sparse slabs; larger ones get whole chunks whose unused tail takes small ones. It
+        # never maps more than the plan's chunk-rounded sizes (vmm.small_blocks: the bound).
         # Reuse of a freed block is stream ordered, as for parked ranges (module doc).
-        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool),
-                                                 tiers=vmm.default_tiers(chunk, medium=False))
+        self.allocator = vmm.SmallBlockAllocator(vmm.VirtualAllocator(self.pool))
         if as_tensor is None:
             as_tensor = real and self._rt.can_wrap_ranges()
         elif as_tensor and not self._rt.can_wrap_ranges():

@@ -222,10 +222,12 @@ def test_small_ranges_go_back_and_their_chunk_with_the_last(h: Harness) -> None:
 
 
 def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(h: Harness) -> None:
-    big = h.pool.take(3 * CHUNK + 64 * KiB)          # four chunks, most of the last unused
+    # Four chunks, the last half unused (rounding wastes under a quarter: a range of its own,
+    # not a medium block).
+    big = h.pool.take(3 * CHUNK + MiB)
     tail = [h.pool.take(100 * KiB) for _ in range(3)]  # packed into that unused tail
     assert h.pool.stats()["mapped_bytes"] == 4 * CHUNK
-    _fill_and_check(h, [big, *tail], [3 * CHUNK + 64 * KiB] + [100 * KiB] * 3)
+    _fill_and_check(h, [big, *tail], [3 * CHUNK + MiB] + [100 * KiB] * 3)
     del big
     gc.collect()
     h.pool.reap()
@@ -241,8 +243,9 @@ def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(h: Harness) -> None:
 
 
 def test_a_pool_never_maps_more_than_whole_chunks_per_range(h: Harness) -> None:
-    # What lets a plan made with sizes rounded up to whole chunks fit the pool: no medium
-    # tier (two 2.25 MiB ranges would take a 5-chunk slab, and keep it for one).
+    # What lets a plan made with sizes rounded up to whole chunks fit the pool: a medium block
+    # (1-4 chunks that round badly) uses only the chunks it touches, never more than its own
+    # whole chunks would (a 5-chunk slab mapped whole kept 5 chunks for one 2.25 MiB range).
     rng = random.Random(0)
     sizes = [100 * KiB, CHUNK // 2, CHUNK + CHUNK // 8, CHUNK + CHUNK // 2, 2 * CHUNK + 1]
     live: list[tuple[Any, int]] = []

@@ -7,9 +7,9 @@ Guarantees checked after every operation:
 - every byte is accounted for: in each slab, free stretches + live blocks = the slab;
   ``requested_bytes`` is the sum of live requests; ``mapped_bytes`` is the chunks of live
   large ranges plus those of the slabs;
-- a slab holds at least one live block (one with none is given back at once), hence the
-  bound  mapped <= sum over large of ceil(n / c) x c + sum over tiers of B_t x slab_t;
-  with the first tier only (no medium slabs), never more than pure chunks would map;
+- a slab holds at least one live block (one with none is given back at once), a sparse
+  slab's chunk is in use exactly where a live block lies, hence the bound
+  mapped <= sum over live requests of ceil(n / c) x c: never more than pure chunks would map;
 - once everything is freed nothing is mapped;
 - chunks kept mapped but unused (idle heads, parked ranges) are free: a budget of the peak
   of ``mapped_bytes`` holds the same program.
@@ -99,10 +99,12 @@ def _run(a: SmallBlockAllocator, program, pure_bound: bool = False) -> None:
 @settings(max_examples=150, deadline=None)
 @given(ops, st.booleans())
 def test_default_tiers_keep_every_guarantee(program, keep_mapped):
-    _run(make(keep_mapped=keep_mapped), program)
+    # The pure-chunk bound with the medium tier on: what the runtime's pools need (a 5-chunk
+    # slab mapped whole broke it, keeping 5 chunks for one live 2-chunk block).
+    _run(make(keep_mapped=keep_mapped), program, pure_bound=True)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(ops)
 def test_first_tier_only_never_maps_more_than_pure_chunks(program):
     _run(make(default_tiers(C)[:1]), program, pure_bound=True)
@@ -111,10 +113,9 @@ def test_first_tier_only_never_maps_more_than_pure_chunks(program):
 @settings(max_examples=100, deadline=None)
 @given(ops)
 def test_a_budget_of_the_peak_mapped_bytes_is_enough(program):
-    # Idle and parked chunks are free chunks: a device of the peak of mapped_bytes (what
-    # ``ooc frag`` reports as peak reserved) holds the program. First tier only: the
-    # medium tier falls back to whole chunks under a budget, a different packing.
-    tiers = default_tiers(C)[:1]
+    # Idle and parked chunks (sparse slabs' included) are free chunks: a device of the peak
+    # of mapped_bytes (what ``ooc frag`` reports as peak reserved) holds the program.
+    tiers = default_tiers(C)
     a = make(tiers)
     peak, live = 0, []
     for op, arg in program:
@@ -176,24 +177,24 @@ def test_best_fit_takes_the_smallest_free_stretch():
 
 def test_the_tail_of_a_large_range_takes_small_blocks_and_outlives_it():
     a = make()
-    big = a.alloc(3 * C + 1000)                   # 4 chunks, most of the last unused
-    assert a.mapped_bytes == 4 * C
-    small = a.alloc(8 * KiB)                      # no slab has room: the tail takes it
-    assert big.address + 3 * C < small.address < big.address + 4 * C
-    assert a.mapped_bytes == 4 * C and a.tail_blocks == 1
-    filler = a.alloc(56 * KiB)                    # fits no stretch: a chunk of its own
+    big = a.alloc(4 * C + 1000)                   # 5 chunks, most of the last unused
     assert a.mapped_bytes == 5 * C
-    a.free(big)                                   # the first three chunks are idle, mapped
+    small = a.alloc(8 * KiB)                      # no slab has room: the tail takes it
+    assert big.address + 4 * C < small.address < big.address + 5 * C
+    assert a.mapped_bytes == 5 * C and a.tail_blocks == 1
+    filler = a.alloc(56 * KiB)                    # fits no stretch: a chunk of its own
+    assert a.mapped_bytes == 6 * C
+    a.free(big)                                   # the first four chunks are idle, mapped
     assert a.mapped_bytes == 2 * C and a.small_chunks == 1 and a.live_allocations == 2
-    assert a.virtual.idle_chunks == 3 and a.stats()["chunks_idle"] == 3
+    assert a.virtual.idle_chunks == 4 and a.stats()["chunks_idle"] == 4
     a.check()
     other = a.alloc(12 * KiB)                     # too large for the filler's chunk's rest
-    assert big.address + 3 * C <= other.address < big.address + 4 * C
+    assert big.address + 4 * C <= other.address < big.address + 5 * C
     maps = a.map_calls
     a.free(small)
     a.free(other)                                 # the range is parked whole: reused as is
     assert a.mapped_bytes == C and a.virtual.idle_chunks == 0
-    again = a.alloc(3 * C + 2000)
+    again = a.alloc(4 * C + 2000)
     assert again.address == big.address and a.map_calls == maps and a.unmap_calls == 0
     a.free(again)
     a.free(filler)
@@ -202,7 +203,7 @@ def test_the_tail_of_a_large_range_takes_small_blocks_and_outlives_it():
 
 
 def test_idle_chunks_serve_a_request_that_needs_them():
-    a = make(capacity=5 * C)
+    a = make(default_tiers(C)[:1], capacity=5 * C)   # (3C + 1000: a range, not a medium block)
     big = a.alloc(3 * C + 1000)
     small = a.alloc(C // 2 + 4 * KiB)             # in big's tail
     a.free(big)                                   # 3 idle chunks, 1 under small: 4 created
@@ -218,13 +219,43 @@ def test_idle_chunks_serve_a_request_that_needs_them():
     assert a.pool.created == 0
 
 
-def test_a_medium_request_falls_back_to_whole_chunks_under_a_tight_budget():
+def test_medium_blocks_share_chunks_and_use_only_those_they_touch():
+    a = make()
+    n = C + C // 8                                # 2 whole chunks would waste 7/9: packed
+    blocks = [a.alloc(n) for _ in range(4)]
+    assert all(type(b) is SmallBlock for b in blocks)
+    # Side by side, each starting where the last ended: each touches 2 chunks, 5 in all.
+    assert [b.address - blocks[0].address for b in blocks] == [0, n, 2 * n, 3 * n]
+    assert a.mapped_bytes == 5 * C < 4 * _ceil(n) and a.map_calls == 5
+    a.free(blocks[1])
+    a.free(blocks[2])                             # chunk 2 has no block left: idle, mapped
+    assert a.mapped_bytes == 4 * C and a.virtual.idle_chunks == 1
+    a.check()
+    again = a.alloc(n)                            # back where it fits, its idle chunk reused
+    assert again.address == blocks[1].address and a.map_calls == 5
+    assert a.mapped_bytes == 5 * C
+    for b in (blocks[0], blocks[3], again):
+        a.free(b)
+    assert a.mapped_bytes == 0 and a.small_chunks == 0
+    a.check()
+    a.close()                                     # idle chunks unmapped, address space freed
+    assert a.unmap_calls == 5 and a.pool.created == 0 and a.virtual.reserved_bytes == 0
+
+
+def test_a_medium_block_needs_only_the_chunks_it_touches_under_a_budget():
     a = make(capacity=3 * C)
-    m = a.alloc(C + C // 4)                       # wastes 3/8 in chunks: packed, but a 5-chunk
-    assert type(m) is Allocation                  # slab does not fit: 2 whole chunks instead
-    assert a.mapped_bytes == 2 * C
+    n = C + C // 4
+    m1, m2 = a.alloc(n), a.alloc(n)               # whole chunks would need 4
+    assert type(m2) is SmallBlock and a.mapped_bytes == 3 * C
     with pytest.raises(vmm.OutOfBudget):
         a.alloc(2 * C)
+    a.free(m1)                                    # its first chunk goes idle
+    big = a.alloc(C)                              # and serves a request that needs a chunk
+    assert a.unmap_calls == 1 and a.mapped_bytes == 3 * C
+    a.check()
+    a.free(m2)
+    a.free(big)
+    assert a.mapped_bytes == 0
 
 
 def test_small_blocks_hold_their_bytes_on_the_host():
