@@ -65,9 +65,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
     transfers on background threads overlapping compute. A step that does something else
     (another batch shape, data-dependent control flow) is noticed at its first differing
     op, finished on demand, and re-planned. Swapping copies bytes: parameters come out
-    bitwise identical to in-core training. A plan with nothing to do (the budget holds the
-    whole step; CPU, activations managed) runs its steps as plain PyTorch once one step has
-    followed it, watched only by the saved-tensor hooks (``ooc/engine/plain_steps.py``).
+    bitwise identical to in-core training. A plan with nothing to do runs plain (``plain_steps.py``).
 
     Args:
         model: the ``nn.Module`` to train, on ``device``.
