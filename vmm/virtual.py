@@ -50,7 +50,7 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
       in the pool's free list, and any request may take them back (below), so parking
       never makes a request fail that would have fit. With ``keep_mapped=False`` the
       chunks are unmapped and returned to the pool at once (the paper's plain scheme; the
-      range stays reserved for reuse).
+      range stays reserved for reuse): it parks nothing.
     - ``alloc`` of k chunks tries, in order:
 
       1. **exact reuse**: a parked range with exactly k chunks mapped (most recently
@@ -80,22 +80,16 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
     range, whose address space may be in use: every range stays one reservation that can
     be freed as a unit, and no address bookkeeping beyond ranges is needed.
 
-    The budget is the limit of physical memory, and by default the allocator uses it as a
-    cache: physical bytes grow (lazily) up to the budget, as a caching allocator's do,
-    which keeps most requests of a repeating schedule at zero map calls. ``lean=True``
-    steals parked chunks *before* creating new ones, so physical bytes never exceed the
-    peak of mapped bytes (for a host where resident memory is what is measured), at the
-    price of more map/unmap calls. ``keep_mapped=False`` parks nothing.
+    By default the budget is used as a cache: physical bytes grow (lazily) up to it, as a
+    caching allocator's do, so most requests of a repeating schedule make no map call.
+    ``lean=True`` steals parked chunks *before* creating new ones, so physical bytes never
+    exceed the peak of mapped bytes (a host where resident memory is measured), at the
+    price of more map/unmap calls.
 
-    Address space is never the limit (reserved ranges cost no memory): the ranges of
-    capacity k number at most the peak count of live k-chunk allocations. :meth:`trim`
-    unmaps parked chunks, frees unused ranges and releases cached chunks to the backend.
-
-    Counting: ``map_calls`` / ``unmap_calls`` count chunk mappings made / removed (one per
-    chunk, whatever the backend batches into one system call).
-
-    Zero-byte requests get an ``Allocation`` at address 0 with no chunks. Not thread-safe:
-    callers on several threads hold one lock around ``alloc``/``free``.
+    Reserved ranges cost no memory. :meth:`trim` unmaps parked chunks, frees unused ranges
+    and releases cached chunks to the backend. ``map_calls`` / ``unmap_calls`` count chunk mappings made / removed (one per chunk,
+    whatever the backend batches). Zero-byte requests get an ``Allocation`` at address 0
+    with no chunks. Not thread-safe: callers hold one lock around ``alloc``/``free``.
     """
 
     def __init__(self, pool: ChunkPool, *, keep_mapped: bool = True, lean: bool = False) -> None:
