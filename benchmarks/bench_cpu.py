@@ -358,10 +358,11 @@ def breakdown(rows: list[Row]) -> list[str]:
     moved = (q.stat("plan.bytes_in") or 0) + (q.stat("plan.bytes_out") or 0)
     out = ["Where ooc 1/4's extra time goes (medians; the parts are differences of medians):", "",
            f"- engine overhead with nothing moved (ooc 1 - in-core): {full.step_s - inc.step_s:+.3f} s "
-           f"({full.step_s / inc.step_s - 1:+.0%}): every aten op passes through a TorchDispatchMode "
-           f"in Python ({full.stat('plan.functions') or '?'} ops per step), saved "
-           "tensors through pack/unpack hooks, and memory the allocator's capped cache did not "
-           "keep is faulted in (zeroed) again",
+           f"({full.step_s / inc.step_s - 1:+.0%}): the plan moves nothing, so after one step "
+           f"through the dispatch mode ({full.stat('plan.functions') or '?'} ops per step) its "
+           "steps run plain (no op intercepted, saved tensors through pack/unpack hooks; "
+           "ooc/runtime/plain_step.py) with ooc's allocator, whose cache is bounded by the live "
+           "peak there (the median of the steps after the first two mixes both kinds)",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
            f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: compute slowed "
            f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
