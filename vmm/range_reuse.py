@@ -50,6 +50,9 @@ class RangeReuse:
     pool: ChunkPool
     live_chunks: int
     reserved_bytes: int
+    peak_reserved_bytes: int
+    reserve_calls: int
+    free_range_calls: int
     backend: Any
     chunk_bytes: int
     lean: bool
@@ -61,6 +64,22 @@ class RangeReuse:
     _by_capacity: dict[int, dict[int, _Range]]
     _quarantine: list[tuple[_Range, int, Any]]
     _ranges: dict[int, _Range]
+
+    def _reserve(self, capacity: int) -> int:
+        """Reserve address space for ``capacity`` chunks (a driver call on CUDA), counted in
+        ``reserved_bytes``; its address. Whole ranges and sparse ones (vmm.sparse_ranges) alike."""
+        address = self.backend.reserve_range(capacity * self.chunk_bytes)
+        self.reserve_calls += 1
+        self.reserved_bytes += capacity * self.chunk_bytes
+        if self.reserved_bytes > self.peak_reserved_bytes:
+            self.peak_reserved_bytes = self.reserved_bytes
+        return address
+
+    def _unreserve(self, address: int, capacity: int) -> None:
+        """Free address space ``_reserve`` gave (nothing mapped in it any more)."""
+        self.backend.free_range(address, capacity * self.chunk_bytes)
+        self.free_range_calls += 1
+        self.reserved_bytes -= capacity * self.chunk_bytes
 
     def check(self) -> None:
         """Verify the internal invariants (for tests); raises AssertionError if broken."""
@@ -124,14 +143,9 @@ class RangeReuse:
         try:
             got = self._gather(need)
             if target is None:
-                address = self.backend.reserve_range(k * chunk)
-                self.reserve_calls += 1
-                target = _Range(address, k, self._next_rid)
+                target = _Range(self._reserve(k), k, self._next_rid)
                 self._next_rid += 1
                 self._ranges[target.rid] = target
-                self.reserved_bytes += k * chunk
-                if self.reserved_bytes > self.peak_reserved_bytes:
-                    self.peak_reserved_bytes = self.reserved_bytes
                 self.new_ranges += 1
             elif have:
                 self.reuse_grow += 1

@@ -81,13 +81,11 @@ class SparseRanges:
     peak_chunks_in_use: int
     map_calls: int
     unmap_calls: int
-    reserved_bytes: int
-    peak_reserved_bytes: int
-    reserve_calls: int
-    free_range_calls: int
     parked_chunks: int
     idle_chunks: int
     ooms: int
+    _reserve: Any                    # vmm.range_reuse: address space, counted
+    _unreserve: Any
     _spare: dict[int, list[SparseRange]]
     _sparse_live: dict[int, SparseRange]
     _sparse_idle: dict[int, SparseRange]
@@ -100,12 +98,7 @@ class SparseRanges:
         if spare:
             rng = spare.pop()
         else:
-            address = self.backend.reserve_range(capacity * self.chunk_bytes)
-            self.reserve_calls += 1
-            self.reserved_bytes += capacity * self.chunk_bytes
-            if self.reserved_bytes > self.peak_reserved_bytes:
-                self.peak_reserved_bytes = self.reserved_bytes
-            rng = SparseRange(self, address, capacity)
+            rng = SparseRange(self, self._reserve(capacity), capacity)
         rng.live = True
         self._sparse_live[id(rng)] = rng
         return rng
@@ -238,9 +231,7 @@ class SparseRanges:
         for spare in self._spare.values():
             for rng in spare:
                 assert not rng.mapped
-                self.backend.free_range(rng.address, rng.capacity * self.chunk_bytes)
-                self.free_range_calls += 1
-                self.reserved_bytes -= rng.capacity * self.chunk_bytes
+                self._unreserve(rng.address, rng.capacity)
         self._spare.clear()
 
     def _check_sparse(self) -> int:

@@ -259,9 +259,7 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
             self._unmap_tail(rng, 0)
         for by_cap in self._by_capacity.values():
             for rng in by_cap.values():
-                self.backend.free_range(rng.address, rng.capacity * self.chunk_bytes)
-                self.free_range_calls += 1
-                self.reserved_bytes -= rng.capacity * self.chunk_bytes
+                self._unreserve(rng.address, rng.capacity)
                 del self._ranges[rng.rid]
         self._by_capacity.clear()
         self._trim_sparse()
