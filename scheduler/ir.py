@@ -81,6 +81,11 @@ class Function:
     the generator state recorded for it. ``updates_stats``: the op also updates running
     statistics the IR does not list (BatchNorm in training mode); a replay must not update
     them again (momentum 0, or restore the buffers).
+
+    ``needs``: earlier functions whose results this one reads although the sequence has no
+    variable for them (a temporary nobody saves, such as the scores a softmax reads, which
+    the runtime does not manage). A replay must rerun those first: they are part of every
+    chain this function is in (``scheduler.replay``).
     """
 
     index: int
@@ -90,6 +95,7 @@ class Function:
     replayable: bool = False
     rng: bool = False
     updates_stats: bool = False
+    needs: tuple[int, ...] = ()
 
     @property
     def var_ids(self) -> tuple[int, ...]:
@@ -193,7 +199,8 @@ class VariableSequence:
                 {"name": f.name,
                  "uses": [[u.var, "w" if u.access is Access.WRITE else "r"] for u in f.uses],
                  "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds,
-                 **{k: True for k in _FLAGS if getattr(f, k)}}
+                 **{k: True for k in _FLAGS if getattr(f, k)},
+                 **({"needs": list(f.needs)} if f.needs else {})}
                 for f in self.functions
             ],
         }
@@ -321,10 +328,14 @@ def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
             if not isinstance(value, bool):
                 raise SequenceFormatError(f"{w}.{k}: expected true or false, got {value!r:.40}")
             flags[k] = value
+        needs = raw.get("needs", [])
+        if (not isinstance(needs, list)
+                or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < i for k in needs)):
+            raise SequenceFormatError(f"{w}.needs: expected a list of earlier function indices, got {needs!r:.60}")
         functions.append(Function(
             index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
             cost=Cost(flops=_count(raw, "flops", w), bytes=int(_count(raw, "bytes", w)),
-                      seconds=None if seconds is None else float(seconds)), **flags))
+                      seconds=None if seconds is None else float(seconds)), **flags, needs=tuple(needs)))
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
     return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
 

@@ -9,7 +9,10 @@ it and the runtime executes exactly ``Chain.functions``.
 
 The chain of variable ``v`` needed again by function ``at`` is every function that wrote
 ``v`` before ``at``, in order: the one that created it, then each in-place update
-(``relu_`` after a BatchNorm, ``add_`` of a residual). It is valid when
+(``relu_`` after a BatchNorm, ``add_`` of a residual), and before any of them the functions
+it ``needs``: the producers of results the sequence has no variable for because nothing
+saves them (the scores a softmax reads, the downsampled identity a residual ``add_`` reads),
+so a replay must make them again (at most ``MAX_CHAIN`` functions). It is valid when
 
 - ``v`` is created during the step and does not outlive it (not ``live_in``, not
   ``live_out``): its bytes come from the step's own functions;
@@ -36,7 +39,10 @@ from typing import Callable
 
 from scheduler.ir import Access, Function, VariableSequence
 
-__all__ = ["Chain", "chain_for", "mark_replayable", "recompute_candidates"]
+__all__ = ["MAX_CHAIN", "Chain", "chain_for", "mark_replayable", "recompute_candidates"]
+
+#: The most functions one chain reruns (``Function.needs`` can reach back several ops).
+MAX_CHAIN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +107,11 @@ def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
     var = seq.variables[v]
     if var.live_in or var.live_out:
         return None
-    functions = tuple(w for w in seq.writers[v] if w < at)
-    if not functions or seq.producer.get(v) != functions[0]:
+    writes = tuple(w for w in seq.writers[v] if w < at)
+    if not writes or seq.producer.get(v) != writes[0]:
+        return None
+    functions = _with_needs(seq, writes)
+    if functions is None:
         return None
     made: set[int] = set()          # created inside the chain (besides v): temporaries
     inputs: dict[int, int] = {}     # input -> the first chain function that reads it
@@ -129,6 +138,24 @@ def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
             return None                        # x is gone by then
     return Chain(var=v, at=at, functions=functions, inputs=tuple(inputs),
                  temporaries_bytes=_temporaries_peak(seq, v, functions, made))
+
+
+def _with_needs(seq: VariableSequence, writes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``writes`` and, before each, the functions it ``needs`` (results the sequence has no
+    variable for), theirs in turn, in step order; None past ``MAX_CHAIN`` functions (a
+    replay that long costs more than any transfer it saves)."""
+    chain: set[int] = set()
+    todo = list(writes)
+    functions = seq.functions
+    while todo:
+        w = todo.pop()
+        if w in chain:
+            continue
+        chain.add(w)
+        if len(chain) > MAX_CHAIN:
+            return None
+        todo.extend(k for k in functions[w].needs if k < w)
+    return tuple(sorted(chain))
 
 
 def _temporaries_peak(seq: VariableSequence, v: int, functions: tuple[int, ...], made: set[int]) -> int:

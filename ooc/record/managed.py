@@ -54,8 +54,9 @@ class Recording:
     backward_start: int | None = None
     optimizer_start: int | None = None
     # Per op, the recorder's replay flags (replayable, rng, updates_stats: ooc/record/replay.py)
-    # as this call met them; and the births read before they were managed (an op that read one
-    # the engine never managed is not replayable here: its input is nobody's to bring back).
+    # as this call met them; and the births read before they were managed. One the engine
+    # never manages is nobody's to bring back: an op that read it is replayable only with the
+    # ops that made it (``Function.needs``), when those are replayable too.
     flags: list[tuple[bool, bool, bool]] = field(default_factory=list)
     anonymous_reads: list[tuple[int, Birth]] = field(default_factory=list)
 
@@ -102,16 +103,23 @@ class Recording:
 
     def sequence(self, meta: dict) -> VariableSequence:
         flags = list(self.flags)
-        for i, b in self.anonymous_reads:
-            if b.var is None:
+        needs: dict[int, list[int]] = {}
+        for i, b in sorted(self.anonymous_reads, key=lambda r: r[0]):   # makers before readers
+            if b.var is not None or not flags[i][0]:
+                continue
+            makers = [b.op, *(w for w in b.writes if w < i)]
+            if all(flags[w][0] for w in makers):
+                needs.setdefault(i, []).extend(makers)
+            else:
                 flags[i] = NOT_REPLAYABLE
         update = self.optimizer_start if self.optimizer_start is not None else len(self.names)
         functions = []
         for i, name in enumerate(self.names):
             # Order uses by first appearance; a variable both read and written keeps both.
             uses = tuple(Use(v, a) for v, a in dict.fromkeys(self.uses[i]))
-            functions.append(Function(i, name, uses, Cost(seconds=self.seconds[i]),
-                                      *(flags[i] if i < update else NOT_REPLAYABLE)))
+            replay = flags[i] if i < update else NOT_REPLAYABLE
+            functions.append(Function(i, name, uses, Cost(seconds=self.seconds[i]), *replay,
+                                      needs=tuple(dict.fromkeys(needs.get(i, ()))) if replay[0] else ()))
         meta = dict(meta)
         if self.backward_start is not None:
             meta["backward_start"] = self.backward_start

@@ -9,7 +9,10 @@ Swapping copies bytes; so must this: the replay gives the same bytes, or it does
   arguments with every managed tensor replaced by a ``Ref`` (its slot and how to rebuild the
   view, as ``Packed`` does: holding the tensor would keep bytes the plan moves), every other
   tensor held as it is (parameters, the batch, tensors under the threshold) with its version
-  counter, and for a random op the generator state it drew from.
+  counter, and for a random op the generator state it drew from. A result of this step that
+  nobody manages (nothing saved it: the scores a softmax read) is neither: holding it would
+  keep bytes PyTorch frees, so it is a ``Made`` (which op made it, and the view), and the
+  chain reruns that op first (``Function.needs``).
 - ``discard`` runs only if every chain function was captured and no captured tensor changed
   since; otherwise the step diverges and the activation is written out as on demand: nothing
   is lost.
@@ -54,6 +57,23 @@ class Ref:
             self.slot.storage, self.offset, self.size, self.stride)
 
 
+@dataclass(frozen=True, slots=True)
+class Made:
+    """An unmanaged result of this step among a recipe's arguments: output ``out`` of chain
+    function ``op``, rebuilt at replay from what that function's replay returned."""
+
+    op: int
+    out: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def tensor(self, made: dict[tuple[int, int], torch.UntypedStorage]) -> torch.Tensor:
+        s = made[(self.op, self.out)]
+        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
+
+
 @dataclass(slots=True)
 class Recipe:
     """One captured call of a chain function: ``func(*args, **kwargs)`` with ``Ref``s for
@@ -89,15 +109,22 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def chains_of(schedule: Schedule | None) -> dict[int, tuple[int, ...]]:
-    """var -> the chain its ``recompute`` action reruns, for every recompute of the plan."""
-    chains: dict[int, tuple[int, ...]] = {}
+def chains_of(schedule: Schedule | None) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """var -> (function, chain) of each of its ``recompute`` actions, in step order: a variable
+    pinned "must_recompute" is re-created more than once a step, each time with the writers
+    it had by then (before its ``relu_``, the producer alone; before the backward, all)."""
+    chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     if schedule is not None:
-        for actions in (*schedule.before, *schedule.after):
+        for i, actions in enumerate(schedule.before):
             for a in actions:
                 if a.op is Op.RECOMPUTE:
-                    chains[a.var] = a.chain
+                    chains.setdefault(a.var, []).append((i, a.chain))
     return chains
+
+
+def next_chain(chains: dict[int, list[tuple[int, tuple[int, ...]]]], var: int, after: int) -> tuple[int, ...]:
+    """The chain of ``var``'s first recompute after function ``after`` (empty if none)."""
+    return next((chain for at, chain in chains.get(var, ()) if at > after), ())
 
 
 class Recomputation:
@@ -107,7 +134,7 @@ class Recomputation:
 
     def _init_recompute(self, schedule: Schedule | None) -> None:
         self.chains = chains_of(schedule)
-        self.recipe_ops = frozenset(w for chain in self.chains.values() for w in chain)
+        self.recipe_ops = frozenset(w for each in self.chains.values() for _, chain in each for w in chain)
         self.recipes: dict[int, Recipe] = {}
 
     def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
@@ -125,6 +152,9 @@ class Recomputation:
             slot = self.slot_of(x)
             if slot is not None:
                 return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset())
+            birth = self.rec.live_birth(x.untyped_storage())
+            if birth is not None and birth.var is None:   # the chain makes it again
+                return Made(birth.op, birth.out, x.dtype, x.size(), x.stride(), x.storage_offset())
             held.append((x, x._version))
             return x
 
@@ -148,9 +178,10 @@ class Recomputation:
     def _discard(self, slot: Slot, where: int) -> bool:
         """Give ``slot``'s bytes back with no copy, if its chain can bring them back exactly;
         else the step diverges (on demand writes the activation out). Returns whether it did."""
-        chain = self.chains.get(slot.var, ())
+        chain = next_chain(self.chains, slot.var, where)
         recipes = [self.recipes.get(w) for w in chain]
         missing = [w for w, r in zip(chain, recipes) if r is None]
+        missing += sorted({m.op for r in recipes if r is not None for m in _made(r) if m.op not in chain})
         changed = next((t for r in recipes if r is not None and (t := r.changed()) is not None), None)
         if not chain or missing or changed is not None:
             why = (f"ops {missing} of its chain were not captured" if missing or not chain
@@ -174,12 +205,14 @@ class Recomputation:
                     f"cannot recompute {slot.name} before op {where} ({self._name(where)}): a "
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
                     f"in place since; pass recompute=False to OutOfCore to swap instead")
-        out_index = self.rec.born_at[slot.var][1]   # (op, output) the plan bound it at
+        producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
         device = self.ctx.device
+        made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
+        materialize = lambda x: _materialize(x, made)  # noqa: E731
         with _disable_current_modes(), torch.no_grad(), _no_autocast():
             for w, r in zip(chain, recipes):
-                args = tree_map(_materialize, r.args)
-                kwargs = tree_map(_materialize, r.kwargs)
+                args = tree_map(materialize, r.args)
+                kwargs = tree_map(materialize, r.kwargs)
                 if r.stats is not None:
                     args = list(args)
                     for pos in r.stats:
@@ -195,9 +228,12 @@ class Recomputation:
                         _set_rng_state(device, saved)
                 else:
                     out = r.func(*args, **kwargs)
-                if w == chain[0]:
-                    outs = (out,) if isinstance(out, torch.Tensor) else [
-                        t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                outs = (out,) if isinstance(out, torch.Tensor) else [
+                    t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if w != producer:
+                    for k, t in enumerate(outs):
+                        made[(w, k)] = t.untyped_storage()
+                else:
                     s = outs[out_index].untyped_storage()
                     if s.nbytes() != slot.nbytes:
                         raise OOCError(
@@ -205,7 +241,8 @@ class Recomputation:
                             f"{format_size(s.nbytes())} ({s.nbytes()} B), not {slot.nbytes} B")
                     slot.storage = s
                     self._register(slot)
-                del out
+                del out, outs
+        made.clear()
         slot.state = State.RESIDENT
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
@@ -213,8 +250,14 @@ class Recomputation:
         self.events.append(("recompute", f"recompute {slot.name}", t0, t1))
 
 
-def _materialize(x: Any) -> Any:
-    return x.tensor() if isinstance(x, Ref) else x
+def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage]) -> Any:
+    if isinstance(x, Ref):
+        return x.tensor()
+    return x.tensor(made) if isinstance(x, Made) else x
+
+
+def _made(r: Recipe) -> list[Made]:
+    return [x for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, Made)]
 
 
 def _refs(r: Recipe) -> list[Ref]:

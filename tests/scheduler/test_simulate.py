@@ -266,7 +266,7 @@ def test_chain_step_overlaps_on_a_fast_link_and_stalls_on_a_slow_one() -> None:
         assert r.peak_bytes <= s.budget
         # nothing trails the last wait; on the CPU preset moved bytes also cost compute time
         assert r.total_s == pytest.approx(r.compute_s + r.stall_s + r.copy_cpu_s)
-    assert fast.copy_cpu_s == 0.0 and slow.copy_cpu_s == pytest.approx(380 * 2**20 * 0.1e-9)
+    assert fast.copy_cpu_s == 0.0 and slow.copy_cpu_s == pytest.approx(380 * 2**20 * hardware("cpu-edge").moved_byte_s)
     assert simulate(s, "cpu-edge") == simulate(s, "cpu-edge")  # deterministic
 
 

@@ -1,0 +1,149 @@
+"""Chains through results nobody saves (``Function.needs``): a softmax's scores, a residual's
+downsampled identity. The engine never manages them, so a replay must make them again; the
+training must still be bitwise in-core training (parameters, losses, BatchNorm statistics,
+optimizer state), with dropout's generator state replayed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ooc
+from scheduler.replay import chain_for
+from scheduler.schedule import Op
+
+
+class Attention(nn.Module):
+    """Causal attention written out: q k^T, scale, mask, softmax, dropout, @ v. Nothing saves
+    the scores (the product, the scaled and the masked ones): only the softmax output is."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = self.drop(att.softmax(dim=-1)) @ v
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Down(nn.Module):
+    """A ResNet block with a projection shortcut: ``out += bn_d(conv_d(x))``. The shortcut's
+    BatchNorm output is read by ``add_`` and then dropped: nothing saves it."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c)
+        self.cd, self.bd = nn.Conv2d(c, 2 * c, 1), nn.BatchNorm2d(2 * c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b1(self.c1(x))
+        y += self.bd(self.cd(x))
+        return torch.relu_(y)
+
+
+def _attention_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Attention(), nn.LayerNorm(32), Attention(), nn.Flatten(), nn.Linear(64 * 32, 10))
+
+
+def _down_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), Down(16), Down(32), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(64, 10))
+
+
+CASES = {
+    "attention": (_attention_model, lambda: torch.randn(16, 64, 32, generator=torch.Generator().manual_seed(3)),
+                  torch.ops.aten._softmax.default),
+    "downsample": (_down_model, lambda: torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(3)),
+                   torch.ops.aten.native_batch_norm.default),
+}
+
+
+def _train(case: str, opt_name: str, steps: int = 4, **engine_kw) -> dict:
+    make, batch, _ = CASES[case]
+    model, x, y = make(), batch(), torch.arange(batch().shape[0]) % 10
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=1e-3))
+    torch.manual_seed(1)   # dropout
+    engine = ooc.OutOfCore(model, opt, chunk="64KiB", **engine_kw) if engine_kw else None
+    losses = []
+    try:
+        for _ in range(steps):
+            with engine.step() if engine is not None else torch.enable_grad():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            losses.append(loss.detach().clone())
+        out = {"stats": engine.stats() if engine else {}, "schedule": engine and engine.schedule}
+    finally:
+        if engine is not None:
+            engine.close()
+    out.update(losses=losses, state={k: v.clone() for k, v in model.state_dict().items()},
+               opt=[{k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+                    for s in opt.state.values()])
+    return out
+
+
+def _maker_chains(schedule) -> list[tuple[str, ...]]:
+    """The recompute chains that rerun a function besides the writers of their variable."""
+    seq = schedule.sequence
+    out = []
+    for acts in schedule.before:
+        for a in acts:
+            if a.op is Op.RECOMPUTE and set(a.chain) - set(seq.writers[a.var]):
+                out.append(tuple(seq.functions[w].name for w in a.chain))
+    return out
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_chain_remakes_what_nobody_saved_and_stays_bitwise(case: str, opt_name: str) -> None:
+    ref = _train(case, opt_name)
+    op = CASES[case][2]
+    got = _train(case, opt_name, budget="64MiB", pin={op: "must_recompute"})
+    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert torch.equal(a, b), f"loss of step {i} differs"
+    for k, a in ref["state"].items():   # parameters, running_mean/var, num_batches_tracked
+        assert torch.equal(a, got["state"][k]), f"{k} differs"
+    for s_ref, s in zip(ref["opt"], got["opt"]):
+        for k, v in s_ref.items():
+            assert torch.equal(v, s[k]), f"optimizer state {k} differs"
+    chains = _maker_chains(got["schedule"])
+    assert chains, "no chain reran a function besides its variable's writers"
+    if case == "attention":   # the scores: q k^T, scaled, masked, then the softmax
+        assert any(c[0] == "aten.bmm.default" and c[-1] == "aten._softmax.default" for c in chains), chains
+    else:                     # the shortcut's BatchNorm before the add_ that reads it
+        assert any(c.count("aten.native_batch_norm.default") == 2 and "aten.add_.Tensor" in c for c in chains), chains
+    assert got["stats"]["bytes_recomputed"] > 0 and got["stats"]["last_planned"] == 1
+
+
+def test_the_recorded_sequence_names_what_each_function_needs() -> None:
+    """The recorder's ``needs``: the softmax needs the ops that made its scores (nothing the
+    engine manages holds them), the chain of its output reruns them first, and the file
+    format keeps them."""
+    got = _train("attention", "sgd", steps=2, budget="64MiB", pin={torch.ops.aten._softmax.default: "must_recompute"})
+    seq = got["schedule"].sequence
+    softmax = [f for f in seq.functions if f.name == "aten._softmax.default"]
+    assert softmax and all(f.replayable and f.needs for f in softmax)
+    for f in softmax:
+        assert [seq.functions[k].name for k in f.needs] == ["aten.masked_fill.Scalar"]
+        assert [u.access.value for u in f.uses] == ["write"]   # its input is no variable
+        out = f.uses[0].var
+        chain = chain_for(seq, out, seq.uses_of[out][-1])
+        assert chain is not None
+        assert [seq.functions[w].name for w in chain.functions] == [
+            "aten.bmm.default", "aten.mul.Tensor", "aten.masked_fill.Scalar", "aten._softmax.default"]
+    again = type(seq).from_dict(seq.to_dict())
+    assert [f.needs for f in again.functions] == [f.needs for f in seq.functions]
