@@ -175,8 +175,9 @@ PRESETS: dict[str, Hardware] = {
     #   collective step (TCP through gloo).
     # - moved_byte_s = 0.33 ns/B: the compute time a moved byte takes from the compute threads
     #   when the CPU that computes also moves it (I/O threads, page pinning, the kernel's and
-    #   the host's work for the disk), as benchmarks/results/cpu-rerun.md measured it on 2
-    #   cores: swap-only minus in-core step time, less the engine's per-op cost, per byte moved
+    #   the host's work for the disk), as benchmarks/results/cpu-rerun.md (its 02:00 run)
+    #   measured it on 2 cores: swap-only minus in-core step time, less the engine's per-op
+    #   cost, per byte moved
     #   (ResNet-50 b8 at 1/4: ~0.42 s for 1,152 MiB, 0.36 ns/B; GPT 6x256: ~0.21 s for 652 MiB,
     #   0.30 ns/B). It was 0.1 ns/B, a guess (one more memcpy-like pass per byte), which priced
     #   a swap at a third of what it costs there and had the planner swap what it could
