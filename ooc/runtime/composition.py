@@ -109,6 +109,13 @@ def check_hooks_inside(own_pack: Any) -> None:
         "the engine with manage= without 'activations' to leave activations to those hooks")
 
 
+def has_sharded_params(model: torch.nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a DTensor (FSDP2's ``fully_shard``, tensor
+    parallelism): then the unsharded parameters the ops read are freed after each forward use
+    and gathered again for the backward, out of ooc's sight."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor") for p in model.parameters())
+
+
 def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None:
     """Refuse managed params/grads/optimizer state of a model whose parameters are DTensors
     (FSDP2's ``fully_shard``, tensor parallelism). A DTensor is a wrapper with no storage of

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.errors import OOCError
 from ooc.record.managed import NOT_REPLAYABLE
+from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.slots import Slot, State
 from scheduler.schedule import Op, Schedule
 from vmm.units import format_size
@@ -136,6 +137,10 @@ class Recomputation:
         self.chains = chains_of(schedule)
         self.recipe_ops = frozenset(w for each in self.chains.values() for _, chain in each for w in chain)
         self.recipes: dict[int, Recipe] = {}
+        # FSDP2 frees each unsharded parameter after its forward use and gathers it again in
+        # its module's backward: a replay run before that (for an earlier backward op) would
+        # read freed storage. With sharded parameters no op that reads a parameter is replayed.
+        self.params_leave = has_sharded_params(self.ctx.model)
 
     def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
         """The generator state a chain function is about to draw from (random ops only)."""
@@ -169,6 +174,8 @@ class Recomputation:
         """The recorder's flags for this call (``ooc.record.replay``; the call rules of
         ``StepRecorder.op``): an in-place write to what the step did not create (parameters,
         buffers, state, tensors under the threshold) cannot be replayed."""
+        if self.params_leave and any(isinstance(x, torch.nn.Parameter) for x in tree_leaves((args, kwargs))):
+            return NOT_REPLAYABLE
         births = self.rec.births
         for t in written_tensors:
             if t.untyped_storage()._cdata not in births:

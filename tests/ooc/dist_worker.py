@@ -97,7 +97,9 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
     if use_ooc:
         target = wrapped if cfg.get("target", "outer") == "outer" else model
         engine = ooc.OutOfCore(target, opt, budget=cfg["budget"], chunk=cfg.get("chunk", 16 * KiB),
-                               manage=tuple(cfg["manage"]), device=DEVICE)
+                               manage=tuple(cfg["manage"]), device=DEVICE,
+                               pin={torch.ops.aten.native_batch_norm.default: "must_recompute"}
+                               if cfg.get("pin_bn") else None)
         if cfg.get("slow_writes") and DEVICE.type == "cpu":   # a loaded disk: races show only when writes are slow
             write = engine.tier._run_write
 
@@ -132,7 +134,8 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
     if engine is not None:
         stats = engine.stats()
         stats = {k: stats[k] for k in ("steps", "plans", "bytes_in", "bytes_out", "last_planned",
-                                        "last_diverged_at", "resident_peak_bytes", "plan.bytes_out")}
+                                        "last_diverged_at", "resident_peak_bytes", "plan.bytes_out",
+                                        "bytes_recomputed", "plan.bytes_recomputed")}
         engine.close()
     if engine is not None and cfg["mode"] == "ddp":
         stats["released_between_steps"] = released
