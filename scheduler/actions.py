@@ -31,7 +31,8 @@ Recomputation (``scheduler.replay``) is two rows: ``discard`` gives a variable's
 with no copy anywhere (after its last use before a gap), ``recompute`` re-creates it before
 its next use by rerunning the action's ``chain`` (function indices, in order). Its
 precondition is the chain's: the chain must be the one ``scheduler.replay.chain_for`` finds
-for that variable and that use, and every input of the chain must be resident. Its effect:
+for that variable and that use (or that chain through its inputs discarded at that point,
+``chain_through``), and every input of the chain must be resident. Its effect:
 the variable's bytes are taken, and while the chain runs its temporaries too (the peak
 counts them); the compute stream spends the chain's seconds (``simulate``).
 
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.errors import ScheduleError
 from scheduler.ir import Access
-from scheduler.replay import chain_for
+from scheduler.replay import chain_for, chain_through
 from vmm.units import format_size
 
 if TYPE_CHECKING:
@@ -349,10 +350,13 @@ class Ledger:
             raise n.refused(op, v, i, phase, st,
                             f"no replayable chain re-creates it for {n.fn(uses[k])} "
                             f"(see scheduler.replay for the rules)")
-        if tuple(chain) != found.functions:
-            raise n.refused(op, v, i, phase, st,
-                            f"the action's chain {list(chain)} is not the functions that wrote it, "
-                            f"{list(found.functions)}")
+        if tuple(chain) != found.functions:   # through inputs discarded now (chain_through)?
+            through = chain_through(self.seq, found, lambda x: self.state[x] is DISCARDED)
+            if through is None or tuple(chain) != through.functions:
+                raise n.refused(op, v, i, phase, st,
+                                f"the action's chain {list(chain)} is not the functions that wrote it, "
+                                f"{list(found.functions)}")
+            found = through
         for x in found.inputs:
             if self.state[x] is not RESIDENT:
                 raise n.refused(op, v, i, phase, st,

@@ -13,7 +13,10 @@ it asks this module's rule, which compares what each way out costs on the hardwa
 
 Recompute wins when it is cheaper. How much of a transfer hides depends on the whole plan
 (the link is free while compute runs, until it is not), so the planner prices with a few
-exposures, 1 (nothing hides), 1/2 and 1/10, plans with each, and keeps the plan that
+exposures, 1 (nothing hides), 1/2 and 1/10, plans with each, once with chains that start
+from resident inputs only and once also through inputs discarded at that point
+(``scheduler.replay.chain_through``: more recomputed, and more held while a chain runs, which a
+tight budget may not afford), and keeps the plan that
 ``scheduler.simulate`` predicts fastest on the hardware, the swap-only plan included (ties go
 to it). A sequence in which no function is replayable (every trace before recomputation)
 gets the swap-only plan, unchanged.
@@ -22,13 +25,14 @@ gets the swap-only plan, unchanged.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from scheduler.check import check
 from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.ir import VariableSequence
 from scheduler.pins import Pins, pinned_rule
-from scheduler.replay import Chain, chain_for, recompute_candidates
+from scheduler.replay import Chain, chain_for, chain_through, recompute_candidates
 from scheduler.schedule import Schedule
 from scheduler.simulate import simulate
 from scheduler.window import Recompute, plan_window
@@ -54,12 +58,16 @@ def chain_seconds(seq: VariableSequence, chain: Chain, hw: Hardware) -> float:
     return sum(hw.function_s(seq.functions[k].cost) for k in chain.functions)
 
 
-def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float) -> Recompute:
+def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float, through: bool = False) -> Recompute:
     """The rule: ``rule(v, at)`` is the chain to recompute ``v`` with before function ``at``
-    when that costs less than swapping it (priced as the module says), else None."""
+    when that costs less than swapping it (priced as the module says), else None. ``through``:
+    the rule takes ``absent`` too and prices the chain through inputs discarded then
+    (``chain_through``)."""
 
-    def rule(v: int, at: int) -> Chain | None:
+    def rule(v: int, at: int, absent: Callable[[int], bool] | None = None) -> Chain | None:
         chain = chain_for(seq, v, at)
+        if chain is not None and absent is not None:
+            chain = chain_through(seq, chain, absent)
         if chain is None:
             return None
         nb = seq.variables[v].nbytes
@@ -67,6 +75,7 @@ def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float) -> R
                   + 2 * nb * hw.moved_byte_s)
         return chain if chain_seconds(seq, chain, hw) < swap_s else None
 
+    rule.through = through   # type: ignore[attr-defined]
     return rule
 
 
@@ -99,10 +108,10 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             log.info("recompute='prefer' does not fit; pricing swap against recompute instead: %s", err)
     hw = default_hardware(seq) if hw is None else hardware(hw)
     best_s = simulate(best, hw, timeline=False).total_s
-    for exposure in EXPOSURES:
+    for exposure, through in [(e, t) for e in EXPOSURES for t in (False, True)]:
         try:
-            candidate = plan_window(seq, budget, window, pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure)),
-                                    pins)
+            candidate = plan_window(seq, budget, window,
+                                    pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, through)), pins)
             check(candidate)
         except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
             log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)

@@ -39,7 +39,7 @@ from typing import Callable
 
 from scheduler.ir import Access, Function, VariableSequence
 
-__all__ = ["MAX_CHAIN", "Chain", "chain_for", "mark_replayable", "recompute_candidates"]
+__all__ = ["MAX_CHAIN", "Chain", "chain_for", "chain_through", "mark_replayable", "recompute_candidates"]
 
 #: The most functions one chain reruns (``Function.needs`` can reach back several ops).
 MAX_CHAIN = 32
@@ -138,6 +138,31 @@ def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
             return None                        # x is gone by then
     return Chain(var=v, at=at, functions=functions, inputs=tuple(inputs),
                  temporaries_bytes=_temporaries_peak(seq, v, functions, made))
+
+
+def chain_through(seq: VariableSequence, chain: Chain, absent: Callable[[int], bool]) -> Chain | None:
+    """``chain`` with each of its inputs that is ``absent`` at ``chain.at`` (discarded by the
+    plan, to be recomputed later for its own use) made again inside it: that input's own chain
+    (``chain_for`` at the same function) runs first and the input is one more temporary of the
+    replay. None if such an input has no chain there, if that chain needs an absent input in
+    turn, or past ``MAX_CHAIN`` functions. ResNet's ReLU outputs come back through the 1x1
+    convolution and BatchNorm that made them when the convolution's output was discarded too."""
+    gone = [x for x in chain.inputs if absent(x)]
+    if not gone:
+        return chain
+    functions, inputs = set(chain.functions), [x for x in chain.inputs if x not in gone]
+    for x in gone:
+        inner = chain_for(seq, x, chain.at)
+        if inner is None or any(absent(y) for y in inner.inputs):
+            return None
+        functions.update(inner.functions)
+        inputs.extend(y for y in inner.inputs if y not in inputs)
+    if len(functions) > MAX_CHAIN:
+        return None
+    ordered = tuple(sorted(functions))
+    made = {x for w in ordered for x in seq.functions[w].var_ids if seq.producer.get(x) == w and x != chain.var}
+    return Chain(var=chain.var, at=chain.at, functions=ordered, inputs=tuple(inputs),
+                 temporaries_bytes=_temporaries_peak(seq, chain.var, ordered, made))
 
 
 def _with_needs(seq: VariableSequence, writes: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 # ``check`` before returning it).
 _ABSENT, _RESIDENT, _HOST, _GONE = range(4)   # _GONE: discarded, to be recomputed
 
-Recompute = Callable[[int, int], "Chain | None"]
+# rule(v, at) or rule(v, at, absent): the chain, or None to swap; absent(x): x is discarded then.
+Recompute = Callable[..., "Chain | None"]
 
 
 # =============================================================================================
@@ -83,7 +84,9 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
 
     ``recompute(v, at)``: for a victim that would be swapped out, the chain to recompute it
     with before its next use ``at`` instead (``scheduler.replay.Chain``), or None to swap it
-    (``scheduler.recompute`` prices the two). Without it, or when it always says None, the
+    (``scheduler.recompute`` prices the two). A rule with ``through=True`` is called as
+    ``recompute(v, at, absent)``, ``absent(x)`` saying whether an input is discarded then
+    (``scheduler.replay.chain_through`` makes it again inside the chain). Without it, or when it always says None, the
     plan is the swap-only plan. ``pins`` (``scheduler.pins``): ``keep`` is never evicted,
     ``must`` is discarded after each use not followed at once by the next (``recompute``
     must give its chain, as ``pinned_rule`` does).
@@ -365,7 +368,10 @@ class _BudgetWindow:
         with an input that is itself discarded."""
         if self.recompute is None or nxt == INF or pinned.get(v):
             return None
-        chain = self.recompute(v, int(nxt))
+        if getattr(self.recompute, "through", False):
+            chain = self.recompute(v, int(nxt), lambda x: state[x] == _GONE)
+        else:
+            chain = self.recompute(v, int(nxt))
         return None if chain is None or any(state[x] == _GONE for x in chain.inputs) else chain
 
     def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,

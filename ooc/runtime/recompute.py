@@ -202,9 +202,10 @@ class Recomputation:
         """Rerun ``chain`` to re-create ``slot`` before op ``where`` (the module docstring)."""
         t0 = time.perf_counter()
         recipes = [self.recipes[w] for w in chain]
+        inner = {w for w in chain}
         for r in recipes:   # every managed input usable (the plan made them resident)
             for ref in _refs(r):
-                if ref.slot is not slot:
+                if ref.slot is not slot and self.rec.born_at.get(ref.slot.var, (-1,))[0] not in inner:
                     self.ensure(ref.slot, where, keep={ref.slot, slot})
             changed = r.changed()
             if changed is not None:
@@ -215,7 +216,10 @@ class Recomputation:
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
         device = self.ctx.device
         made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
-        materialize = lambda x: _materialize(x, made)  # noqa: E731
+        # Managed variables the chain makes on the way (an input discarded too, made again inside
+        # the chain: scheduler.replay.chain_through): read from the replay, not from their slots.
+        inside = {var: at for var, at in self.rec.born_at.items() if at[0] in chain and var != slot.var}
+        materialize = lambda x: _materialize(x, made, inside)  # noqa: E731
         with _disable_current_modes(), torch.no_grad(), _no_autocast():
             for w, r in zip(chain, recipes):
                 args = tree_map(materialize, r.args)
@@ -257,9 +261,14 @@ class Recomputation:
         self.events.append(("recompute", f"recompute {slot.name}", t0, t1))
 
 
-def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage]) -> Any:
+def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage],
+                 inside: dict[int, tuple[int, int]]) -> Any:
     if isinstance(x, Ref):
-        return x.tensor()
+        at = inside.get(x.slot.var)
+        if at is None:
+            return x.tensor()
+        s = made[at]
+        return torch.empty(0, dtype=x.dtype, device=s.device).set_(s, x.offset, x.size, x.stride)
     return x.tensor(made) if isinstance(x, Made) else x
 
 

@@ -80,6 +80,20 @@ def test_a_chain_reruns_first_what_its_functions_need() -> None:
     assert chain_for(VariableSequence(tuple(fs), seq.variables, seq.meta), 3, 5) is None
 
 
+def test_a_chain_through_a_discarded_input_makes_that_input_first() -> None:
+    """``chain_through``: bn + relu_ read c; with c discarded at that point, the chain reruns
+    conv first (c is one more temporary); an absent input with no chain gives no chain."""
+    from scheduler.replay import chain_through
+
+    seq = _seq()
+    plain = chain_for(seq, 3, 5)
+    assert chain_through(seq, plain, lambda x: False) is plain
+    through = chain_through(seq, plain, lambda x: x == 2)
+    assert through.functions == (0, 1, 2) and set(through.inputs) == {0, 1}
+    assert through.temporaries_bytes >= 4 * MiB                    # c, while bn reads it
+    assert chain_through(seq, plain, lambda x: x in (0, 2)) is None  # conv's input is gone too
+
+
 def _recompute_schedule(seq: VariableSequence, chain=(1, 2), budget=1 << 40) -> Schedule:
     n = len(seq.functions)
     before = [()] * n
