@@ -61,9 +61,7 @@ log = logging.getLogger(__name__)
 # its own states; ``plan`` replays the emitted schedule through ``scheduler.actions`` in
 # ``check`` before returning it).
 _ABSENT, _RESIDENT, _HOST, _GONE = range(4)   # _GONE: discarded, to be recomputed
-
-# rule(v, at) or rule(v, at, absent): the chain, or None to swap; absent(x): x is discarded then.
-Recompute = Callable[..., "Chain | None"]
+Recompute = Callable[..., "Chain | None"]   # rule(v, at[, absent]): the chain, or None to swap
 
 
 # =============================================================================================
@@ -84,9 +82,8 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
 
     ``recompute(v, at)``: for a victim that would be swapped out, the chain to recompute it
     with before its next use ``at`` instead (``scheduler.replay.Chain``), or None to swap it
-    (``scheduler.recompute`` prices the two). A rule with ``through=True`` is called as
-    ``recompute(v, at, absent)``, ``absent(x)`` saying whether an input is discarded then
-    (``scheduler.replay.chain_through`` makes it again inside the chain). Without it, or when it always says None, the
+    (``scheduler.recompute`` prices the two); one with ``through`` set gets ``absent(x)`` too,
+    whether input x is discarded then (``scheduler.replay.chain_through``). Without it, or when it always says None, the
     plan is the swap-only plan. ``pins`` (``scheduler.pins``): ``keep`` is never evicted,
     ``must`` is discarded after each use not followed at once by the next (``recompute``
     must give its chain, as ``pinned_rule`` does).
@@ -368,10 +365,8 @@ class _BudgetWindow:
         with an input that is itself discarded."""
         if self.recompute is None or nxt == INF or pinned.get(v):
             return None
-        if getattr(self.recompute, "through", False):
-            chain = self.recompute(v, int(nxt), lambda x: state[x] == _GONE)
-        else:
-            chain = self.recompute(v, int(nxt))
+        through = (lambda x: state[x] == _GONE,) if getattr(self.recompute, "through", False) else ()
+        chain = self.recompute(v, int(nxt), *through)
         return None if chain is None or any(state[x] == _GONE for x in chain.inputs) else chain
 
     def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,
