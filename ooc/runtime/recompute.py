@@ -137,6 +137,9 @@ class Recomputation:
         self.chains = chains_of(schedule)
         self.recipe_ops = frozenset(w for each in self.chains.values() for _, chain in each for w in chain)
         self.recipes: dict[int, Recipe] = {}
+        # var -> the chain it was discarded for: a step that diverges after the discard runs on
+        # demand, where op indices no longer match the plan's, and recomputes with that chain.
+        self.discarded_for: dict[int, tuple[int, ...]] = {}
         # FSDP2 frees each unsharded parameter after its forward use and gathers it again in
         # its module's backward: a replay run before that (for an earlier backward op) would
         # read freed storage. With sharded parameters no op that reads a parameter is replayed.
@@ -196,6 +199,7 @@ class Recomputation:
             self._diverge(where, f"cannot discard {slot.name}: {why}")
             return False
         slot.storage = None
+        self.discarded_for[slot.var] = chain
         return True
 
     def _recompute(self, slot: Slot, chain: tuple[int, ...], where: int) -> None:

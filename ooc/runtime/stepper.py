@@ -206,7 +206,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
             self._make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
             self._account(slot.nbytes)
-            self._recompute(slot, next_chain(self.chains, slot.var, i - 1), i)
+            self._recompute(slot, self.discarded_for.get(slot.var) or next_chain(self.chains, slot.var, i - 1), i)
             return
         if slot.state is State.HOST:
             self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")
