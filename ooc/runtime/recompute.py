@@ -206,10 +206,13 @@ class Recomputation:
         """Rerun ``chain`` to re-create ``slot`` before op ``where`` (the module docstring)."""
         t0 = time.perf_counter()
         recipes = [self.recipes[w] for w in chain]
-        inner = {w for w in chain}
-        for r in recipes:   # every managed input usable (the plan made them resident)
+        # Managed variables the chain makes on the way (an input discarded too, made again inside
+        # the chain: scheduler.replay.chain_through): read from the replay, not from their slots.
+        ops = set(chain)
+        inside = {var: at for var, at in self.rec.born_at.items() if at[0] in ops and var != slot.var}
+        for r in recipes:   # every other managed input usable (the plan made them resident)
             for ref in _refs(r):
-                if ref.slot is not slot and self.rec.born_at.get(ref.slot.var, (-1,))[0] not in inner:
+                if ref.slot is not slot and ref.slot.var not in inside:
                     self.ensure(ref.slot, where, keep={ref.slot, slot})
             changed = r.changed()
             if changed is not None:
@@ -220,9 +223,6 @@ class Recomputation:
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
         device = self.ctx.device
         made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
-        # Managed variables the chain makes on the way (an input discarded too, made again inside
-        # the chain: scheduler.replay.chain_through): read from the replay, not from their slots.
-        inside = {var: at for var, at in self.rec.born_at.items() if at[0] in chain and var != slot.var}
         materialize = lambda x: _materialize(x, made, inside)  # noqa: E731
         with _disable_current_modes(), torch.no_grad(), _no_autocast():
             for w, r in zip(chain, recipes):
