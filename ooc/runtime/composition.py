@@ -113,7 +113,11 @@ def has_sharded_params(model: torch.nn.Module) -> bool:
     """Whether some parameter of ``model`` is a DTensor (FSDP2's ``fully_shard``, tensor
     parallelism): then the unsharded parameters the ops read are freed after each forward use
     and gathered again for the backward, out of ooc's sight."""
-    return any(type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor") for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor")
 
 
 def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None:
@@ -128,7 +132,7 @@ def check_sharded_params(model: torch.nn.Module, manage: frozenset[str]) -> None
     if not kinds:
         return
     for name, p in model.named_parameters():
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+        if _is_dtensor(p):
             raise OOCError(
                 f"manage={tuple(sorted(manage))}: parameter {name} is a DTensor (FSDP2's fully_shard "
                 f"or tensor parallelism), whose shard ooc cannot release or see the ops of; "

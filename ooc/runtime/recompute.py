@@ -53,9 +53,10 @@ class Ref:
     stride: tuple[int, ...]
     offset: int
 
-    def tensor(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=self.slot.storage.device).set_(
-            self.slot.storage, self.offset, self.size, self.stride)
+    def tensor(self, storage: torch.UntypedStorage | None = None) -> torch.Tensor:
+        """The view on the slot's storage, or on ``storage`` (the same bytes, made by a replay)."""
+        s = self.slot.storage if storage is None else storage
+        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +258,6 @@ class Recomputation:
                     slot.storage = s
                     self._register(slot)
                 del out, outs
-        made.clear()
         slot.state = State.RESIDENT
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
@@ -269,10 +269,7 @@ def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage],
                  inside: dict[int, tuple[int, int]]) -> Any:
     if isinstance(x, Ref):
         at = inside.get(x.slot.var)
-        if at is None:
-            return x.tensor()
-        s = made[at]
-        return torch.empty(0, dtype=x.dtype, device=s.device).set_(s, x.offset, x.size, x.stride)
+        return x.tensor(None if at is None else made[at])
     return x.tensor(made) if isinstance(x, Made) else x
 
 

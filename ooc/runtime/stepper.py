@@ -50,7 +50,7 @@ from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.executor import PlanExecutor
 from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.on_demand_room import OnDemandRoom
-from ooc.runtime.recompute import Recomputation, next_chain
+from ooc.runtime.recompute import Recomputation
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import Packed, SavedTensors
 from ooc.runtime.slots import Slot, State
@@ -206,7 +206,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
             self._make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
             self._account(slot.nbytes)
-            self._recompute(slot, self.discarded_for.get(slot.var) or next_chain(self.chains, slot.var, i - 1), i)
+            self._recompute(slot, self.discarded_for[slot.var], i)
             return
         if slot.state is State.HOST:
             self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")

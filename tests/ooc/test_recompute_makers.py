@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ooc
+import test_recompute_runtime as runtime
 from scheduler.replay import chain_for
 from scheduler.schedule import Op
 
@@ -75,28 +76,9 @@ CASES = {
 
 def _train(case: str, opt_name: str, steps: int = 4, **engine_kw) -> dict:
     make, batch, _ = CASES[case]
-    model, x, y = make(), batch(), torch.arange(batch().shape[0]) % 10
-    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=1e-3))
-    torch.manual_seed(1)   # dropout
-    engine = ooc.OutOfCore(model, opt, chunk="64KiB", **engine_kw) if engine_kw else None
-    losses = []
-    try:
-        for _ in range(steps):
-            with engine.step() if engine is not None else torch.enable_grad():
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            losses.append(loss.detach().clone())
-        out = {"stats": engine.stats() if engine else {}, "schedule": engine and engine.schedule}
-    finally:
-        if engine is not None:
-            engine.close()
-    out.update(losses=losses, state={k: v.clone() for k, v in model.state_dict().items()},
-               opt=[{k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-                    for s in opt.state.values()])
-    return out
+    x = batch()
+    return runtime._train(opt_name, steps, make=make, data=(x, torch.arange(x.shape[0]) % 10), chunk="64KiB",
+                          **engine_kw)
 
 
 def _maker_chains(schedule) -> list[tuple[str, ...]]:
@@ -116,13 +98,7 @@ def test_a_chain_remakes_what_nobody_saved_and_stays_bitwise(case: str, opt_name
     ref = _train(case, opt_name)
     op = CASES[case][2]
     got = _train(case, opt_name, budget="64MiB", pin={op: "must_recompute"})
-    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
-        assert torch.equal(a, b), f"loss of step {i} differs"
-    for k, a in ref["state"].items():   # parameters, running_mean/var, num_batches_tracked
-        assert torch.equal(a, got["state"][k]), f"{k} differs"
-    for s_ref, s in zip(ref["opt"], got["opt"]):
-        for k, v in s_ref.items():
-            assert torch.equal(v, s[k]), f"optimizer state {k} differs"
+    runtime._assert_bitwise(ref, got)   # losses, parameters, BatchNorm statistics, optimizer state
     chains = _maker_chains(got["schedule"])
     assert chains, "no chain reran a function besides its variable's writers"
     if case == "attention":   # the scores: q k^T, scaled, masked, then the softmax
@@ -186,13 +162,7 @@ def test_a_chain_through_a_discarded_input_stays_bitwise(monkeypatch, opt_name: 
     ref = _train("small_cnn", opt_name)
     monkeypatch.setattr(scheduler, "plan", plan)
     got = _train("small_cnn", opt_name, budget="1MiB")
-    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
-        assert torch.equal(a, b), f"loss of step {i} differs"
-    for k, a in ref["state"].items():
-        assert torch.equal(a, got["state"][k]), f"{k} differs"
-    for s_ref, s in zip(ref["opt"], got["opt"]):
-        for k, v in s_ref.items():
-            assert torch.equal(v, s[k]), f"optimizer state {k} differs"
+    runtime._assert_bitwise(ref, got)
     chains = _through_chains(got["schedule"])
     assert any(c[0] == "aten.convolution.default" and "aten.native_batch_norm.default" in c for c in chains), chains
     assert got["stats"]["last_planned"] == 1 and got["stats"]["last_diverged_at"] == -1

@@ -39,18 +39,21 @@ def _model() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
 
 
-def _train(opt_name: str, steps: int = 4, **engine_kw) -> dict:
-    model = _model()
+def _train(opt_name: str, steps: int = 4, *, make=None, data=None, chunk: str = "256KiB", **engine_kw) -> dict:
+    """Train ``make()`` (default ``_model``) on ``data`` (default ``(X, Y)``), in core when no
+    engine keyword is given; returns losses, state, optimizer state, stats and the plan."""
+    model = (make or _model)()
+    x, y = data if data is not None else (X, Y)
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd"
            else torch.optim.Adam(model.parameters(), lr=1e-3))
     torch.manual_seed(1)   # dropout
-    engine = ooc.OutOfCore(model, opt, chunk="256KiB", **engine_kw) if engine_kw else None
+    engine = ooc.OutOfCore(model, opt, chunk=chunk, **engine_kw) if engine_kw else None
     losses = []
     try:
         for _ in range(steps):
             with engine.step() if engine is not None else torch.enable_grad():
                 opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(X), Y)
+                loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
             losses.append(loss.detach().clone())
