@@ -65,7 +65,8 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # CUDA VMM's allocation granularity on current GP
 # How simulate's errors name the states of scheduler.actions.Residency.
 _WORDS = {Residency.ABSENT: "not created yet", Residency.HOST: "not on the device",
           Residency.IN: "in flight in", Residency.RESIDENT: "resident",
-          Residency.OUT: "in flight out", Residency.DEAD: "freed"}
+          Residency.OUT: "in flight out", Residency.DEAD: "freed",
+          Residency.DISCARDED: "discarded, to be recomputed"}
 
 
 @dataclass(frozen=True, slots=True)
