@@ -153,7 +153,8 @@ def walk(events: list[Event], kinds: dict[Any, str]) -> tuple[int, int, tuple[Pe
         n += sign
         if 0 < nb < SMALL:
             small += sign
-            k = kinds[ev.key]
+            # a replay's temporaries come as one block keyed by a string (scheduler.memory_events)
+            k = kinds.get(ev.key, "temporary")
             small_kinds[k] = small_kinds.get(k, 0) + sign
         elif nb >= LARGE:
             large += sign * nb
