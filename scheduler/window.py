@@ -30,8 +30,8 @@ variables that start resident and are evicted before their first use simply star
 slower tier, step (d). Then step (a) prefetches each swap-in as early as both the window and
 the budget allow. With a budget of at least ``in_core_peak_bytes`` it moves nothing.
 
-The paper's planner is ``scheduler.window_paper``, their helpers ``scheduler.working_sets``.
-Both raise ``BudgetTooSmall`` when one function's working set alone exceeds the budget;
+The paper's planner is ``scheduler.window_paper``, their helpers ``scheduler.working_sets``;
+both raise ``BudgetTooSmall`` when one function's working set alone exceeds the budget, and
 ``scheduler.planner.plan`` validates arguments and proves every schedule with ``check``.
 """
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-
 from typing import Callable
 
 from scheduler.ir import VariableSequence
@@ -49,8 +48,8 @@ from scheduler.replay import Chain
 from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
 from scheduler.window_paper import plan_window_paper
-from scheduler.working_sets import (INF, Infeasible, Prepared, default_window, require_working_sets_fit,
-                                    working_sets)
+from scheduler.working_sets import (INF, Infeasible, Prepared, default_window, replay_floor,
+                                    require_working_sets_fit, working_sets)
 
 __all__ = ["plan_window", "plan_window_paper", "default_window", "require_working_sets_fit", "working_sets"]
 
@@ -175,7 +174,7 @@ class _BudgetWindow:
         demand_ready: list[list[int]] = [[] for _ in range(n + 1)]
         after: list[list[Action]] = [[] for _ in range(n)]
         during = [0] * n
-        regen: list[list[Chain]] = [[] for _ in range(n)]   # recomputed before f_i
+        regen = self.regen = [[] for _ in range(n)]   # the chains recomputed before f_i
         pinned: dict[int, int] = {}   # inputs of chains still to run: never discarded
         protect: set[int] = set()     # the inputs of the chains about to run: not evicted now
         keep, must = self.pins.keep, self.pins.must
@@ -329,8 +328,7 @@ class _BudgetWindow:
         self.restored = set(missing)
         self.moved += sum(nbytes[v] for d in demand for v in d)
         self.start_set = frozenset(start_set)
-        self.waits, self.demand, self.demand_ready = waits, demand, demand_ready
-        self.after, self.during, self.regen = after, during, regen
+        self.waits, self.demand, self.demand_ready, self.after, self.during = waits, demand, demand_ready, after, during
 
     def schedule(self) -> Schedule:
         """Phase 2, step (a): prefetch through the window, then assemble the action lists."""
@@ -361,13 +359,15 @@ class _BudgetWindow:
     def _recompute_instead(self, v: int, nxt: float, state: dict[int, int],
                            pinned: dict[int, int]) -> Chain | None:
         """The chain to recompute victim ``v`` with before its next use ``nxt``, when the
-        pricing rule prefers it to a swap; never for an input of a chain still to run, nor
-        with an input that is itself discarded."""
+        pricing rule prefers it to a swap; never for an input of a chain still to run, with an
+        input that is itself discarded, nor one its use cannot hold beside it (``replay_floor``)."""
         if self.recompute is None or nxt == INF or pinned.get(v):
             return None
         through = (lambda x: state[x] == _GONE,) if getattr(self.recompute, "through", False) else ()
         chain = self.recompute(v, int(nxt), *through)
-        return None if chain is None or any(state[x] == _GONE for x in chain.inputs) else chain
+        if chain is None or any(state[x] == _GONE for x in chain.inputs):
+            return None
+        return chain if replay_floor(self.prep, chain.at, self.regen[chain.at] + [chain]) <= self.budget else None
 
     def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,
                             untouched, anchor, stamp, heap) -> None:

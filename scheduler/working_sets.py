@@ -9,7 +9,8 @@ from __future__ import annotations
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Access, VariableSequence
 
-__all__ = ["INF", "Infeasible", "Prepared", "default_window", "require_working_sets_fit", "working_sets"]
+__all__ = ["INF", "Infeasible", "Prepared", "default_window", "replay_floor", "require_working_sets_fit",
+           "working_sets"]
 
 INF = float("inf")
 
@@ -75,3 +76,21 @@ class Prepared:
                 upcoming[v] = i
         self.next_after = next_after
         self.first_use = upcoming
+
+
+def replay_floor(prep: Prepared, at: int, chains: "list") -> int:
+    """Bytes that must be resident right before function ``at`` when ``chains``
+    (``scheduler.replay.Chain``) are replayed there: ``at``'s own variables, each chain's
+    variable and inputs, and the largest chain's temporaries. Nothing of it can be evicted
+    then, so a chain that takes this above the budget can never run: the planner must swap
+    that victim instead of committing, in the forward, to a replay the backward cannot hold
+    (ResNet-50 at batch 1440: BatchNorm's backward holds 12.9 GiB of its 14.9, and a chain
+    through two discarded 1 GiB tensors does not fit beside it)."""
+    need = set(prep.ids[at])
+    transient = 0
+    for chain in chains:
+        need.add(chain.var)
+        need.update(chain.inputs)
+        transient = max(transient, chain.temporaries_bytes)
+    nbytes = prep.nbytes
+    return sum(nbytes[x] for x in need) + transient

@@ -126,6 +126,15 @@ def test_check_proves_a_recompute_and_counts_its_temporaries() -> None:
     assert Schedule.from_dict(s.to_dict()).before == s.before        # the chain travels with the plan
 
 
+def test_simulate_refuses_a_use_of_a_discarded_variable_in_its_own_words() -> None:
+    bad = _recompute_schedule(_seq())
+    bad = Schedule(**{**{k: getattr(bad, k) for k in ("sequence", "budget", "policy", "window", "after",
+                                                      "initial_resident")},
+                      "before": tuple(() for _ in bad.sequence.functions)})
+    with pytest.raises(Refused, match=r"function 5 \(back_relu\): variable 3 .* is used while discarded"):
+        simulate(bad, "v100-16gb-nvlink")
+
+
 def test_simulate_runs_the_chain_on_the_compute_stream() -> None:
     s = _recompute_schedule(_seq())
     r = simulate(s, "v100-16gb-nvlink")
@@ -156,6 +165,50 @@ def test_the_window_planner_recomputes_what_the_rule_chooses() -> None:
     for hw in ("cpu-edge", "v100-16gb-nvlink"):   # the default keeps the faster plan
         assert simulate(plan(seq, budget=budget, hardware=hw), hw).total_s <= \
             simulate(plan_window(seq, budget), hw).total_s
+
+
+def test_a_replay_its_use_cannot_hold_is_swapped_instead() -> None:
+    """At a budget equal to the largest working set (bn's 10 MiB), re-creating bn's statistics
+    right before back_bn reruns bn, which makes b again (4 MiB) beside back_bn's own 7 MiB:
+    11 MiB at once. The planner swaps the statistics instead of committing in the forward to a
+    replay the backward cannot hold (it used to give up on the whole plan there: "function 6
+    needs 6291456 B")."""
+    from scheduler.working_sets import Prepared, replay_floor, working_sets
+
+    seq = _seq()
+    budget = max(working_sets(seq))
+    assert replay_floor(Prepared(seq), 6, [chain_for(seq, 4, 6)]) == 11 * MiB > budget
+    s = plan_window(seq, budget, recompute=lambda v, at: chain_for(seq, v, at))
+    assert check(s).peak_bytes <= budget
+    assert Op.SWAP_OUT in _fate(s, 4) and Op.DISCARD not in _fate(s, 4)
+
+
+def _far_use() -> VariableSequence:
+    """a (8 MiB) is made, pushed out by t (8 MiB), then read after 20 short functions that use
+    only w: the uses between weigh 2 MiB each, so the default window (1.5 x a 10 MiB budget)
+    lets a's swap-in start only 2 functions ahead, twice that window 10."""
+    fns = [("make_a", [(1, "r"), (0, "w")], Cost(seconds=1.0), R),   # replayable, too dear to rerun
+           ("make_t", [(1, "r"), (2, "w")], Cost(seconds=1e-3)),
+           ("use_t", [(2, "r"), (1, "r")], Cost(seconds=1e-3))]
+    fns += [(f"mid{k}", [(1, "r")], Cost(seconds=5e-5)) for k in range(20)]
+    fns += [("use_a", [(0, "r"), (1, "r")], Cost(seconds=1e-4))]
+    vs = [Variable(0, 8 * MiB, Kind.ACTIVATION, "a"), Variable(1, 2 * MiB, Kind.PARAM, "w", live_in=True, live_out=True),
+          Variable(2, 8 * MiB, Kind.ACTIVATION, "t")]
+    return build_sequence(fns, vs, {"device": "meta"})
+
+
+def test_with_no_window_named_the_default_planner_also_tries_a_wider_one() -> None:
+    from scheduler.recompute import WIDE_WINDOW
+    from scheduler.window import default_window
+
+    seq, budget, hw = _far_use(), 10 * MiB, "v100-16gb-nvlink"
+    narrow, wide = default_window(budget), WIDE_WINDOW * default_window(budget)
+    chosen = plan(seq, budget=budget, hardware=hw)
+    assert chosen.window == wide
+    at = {w: simulate(plan_window(seq, budget, w), hw) for w in (narrow, wide)}
+    assert at[wide].stall_s < at[narrow].stall_s                    # a's copy starts earlier
+    assert simulate(chosen, hw).total_s == at[wide].total_s
+    assert plan(seq, budget=budget, window=narrow, hardware=hw).window == narrow   # a named window binds
 
 
 # -- the zoo: default planner vs the MILP reference ------------------------------------------
