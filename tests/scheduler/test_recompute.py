@@ -209,6 +209,7 @@ def test_with_no_window_named_the_default_planner_also_tries_a_wider_one() -> No
     assert at[wide].stall_s < at[narrow].stall_s                    # a's copy starts earlier
     assert simulate(chosen, hw).total_s == at[wide].total_s
     assert plan(seq, budget=budget, window=narrow, hardware=hw).window == narrow   # a named window binds
+    assert plan(seq, budget=budget, hardware="cpu-edge").window == narrow   # reads take compute there
 
 
 # -- the zoo: default planner vs the MILP reference ------------------------------------------
