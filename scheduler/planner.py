@@ -85,9 +85,10 @@ def plan(
         budget: device bytes, a positive int (parse "16GiB" with ``parse_size`` first).
             Only ``policy="none"`` accepts ``None``: the budget is then the in-core peak.
         window: prefetch window in bytes for the window policies (default 1.5 x budget,
-            nnabla's default; policy "window" with recomputation, given none, also tries
-            twice that and keeps the plan ``simulate`` predicts faster, see
-            ``scheduler.recompute``); other policies ignore it and record 0.
+            nnabla's default; policy "window" with recomputation, given none on hardware whose
+            link runs beside compute (a GPU), also tries twice that and keeps the plan
+            ``simulate`` predicts faster, see ``scheduler.recompute``); other policies ignore
+            it and record 0.
         policy: one of ``POLICIES``.
         **options: ``vdnn``: ``backward_start`` (function index); ``lms``:
             ``swapout_threshold`` (functions, >= 1), ``swapin_ahead`` (functions, >= 0).

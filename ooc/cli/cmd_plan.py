@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--budget", required=True, metavar="SIZE", type=size,
                    help="device bytes the plan may use, e.g. 16GiB (2^30 bytes), 15.5GB (10^9 bytes), 512MiB")
     p.add_argument("--window", metavar="SIZE", type=size,
-                   help="prefetch window of the window policies (default 1.5 x budget; policy window with recomputation also tries 3 x and keeps the faster)")
+                   help="prefetch window of the window policies (default 1.5 x budget; policy window with recomputation on a GPU preset also tries 3 x and keeps the faster)")
     p.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME", type=choice(POLICIES, "policy"),
                    help=f"{DEFAULT_POLICY} (default), " + ", ".join(n for n in POLICIES if n != DEFAULT_POLICY))
     p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
