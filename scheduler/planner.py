@@ -35,7 +35,7 @@ replayed it (``plan`` raises instead of returning an unsafe schedule). When no s
 the policy fits, ``BudgetTooSmall`` names the function and reports ``minimum``, a budget at
 which the same call succeeds. Cost: linear in uses for the window planners (plus a
 window-bounded prefetch search); policy "window" with recomputation plans, checks and
-simulates up to 13 candidates (``scheduler.recompute``): 0.3 s for ResNet-50 at batch 1440
+simulates up to 12 candidates (``scheduler.recompute``): 0.3 s for ResNet-50 at batch 1440
 (1,379 functions), 10.6 s for a 192-layer GPT-2 (54,035 functions; results/plan.md).
 """
 
