@@ -17,21 +17,21 @@ exposures, a 1-2-5 series from 1 (nothing hides) down to 1/10, plans with each, 
 chains that start from resident inputs only and once also through inputs discarded at that
 point (``scheduler.replay.chain_through``: more recomputed, and more held while a chain runs,
 which a tight budget may not afford), and keeps the plan that ``scheduler.simulate`` predicts
-fastest on the hardware, the swap-only plan included (ties go to it). The exposure that wins
-is rarely a grid end: on the V100 at ResNet-50 batch 1440 every exposure from 0.15 to 0.3
-beats both 0.1 and 0.5 by 4-8%, so the grid needs a point in between.
+fastest on the hardware, the swap-only plan included (ties go to it). The winning exposure
+need not be a grid end: on the V100 at ResNet-50 batch 1440 (through chains, wide window)
+every exposure from 0.15 to 0.3 gives 0.699-0.710 of in-core speed, 0.5 gives 0.683 and 0.1
+gives 0.624, so the grid needs a point in between.
 
-When the caller names no window, each plan is also made with twice nnabla's default
-(``WIDE_WINDOW``). The window only bounds how far ahead a swap-in may be issued; this
-planner's prefetch is bounded by the device bytes already, and a plan that needs a swap-in
+When the caller names no window, the ``WIDE_TRIES`` fastest plans are made again with twice
+nnabla's default (``WIDE_WINDOW``). The window only bounds how far ahead a swap-in may be
+issued; this planner's prefetch is bounded by the device bytes already, and a plan that needs a swap-in
 far back (a replay's inputs before a backward that holds most of the budget) is faster with
 the wider one (ResNet-50 batch 1440 on the V100: 0.670 -> 0.710 of in-core speed), while the
 link's first-come order can make it slower elsewhere, hence both, judged by ``simulate``. Only
 where the link runs beside compute (``Hardware.moved_byte_s`` 0, a GPU's copy engines): on a
 CPU device every read takes compute time wherever it is issued, the default window already
 leaves no stall (bench_cpu: 0.002 s per step), and on ResNet-50 batch 8 at 1/4 the wider one
-gained nothing measurable (median +0.02x in-core over 12 paired fresh-process rounds) for
-2.6x the planning time.
+gained nothing measurable (median +0.02x in-core over 12 paired fresh-process rounds).
 A sequence in which no function is replayable (every trace before recomputation) gets the
 swap-only plan at the default window, unchanged.
 """

@@ -6,8 +6,13 @@ while it runs, so no plan fits a budget below the largest one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Access, VariableSequence
+
+if TYPE_CHECKING:
+    from scheduler.replay import Chain
 
 __all__ = ["INF", "Infeasible", "Prepared", "default_window", "replay_floor", "require_working_sets_fit",
            "working_sets"]
@@ -78,7 +83,7 @@ class Prepared:
         self.first_use = upcoming
 
 
-def replay_floor(prep: Prepared, at: int, chains: "list") -> int:
+def replay_floor(prep: Prepared, at: int, chains: "Sequence[Chain]") -> int:
     """Bytes that must be resident right before function ``at`` when ``chains``
     (``scheduler.replay.Chain``) are replayed there: ``at``'s own variables, each chain's
     variable and inputs, and the largest chain's temporaries. Nothing of it can be evicted
