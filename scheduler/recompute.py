@@ -123,12 +123,16 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
         except (Infeasible, BudgetTooSmall) as err:   # the priced plans below recompute less
             log.info("recompute='prefer' does not fit; pricing swap against recompute instead: %s", err)
     hw = default_hardware(seq) if hw is None else hardware(hw)
+
+    def predicted(candidate: Schedule | None) -> float:   # None: it did not fit
+        return INF if candidate is None else simulate(candidate, hw, timeline=False).total_s
+
     tried = []   # (predicted seconds, exposure, through), in the order tried
     best, best_s = None, INF
     for exposure, through in [(None, False)] + [(e, t) for e in EXPOSURES for t in (False, True)]:
         baseline = exposure is None and not (pins.prefer or pins.must)
         candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through)
-        t = INF if candidate is None else simulate(candidate, hw, timeline=False).total_s
+        t = predicted(candidate)
         log.debug("exposure %s, through %s -> %.6f s", exposure, through, t)
         tried.append((t, exposure, through))
         if t < best_s:
@@ -138,7 +142,7 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
         wide = WIDE_WINDOW * default_window(budget)
         for _, exposure, through in sorted(tried, key=lambda r: r[0])[:WIDE_TRIES]:
             candidate = _candidate(seq, budget, wide, pins, hw, exposure, through)
-            t = INF if candidate is None else simulate(candidate, hw, timeline=False).total_s
+            t = predicted(candidate)
             log.debug("wide window, exposure %s, through %s -> %.6f s", exposure, through, t)
             if t < best_s:
                 best, best_s = candidate, t

@@ -3,6 +3,8 @@ recompute rows of the action table, and the planners that choose swap or recompu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler import (Action, BudgetTooSmall, Cost, Kind, Op, Schedule, ScheduleError, Variable, VariableSequence,
@@ -108,6 +110,11 @@ def _recompute_schedule(seq: VariableSequence, chain=(1, 2), budget=1 << 40) -> 
                     after=tuple(after), initial_resident=frozenset({0, 1}))
 
 
+def _without_recompute(s: Schedule) -> Schedule:
+    """The plan with nothing before any function: b is discarded and never re-created."""
+    return dataclasses.replace(s, before=tuple(() for _ in s.sequence.functions))
+
+
 def test_check_proves_a_recompute_and_counts_its_temporaries() -> None:
     seq = _seq()
     s = _recompute_schedule(seq)
@@ -119,20 +126,13 @@ def test_check_proves_a_recompute_and_counts_its_temporaries() -> None:
     with pytest.raises(Refused, match="not the functions that wrote it"):
         check(_recompute_schedule(seq, chain=(1,)))
     with pytest.raises(Refused, match="add recompute of variable 3"):
-        bad = _recompute_schedule(seq)
-        check(Schedule(**{**{k: getattr(bad, k) for k in ("sequence", "budget", "policy", "window",
-                                                             "after", "initial_resident")},
-                          "before": tuple(() for _ in seq.functions)}))
+        check(_without_recompute(_recompute_schedule(seq)))
     assert Schedule.from_dict(s.to_dict()).before == s.before        # the chain travels with the plan
 
 
 def test_simulate_refuses_a_use_of_a_discarded_variable_in_its_own_words() -> None:
-    bad = _recompute_schedule(_seq())
-    bad = Schedule(**{**{k: getattr(bad, k) for k in ("sequence", "budget", "policy", "window", "after",
-                                                      "initial_resident")},
-                      "before": tuple(() for _ in bad.sequence.functions)})
     with pytest.raises(Refused, match=r"function 5 \(back_relu\): variable 3 .* is used while discarded"):
-        simulate(bad, "v100-16gb-nvlink")
+        simulate(_without_recompute(_recompute_schedule(_seq())), "v100-16gb-nvlink")
 
 
 def test_simulate_runs_the_chain_on_the_compute_stream() -> None:
