@@ -9,7 +9,8 @@ seed with:
 - ``incore``: plain PyTorch;
 - ``ooc`` (``OutOfCore``, activations managed, policy "window") at budgets of 1, 1/2, 1/4 and
   1/8 of the in-core peak of the managed tensors (``ooc.measure.managed_peak``, a meta
-  trace); a budget below what the plan needs is reported as "infeasible (min X)". These run
+  trace; ResNet-50: 1, 7/8, 3/4, 1/2, 1/4; GPT: 7/8 too, a point of the frontier against
+  checkpointing every 2nd block, which saves only 15-35% of in-core's rise); a budget below what the plan needs is reported as "infeasible (min X)". These run
   with the engine's defaults, recomputation included (the planner swaps or recomputes each
   activation the budget forces out, whichever it prices cheaper);
 - ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
@@ -91,9 +92,9 @@ GPT_FULL = dict(depth=6, width=256, heads=4, seq_len=256, vocab=8192)
 # The issue's CNN is "a ResNet or VGG from the zoo": ResNet-50 at 224 px, batch 8 (activations
 # ~8x its parameters). The small CNN (64 px, 32 channels) moves more bytes per FLOP: the
 # harder case for swapping, and the one the verify and I/O-thread rows are run on.
-FULL = (Model("ResNet-50", "resnet50", 8, target=True, fractions=("1", "3/4", "1/2", "1/4")),
+FULL = (Model("ResNet-50", "resnet50", 8, target=True, fractions=("1", "7/8", "3/4", "1/2", "1/4")),
         Model("CNN", "small_cnn", 32, verify=True),
-        Model("GPT", "gpt2", 8, GPT_FULL))
+        Model("GPT", "gpt2", 8, GPT_FULL, fractions=("1", "7/8", "1/2", "1/4", "1/8")))
 QUICK = (Model("CNN", "small_cnn", 4, dict(width=16, blocks=4), chunk=256 << 10, verify=True,
                target=True),
          Model("GPT", "gpt2", 2, dict(depth=2, width=64, heads=2, seq_len=128, vocab=512),
@@ -488,8 +489,9 @@ ANALYSIS = [
     "waiting starts to show). Profiled on ResNet-50 (perf, and per-thread CPU and run-queue "
     "time from /proc): at budget 1, where nothing moves, the cost is memory faulted in and zeroed "
     "by the kernel again: with the allocator's cache uncapped and kept between steps, budget 1 "
-    "ran at in-core speed (0.99x at e3fdb54); capped at half the budget, at most 256 MiB (for "
-    "memory, see cpu_allocator.py), it is +10% again. What 1/4 adds "
+    "ran at in-core speed (0.99x at e3fdb54); capped at half the budget, at most 256 MiB, it "
+    "was +10% again (with activations alone managed that cap is gone since 2026-11-25: "
+    "ooc/engine/lifetime.py's cache_cap says why). What 1/4 adds "
     "with ~1.2 GB moved per step: the I/O threads' CPU (~0.2 s per step: O_DIRECT page pinning "
     "and the Python around each transfer), the main thread off its core ~0.3 s per step "
     "(preempted by the woken I/O threads, or waiting for the GIL they hold), and OpenMP's "

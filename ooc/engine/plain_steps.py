@@ -22,11 +22,10 @@ from vmm.units import format_size
 
 log = logging.getLogger(__name__)
 
-# The CPU allocator's cache in a plain step is bounded by the step's live peak only: the step
-# is in-core training, whose memory glibc would keep in its heap the same way. With the cap of
-# a step that swaps (half the budget), a small budget re-faulted the weight gradients of
-# ResNet-18 every step (+20% at 32 px).
-PLAIN_CACHE_CAP = 1 << 62
+# The CPU allocator's cache in a plain step is bounded by the step's live peak only
+# (lifetime.NO_CAP): the step is in-core training, whose memory glibc would keep in its heap the
+# same way. With the cap of a step that swaps all kinds (half the budget), a small budget
+# re-faulted the weight gradients of ResNet-18 every step (+20% at 32 px).
 
 
 class PlainSteps:

@@ -16,9 +16,10 @@ its oldest blocks; if the pool's idle chunks alone are over, :func:`pool_excess`
 engine to give them back. So it never makes the process larger than its tensors already did,
 and the pool's pages survive from one step to the next where they fit (a swap-in landing on
 them costs no page faults: on this project's VM, re-faulting the pool after each step cost
-~7% of a ResNet-50 step). The cache never holds more than a cap (the engine's: half the
-budget, at most 256 MiB), because PyTorch's other memory peaks at its own moments; a plain
-step, which moves nothing, lifts the cap (``ooc/engine/plain_steps.py``).
+~7% of a ResNet-50 step). The cache never holds more than a cap (the engine's,
+``ooc.engine.lifetime.cache_cap``: half the budget, at most 256 MiB, where parameters,
+gradients or optimizer state are managed, because PyTorch's other memory peaks at its own
+moments; none beyond the bound with activations alone managed, and in a plain step).
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
 transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's
