@@ -72,7 +72,7 @@ def recycle_bytes(budget: int) -> int:
     return min(max(budget // 8, 32 << 20), 64 << 20)
 
 
-def cache_cap(budget: int, manage: Collection[str] = ("activations",)) -> int:
+def cache_cap(budget: int, manage: Collection[str]) -> int:
     """The most the CPU allocator may keep cached in a step that runs a plan.
 
     With parameters, gradients or optimizer state managed, half the budget, at most 256 MiB:
