@@ -10,8 +10,8 @@ seed with:
 - ``ooc`` (``OutOfCore``, activations managed, policy "window") at budgets of 1, 1/2, 1/4 and
   1/8 of the in-core peak of the managed tensors (``ooc.measure.managed_peak``, a meta
   trace; ResNet-50: 1, 7/8, 3/4, 1/2, 1/4; GPT: 7/8 too, a point of the frontier against
-  checkpointing every 2nd block, which saves only 15-35% of in-core's rise); a budget below what the plan needs is reported as "infeasible (min X)". These run
-  with the engine's defaults, recomputation included (the planner swaps or recomputes each
+  checkpointing every 2nd block, which saves only 15-35% of in-core's rise); a budget below
+  what the plan needs is reported as "infeasible (min X)". These run with the engine's defaults, recomputation included (the planner swaps or recomputes each
   activation the budget forces out, whichever it prices cheaper);
 - ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
   recompute=prefer``: every activation forced out that a chain can re-create is recomputed

@@ -82,10 +82,11 @@ def cache_cap(budget: int, manage: Collection[str]) -> int:
     +370 MiB on a 2 GiB-budget GPT of depth 24 (caps of 1/2 and 1/4 of the budget brought VGG16
     back to the old allocator's peak).
 
-    With activations alone managed, no cap beyond the live-peak bound, as in a plain step: the
-    weights, their gradients and state and the unmanaged temporaries are in-core training's own,
-    which glibc would cache the same way, and the cap only made the kernel zero them again each
-    step. GPT 6x256 batch 8 at 1/4 of its activations' peak: its 64 MiB vocabulary-sized blocks
+    With activations alone managed (plain steps included), no cap beyond the live-peak bound:
+    the weights, their gradients and state and the unmanaged temporaries are in-core training's
+    own, which glibc would cache the same way, and the cap only made the kernel zero them again
+    each step. ResNet-18 at 32 px and a small budget re-faulted its weight gradients every
+    step (+20%, plain steps). GPT 6x256 batch 8 at 1/4 of its activations' peak: its 64 MiB vocabulary-sized blocks
     never fit the 54 MiB cap, and page zeroing took ~10% of both cores (perf); lifted, 1.41x ->
     1.15x in-core at the same rise (368 -> 367 MiB, 3 fresh-process rounds). ResNet-50 batch 8
     at 1/4: 1.38x -> 1.33x, rise 509 -> 506 MiB; small CNN at 1/4 and 1/8: rise 211 -> 188 and

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scheduler
-from ooc.engine.lifetime import NO_CAP, Held, cache_cap, close_pool, collected, recycle_bytes, weakly
+from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plain_steps import PlainSteps
@@ -260,14 +260,13 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
         self._reconcile()
         plain = self._plain_step(key)
         if plain is not None:   # the plan has nothing to do: no op is intercepted (plain_steps.py)
-            cpu_allocator.begin(self, recycle_bytes(self.budget), NO_CAP)
             st, finish = plain, self._finish_plain
         else:
             st = Stepper(self._step_context(key), self.schedule, self.binding,
                          observe_small=self._adapt_pending)
             finish = self._finish
-            if self.device.type == "cpu":
-                cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget, self.manage))
+        if self.device.type == "cpu":   # plain steps too (CPU, activations only: uncapped)
+            cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget, self.manage))
         self._stepper = st
         try:
             with contextlib.ExitStack() as stack:
