@@ -349,6 +349,13 @@ def targets(model: Model, rows: list[Row]) -> tuple[list[str], dict[str, bool | 
     return lines, verdict
 
 
+def _misses_per_step(row: Row | None) -> float | None:
+    """The CPU allocator's cache misses per step over the case's run (recording steps included)."""
+    if row is None or not row.stat("steps") or row.stat("cpu_allocator.misses") is None:
+        return None
+    return row.stat("cpu_allocator.misses") / row.stat("steps")
+
+
 def breakdown(rows: list[Row]) -> list[str]:
     """Where ooc 1/4's extra time goes, from the rows themselves."""
     by = {r.label: r for r in rows if r.results}
@@ -365,10 +372,17 @@ def breakdown(rows: list[Row]) -> list[str]:
            "ooc/runtime/plain_step.py) with ooc's allocator, whose cache is bounded by the live "
            "peak there (the median of the steps after the first two mixes both kinds)",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
-           f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: compute slowed "
-           f"by the I/O threads sharing {os.cpu_count()} cores (their CPU, and the main thread "
-           "preempted by them), and the host's work for the virtual disk (steal time)",
+           f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: ops slowed by "
+           "fresh pages the kernel zeroes inside them (the allocator's misses, next but one), by "
+           f"the I/O threads sharing {os.cpu_count()} cores, and by the host's work for the "
+           "virtual disk (steal time)",
            f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
+    misses = [_misses_per_step(r) for r in (full, q, by.get("ooc 1/4 swap-only"))]
+    if misses[0] is not None and misses[1] is not None:
+        swap_only = f", swap-only {misses[2]:.0f}" if misses[2] is not None else ""
+        out.append(f"- fresh memory: large allocations ooc's CPU allocator could not serve from its cache, "
+                   f"per step over the run: ooc 1 {misses[0]:.0f}, ooc 1/4 {misses[1]:.0f}{swap_only}; "
+                   "each maps pages the kernel zeroes inside the op that first writes them (see below)")
     resident = q.stat("plan.peak_resident_bytes") or 0
     out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "
                f"tensors (the plan's resident peak, within the {_mib(q.case.budget)} MiB budget) + "
@@ -492,10 +506,24 @@ ANALYSIS = [
     "ran at in-core speed (0.99x at e3fdb54); capped at half the budget, at most 256 MiB, it "
     "was +10% again (with activations alone managed that cap is gone since 2026-11-25: "
     "ooc/engine/lifetime.py's cache_cap says why). What 1/4 adds "
-    "with ~1.2 GB moved per step: the I/O threads' CPU (~0.2 s per step: O_DIRECT page pinning "
+    "with ~1.2 GB moved per step, profiled on the AMD EPYC host in 2026-11: the I/O threads' CPU (~0.2 s per step: O_DIRECT page pinning "
     "and the Python around each transfer), the main thread off its core ~0.3 s per step "
     "(preempted by the woken I/O threads, or waiting for the GIL they hold), and OpenMP's "
-    "second thread spinning at barriers meanwhile. Which part is the bytes: with the same plan "
+    "second thread spinning at barriers meanwhile. On the Intel Xeon host (2026-11-25) the I/O "
+    "threads' own CPU was 0.09 ns per moved byte (time.thread_time around each transfer), and "
+    "the largest part of ResNet-50's 1/4 swap-only step that perf could name was the kernel "
+    "zeroing fresh huge pages inside ops (clear_page_erms, ~9-12% of both cores' samples, "
+    "against none that perf listed with nothing moved): ~70 allocator misses and ~44,000 page "
+    "faults per step against 0 and ~5,000 with nothing moved. Memory passes between the "
+    "device pool (swap-ins, in the backward) and the allocator's cache under one live-peak bound, "
+    "and each pass costs fresh, zeroed pages. A 1 GiB floor on the cache took the misses to 0 "
+    "and the step to 1.07x the per-op path with nothing moved, but the rise grew from ~505 to "
+    "~658 MiB. Two designs that keep the pages were tried and dropped (closing note of issue "
+    "15, 2026-11-25): memfd-backed blocks remapped on a miss (no zeroing, but populating 4 KiB "
+    "shared pages cost more: +0.27 s of main-thread CPU per step) and mremap of the blocks the "
+    "bound drops into the missing block (~590 MiB moved per step, zeroing down from 11.6% to "
+    "8.7% of samples, no measurable step-time gain: most fresh pages are mapped when the pool "
+    "shrinks in the backward, not at a miss that drops cached blocks). Which part is the bytes: with the same plan "
     "and a tier that moves nothing, 1/4 ran at 1.10-1.13x in-core, and at 1.01-1.06x once the "
     "pool kept its pages between steps (they were trimmed at each step's end and faulted in again by the "
     "next backward's swap-ins; now they stay where the allocator's bound lets them, b0d0181); "
