@@ -11,8 +11,9 @@ seed with:
   1/8 of the in-core peak of the managed tensors (``ooc.measure.managed_peak``, a meta
   trace; ResNet-50: 1, 7/8, 3/4, 1/2, 1/4; GPT: 7/8 too, a point of the frontier against
   checkpointing every 2nd block, which saves only 15-35% of in-core's rise); a budget below
-  what the plan needs is reported as "infeasible (min X)". These run with the engine's defaults, recomputation included (the planner swaps or recomputes each
-  activation the budget forces out, whichever it prices cheaper);
+  what the plan needs is reported as "infeasible (min X)". These run with the engine's
+  defaults, recomputation included (the planner swaps or recomputes each activation the
+  budget forces out, whichever it prices cheaper);
 - ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
   recompute=prefer``: every activation forced out that a chain can re-create is recomputed
   (issue 15's comparison: what each lever costs on this machine);
@@ -351,9 +352,8 @@ def targets(model: Model, rows: list[Row]) -> tuple[list[str], dict[str, bool | 
 
 def _misses_per_step(row: Row | None) -> float | None:
     """The CPU allocator's cache misses per step over the case's run (recording steps included)."""
-    if row is None or not row.stat("steps") or row.stat("cpu_allocator.misses") is None:
-        return None
-    return row.stat("cpu_allocator.misses") / row.stat("steps")
+    steps, misses = (None, None) if row is None else (row.stat("steps"), row.stat("cpu_allocator.misses"))
+    return misses / steps if steps and misses is not None else None
 
 
 def breakdown(rows: list[Row]) -> list[str]:
@@ -377,11 +377,11 @@ def breakdown(rows: list[Row]) -> list[str]:
            f"the I/O threads sharing {os.cpu_count()} cores, and by the host's work for the "
            "virtual disk (steal time)",
            f"- bytes moved: {moved / MiB:,.0f} MiB per step, {moved / q.step_s / 1e9:.2f} GB/s over the step"]
-    misses = [_misses_per_step(r) for r in (full, q, by.get("ooc 1/4 swap-only"))]
-    if misses[0] is not None and misses[1] is not None:
-        swap_only = f", swap-only {misses[2]:.0f}" if misses[2] is not None else ""
+    at_1, at_q, swap = (_misses_per_step(r) for r in (full, q, by.get("ooc 1/4 swap-only")))
+    if at_1 is not None and at_q is not None:
+        swap_only = f", swap-only {swap:.0f}" if swap is not None else ""
         out.append(f"- fresh memory: large allocations ooc's CPU allocator could not serve from its cache, "
-                   f"per step over the run: ooc 1 {misses[0]:.0f}, ooc 1/4 {misses[1]:.0f}{swap_only}; "
+                   f"per step over the run: ooc 1 {at_1:.0f}, ooc 1/4 {at_q:.0f}{swap_only}; "
                    "each maps pages the kernel zeroes inside the op that first writes them (see below)")
     resident = q.stat("plan.peak_resident_bytes") or 0
     out.append(f"- memory: ooc 1/4's rise of {_mib(q.rise)} MiB = at most {_mib(resident)} MiB of managed "

@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Collection
 
+from ooc.runtime.cpu_allocator import NO_CAP
 from ooc.runtime.process_effects import ProcessEffects
 
 
@@ -60,10 +61,6 @@ def close_pool(pool: Any) -> None:
         close()
 
 
-#: A cache cap that never binds: the CPU allocator's cache is bounded by the step's live peak alone.
-NO_CAP = 1 << 62
-
-
 def recycle_bytes(budget: int) -> int:
     """The CPU allocator's floor: bytes of freed blocks it may keep even above the step's live
     peak (an eighth of the budget, 32-64 MiB). Above the live peak they would count in the
@@ -86,9 +83,9 @@ def cache_cap(budget: int, manage: Collection[str]) -> int:
     the weights, their gradients and state and the unmanaged temporaries are in-core training's
     own, which glibc would cache the same way, and the cap only made the kernel zero them again
     each step. ResNet-18 at 32 px and a small budget re-faulted its weight gradients every
-    step (+20%, plain steps). GPT 6x256 batch 8 at 1/4 of its activations' peak: its 64 MiB vocabulary-sized blocks
-    never fit the 54 MiB cap, and page zeroing took ~10% of both cores (perf); lifted, 1.41x ->
-    1.15x in-core at the same rise (368 -> 367 MiB, 3 fresh-process rounds). ResNet-50 batch 8
+    step (+20%, plain steps). GPT 6x256 batch 8 at 1/4 of its activations' peak: its 64 MiB
+    vocabulary-sized blocks never fit the 54 MiB cap, and page zeroing took ~10% of both cores
+    (perf); lifted, 1.41x -> 1.15x in-core at the same rise (368 -> 367 MiB, 3 fresh-process rounds). ResNet-50 batch 8
     at 1/4: 1.38x -> 1.33x, rise 509 -> 506 MiB; small CNN at 1/4 and 1/8: rise 211 -> 188 and
     177 -> 175 MiB, time within noise."""
     if set(manage) <= {"activations"}:

@@ -162,7 +162,11 @@ def unavailable() -> str | None:
     return _reason
 
 
-def begin(owner: object, floor_bytes: int, cap_bytes: int = 1 << 62) -> None:
+#: A cache cap that never binds: the cache is bounded by the step's live peak alone.
+NO_CAP = 1 << 62
+
+
+def begin(owner: object, floor_bytes: int, cap_bytes: int = NO_CAP) -> None:
     """A step of ``owner`` starts: recycle large blocks. The cache may hold ``floor_bytes``
     even where that takes the mapped total above the live peak (the first steps, small models),
     and never more than ``cap_bytes``."""
