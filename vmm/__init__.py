@@ -1,5 +1,5 @@
 """Device memory without fragmentation: fixed-size physical chunks mapped onto contiguous
-virtual ranges (Hayakawa & Narihira), over a host (memfd + mmap), CUDA (VMM driver API) or
+virtual ranges (Hayakawa & Narihira), over a host (memfd + mmap, or anonymous pages moved with mremap), CUDA (VMM driver API) or
 simulated backend; plus a model of PyTorch's best-fit caching allocator to compare against.
 
 No torch here. Public names are loaded on first use, so the CUDA backend's optional
@@ -17,6 +17,7 @@ from vmm.units import SizeError, format_size, parse_size
 _EXPORTS = {
     "Backend": "backend",
     "HostBackend": "host",
+    "AnonHostBackend": "anon_host",
     "SimBackend": "sim",
     "CudaBackend": "cuda",
     "ChunkPool": "pool",

@@ -117,7 +117,66 @@ def _munmap_checked(libc: _Libc, addr: int, length: int) -> None:
         raise _call_error(f"munmap(0x{addr:x}, {length})", ctypes.get_errno())
 
 
-class HostBackend(Backend):
+class HostRanges(Backend):
+    """What both host backends share: address ranges reserved with ``mmap(PROT_NONE)``,
+    buffers over mapped spans, the libc calls. Subclasses say where chunks live
+    (:class:`HostBackend`: a memfd; :class:`vmm.anon_host.AnonHostBackend`: anonymous pages
+    moved with ``mremap``) and set ``ledger`` and ``calls``."""
+
+    granularity = _mmap.PAGESIZE
+    alignment = _mmap.PAGESIZE
+    _closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VMMError(f"{self.name} backend: used after close()")
+
+    # -- address ranges ----------------------------------------------------------------
+    def reserve_range(self, nbytes: int, alignment: int = 0) -> int:
+        self._check_open()
+        self.calls["reserve_range"] += 1
+        self.ledger.check_size("reserve_range", nbytes)
+        align = max(alignment, self.granularity)
+        if align & (align - 1):
+            raise ContractError(f"host backend: alignment {alignment} is not a power of two")
+        libc = self._libc
+        if align == self.granularity:
+            address = _mmap_checked(libc, None, nbytes, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        else:
+            # Over-reserve, then give back the unaligned head and the tail.
+            total = nbytes + align
+            raw = _mmap_checked(libc, None, total, PROT_NONE, _RESERVE_FLAGS, -1, 0)
+            address = -(-raw // align) * align
+            if address > raw:
+                _munmap_checked(libc, raw, address - raw)
+            tail = raw + total - (address + nbytes)
+            if tail:
+                _munmap_checked(libc, address + nbytes, tail)
+        self.ledger.add_range(address, nbytes)
+        return address
+
+    def free_range(self, address: int, nbytes: int) -> None:
+        self.calls["free_range"] += 1
+        self.ledger.remove_range(address, nbytes)
+        _munmap_checked(self._libc, address, nbytes)
+
+    def _protect_none(self, address: int, nbytes: int) -> None:
+        _mmap_checked(self._libc, address, nbytes, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)
+
+    def buffer(self, address: int, nbytes: int) -> ctypes.Array:
+        """A writable ctypes ``c_char`` array over a mapped span (zero-copy).
+
+        It supports the buffer protocol (``memoryview``, ``numpy.frombuffer``,
+        ``torch.frombuffer``) and weak references. It does not keep the mapping alive:
+        use :meth:`vmm.Allocation.buffer`, which ties the two together.
+        """
+        if not self.ledger.is_mapped(address, nbytes):
+            raise ContractError(f"host backend: buffer over [0x{address:x}, +{nbytes}) "
+                                "which is not fully mapped")
+        return (ctypes.c_char * nbytes).from_address(address)
+
+
+class HostBackend(HostRanges):
     """Chunks of one memfd file mapped with ``MAP_FIXED`` into reserved address ranges.
 
     Args:
@@ -174,10 +233,6 @@ class HostBackend(Backend):
         return fd
 
     # -- chunks ------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise VMMError("host backend: used after close()")
-
     def create_chunk(self, nbytes: int) -> int:
         self._check_open()
         self.calls["create_chunk"] += 1
@@ -220,35 +275,6 @@ class HostBackend(Backend):
     def physical_bytes(self) -> int:
         """Bytes of memory the chunk file holds now (pages touched and not punched out)."""
         return os.fstat(self._fd).st_blocks * 512
-
-    # -- address ranges ----------------------------------------------------------------
-    def reserve_range(self, nbytes: int, alignment: int = 0) -> int:
-        self._check_open()
-        self.calls["reserve_range"] += 1
-        self.ledger.check_size("reserve_range", nbytes)
-        align = max(alignment, self.granularity)
-        if align & (align - 1):
-            raise ContractError(f"host backend: alignment {alignment} is not a power of two")
-        libc = self._libc
-        if align == self.granularity:
-            address = _mmap_checked(libc, None, nbytes, PROT_NONE, _RESERVE_FLAGS, -1, 0)
-        else:
-            # Over-reserve, then give back the unaligned head and the tail.
-            total = nbytes + align
-            raw = _mmap_checked(libc, None, total, PROT_NONE, _RESERVE_FLAGS, -1, 0)
-            address = -(-raw // align) * align
-            if address > raw:
-                _munmap_checked(libc, raw, address - raw)
-            tail = raw + total - (address + nbytes)
-            if tail:
-                _munmap_checked(libc, address + nbytes, tail)
-        self.ledger.add_range(address, nbytes)
-        return address
-
-    def free_range(self, address: int, nbytes: int) -> None:
-        self.calls["free_range"] += 1
-        self.ledger.remove_range(address, nbytes)
-        _munmap_checked(self._libc, address, nbytes)
 
     # -- mappings ----------------------------------------------------------------------
     def map(self, address: int, handle: Any, nbytes: int) -> None:
@@ -298,21 +324,6 @@ class HostBackend(Backend):
         if result != address:
             raise _mmap_error(result, ctypes.get_errno(), address, nbytes, PROT_NONE,
                               _RESERVE_FLAGS | MAP_FIXED, -1, 0)
-
-    def _protect_none(self, address: int, nbytes: int) -> None:
-        _mmap_checked(self._libc, address, nbytes, PROT_NONE, _RESERVE_FLAGS | MAP_FIXED, -1, 0)
-
-    def buffer(self, address: int, nbytes: int) -> ctypes.Array:
-        """A writable ctypes ``c_char`` array over a mapped span (zero-copy).
-
-        It supports the buffer protocol (``memoryview``, ``numpy.frombuffer``,
-        ``torch.frombuffer``) and weak references. It does not keep the mapping alive:
-        use :meth:`vmm.Allocation.buffer`, which ties the two together.
-        """
-        if not self.ledger.is_mapped(address, nbytes):
-            raise ContractError(f"host backend: buffer over [0x{address:x}, +{nbytes}) "
-                                "which is not fully mapped")
-        return (ctypes.c_char * nbytes).from_address(address)
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

@@ -183,9 +183,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
                            "create it with fused=False to manage params/grads/state")
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
-        # or when the engine is collected (ooc/runtime/process_effects.py). Until then the
-        # pool gives back nothing on its own (``pool_excess``, set by the first step).
-        self.pool_excess = None
+        # or when the engine is collected (ooc/runtime/process_effects.py).
         self._effects = ProcessEffects(self.device.type, optimizer, per_parameter)
         # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
@@ -249,7 +247,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
             raise OOCError("engine.step() is already active; steps do not nest")
         check_step_entry(_Mode, "activations" in self.manage)
         if not self._effects.applied:   # the first step (see ProcessEffects)
-            self.pool_excess = self._effects.apply()
+            self._effects.apply()
         t0 = time.perf_counter()
         self._forget_dropped()
         self._stable_vars()
@@ -300,7 +298,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
                            manage=self.manage, device=self.device, tier=self.tier, pool=self.pool,
                            new_var=self._ids.__next__, counters=self.counters, model=self.model,
                            optimizer=self.optimizer, persistent=tuple(self.persistent.values()),
-                           plan_runs=runs, pool_excess=self.pool_excess, start_key=key,
+                           plan_runs=runs, start_key=key,
                            plain_candidate=self._plain_candidate())
 
     def stats(self) -> dict[str, int | float]:

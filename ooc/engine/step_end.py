@@ -84,12 +84,12 @@ class StepEnd:
             self._step_end_bring_back()
         except Exception as e:  # a failed read: the tensor stays on the tier; raised below
             back_error = e
-        if self.device.type == "cpu" and self.pool_excess is None:
-            # no allocator bounds the pool's idle chunks: drop them. A GPU pool keeps its
-            # chunks mapped between steps (within the budget): unmapping synchronizes the
+        if self.device.type == "cpu":
+            # the pool's idle chunks go to the CPU allocator's cache, for the next step's
+            # tensors and chunks alike (or, without it, back to the kernel). A GPU pool keeps
+            # its chunks mapped between steps (within the budget): unmapping synchronizes the
             # device, and the next step would map them again.
             self.pool.trim()
-        if self.device.type == "cpu":
             give_back_heap()   # parameters built before the engine left their pages in glibc's heap
         self._book_step(st.events, seconds, st.stall_s, planned=st.planned, diverged_at=st.diverged_at,
                         peak=st.peak)

@@ -8,22 +8,29 @@
 // a request takes the smallest cached block that holds it (best fit), splitting off the rest.
 // Keeping a freed block maps nothing new, so the cache only has to shrink when a request
 // misses and fresh memory must be mapped, or when ooc's device pool (memory beside this
-// allocator, reported with ooc_cpu_allocator_external) grows. Idle memory is the cache plus
-// the pool's idle chunks (they exist but hold no tensor); it may fill what separates the live
-// bytes (live blocks + the pool's used bytes) from their peak in this step or the one before,
-// or `floor`, whichever is more; the cache alone never holds more than `cap`. When idle memory
-// is over that, the oldest cached blocks are unmapped first; if the cache is empty and the
-// pool's idle chunks alone are over, the excess is posted (ooc_cpu_allocator_pool_excess) and
-// the engine gives those chunks back before its next op. Idle memory therefore never lifts the
-// process above a peak its live tensors already reached (by more than one op's allocations),
-// and the pool's chunks stay populated from one step to the next where that fits: a swap-in
-// landing on them costs no page faults.
+// allocator, reported with ooc_cpu_allocator_external) grows.
+//
+// The pool's chunks are anonymous pages too (vmm/anon_host.py), and they share this cache:
+// a new chunk takes its pages from it (ooc_cpu_allocator_lend: best fit, as a request would)
+// and a released chunk gives them to it (ooc_cpu_allocator_adopt). So a swap-in lands on
+// pages a freed activation left, and a tensor on pages a swapped-in one left: no page is
+// zeroed by the kernel because it changed sides.
+//
+// Idle memory is the cache plus the pool's idle chunks (they exist but hold no tensor; the
+// engine releases them as it frees ranges, so there are few); it may fill what separates the
+// live bytes (live blocks + the pool's used bytes) from their peak in this step or the one
+// before, or `floor`, whichever is more; the cache alone never holds more than `cap`. When
+// idle memory is over that, the oldest cached blocks are unmapped first. Idle memory therefore
+// never lifts the process above a peak its live tensors already reached (by more than one
+// op's allocations).
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache if
 // a block fits, else the cache first gives back as many bytes as the request needs and the
-// request goes to alloc_cpu; a freed block is unmapped. So the next step finds its blocks
-// still populated (no page faults, no zeroing), and memory used between steps (evaluation)
-// replaces the cache instead of adding to it. release() unmaps the whole cache.
+// request goes to alloc_cpu; a freed block is unmapped (a chunk the pool releases is still
+// adopted: the pool only releases chunks the next step would take again). So the next step
+// finds its blocks still populated (no page faults, no zeroing), and memory used between
+// steps (evaluation) replaces the cache instead of adding to it. release() unmaps the whole
+// cache.
 //
 // One deleter serves every pointer this allocator returned (raw_deleter must: oneDNN frees
 // through it), so it looks the pointer up: a large block it mapped, or a small one from
@@ -36,7 +43,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -77,7 +83,6 @@ struct Free {
 // recycle_free while the process exits, after this library's own statics would be gone.
 std::mutex& mu = *new std::mutex;
 Counters c;
-std::atomic<size_t> pool_excess{0};   // idle pool bytes over the bound, for the engine to drop
 uint64_t clock_ = 0;
 auto& live = *new std::unordered_map<void*, size_t>;          // large block -> rounded size
 auto& by_addr = *new std::map<Addr, Free>;                    // cached, for merging neighbours
@@ -124,17 +129,30 @@ void note_live_locked() {
 // Bring idle memory within its bound with `extra` bytes about to be mapped: the bound keeps
 // everything mapped within the live peak of this step or the one before (steps repeat; an
 // older, larger peak such as the recording step's is no excuse), or `floor`, whichever is
-// more. The cache goes first (its blocks are one munmap away; the pool's chunks are reused by
-// the backward's swap-ins, whose pages would otherwise be faulted in again one by one), and
-// never holds more than `cap`; what the pool's idle chunks alone exceed is posted.
+// more. Only the cache shrinks (the pool's idle chunks are few and short-lived: the engine
+// releases them into the cache), and it never holds more than `cap`.
 void bound_idle_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);
   size_t idle = std::max(c.floor, peak > want ? peak - want : 0);
   size_t for_cache = idle > c.idle_external ? idle - c.idle_external : 0;
   shrink_locked(std::min(c.cap, for_cache));
-  pool_excess.store(c.idle_external > idle ? c.idle_external - idle : 0,
-                    std::memory_order_relaxed);
+}
+
+// Keep n freed bytes at p, merged with cached neighbours (larger blocks fit more), within
+// the cap.
+void cache_locked(Addr p, size_t n) {
+  auto next = by_addr.find(p + n);
+  if (next != by_addr.end()) {
+    n += forget_locked(next).size;
+  }
+  auto prev = by_addr.lower_bound(p);
+  if (prev != by_addr.begin() && (--prev)->first + prev->second.size == p) {
+    p = prev->first;
+    n += forget_locked(prev).size;
+  }
+  keep_locked(p, n, ++clock_);
+  shrink_locked(c.cap);
 }
 
 void recycle_free(void* ptr) {
@@ -156,17 +174,7 @@ void recycle_free(void* ptr) {
     c.mapped -= n;
     return;
   }
-  auto next = by_addr.find(p + n);   // merge with cached neighbours: larger blocks fit more
-  if (next != by_addr.end()) {
-    n += forget_locked(next).size;
-  }
-  auto prev = by_addr.lower_bound(p);
-  if (prev != by_addr.begin() && (--prev)->first + prev->second.size == p) {
-    p = prev->first;
-    n += forget_locked(prev).size;
-  }
-  keep_locked(p, n, ++clock_);
-  shrink_locked(c.cap);
+  cache_locked(p, n);
 }
 
 size_t rounded(size_t n) { return (n + kRound - 1) / kRound * kRound; }
@@ -299,8 +307,37 @@ void ooc_cpu_allocator_external(size_t used, size_t idle) {
   bound_idle_locked(0);
 }
 
-// Bytes of the pool's idle chunks over the bound (0: none): the engine gives them back.
-size_t ooc_cpu_allocator_pool_excess() { return pool_excess.load(std::memory_order_relaxed); }
+// Pages for a pool chunk of n bytes (a page multiple): the smallest cached block that holds
+// them (split; the rest stays cached) or, on a miss, a fresh mapping made room for as a
+// request's would be. They leave this allocator: the pool reports them as its own.
+void* ooc_cpu_allocator_lend(size_t n) {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (void* p = from_cache_locked(n)) {
+      live.erase(p);   // not a block this allocator hands to PyTorch: nothing frees it here
+      c.mapped -= n;
+      return p;
+    }
+    c.misses++;
+    bound_idle_locked(n);
+  }
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return nullptr;   // the pool maps its own and reports the error if that fails too
+  }
+  madvise(p, n, MADV_HUGEPAGE);
+  return p;
+}
+
+// A released pool chunk's n bytes of pages at p join the cache (merged with cached
+// neighbours), within the cap. Always taken: 1.
+int ooc_cpu_allocator_adopt(void* ptr, size_t n) {
+  std::lock_guard<std::mutex> g(mu);
+  c.mapped += n;
+  c.peak_mapped = std::max(c.peak_mapped, c.mapped);
+  cache_locked(static_cast<Addr>(ptr), n);
+  return 1;
+}
 
 // Unmap every cached block.
 void ooc_cpu_allocator_release() {

@@ -8,15 +8,16 @@ zeroes fresh pages for the next allocation of the same size. On the 2-core VM th
 measured on, zeroing runs at about 1 GB/s: plain PyTorch training slows by ~30% under that
 threshold. This allocator keeps freed large blocks while a step runs and hands them to the
 next requests (best fit, split, neighbours merged), so the step's tensors land on pages that
-are already there. The cache is bounded by the step's own live peak, together with the idle
-chunks of ooc's device pool (:func:`external`): idle memory may fill what separates the live
-bytes (live blocks + the pool's used bytes) from their peak in this step or the one before (or
-a small floor). Before mapping anything new, and whenever the pool changes, the cache drops
-its oldest blocks; if the pool's idle chunks alone are over, :func:`pool_excess` tells the
-engine to give them back. So it never makes the process larger than its tensors already did,
-and the pool's pages survive from one step to the next where they fit (a swap-in landing on
-them costs no page faults: on this project's VM, re-faulting the pool after each step cost
-~7% of a ResNet-50 step). The cache never holds more than a cap (the engine's,
+are already there. ooc's device pool takes the pages of its chunks from the same cache and
+gives them back to it (:func:`lend`, :func:`adopt`; the chunks are anonymous memory moved with
+``mremap``, ``vmm.anon_host``): with the pool's pages in a file of their own, a swap-in could
+not land on a freed activation's pages nor an activation on a swapped-in tensor's, and on this
+project's VM that churn cost ResNet-50 batch 8 at 1/4 of its peak ~70 fresh blocks and ~44k
+page faults per step (1.42 -> 1.22-1.26 s a step once shared, rise 505 -> 497 MiB). The cache
+is bounded by the step's own live peak (:func:`external` adds the pool's bytes): idle memory
+may fill what separates the live bytes (live blocks + the pool's used bytes) from their peak in
+this step or the one before (or a small floor). Before mapping anything new the cache drops its
+oldest blocks, so it never makes the process larger than its tensors already did. The cache never holds more than a cap (the engine's,
 ``ooc.engine.lifetime.cache_cap``: half the budget, at most 256 MiB, where parameters,
 gradients or optimizer state are managed, because PyTorch's other memory peaks at its own
 moments; none beyond the bound with activations alone managed, and in a plain step).
@@ -147,7 +148,9 @@ def _loaded_locked() -> ctypes.CDLL | None:
             lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
             lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
             lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-            lib.ooc_cpu_allocator_pool_excess.restype = ctypes.c_size_t
+            lib.ooc_cpu_allocator_lend.restype = ctypes.c_void_p
+            lib.ooc_cpu_allocator_lend.argtypes = [ctypes.c_size_t]
+            lib.ooc_cpu_allocator_adopt.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             _lib = lib
         except (_Unavailable, OSError) as e:
             _reason = str(e)
@@ -187,7 +190,7 @@ def external(used: int, idle: int, source: int = 0) -> None:
     """ooc's device pool ``source`` now holds tensors in ``used`` bytes and has ``idle`` bytes
     of chunks that hold none (the allocator hears the sum over pools: two engines, two pools).
     The used bytes count as live; the idle ones share the bound with the cache, which makes
-    room for them first (see :func:`pool_excess`)."""
+    room for them."""
     with _lock:
         if used or idle:
             _pools[source] = (used, idle)
@@ -198,10 +201,26 @@ def external(used: int, idle: int, source: int = 0) -> None:
                                             sum(i for _, i in _pools.values()))
 
 
-def pool_excess() -> int:
-    """Bytes of the pool's idle chunks over the bound (the cache is already empty): the engine
-    gives that many back before its next op. 0 when the allocator is not in use."""
-    return _lib.ooc_cpu_allocator_pool_excess() if _lib is not None else 0
+def lend(nbytes: int) -> int | None:
+    """The address of ``nbytes`` of anonymous memory for a device-pool chunk, from the cache
+    where a block holds them (pages already there: no fault, no zeroing); None when the
+    allocator is not installed (the pool maps its own)."""
+    if _lib is None or not _holders:
+        return None
+    return _lib.ooc_cpu_allocator_lend(nbytes) or None
+
+
+def adopt(address: int, nbytes: int) -> bool:
+    """Take a released pool chunk's pages into the cache (False, when the allocator is not
+    installed: the pool unmaps them)."""
+    if _lib is None or not _holders:
+        return False
+    return bool(_lib.ooc_cpu_allocator_adopt(address, nbytes))
+
+
+def lending() -> bool:
+    """Whether pool chunks come from and go back to the cache now (see :func:`lend`)."""
+    return _lib is not None and _holders > 0
 
 
 def release() -> None:

@@ -10,6 +10,11 @@ O_DIRECT, and chunks are reused without fragmenting. The allocator is ooc's
 than a chunk shares a chunk with others (page-aligned blocks), a larger one gets a contiguous
 range of whole chunks whose unused tail takes small ones.
 
+Its chunks are anonymous pages (``vmm.AnonHostBackend``) lent by ooc's CPU allocator
+(``ooc.runtime.cpu_allocator``) and given back to it as soon as a freed range leaves them
+unused: one cache of populated pages serves the step's tensors and the pool's swap-ins alike,
+where a pool of its own would make the kernel zero fresh pages each time memory changed sides.
+
 Lifetime rule (a violation is a segfault, not an exception): a pool range is returned only
 when the last tensor viewing it is gone. ``torch.from_numpy`` keeps the numpy array alive as
 long as any tensor uses its storage, so a ``weakref.finalize`` on that array frees the range
@@ -28,21 +33,33 @@ import torch
 
 import vmm
 from ooc.errors import OOCError
+from ooc.runtime import cpu_allocator
 
 __all__ = ["CpuDevicePool"]
 
 
 class CpuDevicePool:
     """Page-aligned byte buffers for managed tensors, backed by ``vmm.SmallBlockAllocator``
-    over a ``vmm.VirtualAllocator`` of host chunks (memfd + mmap). Conforms to
+    over a ``vmm.VirtualAllocator`` of host chunks (anonymous pages moved with mremap, or the
+    ``backend`` given). Conforms to
     :class:`~ooc.runtime.pool.DevicePool`."""
 
     def __init__(self, budget: int, chunk: int, backend: "vmm.Backend | None" = None, *,
-                 on_physical: Callable[[int, int], None] | None = None) -> None:
+                 on_physical: Callable[[int, int], None] | None = None,
+                 share_pages: bool = False) -> None:
         """``on_physical(used, idle)`` hears, whenever they change, the bytes of chunks under
         live tensors and of chunks that exist but hold none: the CPU allocator counts the used
-        ones as live and bounds the idle ones together with its cache."""
-        self.backend = backend if backend is not None else vmm.HostBackend()
+        ones as live and bounds the idle ones together with its cache. ``share_pages`` (the
+        engine's pools; ``backend`` must be None): chunks take their pages from the CPU
+        allocator's cache and, while it is installed, give them back as soon as a freed range
+        leaves them unused (``reap``)."""
+        if share_pages and backend is not None:
+            raise OOCError("CpuDevicePool: share_pages needs the pool's own backend (backend=None)")
+        self._shared = share_pages
+        if backend is None:
+            backend = (vmm.AnonHostBackend(lend=cpu_allocator.lend, adopt=cpu_allocator.adopt)
+                       if share_pages else vmm.AnonHostBackend())
+        self.backend = backend
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)
         # ooc's allocator with its default tiers, as ``ooc frag`` replays it, with blocks
@@ -81,17 +98,19 @@ class CpuDevicePool:
             return
         while self._dead:
             self.allocator.free(self._dead.pop())
+        if self._shared and cpu_allocator.lending():
+            self.allocator.trim()   # their chunks' pages serve the next tensor or chunk alike
         self._report()
 
     def trim(self, limit: int | None = None) -> int:
-        """Give the physical pages of unused chunks back: every one (``engine.close()``, and
-        where no CPU allocator bounds the idle chunks: the end of each step), or whole chunks
-        covering ``limit`` bytes (the allocator's bound asks for them), the others staying
-        populated for the next swap-ins. Returns the bytes given back.
+        """Release the unused chunks (every one, or whole chunks covering ``limit`` bytes):
+        their pages go to the CPU allocator's cache where it is in use, else back to the
+        kernel. The engine trims at each step's end and at ``close()``. Returns the bytes
+        released.
 
-        Without the full trim, chunks the backward's swap-ins touched stay resident through
-        the next forward, whose own activations then come on top: the process would hold up
-        to twice the budget.
+        Without it, chunks the backward's swap-ins touched would stay resident through the
+        next forward, whose own activations then come on top: the process would hold up to
+        twice the budget.
         """
         self.reap()
         freed = self.allocator.trim(limit)

@@ -59,7 +59,8 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     """The slower tier and the budgeted device pool for ``device``: ``(tier, pool)``.
 
     - ``cpu``: ``(FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk),
-      CpuDevicePool(budget, chunk))``.
+      CpuDevicePool(budget, chunk, share_pages=True))``: its chunks' pages come from and go
+      back to ooc's CPU allocator's cache.
     - ``cuda[:i]``: ``(PinnedTier(...), CudaDevicePool(budget, chunk, device=i))``; ``storage``
       and ``threads`` do not apply (the slower tier is pinned host memory, moved by copy
       streams). ``pinned_capacity`` caps the pinned memory (default: half the host RAM).
@@ -111,7 +112,7 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int) -> DevicePo
     if dev.type == "cpu":
         # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
         hear = functools.partial(cpu_allocator.external, source=next(_pool_ids))
-        return CpuDevicePool(budget, chunk, on_physical=hear)
+        return CpuDevicePool(budget, chunk, on_physical=hear, share_pages=True)
     rt = cuda_runtime()
     index = dev.index if dev.index is not None else rt.current_device()
     return CudaDevicePool(budget, chunk, driver=rt.driver(f"device {dev}"), device=index,

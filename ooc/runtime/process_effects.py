@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,9 +42,8 @@ class ProcessEffects:
         self._foreach: list[tuple[int, Any]] = []   # (index of a param group, its value before)
         self._lock = threading.Lock()
 
-    def apply(self) -> Callable[[], int] | None:
-        """Make the changes (the first call only). Returns the allocator's ``pool_excess``
-        where ooc's CPU allocator is in use, else None."""
+    def apply(self) -> None:
+        """Make the changes (the first call only)."""
         with self._lock:
             if not self.applied:
                 self.applied = True
@@ -54,7 +53,6 @@ class ProcessEffects:
                 optimizer = self._optimizer() if self._optimizer is not None else None
                 if optimizer is not None:
                     self._per_parameter_optimizer(optimizer)
-            return cpu_allocator.pool_excess if self.allocator else None
 
     def undo(self) -> None:
         """Put back what ``apply`` changed (a call before it, or a second one, does nothing)."""

@@ -42,6 +42,5 @@ class StepContext:
     optimizer: torch.optim.Optimizer | None
     persistent: Iterable[Slot]      # the managed parameters, grads and state, as the step starts
     plan_runs: int = 0              # how often the step's plan ran before (0: its first run)
-    pool_excess: Callable[[], int] | None = None   # bytes of idle pool chunks to shed, if bounded
     start_key: Any = None           # the state the step starts in (the engine's plan key)
     plain_candidate: bool = False   # the plan moves nothing: note what the step saves (plain_step.py)

@@ -145,7 +145,6 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         self._plan_names = [f.name for f in functions]
         self._before = schedule.before if schedule is not None else ()
         self._after = schedule.after if schedule is not None else ()
-        self._pool_excess = ctx.pool_excess
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -256,10 +255,6 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             if pieces is not None:   # one list entry at a time: see split_foreach
                 outs = [self.on_op(func, a, k) for a, k in pieces]
                 return None if outs[0] is None else [t for out in outs for t in out]
-        if self._pool_excess is not None:
-            excess = self._pool_excess()
-            if excess:   # the last op's allocations met the pool's idle chunks: shed them
-                self.ctx.pool.trim(excess)
         rec = self.rec
         i = rec.begin_op(info.name)
         self.i = i

@@ -19,6 +19,8 @@ import textwrap
 import pytest
 import torch
 
+import vmm
+
 from ooc.runtime import cpu_allocator
 
 needs_compiler = pytest.mark.skipif(
@@ -169,32 +171,48 @@ def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
     assert out["after_small_step"] <= 8
 
 
-IDLE = FULL_CACHE + """
+LEND = FULL_CACHE + """
+    import resource
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    stats = cpu_allocator.stats
+    before, f0 = stats(), faults()
+    chunk = cpu_allocator.lend(2 * MiB)   # a pool chunk's pages, from a cached block
+    import ctypes
+    ctypes.memset(chunk, 1, 2 * MiB)      # already populated: no page faults
+    out["lent"] = [before["cached_bytes"] - stats()["cached_bytes"],
+                   stats()["misses"] - before["misses"], faults() - f0]
+    assert cpu_allocator.adopt(chunk, 2 * MiB)   # released: back into the cache
+    out["adopted"] = cached() * MiB == before["cached_bytes"]
+    hits = stats()["hits"]
+    whole = torch.empty(before["cached_bytes"], dtype=torch.uint8)   # neighbours merged again
+    out["merged"] = stats()["hits"] - hits
+    del whole
     cpu_allocator.external(0, 16 * MiB)   # the pool has 16 MiB of chunks holding no tensor
-    out["idle_16"] = (cached(), cpu_allocator.pool_excess() // MiB)
-    cpu_allocator.external(0, 40 * MiB)
-    out["idle_40"] = (cached(), cpu_allocator.pool_excess() // MiB)
-    cpu_allocator.external(0, 24 * MiB)   # the engine gave 16 MiB back: within the bound again
-    out["idle_24"] = (cached(), cpu_allocator.pool_excess() // MiB)
-    t = torch.empty(16 * MiB, dtype=torch.uint8)   # a miss: live 16 + idle 24 > 32
-    out["miss"] = (cached(), cpu_allocator.pool_excess() // MiB)
+    out["idle_16"] = cached()             # idle memory together stays within the 32 MiB peak
     cpu_allocator.external(0, 0)
     cpu_allocator.end(owner)
+    cpu_allocator.release()
+    out["fresh"] = cpu_allocator.lend(2 * MiB) is not None and stats()["misses"] > before["misses"]
+    cpu_allocator.relinquish()   # no longer installed: the pool maps and unmaps its own
+    out["after"] = [cpu_allocator.lend(2 * MiB), cpu_allocator.adopt(chunk, 2 * MiB)]
     print(json.dumps(out))
 """
 
 
 @needs_compiler
-def test_the_pools_idle_chunks_share_the_bound_and_the_cache_goes_first():
-    """Idle memory (cached blocks + the pool's chunks that hold no tensor) stays within the
-    live peak (32 MiB): the cache gives way first; what the pool's idle chunks alone exceed is
-    posted for the engine to give back, and cleared once it has."""
-    out = _child(IDLE, {})
-    cached, excess = out["idle_16"]
-    assert cached <= 16 and excess == 0   # the cache made room (whole blocks: maybe all of it)
-    assert out["idle_40"] == [0, 8]
-    assert out["idle_24"] == [0, 0]
-    assert out["miss"] == [0, 8]   # 16 live + 24 idle: 8 MiB of the pool's must go
+def test_pool_chunks_take_their_pages_from_the_cache_and_give_them_back():
+    """The device pool's chunks are the cache's pages: a chunk is lent from a cached block
+    (populated: touching it faults nothing), given back whole, merged with its neighbours so
+    the block it came from serves a request again; with an empty cache the chunk is mapped
+    fresh. Once the allocator is not installed, the pool keeps to its own pages. The pool's
+    idle chunks share the bound with the cache."""
+    out = _child(LEND, {})
+    assert out["idle_16"] <= 16
+    assert out["lent"][0] == 2 << 20 and out["lent"][1] == 0
+    assert out["lent"][2] < 64   # 512 pages if they had to be faulted in (4 KiB each)
+    assert out["adopted"] is True and out["merged"] == 1
+    assert out["fresh"] is True
+    assert out["after"] == [None, False]
 
 
 @needs_compiler
@@ -207,10 +225,12 @@ def test_two_pools_count_together_and_a_dropped_pool_counts_no_more():
     ta, tb = a.take(3 * chunk), b.take(2 * chunk)
     s = cpu_allocator.stats()
     assert (s["external_bytes"], s["idle_external_bytes"]) == (5 * chunk, 0)
+    cached = cpu_allocator.stats()["cached_bytes"]
     del tb
-    b.reap()
+    b.reap()   # the dead range's chunks go to the cache at once: the pool keeps none idle
     s = cpu_allocator.stats()
-    assert (s["external_bytes"], s["idle_external_bytes"]) == (3 * chunk, 2 * chunk)
+    assert (s["external_bytes"], s["idle_external_bytes"]) == (3 * chunk, 0)
+    assert s["cached_bytes"] == cached + 2 * chunk
     del b
     s = cpu_allocator.stats()
     assert (s["external_bytes"], s["idle_external_bytes"]) == (3 * chunk, 0)
@@ -289,10 +309,12 @@ TRAIN = """
                 engine.optimizer_step()
         used = cpu_allocator.installed()
         pool_between_steps = engine.pool.stats()["physical_bytes"]
+        cached_between_steps = (cpu_allocator.stats() or {}).get("cached_bytes", 0)
     after = cpu_allocator.stats()
     print(json.dumps({"used": used, "installed_after_close": cpu_allocator.installed(), "reason": cpu_allocator.unavailable(),
                       "cached_after_close": after and after["cached_bytes"],
                       "pool_between_steps": pool_between_steps,
+                      "cached_between_steps": cached_between_steps,
                       "pool_after_close": engine.pool.stats()["physical_bytes"],
                       "weight_sum": float(model[0].weight.double().sum())}))
 """
@@ -305,15 +327,18 @@ def test_switched_off_the_engine_trains_the_same_without_it(tmp_path):
     assert on["weight_sum"] == off["weight_sum"]
     assert on["used"] is True and on["cached_after_close"] == 0   # close() gives the cache back
     assert on["installed_after_close"] is False   # and PyTorch its own allocator
-    # The pool's chunks stay populated between steps where the allocator bounds them, and are
-    # given back at each step's end without it; close() gives them back either way.
-    assert on["pool_between_steps"] > 0 and off["pool_between_steps"] == 0
+    # The pool releases its chunks at each step's end: into the allocator's cache, whose pages
+    # wait there for the next step, or (without it) back to the kernel; close() gives them
+    # back either way.
+    assert on["pool_between_steps"] == off["pool_between_steps"] == 0
+    assert on["cached_between_steps"] > 0
     assert on["pool_after_close"] == off["pool_after_close"] == 0
     assert not (tmp_path / "b" / "ooc").exists()   # nothing built when switched off
 
 
 SHED = """
     import json, torch, ooc
+    from ooc.runtime import cpu_allocator
 
     torch.manual_seed(0)
     conv = lambda c: (torch.nn.Conv2d(c, 16, 3, padding=1), torch.nn.Tanh())
@@ -332,32 +357,30 @@ SHED = """
 
         for _ in range(2):
             step()
-        bounded = engine.pool_excess is not None
-        between = engine.pool.stats()["physical_bytes"]
+        calls = engine.pool.backend.calls
+        lent, adopted = calls["lent"], calls["adopted"]
+        step()
         stats = engine.stats()
         moved = stats["plan.bytes_in"] if stats["last_planned"] else 0
-        posted = [3 * 65536 + 1]
-        given = []
-        engine.pool_excess = lambda: posted.pop() if posted else 0
-        trim = engine.pool.trim
-        engine.pool.trim = lambda n=None: given.append(n) or trim(n)
-        step()
-        shed = list(given)   # before close(), whose full trim is not the posted excess
-    print(json.dumps({"bounded": bounded, "between": between, "moved": moved, "given": shed}))
+        out = {"moved": moved, "lent": calls["lent"] - lent, "adopted": calls["adopted"] - adopted,
+               "pool_between_steps": engine.pool.stats()["physical_bytes"],
+               "chunks": engine.pool.backend.physical_bytes()}
+    print(json.dumps(out))
 """
 
 
 @needs_compiler
-def test_the_engine_gives_the_pools_excess_back_before_its_next_op(tmp_path):
-    """The allocator posts the idle pool bytes over its bound; the engine must act on them at
-    the next op (it is the only one that may touch the pool), and only then.
+def test_a_swapping_step_takes_pool_pages_from_the_cache_and_gives_them_back(tmp_path):
+    """In a step that swaps, the pool's chunks are lent by the CPU allocator and adopted back
+    once their ranges are freed: between steps the pool holds no page of its own (they wait in
+    the cache, for tensors and chunks alike).
 
-    In a child: the bound is process-wide, so an idle pool another test left in this process
-    (an engine not yet collected) would rightly make this engine shed its own chunks too."""
+    In a child: the allocator is process-wide, and another test's engine must not be what lent
+    or took the pages."""
     out = _child(SHED, {"XDG_CACHE_HOME": str(tmp_path)})
-    assert out["moved"] > 0                        # the planned step swapped in through the pool
-    assert out["bounded"] and out["between"] > 0   # which keeps its chunks between steps
-    assert out["given"] == [3 * 65536 + 1]          # and sheds what was posted, once
+    assert out["moved"] > 0                         # the planned step swapped in through the pool
+    assert out["lent"] >= 1 and out["adopted"] >= out["lent"]   # its chunks came and went back
+    assert out["pool_between_steps"] == out["chunks"] == 0
 
 
 def test_a_compiler_that_fails_means_a_fallback_not_an_error(tmp_path):
@@ -450,7 +473,9 @@ def test_the_device_pool_reports_its_used_and_idle_bytes_as_they_change():
 
     heard: list[tuple[int, int]] = []
     chunk = 1 << 20
-    pool = CpuDevicePool(8 * chunk, chunk, on_physical=lambda used, idle: heard.append((used, idle)))
+    # chunks of its own (not lent by the allocator, which would take idle ones back at once)
+    pool = CpuDevicePool(8 * chunk, chunk, vmm.AnonHostBackend(),
+                         on_physical=lambda used, idle: heard.append((used, idle)))
     a = pool.take(3 * chunk)
     b = pool.take(chunk // 2)
     assert heard == [(3 * chunk, 0), (4 * chunk, 0)]
