@@ -173,19 +173,17 @@ PRESETS: dict[str, Hardware] = {
     #   page); op_overhead_s = 10 us: eager PyTorch's per-op dispatch cost on a small CPU.
     # - peers (data-parallel) over 1 Gb/s Ethernet, 0.125 GB/s, beside the flash; ~100 us a
     #   collective step (TCP through gloo).
-    # - moved_byte_s = 0.33 ns/B: the compute time a moved byte takes from the compute threads
+    # - moved_byte_s = 0.1 ns/B: the compute time a moved byte takes from the compute threads
     #   when the CPU that computes also moves it (I/O threads, page pinning, the kernel's and
-    #   the host's work for the disk), as benchmarks/results/cpu-rerun.md (its 02:00 run)
-    #   measured it on 2 cores: swap-only minus in-core step time, less the engine's per-op
-    #   cost, per byte moved
-    #   (ResNet-50 b8 at 1/4: ~0.42 s for 1,152 MiB, 0.36 ns/B; GPT 6x256: ~0.21 s for 652 MiB,
-    #   0.30 ns/B). It was 0.1 ns/B, a guess (one more memcpy-like pass per byte), which priced
-    #   a swap at a third of what it costs there and had the planner swap what it could
-    #   recompute more cheaply.
+    #   the host's work for the disk), measured on 2 cores as swap-only minus in-core step
+    #   time, less the engine's per-op cost, per byte moved: ResNet-50 b8 at 1/4, ~0.1 s for
+    #   1,152 MiB (2026-11-25, Intel Xeon VM). It was 0.33 ns/B (cpu-rerun.md, 02:00 run),
+    #   measured while each moved byte also cost fresh pages zeroed by the kernel (memory
+    #   churned between ooc's device pool and its CPU allocator; they share pages now).
     "cpu-edge": Hardware(
         name="cpu-edge", device_bytes=4 * GiB, peak_flops=153.6e9, mem_bandwidth=17 * GB,
         h2d_bandwidth=1 * GB, d2h_bandwidth=1 * GB, link_latency_s=100e-6, op_overhead_s=10e-6,
-        moved_byte_s=0.33e-9, collective_bandwidth=0.125 * GB, collective_latency_s=100e-6,
+        moved_byte_s=0.1e-9, collective_bandwidth=0.125 * GB, collective_latency_s=100e-6,
         description="CPU edge board (4x Cortex-A76 2.4 GHz, 4 GiB LPDDR4X), swap to local "
                     "flash at 1 GB/s, half duplex", tier="storage", full_duplex=False),
 }

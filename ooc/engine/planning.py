@@ -14,6 +14,7 @@ import mmap
 import time
 
 import scheduler
+from ooc.engine.host_pricing import priced_hardware
 from ooc.engine.lifetime import close_pool
 from ooc.engine.pin_policy import pins_of
 from ooc.runtime.devices import make_pool
@@ -96,6 +97,8 @@ class Planning:
         seq = _round_activations(seq, self.chunk)
         t0 = time.perf_counter()
         options: dict = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
+        if self.policy in ("window", "milp"):   # priced with this machine's swap file (host_pricing.py)
+            options["hardware"] = priced_hardware(seq, self.tier.stats())
         if self._pin is not None:   # the user's pins (ooc/engine/pin_policy.py)
             options["pins"] = pins_of(seq, self._pin)
         try:
