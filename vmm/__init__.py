@@ -1,6 +1,7 @@
 """Device memory without fragmentation: fixed-size physical chunks mapped onto contiguous
-virtual ranges (Hayakawa & Narihira), over a host (memfd + mmap, or anonymous pages moved with mremap), CUDA (VMM driver API) or
-simulated backend; plus a model of PyTorch's best-fit caching allocator to compare against.
+virtual ranges (Hayakawa & Narihira), over a host (memfd + mmap, or anonymous pages moved with
+mremap), CUDA (VMM driver API) or simulated backend; plus a model of PyTorch's best-fit
+caching allocator to compare against.
 
 No torch here. Public names are loaded on first use, so the CUDA backend's optional
 dependency is only imported by code that asks for it.

@@ -168,13 +168,7 @@ class AnonHostBackend(HostRanges):
             self._move(start, end - start, handle)
         self._protect_none(address, nbytes)
 
-    # -- lifetime ----------------------------------------------------------------------
-    def close(self) -> None:
-        """Unmap every chunk (at home or in a range) and free every range."""
-        self._closed = True
-        if self._finalizer.alive:
-            self._finalizer()
-
+    # -- lifetime (close: HostRanges.close, which runs _teardown below) ----------------
     def __repr__(self) -> str:
         return (f"<AnonHostBackend chunks={len(self.ledger.chunks)} "
                 f"ranges={len(self.ledger.ranges())} page={self.granularity}>")

@@ -175,6 +175,13 @@ class HostRanges(Backend):
                                 "which is not fully mapped")
         return (ctypes.c_char * nbytes).from_address(address)
 
+    def close(self) -> None:
+        """Give everything back: the subclass's finalizer (``_finalizer``, which also runs
+        when the backend is collected) unmaps its chunks and ranges; later use raises."""
+        self._closed = True
+        if self._finalizer.alive:
+            self._finalizer()
+
 
 class HostBackend(HostRanges):
     """Chunks of one memfd file mapped with ``MAP_FIXED`` into reserved address ranges.
@@ -199,8 +206,6 @@ class HostBackend(HostRanges):
             raise VMMError(f"the host backend needs Linux (memfd + mmap MAP_FIXED); this is "
                            f"{sys.platform}: use SimBackend to plan without real memory")
         self._libc = _libc()
-        self.granularity = _mmap.PAGESIZE
-        self.alignment = self.granularity
         self.ledger = Ledger(self.granularity, "host")
         self.file_kind = "memfd"
         self._fd = self._open_file(use_memfd, directory)
@@ -326,12 +331,6 @@ class HostBackend(HostRanges):
                               _RESERVE_FLAGS | MAP_FIXED, -1, 0)
 
     # -- lifetime ----------------------------------------------------------------------
-    def close(self) -> None:
-        """Unmap every chunk, free every range, close the file (its memory goes with it)."""
-        self._closed = True
-        if self._finalizer.alive:
-            self._finalizer()
-
     def __repr__(self) -> str:
         return (f"<HostBackend {self.file_kind} file={format_size(self.file_bytes)} "
                 f"ranges={len(self.ledger.ranges())} page={self.granularity}>")

@@ -185,7 +185,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
         # or when the engine is collected (ooc/runtime/process_effects.py).
         self._effects = ProcessEffects(self.device.type, optimizer, per_parameter)
-        # CPU: a swap file and a memfd pool; CUDA: pinned host memory and a VMM pool. The pool
+        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
         self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
                                                   threads, verify)

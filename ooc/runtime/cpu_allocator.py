@@ -17,7 +17,8 @@ page faults per step (1.42 -> 1.22-1.26 s a step once shared, rise 505 -> 497 Mi
 is bounded by the step's own live peak (:func:`external` adds the pool's bytes): idle memory
 may fill what separates the live bytes (live blocks + the pool's used bytes) from their peak in
 this step or the one before (or a small floor). Before mapping anything new the cache drops its
-oldest blocks, so it never makes the process larger than its tensors already did. The cache never holds more than a cap (the engine's,
+oldest blocks, so it never makes the process larger than its tensors already did. The cache
+never holds more than a cap (the engine's,
 ``ooc.engine.lifetime.cache_cap``: half the budget, at most 256 MiB, where parameters,
 gradients or optimizer state are managed, because PyTorch's other memory peaks at its own
 moments; none beyond the bound with activations alone managed, and in a plain step).
@@ -203,9 +204,10 @@ def external(used: int, idle: int, source: int = 0) -> None:
 
 def lend(nbytes: int) -> int | None:
     """The address of ``nbytes`` of anonymous memory for a device-pool chunk, from the cache
-    where a block holds them (pages already there: no fault, no zeroing); None when the
-    allocator is not installed (the pool maps its own)."""
-    if _lib is None or not _holders:
+    where a block holds them (pages already there: no fault, no zeroing), else freshly mapped
+    once the cache has made room; None when the allocator is not installed (the pool maps its
+    own)."""
+    if not lending():
         return None
     return _lib.ooc_cpu_allocator_lend(nbytes) or None
 
@@ -213,9 +215,7 @@ def lend(nbytes: int) -> int | None:
 def adopt(address: int, nbytes: int) -> bool:
     """Take a released pool chunk's pages into the cache (False, when the allocator is not
     installed: the pool unmaps them)."""
-    if _lib is None or not _holders:
-        return False
-    return bool(_lib.ooc_cpu_allocator_adopt(address, nbytes))
+    return lending() and bool(_lib.ooc_cpu_allocator_adopt(address, nbytes))
 
 
 def lending() -> bool:
