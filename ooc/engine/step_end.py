@@ -121,6 +121,8 @@ class StepEnd:
                                 "records again with %s chunks", overflow, format_size(self.chunk))
             else:
                 self._replan(st)
+        else:   # a plan's first planned run times its ops on warm memory (planning.py)
+            self._reprice(st)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow
         if lost:

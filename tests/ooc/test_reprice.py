@@ -1,0 +1,90 @@
+"""A CPU plan is priced once more on its first planned step's op times (ooc/engine/planning.py):
+the recording step's are too high to price recompute on (cold memory, transfers on demand)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ooc
+from ooc.engine.planning import Planning, priced_seconds
+from scheduler.ir import Cost, Function, Kind, Use, Access, Variable, VariableSequence
+
+X, Y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 10
+
+
+def _seq(seconds: list[float | None]) -> VariableSequence:
+    functions = tuple(Function(i, f"op{i}", (Use(0, Access.READ),), Cost(seconds=s))
+                      for i, s in enumerate(seconds))
+    return VariableSequence(functions, {0: Variable(0, 64, Kind.PARAM, "w", True, True)}, {"device": "cpu"})
+
+
+def test_each_op_keeps_the_faster_of_its_two_runs() -> None:
+    seq = priced_seconds(_seq([1.0, 0.5, 2.0]), [0.25, 0.75, 2.0])
+    assert [f.cost.seconds for f in seq.functions] == [0.25, 0.5, 2.0]
+    assert seq.variables == _seq([1.0]).variables
+
+
+@pytest.mark.parametrize("recorded, later", [([1.0, 0.5], [0.25]),          # another op count
+                                             ([1.0, None], [0.25, 0.25])])  # an untimed op
+def test_runs_that_do_not_line_up_price_nothing(recorded, later) -> None:
+    assert priced_seconds(_seq(recorded), later) is None
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 32, 3, padding=1)]
+    for _ in range(3):
+        layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.Dropout(0.2)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(1)   # dropout
+    engine = ooc.OutOfCore(model, opt, chunk="256KiB", **engine_kw) if engine_kw else None
+    plans = []   # the plan each step started with
+    try:
+        for _ in range(steps):
+            with engine.step() if engine else torch.enable_grad():
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(X), Y).backward()
+                opt.step()
+            if engine:
+                plans.append(engine.plans.get(engine._start_key(), (None,))[0])
+    finally:
+        if engine:
+            engine.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}, engine, plans
+
+
+def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
+    """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
+    (every chain looks dear); after the plan's first run the engine prices it on that run's
+    times, once, and the plan it keeps recomputes. Training stays bitwise in-core."""
+    real = Planning._replan
+
+    def cold(self, st):
+        st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
+        return real(self, st)
+
+    monkeypatch.setattr(Planning, "_replan", cold)
+    ref, _, _ = _train(6)
+    got, engine, plans = _train(6, budget="8MiB")
+    for k, v in ref.items():   # parameters, running statistics, num_batches_tracked
+        assert torch.equal(v, got[k]), f"{k} differs"
+    recorded, repriced = plans[1], plans[-1]   # step 2 records the steady state's plan, step 3 runs it
+    assert recorded is not None and recorded.bytes_recomputed == 0
+    assert repriced is not recorded and repriced.bytes_recomputed > 0
+    assert repriced.bytes_in + repriced.bytes_out < recorded.bytes_in + recorded.bytes_out
+    assert plans[3:] == [repriced] * 3   # once: the re-priced plan is kept
+    assert engine.stats()["last_planned"] == 1 and engine.stats()["plans"] == 2
+
+
+def test_swap_only_and_a_plan_that_moves_nothing_are_kept(monkeypatch) -> None:
+    _, _, plans = _train(4, budget="8MiB", recompute=False)
+    assert plans[1] is plans[3] and plans[3].bytes_recomputed == 0   # priced again, the same plan
+    _, _, plans = _train(4, budget="1GiB")
+    assert plans[1] is plans[3] and plans[3].bytes_in == 0
