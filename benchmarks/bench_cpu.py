@@ -24,8 +24,8 @@ seed with:
 Every case runs in a fresh process (``ooc.measure.run_case``): peak memory is the kernel's
 VmHWM, as a rise above the footprint once model, optimizer and data are built (the memory
 training needs), with the whole process's peak beside it. Step time is the median of the
-steps after the first two (warm-up: ooc records its first step and re-plans once after the
-optimizer creates its state). Cases run in ``--rounds`` rounds, methods interleaved in each
+steps after the first three (warm-up: ooc records its first step, re-plans once after the
+optimizer creates its state, and prices the plan again on its first run's op times). Cases run in ``--rounds`` rounds, methods interleaved in each
 round, so every round yields an in-core time measured minutes apart at most; the ratio is
 the median over rounds of (case / in-core of the same round). Parameters after the run are
 compared bit for bit with in-core's (``params_out`` + ``same_parameters``).
@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 
 from ooc.errors import OOCError  # noqa: E402
-from ooc.measure import Case, CaseResult, child_env, managed_peak, run_case, same_parameters  # noqa: E402
+from ooc.measure import Case, CaseResult, child_env, managed_peak, run_case, same_parameters, steady_steps  # noqa: E402
 from vmm.units import format_size  # noqa: E402
 
 MiB = 1 << 20
@@ -370,7 +370,7 @@ def breakdown(rows: list[Row]) -> list[str]:
            f"through the dispatch mode ({full.stat('plan.functions') or '?'} ops per step) its "
            "steps run plain (no op intercepted, saved tensors through pack/unpack hooks; "
            "ooc/runtime/plain_step.py) with ooc's allocator, whose cache is bounded by the live "
-           "peak there (the median of the steps after the first two mixes both kinds)",
+           "peak there (the median of the steady steps mixes both kinds)",
            f"- waiting for transfers (stall, last step): {stall:.3f} s",
            f"- the rest (ooc 1/4 - ooc 1 - stall): {q.step_s - full.step_s - stall:+.3f} s: ops slowed by "
            "fresh pages the kernel zeroes inside them (the allocator's misses, next but one), by "
@@ -431,12 +431,12 @@ def plot(results: list[tuple[Model, list[Row]]], path: Path) -> None:
 def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
-    ap.add_argument("--steps", type=int, help="steps per case (default 4: 2 warm-up + 2 timed; quick 3)")
+    ap.add_argument("--steps", type=int, help="steps per case (default 6: 3 warm-up + 3 timed; quick 3)")
     ap.add_argument("--models", help="comma-separated labels of the models to run (default: all; "
                     f"{', '.join(m.label for m in FULL)})")
     args = ap.parse_args()
     rounds = max(1, args.rounds or (1 if args.quick else 3))
-    steps = max(3, args.steps or (3 if args.quick else 4))
+    steps = max(3, args.steps or (3 if args.quick else 6))
     models = QUICK if args.quick else FULL
     if args.models:
         wanted = args.models.split(",")
@@ -461,7 +461,7 @@ def main() -> None:
 
     lines = common.header("Out-of-core training on this CPU: step time and peak memory", quick=args.quick, notes=[
         f"command: `python benchmarks/bench_cpu.py{' --quick' if args.quick else ''}`; {rounds} round(s), "
-        f"{steps} steps per case (median of the steps after the first two), methods interleaved; "
+        f"{steps} steps per case (median of steps {steady_steps(steps).start + 1}-{steps}), methods interleaved; "
         f"ratios are medians over rounds of case / in-core in the same round",
         "memory: VmHWM of a fresh process per case, as a rise above the footprint after model, "
         "optimizer and data are built (reset through /proc/self/clear_refs), and the whole "

@@ -99,7 +99,7 @@ def run(fam: Family, depth: int, method: str, budget: int, steps: int, log) -> R
                 manage=ALL if method == "ooc" else ("activations",))
     t0 = time.perf_counter()
     try:
-        res = Result(depth, method, run_steady(case, timeout=3600,
+        res = Result(depth, method, run_steady(case, warm=2, timeout=3600,
                                                warmup={"batch": 1, "model_kwargs": fam.kwargs(1)}))
     except OOCError as exc:
         res = Result(depth, method, error=str(exc)[-240:])

@@ -17,9 +17,9 @@ state; SGD with momentum), each in a fresh process:
 - ``window``: the window scheduler at the on-demand plan's own peak (same memory as
   on-demand, with prefetch) and at 1/2 and 1/4 of the managed in-core peak.
 
-Memory is measured by the kernel (VmHWM), in steady state: the peak is reset once the two
-warm-up steps are done (ooc records its first step on demand and re-plans once the optimizer
-has created its state), so the figure is what training keeps needing, not what building the
+Memory is measured by the kernel (VmHWM), in steady state: the peak is reset once the three
+warm-up steps are done (ooc records its first step on demand, re-plans once the optimizer
+has created its state, and prices that plan again on its first run's op times), so the figure is what training keeps needing, not what building the
 model took. "Training memory" is that steady peak minus the resident size of the same
 process before the model was built (Python + PyTorch + ooc imported, and warmed up by one
 in-core step of the same model at batch 2, then freed, so that the code and thread pools
@@ -105,7 +105,7 @@ class Steady:
         return max(self.peak_warm, self.peak_steady) - self.rss_built
 
 
-def run_steady(case: Case, *, warm: int = 2, verify: bool = False, timeout: float = 1800,
+def run_steady(case: Case, *, warm: int = 3, verify: bool = False, timeout: float = 1800,
                warmup: dict[str, Any] | None = None) -> Steady:
     """Run ``case`` in a fresh process; raise ``OOCError`` with the child's last error line.
 
@@ -223,7 +223,7 @@ class Row:
 def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
-    ap.add_argument("--steps", type=int, help="steps per case (default 5: 2 warm-up + 3 timed; quick 3)")
+    ap.add_argument("--steps", type=int, help="steps per case (default 6: 3 warm-up + 3 timed; quick 3)")
     ap.add_argument("--batch", type=int, help="batch (default 64, as NNTrainer; quick 4)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,7 +232,7 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(0)
     rounds = max(1, args.rounds or (1 if args.quick else 3))
-    steps = max(3, args.steps or (3 if args.quick else 5))
+    steps = max(3, args.steps or (3 if args.quick else 6))
     batch = args.batch or (4 if args.quick else 64)
     log = functools.partial(print, flush=True)
     load0, t_start = os.getloadavg()[0], time.perf_counter()
@@ -318,7 +318,7 @@ def main() -> None:
         f"{rounds} round(s) of {steps} steps per case, methods interleaved; medians",
         f"managed: {', '.join(ALL)}; in-core peak of the managed tensors (meta trace) "
         f"{format_size(peak)}, of the activations alone {format_size(peak_act)}",
-        f"training memory = steady-state VmHWM (reset after 2 warm-up steps) minus the process "
+        f"training memory = steady-state VmHWM (reset after 3 warm-up steps) minus the process "
         f"before the model is built ({bare / MiB:.0f} MiB: Python, PyTorch and ooc imported, then "
         f"warmed up by one in-core step of the same model at batch 2, freed; {imported / MiB:.0f} MiB "
         f"right after the imports); peak total = that VmHWM; rise = ooc.measure's figure (peak "

@@ -31,9 +31,9 @@ def register(sub: Any) -> None:
                        epilog=SIZE_HELP)
     p.add_argument("--model", default="small_cnn", type=zoo_model, help="zoo model (default: small_cnn)")
     p.add_argument("--batch", type=positive_int, default=16, help="batch size (default: 16)")
-    p.add_argument("--steps", type=positive_int, default=5,
-                   help="training steps per run (default: 5; step time is the median after the "
-                        "first two, so give 4 or more)")
+    p.add_argument("--steps", type=positive_int, default=6,
+                   help="training steps per run (default: 6; step time is the median after the "
+                        "first three, so give 6 or more)")
     p.add_argument("--budget", type=size, metavar="SIZE",
                    help="budget for managed tensors, e.g. 96MiB (default: 1/4 of their in-core peak)")
     p.add_argument("--fraction", type=positive_float,
@@ -156,7 +156,10 @@ def _step_note(n: int) -> str:
                 "(give --steps 4 or more for a steady figure).")
     which = (f"that of step {steps.start + 1}" if len(steps) == 1
              else f"the median of steps {steps.start + 1}-{steps.stop}")
-    skipped = ("the first step (ooc records and plans there; give --steps 4 or more to also leave "
-               "out its one re-plan in step 2)" if steps.start == 1
-               else "the first two steps (ooc records and plans there)")
+    skipped = {1: "the first step (ooc records and plans there; give --steps 6 or more to also leave "
+                  "out its re-plan in step 2 and its re-pricing in step 3)",
+               2: "the first two steps (ooc records and plans there; give --steps 6 or more to also "
+                  "leave out step 3, after which a CPU plan is priced again on its op times)",
+               3: "the first three steps (ooc records and plans there, and prices the plan again "
+                  "after its first run)"}[steps.start]
     return f"step time = {which} of {n}, leaving out {skipped}."

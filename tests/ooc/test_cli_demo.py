@@ -24,7 +24,7 @@ def _result(method: str, steps: int, *, bytes_out: int = 0) -> CaseResult:
                       peak_total_bytes=400 * MiB, losses=(1.0,) * steps, stats=stats)
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 8])
 def test_the_step_time_note_says_which_steps_the_median_is_of(steps):
     table = cmd_demo._table(_result("incore", steps), _result("ooc", steps, bytes_out=MiB), 10 * MiB, True)
     note = table[table.index("peak memory of training ="):]
@@ -36,6 +36,7 @@ def test_the_step_time_note_says_which_steps_the_median_is_of(steps):
     else:
         assert f"step time = the median of steps {kept.start + 1}-{kept.stop} of {steps}" in note
     assert ("first two steps" in note) == (kept.start == 2)
+    assert ("first three steps" in note) == (kept.start == 3)
     assert "nothing was swapped" not in table
 
 
