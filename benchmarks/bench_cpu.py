@@ -529,7 +529,9 @@ ANALYSIS = [
     "step, 1.42-1.46 -> 1.20-1.26 s, rise 505 -> 497 MiB. Priced on the edge-board preset's "
     "1 GB/s flash, the planner then recomputed 250-310 MiB a step that cost more than swapping "
     "it on this VM's file (1.6 GB/s per I/O thread); plans are now priced on what the swap "
-    "file measured in the recording step (ooc/engine/host_pricing.py). Which part is the bytes: with the same plan "
+    "file measured in the recording step (ooc/engine/host_pricing.py), and priced once more "
+    "after the plan's first run on that run's op times (the recording step's convolutions ran "
+    "1.8x slower on cold memory, so every replay chain looked dear: c07dfb0). Which part is the bytes: with the same plan "
     "and a tier that moves nothing, 1/4 ran at 1.10-1.13x in-core, and at 1.01-1.06x once the "
     "pool kept its pages between steps (they were trimmed at each step's end and faulted in again by the "
     "next backward's swap-ins; now they stay where the allocator's bound lets them, b0d0181); "
@@ -537,8 +539,9 @@ ANALYSIS = [
     "the tier's (so its Python is not the cost), and the VM's steal time rose from 0.2% to "
     "6.5% of both cores while they ran: the host's work for the virtual disk comes out of this "
     "machine's CPUs. On two cores all of it comes out of the compute threads. A GPU moves "
-    "bytes with DMA engines beside the compute; here every moved byte costs CPU time, which is "
-    "why the 1.15x target is not reached on this machine.",
+    "bytes with DMA engines beside the compute; here every moved byte costs CPU time (about 0.07-0.1 ns "
+    "per byte since the pool shares its pages), which is what the planner weighs against "
+    "recomputing it.",
     "- torch.utils.checkpoint pays a recomputed forward per wrapped block, whatever the "
     "memory; ooc pays per byte moved. At budgets that move little, ooc is the cheaper way to "
     "the same memory; at deep cuts the bytes add up.",
