@@ -83,8 +83,8 @@ def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(mon
     assert engine.stats()["last_planned"] == 1 and engine.stats()["plans"] == 2
 
 
-def test_swap_only_and_a_plan_that_moves_nothing_are_kept(monkeypatch) -> None:
+def test_swap_only_and_a_plan_that_moves_nothing_are_kept() -> None:
     _, _, plans = _train(4, budget="8MiB", recompute=False)
-    assert plans[1] is plans[3] and plans[3].bytes_recomputed == 0   # priced again, the same plan
+    assert plans[1] is plans[3] and plans[3].bytes_recomputed == 0   # not re-priced: prices change no swap-only plan
     _, _, plans = _train(4, budget="1GiB")
     assert plans[1] is plans[3] and plans[3].bytes_in == 0
