@@ -242,11 +242,11 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         """Op ``i`` as the module docstring says. Most ops of a planned step touch no managed
         storage and have no plan action: that path is a few dict lookups per tensor (what it
         costs: benchmarks/results/overhead.md)."""
-        own_pack = self._own_pack
-        if own_pack is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
+        own_ref = self._own_pack
+        if own_ref is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
             top = top_saved_tensors_hooks(False)   # only where autograd may save tensors
-            if top is not None and top[0] is not own_pack:
-                check_hooks_inside(own_pack)
+            if top is not None and top[0] is not own_ref():
+                check_hooks_inside(own_ref())
         info = _OPS.get(id(func))
         if info is None or info.func is not func:
             info = op_info(func)
