@@ -20,6 +20,7 @@ from ooc.engine.host_pricing import priced_hardware
 from ooc.engine.lifetime import close_pool
 from ooc.engine.pin_policy import pins_of
 from ooc.runtime.devices import make_pool
+from ooc.runtime.plain_step import moves_nothing
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.ir import Kind
@@ -132,8 +133,8 @@ class Planning:
                 or self.plans.get(key, (None,))[0] is not schedule):
             return
         self.repriced.add(key)
-        if not (schedule.bytes_in or schedule.bytes_out or schedule.bytes_recomputed):
-            return   # a plan that moves nothing: no price changes it
+        if moves_nothing(schedule):
+            return   # no price changes it
         seq = priced_seconds(schedule.sequence, st.rec.seconds)
         if seq is None:   # the runs do not line up, or the recording was not timed
             return

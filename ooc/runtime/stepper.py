@@ -245,8 +245,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         own_ref = self._own_pack
         if own_ref is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
             top = top_saved_tensors_hooks(False)   # only where autograd may save tensors
-            if top is not None and top[0] is not own_ref():
-                check_hooks_inside(own_ref())
+            if top is not None and top[0] is not (own := own_ref()):
+                check_hooks_inside(own)
         info = _OPS.get(id(func))
         if info is None or info.func is not func:
             info = op_info(func)
