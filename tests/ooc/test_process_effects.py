@@ -138,3 +138,25 @@ def test_the_fused_optimizer_is_refused_before_anything_changes():
     with pytest.raises(ooc.OOCError, match="fused"):
         ooc.OutOfCore(model, opt, budget="1MiB", manage=("activations", "params"))
     assert opt.param_groups[0]["foreach"] is None   # the user's value, untouched
+
+
+def test_importing_the_engine_makes_the_first_vector_math_call_on_one_thread():
+    """``ooc.runtime.vector_math``: PyTorch's first MKL vector-math call of a process, run on
+    two threads, now and then computes the calling thread's half at low accuracy (~5% of fresh
+    processes on a loaded host), so plain in-core Adam is not reproducible bit for bit. After
+    ``import ooc.engine`` the call has been made; the first large ``sqrt`` after a matmul (the
+    way a training step meets it) is then as accurate as a repeated one. The accuracy check
+    fails only now and then without the fix; the flag check always would."""
+    out = _child("""
+        import json, torch
+        import ooc.engine
+        from ooc.runtime import vector_math
+        a = torch.randn(64, 192) @ torch.randn(192, 256)
+        v = torch.rand(256, 192) * 1e-11
+        r = v.sqrt()
+        rel = ((r.double() - v.double().sqrt()).abs() / v.double().sqrt()).max().item()
+        print(json.dumps({"settled": vector_math._settled, "rel": rel,
+                          "mkl": torch.backends.mkl.is_available()}))
+    """)
+    assert out["settled"]
+    assert out["rel"] < 1e-6, f"first sqrt off by {out['rel']:.2e} relative"
