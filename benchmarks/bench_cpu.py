@@ -24,8 +24,9 @@ seed with:
 Every case runs in a fresh process (``ooc.measure.run_case``): peak memory is the kernel's
 VmHWM, as a rise above the footprint once model, optimizer and data are built (the memory
 training needs), with the whole process's peak beside it. Step time is the median of the
-steps after the first three (warm-up: ooc records its first step, re-plans once after the
-optimizer creates its state, and prices the plan again on its first run's op times). Cases run in ``--rounds`` rounds, methods interleaved in each
+steps after the first four (warm-up: ooc records its first step, re-plans once after the
+optimizer creates its state, and prices the plan again after each of its first two runs, on
+the fastest op times so far). Cases run in ``--rounds`` rounds, methods interleaved in each
 round, so every round yields an in-core time measured minutes apart at most; the ratio is
 the median over rounds of (case / in-core of the same round). Parameters after the run are
 compared bit for bit with in-core's (``params_out`` + ``same_parameters``).
@@ -431,12 +432,12 @@ def plot(results: list[tuple[Model, list[Row]]], path: Path) -> None:
 def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
-    ap.add_argument("--steps", type=int, help="steps per case (default 6: 3 warm-up + 3 timed; quick 3)")
+    ap.add_argument("--steps", type=int, help="steps per case (default 8: 4 warm-up + 4 timed; quick 3)")
     ap.add_argument("--models", help="comma-separated labels of the models to run (default: all; "
                     f"{', '.join(m.label for m in FULL)})")
     args = ap.parse_args()
     rounds = max(1, args.rounds or (1 if args.quick else 3))
-    steps = max(3, args.steps or (3 if args.quick else 6))
+    steps = max(3, args.steps or (3 if args.quick else 8))
     models = QUICK if args.quick else FULL
     if args.models:
         wanted = args.models.split(",")

@@ -19,7 +19,8 @@ state; SGD with momentum), each in a fresh process:
 
 Memory is measured by the kernel (VmHWM), in steady state: the peak is reset once the three
 warm-up steps are done (ooc records its first step on demand, re-plans once the optimizer
-has created its state, and prices that plan again on its first run's op times), so the figure is what training keeps needing, not what building the
+has created its state, and prices that plan again on its first run's op times; a second
+re-pricing, on the fastest of its first two runs, falls in the steady steps), so the figure is what training keeps needing, not what building the
 model took. "Training memory" is that steady peak minus the resident size of the same
 process before the model was built (Python + PyTorch + ooc imported, and warmed up by one
 in-core step of the same model at batch 2, then freed, so that the code and thread pools

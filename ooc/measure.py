@@ -63,11 +63,14 @@ class CaseResult:
 
 
 def steady_steps(n: int) -> range:
-    """Which of ``n`` steps (0-based) a step time is the median of: the first three (warm-up:
+    """Which of ``n`` steps (0-based) a step time is the median of: the first four (warm-up:
     ooc's recording, its one re-plan for lazily created optimizer state, and on a CPU the
-    plan's first run, after which it is priced again on that run's op times) are left out when
-    at least three remain, else the first two when two remain, else the first only, else none
-    (what a report must say it did)."""
+    plan's first two runs, after each of which it is priced again on the fastest op times so
+    far) are left out when at least four remain; else the first three when three remain,
+    else the first two when two remain, else the first only, else none (what a report must
+    say it did)."""
+    if n > 7:
+        return range(4, n)
     if n > 5:
         return range(3, n)
     if n > 3:

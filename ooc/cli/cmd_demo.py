@@ -161,5 +161,8 @@ def _step_note(n: int) -> str:
                2: "the first two steps (ooc records and plans there; give --steps 6 or more to also "
                   "leave out step 3, after which a CPU plan is priced again on its op times)",
                3: "the first three steps (ooc records and plans there, and prices the plan again "
-                  "after its first run)"}[steps.start]
+                  "after its first run; give --steps 8 or more to also leave out step 4, after "
+                  "which it is priced on its two runs' fastest op times)",
+               4: "the first four steps (ooc records and plans there, and prices the plan again "
+                  "after each of its first two runs)"}[steps.start]
     return f"step time = {which} of {n}, leaving out {skipped}."

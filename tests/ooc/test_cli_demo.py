@@ -37,6 +37,7 @@ def test_the_step_time_note_says_which_steps_the_median_is_of(steps):
         assert f"step time = the median of steps {kept.start + 1}-{kept.stop} of {steps}" in note
     assert ("first two steps" in note) == (kept.start == 2)
     assert ("first three steps" in note) == (kept.start == 3)
+    assert ("first four steps" in note) == (kept.start == 4)
     assert "nothing was swapped" not in table
 
 

@@ -1,5 +1,6 @@
-"""A CPU plan is priced once more on its first planned step's op times (ooc/engine/planning.py):
-the recording step's are too high to price recompute on (cold memory, transfers on demand)."""
+"""A CPU plan is priced again on the fastest op times of its first planned steps
+(ooc/engine/planning.py): the recording step's are too high to price recompute on (cold
+memory, transfers on demand), and one planned step's are as noisy as the host."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
 def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
     """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
     (every chain looks dear); after the plan's first run the engine prices it on that run's
-    times, once, and the plan it keeps recomputes. Training stays bitwise in-core."""
+    times, and the plan it keeps recomputes (the next runs price the same bytes: kept).
+    Training stays bitwise in-core."""
     real = Planning._replan
 
     def cold(self, st):
@@ -79,8 +81,39 @@ def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(mon
     assert recorded is not None and recorded.bytes_recomputed == 0
     assert repriced is not recorded and repriced.bytes_recomputed > 0
     assert repriced.bytes_in + repriced.bytes_out < recorded.bytes_in + recorded.bytes_out
-    assert plans[3:] == [repriced] * 3   # once: the re-priced plan is kept
+    assert plans[3:] == [repriced] * 3   # re-priced once more, the same bytes: the plan is kept
     assert engine.stats()["last_planned"] == 1 and engine.stats()["plans"] == 2
+
+
+def test_the_fastest_of_several_planned_runs_prices_the_plan(monkeypatch) -> None:
+    """The recording and the first planned run both look 1000x slow (a host busy with something
+    else for two steps): priced on the first run, the plan still recomputes nothing; the second
+    run's times, folded in as the faster, re-price it and it recomputes. Priced on one planned
+    run only (the old rule), the slow plan stayed for good."""
+    real_replan, real_reprice = Planning._replan, Planning._reprice
+    priced = []
+
+    def cold(self, st):
+        st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
+        return real_replan(self, st)
+
+    def busy_once(self, st):
+        if st.planned and not priced:
+            st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
+        priced.append(st.planned)
+        return real_reprice(self, st)
+
+    monkeypatch.setattr(Planning, "_replan", cold)
+    monkeypatch.setattr(Planning, "_reprice", busy_once)
+    ref, _, _ = _train(7)
+    got, engine, plans = _train(7, budget="8MiB")
+    for k, v in ref.items():
+        assert torch.equal(v, got[k]), f"{k} differs"
+    recorded, repriced = plans[1], plans[-1]
+    assert recorded is not None and recorded.bytes_recomputed == 0
+    assert plans[2] is recorded, "priced on a slow run, the plan keeps its bytes"
+    assert repriced is not recorded and repriced.bytes_recomputed > 0
+    assert plans[3:] == [repriced] * 4 and engine.stats()["plans"] == 2
 
 
 def test_swap_only_and_a_plan_that_moves_nothing_are_kept() -> None:
