@@ -11,9 +11,9 @@ The engine, in the order a step meets it (``ooc/runtime/stepper.py`` runs the op
 """
 
 from ooc.engine.out_of_core import KINDS, OutOfCore
-from ooc.runtime.vector_math import settle_vector_math
 from ooc.engine.planning import DEFAULT_CHUNK
 from ooc.engine.step_end import TIMELINE_STEPS
+from ooc.runtime.vector_math import settle_vector_math
 
 __all__ = ["DEFAULT_CHUNK", "KINDS", "OutOfCore", "TIMELINE_STEPS"]
 

@@ -8,7 +8,7 @@ the same call repeated, or the other thread's half, is within 6e-8. In Adam that
 first step's ``exp_avg_sq.sqrt()``, so one run of plain PyTorch (no engine in the process)
 differs from the next by ~20 ulp on half of a weight. Measured on this project's 2-core
 Xeon host with two busy loops beside it (torch 2.13.0, MKL 2024.2): the first large
-``sqrt`` was off in 14 of 280 fresh processes; it was never off (0 of 200) once one small
+``sqrt`` was off in 17 of 280 fresh processes; it was never off (0 of 200) once one small
 call (below PyTorch's parallel grain, so on one thread) had run first, be it ``sqrt``,
 ``exp`` or ``tanh``; ``MKL_NUM_THREADS=1`` or ``MKL_CBWR=COMPATIBLE`` also hide it.
 
