@@ -61,11 +61,8 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
     return {k: v.clone() for k, v in model.state_dict().items()}, engine, plans
 
 
-def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
-    """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
-    (every chain looks dear); after the plan's first run the engine prices it on that run's
-    times, and the plan it keeps recomputes (the next runs price the same bytes: kept).
-    Training stays bitwise in-core."""
+def _slow_recordings(monkeypatch) -> None:
+    """Every recording step's ops look 1000x slower than they ran when its plan is made."""
     real = Planning._replan
 
     def cold(self, st):
@@ -73,6 +70,14 @@ def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(mon
         return real(self, st)
 
     monkeypatch.setattr(Planning, "_replan", cold)
+
+
+def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
+    """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
+    (every chain looks dear); after the plan's first run the engine prices it on that run's
+    times, and the plan it keeps recomputes (the next runs price the same bytes: kept).
+    Training stays bitwise in-core."""
+    _slow_recordings(monkeypatch)
     ref, _, _ = _train(6)
     got, engine, plans = _train(6, budget="8MiB")
     for k, v in ref.items():   # parameters, running statistics, num_batches_tracked
@@ -90,12 +95,8 @@ def test_the_fastest_of_several_planned_runs_prices_the_plan(monkeypatch) -> Non
     else for two steps): priced on the first run, the plan still recomputes nothing; the second
     run's times, folded in as the faster, re-price it and it recomputes. Priced on one planned
     run only (the old rule), the slow plan stayed for good."""
-    real_replan, real_reprice = Planning._replan, Planning._reprice
+    real_reprice = Planning._reprice
     priced = []
-
-    def cold(self, st):
-        st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
-        return real_replan(self, st)
 
     def busy_once(self, st):
         if st.planned and not priced:
@@ -103,7 +104,7 @@ def test_the_fastest_of_several_planned_runs_prices_the_plan(monkeypatch) -> Non
         priced.append(st.planned)
         return real_reprice(self, st)
 
-    monkeypatch.setattr(Planning, "_replan", cold)
+    _slow_recordings(monkeypatch)
     monkeypatch.setattr(Planning, "_reprice", busy_once)
     ref, _, _ = _train(7)
     got, engine, plans = _train(7, budget="8MiB")
