@@ -23,6 +23,7 @@ import scheduler
 from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
+from ooc.engine.anchored_steps import AnchoredSteps
 from ooc.engine.plain_steps import PlainSteps
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
 from ooc.engine.step_end import StepEnd
@@ -55,7 +56,7 @@ class _Mode(TorchDispatchMode):
         return self.stepper.on_op(func, args, kwargs or {})
 
 
-class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
+class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, AnchoredSteps):
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
 
     The first step records every aten op (forward, backward, optimizer) and the managed
@@ -192,6 +193,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
         self._init_persistent()
         self._init_plans()
         self._init_plain()
+        self._init_anchored()
         self.counters: Counter = Counter()
         self.last: dict[str, Any] = {}
         self.events: list[tuple[str, str, float, float, int]] = []
@@ -256,8 +258,9 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         self._reconcile()
-        plain = self._plain_step(key)
-        if plain is not None:   # the plan has nothing to do: no op is intercepted (plain_steps.py)
+        plain = self._plain_step(key) or self._anchored_step(key)
+        self._ran = getattr(plain, "anchored", None)   # stats' plan.* are the plan that ran
+        if plain is not None:   # no op is intercepted (plain_steps.py, anchored_steps.py)
             st, finish = plain, self._finish_plain
         else:
             st = Stepper(self._step_context(key), self.schedule, self.binding,
@@ -270,8 +273,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
             with contextlib.ExitStack() as stack:
                 if "activations" in self.manage:
                     stack.enter_context(st.saved_tensors_hooks())
-                if plain is None:
-                    stack.enter_context(_Mode(st))
+                stack.enter_context(_Mode(st) if plain is None else contextlib.nullcontext())
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
@@ -298,8 +300,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
                            manage=self.manage, device=self.device, tier=self.tier, pool=self.pool,
                            new_var=self._ids.__next__, counters=self.counters, model=self.model,
                            optimizer=self.optimizer, persistent=tuple(self.persistent.values()),
-                           plan_runs=runs, start_key=key,
-                           plain_candidate=self._plain_candidate())
+                           plan_runs=runs, start_key=key, plain_candidate=self._plain_candidate())
 
     def stats(self) -> dict[str, int | float]:
         """Flat numbers with stable keys, like ``torch.cuda.memory_stats()``: what moved, what
@@ -309,11 +310,13 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps):
         numbers only; its settings are its attributes)."""
         last = self.last
         diverged = last.get("diverged_at")
-        plan = self.schedule.summary() if self.schedule is not None else {}
+        ran = self._ran or self.schedule   # an anchored step ran its own plan
+        plan = ran.summary() if ran is not None else {}
         out: dict[str, int | float] = {
             "steps": self.counters["steps"],
             "plans": self.counters["plans"],
             "plain_steps": self.counters["plain_steps"],
+            "anchored_steps": self.counters["anchored_steps"],
             "bytes_in": self.counters["bytes_in"],
             "bytes_out": self.counters["bytes_out"],
             "bytes_recomputed": self.counters["bytes_recomputed"],

@@ -63,11 +63,13 @@ class PlainSteps:
                 note = st.rollback.roll_back()
                 if note and hasattr(exc, "add_note"):
                     exc.add_note(note)
-            self.counters["plain_steps"] += 1
+            self.counters[st.counter] += 1
             self.counters["bytes_out"] += st.spilled_bytes
             self.counters["bytes_in"] += st.read_bytes
             self._book_step(st.events, seconds, st.stall_s, planned=st.diverged_at is None,
                             diverged_at=st.diverged_at, peak=st.saved_bytes)
+        if st.counter == "anchored_steps" and st.diverged_at is None and exc is None:
+            self._judge_anchored(st, seconds)
         if st.diverged_at is not None and exc is None:
             log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
                         "back on demand, re-planning next step", st.diverged_at,
@@ -75,6 +77,7 @@ class PlainSteps:
                         format_size(st.spilled_bytes))
             self.plans.pop(st.start_key, None)
             self._plain.pop(st.start_key, None)
+            self._anchored.pop(st.start_key, None)
 
     @staticmethod
     def _plan_op_name(schedule: Schedule, i: int) -> str:

@@ -91,6 +91,7 @@ class Planning:
         self.plans.clear()
         self.repriced.clear()
         self._plain.clear()
+        self._anchored.clear()
         self.schedule = None
         self.binding = {}
         if "params" in self.manage:   # parameters now above the threshold are managed too

@@ -123,6 +123,7 @@ class StepEnd:
                 self._replan(st)
         else:   # a plan's first planned run times its ops on warm memory (planning.py)
             self._reprice(st)
+            self._note_anchored(st, seconds)
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow
         if lost:

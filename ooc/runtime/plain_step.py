@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ooc.runtime.byte_views import byte_view_for
-from ooc.runtime.rollback import StepRollback
+from ooc.runtime.hook_step import HookStep
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.storage.tier import SlowerTier
 from scheduler.schedule import Schedule
@@ -57,7 +57,7 @@ class Spilled:
         self.offset = t.storage_offset()
 
 
-class PlainStep:
+class PlainStep(HookStep):
     """One step of a verified plan that moves nothing (the module docstring says why).
 
     The engine drives it as it drives a ``Stepper`` from its optimizer hooks
@@ -67,35 +67,21 @@ class PlainStep:
     bound of their peak), ``spilled_bytes``, ``read_bytes``, ``stall_s`` and ``events`` at its end.
     """
 
-    planned = True
-    refused = None   # no plan action runs, so the transition table refuses none
+    counter = "plain_steps"   # the engine's count of such steps
 
     def __init__(self, schedule: Schedule, signature: Signature, *, budget: int, min_bytes: int,
                  tier: SlowerTier, model: torch.nn.Module, new_key: Callable[[], int],
                  start_key: Any = None) -> None:
+        super().__init__(model)
         self.schedule, self.start_key = schedule, start_key
         self.signature = signature
         self.budget, self.min_bytes = budget, min_bytes
         self.tier, self.new_key = tier, new_key
         self.k = 0                 # saved tensors of at least min_bytes so far
         self.saved_bytes = 0       # their bytes (a saved storage counted at each save: an upper bound)
-        self.diverged_at: int | None = None
-        self.why = ""
         self.spilled: list[int] = []   # tier keys this step wrote
-        self.spilled_bytes = 0
-        self.read_bytes = 0
-        self.stall_s = 0.0
-        self.updating = False
-        self.events: list[tuple[str, str, float, float]] = []
-        self.t0 = time.perf_counter()
-        self.rollback = StepRollback(model)
-        for key in self.rollback.buffers:   # no per-op path sees a buffer's first use: copy all now
-            self.rollback.save_before_write(key)
 
     # -- autograd's hooks --------------------------------------------------------------------
-
-    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
         nbytes = t.untyped_storage().nbytes()
@@ -173,5 +159,3 @@ class PlainStep:
         self.rollback.commit()
         self.updating = True
 
-    def update_done(self) -> None:
-        self.updating = False

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import slots as sl
+from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
 
@@ -61,6 +62,11 @@ class SavedTensors:
         # if it keeps to the plan, its next steps may run plain (``ooc/runtime/plain_step.py``).
         self.signature: list[tuple[int, int, bool]] | None = (
             [] if self.planned and self.ctx.plain_candidate else None)
+        # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
+        # its next steps may run the plan at those hooks alone (``anchored_step.py``).
+        self.hook_trace: HookTrace | None = (
+            HookTrace() if self.planned and not self.ctx.plain_candidate and self.ctx.device.type == "cpu"
+            and self.ctx.manage == {"activations"} else None)
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks through which this step manages saved activations. Remembers its pack
@@ -77,6 +83,15 @@ class SavedTensors:
         return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
+        p = self._pack_saved(t)
+        trace = self.hook_trace
+        if trace is not None:
+            n = t.untyped_storage().nbytes()
+            if n >= self.ctx.min_bytes:
+                trace.packs.append((len(self.rec.names), n, p.slot.var if isinstance(p, Packed) else None))
+        return p
+
+    def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.planned:
             # A planned step only looks its storage up: no op runs, so the dispatch modes
             # need not be taken off the stack and put back (what most of the time went to).
@@ -168,6 +183,8 @@ class SavedTensors:
             self.close_node()
         self.before(nxt)
         slot = p.slot
+        if self.hook_trace is not None:
+            self.hook_trace.unpacks.append((nxt, slot.var))
         self.unpacked.append(slot.var)
         self.node_vars.append(slot.var)
         self.ensure(slot, nxt)

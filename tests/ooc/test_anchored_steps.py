@@ -1,0 +1,188 @@
+"""Anchored steps: a plan that swaps, run at autograd's saved-tensor hooks, no op intercepted.
+
+What is asserted (time is not: benchmarks/bench_cpu.py measures it): anchored steps run no op
+through the engine and give parameters, losses and BatchNorm statistics bitwise equal to
+in-core training, on a CNN (BatchNorm, skip connections, in-place ReLU) and a transformer
+(dropout), with SGD and Adam; a step that saves other tensors than the plan's is finished
+synchronously and re-planned; a failed anchored step is rolled back; an anchored plan that
+loses its trial is not run again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ooc import OutOfCore, models
+from ooc.engine import anchored_steps
+from ooc.measure import managed_peak
+from ooc.runtime import stepper as stepper_module
+
+pytestmark = pytest.mark.timeout(300)
+
+CASES = {"small_cnn": dict(width=16, blocks=4, per_stage=2),
+         "gpt2": dict(depth=3, width=128, heads=2, seq_len=128, vocab=512)}
+
+
+def fresh(name: str, opt: str):
+    torch.manual_seed(0)
+    model = models.get(name, **CASES[name])
+    if opt == "adam":
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def data(name: str, step: int, n: int):
+    torch.manual_seed(10_000 + step)
+    return models.example_batch(name, n, **CASES[name])
+
+
+def train(name, model, opt, engine, sizes, fail_at=None, ops=None):
+    """One step per entry of ``sizes`` (the batch size). Returns the losses and, with an
+    engine, its stats after each step with the ops it intercepted (``ops`` counts them)."""
+    loss_fn = models.loss_fn(name)
+    losses, stats = [], []
+    for i, n in enumerate(sizes):
+        x, y = data(name, i, n)
+        torch.manual_seed(1000 + i)   # dropout's masks: the same draws in both runs
+        if engine is None:
+            if i != fail_at:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+            continue
+        before = len(ops) if ops is not None else 0
+        try:
+            with engine.step():
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                if i == fail_at:
+                    raise RuntimeError("the user's code failed")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        except RuntimeError as e:
+            assert i == fail_at and "user's code" in str(e)
+        stats.append(engine.stats() | {"ops seen": (len(ops) - before) if ops is not None else -1})
+    return losses, stats
+
+
+def assert_same(a, b, losses_a, losses_b) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), f"{name} differs from in-core training"
+    assert all(torch.equal(p, q) for p, q in zip(losses_a, losses_b)), "losses differ from in-core"
+
+
+@pytest.fixture
+def counted_ops(monkeypatch):
+    """The ops the per-op path intercepts, counted; and every trial kept (its outcome is a
+    timing, which tests do not depend on)."""
+    ops: list[int] = []
+    on_op = stepper_module.Stepper.on_op
+
+    def counting(self, func, args, kwargs):
+        ops.append(1)
+        return on_op(self, func, args, kwargs)
+
+    def keep(self) -> bool:
+        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
+            return False
+        self.kept = True
+        return True
+
+    monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
+    monkeypatch.setattr(anchored_steps.Anchored, "judge", keep)
+    return ops
+
+
+def engine_for(name: str, model, opt, fraction: float, **kw) -> OutOfCore:
+    peak = managed_peak(name, 8, model_kwargs=CASES[name])
+    return OutOfCore(model, opt, budget=int(peak * fraction), **kw)
+
+
+@pytest.mark.parametrize("name,opt", [("small_cnn", "sgd"), ("small_cnn", "adam"), ("gpt2", "adam")])
+def test_anchored_steps_intercept_no_op_and_are_bitwise(counted_ops, name, opt) -> None:
+    sizes = [8] * 9
+    ref, ref_opt = fresh(name, opt)
+    ref_losses, _ = train(name, ref, ref_opt, None, sizes)
+    model, o = fresh(name, opt)
+    with engine_for(name, model, o, 0.4, recompute=False) as engine:
+        losses, stats = train(name, model, o, engine, sizes, ops=counted_ops)
+    anchored = [s for s in stats if s["ops seen"] == 0]
+    assert len(anchored) >= 3 and stats[-1]["anchored_steps"] == len(anchored), [s["ops seen"] for s in stats]
+    assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in anchored)
+    last = anchored[-1]
+    assert last["plan.bytes_out"] > 0 and last["plan.peak_resident_bytes"] <= last["budget"]
+    moved = [(b["bytes_out"] - a["bytes_out"], b["bytes_in"] - a["bytes_in"]) for a, b in zip(stats, stats[1:])
+             if b["ops seen"] == 0]
+    assert all(out > 0 and back == out for out, back in moved), moved   # swapped, and read back
+    assert_same(ref, model, ref_losses, losses)
+
+
+def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(counted_ops) -> None:
+    """The per-op plan recomputes; its anchored form swaps only (a chain needs the per-op
+    path). With the trial kept, the engine runs the swap-only form, and says so in stats."""
+    sizes = [8] * 10
+    ref, ref_opt = fresh("gpt2", "sgd")
+    ref_losses, _ = train("gpt2", ref, ref_opt, None, sizes)
+    model, o = fresh("gpt2", "sgd")
+    with engine_for("gpt2", model, o, 0.3) as engine:
+        losses, stats = train("gpt2", model, o, engine, sizes, ops=counted_ops)
+        per_op = engine.schedule
+    assert per_op.bytes_recomputed > 0
+    assert stats[-1]["ops seen"] == 0 and stats[-1]["plan.bytes_recomputed"] == 0
+    assert stats[-1]["plan.bytes_in"] > per_op.bytes_in   # it swaps what the per-op plan recomputes
+    assert_same(ref, model, ref_losses, losses)
+
+
+def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
+    monkeypatch.setattr(anchored_steps.Anchored, "judge", _reject)
+    sizes = [8] * 9
+    ref, ref_opt = fresh("small_cnn", "sgd")
+    ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
+    model, o = fresh("small_cnn", "sgd")
+    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+        losses, stats = train("small_cnn", model, o, engine, sizes)
+    tried = stats[-1]["anchored_steps"]
+    assert tried >= 1 and all(s["anchored_steps"] == tried for s in stats[-3:])
+    assert_same(ref, model, ref_losses, losses)
+
+
+def _reject(self) -> bool:
+    if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
+        return False
+    self.rejected = True
+    return True
+
+
+def test_a_larger_batch_leaves_the_anchored_plan_and_is_still_bitwise(counted_ops) -> None:
+    """Batch 16 in an anchored step saves tensors of other sizes: the first one ends the plan,
+    the step brings back what the backward unpacks synchronously, the next records again."""
+    sizes = [8] * 6 + [16, 16, 8, 8, 8, 8, 8]
+    ref, ref_opt = fresh("small_cnn", "sgd")
+    ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
+    model, o = fresh("small_cnn", "sgd")
+    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+        losses, stats = train("small_cnn", model, o, engine, sizes, ops=counted_ops)
+    assert stats[5]["ops seen"] == 0   # anchored before the larger batch
+    big = stats[6]
+    assert big["ops seen"] == 0 and big["last_diverged_at"] >= 0 and not big["last_planned"]
+    assert stats[7]["ops seen"] > 0 and not stats[7]["last_planned"]   # recorded again
+    assert stats[-1]["ops seen"] == 0 and stats[-1]["last_diverged_at"] == -1   # anchored again
+    assert_same(ref, model, ref_losses, losses)
+
+
+def test_an_anchored_step_that_fails_is_rolled_back(counted_ops) -> None:
+    """BatchNorm's running statistics were updated by the failed step's forward: they get
+    their old bytes back, the gradients it made are dropped, its transfers are settled."""
+    sizes = [8] * 9
+    ref, ref_opt = fresh("small_cnn", "sgd")
+    ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes, fail_at=6)
+    model, o = fresh("small_cnn", "sgd")
+    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+        losses, stats = train("small_cnn", model, o, engine, sizes, fail_at=6, ops=counted_ops)
+        assert stats[6]["ops seen"] == 0 and all(p.grad is None for p in model.parameters())
+    assert stats[-1]["ops seen"] == 0
+    assert_same(ref, model, ref_losses, losses)
