@@ -16,8 +16,8 @@ import dataclasses
 import logging
 
 import scheduler
-from ooc.runtime.anchored_step import AnchoredStep
 from ooc.engine.planning import REPRICED_RUNS
+from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.plain_step import moves_nothing
 from ooc.runtime.stepper import Stepper
@@ -81,7 +81,7 @@ class AnchoredSteps:
         the budget. Then a trial: anchored and per-op steps take turns until each ran
         ``TRIAL_RUNS`` times, and the faster is kept (the per-op plan may recompute what the
         anchored one must swap, and each side's first steps run on colder memory)."""
-        trace = getattr(st, "hook_trace", None)
+        trace = st.hook_trace
         key, schedule = st.start_key, st.schedule
         if (trace is None or not st.planned or st.diverged_at is not None or not self.anchored_steps
                 or self.plans.get(key, (None,))[0] is not schedule or moves_nothing(schedule)
@@ -133,13 +133,14 @@ class AnchoredSteps:
         did, so the plan is made for a budget lowered by what its anchored form went over, a
         few times at most."""
         seq = mark_replayable(schedule.sequence, lambda f: {})   # a chain needs the per-op path
+        gaps, first = trace.gaps(), trace.first_saved()
         budget = self.budget
         for _ in range(ANCHOR_TRIES):
             try:
                 planned = scheduler.plan(seq, budget=budget, window=self.window, policy=self.policy)
             except scheduler.BudgetTooSmall:
                 return None
-            moved = anchor(dataclasses.replace(planned, budget=self.budget), trace.gaps(), trace.first_saved())
+            moved = anchor(dataclasses.replace(planned, budget=self.budget), gaps, first)
             if moved is None:
                 return None
             try:

@@ -20,10 +20,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scheduler
+from ooc.engine.anchored_steps import AnchoredSteps
 from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
-from ooc.engine.anchored_steps import AnchoredSteps
 from ooc.engine.plain_steps import PlainSteps
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
 from ooc.engine.step_end import StepEnd

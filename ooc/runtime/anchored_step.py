@@ -18,7 +18,6 @@ ops' own arguments), so only plans that swap have an anchored form.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -34,8 +33,6 @@ from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
 from scheduler.schedule import Action, Schedule
-
-log = logging.getLogger(__name__)
 
 
 class AnchoredStep(HookStep):
@@ -153,11 +150,7 @@ class AnchoredStep(HookStep):
             self._wait(f"wait_out {slot.name}", sl.finish_swap_out, slot)
         elif op in (Op.DROP, Op.FREE):
             slot.storage = None
-        slot.state = State.of(eff.to)
-        if eff.tier is False and slot.host_current:
-            self.tier.discard(slot.key)
-        if eff.tier is not None:
-            slot.host_current = eff.tier
+        sl.follow(slot, eff, self.tier)
         self._account(eff.device * slot.nbytes)
 
     def _wait(self, name: str, fn, slot: Slot | None) -> None:
@@ -202,12 +195,10 @@ class AnchoredStep(HookStep):
         flight completes (a failed one raises, naming its variable). The slots keep their
         states: the plan's own waits still find them in flight."""
         self._reach(self.trace.update)
-        busy = [s for s in self.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
+        busy = sl.in_flight(self.slots.values())
         if busy:
             self._wait("commit point", lambda _: self.tier.drain(), None)
-        for slot in busy:
-            if sl.failed(slot):   # raises the transfer's error, named
-                (sl.finish_swap_in if slot.state is State.IN else sl.finish_swap_out)(slot)
+        sl.raise_failed(busy)
 
     def update_starts(self) -> None:
         self._reach(self.trace.update)

@@ -99,11 +99,7 @@ class PlanExecutor:
         elif op is Op.RECOMPUTE:
             self._account(eff.device * slot.nbytes)
             self._recompute(slot, chain, where)
-        slot.state = State.of(eff.to)
-        if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
-            ctx.tier.discard(slot.key)
-        if eff.tier is not None:
-            slot.host_current = eff.tier
+        sl.follow(slot, eff, ctx.tier)
         if op not in (Op.SWAP_IN, Op.RECOMPUTE) and eff.device:
             self._account(eff.device * slot.nbytes)
 
@@ -152,9 +148,7 @@ class PlanExecutor:
     def wait_for_transfers(self) -> None:
         """The commit point's wait: every transfer in flight completes; a failed one raises
         here, naming its variable."""
-        busy = [s for s in self.slots.values() if s.future is not None and s.state in (State.IN, State.OUT)]
+        busy = sl.in_flight(self.slots.values())
         if busy:   # one wait for all of them (on a GPU, one host synchronization)
             self._timed("wait", "commit point", self.ctx.tier.drain)
-        for s in busy:
-            if sl.failed(s):   # raises the transfer's error, named
-                (sl.finish_swap_in if s.state is State.IN else sl.finish_swap_out)(s)
+        sl.raise_failed(busy)

@@ -16,6 +16,7 @@ Two kinds of slot, because PyTorch holds them differently:
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from ooc.errors import OOCError, StorageError
 from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
-from scheduler.actions import Residency
+from scheduler.actions import Effect, Residency
 from scheduler.ir import Kind
 from vmm.units import format_size
 
@@ -175,6 +176,28 @@ def block(future: Transfer) -> None:
         wait([future])
     else:
         future.exception()
+
+
+def follow(slot: Slot, eff: Effect, tier: SlowerTier) -> None:
+    """The slot's state and tier copy after an action, as the table's row ``eff`` says (the
+    bytes moved by the caller, who also counts the device bytes)."""
+    slot.state = State.of(eff.to)
+    if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
+        tier.discard(slot.key)
+    if eff.tier is not None:
+        slot.host_current = eff.tier
+
+
+def in_flight(slots: Iterable[Slot]) -> list[Slot]:
+    """The slots with a transfer issued and not yet waited for."""
+    return [s for s in slots if s.future is not None and s.state in (State.IN, State.OUT)]
+
+
+def raise_failed(slots: Iterable[Slot]) -> None:
+    """After a drain: the first failed transfer among ``slots`` raises, naming its variable."""
+    for s in slots:
+        if failed(s):
+            (finish_swap_in if s.state is State.IN else finish_swap_out)(s)
 
 
 def failed(slot: Slot) -> bool:

@@ -86,15 +86,19 @@ def counted_ops(monkeypatch):
         ops.append(1)
         return on_op(self, func, args, kwargs)
 
-    def keep(self) -> bool:
+    monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
+    monkeypatch.setattr(anchored_steps.Anchored, "judge", _decided(keep=True))
+    return ops
+
+
+def _decided(keep: bool):
+    """``Anchored.judge`` deciding ``keep`` once each side ran one step, whatever the times."""
+    def judge(self) -> bool:
         if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
             return False
-        self.kept = True
+        self.kept, self.rejected = keep, not keep
         return True
-
-    monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
-    monkeypatch.setattr(anchored_steps.Anchored, "judge", keep)
-    return ops
+    return judge
 
 
 def engine_for(name: str, model, opt, fraction: float, **kw) -> OutOfCore:
@@ -138,7 +142,7 @@ def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(co
 
 
 def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
-    monkeypatch.setattr(anchored_steps.Anchored, "judge", _reject)
+    monkeypatch.setattr(anchored_steps.Anchored, "judge", _decided(keep=False))
     sizes = [8] * 9
     ref, ref_opt = fresh("small_cnn", "sgd")
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
@@ -148,13 +152,6 @@ def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
     tried = stats[-1]["anchored_steps"]
     assert tried >= 1 and all(s["anchored_steps"] == tried for s in stats[-3:])
     assert_same(ref, model, ref_losses, losses)
-
-
-def _reject(self) -> bool:
-    if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
-        return False
-    self.rejected = True
-    return True
 
 
 def test_a_larger_batch_leaves_the_anchored_plan_and_is_still_bitwise(counted_ops) -> None:
