@@ -72,12 +72,29 @@ def _slow_recordings(monkeypatch) -> None:
     monkeypatch.setattr(Planning, "_replan", cold)
 
 
+def _planned_runs(monkeypatch, scale) -> None:
+    """The k-th planned run's op times, as re-pricing reads them, are ``scale(k)`` times what
+    they measured: the host's load during the suite must not decide what the plan recomputes
+    (on a loaded host the real times made no chain pay, and re-pricing rightly kept the plan)."""
+    real = Planning._reprice
+    runs = []
+
+    def scaled(self, st):
+        if st.planned:
+            st.rec.seconds[:] = [t * scale(len(runs)) for t in st.rec.seconds]
+            runs.append(st)
+        return real(self, st)
+
+    monkeypatch.setattr(Planning, "_reprice", scaled)
+
+
 def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
     """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
     (every chain looks dear); after the plan's first run the engine prices it on that run's
     times, and the plan it keeps recomputes (the next runs price the same bytes: kept).
     Training stays bitwise in-core."""
     _slow_recordings(monkeypatch)
+    _planned_runs(monkeypatch, lambda k: 0.01)
     ref, _, _ = _train(6)
     got, engine, plans = _train(6, budget="8MiB")
     for k, v in ref.items():   # parameters, running statistics, num_batches_tracked
@@ -95,17 +112,8 @@ def test_the_fastest_of_several_planned_runs_prices_the_plan(monkeypatch) -> Non
     else for two steps): priced on the first run, the plan still recomputes nothing; the second
     run's times, folded in as the faster, re-price it and it recomputes. Priced on one planned
     run only (the old rule), the slow plan stayed for good."""
-    real_reprice = Planning._reprice
-    priced = []
-
-    def busy_once(self, st):
-        if st.planned and not priced:
-            st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
-        priced.append(st.planned)
-        return real_reprice(self, st)
-
     _slow_recordings(monkeypatch)
-    monkeypatch.setattr(Planning, "_reprice", busy_once)
+    _planned_runs(monkeypatch, lambda k: 1000 if k == 0 else 0.01)
     ref, _, _ = _train(7)
     got, engine, plans = _train(7, budget="8MiB")
     for k, v in ref.items():
