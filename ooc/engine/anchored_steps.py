@@ -76,7 +76,7 @@ class AnchoredSteps:
         self.anchored_steps = True
 
     def _note_anchored(self, st: Stepper, seconds: float) -> None:
-        """After a planned per-op step that kept to a plan that moves bytes, and whose prices
+        """After a planned per-op step that kept to a plan that moves bytes to its end, and whose prices
         are settled (``_reprice``): the anchored form of its swap-only plan, if one proves within
         the budget. Then a trial: anchored and per-op steps take turns until each ran
         ``TRIAL_RUNS`` times, and the faster is kept (the per-op plan may recompute what the
@@ -86,6 +86,12 @@ class AnchoredSteps:
         if (trace is None or not st.planned or st.diverged_at is not None or not self.anchored_steps
                 or self.plans.get(key, (None,))[0] is not schedule or moves_nothing(schedule)
                 or self.policy != "window" or self._pin is not None):   # pins are the per-op plan's
+            return
+        if len(st.rec.names) != len(schedule.sequence.functions):
+            # The step ended before its plan did (a micro-batch without the update its plan
+            # has): it proved part of the plan only. An anchored step does not see the ops it
+            # would have missed, so a stale update (momentum created since the plan was made)
+            # would go unnoticed where a per-op step diverges and re-plans.
             return
         entry = self._anchored.get(key)
         if entry is not None and entry.plan is schedule:
@@ -115,9 +121,18 @@ class AnchoredSteps:
                             pool=self.pool, model=self.model, start_key=key)
 
     def _judge_anchored(self, st: AnchoredStep, seconds: float) -> None:
-        """After an anchored step that kept to its plan: its time, while on trial."""
+        """After an anchored step that kept to its plan: its time, while on trial, if it did what
+        the per-op steps it is timed against did (the update, or not). One that ran an update
+        its trace's step did not (gradient accumulation: the plan was made from a micro-batch)
+        ran ops no plan has proven: the per-op path takes that state back, and its next update
+        step diverges there and plans from a step that updates, as without anchored steps."""
         entry = self._anchored.get(st.start_key)
-        if entry is not None and entry.plan is st.schedule and not entry.kept:
+        if entry is None or entry.plan is not st.schedule:
+            return
+        if st.updated and entry.trace.update is None:   # no anchored form for this plan any more
+            entry.moved, entry.kept = None, False
+            log.info("an anchored step ran an update its plan's step did not: back to the per-op path")
+        elif not entry.kept and st.updated == (entry.trace.update is not None):
             entry.trial.append(seconds)
             self._log_judged(entry)
 

@@ -59,6 +59,7 @@ class AnchoredStep(HookStep):
         self.slots: dict[int, Slot] = {}          # var -> slot
         self.by_storage: dict[int, Slot] = {}     # id(storage) -> slot
         self.resident = self.saved_bytes = 0      # managed bytes held now, and their peak
+        self.updated = False                      # the optimizer step ran in this step
 
     # -- autograd's hooks --------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class AnchoredStep(HookStep):
         sl.raise_failed(busy)
 
     def update_starts(self) -> None:
+        self.updated = True
         self._reach(self.trace.update)
         self.rollback.commit()
         self.updating = True

@@ -91,10 +91,10 @@ def counted_ops(monkeypatch):
     return ops
 
 
-def _decided(keep: bool):
-    """``Anchored.judge`` deciding ``keep`` once each side ran one step, whatever the times."""
+def _decided(keep: bool, runs: int = 1):
+    """``Anchored.judge`` deciding ``keep`` once each side ran ``runs`` steps, whatever the times."""
     def judge(self) -> bool:
-        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
+        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < runs:
             return False
         self.kept, self.rejected = keep, not keep
         return True
@@ -183,3 +183,33 @@ def test_an_anchored_step_that_fails_is_rolled_back(counted_ops) -> None:
         assert stats[6]["ops seen"] == 0 and all(p.grad is None for p in model.parameters())
     assert stats[-1]["ops seen"] == 0
     assert_same(ref, model, ref_losses, losses)
+
+
+def test_an_update_the_plans_step_did_not_run_hands_the_state_back_to_the_per_op_path(counted_ops) -> None:
+    """Gradient accumulation: micro-batches share a starting state with the one that updates.
+    An anchored form made from a step without the update does not see the update's ops (a per-op
+    step diverges there, its plan has none): after an anchored step ran one, that state's steps
+    go back to the per-op path, whose next update step diverges and plans from a step that
+    updates. Only a step that ran its whole plan makes an anchored form, so the plan settles:
+    from the third window on every step keeps to it, and anchored steps run again."""
+    model, o = fresh("small_cnn", "sgd")
+    ref, ref_o = fresh("small_cnn", "sgd")
+    loss_fn = models.loss_fn("small_cnn")
+    stats = []
+    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+        for step in range(14):
+            x, y = data("small_cnn", step, 8)
+            before = len(counted_ops)
+            for m, opt, ctx in ((model, o, engine.step()), (ref, ref_o, torch.enable_grad())):
+                torch.manual_seed(step)
+                with ctx:
+                    loss_fn(m(x), y).backward()
+                    if step % 4 == 3:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            stats.append(engine.stats() | {"ops seen": len(counted_ops) - before})
+    assert stats[3]["ops seen"] == 0 and stats[3]["last_diverged_at"] == -1   # the update, anchored
+    assert stats[7]["ops seen"] > 0 and stats[7]["last_diverged_at"] >= 0     # per-op: seen, re-planned
+    assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in stats[8:]), stats[8:]
+    assert stats[-1]["anchored_steps"] > stats[3]["anchored_steps"]
+    assert_same(ref, model, [], [])
