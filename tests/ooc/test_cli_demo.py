@@ -86,3 +86,18 @@ def test_a_small_real_demo_swaps_and_matches_bit_for_bit(capsys):
     assert info["bitwise_identical"] is True
     assert info["budget"] < info["managed_peak_bytes"] and info["ooc"]["bytes_out_per_step"] > 0
     assert info["incore"]["median_of_steps"] == [2]
+
+
+def test_the_table_says_what_was_recomputed_and_how_many_steps_ran_at_the_hooks_alone():
+    ooc_ = _result("ooc", 14, bytes_out=MiB)
+    ooc_.stats.update({"plan.bytes_recomputed": 5 * MiB, "anchored_steps": 8, "plain_steps": 0})
+    table = cmd_demo._table(_result("incore", 14), ooc_, 10 * MiB, True)
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "5 MiB" in rows["recomputed per step (plan)"]
+    assert "8 of 14 (8 anchored)" in rows["steps without op interception"]
+    assert "keeps the faster" in table
+
+    quiet = cmd_demo._table(_result("incore", 5), _result("ooc", 5, bytes_out=MiB), 10 * MiB, True)
+    rows = {line.split("  ")[0]: line for line in quiet.splitlines()}
+    assert rows["steps without op interception"].split()[-3:] == ["0", "of", "5"]
+    assert "keeps the faster" not in quiet
