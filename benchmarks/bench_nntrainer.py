@@ -15,7 +15,10 @@ state; SGD with momentum), each in a fresh process:
   (``scheduler.baselines``: out after every use, back in synchronously before the next);
   the budget is the in-core peak of the managed tensors, which on-demand never approaches;
 - ``window``: the window scheduler at the on-demand plan's own peak (same memory as
-  on-demand, with prefetch) and at 1/2 and 1/4 of the managed in-core peak.
+  on-demand, with prefetch) and at 1/2, 1/3 and 1/4 of the managed in-core peak;
+- ``update in backward``: PyTorch's recipe of each parameter's update in its
+  post-accumulate-grad hook (``ooc.measure.update_in_backward``), in core and at 1/2 and 1/3
+  (no gradient waits for the others, and the optimizer's transfers meet the backward's compute).
 
 Memory is measured by the kernel (VmHWM), in steady state: the peak is reset once the three
 warm-up steps are done (ooc records its first step on demand, re-plans once the optimizer
@@ -135,7 +138,7 @@ def _child(spec: dict[str, Any]) -> None:
     import torch
 
     import ooc
-    from ooc.measure import _reset_peak, _status, train_step
+    from ooc.measure import _reset_peak, _status, train_step, update_in_backward
 
     c = spec["case"]
     case = Case(**{**c, "manage": tuple(c["manage"])})
@@ -153,6 +156,8 @@ def _child(spec: dict[str, Any]) -> None:
                                recompute=case.recompute)
     elif case.method != "incore":
         raise ValueError(f"method {case.method!r}: the steady harness runs incore and ooc")
+    if case.update_in_backward:   # after the engine: its gradient hooks run first
+        update_in_backward(model, opt)
     build_s = time.perf_counter() - t0
     _reset_peak()
     rss_built = _status()["VmRSS"]
@@ -164,7 +169,7 @@ def _child(spec: dict[str, Any]) -> None:
             _reset_peak()
         torch.manual_seed(case.seed + 1 + step)
         t1 = time.perf_counter()
-        loss = train_step(model, opt, engine, loss_fn, x, y)
+        loss = train_step(model, opt, engine, loss_fn, x, y, in_backward=case.update_in_backward)
         times.append(time.perf_counter() - t1)
         losses.append(float(loss.detach()))
     peak_steady = _status()["VmHWM"] if case.steps > warm else 0
@@ -277,10 +282,19 @@ def main() -> None:
                             rows.append(Row(f"window at on-demand's peak ({format_size(same)}{tag})",
                                             replace(ooc_case, budget=same, recompute=mode,
                                                     params_out=str(Path(tmp) / f"w0{tag[2:6]}.pt"))))
-                    for div in (() if args.quick else (2, 4)):
+                    for div in (() if args.quick else (2, 3, 4)):
                         rows.append(Row(f"window 1/{div} ({format_size(peak // div)})",
                                         replace(ooc_case, budget=peak // div,
                                                 params_out=str(Path(tmp) / f"w{div}.pt"))))
+                    # PyTorch's update inside the backward: no gradient waits for the others
+                    # (in core too), and the optimizer's transfers meet the backward's compute.
+                    rows.append(Row("no swap, update in backward",
+                                    replace(base, update_in_backward=True,
+                                            params_out=str(Path(tmp) / "incore-ib.pt"))))
+                    for div in (() if args.quick else (2, 3)):
+                        rows.append(Row(f"window 1/{div} ({format_size(peak // div)}), update in backward",
+                                        replace(ooc_case, budget=peak // div, update_in_backward=True,
+                                                params_out=str(Path(tmp) / f"w{div}-ib.pt"))))
                     order.extend(rows[2:])
             inc = done.get(rows[0].label)
             if inc is not None:
@@ -398,6 +412,11 @@ ANALYSIS = [
     "the comparable part, absolute ones are not.",
     "- Optimizer: SGD with momentum adds one more parameter-sized tensor per weight (VGG16 at "
     "32x32 has ~15 M parameters, ~57 MiB each for weights, gradients and momentum).",
+    "- Update in backward: PyTorch's recipe, each parameter's `optimizer.step()` in its "
+    "post-accumulate-grad hook (`ooc.measure.update_in_backward`; bitwise as the step after the "
+    "backward for SGD). In core it frees each gradient once applied. Out of core the first "
+    "update is the step's commit point (every transfer in flight is waited for, so that none "
+    "can fail once parameters change), now in the middle of the backward.",
 ]
 
 

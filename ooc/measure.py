@@ -43,6 +43,7 @@ class Case:
     seed: int = 0
     policy: str = "window"
     recompute: bool | str = True   # OutOfCore's: False swaps only
+    update_in_backward: bool = False   # each parameter's update in its grad hook (``update_in_backward``)
 
 
 @dataclass(frozen=True)
@@ -145,20 +146,39 @@ def _reset_peak() -> bool:
         return False
 
 
-def train_step(model, optimizer, engine, loss_fn, x, y):
+def train_step(model, optimizer, engine, loss_fn, x, y, *, in_backward: bool = False):
     """One training step, in plain PyTorch or under ``engine``: the same ops either way, so
-    the two can be compared bit for bit. Returns the loss."""
+    the two can be compared bit for bit. ``in_backward``: the updates run inside the
+    backward (``update_in_backward`` set them up), so there is no step after it. Returns
+    the loss."""
     if engine is None:
         loss = loss_fn(model(x), y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not in_backward:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     else:
         with engine.step():
             loss = loss_fn(model(x), y)
             loss.backward()
-            engine.optimizer_step()
+            if not in_backward:
+                engine.optimizer_step()
     return loss
+
+
+def update_in_backward(model, optimizer) -> None:
+    """PyTorch's recipe for the update inside the backward: each parameter's update runs in
+    its post-accumulate-grad hook (``step()`` updates only the parameters that have a
+    gradient, and the hook then drops it), so no parameter's gradient waits for the others.
+    Parameters come out bitwise as from ``step()`` after the backward when the optimizer's
+    per-tensor arithmetic does not depend on its batch of tensors (SGD and Adam here)."""
+    def update(p) -> None:
+        optimizer.step()
+        p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(update)
 
 
 def checkpoint_blocks(model, every: int = 1) -> int:
@@ -233,6 +253,8 @@ def _child(spec: dict[str, Any]) -> None:
         engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage,
                                storage=case.storage, chunk=case.chunk, threads=case.threads,
                                policy=case.policy, recompute=case.recompute)
+    if case.update_in_backward:   # after the engine: its gradient hooks run first
+        update_in_backward(model, opt)
     before = _status()
     exact = _reset_peak()
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]
@@ -240,7 +262,7 @@ def _child(spec: dict[str, Any]) -> None:
     for step in range(case.steps):
         torch.manual_seed(case.seed + 1 + step)
         t0 = time.perf_counter()
-        loss = train_step(model, opt, engine, loss_fn, x, y)
+        loss = train_step(model, opt, engine, loss_fn, x, y, in_backward=case.update_in_backward)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         print(f"OOC-STEP {step}", flush=True)

@@ -11,20 +11,21 @@ What the per-op step saw, the anchored step takes from a trace of the planned st
 to its plan (``HookTrace``): the k-th saved tensor of at least ``min_bytes``, its size, the gap
 (ops run so far) and the plan's variable; the m-th unpack, its gap and variable; where the
 update starts. The step compares each save and unpack with the trace. The first that differs
-ends the plan: the rest of the step brings back what its nodes unpack synchronously, the engine
-records the next step and plans again. Recomputation needs the per-op path (a chain reruns the
+ends the plan: the rest of the step brings back what its nodes unpack synchronously, writes
+what it saves beyond the budget to the tier at once (as a diverged plain step does), and the
+engine records the next step and plans again. Recomputation needs the per-op path (a chain reruns the
 ops' own arguments), so only plans that swap have an anchored form.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ooc.runtime import slots as sl
-from ooc.runtime.hook_step import HookStep
+from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.saved_tensors import Packed, _of_parameter
@@ -44,12 +45,13 @@ class AnchoredStep(HookStep):
 
     counter = "anchored_steps"   # the engine's count of such steps
 
-    def __init__(self, schedule: Schedule, anchored: Schedule, trace: HookTrace, *, min_bytes: int,
-                 tier: SlowerTier, pool: DevicePool, model: torch.nn.Module, start_key: Any = None) -> None:
-        super().__init__(model)
+    def __init__(self, schedule: Schedule, anchored: Schedule, trace: HookTrace, *, budget: int,
+                 min_bytes: int, tier: SlowerTier, pool: DevicePool, model: torch.nn.Module,
+                 new_key: Callable[[], int], start_key: Any = None) -> None:
+        super().__init__(model, tier, new_key)
         self.schedule, self.start_key = schedule, start_key   # the engine's plan, for its bookkeeping
         self.anchored = anchored                              # the plan this step runs
-        self.trace, self.min_bytes, self.tier, self.pool = trace, min_bytes, tier, pool
+        self.trace, self.budget, self.min_bytes, self.pool = trace, budget, min_bytes, pool
         n = len(anchored.sequence.functions)
         self.variables = anchored.sequence.variables
         self.actions: list[tuple[int, Action]] = [(g, a) for g in range(n) for a in anchored.before[g]]
@@ -59,6 +61,7 @@ class AnchoredStep(HookStep):
         self.slots: dict[int, Slot] = {}          # var -> slot
         self.by_storage: dict[int, Slot] = {}     # id(storage) -> slot
         self.resident = self.saved_bytes = 0      # managed bytes held now, and their peak
+        self.unbound = 0   # bytes saved after the plan ended, kept (counted at each save: an upper bound)
         self.updated = False                      # the optimizer step ran in this step
 
     # -- autograd's hooks --------------------------------------------------------------------
@@ -74,13 +77,13 @@ class AnchoredStep(HookStep):
         k = self.k
         self.k = k + 1
         if self.diverged_at is not None:
-            return Packed(slot, t) if slot is not None else t
+            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
         packs = self.trace.packs
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
         if expected != nbytes:
             self._diverge(gap, f"saved tensor {k} has {nbytes} B, the plan's had "
                           f"{'none' if expected is None else f'{expected} B'}")
-            return Packed(slot, t) if slot is not None else t
+            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
             if slot is None or slot.state is State.ABSENT:   # first seen: bound to its variable
@@ -94,6 +97,8 @@ class AnchoredStep(HookStep):
         return Packed(slot, t) if slot is not None and var == slot.var else t
 
     def unpack(self, p: Any) -> torch.Tensor:
+        if isinstance(p, Spilled):
+            return self._read_spilled(p)
         if not isinstance(p, Packed):
             return p
         slot = p.slot
@@ -111,6 +116,17 @@ class AnchoredStep(HookStep):
             self._bring_back(slot)
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
+
+    def _after_plan(self, t: torch.Tensor, nbytes: int) -> Any:
+        """A save the plan does not know (the step left it): kept while the step's bytes stay
+        within the budget, else written to the tier at once."""
+        if _of_parameter(t) or t.is_meta:
+            return t
+        if self.resident + self.unbound + nbytes > self.budget:
+            return self._spill(t, nbytes)
+        self.unbound += nbytes
+        self.saved_bytes = max(self.saved_bytes, self.resident + self.unbound)
+        return t
 
     # -- the plan ----------------------------------------------------------------------------
 
@@ -154,13 +170,6 @@ class AnchoredStep(HookStep):
         sl.follow(slot, eff, self.tier)
         self._account(eff.device * slot.nbytes)
 
-    def _wait(self, name: str, fn, slot: Slot | None) -> None:
-        t0 = time.perf_counter()
-        fn(slot)
-        t1 = time.perf_counter()
-        self.stall_s += t1 - t0
-        self.events.append(("wait", name, t0, t1))
-
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
         plan): synchronously, whatever its state."""
@@ -198,7 +207,7 @@ class AnchoredStep(HookStep):
         self._reach(self.trace.update)
         busy = sl.in_flight(self.slots.values())
         if busy:
-            self._wait("commit point", lambda _: self.tier.drain(), None)
+            self._wait("commit point", lambda _: self.tier.drain())
         sl.raise_failed(busy)
 
     def update_starts(self) -> None:
@@ -227,6 +236,7 @@ class AnchoredStep(HookStep):
                 slot.host_current = False
             slot.storage = None
             slot.state = State.ABSENT
+        self._forget_spilled()
         self.pool.reap()
         self.events.insert(0, ("compute", "anchored step (no op intercepted)", self.t0, time.perf_counter()))
         if error is not None and not failed:

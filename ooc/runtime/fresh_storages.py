@@ -41,9 +41,11 @@ class FreshStorages:
         """Whether new storages count as managed from birth: on demand, during the optimizer
         step, with its state managed. The optimizer creates its state there (Adam all of it
         before its first update; SGD's momentum buffers join ``optimizer.state`` only when
-        ``step()`` returns), and it is managed memory the budget must hold from the start."""
-        return (not self.planned and self.rec.optimizer_start is not None
-                and "optimizer_state" in self.ctx.manage)
+        ``step()`` returns), and it is managed memory the budget must hold from the start.
+        Inside ``step()`` only: with the update in the backward (one ``step()`` per gradient,
+        from a post-accumulate-grad hook), what the backward makes between two updates is
+        not the optimizer's."""
+        return not self.planned and self.updating and "optimizer_state" in self.ctx.manage
 
     def _track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
         """Count a storage the optimizer just created, after making room for it."""

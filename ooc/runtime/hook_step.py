@@ -1,15 +1,31 @@
 """What a step watched only by autograd's saved-tensor hooks holds, whether its plan moves
 nothing (``plain_step.py``) or swaps at the hooks (``anchored_step.py``): no per-op path sees a
-buffer's first use, so a rollback copies every buffer when the step starts."""
+buffer's first use, so a rollback copies every buffer when the step starts; and once the step
+has left its plan, what it saves beyond the budget is written to the slower tier at once and
+read back when the backward needs it (what an on-demand step does, without the per-op path)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.rollback import StepRollback
+from ooc.storage.tier import SlowerTier
+from vmm.units import format_size
+
+
+class Spilled:
+    """A saved activation that a diverged step wrote to the tier: where, and its view."""
+
+    __slots__ = ("key", "nbytes", "device", "dtype", "size", "stride", "offset")
+
+    def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
+        self.key, self.nbytes, self.device = key, nbytes, t.device
+        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
 
 
 class HookStep:
@@ -20,7 +36,9 @@ class HookStep:
     planned = True
     refused = None   # no per-op action runs, so the transition table refuses none here
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tier: SlowerTier, new_key: Callable[[], int]) -> None:
+        self.tier, self.new_key = tier, new_key
+        self.spilled: list[int] = []   # tier keys of what the step spilled
         self.diverged_at: int | None = None
         self.why = ""
         self.spilled_bytes = self.read_bytes = 0
@@ -43,3 +61,38 @@ class HookStep:
 
     def update_done(self) -> None:
         self.updating = False
+
+    # -- after the plan: the saved tensors over the budget go to the tier ---------------------
+
+    def _wait(self, name: str, fn: Callable[[Any], Any], arg: Any = None) -> Any:
+        """``fn(arg)``, a wait the step's thread sits through: its time is stall, on the timeline."""
+        t0 = time.perf_counter()
+        out = fn(arg)
+        t1 = time.perf_counter()
+        self.stall_s += t1 - t0
+        self.events.append(("wait", name, t0, t1))
+        return out
+
+    def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
+        """Write a saved activation of a diverged step to the tier; autograd keeps only where."""
+        key = self.new_key()
+        view = byte_view_for(t.untyped_storage())
+        self._wait(f"write out saved tensor ({format_size(nbytes)})",
+                   lambda _: self.tier.write_async(key, view, nbytes).result())
+        self.spilled.append(key)
+        self.spilled_bytes += nbytes
+        return Spilled(key, t, nbytes)
+
+    def _read_spilled(self, p: Spilled) -> torch.Tensor:
+        """Read back what ``_spill`` wrote, synchronously: the backward's node needs it now."""
+        dest = torch.empty(p.nbytes, dtype=torch.uint8, device=p.device).untyped_storage()
+        self._wait(f"read back saved tensor ({format_size(p.nbytes)})",
+                   lambda _: self.tier.read_async(p.key, byte_view_for(dest)).result())
+        self.read_bytes += p.nbytes
+        return torch.empty(0, dtype=p.dtype, device=p.device).set_(dest, p.offset, p.size, p.stride)
+
+    def _forget_spilled(self) -> None:
+        """The step is over: nothing reads what it spilled again."""
+        for key in self.spilled:
+            self.tier.discard(key)
+        self.spilled.clear()

@@ -26,8 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ooc.runtime.byte_views import byte_view_for
-from ooc.runtime.hook_step import HookStep
+from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.storage.tier import SlowerTier
 from scheduler.schedule import Schedule
@@ -46,17 +45,6 @@ def moves_nothing(schedule: Schedule) -> bool:
     return not (schedule.bytes_in or schedule.bytes_out or schedule.bytes_recomputed)
 
 
-class Spilled:
-    """A saved activation that a diverged plain step wrote to the tier: where, and its view."""
-
-    __slots__ = ("key", "nbytes", "device", "dtype", "size", "stride", "offset")
-
-    def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
-        self.key, self.nbytes, self.device = key, nbytes, t.device
-        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset = t.storage_offset()
-
-
 class PlainStep(HookStep):
     """One step of a verified plan that moves nothing (the module docstring says why).
 
@@ -72,14 +60,12 @@ class PlainStep(HookStep):
     def __init__(self, schedule: Schedule, signature: Signature, *, budget: int, min_bytes: int,
                  tier: SlowerTier, model: torch.nn.Module, new_key: Callable[[], int],
                  start_key: Any = None) -> None:
-        super().__init__(model)
+        super().__init__(model, tier, new_key)
         self.schedule, self.start_key = schedule, start_key
         self.signature = signature
         self.budget, self.min_bytes = budget, min_bytes
-        self.tier, self.new_key = tier, new_key
         self.k = 0                 # saved tensors of at least min_bytes so far
         self.saved_bytes = 0       # their bytes (a saved storage counted at each save: an upper bound)
-        self.spilled: list[int] = []   # tier keys this step wrote
 
     # -- autograd's hooks --------------------------------------------------------------------
 
@@ -103,29 +89,7 @@ class PlainStep(HookStep):
         return self._spill(t, nbytes)
 
     def unpack(self, p: Any) -> torch.Tensor:
-        if not isinstance(p, Spilled):
-            return p
-        t0 = time.perf_counter()
-        dest = torch.empty(p.nbytes, dtype=torch.uint8, device=p.device).untyped_storage()
-        self.tier.read_async(p.key, byte_view_for(dest)).result()
-        t1 = time.perf_counter()
-        self.stall_s += t1 - t0
-        self.read_bytes += p.nbytes
-        self.events.append(("wait", f"read back saved tensor ({format_size(p.nbytes)})", t0, t1))
-        return torch.empty(0, dtype=p.dtype, device=p.device).set_(dest, p.offset, p.size, p.stride)
-
-    def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
-        """Write a saved activation of a diverged step to the tier; autograd keeps only where."""
-        key = self.new_key()
-        storage = t.untyped_storage()
-        t0 = time.perf_counter()
-        self.tier.write_async(key, byte_view_for(storage), nbytes).result()
-        t1 = time.perf_counter()
-        self.stall_s += t1 - t0
-        self.spilled.append(key)
-        self.spilled_bytes += nbytes
-        self.events.append(("wait", f"write out saved tensor ({format_size(nbytes)})", t0, t1))
-        return Spilled(key, t, nbytes)
+        return self._read_spilled(p) if isinstance(p, Spilled) else p
 
     def _diverge(self, k: int, why: str) -> None:
         sig = self.signature
@@ -142,9 +106,7 @@ class PlainStep(HookStep):
                           f"the plan's step saved {len(self.signature)}")
         if self.diverged_at is None:   # as the plan's step: what it saved counts
             self.saved_bytes = sum(n for n, _, counted in self.signature if counted)
-        for key in self.spilled:
-            self.tier.discard(key)
-        self.spilled.clear()
+        self._forget_spilled()
         self.events.insert(0, ("compute", "plain step (no op intercepted)", self.t0, time.perf_counter()))
 
     # -- what the engine's optimizer hooks call ----------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from ooc import OutOfCore, models
 from ooc.engine import anchored_steps
-from ooc.measure import managed_peak
+from ooc.measure import managed_peak, update_in_backward
 from ooc.runtime import stepper as stepper_module
 
 pytestmark = pytest.mark.timeout(300)
@@ -156,7 +156,9 @@ def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
 
 def test_a_larger_batch_leaves_the_anchored_plan_and_is_still_bitwise(counted_ops) -> None:
     """Batch 16 in an anchored step saves tensors of other sizes: the first one ends the plan,
-    the step brings back what the backward unpacks synchronously, the next records again."""
+    the step brings back what the backward unpacks synchronously, writes what it saves beyond
+    the budget to the tier at once (it used to keep all of it, twice the plan's activations,
+    and report none), and the next step records again."""
     sizes = [8] * 6 + [16, 16, 8, 8, 8, 8, 8]
     ref, ref_opt = fresh("small_cnn", "sgd")
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
@@ -166,6 +168,8 @@ def test_a_larger_batch_leaves_the_anchored_plan_and_is_still_bitwise(counted_op
     assert stats[5]["ops seen"] == 0   # anchored before the larger batch
     big = stats[6]
     assert big["ops seen"] == 0 and big["last_diverged_at"] >= 0 and not big["last_planned"]
+    assert 0 < big["resident_peak_bytes"] <= big["budget"]
+    assert big["bytes_out"] - stats[5]["bytes_out"] > 0 and big["bytes_in"] - stats[5]["bytes_in"] > 0
     assert stats[7]["ops seen"] > 0 and not stats[7]["last_planned"]   # recorded again
     assert stats[-1]["ops seen"] == 0 and stats[-1]["last_diverged_at"] == -1   # anchored again
     assert_same(ref, model, ref_losses, losses)
@@ -213,3 +217,37 @@ def test_an_update_the_plans_step_did_not_run_hands_the_state_back_to_the_per_op
     assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in stats[8:]), stats[8:]
     assert stats[-1]["anchored_steps"] > stats[3]["anchored_steps"]
     assert_same(ref, model, [], [])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_updates_inside_the_backward_run_anchored_and_bitwise(counted_ops, opt) -> None:
+    """The updates interleave with the backward's unpacks: the anchored form reaches its
+    commit point at the first of them, and the rest of the backward's actions still run."""
+    sizes, loss_fn = [8] * 9, models.loss_fn("small_cnn")
+    runs = []
+    for fraction in (None, 0.4):
+        model, o = fresh("small_cnn", opt)
+        engine = engine_for("small_cnn", model, o, fraction, recompute=False) if fraction else None
+        update_in_backward(model, o)   # after the engine, as users add it
+        losses, stats = [], []
+        for i, n in enumerate(sizes):
+            x, y = data("small_cnn", i, n)
+            before = len(counted_ops)
+            if engine is None:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            else:
+                with engine.step():
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                stats.append(engine.stats() | {"ops seen": len(counted_ops) - before})
+            losses.append(loss.detach())
+        if engine is not None:
+            engine.close()
+        runs.append((model, losses, stats))
+    (ref, ref_losses, _), (model, losses, stats) = runs
+    anchored = [s for s in stats if s["ops seen"] == 0]
+    assert len(anchored) >= 3 and all(s["last_diverged_at"] == -1 for s in anchored), \
+        [(s["ops seen"], s["last_diverged_at"]) for s in stats]
+    assert anchored[-1]["plan.bytes_out"] > 0
+    assert_same(ref, model, ref_losses, losses)

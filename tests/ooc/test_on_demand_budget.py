@@ -22,6 +22,7 @@ import torch
 
 import ooc
 from ooc import models
+from ooc.measure import update_in_backward
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 CHUNK = 16 << 10
@@ -44,27 +45,34 @@ def _batch(step: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return models.example_batch("gpt2", batch, "cpu", seed=100 + step, **SHAPE)
 
 
-def _train(opt: str, batches: list[int], budget: int | None) -> tuple[dict, list[dict]]:
+def _train(opt: str, batches: list[int], budget: int | None, *,
+           in_backward: bool = False) -> tuple[dict, list[dict]]:
     """Train one step per entry of ``batches`` (its batch size); in core when ``budget`` is
-    None. Returns the final state dict and, out of core, each step's ``stats()``."""
+    None. ``in_backward``: PyTorch's recipe for the update inside the backward
+    (``ooc.measure.update_in_backward``), the backward's ops and the optimizer's interleaved.
+    Returns the final state dict and, out of core, each step's ``stats()``."""
     model, optimizer = _model_and_optimizer(opt)
     loss_fn = models.loss_fn("gpt2")
     engine = None
     if budget is not None:
         engine = ooc.OutOfCore(model, optimizer, budget=budget, chunk=CHUNK, min_bytes=4096,
                                manage=ALL)
+    if in_backward:
+        update_in_backward(model, optimizer)   # after the engine's own hooks, which run first
     stats = []
     for step, n in enumerate(batches):
         x, y = _batch(step, n)
         torch.manual_seed(1000 + step)   # dropout
         if engine is None:
             loss_fn(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not in_backward:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             continue
         with engine.step():
             loss_fn(model(x), y).backward()
-            engine.optimizer_step()
+            if not in_backward:
+                engine.optimizer_step()
         stats.append(engine.stats())
     if engine is not None:
         engine.close()
@@ -197,3 +205,18 @@ def test_the_last_backward_node_lets_go_before_the_update_needs_room() -> None:
     got, stats = _vgg_run("window", budget)
     _assert_within_budget(stats, budget)
     _assert_same(_vgg_run(None, 0)[0], got)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_updates_inside_the_backward_stay_within_budget_and_bitwise(opt: str) -> None:
+    """After the first update of the step, the backward's own new tensors are not the
+    optimizer's: only those born inside ``optimizer.step()`` count as its state from birth.
+    Regression: in the recording step of this recipe, a weight's gradient born after the
+    first update was counted as the optimizer's; the engine's gradient hook (it runs before
+    the user's) managed it, and when the user's hook had dropped it, making room wrote out its
+    released bytes (ValueError "src holds 0 bytes" from the swap file)."""
+    got, stats = _train(opt, [2] * 4, BUDGET, in_backward=True)
+    assert [s["last_planned"] for s in stats] == [False, False, True, True]
+    _assert_within_budget(stats, BUDGET)
+    assert stats[-1]["bytes_out"] > 0, "the budget must force tensors out"
+    _assert_same(_train(opt, [2] * 4, None, in_backward=True)[0], got)
