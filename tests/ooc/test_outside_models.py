@@ -7,8 +7,8 @@ seeds and the same optimizer. Every parameter and buffer must be bitwise equal, 
 default options (activations managed) and with all four kinds managed. The loops are written
 the way their users write them (``opt.step()`` or ``scaler.step(opt)`` inside the step, no
 ``engine.optimizer_step()``), and between them they use gradient clipping, AdamW with an LR
-scheduler, gradient accumulation, bf16 autocast, and fp16 autocast with a GradScaler whose
-first update is skipped.
+scheduler, gradient accumulation, bf16 autocast, fp16 autocast with a GradScaler whose
+first update is skipped, and PyTorch's recipe for the update inside the backward.
 
 A library that does not import here skips its cases, saying why. On this project's CPU
 machines torchvision does not: PyPI's torchvision wheels are CUDA builds whose extension needs
@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ooc.engine import OutOfCore
+from ooc.measure import update_in_backward
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
 
 CHUNK = 16 << 10
@@ -128,6 +129,7 @@ class Case:
     clip: bool = False                   # clip_grad_norm_ before the update
     accumulate: int = 1                  # micro-batches (engine steps) per update
     precision: str = "fp32"              # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
+    in_backward: bool = False            # each parameter's update in its grad hook (PyTorch's recipe)
     # The budget is 1/4 of the managed peak unless a case says why it cannot be (manage -> n).
     fraction: tuple[tuple[str, int], ...] = ()
 
@@ -167,6 +169,14 @@ CASES: dict[str, Case] = {
                             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                             pad_token_id=0, **_HF_SMALL),
         _tokens, _lm_loss, clip=True, accumulate=2, precision="bf16"),
+    # PyTorch's recipe for the optimizer step inside the backward (no clipping, no scaler, no
+    # accumulation: each gradient is applied as it is made).
+    "transformers-llama-update-in-backward": Case(
+        "transformers", _hf("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=2, hidden_size=64,
+                            intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+                            pad_token_id=0, **_HF_SMALL),
+        _tokens, _lm_loss, schedule=True, precision="bf16", in_backward=True),
 }
 
 
@@ -208,6 +218,8 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
                 if case.precision != "fp32" else contextlib.nullcontext())
     engine = (OutOfCore(model, opt, chunk=CHUNK, min_bytes=4096, **engine_kw)
               if engine_kw is not None else None)
+    if case.in_backward:   # after the engine, as a user adds it to a loop that has one
+        update_in_backward(model, opt)
     out: dict[str, Any] = {"loss": [], "scale": [], "lr": [], "planned": []}
     try:
         for micro in range(updates * case.accumulate):
@@ -222,7 +234,10 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
                 with autocast:
                     loss = case.loss(model, b) / case.accumulate
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-                if last:
+                if last and case.in_backward:
+                    if sched is not None:
+                        sched.step()
+                elif last:
                     if scaler is not None:
                         scaler.unscale_(opt)
                     if case.clip:
