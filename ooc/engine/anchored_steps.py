@@ -117,9 +117,9 @@ class AnchoredSteps:
             return None
         if not entry.kept and len(entry.trial) > len(entry.per_op):
             return None   # on trial: the per-op plan's turn
-        return AnchoredStep(entry.plan, entry.moved, entry.trace, budget=self.budget, min_bytes=self.min_bytes,
-                            tier=self.tier, pool=self.pool, model=self.model, new_key=self._ids.__next__,
-                            start_key=key)
+        return AnchoredStep(entry.plan, entry.moved, entry.trace, budget=self.budget,
+                            min_bytes=self.min_bytes, tier=self.tier, pool=self.pool, model=self.model,
+                            new_key=self._ids.__next__, start_key=key)
 
     def _judge_anchored(self, st: AnchoredStep, seconds: float) -> None:
         """After an anchored step that kept to its plan: its time, while on trial, if it did what

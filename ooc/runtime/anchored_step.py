@@ -13,8 +13,8 @@ to its plan (``HookTrace``): the k-th saved tensor of at least ``min_bytes``, it
 update starts. The step compares each save and unpack with the trace. The first that differs
 ends the plan: the rest of the step brings back what its nodes unpack synchronously, writes
 what it saves beyond the budget to the tier at once (as a diverged plain step does), and the
-engine records the next step and plans again. Recomputation needs the per-op path (a chain reruns the
-ops' own arguments), so only plans that swap have an anchored form.
+engine records the next step and plans again. Recomputation needs the per-op path (a chain
+reruns the ops' own arguments), so only plans that swap have an anchored form.
 """
 
 from __future__ import annotations

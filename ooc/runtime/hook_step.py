@@ -62,8 +62,6 @@ class HookStep:
     def update_done(self) -> None:
         self.updating = False
 
-    # -- after the plan: the saved tensors over the budget go to the tier ---------------------
-
     def _wait(self, name: str, fn: Callable[[Any], Any], arg: Any = None) -> Any:
         """``fn(arg)``, a wait the step's thread sits through: its time is stall, on the timeline."""
         t0 = time.perf_counter()
@@ -72,6 +70,8 @@ class HookStep:
         self.stall_s += t1 - t0
         self.events.append(("wait", name, t0, t1))
         return out
+
+    # -- after the plan: the saved tensors over the budget go to the tier ---------------------
 
     def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
         """Write a saved activation of a diverged step to the tier; autograd keeps only where."""
