@@ -31,9 +31,11 @@ def register(sub: Any) -> None:
                        epilog=SIZE_HELP)
     p.add_argument("--model", default="small_cnn", type=zoo_model, help="zoo model (default: small_cnn)")
     p.add_argument("--batch", type=positive_int, default=16, help="batch size (default: 16)")
-    p.add_argument("--steps", type=positive_int, default=6,
-                   help="training steps per run (default: 6; step time is the median after the "
-                        "first three, so give 6 or more)")
+    p.add_argument("--steps", type=positive_int, default=12,
+                   help="training steps per run (default: 12; step time is the median after the "
+                        "first four, or fewer warm-up steps when there are fewer than 8 steps; give 6 "
+                        "or more. On a CPU, steps 5-8 are also where a settled plan that swaps is "
+                        "tried anchored and per-op, two steps each)")
     p.add_argument("--budget", type=size, metavar="SIZE",
                    help="budget for managed tensors, e.g. 96MiB (default: 1/4 of their in-core peak)")
     p.add_argument("--fraction", type=positive_float,
