@@ -414,9 +414,10 @@ ANALYSIS = [
     "32x32 has ~15 M parameters, ~57 MiB each for weights, gradients and momentum).",
     "- Update in backward: PyTorch's recipe, each parameter's `optimizer.step()` in its "
     "post-accumulate-grad hook (`ooc.measure.update_in_backward`; bitwise as the step after the "
-    "backward for SGD). In core it frees each gradient once applied. Out of core the first "
-    "update is the step's commit point (every transfer in flight is waited for, so that none "
-    "can fail once parameters change), now in the middle of the backward.",
+    "backward for SGD). In core it frees each gradient once applied. Out of core the "
+    "optimizer's transfers meet the backward's compute instead of an optimizer phase with "
+    "none; its first update, the step's commit point, does not wait for the transfers in "
+    "flight (the rest of the backward's follow it anyway: GUARANTEES.md).",
 ]
 
 

@@ -26,7 +26,7 @@ from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plain_steps import PlainSteps
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
-from ooc.engine.step_end import StepEnd
+from ooc.engine.step_end import StepEnd, partial_update_error
 from ooc.engine.update_hooks import UpdateHooks
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
@@ -277,18 +277,13 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             self._stepper = None
+            committed = st.rollback.undo is None   # past the commit point: nothing to roll back
             try:
                 finish(st, exc, time.perf_counter() - t0)
             finally:   # an update that raised: a Ctrl-C it held is delivered now
                 self._interrupts.release()
-            if (st.updating and isinstance(exc, StorageError)
-                    and self.manage & {"params", "optimizer_state"}):
-                err = StorageError(
-                    f"{exc}. This happened during the optimizer step, which swaps managed parameters "
-                    "and state: parameters it had already updated keep their new values, the others "
-                    "their old ones. Restore model and optimizer from a checkpoint before training on")
-                err.errno = exc.errno
-                raise err from exc
+            if committed and isinstance(exc, StorageError):
+                raise partial_update_error(exc, during_step=st.updating) from exc
             raise
         self._stepper = None
         finish(st, None, time.perf_counter() - t0)

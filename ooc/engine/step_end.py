@@ -28,6 +28,21 @@ log = logging.getLogger(__name__)
 TIMELINE_STEPS = 32
 
 
+def partial_update_error(exc: StorageError, *, during_step: bool) -> StorageError:
+    """``exc``, a transfer that failed after the step's first update began, saying what that
+    left: some parameters updated, the others not (``during_step``: inside ``optimizer.step()``,
+    which swaps managed parameters and state; else between the updates of PyTorch's recipe of
+    the update inside the backward)."""
+    where = ("during the optimizer step, which swaps managed parameters and state" if during_step
+             else "after the step's first update, in a backward that updates each parameter as its "
+                  "gradient is ready")
+    err = StorageError(f"{exc}. This happened {where}: parameters already updated keep their new "
+                       "values, the others their old ones. Restore model and optimizer from a "
+                       "checkpoint before training on")
+    err.errno = exc.errno
+    return err
+
+
 class StepEnd:
     """``OutOfCore``'s end of a step (a mixin over the engine's persistent tensors, tier,
     pool, counters and timeline)."""

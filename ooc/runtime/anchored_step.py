@@ -200,13 +200,14 @@ class AnchoredStep(HookStep):
     def close_node(self) -> None:
         """Autograd releases what a node unpacked when it returns: nothing to close here."""
 
-    def wait_for_transfers(self) -> None:
+    def wait_for_transfers(self, drain: bool = True) -> None:
         """The commit point: the plan's actions up to the update run, then every transfer in
-        flight completes (a failed one raises, naming its variable). The slots keep their
-        states: the plan's own waits still find them in flight."""
+        flight completes (a failed one raises, naming its variable; ``drain=False``: only those
+        already failed). The slots keep their states: the plan's own waits still find them in
+        flight."""
         self._reach(self.trace.update)
         busy = sl.in_flight(self.slots.values())
-        if busy:
+        if busy and drain:
             self._wait("commit point", lambda _: self.tier.drain())
         sl.raise_failed(busy)
 

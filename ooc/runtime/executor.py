@@ -145,10 +145,10 @@ class PlanExecutor:
                 # through the optimizer step, outside the budget.
                 slot.storage.resize_(0)
 
-    def wait_for_transfers(self) -> None:
+    def wait_for_transfers(self, drain: bool = True) -> None:
         """The commit point's wait: every transfer in flight completes; a failed one raises
-        here, naming its variable."""
+        here, naming its variable. ``drain=False``: only those already failed raise."""
         busy = sl.in_flight(self.slots.values())
-        if busy:   # one wait for all of them (on a GPU, one host synchronization)
+        if busy and drain:   # one wait for all of them (on a GPU, one host synchronization)
             self._timed("wait", "commit point", self.ctx.tier.drain)
         sl.raise_failed(busy)

@@ -114,7 +114,7 @@ class PlainStep(HookStep):
     def close_node(self) -> None:
         """No backward node holds anything of the engine's: nothing to close."""
 
-    def wait_for_transfers(self) -> None:
+    def wait_for_transfers(self, drain: bool = True) -> None:
         """The commit point's wait: a plain step's writes are synchronous, none is in flight."""
 
     def update_starts(self) -> None:

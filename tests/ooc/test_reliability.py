@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import ooc
 from ooc.engine import OutOfCore
 from ooc.errors import OOCError, StorageError
+from ooc.measure import update_in_backward
 from ooc.storage import FileTier
 from ooc.storage.file_tier import _filesystem
 from ooc.storage.private_dir import PREFIX
@@ -414,6 +415,72 @@ def test_io_error_during_a_swapping_optimizer_step_is_raised_and_says_so(tmp_pat
     e.close()
     assert set(threading.enumerate()) <= baseline
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_io_error_after_the_first_update_inside_the_backward_is_raised_and_says_so(tmp_path):
+    """PyTorch's recipe of the update inside the backward applies a step one parameter at a
+    time: an I/O error once the first update has begun cannot be rolled back either. It is
+    raised in the training thread, says that some parameters were updated, and the engine
+    closes cleanly."""
+    baseline = set(threading.enumerate())
+    model, opt = fresh(kind="mlp")
+    faults = Faults()
+    e = faulty_engine(model, opt, faults, tmp_path, manage=ALL, kind="mlp")
+    update_in_backward(model, opt)
+
+    def step(k: int) -> None:
+        x, y = batch(k)
+        with e.step():
+            F.cross_entropy(model(x), y).backward()
+
+    for k in range(2):
+        step(k)
+    started = threading.Event()
+    opt.register_step_pre_hook(lambda *a: started.set())   # runs after the commit point
+    faults.fn = lambda op, key, off, n: _eio("pread")(op, key, off, n) if started.is_set() else None
+    with pytest.raises(StorageError) as err:
+        step(2)
+    message = str(err.value)   # inside an update's step(), or between two of them
+    assert ("during the optimizer step" in message or "after the step's first update" in message), message
+    assert "keep their new values" in message and "checkpoint" in message, message
+    faults.fn = None
+    del err
+    e.close()
+    assert set(threading.enumerate()) <= baseline
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_commit_point_inside_the_backward_does_not_wait_for_transfers(monkeypatch):
+    """With the update inside the backward, the transfers after the first update follow it
+    whatever the commit point waits for: it waits for none (only those already failed raise).
+    After the backward, as ``optimizer.step()`` is usually called, it drains them."""
+    from ooc.runtime.executor import PlanExecutor
+
+    calls: list[bool] = []
+    wait = PlanExecutor.wait_for_transfers
+
+    def spy(self, drain: bool = True) -> None:
+        calls.append(drain)
+        wait(self, drain)
+
+    monkeypatch.setattr(PlanExecutor, "wait_for_transfers", spy)
+    for inside in (False, True):
+        model, opt = fresh(kind="mlp")
+        e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, chunk=CHUNK,
+                      min_bytes=4096, manage=ALL)
+        if inside:
+            update_in_backward(model, opt)
+        calls.clear()
+        for k in range(3):
+            x, y = batch(k)
+            with e.step():
+                F.cross_entropy(model(x), y).backward()
+                if not inside:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        e.close()
+        assert calls and all(drain is not inside for drain in calls), (inside, calls)
 
 
 @pytest.mark.timeout(60)
