@@ -137,8 +137,7 @@ def _child(spec: dict[str, Any]) -> None:
     """The same build and step as ``ooc.measure``'s child, with a second peak reset."""
     import torch
 
-    import ooc
-    from ooc.measure import _reset_peak, _status, train_step, update_in_backward
+    from ooc.measure import _reset_peak, _status, engine_for, train_step
 
     c = spec["case"]
     case = Case(**{**c, "manage": tuple(c["manage"])})
@@ -149,15 +148,9 @@ def _child(spec: dict[str, Any]) -> None:
     rss_bare = _status()["VmRSS"]
     t0 = time.perf_counter()
     model, opt, x, y, loss_fn = build(case)
-    engine = None
-    if case.method == "ooc":
-        engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage, policy=case.policy,
-                               storage=case.storage, chunk=case.chunk, threads=case.threads, verify=verify,
-                               recompute=case.recompute)
-    elif case.method != "incore":
+    if case.method not in ("incore", "ooc"):
         raise ValueError(f"method {case.method!r}: the steady harness runs incore and ooc")
-    if case.update_in_backward:   # after the engine: its gradient hooks run first
-        update_in_backward(model, opt)
+    engine = engine_for(case, model, opt, verify=verify)
     build_s = time.perf_counter() - t0
     _reset_peak()
     rss_built = _status()["VmRSS"]

@@ -181,6 +181,22 @@ def update_in_backward(model, optimizer) -> None:
             p.register_post_accumulate_grad_hook(update)
 
 
+def engine_for(case: Case, model, optimizer, **extra: Any):
+    """The case's engine (None unless its method is ``ooc``; ``extra``: more ``OutOfCore``
+    options), and after it, when the case asks, the update inside the backward: its hooks
+    must run after the engine's own gradient hooks. Shared by every measuring child."""
+    import ooc
+
+    engine = None
+    if case.method == "ooc":
+        engine = ooc.OutOfCore(model, optimizer, budget=case.budget, manage=case.manage,
+                               storage=case.storage, chunk=case.chunk, threads=case.threads,
+                               policy=case.policy, recompute=case.recompute, **extra)
+    if case.update_in_backward:
+        update_in_backward(model, optimizer)
+    return engine
+
+
 def checkpoint_blocks(model, every: int = 1) -> int:
     """Wrap every ``every``-th block of a zoo model in ``torch.utils.checkpoint``.
 
@@ -242,19 +258,11 @@ def build(case: Case) -> tuple[Any, Any, Any, Any, Callable]:
 def _child(spec: dict[str, Any]) -> None:
     import torch
 
-    import ooc
-
     case = Case(**{**spec, "manage": tuple(spec["manage"])})
     model, opt, x, y, loss_fn = build(case)
     if case.method.startswith("checkpoint"):
         checkpoint_blocks(model, every=2 if case.method == "checkpoint2" else 1)
-    engine = None
-    if case.method == "ooc":
-        engine = ooc.OutOfCore(model, opt, budget=case.budget, manage=case.manage,
-                               storage=case.storage, chunk=case.chunk, threads=case.threads,
-                               policy=case.policy, recompute=case.recompute)
-    if case.update_in_backward:   # after the engine: its gradient hooks run first
-        update_in_backward(model, opt)
+    engine = engine_for(case, model, opt)
     before = _status()
     exact = _reset_peak()
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]

@@ -48,10 +48,10 @@ class AnchoredStep(HookStep):
     def __init__(self, schedule: Schedule, anchored: Schedule, trace: HookTrace, *, budget: int,
                  min_bytes: int, tier: SlowerTier, pool: DevicePool, model: torch.nn.Module,
                  new_key: Callable[[], int], start_key: Any = None) -> None:
-        super().__init__(model, tier, new_key)
+        super().__init__(model, budget, tier, new_key)
         self.schedule, self.start_key = schedule, start_key   # the engine's plan, for its bookkeeping
         self.anchored = anchored                              # the plan this step runs
-        self.trace, self.budget, self.min_bytes, self.pool = trace, budget, min_bytes, pool
+        self.trace, self.min_bytes, self.pool = trace, min_bytes, pool
         n = len(anchored.sequence.functions)
         self.variables = anchored.sequence.variables
         self.actions: list[tuple[int, Action]] = [(g, a) for g in range(n) for a in anchored.before[g]]
@@ -117,16 +117,12 @@ class AnchoredStep(HookStep):
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
 
-    def _after_plan(self, t: torch.Tensor, nbytes: int) -> Any:
-        """A save the plan does not know (the step left it): kept while the step's bytes stay
-        within the budget, else written to the tier at once."""
-        if _of_parameter(t) or t.is_meta:
-            return t
-        if self.resident + self.unbound + nbytes > self.budget:
-            return self._spill(t, nbytes)
+    def _held(self) -> int:
+        return self.resident + self.unbound
+
+    def _hold(self, nbytes: int) -> None:
         self.unbound += nbytes
         self.saved_bytes = max(self.saved_bytes, self.resident + self.unbound)
-        return t
 
     # -- the plan ----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import torch
 
 from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.rollback import StepRollback
+from ooc.runtime.saved_tensors import _of_parameter
 from ooc.storage.tier import SlowerTier
 from vmm.units import format_size
 
@@ -36,8 +37,9 @@ class HookStep:
     planned = True
     refused = None   # no per-op action runs, so the transition table refuses none here
 
-    def __init__(self, model: torch.nn.Module, tier: SlowerTier, new_key: Callable[[], int]) -> None:
-        self.tier, self.new_key = tier, new_key
+    def __init__(self, model: torch.nn.Module, budget: int, tier: SlowerTier,
+                 new_key: Callable[[], int]) -> None:
+        self.budget, self.tier, self.new_key = budget, tier, new_key
         self.spilled: list[int] = []   # tier keys of what the step spilled
         self.diverged_at: int | None = None
         self.why = ""
@@ -72,6 +74,24 @@ class HookStep:
         return out
 
     # -- after the plan: the saved tensors over the budget go to the tier ---------------------
+
+    def _after_plan(self, t: torch.Tensor, nbytes: int) -> Any:
+        """A save the plan does not know (the step left it): kept while the step's bytes stay
+        within the budget, else written to the tier at once. Parameters are not the budget's."""
+        if _of_parameter(t) or t.is_meta:
+            return t
+        if self._held() + nbytes > self.budget:
+            return self._spill(t, nbytes)
+        self._hold(nbytes)
+        return t
+
+    def _held(self) -> int:
+        """The bytes the step counts as held now (the budget's)."""
+        raise NotImplementedError
+
+    def _hold(self, nbytes: int) -> None:
+        """Count a save ``_after_plan`` kept."""
+        raise NotImplementedError
 
     def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
         """Write a saved activation of a diverged step to the tier; autograd keeps only where."""

@@ -27,7 +27,6 @@ from typing import Any, Callable
 import torch
 
 from ooc.runtime.hook_step import HookStep, Spilled
-from ooc.runtime.saved_tensors import _of_parameter
 from ooc.storage.tier import SlowerTier
 from scheduler.schedule import Schedule
 from vmm.units import format_size
@@ -60,10 +59,10 @@ class PlainStep(HookStep):
     def __init__(self, schedule: Schedule, signature: Signature, *, budget: int, min_bytes: int,
                  tier: SlowerTier, model: torch.nn.Module, new_key: Callable[[], int],
                  start_key: Any = None) -> None:
-        super().__init__(model, tier, new_key)
+        super().__init__(model, budget, tier, new_key)
         self.schedule, self.start_key = schedule, start_key
         self.signature = signature
-        self.budget, self.min_bytes = budget, min_bytes
+        self.min_bytes = min_bytes
         self.k = 0                 # saved tensors of at least min_bytes so far
         self.saved_bytes = 0       # their bytes (a saved storage counted at each save: an upper bound)
 
@@ -81,15 +80,16 @@ class PlainStep(HookStep):
                 return t
             self._diverge(k, f"saved tensor {k} has {nbytes} B, the plan's had "
                           f"{'none' if expected is None else f'{expected} B'}")
-        if _of_parameter(t) or t.is_meta:
-            return t
-        if self.saved_bytes + nbytes <= self.budget:
-            self.saved_bytes += nbytes
-            return t
-        return self._spill(t, nbytes)
+        return self._after_plan(t, nbytes)
 
     def unpack(self, p: Any) -> torch.Tensor:
         return self._read_spilled(p) if isinstance(p, Spilled) else p
+
+    def _held(self) -> int:
+        return self.saved_bytes
+
+    def _hold(self, nbytes: int) -> None:
+        self.saved_bytes += nbytes
 
     def _diverge(self, k: int, why: str) -> None:
         sig = self.signature

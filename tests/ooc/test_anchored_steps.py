@@ -37,9 +37,10 @@ def data(name: str, step: int, n: int):
     return models.example_batch(name, n, **CASES[name])
 
 
-def train(name, model, opt, engine, sizes, fail_at=None, ops=None):
+def train(name, model, opt, engine, sizes, fail_at=None, ops=None, in_backward=False):
     """One step per entry of ``sizes`` (the batch size). Returns the losses and, with an
-    engine, its stats after each step with the ops it intercepted (``ops`` counts them)."""
+    engine, its stats after each step with the ops it intercepted (``ops`` counts them).
+    ``in_backward``: the updates run inside the backward (``update_in_backward`` set them up)."""
     loss_fn = models.loss_fn(name)
     losses, stats = [], []
     for i, n in enumerate(sizes):
@@ -49,8 +50,9 @@ def train(name, model, opt, engine, sizes, fail_at=None, ops=None):
             if i != fail_at:
                 loss = loss_fn(model(x), y)
                 loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                if not in_backward:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
                 losses.append(loss.detach())
             continue
         before = len(ops) if ops is not None else 0
@@ -60,8 +62,9 @@ def train(name, model, opt, engine, sizes, fail_at=None, ops=None):
                 loss.backward()
                 if i == fail_at:
                     raise RuntimeError("the user's code failed")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                if not in_backward:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
         except RuntimeError as e:
             assert i == fail_at and "user's code" in str(e)
@@ -223,29 +226,14 @@ def test_an_update_the_plans_step_did_not_run_hands_the_state_back_to_the_per_op
 def test_updates_inside_the_backward_run_anchored_and_bitwise(counted_ops, opt) -> None:
     """The updates interleave with the backward's unpacks: the anchored form reaches its
     commit point at the first of them, and the rest of the backward's actions still run."""
-    sizes, loss_fn = [8] * 9, models.loss_fn("small_cnn")
-    runs = []
-    for fraction in (None, 0.4):
-        model, o = fresh("small_cnn", opt)
-        engine = engine_for("small_cnn", model, o, fraction, recompute=False) if fraction else None
+    sizes = [8] * 9
+    ref, ref_opt = fresh("small_cnn", opt)
+    update_in_backward(ref, ref_opt)
+    ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes, in_backward=True)
+    model, o = fresh("small_cnn", opt)
+    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
         update_in_backward(model, o)   # after the engine, as users add it
-        losses, stats = [], []
-        for i, n in enumerate(sizes):
-            x, y = data("small_cnn", i, n)
-            before = len(counted_ops)
-            if engine is None:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-            else:
-                with engine.step():
-                    loss = loss_fn(model(x), y)
-                    loss.backward()
-                stats.append(engine.stats() | {"ops seen": len(counted_ops) - before})
-            losses.append(loss.detach())
-        if engine is not None:
-            engine.close()
-        runs.append((model, losses, stats))
-    (ref, ref_losses, _), (model, losses, stats) = runs
+        losses, stats = train("small_cnn", model, o, engine, sizes, ops=counted_ops, in_backward=True)
     anchored = [s for s in stats if s["ops seen"] == 0]
     assert len(anchored) >= 3 and all(s["last_diverged_at"] == -1 for s in anchored), \
         [(s["ops seen"], s["last_diverged_at"]) for s in stats]
