@@ -257,17 +257,21 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
-        self._reconcile()
-        plain = self._plain_step(key) or self._anchored_step(key)
-        self._ran = getattr(plain, "anchored", None)   # stats' plan.* are the plan that ran
-        if plain is not None:   # no op is intercepted (plain_steps.py, anchored_steps.py)
-            st, finish = plain, self._finish_plain
-        else:
-            st = Stepper(self._step_context(key), self.schedule, self.binding,
-                         observe_small=self._adapt_pending)
-            finish = self._finish
-        if self.device.type == "cpu":   # plain steps too (CPU, activations only: uncapped)
+        if self.device.type == "cpu":   # plain steps too; before _reconcile: what it lets go of is recycled
             cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget, self.manage))
+        try:
+            self._reconcile()
+            plain = self._plain_step(key) or self._anchored_step(key)
+            self._ran = getattr(plain, "anchored", None)   # stats' plan.* are the plan that ran
+            if plain is not None:   # no op is intercepted (plain_steps.py, anchored_steps.py)
+                st, finish = plain, self._finish_plain
+            else:
+                st = Stepper(self._step_context(key), self.schedule, self.binding,
+                             observe_small=self._adapt_pending)
+                finish = self._finish
+        except BaseException:
+            cpu_allocator.end(self)
+            raise
         self._stepper = st
         try:
             with contextlib.ExitStack() as stack:

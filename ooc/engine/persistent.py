@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ooc.runtime import cpu_allocator
 from ooc.runtime import slots as sl
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
@@ -42,6 +43,7 @@ class PersistentTensors:
         self._canon: dict[tuple[Kind, str], int] = {}
         self._canon_name: dict[int, tuple[Kind, str]] = {}
         self._warned_released = False
+        self._claimed: set[int] = set()   # vars whose storage allocates through ooc's CPU allocator
 
     def new_var(self) -> int:
         return next(self._ids)
@@ -148,6 +150,7 @@ class PersistentTensors:
         """Bring persistent tensors to where the plan expects them at the start of a step;
         with no plan for this start (a step on demand), within the budget."""
         self._note_writes_between()
+        self._claim_storages()
         try:
             if self.schedule is None:
                 self._fit_persistent()
@@ -163,6 +166,16 @@ class PersistentTensors:
         except BaseException:
             self._settle(self.persistent.values())   # nothing changed yet: every slot consistent
             raise
+
+    def _claim_storages(self) -> None:
+        """On a CPU, have each persistent storage allocate through ooc's allocator when a
+        swap-in resizes it (``cpu_allocator.claim``): parameters built before the engine keep
+        PyTorch's default allocator, whose fresh pages the kernel zeroed at every swap-in."""
+        if self.device.type != "cpu":
+            return
+        for var, slot in self.persistent.items():
+            if var not in self._claimed and slot.storage is not None and cpu_allocator.claim(slot.storage):
+                self._claimed.add(var)
 
     def _fit_persistent(self) -> None:
         """Before a step on demand, move resident persistent tensors to the tier until the rest
