@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.runtime import cpu_allocator
 from ooc.runtime import slots as sl
+from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
 from scheduler.ir import Kind
@@ -170,11 +171,20 @@ class PersistentTensors:
     def _claim_storages(self) -> None:
         """On a CPU, have each persistent storage allocate through ooc's allocator when a
         swap-in resizes it (``cpu_allocator.claim``): parameters built before the engine keep
-        PyTorch's default allocator, whose fresh pages the kernel zeroed at every swap-in."""
+        PyTorch's default allocator, whose fresh pages the kernel zeroed at every swap-in. The
+        resident ones move their bytes there too, and glibc's heap is trimmed after each: a
+        parameter swapped out of the heap later would leave its pages resident until the step's
+        end (VGG16's recording step, update inside the backward, 1/3 of its peak: 150 -> 95 MiB
+        above the built model)."""
         if self.device.type != "cpu":
             return
         for var, slot in self.persistent.items():
-            if var not in self._claimed and slot.storage is not None and cpu_allocator.claim(slot.storage):
+            if var in self._claimed or slot.storage is None:
+                continue
+            got = cpu_allocator.claim(slot.storage, move=slot.state is State.RESIDENT)
+            if got == 2:
+                give_back_heap()
+            if got:
                 self._claimed.add(var)
 
     def _fit_persistent(self) -> None:

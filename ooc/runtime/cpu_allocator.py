@@ -158,7 +158,7 @@ def _loaded_locked() -> ctypes.CDLL | None:
             lib.ooc_cpu_allocator_lend.restype = ctypes.c_void_p
             lib.ooc_cpu_allocator_lend.argtypes = [ctypes.c_size_t]
             lib.ooc_cpu_allocator_adopt.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            lib.ooc_cpu_allocator_claim.argtypes = [ctypes.c_void_p]
+            lib.ooc_cpu_allocator_claim.argtypes = [ctypes.c_void_p, ctypes.c_int]
             _lib = lib
         except (_Unavailable, OSError) as e:
             _reason = str(e)
@@ -225,15 +225,18 @@ def adopt(address: int, nbytes: int) -> bool:
     return lending() and bool(_lib.ooc_cpu_allocator_adopt(address, nbytes))
 
 
-def claim(storage: torch.UntypedStorage) -> bool:
+def claim(storage: torch.UntypedStorage, move: bool = False) -> int:
     """Have a CPU storage made by PyTorch's default allocator (parameters built before the
     engine) allocate through this one when it is resized, as a swap-in does: otherwise its
-    pages come fresh from glibc at every swap-in, beside the cache and unseen by it. True if it
-    allocates here now; False when the allocator is not installed, or for a storage of another
-    kind (another device, a file-backed or custom allocator), which is left as it was."""
+    pages come fresh from glibc at every swap-in, beside the cache and unseen by it. ``move``:
+    copy the bytes it holds now into a block of this allocator too (their old block is freed
+    at once; the caller trims glibc's heap, where a later swap-out would leave them resident).
+    0 when the allocator is not installed, or for a storage of another kind (another device, a
+    file-backed or custom allocator), which is left as it was; 1 if it allocates here now; 2
+    if its bytes were moved."""
     if not lending():
-        return False
-    return bool(_lib.ooc_cpu_allocator_claim(storage._cdata))
+        return 0
+    return int(_lib.ooc_cpu_allocator_claim(storage._cdata, int(move)))
 
 
 def lending() -> bool:
