@@ -17,7 +17,7 @@ state; SGD with momentum), each in a fresh process:
 - ``window``: the window scheduler at the on-demand plan's own peak (same memory as
   on-demand, with prefetch) and at 1/2, 1/3 and 1/4 of the managed in-core peak;
 - ``update in backward``: PyTorch's recipe of each parameter's update in its
-  post-accumulate-grad hook (``ooc.measure.update_in_backward``), in core and at 1/2, 1/3, 1/4
+  post-accumulate-grad hook (``ooc.measure.update_in_backward``), in core and at 1/2, 3/8, 1/3, 1/4
   (no gradient waits for the others, and the optimizer's transfers meet the backward's compute).
 
 Memory is measured by the kernel (VmHWM), in steady state: the peak is reset once the three
@@ -284,10 +284,11 @@ def main() -> None:
                     rows.append(Row("no swap, update in backward",
                                     replace(base, update_in_backward=True,
                                             params_out=str(Path(tmp) / "incore-ib.pt"))))
-                    for div in (() if args.quick else (2, 3, 4)):
-                        rows.append(Row(f"window 1/{div} ({format_size(peak // div)}), update in backward",
-                                        replace(ooc_case, budget=peak // div, update_in_backward=True,
-                                                params_out=str(Path(tmp) / f"w{div}-ib.pt"))))
+                    for num, den in (() if args.quick else ((1, 2), (3, 8), (1, 3), (1, 4))):
+                        budget = peak * num // den
+                        rows.append(Row(f"window {num}/{den} ({format_size(budget)}), update in backward",
+                                        replace(ooc_case, budget=budget, update_in_backward=True,
+                                                params_out=str(Path(tmp) / f"w{num}-{den}-ib.pt"))))
                     order.extend(rows[2:])
             inc = done.get(rows[0].label)
             if inc is not None:

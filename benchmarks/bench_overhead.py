@@ -369,8 +369,8 @@ ANALYSIS = [
     "walks the model's parameters and optimizer state twice.",
     "- The rest is memory: 'large blocks faulted in/step' counts allocations of 1 MiB or more "
     "that ooc's CPU allocator could not serve from its cache, whose pages the kernel maps and "
-    "zeroes again (about 1 GB/s here). The cache is capped at half the budget (at most "
-    "256 MiB; GUARANTEES.md), so a small budget caches little: at 32 px and a 7 MiB budget "
+    "zeroes again (about 1 GB/s here). The cache was capped at half the budget then (at most "
+    "256 MiB; the cap is gone since 2026-11-25), so a small budget cached little: at 32 px and a 7 MiB budget "
     "the weight gradients (47 MB, allocated anew each step) are faulted in every step, "
     "while in core glibc's heap keeps them. Measured apart on a quiet machine (one process "
     "per case, 2 threads, 32 px): in-core 131 ms, ooc 181 ms, ooc with the cap raised to "

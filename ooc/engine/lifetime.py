@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any
 
-from ooc.runtime.cpu_allocator import NO_CAP
 from ooc.runtime.process_effects import ProcessEffects
 
 
@@ -65,29 +64,18 @@ def recycle_bytes(budget: int) -> int:
     """The CPU allocator's floor: bytes of freed blocks it may keep even above the step's live
     peak (an eighth of the budget, 32-64 MiB). Above the live peak they would count in the
     process's memory, outside the budget: a fixed 256 MiB cache cost a 2 GiB-budget GPT
-    +270 MiB of training memory."""
+    +270 MiB of training memory.
+
+    Beyond the live-peak bound, the cache has no cap, whatever is managed. With parameters,
+    gradients or optimizer state managed it was capped at half the budget (at most 256 MiB)
+    until 2026-11-25: parameters built before the engine then re-allocated through glibc at
+    each swap-in, memory the live-peak bound could not see, and without the cap the cache came
+    on top of it (+20-30 MiB steady peak on VGG16 at 1/2 and 1/4 of its peak, +370 MiB on a
+    2 GiB-budget GPT of depth 24). Since the engine moves those parameters into this
+    allocator (``cpu_allocator.claim``), the cap only made the kernel zero pages again each
+    step: VGG16 (update inside the backward) at 0.35 of its peak 1.27x -> 1.22x in-core at the
+    same rise (105 -> 106 MiB), at 1/4 1.33x -> 1.27x; the GPT of depth 24 at 2 GiB 10.3 ->
+    7.9 s a step at the same training memory (2,156 -> 2,158 MiB). With activations alone
+    managed it was lifted earlier: the cap re-faulted ResNet-18's weight gradients every step
+    (+20%), GPT 6x256 at 1/4 ran 1.41x -> 1.15x in-core once lifted, at the same rise."""
     return min(max(budget // 8, 32 << 20), 64 << 20)
-
-
-def cache_cap(budget: int, manage: Collection[str]) -> int:
-    """The most the CPU allocator may keep cached in a step that runs a plan.
-
-    With parameters, gradients or optimizer state managed, half the budget, at most 256 MiB:
-    the budget then stands for the training memory, and within the live-peak bound alone what
-    the cache held at moments when PyTorch's other memory peaked still added up: +20-30 MiB
-    steady peak on VGG16 at 1/2 and 1/4 of its peak (+11-24 MiB re-measured on 2026-11-25),
-    +370 MiB on a 2 GiB-budget GPT of depth 24 (caps of 1/2 and 1/4 of the budget brought VGG16
-    back to the old allocator's peak).
-
-    With activations alone managed (plain steps included), no cap beyond the live-peak bound:
-    the weights, their gradients and state and the unmanaged temporaries are in-core training's
-    own, which glibc would cache the same way, and the cap only made the kernel zero them again
-    each step. ResNet-18 at 32 px and a small budget re-faulted its weight gradients every
-    step (+20%, plain steps). GPT 6x256 batch 8 at 1/4 of its activations' peak: its 64 MiB
-    vocabulary-sized blocks never fit the 54 MiB cap, and page zeroing took ~10% of both cores
-    (perf); lifted, 1.41x -> 1.15x in-core at the same rise (368 -> 367 MiB, 3 fresh-process rounds). ResNet-50 batch 8
-    at 1/4: 1.38x -> 1.33x, rise 509 -> 506 MiB; small CNN at 1/4 and 1/8: rise 211 -> 188 and
-    177 -> 175 MiB, time within noise."""
-    if set(manage) <= {"activations"}:
-        return NO_CAP
-    return min(budget // 2, 256 << 20)

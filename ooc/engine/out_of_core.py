@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import scheduler
 from ooc.engine.anchored_steps import AnchoredSteps
-from ooc.engine.lifetime import Held, cache_cap, close_pool, collected, recycle_bytes, weakly
+from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.persistent import PersistentTensors
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plain_steps import PlainSteps
@@ -258,7 +258,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         if self.device.type == "cpu":   # plain steps too; before _reconcile: what it lets go of is recycled
-            cpu_allocator.begin(self, recycle_bytes(self.budget), cache_cap(self.budget, self.manage))
+            cpu_allocator.begin(self, recycle_bytes(self.budget))
         try:
             self._reconcile()
             plain = self._plain_step(key) or self._anchored_step(key)

@@ -22,11 +22,9 @@ page faults per step (1.42 -> 1.22-1.26 s a step once shared, rise 505 -> 497 Mi
 is bounded by the step's own live peak (:func:`external` adds the pool's bytes): idle memory
 may fill what separates the live bytes (live blocks + the pool's used bytes) from their peak in
 this step or the one before (or a small floor). Before mapping anything new the cache drops its
-oldest blocks, so it never makes the process larger than its tensors already did. The cache
-never holds more than a cap (the engine's,
-``ooc.engine.lifetime.cache_cap``: half the budget, at most 256 MiB, where parameters,
-gradients or optimizer state are managed, because PyTorch's other memory peaks at its own
-moments; none beyond the bound with activations alone managed, and in a plain step).
+oldest blocks, so it never makes the process larger than its tensors already did. A cap
+(``begin``'s ``cap_bytes``) can bound it further; the engine sets none
+(``ooc.engine.lifetime.recycle_bytes`` says why).
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
 transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's

@@ -693,6 +693,9 @@ _SIGINT_CHILD = textwrap.dedent("""
                                   state_of)
 
     storage, where = sys.argv[1], sys.argv[2]
+    # Python leaves SIGINT ignored if it started ignored (a job run with & by a shell):
+    # this child needs Ctrl-C's KeyboardInterrupt whatever it inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     baseline = set(threading.enumerate())
     model, opt = fresh()
     faults = Faults()
