@@ -174,7 +174,7 @@ class PersistentTensors:
         PyTorch's default allocator, whose fresh pages the kernel zeroed at every swap-in. The
         resident ones move their bytes there too, and glibc's heap is trimmed after each: a
         parameter swapped out of the heap later would leave its pages resident until the step's
-        end (VGG16's recording step, update inside the backward, 1/3 of its peak: 150 -> 95 MiB
+        end (VGG16's recording step, update inside the backward, 1/3 of its peak: 150 -> 99 MiB
         above the built model)."""
         if self.device.type != "cpu":
             return

@@ -392,7 +392,8 @@ void* ooc_cpu_allocator_lend(size_t n) {
   // the several mappings a gathered block is made of.
   c.misses++;
   bound_idle_locked(n);
-  Addr p = map_aligned(n);   // nullptr: the pool maps its own and reports the error if that fails too
+  // nullptr: the pool maps its own and reports the error if that fails too
+  Addr p = map_aligned(n);
   if (p != nullptr) {
     c.fresh += n;
   }
@@ -416,7 +417,8 @@ int ooc_cpu_allocator_claim(void* impl, int move) {
     return 0;
   }
   if (s->allocator() != &instance) {
-    if (!s->resizable() || (s->allocator() != previous && s->allocator() != c10::GetDefaultCPUAllocator())) {
+    bool pytorchs = s->allocator() == previous || s->allocator() == c10::GetDefaultCPUAllocator();
+    if (!s->resizable() || !pytorchs) {
       return 0;
     }
     s->set_allocator(&instance);
@@ -448,8 +450,8 @@ void ooc_cpu_allocator_release() {
 }
 
 // cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live, external,
-// idle_external, the bound's peak, fresh, gathered: the first `n` of them into out[0..n) (the caller says how
-// many it has room for).
+// idle_external, the bound's peak, fresh, gathered: the first `n` of them into out[0..n)
+// (the caller says how many it has room for).
 void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   std::lock_guard<std::mutex> g(mu);
   const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,

@@ -13,8 +13,8 @@ are already there; a request no cached block holds gathers the pages of smaller 
 PyTorch resizes a storage through the allocator it was made with, so the engine hands the
 parameters built before it to this one (:func:`claim`): each of their swap-ins asked glibc for
 fresh pages otherwise (VGG16 at 1/4 of its peak, all kinds managed: ~19,000 page faults and
-0.66-0.73 s a step, 1,500 and 0.55-0.57 s once claimed). ooc's device pool takes the pages of its chunks from the same cache and
-gives them back to it (:func:`lend`, :func:`adopt`; the chunks are anonymous memory moved with
+0.66-0.73 s a step, 1,500 and 0.55-0.57 s once claimed). ooc's device pool takes the pages of
+its chunks from the same cache and gives them back to it (:func:`lend`, :func:`adopt`; the chunks are anonymous memory moved with
 ``mremap``, ``vmm.anon_host``): with the pool's pages in a file of their own, a swap-in could
 not land on a freed activation's pages nor an activation on a swapped-in tensor's, and on this
 project's VM that churn cost ResNet-50 batch 8 at 1/4 of its peak ~70 fresh blocks and ~44k
