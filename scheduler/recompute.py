@@ -34,6 +34,13 @@ leaves no stall (bench_cpu: 0.002 s per step), and on ResNet-50 batch 8 at 1/4 t
 gained nothing measurable (median +0.02x in-core over 12 paired fresh-process rounds).
 A sequence in which no function is replayable (every trace before recomputation) gets the
 swap-only plan at the default window, unchanged.
+
+Last, the winner (or, with nothing to replay or ``mode="never"``, the swap-only plan) is made
+once more with its waits for swap-outs placed by time (``scheduler.release``: a victim's bytes
+come back as soon as its copy should be done, not at the overflow point, so a prefetch can use
+them), and that plan is kept where ``simulate`` predicts it faster. It moves the same bytes.
+Only when there is hardware to price on: ``plan(seq, budget)`` with no ``hardware`` option and
+nothing to replay still gives the plan of old.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from scheduler.errors import BudgetTooSmall, ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.ir import VariableSequence
 from scheduler.pins import Pins, pinned_rule
+from scheduler.release import Release, timed_release
 from scheduler.replay import Chain, chain_for, chain_through, recompute_candidates
 from scheduler.schedule import Schedule
 from scheduler.simulate import simulate
@@ -110,10 +118,17 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     every victim that has a chain is recomputed (if that plan does not fit, as ``"auto"``:
     recomputing every one can hold more chain inputs than the budget allows where recomputing
     some fits); ``"never"``: the swap-only plan. ``pins`` (``scheduler.pins``) apply to every
-    plan tried (a swap-only plan follows only ``keep``)."""
+    plan tried (a swap-only plan follows only ``keep``). The plan returned is the winner or
+    the same plan with its waits placed by time (``scheduler.release``), whichever ``simulate``
+    predicts faster; with ``mode="never"`` or nothing to replay, that choice is made only when
+    ``hw`` is given."""
     swap_only = plan_window(seq, budget, window, None, pins.swap_only())
     if mode == "never" or not recompute_candidates(seq):
-        return swap_only     # nothing may be replayed: today's plan, byte for byte
+        if hw is None:
+            return swap_only     # nothing may be replayed nor priced: the plan of old, byte for byte
+        hw = hardware(hw)
+        return _sooner(seq, swap_only, simulate(swap_only, hw, timeline=False).total_s, hw,
+                       lambda release: plan_window(seq, budget, window, None, pins.swap_only(), release))
     if mode == "prefer":
         try:
             candidate = plan_window(seq, budget, window, pinned_rule(seq, pins, lambda v, at: chain_for(seq, v, at)),
@@ -128,7 +143,7 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
         return INF if candidate is None else simulate(candidate, hw, timeline=False).total_s
 
     tried = []   # (predicted seconds, exposure, through), in the order tried
-    best, best_s = None, INF
+    best, best_s, best_how = None, INF, (window, None, False)
     for exposure, through in [(None, False)] + [(e, t) for e in EXPOSURES for t in (False, True)]:
         baseline = exposure is None and not (pins.prefer or pins.must)
         candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through)
@@ -136,7 +151,7 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
         log.debug("exposure %s, through %s -> %.6f s", exposure, through, t)
         tried.append((t, exposure, through))
         if t < best_s:
-            best, best_s = candidate, t
+            best, best_s, best_how = candidate, t, (window, exposure, through)
     assert best is not None   # the baseline always fits: swap-only did
     if window is None and not hw.moved_byte_s:   # the module docstring says why only there
         wide = WIDE_WINDOW * default_window(budget)
@@ -145,27 +160,40 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             t = predicted(candidate)
             log.debug("wide window, exposure %s, through %s -> %.6f s", exposure, through, t)
             if t < best_s:
-                best, best_s = candidate, t
-    return best
+                best, best_s, best_how = candidate, t, (wide, exposure, through)
+    at_window, exposure, through = best_how
+    return _sooner(seq, best, best_s, hw,
+                   lambda release: _candidate(seq, budget, at_window, pins, hw, exposure, through, release))
+
+
+def _sooner(seq: VariableSequence, best: Schedule, best_s: float, hw: Hardware,
+            make: Callable[[Release], Schedule | None]) -> Schedule:
+    """``best``, or the same plan made with its waits for swap-outs placed by time
+    (``scheduler.release``) where ``simulate`` predicts that faster."""
+    early = make(timed_release(seq, hw))
+    t = INF if early is None else simulate(early, hw, timeline=False).total_s
+    log.debug("waits placed by time -> %.6f s (else %.6f s)", t, best_s)
+    return early if t < best_s else best
 
 
 def _candidate(seq: VariableSequence, budget: int, window: int, pins: Pins, hw: Hardware,
-               exposure: float | None, through: bool) -> Schedule | None:
+               exposure: float | None, through: bool, release: Release | None = None) -> Schedule | None:
     """One plan of the default planner, or None where it does not fit. ``exposure`` None: the
     baseline, which follows the user's recompute pins where they fit and is the swap-only
     plan otherwise."""
     if exposure is None:
         if pins.prefer or pins.must:   # the user's recompute pins bind every plan tried
             try:
-                pinned = plan_window(seq, budget, window, pinned_rule(seq, pins), pins)
+                pinned = plan_window(seq, budget, window, pinned_rule(seq, pins), pins, release)
                 check(pinned)
                 return pinned
             except (Infeasible, BudgetTooSmall) as err:
                 log.info("the recompute pins do not fit this budget; swapping those tensors: %s", err)
-        return plan_window(seq, budget, window, None, pins.swap_only())
+        return plan_window(seq, budget, window, None, pins.swap_only(), release)
     try:
         candidate = plan_window(seq, budget, window,
-                                pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, through)), pins)
+                                pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, through)), pins,
+                                release)
         check(candidate)
         return candidate
     except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does

@@ -13,25 +13,20 @@ The paper's loop, per function f_i, has four steps, and the code below is writte
 (d) **skip redundant transfers**: no swap-out for a variable that is never used again (free
     it) or that is already scheduled back in within the window (keep it resident).
 
-Two policies live here:
-
-``"window-paper"`` (:func:`plan_window_paper`) is the paper's algorithm as nnabla implements
-it: every variable is swapped out after the use that is its last one inside the window; the
-step starts and ends with every variable in the slower tier; default window 1.5 x budget.
-
 ``"window"`` (:func:`plan_window`, the default policy) moves only what the budget forces
 out. It replays the step keeping every variable resident, and only when the next function
 would overflow the budget does it choose victims, Belady-style: the resident variables whose
 next use is farthest away (in training, the activations saved first in the forward, which
 the backward needs last). A victim's swap-out is placed right after its last use, where (c)
 would have put it, so it overlaps the functions in between; its memory comes back at the
-overflow point, step (b). Victims with a current host copy are dropped, with no transfer, and
+overflow point, step (b), or sooner where a release rule says the copy is done
+(``scheduler.release``). Victims with a current host copy are dropped, with no transfer, and
 variables that start resident and are evicted before their first use simply start in the
 slower tier, step (d). Then step (a) prefetches each swap-in as early as both the window and
 the budget allow. With a budget of at least ``in_core_peak_bytes`` it moves nothing.
-
-The paper's planner is ``scheduler.window_paper``, their helpers ``scheduler.working_sets``;
-both raise ``BudgetTooSmall`` when one function's working set alone exceeds the budget, and
+The paper's algorithm as nnabla implements it (policy ``"window-paper"``) is
+``scheduler.window_paper``, their helpers ``scheduler.working_sets``; both raise
+``BudgetTooSmall`` when one function's working set alone exceeds the budget, and
 ``scheduler.planner.plan`` validates arguments and proves every schedule with ``check``.
 """
 
@@ -56,9 +51,8 @@ __all__ = ["plan_window", "plan_window_paper", "default_window", "require_workin
 log = logging.getLogger(__name__)
 
 
-# Residency while planning (phase 1 decides where transfers go after the fact, so it keeps
-# its own states; ``plan`` replays the emitted schedule through ``scheduler.actions`` in
-# ``check`` before returning it).
+# Residency while planning: phase 1 keeps its own states (``plan`` replays the emitted
+# schedule through ``scheduler.actions`` in ``check`` before returning it).
 _ABSENT, _RESIDENT, _HOST, _GONE = range(4)   # _GONE: discarded, to be recomputed
 Recompute = Callable[..., "Chain | None"]   # rule(v, at[, absent]): the chain, or None to swap
 
@@ -69,7 +63,8 @@ Recompute = Callable[..., "Chain | None"]   # rule(v, at[, absent]): the chain, 
 
 
 def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
-                recompute: "Recompute | None" = None, pins: Pins = Pins()) -> Schedule:
+                recompute: "Recompute | None" = None, pins: Pins = Pins(),
+                release: "Callable[[int, int, int], int] | None" = None) -> Schedule:
     """The default policy: the window scheduler moving only what the budget forces out.
 
     Starts with every ``live_in`` variable that the step needs resident, replays the step,
@@ -85,7 +80,8 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     whether input x is discarded then (``scheduler.replay.chain_through``). Without it, or when it always says None, the
     plan is the swap-only plan. ``pins`` (``scheduler.pins``): ``keep`` is never evicted,
     ``must`` is discarded after each use not followed at once by the next (``recompute``
-    must give its chain, as ``pinned_rule`` does).
+    must give its chain, as ``pinned_rule`` does). ``release(v, last, at)``: where in
+    ``last + 1 .. at`` a victim's wait_out goes (``scheduler.release``); without it, ``at``.
     """
     if window is None:
         window = default_window(budget)
@@ -107,7 +103,7 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
         if resident_at_start in tried:
             break
         tried.add(resident_at_start)
-        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute, pins)
+        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute, pins, release)
         planner.decide()
         log.debug("window: start with %d resident -> %d B moved", len(resident_at_start), planner.moved)
         if best is None or planner.moved < best.moved:
@@ -128,8 +124,10 @@ class _BudgetWindow:
     """
 
     def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
-                 recompute: "Recompute | None" = None, pins: Pins = Pins()) -> None:
+                 recompute: "Recompute | None" = None, pins: Pins = Pins(),
+                 release: "Callable[[int, int, int], int] | None" = None) -> None:
         self.recompute = recompute
+        self.release = release
         self.pins = pins
         self.prep = prep
         self.seq = prep.seq
@@ -225,11 +223,13 @@ class _BudgetWindow:
                     excess -= nb
                     continue
                 else:
-                    # (c) swap out right after its last use, so the copy overlaps the
-                    # functions in between; (b) its memory comes back here, at wait_out.
+                    # (c) out right after its last use, overlapping the functions between;
+                    # (b) its bytes come back at wait_out: here, or sooner by the release rule.
                     after[anchor[v]].append(Action(Op.SWAP_OUT, v))
-                    waits[i].append(v)
-                    ready[v] = i
+                    back = i if self.release is None else self.release(v, anchor[v], i)
+                    waits[back].append(v)
+                    ready[v] = back
+                    during[back:i] = [d - nb for d in during[back:i]]
                     self.moved += nb
                 state[v] = _HOST
                 mem -= nb
