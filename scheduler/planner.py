@@ -35,8 +35,10 @@ replayed it (``plan`` raises instead of returning an unsafe schedule). When no s
 the policy fits, ``BudgetTooSmall`` names the function and reports ``minimum``, a budget at
 which the same call succeeds. Cost: linear in uses for the window planners (plus a
 window-bounded prefetch search); policy "window" with recomputation plans, checks and
-simulates up to 12 candidates (``scheduler.recompute``): 0.3 s for ResNet-50 at batch 1440
-(1,379 functions), 10.6 s for a 192-layer GPT-2 (54,035 functions; results/plan.md).
+simulates up to 13 candidates (``scheduler.recompute``; the last is the winner again with its
+waits placed by time, ``scheduler.release``): 0.3 s for ResNet-50 at batch 1440 (1,379
+functions; 0.4 s with that last one, on a slower host), 10.6 s for a 192-layer GPT-2 (54,035
+functions; results/plan.md, before the last one).
 """
 
 from __future__ import annotations
