@@ -11,6 +11,7 @@ the step is not rolled back, and a Ctrl-C is held until the update is whole. The
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -30,11 +31,13 @@ class UpdateHooks:
     """``OutOfCore``'s optimizer hooks (a mixin). Its state (``_init_update``):
     ``_optimizer_stepped``, whether the optimizer's state exists (its size is known); before
     it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
-    on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable)."""
+    on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable);
+    ``_reserved_for``, a weak reference to the step whose writes were last reserved."""
 
     def _init_update(self) -> None:
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
+        self._reserved_for: weakref.ref | None = None
         self._interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
     def optimizer_step(self) -> None:
@@ -114,7 +117,12 @@ class UpdateHooks:
         raises only those already failed; one that fails later raises where it is met.
         """
         st.wait_for_transfers(drain=not _inside_backward())
+        if st.planned and self._reserved_for is not None and self._reserved_for() is st:
+            # A later update of the recipe's step: its first one reserved every write the
+            # plan's step makes (listing them at each of VGG16's 28 updates cost ~6 ms a step).
+            return
         self.tier.reserve(self._writes_ahead(st))
+        self._reserved_for = weakref.ref(st)
 
     def _writes_ahead(self, st: Stepper) -> list[tuple[int | None, int]]:
         """(tier key, or None for a new one; bytes) of each managed tensor the optimizer step

@@ -483,6 +483,38 @@ def test_the_commit_point_inside_the_backward_does_not_wait_for_transfers(monkey
         assert calls and all(drain is not inside for drain in calls), (inside, calls)
 
 
+def test_a_planned_step_reserves_its_writes_at_its_first_update_only(monkeypatch):
+    """With the update inside the backward, ``optimizer.step()`` runs once per parameter and
+    each call is a commit point; a planned step reserves the tier's room for all its writes at
+    the first one (each later call still raises the transfers that failed), a step without a
+    plan at every one (the optimizer's state may be born in between)."""
+    from ooc.storage.file_tier import FileTier
+
+    reserves: list[int] = []
+    reserve = FileTier.reserve
+
+    def spy(self, writes) -> None:
+        reserves.append(len(writes))
+        reserve(self, writes)
+
+    monkeypatch.setattr(FileTier, "reserve", spy)
+    model, opt = fresh(kind="mlp")
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, chunk=CHUNK,
+                  min_bytes=4096, manage=ALL)
+    update_in_backward(model, opt)
+    updates = sum(p.requires_grad for p in model.parameters())
+    per_step = []
+    for k in range(4):
+        x, y = batch(k)
+        reserves.clear()
+        with e.step():
+            F.cross_entropy(model(x), y).backward()
+        per_step.append((e.stats()["last_planned"], len(reserves)))
+    e.close()
+    assert updates > 1 and per_step[-1] == (1, 1), per_step
+    assert all(n == updates for planned, n in per_step if not planned), per_step
+
+
 @pytest.mark.timeout(60)
 def test_corrupted_swap_bytes_are_detected_and_named(tmp_path):
     """verify=True: one byte flipped in the swap file between swap-out and swap-in raises
