@@ -6,16 +6,16 @@ copy has the most compute to hide behind. But until that wait the planner counts
 bytes as held, and step (a) cannot issue a swap-in into them. On VGG16 at 3/8 of its peak, with
 every kind managed, the first layers' activations left in the first 40 ms of the forward, their
 writes were done by 41 ms, and the deep layers' weights (9 MiB each), which needed that room,
-were read only at their own use at 125-170 ms: four stalls of 5-9 ms, and three more at the end
-of the backward for the same reason (wait 0.063 s of a 0.59 s step).
+were read only at their own use at 125-170 ms: three stalls of 5-9 ms, and three more at the
+end of the backward for the same reason (wait 0.063 s of a 0.59 s step).
 
 A release rule gives the wait an earlier place: the first function that starts once the copy,
 issued after the victim's last use, has had its transfer time on the hardware (op seconds as
 measured, else the roofline). The copy is then done (no stall) and its bytes can take a
-prefetch. The rule only moves waits earlier, between the victim's last use and its next one,
-so every plan stays within the budget and moves the same bytes; whether it is faster depends
-on the link's queue, which the rule ignores, so ``scheduler.recompute`` keeps it only where
-``scheduler.simulate`` predicts a faster step.
+prefetch. The rule only moves waits earlier, between the victim's last use and the overflow
+point, so every plan stays within the budget and moves the same bytes; whether it is faster
+depends on the link's queue, which the rule ignores, so ``scheduler.recompute`` keeps it only
+where ``scheduler.simulate`` predicts a faster step.
 """
 
 from __future__ import annotations
