@@ -37,6 +37,7 @@ import heapq
 import logging
 from typing import Callable
 
+from scheduler.assembly import assemble_window
 from scheduler.ir import VariableSequence
 from scheduler.pins import Pins
 from scheduler.replay import Chain
@@ -331,30 +332,11 @@ class _BudgetWindow:
         self.waits, self.demand, self.demand_ready, self.after, self.during = waits, demand, demand_ready, after, during
 
     def schedule(self) -> Schedule:
-        """Phase 2, step (a): prefetch through the window, then assemble the action lists."""
-        n = len(self.seq.functions)
-        waits, demand, after = self.waits, self.demand, self.after
+        """Phase 2: step (a), prefetch through the window, then the action lists."""
         prefetch = prefetch_through_window(self.seq, self.budget, self.window, self.working_sets,
-                                           self.during, demand, self.demand_ready, self.prep.nbytes)
-
-        # Assemble: before f_i, (b) wait for swap-outs, then swap-ins (demanded, then
-        # prefetched for later functions), then wait_in for f_i's own.
-        before_out: list[tuple[Action, ...]] = []
-        for i in range(n):
-            acts = [Action(Op.WAIT_OUT, v) for v in waits[i]]
-            acts += [Action(Op.SWAP_IN, v) for v, hoisted in demand[i] if not hoisted]
-            acts += [Action(Op.SWAP_IN, v) for v in prefetch[i]]
-            acts += [Action(Op.WAIT_IN, v) for v, _ in demand[i]]
-            acts += [Action(Op.RECOMPUTE, c.var, c.functions) for c in self.regen[i]]
-            before_out.append(tuple(acts))
-        end = [Action(Op.WAIT_OUT, v) for v in waits[n]]
-        end += [Action(Op.SWAP_IN, v) for v, hoisted in demand[n] if not hoisted]
-        end += [Action(Op.WAIT_IN, v) for v, _ in demand[n]]
-        after[n - 1].extend(end)
-        return Schedule(
-            sequence=self.seq, budget=self.budget, policy="window", window=self.window,
-            before=tuple(before_out), after=tuple(map(tuple, after)),
-            initial_resident=self.start_set)
+                                           self.during, self.demand, self.demand_ready, self.prep.nbytes)
+        return assemble_window(self.seq, self.budget, self.window, self.waits, self.demand, prefetch,
+                               self.regen, self.after, self.start_set)
 
     def _recompute_instead(self, v: int, nxt: float, state: dict[int, int],
                            pinned: dict[int, int]) -> Chain | None:
