@@ -22,7 +22,7 @@
 // Idle memory is the cache plus the pool's idle chunks (they exist but hold no tensor; the
 // engine releases them as it frees ranges, so there are few); it may fill what separates the
 // live bytes (live blocks + the pool's used bytes) from their peak in this step or the one
-// before, or `floor`, whichever is more; the cache alone never holds more than `cap`. When
+// before, or `floor`, whichever is more. When
 // idle memory is over that, the oldest cached blocks are unmapped first. Idle memory therefore
 // never lifts the process above a peak its live tensors already reached (by more than one
 // op's allocations).
@@ -74,7 +74,6 @@ struct Counters {
   size_t fresh = 0;        // bytes mapped fresh (the kernel zeroes them at first touch)
   size_t gathered = 0;     // bytes a miss took from smaller cached blocks instead (mremap)
   size_t floor = 0;        // bytes the cache may hold even above the live peak
-  size_t cap = SIZE_MAX;   // bytes the cache may hold at most
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
   size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
   size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
@@ -140,17 +139,16 @@ void note_live_locked() {
 // everything mapped within the live peak of this step or the one before (steps repeat; an
 // older, larger peak such as the recording step's is no excuse), or `floor`, whichever is
 // more. Only the cache shrinks (the pool's idle chunks are few and short-lived: the engine
-// releases them into the cache), and it never holds more than `cap`.
+// releases them into the cache).
 void bound_idle_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);
   size_t idle = std::max(c.floor, peak > want ? peak - want : 0);
   size_t for_cache = idle > c.idle_external ? idle - c.idle_external : 0;
-  shrink_locked(std::min(c.cap, for_cache));
+  shrink_locked(for_cache);
 }
 
-// Keep n freed bytes at p, merged with cached neighbours (larger blocks fit more), within
-// the cap.
+// Keep n freed bytes at p, merged with cached neighbours (larger blocks fit more).
 void cache_locked(Addr p, size_t n) {
   auto next = by_addr.find(p + n);
   if (next != by_addr.end()) {
@@ -162,7 +160,6 @@ void cache_locked(Addr p, size_t n) {
     n += forget_locked(prev).size;
   }
   keep_locked(p, n, ++clock_);
-  shrink_locked(c.cap);
 }
 
 void recycle_free(void* ptr) {
@@ -354,7 +351,7 @@ int ooc_cpu_allocator_is_installed() { return c10::GetCPUAllocator() == &instanc
 
 // Route large allocations here and cache freed ones (enabled != 0), the cache holding at
 // least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.
-void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap) {
+void ooc_cpu_allocator_configure(int enabled, size_t floor) {
   std::lock_guard<std::mutex> g(mu);
   if (enabled && !c.enabled) {   // a step starts: the one before it sets the bound
     c.last_peak = c.step_peak;
@@ -362,10 +359,6 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap) {
   }
   c.enabled = enabled;
   c.floor = enabled ? floor : 0;
-  if (enabled) {
-    c.cap = cap;
-    shrink_locked(c.cap);
-  }
 }
 
 // The device pool now holds tensors in `used` bytes and has `idle` bytes of chunks holding
@@ -434,7 +427,7 @@ int ooc_cpu_allocator_claim(void* impl, int move) {
 }
 
 // A released pool chunk's n bytes of pages at p join the cache (merged with cached
-// neighbours), within the cap. Always taken: 1.
+// neighbours). Always taken: 1.
 int ooc_cpu_allocator_adopt(void* ptr, size_t n) {
   std::lock_guard<std::mutex> g(mu);
   c.mapped += n;

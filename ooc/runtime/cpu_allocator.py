@@ -22,8 +22,8 @@ page faults per step (1.42 -> 1.22-1.26 s a step once shared, rise 505 -> 497 Mi
 is bounded by the step's own live peak (:func:`external` adds the pool's bytes): idle memory
 may fill what separates the live bytes (live blocks + the pool's used bytes) from their peak in
 this step or the one before (or a small floor). Before mapping anything new the cache drops its
-oldest blocks, so it never makes the process larger than its tensors already did. A cap
-(``begin``'s ``cap_bytes``) can bound it further; the engine sets none
+oldest blocks, so it never makes the process larger than its tensors already did. There is
+no cap below that bound: one only made the kernel zero pages again each step
 (``ooc.engine.lifetime.recycle_bytes`` says why).
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
@@ -91,14 +91,14 @@ def run():
 ref = run()
 lib = ctypes.CDLL(sys.argv[1])
 assert lib.ooc_cpu_allocator_install(64) == 1, "not installed"
-lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20), ctypes.c_size_t(1 << 40))
+lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20))
 for _ in range(3):
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "results differ"
 out = (ctypes.c_size_t * 7)()
 lib.ooc_cpu_allocator_stats(out, ctypes.c_size_t(7))
 assert out[3] > 0, "no block was reused"
-lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0), ctypes.c_size_t(0))
+lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0))
 """
 
 
@@ -151,7 +151,7 @@ def _loaded_locked() -> ctypes.CDLL | None:
             if path.parent.name.startswith(_TEMP_PREFIX):   # not cached: leave nothing behind
                 shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
             lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
-            lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
+            lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t]
             lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
             lib.ooc_cpu_allocator_lend.restype = ctypes.c_void_p
             lib.ooc_cpu_allocator_lend.argtypes = [ctypes.c_size_t]
@@ -171,16 +171,11 @@ def unavailable() -> str | None:
     return _reason
 
 
-#: A cache cap that never binds: the cache is bounded by the step's live peak alone.
-NO_CAP = 1 << 62
-
-
-def begin(owner: object, floor_bytes: int, cap_bytes: int = NO_CAP) -> None:
+def begin(owner: object, floor_bytes: int) -> None:
     """A step of ``owner`` starts: recycle large blocks. The cache may hold ``floor_bytes``
-    even where that takes the mapped total above the live peak (the first steps, small models),
-    and never more than ``cap_bytes``."""
+    even where that takes the mapped total above the live peak (the first steps, small models)."""
     with _lock:
-        _active[id(owner)] = (int(floor_bytes), int(cap_bytes))
+        _active[id(owner)] = int(floor_bytes)
         _configure_locked()
 
 
@@ -260,9 +255,8 @@ def stats() -> dict[str, int] | None:
 
 def _configure_locked() -> None:
     if _lib is not None:
-        floor = max((f for f, _ in _active.values()), default=0)
-        cap = max((c for _, c in _active.values()), default=0)
-        _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor, cap)
+        floor = max(_active.values(), default=0)
+        _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor)
 
 
 class _Unavailable(Exception):
