@@ -84,25 +84,32 @@ def flash(bandwidth: float) -> Iterator[None]:
 
 
 def measured(case: Case) -> dict[str, Any]:
-    """Train ``case`` in this process: the median steady step, what its plan moved and
-    recomputed per step, and its parameters after the last step."""
+    """Train ``case`` in this process: the median steady step, the plan the engine ran last
+    (for the state a step starts in once the optimizer has its state) with the sequence it
+    last priced it on and its swap file's counters, and the parameters after the last step."""
     net, opt, x, y, loss_fn = build(case)
     engine = engine_for(case, net, opt)
     times = []
+    ran: dict[str, Any] = {"schedule": None}
     try:
         for step in range(case.steps):
             torch.manual_seed(case.seed + 1 + step)
             t0 = time.perf_counter()
             train_step(net, opt, engine, loss_fn, x, y)
             times.append(time.perf_counter() - t0)
-        plan_of = list(engine.plans.values())[-1][0] if engine is not None else None
+            print(f"step {step + 1}/{case.steps}: {times[-1]:.3f} s", flush=True)
+        if engine is not None:
+            key, (schedule, _) = list(engine.plans.items())[-1]
+            ran = {"schedule": schedule, "seq": engine.repriced.get(key, (0, schedule.sequence))[1],
+                   "tier": engine.tier.stats()}
     finally:
         if engine is not None:
             engine.close()
     steady = steady_steps(len(times))
-    return {"step_s": statistics.median(times[steady.start:steady.stop]),
-            "moved": plan_of.bytes_in + plan_of.bytes_out if plan_of else 0,
-            "recomputed": plan_of.bytes_recomputed if plan_of else 0,
+    schedule = ran["schedule"]
+    return {**ran, "step_s": statistics.median(times[steady.start:steady.stop]),
+            "moved": schedule.bytes_in + schedule.bytes_out if schedule else 0,
+            "recomputed": schedule.bytes_recomputed if schedule else 0,
             "params": [p.detach().clone() for p in net.parameters()]}
 
 
@@ -111,21 +118,8 @@ def recorded_step(model: str, batch: int, fraction: int, steps: int) -> tuple[An
     (as the engine last priced it), the budget, the hardware the engine priced it on, and the
     plan it ran (bytes)."""
     budget = managed_peak(model, batch) // fraction
-    case = Case(model, batch, "ooc", budget=budget, steps=steps)
-    net, opt, x, y, loss_fn = build(case)
-    engine = engine_for(case, net, opt)
-    try:
-        for step in range(steps):
-            torch.manual_seed(case.seed + 1 + step)
-            train_step(net, opt, engine, loss_fn, x, y)
-            print(f"step {step + 1}/{steps}", flush=True)
-        # The plan for the state a step starts in once the optimizer has its state (the last).
-        key, (schedule, _) = list(engine.plans.items())[-1]
-        seq = engine.repriced.get(key, (0, schedule.sequence))[1]
-        ran = {"moved": schedule.bytes_in + schedule.bytes_out, "recomputed": schedule.bytes_recomputed}
-        return seq, budget, priced_hardware(seq, engine.tier.stats()), ran
-    finally:
-        engine.close()
+    r = measured(Case(model, batch, "ooc", budget=budget, steps=steps))
+    return r["seq"], budget, priced_hardware(r["seq"], r["tier"]), r
 
 
 def planned(seq: Any, budget: int, hw: Hardware) -> dict[str, float]:

@@ -22,10 +22,9 @@
 // Idle memory is the cache plus the pool's idle chunks (they exist but hold no tensor; the
 // engine releases them as it frees ranges, so there are few); it may fill what separates the
 // live bytes (live blocks + the pool's used bytes) from their peak in this step or the one
-// before, or `floor`, whichever is more. When
-// idle memory is over that, the oldest cached blocks are unmapped first. Idle memory therefore
-// never lifts the process above a peak its live tensors already reached (by more than one
-// op's allocations).
+// before, or `floor`, whichever is more. When idle memory is over that, the oldest cached
+// blocks are unmapped first. Idle memory therefore never lifts the process above a peak its
+// live tensors already reached (by more than one op's allocations).
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache
 // (a block that fits, else gathered) while it holds anything, else by alloc_cpu; a freed
