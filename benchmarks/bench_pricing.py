@@ -26,7 +26,10 @@ Then it measures two of those points: the engine trains again (in-core, default,
 The emulation does the real copy, then holds each transfer until a device of that bandwidth,
 serving one transfer at a time in both directions, would have finished it; the copies' CPU
 work is real, the device's waiting is a sleep. The engine prices that file as it would a real
-one, from what its transfers took. Parameters after the last step are compared bit for bit.
+one, from what its transfers took. Bytes moved and recomputed are what the engine counted in
+the steady steps, beside the plan's own: a settled plan may run anchored (at autograd's
+saved-tensor hooks), swapping what the per-op plan recomputes, where the engine measures that
+form faster. Parameters after the last step are compared bit for bit.
 
 ``--quick``: small_cnn, batch 16, 4 steps, one measured point (the smoke test). Writes
 benchmarks/results/pricing.md and pricing.png (``--quick``: pricing-quick.*).
@@ -57,6 +60,11 @@ FLASH_GBPS = (0.25, 0.35, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0, 4.0)
 QUICK_GBPS = (0.45, 1.0, 4.0)
 MEASURED_GBPS = (0.45, 1.0)
 MEASURED_STEPS = 9
+# What the engine counts (``OutOfCore.stats()``), read after each step: what a step really moved
+# and recomputed. A settled plan may run anchored, at autograd's saved-tensor hooks, where
+# what the per-op plan recomputes is swapped instead; the engine keeps that form where it is
+# faster, so the plan's own figures can differ from what the steady steps did.
+COUNTERS = ("bytes_in", "bytes_out", "bytes_recomputed", "anchored_steps")
 
 
 @contextlib.contextmanager
@@ -90,6 +98,7 @@ def measured(case: Case) -> dict[str, Any]:
     net, opt, x, y, loss_fn = build(case)
     engine = engine_for(case, net, opt)
     times = []
+    counts = [dict.fromkeys(COUNTERS, 0)]   # the engine's counters after each step
     ran: dict[str, Any] = {"schedule": None}
     try:
         for step in range(case.steps):
@@ -97,6 +106,8 @@ def measured(case: Case) -> dict[str, Any]:
             t0 = time.perf_counter()
             train_step(net, opt, engine, loss_fn, x, y)
             times.append(time.perf_counter() - t0)
+            if engine is not None:
+                counts.append({k: engine.stats()[k] for k in COUNTERS})
             print(f"step {step + 1}/{case.steps}: {times[-1]:.3f} s", flush=True)
         if engine is not None:
             key, (schedule, _) = list(engine.plans.items())[-1]
@@ -106,10 +117,15 @@ def measured(case: Case) -> dict[str, Any]:
         if engine is not None:
             engine.close()
     steady = steady_steps(len(times))
+    per_step = [{k: after[k] - before[k] for k in COUNTERS} for before, after in zip(counts, counts[1:])]
+    per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTERS, 0)]
     schedule = ran["schedule"]
     return {**ran, "step_s": statistics.median(times[steady.start:steady.stop]),
-            "moved": schedule.bytes_in + schedule.bytes_out if schedule else 0,
-            "recomputed": schedule.bytes_recomputed if schedule else 0,
+            "planned_moved": schedule.bytes_in + schedule.bytes_out if schedule else 0,
+            "planned_recomputed": schedule.bytes_recomputed if schedule else 0,
+            "moved": statistics.median(c["bytes_in"] + c["bytes_out"] for c in per_step),
+            "recomputed": statistics.median(c["bytes_recomputed"] for c in per_step),
+            "anchored": sum(c["anchored_steps"] for c in per_step), "steady": len(per_step),
             "params": [p.detach().clone() for p in net.parameters()]}
 
 
@@ -201,11 +217,14 @@ def measured_rows(model: str, batch: int, budget: int, quick: bool,
         if k:
             points.append((float(gbps), label, step))
         same = all(r["same"] for r in runs)
+        mib = lambda key: f"{statistics.median(r[key] for r in runs) / MiB:,.0f} MiB"  # noqa: E731
         rows.append([gbps, label, f"{step:.3f} s", f"{step / incore:.2f}x",
-                     " / ".join(f"{r['step_s']:.2f}" for r in runs),
-                     "-" if k == 0 else f"{statistics.median(r['moved'] for r in runs) / MiB:,.0f} MiB",
-                     "-" if k == 0 else f"{statistics.median(r['recomputed'] for r in runs) / MiB:,.0f} MiB",
-                     "-" if k == 0 else ("yes" if same else "**no**")])
+                     " / ".join(f"{r['step_s']:.2f}" for r in runs)]
+                    + (["-"] * 5 if k == 0 else [
+                        mib("moved"), mib("recomputed"),
+                        f"{sum(r['anchored'] for r in runs)} of {sum(r['steady'] for r in runs)}",
+                        f"{mib('planned_moved')} + {mib('planned_recomputed')}",
+                        "yes" if same else "**no**"]))
     return rows, points
 
 
@@ -243,10 +262,14 @@ def main() -> None:
               f"{4 if args.quick else MEASURED_STEPS} steps per case, {rounds} round(s) of the cases in "
               "this order; a case's step is the median over rounds of its median steady step "
               "(`ooc.measure.steady_steps`), each round's beside it. 'vs in-core': over in-core's step. "
-              "Moved and recomputed: per step, by the plan the engine ran last.", ""]
+              "Moved and recomputed per step: what the engine counted, the median over the steady steps "
+              "(then over rounds). Anchored steps: steady steps that ran the plan at autograd's saved-tensor "
+              "hooks, where what the per-op plan recomputes is swapped instead (the engine times both forms "
+              "in turn and keeps the faster). Its plan: the per-op plan's bytes.", ""]
     rows, points = measured_rows(model, batch, budget, args.quick, rounds)
     lines += common.md_table(["flash (GB/s)", "case", "step", "vs in-core", "rounds (s)", "moved per step",
-                              "recomputed", "bitwise = in-core"], rows)
+                              "recomputed per step", "anchored steps", "its plan: moved + recomputed",
+                              "bitwise = in-core"], rows)
     png = common.result_path("pricing", args.quick, ".png", out=args.out)
     plot(sweep, points, here, f"{name}: the default plan as the swap device slows", png)
     lines += ["", f"![bytes and predicted step against flash bandwidth]({png.name})"]
