@@ -22,7 +22,7 @@ For each: bytes moved per step (in + out) and recomputed by the default plan, an
 predicted step beside the swap-only plan's. Those are predictions of the simulator.
 
 Then it measures two of those points: the engine trains again (in-core, default, swap only;
-9 steps each, the median of the last 5; 3 rounds) with its swap file slowed to a flash rate.
+12 steps each, the median of the last 4; 3 rounds) with its swap file slowed to a flash rate.
 The emulation does the real copy, then holds each transfer until a device of that bandwidth,
 serving one transfer at a time in both directions, would have finished it; the copies' CPU
 work is real, the device's waiting is a sleep. The engine prices that file as it would a real
@@ -49,7 +49,7 @@ import torch
 import common
 import ooc.storage.swap_transfer as swap_transfer
 from ooc.engine.host_pricing import priced_hardware
-from ooc.measure import Case, build, engine_for, managed_peak, steady_steps, train_step
+from ooc.measure import Case, build, engine_for, managed_peak, train_step
 from scheduler import plan, simulate
 from scheduler.hardware import Hardware, hardware
 from scheduler.recompute import default_hardware
@@ -59,7 +59,8 @@ GB = 1e9
 FLASH_GBPS = (0.25, 0.35, 0.45, 0.6, 0.8, 1.0, 1.4, 2.0, 3.0, 4.0)
 QUICK_GBPS = (0.45, 1.0, 4.0)
 MEASURED_GBPS = (0.45, 1.0)
-MEASURED_STEPS = 9
+MEASURED_STEPS = 12
+SETTLED_STEPS = 4   # the last steps, after the trial of the anchored form (steps 4-7)
 # What the engine counts (``OutOfCore.stats()``), read after each step: what a step really moved
 # and recomputed. A settled plan may run anchored, at autograd's saved-tensor hooks, where
 # what the per-op plan recomputes is swapped instead; the engine keeps that form where it is
@@ -116,7 +117,9 @@ def measured(case: Case) -> dict[str, Any]:
     finally:
         if engine is not None:
             engine.close()
-    steady = steady_steps(len(times))
+    # The settled steps: after the recording steps, the two re-priced runs and the trial in
+    # which the engine times the anchored and the per-op form in turn (see COUNTERS).
+    steady = range(max(0, len(times) - SETTLED_STEPS), len(times))
     per_step = [{k: after[k] - before[k] for k in COUNTERS} for before, after in zip(counts, counts[1:])]
     per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTERS, 0)]
     schedule = ran["schedule"]
@@ -260,10 +263,11 @@ def main() -> None:
     rounds = max(1, args.rounds or (1 if args.quick else 3))
     lines += ["", "## Measured on this machine, its swap file slowed to flash rates", "",
               f"{4 if args.quick else MEASURED_STEPS} steps per case, {rounds} round(s) of the cases in "
-              "this order; a case's step is the median over rounds of its median steady step "
-              "(`ooc.measure.steady_steps`), each round's beside it. 'vs in-core': over in-core's step. "
-              "Moved and recomputed per step: what the engine counted, the median over the steady steps "
-              "(then over rounds). Anchored steps: steady steps that ran the plan at autograd's saved-tensor "
+              f"this order; a case's step is the median over rounds of the median of its last "
+              f"{SETTLED_STEPS} steps (settled: after recording, re-pricing and the trial of the anchored "
+              "form), each round's beside it. 'vs in-core': over in-core's step. "
+              "Moved and recomputed per step: what the engine counted, the median over those steps "
+              "(then over rounds). Anchored steps: those of them that ran the plan at autograd's saved-tensor "
               "hooks, where what the per-op plan recomputes is swapped instead (the engine times both forms "
               "in turn and keeps the faster). Its plan: the per-op plan's bytes.", ""]
     rows, points = measured_rows(model, batch, budget, args.quick, rounds)
