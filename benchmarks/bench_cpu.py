@@ -164,7 +164,8 @@ def run_verify_case(case: Case, timeout: float = 1800) -> CaseResult:
     res = json.loads(line[len("OOC-RESULT "):])
     return CaseResult(case=case, step_s=tuple(res["step_s"]), baseline_rss_bytes=res["baseline_rss"],
                       peak_rise_bytes=res["peak_rise"], peak_total_bytes=res["peak_total"],
-                      losses=tuple(res["losses"]), stats=res.get("stats"))
+                      losses=tuple(res["losses"]), stats=res.get("stats"),
+                      counted=tuple(res.get("counted", ())))
 
 
 def _minimum(message: str) -> str | None:
@@ -273,6 +274,8 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
             continue
         moved = (row.stat("plan.bytes_in") + row.stat("plan.bytes_out")) if row.stat("plan.functions") else None
         recomputed = row.stat("plan.bytes_recomputed") if row.stat("plan.functions") else None
+        counted = row.results[-1].median_counted("bytes_in", "bytes_out")
+        counted_re = row.results[-1].median_counted("bytes_recomputed")
         stall = row.stat("last_stall_s")
         planned = row.stat("last_planned")
         ident = row.identical or "-"
@@ -284,10 +287,12 @@ def table(model: Model, rows: list[Row], peak: int) -> list[str]:
             f"{row.step_s:.3f}", f"{row.ratio:.2f}x" + (f" ({min(row.ratios):.2f}-{max(row.ratios):.2f})"
                                                          if len(row.ratios) > 1 else ""), _mib(row.rise), f"{rel:+.0%}", _mib(row.total),
             "-" if stall is None else f"{stall:.3f}",
-            "-" if moved is None else f"{moved / MiB:,.0f}",
-            "-" if recomputed is None else f"{recomputed / MiB:,.0f}", ident])
+            "-" if moved is None else f"{moved / MiB:,.0f} / " + ("-" if counted is None else f"{counted / MiB:,.0f}"),
+            "-" if recomputed is None else f"{recomputed / MiB:,.0f} / "
+            + ("-" if counted_re is None else f"{counted_re / MiB:,.0f}"), ident])
     head = ["method", "budget", "step s", "vs in-core (range over rounds)", "peak rise MiB", "rise vs in-core",
-            "peak total MiB", "stall s/step", "MiB moved/step", "MiB recomputed/step", "params bitwise = in-core"]
+            "peak total MiB", "stall s/step", "MiB moved/step (plan / counted)",
+            "MiB recomputed/step (plan / counted)", "params bitwise = in-core"]
     return [f"### {model.label}: {model.describe()}", "",
             f"In-core peak of the managed tensors (activations >= {format_size(model.chunk // 2)}, "
             f"meta trace): {format_size(peak)}.", ""] + common.md_table(head, out)
@@ -466,7 +471,10 @@ def main() -> None:
         f"ratios are medians over rounds of case / in-core in the same round",
         "memory: VmHWM of a fresh process per case, as a rise above the footprint after model, "
         "optimizer and data are built (reset through /proc/self/clear_refs), and the whole "
-        "process's peak; MiB moved/step = the plan's swap-in + swap-out bytes",
+        "process's peak; MiB moved/step = swap-in + swap-out bytes of the plan, and counted by the "
+        "engine (median over the same steps, last round): a settled plan may run anchored, at "
+        "autograd's saved-tensor hooks, swapping what its per-op form recomputes, where the engine "
+        "times that form faster; recomputed likewise",
         "ooc: activations managed, policy window, 2 I/O threads, swap file in $TMPDIR; the budget "
         "bounds the managed tensors only (PyTorch's other allocations are not in it)",
         f"load average (1 min) before/after: {load0:.2f} / {load1:.2f} on {os.cpu_count()} cores; "

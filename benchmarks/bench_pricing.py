@@ -49,7 +49,7 @@ import torch
 import common
 import ooc.storage.swap_transfer as swap_transfer
 from ooc.engine.host_pricing import priced_hardware
-from ooc.measure import Case, build, engine_for, managed_peak, train_step
+from ooc.measure import COUNTED, Case, build, engine_for, managed_peak, train_step
 from scheduler import plan, simulate
 from scheduler.hardware import Hardware, hardware
 from scheduler.recompute import default_hardware
@@ -61,11 +61,10 @@ QUICK_GBPS = (0.45, 1.0, 4.0)
 MEASURED_GBPS = (0.45, 1.0)
 MEASURED_STEPS = 12
 SETTLED_STEPS = 4   # the last steps, after the trial of the anchored form (steps 4-7)
-# What the engine counts (``OutOfCore.stats()``), read after each step: what a step really moved
-# and recomputed. A settled plan may run anchored, at autograd's saved-tensor hooks, where
-# what the per-op plan recomputes is swapped instead; the engine keeps that form where it is
-# faster, so the plan's own figures can differ from what the steady steps did.
-COUNTERS = ("bytes_in", "bytes_out", "bytes_recomputed", "anchored_steps")
+# What the engine counts (``ooc.measure.COUNTED``), read after each step: what a step really
+# moved and recomputed. A settled plan may run anchored, at autograd's saved-tensor hooks,
+# where what the per-op plan recomputes is swapped instead; the engine keeps that form where
+# it is faster, so the plan's own figures can differ from what the settled steps did.
 
 
 @contextlib.contextmanager
@@ -99,7 +98,7 @@ def measured(case: Case) -> dict[str, Any]:
     net, opt, x, y, loss_fn = build(case)
     engine = engine_for(case, net, opt)
     times = []
-    counts = [dict.fromkeys(COUNTERS, 0)]   # the engine's counters after each step
+    counts = [dict.fromkeys(COUNTED, 0)]   # the engine's counters after each step
     ran: dict[str, Any] = {"schedule": None}
     try:
         for step in range(case.steps):
@@ -108,7 +107,7 @@ def measured(case: Case) -> dict[str, Any]:
             train_step(net, opt, engine, loss_fn, x, y)
             times.append(time.perf_counter() - t0)
             if engine is not None:
-                counts.append({k: engine.stats()[k] for k in COUNTERS})
+                counts.append({k: engine.stats()[k] for k in COUNTED})
             print(f"step {step + 1}/{case.steps}: {times[-1]:.3f} s", flush=True)
         if engine is not None:
             key, (schedule, _) = list(engine.plans.items())[-1]
@@ -118,10 +117,10 @@ def measured(case: Case) -> dict[str, Any]:
         if engine is not None:
             engine.close()
     # The settled steps: after the recording steps, the two re-priced runs and the trial in
-    # which the engine times the anchored and the per-op form in turn (see COUNTERS).
+    # which the engine times the anchored and the per-op form in turn (the comment above COUNTED's import).
     steady = range(max(0, len(times) - SETTLED_STEPS), len(times))
-    per_step = [{k: after[k] - before[k] for k in COUNTERS} for before, after in zip(counts, counts[1:])]
-    per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTERS, 0)]
+    per_step = [{k: after[k] - before[k] for k in COUNTED} for before, after in zip(counts, counts[1:])]
+    per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTED, 0)]
     schedule = ran["schedule"]
     return {**ran, "step_s": statistics.median(times[steady.start:steady.stop]),
             "planned_moved": schedule.bytes_in + schedule.bytes_out if schedule else 0,

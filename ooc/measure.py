@@ -55,12 +55,27 @@ class CaseResult:
     peak_total_bytes: int
     losses: tuple[float, ...]
     stats: dict[str, Any] | None   # ooc engine stats, for method "ooc"
+    # What the engine counted in each step (``COUNTED``), for method "ooc": a settled plan may
+    # run anchored and swap what its per-op form recomputes, so the plan's bytes (``stats``'
+    # ``plan.*``) need not be what the steps moved.
+    counted: tuple[dict[str, int], ...] = ()
 
     @property
     def median_step_s(self) -> float:
         """Median over ``steady_steps``: warm-up steps would count ooc's recording and planning."""
         steps = steady_steps(len(self.step_s))
         return median(self.step_s[steps.start:steps.stop])
+
+    def median_counted(self, *keys: str) -> float | None:
+        """The median over ``steady_steps`` of the sum of ``keys`` counted per step (None
+        without counts: no engine)."""
+        steps = steady_steps(len(self.counted))
+        sums = [sum(c[k] for k in keys) for c in self.counted[steps.start:steps.stop]]
+        return median(sums) if sums else None
+
+
+#: The engine's counters (``OutOfCore.stats()``) a measuring child reads after each step.
+COUNTED = ("bytes_in", "bytes_out", "bytes_recomputed", "anchored_steps", "plain_steps")
 
 
 def steady_steps(n: int) -> range:
@@ -121,7 +136,7 @@ def run_case(case: Case, *, on_step: Callable[[int], None] | None = None,
     return CaseResult(case=case, step_s=tuple(result["step_s"]),
                       baseline_rss_bytes=result["baseline_rss"], peak_rise_bytes=result["peak_rise"],
                       peak_total_bytes=result["peak_total"], losses=tuple(result["losses"]),
-                      stats=result.get("stats"))
+                      stats=result.get("stats"), counted=tuple(result.get("counted", ())))
 
 
 # -- the child process ---------------------------------------------------------------------
@@ -267,13 +282,18 @@ def _child(spec: dict[str, Any]) -> None:
     exact = _reset_peak()
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]
     times, losses = [], []
+    totals = [dict.fromkeys(COUNTED, 0)]   # the engine's counters after each step
     for step in range(case.steps):
         torch.manual_seed(case.seed + 1 + step)
         t0 = time.perf_counter()
         loss = train_step(model, opt, engine, loss_fn, x, y, in_backward=case.update_in_backward)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        if engine is not None:
+            now = engine.stats()
+            totals.append({k: now[k] for k in COUNTED})
         print(f"OOC-STEP {step}", flush=True)
+    counted = [{k: b[k] - a[k] for k in COUNTED} for a, b in zip(totals, totals[1:])]
     peak = _status()["VmHWM"]
     stats = engine.stats() if engine is not None else None
     if engine is not None:
@@ -282,7 +302,8 @@ def _child(spec: dict[str, Any]) -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, case.params_out)
     print("OOC-RESULT " + json.dumps({
         "step_s": times, "baseline_rss": baseline, "peak_rise": peak - baseline,
-        "peak_total": peak, "losses": losses, "stats": stats}, default=str), flush=True)
+        "peak_total": peak, "losses": losses, "stats": stats, "counted": counted}, default=str),
+        flush=True)
 
 
 def same_parameters(path_a: str, path_b: str) -> bool:
