@@ -117,7 +117,7 @@ def measured(case: Case) -> dict[str, Any]:
         if engine is not None:
             engine.close()
     # The settled steps: after the recording steps, the two re-priced runs and the trial in
-    # which the engine times the anchored and the per-op form in turn (the comment above COUNTED's import).
+    # which the engine times the anchored and the per-op form in turn (see above COUNTED).
     steady = range(max(0, len(times) - SETTLED_STEPS), len(times))
     per_step = [{k: after[k] - before[k] for k in COUNTED} for before, after in zip(counts, counts[1:])]
     per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTED, 0)]
