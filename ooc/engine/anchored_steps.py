@@ -85,7 +85,8 @@ class AnchoredSteps:
         key, schedule = st.start_key, st.schedule
         if (trace is None or not st.planned or st.diverged_at is not None or not self.anchored_steps
                 or self.plans.get(key, (None,))[0] is not schedule or moves_nothing(schedule)
-                or self.policy != "window" or self._pin is not None):   # pins are the per-op plan's
+                or self.policy != "window" or self._pin is not None   # pins are the per-op plan's
+                or self.recompute == "prefer"):   # asked to recompute: a form that swaps instead is not that
             return
         if len(st.rec.names) != len(schedule.sequence.functions):
             # The step ended before its plan did (a micro-batch without the update its plan

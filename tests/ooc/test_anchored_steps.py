@@ -144,6 +144,24 @@ def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(co
     assert_same(ref, model, ref_losses, losses)
 
 
+def test_recompute_prefer_keeps_the_per_op_plan_that_recomputes(counted_ops) -> None:
+    """``recompute="prefer"`` asks for recomputation, so no anchored form (which swaps what the
+    plan recomputes) is tried, even where it would win its trial (counted_ops keeps it): every
+    settled step intercepts ops and recomputes (bench_cpu's "prefer" rows ran anchored and
+    recomputed nothing before)."""
+    sizes = [8] * 10
+    ref, ref_opt = fresh("gpt2", "sgd")
+    ref_losses, _ = train("gpt2", ref, ref_opt, None, sizes)
+    model, o = fresh("gpt2", "sgd")
+    with engine_for("gpt2", model, o, 0.3, recompute="prefer") as engine:
+        losses, stats = train("gpt2", model, o, engine, sizes, ops=counted_ops)
+    assert stats[-1]["anchored_steps"] == 0
+    assert all(s["ops seen"] > 0 for s in stats[-4:])
+    assert stats[-1]["plan.bytes_recomputed"] > 0
+    assert stats[-1]["bytes_recomputed"] > stats[-2]["bytes_recomputed"]   # the last step recomputed
+    assert_same(ref, model, ref_losses, losses)
+
+
 def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
     monkeypatch.setattr(anchored_steps.Anchored, "judge", _decided(keep=False))
     sizes = [8] * 9
