@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 
 from ooc.errors import OOCError  # noqa: E402
-from ooc.measure import Case, CaseResult, child_env, managed_peak, run_case, same_parameters, steady_steps  # noqa: E402
+from ooc.measure import Case, CaseResult, case_result, child_env, managed_peak, run_case, same_parameters, steady_steps  # noqa: E402
 from vmm.units import format_size  # noqa: E402
 
 MiB = 1 << 20
@@ -161,11 +161,7 @@ def run_verify_case(case: Case, timeout: float = 1800) -> CaseResult:
     if proc.returncode != 0 or line is None:
         err = proc.stderr.strip().splitlines()
         raise OOCError(f"verify case of {case.model} failed: {err[-1] if err else proc.returncode}")
-    res = json.loads(line[len("OOC-RESULT "):])
-    return CaseResult(case=case, step_s=tuple(res["step_s"]), baseline_rss_bytes=res["baseline_rss"],
-                      peak_rise_bytes=res["peak_rise"], peak_total_bytes=res["peak_total"],
-                      losses=tuple(res["losses"]), stats=res.get("stats"),
-                      counted=tuple(res.get("counted", ())))
+    return case_result(case, json.loads(line[len("OOC-RESULT "):]))
 
 
 def _minimum(message: str) -> str | None:

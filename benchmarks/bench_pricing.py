@@ -49,7 +49,7 @@ import torch
 import common
 import ooc.storage.swap_transfer as swap_transfer
 from ooc.engine.host_pricing import priced_hardware
-from ooc.measure import COUNTED, Case, build, engine_for, managed_peak, train_step
+from ooc.measure import COUNTED, Case, StepCounts, build, engine_for, managed_peak, train_step
 from scheduler import plan, simulate
 from scheduler.hardware import Hardware, hardware
 from scheduler.recompute import default_hardware
@@ -98,7 +98,7 @@ def measured(case: Case) -> dict[str, Any]:
     net, opt, x, y, loss_fn = build(case)
     engine = engine_for(case, net, opt)
     times = []
-    counts = [dict.fromkeys(COUNTED, 0)]   # the engine's counters after each step
+    counts = StepCounts()
     ran: dict[str, Any] = {"schedule": None}
     try:
         for step in range(case.steps):
@@ -107,7 +107,7 @@ def measured(case: Case) -> dict[str, Any]:
             train_step(net, opt, engine, loss_fn, x, y)
             times.append(time.perf_counter() - t0)
             if engine is not None:
-                counts.append({k: engine.stats()[k] for k in COUNTED})
+                counts.record(engine)
             print(f"step {step + 1}/{case.steps}: {times[-1]:.3f} s", flush=True)
         if engine is not None:
             key, (schedule, _) = list(engine.plans.items())[-1]
@@ -119,8 +119,7 @@ def measured(case: Case) -> dict[str, Any]:
     # The settled steps: after the recording steps, the two re-priced runs and the trial in
     # which the engine times the anchored and the per-op form in turn (see above COUNTED).
     steady = range(max(0, len(times) - SETTLED_STEPS), len(times))
-    per_step = [{k: after[k] - before[k] for k in COUNTED} for before, after in zip(counts, counts[1:])]
-    per_step = per_step[steady.start:steady.stop] or [dict.fromkeys(COUNTED, 0)]
+    per_step = counts.steps[steady.start:steady.stop] or [dict.fromkeys(COUNTED, 0)]
     schedule = ran["schedule"]
     return {**ran, "step_s": statistics.median(times[steady.start:steady.stop]),
             "planned_moved": schedule.bytes_in + schedule.bytes_out if schedule else 0,

@@ -78,6 +78,20 @@ class CaseResult:
 COUNTED = ("bytes_in", "bytes_out", "bytes_recomputed", "anchored_steps", "plain_steps")
 
 
+class StepCounts:
+    """What the engine counted in each step (``COUNTED``): ``record(engine)`` after each step
+    turns the engine's running totals into that step's own figures, in ``steps``."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self._totals = dict.fromkeys(COUNTED, 0)
+
+    def record(self, engine: Any) -> None:
+        now = engine.stats()
+        self.steps.append({k: now[k] - self._totals[k] for k in COUNTED})
+        self._totals = {k: now[k] for k in COUNTED}
+
+
 def steady_steps(n: int) -> range:
     """Which of ``n`` steps (0-based) a step time is the median of: the first four (warm-up:
     ooc's recording, its one re-plan for lazily created optimizer state, and on a CPU the
@@ -133,6 +147,11 @@ def run_case(case: Case, *, on_step: Callable[[int], None] | None = None,
         from ooc.errors import OOCError
 
         raise OOCError(f"{case.method} case of {case.model} (batch {case.batch}) failed: {last}")
+    return case_result(case, result)
+
+
+def case_result(case: Case, result: dict[str, Any]) -> CaseResult:
+    """The ``CaseResult`` of a measuring child's ``OOC-RESULT`` line (parsed)."""
     return CaseResult(case=case, step_s=tuple(result["step_s"]),
                       baseline_rss_bytes=result["baseline_rss"], peak_rise_bytes=result["peak_rise"],
                       peak_total_bytes=result["peak_total"], losses=tuple(result["losses"]),
@@ -282,7 +301,7 @@ def _child(spec: dict[str, Any]) -> None:
     exact = _reset_peak()
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]
     times, losses = [], []
-    totals = [dict.fromkeys(COUNTED, 0)]   # the engine's counters after each step
+    counts = StepCounts()
     for step in range(case.steps):
         torch.manual_seed(case.seed + 1 + step)
         t0 = time.perf_counter()
@@ -290,10 +309,8 @@ def _child(spec: dict[str, Any]) -> None:
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         if engine is not None:
-            now = engine.stats()
-            totals.append({k: now[k] for k in COUNTED})
+            counts.record(engine)
         print(f"OOC-STEP {step}", flush=True)
-    counted = [{k: b[k] - a[k] for k in COUNTED} for a, b in zip(totals, totals[1:])]
     peak = _status()["VmHWM"]
     stats = engine.stats() if engine is not None else None
     if engine is not None:
@@ -302,7 +319,7 @@ def _child(spec: dict[str, Any]) -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, case.params_out)
     print("OOC-RESULT " + json.dumps({
         "step_s": times, "baseline_rss": baseline, "peak_rise": peak - baseline,
-        "peak_total": peak, "losses": losses, "stats": stats, "counted": counted}, default=str),
+        "peak_total": peak, "losses": losses, "stats": stats, "counted": counts.steps}, default=str),
         flush=True)
 
 

@@ -40,6 +40,7 @@ from typing import Callable
 from scheduler.assembly import assemble_window
 from scheduler.ir import VariableSequence
 from scheduler.pins import Pins
+from scheduler.release import Release
 from scheduler.replay import Chain
 from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
@@ -65,7 +66,7 @@ Recompute = Callable[..., "Chain | None"]   # rule(v, at[, absent]): the chain, 
 
 def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
                 recompute: "Recompute | None" = None, pins: Pins = Pins(),
-                release: "Callable[[int, int, int], int] | None" = None) -> Schedule:
+                release: "Release | None" = None) -> Schedule:
     """The default policy: the window scheduler moving only what the budget forces out.
 
     Starts with every ``live_in`` variable that the step needs resident, replays the step,
@@ -126,7 +127,7 @@ class _BudgetWindow:
 
     def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
                  recompute: "Recompute | None" = None, pins: Pins = Pins(),
-                 release: "Callable[[int, int, int], int] | None" = None) -> None:
+                 release: "Release | None" = None) -> None:
         self.recompute = recompute
         self.release = release
         self.pins = pins
