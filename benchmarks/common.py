@@ -93,7 +93,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    """Short HEAD commit, with "+dirty" when the working tree has uncommitted changes."""
+    """Short HEAD commit, with "+dirty" when the working tree has uncommitted changes.
+    ``OOC_COMMIT`` overrides it: a copy of the tree sent to another machine may carry a
+    stale ``.git``, so the sender names the commit."""
+    if os.environ.get("OOC_COMMIT"):
+        return os.environ["OOC_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=_REPO, timeout=10).stdout.strip()

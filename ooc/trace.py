@@ -28,8 +28,10 @@ Costs
 ``Cost.flops`` from ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
 attention; 0 for ops without a formula, which are memory-bound anyway). ``Cost.bytes``:
 bytes of the tensor arguments plus bytes of the results (views: 0), an estimate of the
-traffic for a roofline. ``Cost.seconds``: wall time of the op when ``measure=True`` on a
-real device, else ``None``.
+traffic for a roofline. ``Cost.seconds``, when ``measure=True`` on a
+real device: on a GPU, the device time between two CUDA events around the op's kernels (no
+launch or host time: the simulator adds its own per-op overhead); on the CPU, the op's wall
+time; else ``None``.
 
 Replay flags
 ------------
@@ -109,8 +111,9 @@ def trace(
             model is copied to ``meta`` without materializing it). A real device: the
             model is deep-copied there (memory for one more model and its optimizer state).
             ``None``: the device of the model's parameters.
-        measure: on a real device, record each op's wall time in ``Cost.seconds``
-            (synchronizing CUDA around each op). Ignored, with a log message, on ``meta``.
+        measure: on a real device, record each op's time in ``Cost.seconds`` (CUDA events
+            on a GPU, read after the step; wall time on the CPU). Ignored, with a log
+            message, on ``meta``.
         progress: show a tqdm bar of recorded ops on stderr (appears after half a second).
         name: ``meta["model"]``; default the model's class name.
 

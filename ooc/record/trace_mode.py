@@ -41,7 +41,10 @@ class Recorder(TorchDispatchMode):
         self._stash: dict[int, torch.Tensor] = {}
         self.scope: str | Callable[[], str] = ""
         self.failed_at: tuple[int, str] | None = None
-        self._sync = (lambda: torch.cuda.synchronize(device)) if (
+        # On a GPU an op is timed on the device: a pair of CUDA events around its kernels,
+        # read once the step is over (``sequence``). A host clock around a synchronized op
+        # would count the launch and the synchronization too, and stall the stream.
+        self._events: list[tuple[int, Any, Any]] | None = [] if (
             measure and device is not None and device.type == "cuda") else None
         self._measure = measure
         self._progress = progress
@@ -83,6 +86,11 @@ class Recorder(TorchDispatchMode):
 
     def sequence(self, meta: dict[str, Any] | None = None) -> VariableSequence:
         """The recorded functions and variables (classification applied)."""
+        if self._events:   # the ops' device times, read now that their kernels are done
+            self._events[-1][2].synchronize()
+            for index, start, end in self._events:
+                self.steps.fsecs[index] = start.elapsed_time(end) / 1e3
+            self._events.clear()
         return self.steps.sequence(meta)
 
     def __enter__(self) -> "Recorder":
@@ -111,13 +119,15 @@ class Recorder(TorchDispatchMode):
         index = len(self.steps.fname)
         seconds = None
         try:
-            if self._measure:
-                if self._sync is not None:
-                    self._sync()
+            if self._events is not None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = func(*args, **kwargs)
+                end.record()
+                self._events.append((index, start, end))
+            elif self._measure:
                 t0 = time.perf_counter()
                 out = func(*args, **kwargs)
-                if self._sync is not None:
-                    self._sync()
                 seconds = time.perf_counter() - t0
             else:
                 out = func(*args, **kwargs)

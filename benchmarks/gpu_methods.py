@@ -1,0 +1,232 @@
+"""One training run of one GPU case by one method, measured the same way for every method.
+
+Methods (``gpu.json``'s ``method``): ``in-core`` (plain PyTorch), ``in-core-repeat`` (the same
+again: are the kernels deterministic, so that "bitwise" means something?),
+``checkpoint-every-block`` and ``checkpoint-every-2nd`` (``torch.utils.checkpoint``,
+non-reentrant, RNG state preserved), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(
+pin_memory=True)``: every saved tensor to pinned host memory and back, no prefetch),
+``compile-budget-<f>`` (``torch.compile`` with ``activation_memory_budget = f``), ``ooc`` and
+``ooc-swap-only`` (``OutOfCore(device="cuda")`` under a budget, with and without
+recomputation).
+
+Every run starts from the same CPU copy of the weights, seeds the global generator the same
+way (dropout draws the same masks), times each step between two ``torch.cuda.synchronize()``
+and reports the median of the steps after warm-up. Peak device memory is PyTorch's peak
+allocated bytes over the run plus, for ooc, the peak of its VMM pool (mapped outside
+PyTorch's allocator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gpu_cases
+from gpu_cases import GpuCase, checkpoint_every
+
+
+@dataclass
+class Row:
+    """One line of gpu.json (issue 38's keys first; the rest says how the figure came about)."""
+
+    case: str
+    method: str
+    budget_fraction: float | None = None
+    step_ms: float | None = None
+    samples_per_s: float | None = None
+    peak_bytes: int | None = None
+    bytes_moved: int | None = None
+    bytes_recomputed: int | None = None
+    bitwise: bool | None = None
+    predicted_step_ms: float | None = None
+    label: str = ""
+    budget_bytes: int | None = None
+    torch_peak_bytes: int | None = None
+    pool_peak_bytes: int | None = None
+    steps_ms: list[float] = field(default_factory=list)
+    forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
+    note: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Setup:
+    """What every run of one case shares: the CPU weights and batch, the reference params."""
+
+    case: GpuCase
+    model: torch.nn.Module
+    x: Any
+    y: Any
+    loss_fn: Any
+    steps: int
+    activation_peak: int = 0                 # in-core: peak allocated above the step's start
+    total_peak: int = 0                      # in-core: peak allocated, weights and state too
+    reference: list[torch.Tensor] | None = None
+    hardware: Any = None                     # the simulator's, with the measured link
+
+
+def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int = 3,
+        engine_kw: dict[str, Any] | None = None, recordings: Path | None = None) -> Row:
+    """Train ``setup.steps`` timed steps (after ``warmup``) by ``method``; never raises: a
+    failure is a row with ``error`` set (one broken method must not hide the others).
+    ``fraction``: the budget, of the in-core activation peak (of the whole in-core peak when
+    ``engine_kw`` manages more than activations); ``engine_kw``: more ``OutOfCore`` options;
+    ``recordings``: a directory for the engine's own recorded step (what it planned on)."""
+    case = setup.case
+    engine_kw = dict(engine_kw or {})
+    row = Row(case.name, method, fraction, label=case.label)
+    if engine_kw:
+        row.note = ", ".join(f"{k}={v!r}" for k, v in engine_kw.items())
+    if fraction is not None:
+        whole = set(engine_kw.get("manage", ("activations",))) != {"activations"}
+        row.budget_bytes = int((setup.total_peak if whole else setup.activation_peak) * fraction)
+    try:
+        _train(setup, method, row, warmup, engine_kw, recordings)
+    except Exception as exc:   # the row says what broke; the log has the traceback
+        traceback.print_exc()
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return row
+
+
+def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str, Any],
+           recordings: Path | None) -> None:
+    case = setup.case
+    model = copy.deepcopy(setup.model).to(gpu_cases.DEVICE)
+    if method == "checkpoint-every-block":
+        row.note = f"{checkpoint_every(model, 1)} blocks checkpointed"
+    elif method == "checkpoint-every-2nd":
+        row.note = f"{checkpoint_every(model, 2)} blocks checkpointed"
+    opt = case.optimizer_for(model.parameters())
+    x, y = setup.x.to(gpu_cases.DEVICE), setup.y.to(gpu_cases.DEVICE)
+    runner: Any = model
+    if method.startswith("compile-budget-"):
+        import torch._dynamo as dynamo
+        import torch._functorch.config as fconfig
+
+        dynamo.reset()
+        fconfig.activation_memory_budget = float(method.rsplit("-", 1)[1])
+        runner = torch.compile(model)
+        warmup = max(warmup, 2)
+    engine = None
+    if method.startswith("ooc"):
+        from ooc.engine import OutOfCore
+
+        engine_kw.setdefault("recompute", method != "ooc-swap-only")
+        engine = OutOfCore(model, opt, budget=row.budget_bytes, device="cuda", **engine_kw)
+    scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
+    moved = [0]
+    hooks = _counted_save_on_cpu(moved) if method == "save_on_cpu" else contextlib.nullcontext()
+    torch.manual_seed(1)
+    times, per_step, rises, peak = [], [], [], 0
+    for i in range(warmup + setup.steps):
+        before = _counters(engine)
+        moved[0] = 0
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        at_start = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        _one_step(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append(t1 - t0)
+            rises.append(torch.cuda.max_memory_allocated() - at_start)
+            after = _counters(engine)
+            step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
+            if engine is not None:   # did this step run its plan (not on demand)?
+                step["planned"] = engine.stats()["last_planned"]
+            per_step.append(step)
+    row.steps_ms = [round(t * 1e3, 2) for t in times]
+    row.step_ms = statistics.median(times) * 1e3
+    row.samples_per_s = case.batch / (row.step_ms / 1e3)
+    row.torch_peak_bytes = max(peak, torch.cuda.max_memory_allocated())
+    row.peak_bytes = row.torch_peak_bytes
+    if method == "in-core":   # the budgets' base: what a steady step allocates above its start
+        setup.activation_peak = max(rises)
+        setup.total_peak = row.torch_peak_bytes
+    if method == "save_on_cpu":
+        row.bytes_moved = int(statistics.median(s["bytes_moved"] for s in per_step))
+    params = [p.detach().cpu() for p in model.parameters()]
+    if setup.reference is None:
+        setup.reference = params
+    else:
+        row.bitwise = all(torch.equal(a, b) for a, b in zip(setup.reference, params))
+    if engine is not None:
+        _engine_figures(setup, engine, row, per_step)
+        if recordings is not None and engine.last_recording is not None:
+            recordings.mkdir(parents=True, exist_ok=True)
+            engine.last_recording.to_json(recordings / f"{case.name}-{method}-{row.budget_fraction:g}.json")
+        engine.close()
+    del model, opt, runner
+
+
+def _one_step(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,
+              hooks: Any, scaler: Any) -> None:
+    """The user's loop: forward under the case's autocast, backward (scaled), update."""
+    with engine.step() if engine is not None else contextlib.nullcontext():
+        with hooks if engine is None else contextlib.nullcontext():
+            with case.autocast():
+                loss = loss_fn(runner(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str, int]]) -> None:
+    import scheduler
+
+    st = engine.stats()
+    row.pool_peak_bytes = int(st["pool_peak_mapped_bytes"] or 0)
+    row.peak_bytes = (row.torch_peak_bytes or 0) + row.pool_peak_bytes
+    row.bytes_moved = int(statistics.median(s["bytes_in"] + s["bytes_out"] for s in per_step))
+    row.bytes_recomputed = int(statistics.median(s["bytes_recomputed"] for s in per_step))
+    row.forms = {"steps": st["steps"], "plans": st["plans"], "plain": st["plain_steps"],
+                 "anchored": st["anchored_steps"],
+                 "planned_timed": sum(s["planned"] for s in per_step)}
+    if engine.schedule is not None and setup.hardware is not None:
+        r = scheduler.simulate(engine.schedule, setup.hardware, timeline=False)
+        row.predicted_step_ms = r.total_s * 1e3
+        plan = engine.schedule.summary()
+        row.note += ("; " if row.note else "") + (f"plan: {plan.get('bytes_in', 0) + plan.get('bytes_out', 0)} B moved, "
+                    f"{plan.get('bytes_recomputed', 0)} B recomputed per step")
+
+
+def _counters(engine: Any) -> dict[str, int]:
+    if engine is None:
+        return {}
+    st = engine.stats()
+    return {"bytes_in": st["bytes_in"], "bytes_out": st["bytes_out"],
+            "bytes_recomputed": st["bytes_recomputed"]}
+
+
+def _counted_save_on_cpu(moved: list[int]) -> Any:
+    """``save_on_cpu(pin_memory=True)`` as PyTorch ships it, its pack hook wrapped to count
+    the bytes it copies to the host (each comes back once in the backward)."""
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    inner = hooks.pack_hook
+
+    def pack(t: torch.Tensor) -> Any:
+        moved[0] += t.numel() * t.element_size()
+        return inner(t)
+
+    hooks.pack_hook = pack
+    return hooks

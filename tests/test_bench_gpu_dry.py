@@ -1,0 +1,105 @@
+"""bench_gpu's quick run, DRY, over ooc's FAKE CUDA driver: no GPU here, so this checks the
+benchmark's own code (every method, the step forms, profiles, the report and gpu.json), not
+any GPU figure. The validation runs on a lent GPU rarely and for minutes: a bug in the
+script found there costs a run.
+
+``torch.cuda``'s timing and memory calls are stubbed (events on the host clock, a constant
+peak), the cases train on the CPU (``gpu_cases.DEVICE = "cpu"``) and the engines run over
+``ooc.testing.fake_cuda()``. THE FIGURES IT WRITES MEAN NOTHING; the test reads only what
+ran, bitwise, and what the report says.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+MiB = 1 << 20
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1e3
+
+
+@pytest.fixture
+def dry_gpu(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_cases
+    import gpu_link
+
+    monkeypatch.setattr(gpu_cases, "DEVICE", "cpu")
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 96 * MiB)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
+        name="FAKE (dry run)", total_memory=16 << 30, multi_processor_count=0))
+    monkeypatch.setattr(gpu_link, "bandwidth", lambda quick: (["(dry run)"], {"h2d": 50e9, "d2h": 50e9}))
+    real_save_on_cpu = torch.autograd.graph.save_on_cpu
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu",
+                        lambda pin_memory=False, **k: real_save_on_cpu(pin_memory=False, **k))
+    from ooc.testing import fake_cuda
+
+    with fake_cuda(memory_bytes=2 << 30, granularity=2 * MiB) as driver:
+        yield driver
+    assert driver.violations == []
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE DRIVER: every method of every quick case and each step form trains, in-core runs
+    repeat bitwise, each ooc run is bitwise equal to in-core, and gpu.md / gpu.json / the
+    profiles are written with issue 38's keys."""
+    import bench_gpu
+
+    out = tmp_path / "gpu-quick.md"
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
+                                      "--no-sanitizer", "--profiles", str(tmp_path / "profiles"),
+                                      "--recordings", str(tmp_path / "rec")])
+    code = bench_gpu.main()
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = data["rows"] + data["step_forms"]
+    broken = [(r["label"], r["method"], r["error"]) for r in rows if r["error"]]
+    assert not broken, broken
+    assert code == 0
+    methods = {(r["case"], r["method"]) for r in data["rows"]}
+    for case in ("resnet50", "gpt2", "llama"):
+        for method in ("in-core", "in-core-repeat", "checkpoint-every-block", "checkpoint-every-2nd",
+                       "save_on_cpu", "ooc", "ooc-swap-only"):
+            assert (case, method) in methods
+    keys = {"case", "method", "budget_fraction", "step_ms", "samples_per_s", "peak_bytes",
+            "bytes_moved", "bytes_recomputed", "bitwise", "predicted_step_ms"}
+    assert keys <= set(data["rows"][0])
+    assert all(r["bitwise"] for r in rows if r["method"] != "in-core"), \
+        [(r["label"], r["method"]) for r in rows if r["method"] != "in-core" and not r["bitwise"]]
+    ooc_rows = [r for r in data["rows"] if r["method"].startswith("ooc")]
+    assert all(r["predicted_step_ms"] for r in ooc_rows)
+    assert any(r["bytes_moved"] for r in ooc_rows), "no ooc run moved a byte: budgets not binding"
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert profiles == ["gpt2.json", "llama.json", "resnet50.json"]
+    from scheduler.ir import VariableSequence
+
+    seq = VariableSequence.from_json(tmp_path / "profiles" / "gpt2.json")
+    assert seq.meta["case"] == "gpt2" and seq.meta["in_core_step_ms"] > 0
+    assert all(f.cost.seconds is not None for f in seq.functions)
+    assert "## Side by side" in out.read_text()
