@@ -65,6 +65,9 @@ def main() -> int:
     p.add_argument("--recordings", type=Path, default=None, metavar="DIR",
                    help="write each ooc run's recorded step (the engine's own) here")
     p.add_argument("--cases", default=None, help="comma-separated subset: resnet50,gpt2,llama")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of the per-case methods (in-core always runs)")
+    p.add_argument("--no-forms", action="store_true", help="skip the step-form checks")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
     p.add_argument("--vmm", action="store_true", help="also time the driver's VMM calls")
@@ -127,19 +130,23 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
         model, x, y, loss_fn = case.build()
         setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
         for method in BEFORE_OOC:
+            if method != "in-core" and not _chosen(args, method):
+                continue
             report.add(run(setup, method))
             if method == "in-core" and profiles is not None:
                 _profile(case, profiles, report, rates)
         for fraction, method in OOC_FRACTIONS:
+            if not _chosen(args, method):
+                continue
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
         references[case.name] = setup.reference
         del model, x, y, setup
-    for case, engine_kw, fraction in QUICK_FORMS if args.quick else FORMS:
+    for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
             report.skipped(f"step form {case.label} {engine_kw}: not run, the run's time limit")
             continue
         setup = Setup(case, *case.build(), steps=2, hardware=hw)
-        report.add(run(setup, "in-core", warmup=1), form=True)
+        report.add(run(setup, "in-core"), form=True)
         report.add(run(setup, "ooc", fraction=fraction, engine_kw=engine_kw), form=True)
     if args.pytest:
         report.section("Real-GPU tests (pytest -m gpu)", _pytest(clock.left()))
@@ -159,6 +166,10 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
         report.section("compute-sanitizer memcheck", _guarded(sanitizer, args.quick, str(HERE)))
     if args.vmm and clock.left() > 60:
         report.section("VMM cost per chunk", _guarded(vmm_costs, args.quick))
+
+
+def _chosen(args: argparse.Namespace, method: str) -> bool:
+    return args.methods is None or method in args.methods.split(",")
 
 
 def _profile(case, profiles: Path, report: gpu_report.Report, rates: dict[str, float]) -> None:

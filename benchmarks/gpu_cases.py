@@ -108,7 +108,13 @@ class _Llama(nn.Module):
         self.inner, self.vocab = inner, vocab
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids=ids, use_cache=False).logits.float()
+        # Flash attention: its backward is deterministic under use_deterministic_algorithms;
+        # the cuDNN attention PyTorch 2.11 picks on an H200 is not, and then no two runs,
+        # in core or not, are bitwise equal (seen: in-core twice differed).
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return self.inner(input_ids=ids, use_cache=False).logits.float()
 
 
 def _llama(layers: int, width: int, seq_len: int, vocab: int = 32000) -> nn.Module:

@@ -130,6 +130,8 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
     moved = [0]
     hooks = _counted_save_on_cpu(moved) if method == "save_on_cpu" else contextlib.nullcontext()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()   # else the first step reads the last run's peak
     torch.manual_seed(1)
     times, per_step, rises, peak = [], [], [], 0
     for i in range(warmup + setup.steps):

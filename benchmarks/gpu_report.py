@@ -81,22 +81,28 @@ class Report:
 
 
 def _table(rows: list[Row]) -> list[str]:
-    base = next((r for r in rows if r.method == "in-core" and r.step_ms), None)
-    out = []
+    """One line per row; "vs in-core" against the in-core row above it (its own case)."""
+    base, out = None, []
     for r in rows:
+        if r.method == "in-core" and r.step_ms:
+            base = r
         if r.error:
-            out.append([r.method, _frac(r), "FAILED", "", "", "", "", "", "", "", r.error])
+            out.append([_what(rows, r), _frac(r), "FAILED", "", "", "", "", "", "", "", r.error])
             continue
         speed = f"{base.step_ms / r.step_ms:.2f}x" if base and r.step_ms else ""
         sim = ""
         if r.predicted_step_ms:
             sim = f"{r.predicted_step_ms:.0f} ms ({r.predicted_step_ms / r.step_ms - 1:+.0%})"
-        out.append([r.method, _frac(r), f"{r.step_ms:.1f} ms", f"{r.samples_per_s:.0f}", speed,
+        out.append([_what(rows, r), _frac(r), f"{r.step_ms:.1f} ms", f"{r.samples_per_s:.0f}", speed,
                     _peak(r), _gib(r.bytes_moved), _gib(r.bytes_recomputed),
                     {True: "yes", False: "**NO**", None: ""}[r.bitwise], sim,
                     "; ".join(x for x in (r.note, _forms(r.forms)) if x)])
-    return common.md_table(["method", "budget", "step", "samples/s", "vs in-core", "peak",
+    return common.md_table(["method" if len({r.label for r in rows}) == 1 else "case, method", "budget", "step", "samples/s", "vs in-core", "peak",
                             "moved/step", "recomputed/step", "bitwise", "sim", "note"], out)
+
+
+def _what(rows: list[Row], r: Row) -> str:
+    return r.method if len({x.label for x in rows}) == 1 else f"{r.label}: {r.method}"
 
 
 def _verdicts(rows: list[Row]) -> list[str]:

@@ -77,6 +77,7 @@ _BATCH_NORM = frozenset({"native_batch_norm", "_native_batch_norm_legit", "cudnn
 _NOT_REPLAYABLE_TAGS = tuple(getattr(torch.Tag, t) for t in (
     "data_dependent_output", "nondeterministic_bitwise", "inplace_view", "maybe_aliasing_or_mutating")
     if hasattr(torch.Tag, t))
+_OUT_TAG = getattr(torch.Tag, "out", None)
 _NEVER_INPLACE = frozenset({"copy_"})
 
 
@@ -131,8 +132,11 @@ def replay_rule(func: Any, view: bool, writes: tuple[tuple[int, str], ...]) -> R
     if view:
         return ReplayRule(False, why="a view (allocates nothing)")
     packet = schema.name.split("::")[-1]
-    is_out = torch.Tag.out in tags or any(a.kwarg_only for a in schema.arguments
-                                          if a.alias_info is not None and a.alias_info.is_write)
+    # ``Tag.out`` is newer than some PyTorch releases the package supports (2.11 has none):
+    # the schema's own out arguments say the same everywhere.
+    is_out = (_OUT_TAG is not None and _OUT_TAG in tags) or any(
+        getattr(a, "is_out", False) or (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        for a in schema.arguments)
     if packet in _BATCH_NORM and not is_out:
         names = [a.name for a in schema.arguments]
         mean = ("running_mean" in names and (names.index("running_mean"), "running_mean")) or None
