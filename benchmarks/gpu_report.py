@@ -112,8 +112,9 @@ def _verdicts(rows: list[Row]) -> list[str]:
     for r in rows:
         if not r.method.startswith("ooc") or r.error or not r.step_ms or base is None:
             continue
-        beaten = [a.method for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error
-                  and a.peak_bytes and a.peak_bytes >= (r.peak_bytes or 0) and a.step_ms < r.step_ms]
+        others = [a for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error]
+        beaten = [a.method for a in others
+                  if a.peak_bytes and a.peak_bytes >= (r.peak_bytes or 0) and a.step_ms < r.step_ms]
         speed = base.step_ms / r.step_ms
         target = TARGETS.get(r.budget_fraction or 0) if r.case in ("resnet50", "gpt2") else None
         sim_ok = (r.predicted_step_ms is not None
@@ -121,7 +122,8 @@ def _verdicts(rows: list[Row]) -> list[str]:
         out.append(f"- {r.method} at {_frac(r)}: {speed:.2f}x in-core"
                    + (f" (target >= {target:.2f}: {'met' if speed >= target else 'NOT met'})" if target else "")
                    + "; faster than every alternative at no less peak: "
-                   + ("yes" if not beaten else f"NO (slower than {', '.join(beaten)})")
+                   + ("no alternative measured" if not others else "yes" if not beaten
+                      else f"NO (slower than {', '.join(beaten)})")
                    + f"; simulator within 15%: {'yes' if sim_ok else 'NO'}"
                    + f"; bitwise: {r.bitwise}")
     return out
