@@ -350,22 +350,12 @@ def managed_peak(model: str, batch: int, *, manage: tuple[str, ...] = ("activati
 
     from ooc import models
     from ooc.trace import trace
-    from scheduler.ir import Function, Kind, Variable, VariableSequence
+    from scheduler.managed import kinds_of, managed_view
 
-    kinds = {"activations": Kind.ACTIVATION, "params": Kind.PARAM, "grads": Kind.GRAD,
-             "optimizer_state": Kind.OPTIMIZER_STATE}
-    wanted = {kinds[m] for m in manage}
-    floor = chunk // 2 if min_bytes is None else min_bytes
     kw = model_kwargs or {}
     with torch.device("meta"):
         net = models.get(model, **kw)
     x, y = models.example_batch(model, batch, "meta", **kw)
     seq = trace(net, x, targets=y, loss_fn=models.loss_fn(model), optimizer=optimizer, device="meta")
-    keep = {}
-    for v, var in seq.variables.items():
-        if var.kind in wanted and var.nbytes >= floor and not var.name.endswith(("running_mean", "running_var", "num_batches_tracked")):
-            nbytes = -(-var.nbytes // chunk) * chunk if var.kind is Kind.ACTIVATION else var.nbytes
-            keep[v] = Variable(v, nbytes, var.kind, var.name, var.live_in, var.live_out)
-    functions = tuple(Function(f.index, f.name, tuple(u for u in f.uses if u.var in keep), f.cost)
-                      for f in seq.functions)
-    return VariableSequence(functions, keep, {}).in_core_peak_bytes
+    floor = chunk // 2 if min_bytes is None else min_bytes
+    return managed_view(seq, kinds_of(manage), min_bytes=floor, chunk=chunk).in_core_peak_bytes

@@ -87,7 +87,7 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     """
     if window is None:
         window = default_window(budget)
-    prep = Prepared(seq)
+    prep = Prepared.of(seq)
     require_working_sets_fit(seq, budget, prep.working_sets)
     variables = seq.variables
     uses_of = seq.uses_of

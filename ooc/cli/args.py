@@ -98,6 +98,22 @@ def choice(names: tuple[str, ...] | list[str], what: str) -> Callable[[str], str
     return check
 
 
+MANAGE_KINDS = ("activations", "params", "grads", "optimizer_state")   # scheduler.managed.MANAGE
+MANAGE_HELP = ("plan only what OutOfCore would manage with this `manage` (comma-separated: "
+               "activations, params, grads, optimizer_state), from 1 MiB up, activations in whole "
+               "2 MiB chunks: a GPU profile or trace planned as the engine plans it")
+
+
+def manage_kinds(text: str) -> tuple[str, ...]:
+    """``--manage``: a comma-separated subset of OutOfCore's ``manage`` kinds."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in MANAGE_KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose a comma-separated subset of {', '.join(MANAGE_KINDS)}")
+    return kinds
+
+
 def output_file(suffix: str | None = None) -> Callable[[str], str]:
     """A file this process can create or replace, in a directory that exists.
 

@@ -18,11 +18,11 @@ from typing import Any
 from ooc.measure import Case, CaseResult, managed_peak, run_case, same_parameters, steady_steps
 from vmm.units import format_size
 
-KINDS = ("activations", "params", "grads", "optimizer_state")
 
 
 def register(sub: Any) -> None:
-    from ooc.cli.args import SIZE_HELP, positive_float, positive_int, size, swap_directory, zoo_model
+    from ooc.cli.args import (MANAGE_KINDS, SIZE_HELP, manage_kinds, positive_float, positive_int, size,
+                              swap_directory, zoo_model)
 
     p = sub.add_parser("demo", help="train in core and out of core, compare time, memory and bits",
                        description="Train a zoo model for a few steps in core, then the same steps "
@@ -40,23 +40,14 @@ def register(sub: Any) -> None:
                    help="budget for managed tensors, e.g. 96MiB (default: 1/4 of their in-core peak)")
     p.add_argument("--fraction", type=positive_float,
                    help="instead of --budget: budget = peak / FRACTION (default: 4)")
-    p.add_argument("--manage", default="activations", type=_kinds, metavar="KINDS",
-                   help=f"comma-separated kinds to manage, of {','.join(KINDS)} (default: activations)")
+    p.add_argument("--manage", default=("activations",), type=manage_kinds, metavar="KINDS",
+                   help=f"comma-separated kinds to manage, of {','.join(MANAGE_KINDS)} (default: activations)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--storage", type=swap_directory, metavar="DIR",
                    help="directory for the private swap directory (default: $TMPDIR)")
     p.add_argument("--chunk", default="2MiB", type=size, metavar="SIZE", help="pool chunk size (default: 2MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
-
-
-def _kinds(text: str) -> tuple[str, ...]:
-    manage = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in manage if m not in KINDS]
-    if bad or not manage:
-        raise argparse.ArgumentTypeError(
-            f"unknown kind(s) {', '.join(bad) or repr(text)}; choose from {','.join(KINDS)}")
-    return manage
 
 
 def run(args: argparse.Namespace) -> int:

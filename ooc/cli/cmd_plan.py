@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
     from scheduler.planner import POLICIES
     from scheduler.recompute import RECOMPUTE_MODES
 
-    from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
+    from ooc.cli.args import MANAGE_HELP, SIZE_HELP, choice, manage_kinds, output_file, positive_int, size
 
     p = subparsers.add_parser(
         "plan", help="plan swap-outs and swap-ins of a traced step within a device budget",
@@ -60,6 +60,7 @@ def register(subparsers: Any) -> None:
                    help=f"{DEFAULT_POLICY} (default), " + ", ".join(n for n in POLICIES if n != DEFAULT_POLICY))
     p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
                    help=RECOMPUTE_HELP)
+    p.add_argument("--manage", metavar="KINDS", type=manage_kinds, help=MANAGE_HELP)
     p.add_argument("-o", "--output", metavar="FILE", type=output_file(), help="write the schedule as JSON here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--compare", action="store_true",
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     policies = POLICIES if args.compare else (policy,)
     with Progress(1 + len(policies) + bool(args.output), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
-        seq = load_sequence(args.input)
+        seq = load_sequence(args.input, args.manage)
         rows: dict[str, dict[str, Any]] = {}
         schedule = None
         for name in policies:
@@ -161,12 +162,21 @@ def load(path: str) -> Any:
     return cls.from_dict(data, where=os.fspath(path))
 
 
-def load_sequence(path: str) -> Any:
-    """The variable sequence in ``path`` (a plan file gives the sequence it planned)."""
+def load_sequence(path: str, manage: tuple[str, ...] | None = None) -> Any:
+    """The variable sequence in ``path`` (a plan file gives the sequence it planned); with
+    ``manage``, only what ``OutOfCore(manage=...)`` would manage of it (``managed``)."""
     from scheduler.schedule import Schedule
 
     obj = load(path)
-    return obj.sequence if isinstance(obj, Schedule) else obj
+    seq = obj.sequence if isinstance(obj, Schedule) else obj
+    return seq if manage is None else managed(seq, manage)
+
+
+def managed(seq: Any, manage: tuple[str, ...]) -> Any:
+    """``scheduler.managed.managed_view`` with the engine's defaults (from 1 MiB, 2 MiB chunks)."""
+    from scheduler.managed import kinds_of, managed_view
+
+    return managed_view(seq, kinds_of(manage))
 
 
 def check_recompute(recompute: str | None, policy: str, *, compare: bool = False) -> None:

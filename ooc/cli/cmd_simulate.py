@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
     from scheduler.recompute import RECOMPUTE_MODES
     from scheduler.simulate import ALLOCATORS
 
-    from ooc.cli.args import SIZE_HELP, choice, output_file, positive_int, size
+    from ooc.cli.args import MANAGE_HELP, SIZE_HELP, choice, manage_kinds, output_file, positive_int, size
     from ooc.cli.cmd_plan import RECOMPUTE_HELP
 
     p = subparsers.add_parser(
@@ -48,9 +48,10 @@ def register(subparsers: Any) -> None:
                     "trace, planned first with --budget) on a hardware preset: a simulation, "
                     "not a measurement.", epilog=SIZE_HELP)
     p.add_argument("input", metavar="PLAN", help="plan JSON (ooc plan -o), or a trace JSON with --budget")
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME",
+    p.add_argument("--hardware", default=None, metavar="NAME",
                    type=choice(sorted(PRESETS), "hardware"),
-                   help=f"hardware preset: {', '.join(sorted(PRESETS))} (default {DEFAULT_HARDWARE})")
+                   help=f"hardware preset: {', '.join(sorted(PRESETS))} (default {DEFAULT_HARDWARE}; for a "
+                        "GPU profile, h100-80gb-pcie5 with the link the profile measured)")
     p.add_argument("--device-memory", metavar="SIZE", type=size,
                    help="usable device memory instead of the preset's nominal size, e.g. 15.25GiB")
     p.add_argument("--allocator", metavar="NAME", type=choice(ALLOCATORS, "allocator"),
@@ -67,6 +68,7 @@ def register(subparsers: Any) -> None:
                    help=f"with --budget: planner policy ({', '.join(POLICIES)}; default window)")
     p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
                    help=f"with --budget: {RECOMPUTE_HELP}")
+    p.add_argument("--manage", metavar="KINDS", type=manage_kinds, help=f"with --budget: {MANAGE_HELP}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -79,14 +81,15 @@ def run(args: argparse.Namespace) -> int:
     from vmm.errors import OOCError
     from vmm.units import format_size
 
-    from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, check_recompute, load, plan_and_summarize
+    from scheduler.recompute import default_hardware
+
+    from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, check_recompute, load, managed, plan_and_summarize
     from ooc.cli.recomputed import as_json, recomputed
 
     # Every value was checked by the parser; what remains are combinations, still before work.
     overrides = {}
     if args.device_memory is not None:
         overrides["device_bytes"] = args.device_memory
-    hw = hardware(args.hardware, **overrides)
     chunk = None
     if args.chunk is not None:
         if args.allocator != "vmm":
@@ -94,13 +97,21 @@ def run(args: argparse.Namespace) -> int:
         chunk = args.chunk
     budget, window = args.budget, args.window
     policy = args.policy if args.policy is not None else DEFAULT_POLICY
-    if budget is None and (args.window is not None or args.policy is not None or args.recompute is not None):
-        raise OOCError("--window, --policy and --recompute plan a trace: give --budget too")
+    if budget is None and (args.window is not None or args.policy is not None or args.recompute is not None
+                           or args.manage is not None):
+        raise OOCError("--window, --policy, --recompute and --manage plan a trace: give --budget too")
     check_recompute(args.recompute, policy)
 
     with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
         obj = load(args.input)
+        seq = obj.sequence if isinstance(obj, Schedule) else obj
+        if args.hardware is not None:
+            hw = hardware(args.hardware, **overrides)
+        elif "link_bytes_per_s" in seq.meta:   # a GPU profile: its own link
+            hw = hardware(default_hardware(seq), **overrides)
+        else:
+            hw = hardware(DEFAULT_HARDWARE, **overrides)
         bar.stage("planning")
         if isinstance(obj, Schedule):
             if budget is not None:
@@ -113,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
                 raise OOCError(f"{args.input} is a trace, not a plan: give --budget SIZE to plan it "
                                f"first, or run `ooc plan` and simulate its -o file")
             # priced on the hardware simulated: auto's swap-or-recompute choice is made for it
+            if args.manage is not None:
+                obj = managed(obj, args.manage)
             schedule, _ = plan_and_summarize(obj, budget, window, policy, recompute=args.recompute,
                                              hardware=hw)
         bar.stage(f"simulating on {hw.name}")

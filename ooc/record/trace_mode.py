@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ooc.errors import OOCError
 from ooc.record.op_schema import _OPS, op_info
 from ooc.record.recorder import StepRecorder
+from ooc.runtime.cuda_seam import keep_stream_busy
 from scheduler.ir import Kind, VariableSequence
 
 
@@ -121,6 +122,7 @@ class Recorder(TorchDispatchMode):
         try:
             if self._events is not None:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                keep_stream_busy()   # else the events time the host's launches too
                 start.record()
                 out = func(*args, **kwargs)
                 end.record()

@@ -326,6 +326,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         if gpu_timing:
             cuda = cuda_runtime()   # torch.cuda.Event, or host timing under the fake
             start, end = cuda.timing_event(), cuda.timing_event()
+            cuda.keep_busy()   # else the events time the host's launches too (cuda_seam)
             start.record()
         recipe = i in self.recipe_ops and self.planned
         rng = self.rng_before(info, self.ctx.device) if recipe else None

@@ -100,6 +100,9 @@ class FakeCudaRuntime(CudaRuntime):
     def timing_event(self) -> Any:
         return _HostEvent()
 
+    def keep_busy(self) -> None:
+        """Nothing to keep busy: the fake's "kernels" run on the host, timed by its clock."""
+
 
 @contextlib.contextmanager
 def fake_cuda(*, memory_bytes: int = 16 << 30, granularity: int = 64 << 10,

@@ -53,12 +53,13 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     "plan": (["INPUT", "{trace}", "--budget", "64MiB"], {
         "INPUT": INPUT, "--budget": SIZE, "--window": SIZE, "--policy": NAME, "--output": OUTPUT,
         "--data-parallel": POSITIVE_INT, "--recompute": NAME + ["always"],
+        "--manage": ["weights", ",", "activations,bogus"],
     }),
     "simulate": (["INPUT", "{plan}"], {
         "INPUT": INPUT, "--hardware": NAME + ["h200"], "--device-memory": SIZE,
         "--allocator": NAME + ["buddy"], "--chunk": SIZE, "--timeline": OUTPUT, "--budget": SIZE,
         "--window": SIZE, "--policy": NAME, "--data-parallel": POSITIVE_INT,
-        "--recompute": NAME + ["always"],
+        "--recompute": NAME + ["always"], "--manage": ["weights", ",", "activations,bogus"],
     }),
     "frag": (["INPUT", "{trace}"], {
         "INPUT": INPUT, "--chunks": ["3MiB", "lots", ",", "0"], "--device-memory": SIZE,

@@ -48,7 +48,9 @@ def test_plan_json_at_a_tight_budget_moves_bytes_and_writes_a_safe_plan(trace_fi
     info = _json(capsys)
     assert SUMMARY_KEYS | {"plan_seconds"} <= set(info)
     assert info["policy"] == "window" and info["budget"] == tight
-    assert info["window"] == tight * 3 // 2  # the default window, 1.5 x budget
+    # the default window, 1.5 x budget; on a GPU preset (this meta trace is priced on the
+    # V100) the planner also tries twice that and keeps the faster (``scheduler.recompute``)
+    assert info["window"] in (tight * 3 // 2, 2 * (tight * 3 // 2))
     assert info["bytes_in"] > 0 and info["bytes_out"] > 0
     assert info["transfers_in"] > 0
     assert info["peak_resident_bytes"] <= tight < info["in_core_peak_bytes"]

@@ -1,0 +1,40 @@
+"""``ooc plan`` / ``ooc simulate`` on a GPU profile (benchmarks/profiles/): planned as the
+engine plans it (``--manage``) and priced on the link the profile measured, on a machine
+without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROFILE = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "gpt2.json"
+
+
+def _ooc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ooc", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_simulate_a_profile_as_the_engine_plans_it_on_its_own_link() -> None:
+    p = _ooc("simulate", str(PROFILE), "--budget", "4GiB", "--manage", "activations", "--json",
+             "--no-progress")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    meta = json.loads(PROFILE.read_text())["meta"]
+    assert r["hardware"] == "h100-80gb-pcie5"
+    assert r["peak_bytes"] <= 4 << 30 and r["bytes_recomputed"] > 0
+    # only the activations are planned: the parameters and Adam's state are not in the budget
+    whole = _ooc("simulate", str(PROFILE), "--budget", "4GiB", "--json", "--no-progress")
+    assert whole.returncode == 2 and "too small" in whole.stderr
+    # the in-core step it compares with is the profile's own op times: ~ the measured step
+    assert abs(r["compute_s"] * 1e3 / meta["in_core_step_ms"] - 1) < 0.05
+
+
+def test_plan_takes_manage_and_refuses_an_unknown_kind() -> None:
+    p = _ooc("plan", str(PROFILE), "--budget", "8GiB", "--manage", "activations", "--json", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["in_core_peak_bytes"] < 18 << 30 and info["bytes_recomputed"] > 0
+    bad = _ooc("plan", str(PROFILE), "--budget", "8GiB", "--manage", "weights", "--no-progress")
+    assert bad.returncode == 2 and "activations, params, grads, optimizer_state" in bad.stderr
