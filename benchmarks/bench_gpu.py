@@ -132,7 +132,8 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
         for method in BEFORE_OOC:
             if method != "in-core" and not _chosen(args, method):
                 continue
-            report.add(run(setup, method))
+            slow = method == "save_on_cpu"   # 10-16x in-core: fewer steps say as much
+            report.add(run(setup, method, warmup=1 if slow else 3, steps=3 if slow else None))
             if method == "in-core" and profiles is not None:
                 _profile(case, profiles, report, rates)
         for fraction, method in OOC_FRACTIONS:
@@ -150,16 +151,15 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
         report.add(run(setup, "ooc", fraction=fraction, engine_kw=engine_kw), form=True)
     if args.pytest:
         report.section("Real-GPU tests (pytest -m gpu)", _pytest(clock.left()))
-    if not args.no_compile:
-        for case in cases:
-            for budget in ("0.5", "0.25"):
-                if clock.left() < 150:
-                    report.skipped(f"{case.label} compile-budget-{budget}: not run, the run's time limit")
-                    continue
-                model, x, y, loss_fn = case.build()
-                setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
-                setup.reference = references.get(case.name)
-                report.add(run(setup, f"compile-budget-{budget}"))
+    if not args.no_compile:   # the budgets first, then the cases (compiling takes a while)
+        for budget, case in [(b, c) for b in ("0.5", "0.25") for c in cases]:
+            if clock.left() < 90:
+                report.skipped(f"{case.label} compile-budget-{budget}: not run, the run's time limit")
+                continue
+            model, x, y, loss_fn = case.build()
+            setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
+            setup.reference = references.get(case.name)
+            report.add(run(setup, f"compile-budget-{budget}"))
     if not args.no_sanitizer and clock.left() > 60:
         from gpu_sanitizer import sanitizer
 

@@ -77,12 +77,14 @@ class Setup:
 
 
 def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int = 3,
-        engine_kw: dict[str, Any] | None = None, recordings: Path | None = None) -> Row:
+        engine_kw: dict[str, Any] | None = None, recordings: Path | None = None,
+        steps: int | None = None) -> Row:
     """Train ``setup.steps`` timed steps (after ``warmup``) by ``method``; never raises: a
     failure is a row with ``error`` set (one broken method must not hide the others).
     ``fraction``: the budget, of the in-core activation peak (of the whole in-core peak when
     ``engine_kw`` manages more than activations); ``engine_kw``: more ``OutOfCore`` options;
-    ``recordings``: a directory for the engine's own recorded step (what it planned on)."""
+    ``recordings``: a directory for the engine's own recorded step (what it planned on);
+    ``steps``: timed steps, if not ``setup.steps``."""
     case = setup.case
     engine_kw = dict(engine_kw or {})
     row = Row(case.name, method, fraction, label=case.label)
@@ -92,7 +94,7 @@ def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int
         whole = set(engine_kw.get("manage", ("activations",))) != {"activations"}
         row.budget_bytes = int((setup.total_peak if whole else setup.activation_peak) * fraction)
     try:
-        _train(setup, method, row, warmup, engine_kw, recordings)
+        _train(setup, method, row, warmup, engine_kw, recordings, steps or setup.steps)
     except Exception as exc:   # the row says what broke; the log has the traceback
         traceback.print_exc()
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
@@ -103,7 +105,7 @@ def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int
 
 
 def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str, Any],
-           recordings: Path | None) -> None:
+           recordings: Path | None, steps: int) -> None:
     case = setup.case
     model = copy.deepcopy(setup.model).to(gpu_cases.DEVICE)
     if method == "checkpoint-every-block":
@@ -134,7 +136,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     torch.cuda.reset_peak_memory_stats()   # else the first step reads the last run's peak
     torch.manual_seed(1)
     times, per_step, rises, peak = [], [], [], 0
-    for i in range(warmup + setup.steps):
+    for i in range(warmup + steps):
         before = _counters(engine)
         moved[0] = 0
         torch.cuda.synchronize()

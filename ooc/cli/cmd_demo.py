@@ -19,7 +19,6 @@ from ooc.measure import Case, CaseResult, managed_peak, run_case, same_parameter
 from vmm.units import format_size
 
 
-
 def register(sub: Any) -> None:
     from ooc.cli.args import (MANAGE_KINDS, SIZE_HELP, manage_kinds, positive_float, positive_int, size,
                               swap_directory, zoo_model)
