@@ -39,6 +39,7 @@ class GpuCase:
     model_kw: dict = field(default_factory=dict)
     scaler: bool = False                 # torch.amp.GradScaler around backward and update
     image_size: int | None = None        # images: the side (default the model's, 224)
+    sdpa: str | None = None              # the scaled-dot-product attention backend: flash | math
     foreach: bool | None = None          # the optimizer's (None: PyTorch's default)
 
     def build(self) -> tuple[nn.Module, Any, Any, Callable[[Any, Any], torch.Tensor]]:
@@ -63,6 +64,18 @@ class GpuCase:
             return torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=self.foreach)
         return torch.optim.AdamW(params, lr=1e-4, foreach=self.foreach)
 
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The SDPA backend for the whole step, forward and backward: a checkpointed block
+        recomputes its forward in the backward, and must pick the backend its forward did
+        (else torch.utils.checkpoint refuses: "different metadata"). Flash is fast but its
+        backward is not deterministic (a Llama in-core run twice differed on an H200, as with
+        the cuDNN attention PyTorch 2.11 picks there by default); math is deterministic."""
+        if self.sdpa is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION if self.sdpa == "flash" else SDPBackend.MATH])
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp is None:
             return contextlib.nullcontext()
@@ -72,12 +85,12 @@ class GpuCase:
 FULL = [GpuCase("resnet50", "ResNet-50 b256", 256, "sgd"),
         GpuCase("gpt2", "GPT-2 small b8 x 1024", 8, "adamw"),
         GpuCase("llama", "Llama ~320M b4 x 2048 bf16", 4, "adamw", torch.bfloat16,
-                dict(layers=20, width=1024, seq_len=2048))]
+                dict(layers=20, width=1024, seq_len=2048), sdpa="flash")]
 QUICK = [GpuCase("resnet50", "ResNet-50 b4 64x64 (quick)", 4, "sgd", image_size=64),
          GpuCase("gpt2", "GPT b8 x 256 (quick)", 8, "adamw",
                  model_kw=dict(depth=2, width=256, heads=4, seq_len=256, vocab=2048)),
          GpuCase("llama", "Llama 2 x 256 b2 x 256 bf16 (quick)", 2, "adamw", torch.bfloat16,
-                 dict(layers=2, width=256, seq_len=256, vocab=2048))]
+                 dict(layers=2, width=256, seq_len=256, vocab=2048), sdpa="flash")]
 
 
 # Each step form of the engine on a small model, bitwise against the same loop in core
@@ -95,6 +108,8 @@ FORMS = [
              foreach=False), {"manage": _ALL}, 0.25),
     (GpuCase("resnet50", "ResNet-50 b32", 32, "sgd"), {"recompute": "prefer"}, 0.25),
     (GpuCase("resnet50", "ResNet-50 b32", 32, "sgd"), {"recompute": "prefer"}, 2.0),
+    (GpuCase("llama", "Llama 4 x 512 b2 x 512 bf16, math attention", 2, "adamw", torch.bfloat16,
+             dict(layers=4, width=512, seq_len=512), sdpa="math"), {}, 0.25),
 ]
 QUICK_FORMS = [(GpuCase("gpt2", "GPT 1 x 64 b4 fp16 + GradScaler", 4, "adamw", torch.float16,
                         dict(depth=1, width=64, heads=2, seq_len=64, vocab=256), scaler=True), {}, 0.25)]
@@ -108,13 +123,7 @@ class _Llama(nn.Module):
         self.inner, self.vocab = inner, vocab
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # Flash attention: its backward is deterministic under use_deterministic_algorithms;
-        # the cuDNN attention PyTorch 2.11 picks on an H200 is not, and then no two runs,
-        # in core or not, are bitwise equal (seen: in-core twice differed).
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return self.inner(input_ids=ids, use_cache=False).logits.float()
+        return self.inner(input_ids=ids, use_cache=False).logits.float()
 
 
 def _llama(layers: int, width: int, seq_len: int, vocab: int = 32000) -> nn.Module:

@@ -182,7 +182,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
 def _one_step(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,
               hooks: Any, scaler: Any) -> None:
     """The user's loop: forward under the case's autocast, backward (scaled), update."""
-    with engine.step() if engine is not None else contextlib.nullcontext():
+    with case.attention(), engine.step() if engine is not None else contextlib.nullcontext():
         with hooks if engine is None else contextlib.nullcontext():
             with case.autocast():
                 loss = loss_fn(runner(x), y)

@@ -50,8 +50,9 @@ def record(case: GpuCase, out_dir: Path, extra_meta: dict[str, Any] | None = Non
     model, x, y, loss_fn = case.build()
     net = _Autocast(model, case) if case.amp is not None else model
     torch.manual_seed(1)
-    seq = ooc.trace(net, x, y, loss_fn=loss_fn, optimizer=case.optimizer_for, device=gpu_cases.DEVICE,
-                    measure=True, name=case.name)
+    with case.attention():
+        seq = ooc.trace(net, x, y, loss_fn=loss_fn, optimizer=case.optimizer_for, device=gpu_cases.DEVICE,
+                        measure=True, name=case.name)
     props = torch.cuda.get_device_properties(0)
     seq.meta.update({
         "case": case.name, "label": case.label, "gpu": props.name,
