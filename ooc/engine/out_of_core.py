@@ -30,7 +30,7 @@ from ooc.engine.step_end import StepEnd, partial_update_error
 from ooc.engine.update_hooks import UpdateHooks
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
-from ooc.runtime.composition import check_sharded_params, check_step_entry, state_dict_owner
+from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.process_effects import ProcessEffects
@@ -198,7 +198,8 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         self.last: dict[str, Any] = {}
         self.events: list[tuple[str, str, float, float, int]] = []
         self._stepper: Stepper | None = None
-        self._hooks: list = []
+        ref = weakref.ref(self)
+        self._hooks: list = refuse_compiled(model, lambda: (e := ref()) is not None and e._stepper is not None)
         self._closed = False
         self._init_update()
         if "params" in self.manage:

@@ -20,6 +20,13 @@ takes the saved activations away from ooc, silently: measured before these check
 
 The first two are refused with an ``OOCError`` that names what was found; checkpointing's
 hooks are told apart by the module that defines them, ``torch.utils.checkpoint``.
+
+``torch.compile`` does not compose yet, and is refused too: dynamo skips every frame while a
+``TorchDispatchMode`` is active, so a compiled model called inside the step ran eagerly,
+silently (its parameters came out bitwise equal to eager in-core training, not to compiled
+training: the compiled code never ran). Outside the mode, autograd's saved-tensor hooks do
+see what a compiled graph saves, so a hook-driven step could manage it one day; the
+recording step, which needs the mode, could not record it.
 """
 
 from __future__ import annotations
@@ -107,6 +114,47 @@ def check_hooks_inside(own_pack: Any) -> None:
         "them in its budget. Remove them from the step (ooc already moves saved activations to "
         "its slower tier within the budget; torch.utils.checkpoint composes with it), or create "
         "the engine with manage= without 'activations' to leave activations to those hooks")
+
+
+_COMPILED = ("{what} inside engine.step(): the engine sees every op of the step through a "
+             "TorchDispatchMode, under which torch.compile does not compile (dynamo runs the model "
+             "eagerly, so the parameters would match eager training, not compiled training). "
+             "Train the uncompiled model under the engine (OutOfCore(model, ...) and call model, "
+             "not torch.compile(model)), or compile without the engine")
+
+
+def refuse_compiled(model: torch.nn.Module, in_step: Callable[[], bool]) -> list[Any]:
+    """Refuse ``torch.compile`` around ``model`` or in it: a compiled submodule now, a call of
+    the model through a compiled wrapper when it happens inside a step (``in_step()``, a
+    forward pre-hook that looks for dynamo's frame on the stack). Returns the hook handles."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    inner = getattr(model, "_orig_mod", model)
+    for name, m in inner.named_modules():
+        if isinstance(m, OptimizedModule):
+            raise OOCError(_COMPILED.format(what=f"submodule {name or '(the model)'} is compiled "
+                                                 "(torch.compile), and would run eagerly"))
+
+    def check(module: torch.nn.Module, args: Any) -> None:
+        if in_step() and _through_dynamo():
+            raise OOCError(_COMPILED.format(what=f"{type(module).__name__} was called through "
+                                                 "torch.compile"))
+
+    return [inner.register_forward_pre_hook(check)]
+
+
+def _through_dynamo(depth: int = 12) -> bool:
+    """Whether one of the ``depth`` innermost callers is dynamo's entry (eval_frame.py)."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def has_sharded_params(model: torch.nn.Module) -> bool:

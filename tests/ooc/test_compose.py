@@ -200,3 +200,30 @@ def test_nested_engines_are_refused_and_both_train_afterwards() -> None:
     assert outer.stats()["bytes_out"] > 0 and inner.stats()["bytes_out"] > 0
     outer.close()
     inner.close()
+
+
+def test_torch_compile_inside_the_step_is_refused_not_run_eagerly() -> None:
+    """torch.compile under the engine's dispatch mode would run eagerly, silently (dynamo skips
+    frames while a TorchDispatchMode is active; issue 40 saw parameters equal to eager, not
+    compiled, training): a compiled call inside the step is refused and the step rolled back;
+    the uncompiled model trains on, bitwise; a compiled submodule is refused at construction."""
+    ref, ref_opt = _fresh()
+    model, opt = _fresh()
+    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
+    compiled = torch.compile(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = _batch(0)
+    with pytest.raises(OOCError, match="called through torch.compile inside engine.step"):
+        with engine.step():
+            F.cross_entropy(compiled(x), y).backward()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by the refused step"
+    for step in range(3):
+        _in_core_step(ref, ref_opt, step)
+        _engine_step(engine, model, step)
+        _assert_same(ref, model)
+    engine.close()
+    wrapped, wrapped_opt = _fresh()
+    wrapped.add_module("head", torch.compile(nn.Identity()))
+    with pytest.raises(OOCError, match="submodule head is compiled"):
+        OutOfCore(wrapped, wrapped_opt, budget=BUDGET, chunk=CHUNK)
