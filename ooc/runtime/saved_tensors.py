@@ -46,9 +46,11 @@ class Packed:
 class SavedTensors:
     """The ``Stepper``'s pack and unpack hooks (a mixin). Its state (``_init_saved``):
     ``unpacked``, vars unpacked for the next op; ``node_vars``, vars unpacked by the backward
-    node now running; ``ops_since_unpack``; ``full_vars``, a saved activation's var -> its
-    variable in the whole-step recording; ``small_saved``, storages under the threshold that
-    autograd saved (for the adaptive chunk); the pack hook this step pushed."""
+    node now running; ``ops_since_unpack``, the node's ops since its last unpack (autograd's
+    detach of an unpacked tensor not counted: ``used_unpacked``); ``full_vars``, a saved
+    activation's var -> its variable in the whole-step recording; ``small_saved``, storages
+    under the threshold that autograd saved (for the adaptive chunk); the pack hook this step
+    pushed."""
 
     def _init_saved(self) -> None:
         self.unpacked: list[int] = []
@@ -147,6 +149,19 @@ class SavedTensors:
         if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
             self._write_out(slot)     # on demand: write it out at once
         return Packed(slot, t)
+
+    def used_unpacked(self, i: int, name: str) -> None:
+        """Op ``i`` comes right after unpacks: it uses what they unpacked. Autograd detaches
+        each tensor an unpack hook returns (``SavedVariable::unpack``), so that op is
+        usually the unpack's own ``aten.detach``, not the node's: counted as one, the node's
+        next unpack closed the node, and the tensors it had unpacked looked released while
+        it still held them (the plan freed their memory before their last use, and the pool
+        ran out of room at a swap-in the plan had proven: issue 40)."""
+        for var in self.unpacked:
+            self.rec.use(i, var, Access.READ)
+        self.unpacked.clear()
+        if name != "aten.detach.default":
+            self.ops_since_unpack += 1
 
     def close_node(self) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next

@@ -259,10 +259,9 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         i = rec.begin_op(info.name)
         self.i = i
         if self.unpacked:
-            for var in self.unpacked:
-                rec.use(i, var, Access.READ)
-            self.unpacked.clear()
-        self.ops_since_unpack += 1
+            self.used_unpacked(i, info.name)
+        else:
+            self.ops_since_unpack += 1
         if self.planned:
             expected = self._plan_names[i] if i < len(self._plan_names) else None
             if expected != info.name:
