@@ -342,7 +342,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         tracked = set() if not self.planned and self._tracking() else None
         min_bytes = self.ctx.min_bytes
         aliased = False   # a result in an input's storage, not written in place (replay.py)
-        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else _tensors(out)):
+        outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
+        for k, t in enumerate(outs):
             s = t.untyped_storage()
             key = id(s)
             if key in in_ids:
@@ -364,7 +365,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         if not self.planned and info.replay.replayable and not aliased and not self.updating:
             rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
         if recipe:
-            self.capture(i, info, func, args, kwargs, rng)
+            self.capture(i, info, func, args, kwargs, rng, len(outs))
         self.after(i, touched)
         return out
 
