@@ -291,6 +291,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             if slot is not None and slot.storage is s:
                 rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
+                if key in written and slot.state is State.OUT and not slot.in_place:
+                    taken_back.append((slot, s))   # written while its copy goes out: stale
             elif s._cdata in births:
                 b = rec.live_birth(s)
                 if b is not None:
