@@ -3,6 +3,13 @@
 Autograd's pack hook runs when an op saves a tensor for backward (in forward order), its
 unpack hook when a backward node needs it (in backward order), *before* that node's first op:
 unpack runs the plan's actions before the next op early, and nothing else happens in between.
+A node unpacks all it saved before it computes (the generated ``apply``s unpack first), so
+the next unpack after an op that computes belongs to the next node: the previous node has
+returned and let go of its tensors. Autograd itself runs a view op between two unpacks of
+one node (it detaches an unpacked input that had a ``grad_fn``), so view ops do not count
+(``Stepper.on_op``): counting that detach, the engine let go of the first tensor while the
+node still read it (``MultiLabelSoftMarginLoss``'s ``log_sigmoid_backward``), and the plan
+gave its bytes to the next swap-in, which did not fit the pool.
 A saved activation is kept as a ``Packed`` (its slot and how to rebuild the view); the slot,
 not autograd, holds the bytes, so the plan can move them.
 """

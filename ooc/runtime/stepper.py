@@ -262,7 +262,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             for var in self.unpacked:
                 rec.use(i, var, Access.READ)
             self.unpacked.clear()
-        self.ops_since_unpack += 1
+        if not info.view:   # autograd's own detach of what unpack returned is not the node's work
+            self.ops_since_unpack += 1
         if self.planned:
             expected = self._plan_names[i] if i < len(self._plan_names) else None
             if expected != info.name:
