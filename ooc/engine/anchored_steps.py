@@ -171,6 +171,8 @@ class AnchoredSteps:
                 if over <= 0:   # refused for another reason than bytes
                     return None
                 budget -= over + self.chunk
+                if budget <= 0:   # the anchored form goes over by more than the budget itself
+                    return None
         return None
 
 
