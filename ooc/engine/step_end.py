@@ -73,7 +73,7 @@ class StepEnd:
         st.writes_settled()
         failed = exc is not None or bool(errors) or interrupt is not None
         if failed and st.rec.optimizer_start is None:
-            note = st.roll_back()
+            note = st.rollback.roll_back()
             if note and exc is not None and hasattr(exc, "add_note"):
                 exc.add_note(note)
         lost = self._drop_given_back_grads(st)

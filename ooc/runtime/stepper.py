@@ -73,7 +73,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
     engine drives it through methods: ``on_op`` (from its dispatch mode),
     ``saved_tensors_hooks``, ``adopt_grad_of`` (its grad hook), ``close_node``,
     ``forgive_overflow``, ``wait_for_transfers``, ``update_starts``/``update_done`` (its
-    optimizer hooks), and at the step's end ``writes_settled``, ``roll_back``, ``live_slot``,
+    optimizer hooks), and at the step's end ``writes_settled``, ``rollback.roll_back``, ``live_slot``,
     ``rename``, ``hand_back``, ``mark_live_out``, ``book_device_times``, ``saved_sizes``,
     ``whole_recording``; ``slot_of`` finds the slot of a tensor.
 
@@ -365,16 +365,14 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
                     keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
-        if not self.planned and info.replay.replayable and not aliased and not self.updating:
-            rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
+        if not self.planned and not self.updating:   # replay flags; reads of no variable (managed.py)
+            rec.outside(i, ins, written_tensors, self.slot_of)
+            if info.replay.replayable and not aliased:
+                rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
         if recipe:
             self.capture(i, info, func, args, kwargs, rng, len(outs))
         self.after(i, touched)
         return out
-
-    def roll_back(self) -> str | None:
-        """Take back what the failed step did to the model (``StepRollback.roll_back``)."""
-        return self.rollback.roll_back()
 
     def after(self, i: int, touched: list[Slot]) -> None:
         if self.planned:
