@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ooc.errors import OOCError
 from ooc.record.managed import NOT_REPLAYABLE
 from ooc.record.op_schema import tensors
+from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.slots import Slot, State
 from scheduler.schedule import Op, Schedule
@@ -168,7 +169,8 @@ class Recomputation:
             slot = self.slot_of(x)
             if slot is not None:
                 return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset())
-            birth = self.rec.live_birth(x.untyped_storage())
+            s = storage_of(x)   # None: sparse, held as it is
+            birth = None if s is None else self.rec.live_birth(s)
             if birth is not None and birth.var is None:   # the chain makes it again
                 return Made(birth.op, birth.out, x.dtype, x.size(), x.stride(), x.storage_offset())
             held.append((x, x._version))
@@ -190,7 +192,8 @@ class Recomputation:
             return NOT_REPLAYABLE
         births = self.rec.births
         for t in written_tensors:
-            if t.untyped_storage()._cdata not in births:
+            s = storage_of(t)
+            if s is None or s._cdata not in births:
                 return NOT_REPLAYABLE
         return info.replay.flags(args, kwargs)
 
@@ -260,7 +263,8 @@ class Recomputation:
                         f"where it returned {r.outputs} when it ran; pass recompute=False to swap")
                 if w != producer:
                     for k, t in enumerate(outs):
-                        made[(w, k)] = t.untyped_storage()
+                        if (s := storage_of(t)) is not None:   # a sparse result is no Made
+                            made[(w, k)] = s
                 else:
                     s = outs[out_index].untyped_storage()
                     if s.nbytes() != slot.nbytes:

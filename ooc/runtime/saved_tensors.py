@@ -90,6 +90,8 @@ class SavedTensors:
         return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided:
+            return t   # sparse: no storage to move, left to PyTorch
         p = self._pack_saved(t)
         trace = self.hook_trace
         if trace is not None:

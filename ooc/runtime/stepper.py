@@ -43,6 +43,7 @@ from ooc.record import roles
 from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
+from ooc.record.storages import storage_of
 from ooc.runtime import slots as sl
 from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
@@ -159,7 +160,10 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         return slot.nbytes if slot is not None else None
 
     def slot_of(self, t: torch.Tensor) -> Slot | None:
-        s = t.untyped_storage()
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # sparse: no storage, PyTorch's (see on_op)
+            return None
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
             del self.by_storage[id(s)]   # a dead storage's id was reused
@@ -276,7 +280,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             self._prune_fresh()
         ins = info.inputs(args, kwargs)
         written_tensors = info.written(args, kwargs) if info.writes else ()
-        written = {id(t.untyped_storage()) for t in written_tensors} if written_tensors else ()
+        written = {id(s) for t in written_tensors if (s := storage_of(t)) is not None} if written_tensors else ()
         touched: list[Slot] = []
         keep: set[Slot | Birth] = set()   # what op i uses: on demand, never evicted for it
         in_ids = set()
@@ -285,7 +289,10 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         rollback = self.rollback
         buffers = rollback.buffers if rollback.undo is not None else None
         for t in ins:
-            s = t.untyped_storage()
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse: nothing to manage, PyTorch's
+                continue
             key = id(s)
             in_ids.add(key)
             slot = by_storage.get(key)
@@ -347,14 +354,17 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         aliased = False   # a result in an input's storage, not written in place (replay.py)
         outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
         for k, t in enumerate(outs):
-            s = t.untyped_storage()
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # a sparse result: left to PyTorch
+                continue
             key = id(s)
             if key in in_ids:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
             if nbytes >= min_bytes:
-                if t.is_meta:
+                if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
                 b = rec.birth(s, i, k, nbytes)
                 var = self.binding.get((i, k)) if self.planned else None
