@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ooc.record.storages import storage_of
 from ooc.runtime import cpu_allocator
 from ooc.runtime import slots as sl
 from ooc.runtime.malloc import give_back_heap
@@ -50,7 +51,9 @@ class PersistentTensors:
         return next(self._ids)
 
     def _adopt(self, t: torch.Tensor, kind: Kind, name: str) -> Slot | None:
-        s = t.untyped_storage()
+        s = storage_of(t)
+        if s is None:   # sparse: no storage to release, left to PyTorch
+            return None
         for slot in self.persistent.values():
             if slot.storage is s:
                 return slot
@@ -74,7 +77,7 @@ class PersistentTensors:
         for p, state in optimizer.state.items():
             for key, t in state.items():
                 if isinstance(t, torch.Tensor):
-                    if not t.untyped_storage().resizable():   # torch.load's: cannot be released
+                    if t.layout is torch.strided and not t.untyped_storage().resizable():   # torch.load's
                         t = state[key] = t.clone()
                     self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
@@ -307,11 +310,12 @@ class PersistentTensors:
 
     def _persistent_tensors(self) -> list[torch.Tensor]:
         """The tensors the model and the optimizer hold now: parameters, their grads, state
-        (of every parameter the optimizer has state for)."""
+        (of every parameter the optimizer has state for). Not sparse ones (a sparse gradient
+        of ``nn.Embedding(sparse=True)``): they have no storage, the engine leaves them be."""
         tensors = []
         for p in self.model.parameters():
             tensors += [p, p.grad] if p.grad is not None else [p]
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-        return tensors
+        return [t for t in tensors if t.layout is torch.strided]

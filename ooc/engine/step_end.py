@@ -73,7 +73,7 @@ class StepEnd:
         st.writes_settled()
         failed = exc is not None or bool(errors) or interrupt is not None
         if failed and st.rec.optimizer_start is None:
-            note = st.roll_back()
+            note = st.rollback.roll_back()
             if note and exc is not None and hasattr(exc, "add_note"):
                 exc.add_note(note)
         lost = self._drop_given_back_grads(st)
@@ -173,7 +173,7 @@ class StepEnd:
             return []
         lost = []
         for name, p in self.model.named_parameters():
-            if p.grad is not None and id(p.grad.untyped_storage()) in freed:
+            if p.grad is not None and p.grad.layout is torch.strided and id(p.grad.untyped_storage()) in freed:
                 p.grad = None
                 lost.append(name)
         return lost
@@ -202,6 +202,8 @@ class StepEnd:
                     if isinstance(t, torch.Tensor):
                         candidates.append((t, Kind.OPTIMIZER_STATE, f"{name}.{key}"))
         for t, kind, name in candidates:
+            if t.layout is not torch.strided:   # sparse: PyTorch's (PersistentTensors._persistent_tensors)
+                continue
             s = t.untyped_storage()
             slot = by_storage.get(id(s))
             if slot is None:

@@ -18,9 +18,12 @@ which the birth's weak reference keeps from being reused).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from ooc.record.storages import storage_of
 
 from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSequence
 
@@ -59,6 +62,14 @@ class Recording:
     # ops that made it (``Function.needs``), when those are replayable too.
     flags: list[tuple[bool, bool, bool]] = field(default_factory=list)
     anonymous_reads: list[tuple[int, Birth]] = field(default_factory=list)
+    # Storages that are no variable of this sequence (buffers, parameters and inputs left to
+    # PyTorch, tensors under the threshold) -> (pin, the ops that read them). A replay reads
+    # them as they are then: one written in place after an op read it makes that op not
+    # replayable (``outside``), since the plan cannot see the write (InstanceNorm's ``repeat``
+    # of its running mean, which it then updates with ``copy_``: the recompute refused). Not
+    # noted inside ``optimizer.step()`` (the caller's rule): its writes to the parameters
+    # come after every replay of the step, and none of its ops is replayed.
+    outside_reads: dict[int, tuple[StorageWeakRef, list[int]]] = field(default_factory=dict)
 
     def begin_op(self, name: str) -> int:
         self.names.append(name)
@@ -69,6 +80,27 @@ class Recording:
 
     def use(self, op: int, var: int, access: Access) -> None:
         self.uses[op].append((var, access))
+
+    def outside(self, op: int, ins: list[torch.Tensor], written: list[torch.Tensor],
+                managed: Callable[[torch.Tensor], object]) -> None:
+        """Op ``op`` read ``ins`` and wrote ``written`` in place: note its reads of storages
+        that are no variable (not ``managed(t)``, not born in the step), and make the ops that
+        read one it writes not replayable (``outside_reads``)."""
+        reads = self.outside_reads
+        for t in written:
+            s = storage_of(t)
+            if s is not None and s._cdata in reads and s._cdata not in self.births:
+                for j in reads.pop(s._cdata)[1]:
+                    if j != op:
+                        self.flags[j] = NOT_REPLAYABLE
+        for t in ins:
+            s = storage_of(t)
+            if s is None or s._cdata in self.births or managed(t) is not None:
+                continue
+            entry = reads.get(s._cdata)
+            if entry is None:   # the pin keeps the address from being reused in the step
+                entry = reads[s._cdata] = (StorageWeakRef(s), [])
+            entry[1].append(op)
 
     def birth(self, s: torch.UntypedStorage, op: int, out: int, nbytes: int) -> Birth:
         b = self.births[s._cdata] = Birth(StorageWeakRef(s), op, out, nbytes)

@@ -146,10 +146,10 @@ class StepRecorder:
         seen: set[int] = set()
         nbytes = 0
         for t in info.inputs(args, kwargs):
-            nbytes += t.nbytes
             s = storage_of(t)
-            if s is None:   # sparse and other storage-less tensors
+            if s is None:   # sparse and other storage-less tensors: PyTorch's, not variables
                 continue
+            nbytes += t.nbytes
             vid = var_of.get(s._cdata)
             if vid is None:  # created outside the recorded step: an external input
                 vid = self._new(s, f"external#{self._external}")
@@ -173,10 +173,10 @@ class StepRecorder:
         k = 0
         aliased = False   # a result in an existing storage, not written in place
         for t in ((out,) if isinstance(out, torch.Tensor) else _results(out)):
-            nbytes += t.nbytes
             s = storage_of(t)
             if s is None:
                 continue
+            nbytes += t.nbytes
             if s._cdata not in var_of:
                 vid = self._new(s, f"{name}#{index}" if k == 0 else f"{name}#{index}.{k}")
                 uses.append((vid, True))

@@ -67,7 +67,10 @@ class AnchoredStep(HookStep):
     # -- autograd's hooks --------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        s = t.untyped_storage()
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # sparse: PyTorch's, as the planned step left it
+            return t
         nbytes = s.nbytes()
         if nbytes < self.min_bytes:
             return t

@@ -35,7 +35,7 @@ class Binding:
         saves ``out``), so the op's bytes land there, not in the engine's copies: the slot
         takes the storage back, drops its copy in memory (same bytes until now) and forgets
         the tier's, which goes stale. Else unpack hands the backward the pre-write bytes."""
-        if slot.storage is s:
+        if slot.storage is s and slot.state is not State.OUT:
             return   # the storage appears twice among the op's arguments
         if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
             self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)

@@ -55,7 +55,7 @@ def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, s
         index, name, held = counter.most
         states = {t.untyped_storage()._cdata: f"{names.get(p, '?')}.{key}"
                   for p, twin in twins.items() for key, t in shadow.state.get(twin, {}).items()
-                  if isinstance(t, torch.Tensor) and t.device.type == "meta"}
+                  if _counts(t)}
         parts = sorted(((s.nbytes(), states.get(s._cdata, what)) for s, what in held), reverse=True)
         return OpNeed(index, name, sum(n for n, _ in parts), tuple(f"{w} ({n} B)" for n, w in parts))
 
@@ -70,7 +70,7 @@ def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[in
         if not _run(shadow, optimizer, contextlib.nullcontext()):
             return None
         return {p: tuple(t.untyped_storage().nbytes() for t in shadow.state.get(twin, {}).values()
-                         if isinstance(t, torch.Tensor) and t.device.type == "meta")
+                         if _counts(t))
                 for p, twin in twins.items()}
 
 
@@ -92,7 +92,8 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
                 known[twin.untyped_storage()._cdata] = ("params", name)
                 if p.grad is not None:
                     twin.grad = torch.empty_like(p.grad, device="meta")
-                    known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
+                    if _counts(twin.grad):
+                        known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
                 twins[p] = twin
             params.append(twin)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
@@ -107,7 +108,8 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() > 1:
                 v = torch.empty_like(v, device="meta")
-                known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
+                if _counts(v):
+                    known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
             elif isinstance(v, torch.Tensor):
                 v = v.detach().clone()   # Adam's step counter: read with .item()
             copied[key] = v
@@ -144,11 +146,11 @@ class _Count(TorchDispatchMode):
         out = func(*args, **kwargs)
         at = self.first + self.i
         for t in _leaves(out):   # a storage born here: named as the stepper names it
-            if t.device.type == "meta":
+            if _counts(t):
                 self.known.setdefault(t.untyped_storage()._cdata, ("optimizer_state", f"{func}#{at}"))
         held: dict[int, tuple[torch.UntypedStorage, str]] = {}
         for t in _leaves((args, kwargs, out)):
-            if t.device.type != "meta":
+            if not _counts(t):
                 continue
             s = t.untyped_storage()
             if s._cdata in held or s.nbytes() < self.min_bytes:
@@ -161,6 +163,12 @@ class _Count(TorchDispatchMode):
             self.total, self.most = total, (at, str(func), list(held.values()))
         self.i += 1
         return out
+
+
+def _counts(t: Any) -> bool:
+    """A twin's tensor with a storage: on ``meta`` and strided. A sparse gradient (and SGD's
+    sparse momentum for it) has no storage, and the engine leaves it to PyTorch."""
+    return isinstance(t, torch.Tensor) and t.device.type == "meta" and t.layout is torch.strided
 
 
 def _leaves(obj: Any):

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from ooc.record.managed import Birth
+from ooc.record.storages import storage_of
 from ooc.runtime import slots as sl
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
@@ -70,7 +71,9 @@ class OnDemandRoom:
     def adopt_grad_of(self, grad: torch.Tensor, name: str) -> None:
         """A parameter's gradient autograd has finished accumulating (the engine's post-
         accumulate hook): manage it, if this step created its storage and nothing manages it."""
-        s = grad.untyped_storage()
+        s = storage_of(grad)
+        if s is None:   # a sparse gradient (nn.Embedding(sparse=True)): left to PyTorch
+            return
         b = self.rec.live_birth(s)
         if b is not None and b.var is None and self.slot_of(grad) is None:
             var = self.ctx.new_var()

@@ -69,7 +69,10 @@ class PlainStep(HookStep):
     # -- autograd's hooks --------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        nbytes = t.untyped_storage().nbytes()
+        try:
+            nbytes = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):   # sparse: PyTorch's, as the planned step left it
+            return t
         if nbytes < self.min_bytes:
             return t
         k = self.k

@@ -17,9 +17,12 @@ Swapping copies bytes; so must this: the replay gives the same bytes, or it does
   since; otherwise the step diverges and the activation is written out as on demand: nothing
   is lost.
 - ``recompute`` replays the chain with its inputs usable (the plan made them resident; on
-  demand they are brought back), under ``no_grad``, with autocast off (the dispatch mode saw
-  each op after autocast had cast its inputs: replaying the aten op as recorded is exactly
-  what ran) and with the generator state restored around random ops. BatchNorm in training
+  demand they are brought back), below autograd (nothing of the replay is recorded for a
+  backward) but with the grad mode each op ran under: kernels read it, and the CPU's LSTM
+  (``mkldnn_rnn_layer``) returns no workspace under ``no_grad``, so its outputs were not
+  what ran. With autocast off (the dispatch mode saw each op after autocast had cast its
+  inputs: replaying the aten op as recorded is exactly what ran) and with the generator
+  state restored around random ops. BatchNorm in training
   mode gets copies of its running statistics, so the replay does not update them twice
   (torch.utils.checkpoint does: pytorch#96136); its output does not depend on them.
 """
@@ -37,6 +40,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.errors import OOCError
 from ooc.record.managed import NOT_REPLAYABLE
+from ooc.record.op_schema import tensors
+from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.slots import Slot, State
 from scheduler.schedule import Op, Schedule
@@ -81,7 +86,8 @@ class Recipe:
     """One captured call of a chain function: ``func(*args, **kwargs)`` with ``Ref``s for
     managed tensors; ``held`` the other tensors and their versions then; ``rng`` the generator
     state before it ran (random ops only); ``stats``: the positions of BatchNorm's running
-    statistics, copied for the replay (None if the call does not update them)."""
+    statistics, copied for the replay (None if the call does not update them); ``grad``: the
+    grad mode it ran under; ``outputs``: how many tensors it returned."""
 
     func: Any
     args: tuple
@@ -89,6 +95,8 @@ class Recipe:
     held: list[tuple[torch.Tensor, int]]
     rng: torch.Tensor | None
     stats: tuple[int, int] | None
+    grad: bool
+    outputs: int
 
     def changed(self) -> torch.Tensor | None:
         """A held tensor written since the capture (its bytes are not what the op read)."""
@@ -151,7 +159,7 @@ class Recomputation:
         return _rng_state(device) if info.replay.rng else None
 
     def capture(self, i: int, info: Any, func: Any, args: tuple, kwargs: dict,
-                rng: torch.Tensor | None) -> None:
+                rng: torch.Tensor | None, outputs: int) -> None:
         """Keep what replaying op ``i`` needs (called after it ran and its outputs were bound)."""
         held: list[tuple[torch.Tensor, int]] = []
 
@@ -161,7 +169,8 @@ class Recomputation:
             slot = self.slot_of(x)
             if slot is not None:
                 return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset())
-            birth = self.rec.live_birth(x.untyped_storage())
+            s = storage_of(x)   # None: sparse, held as it is
+            birth = None if s is None else self.rec.live_birth(s)
             if birth is not None and birth.var is None:   # the chain makes it again
                 return Made(birth.op, birth.out, x.dtype, x.size(), x.stride(), x.storage_offset())
             held.append((x, x._version))
@@ -172,7 +181,8 @@ class Recomputation:
         if rule.updates_stats(args, kwargs):
             pos = rule.running_mean[0]
             stats = (pos, pos + 1)   # running_mean, running_var: adjacent in every BatchNorm schema
-        self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats)
+        self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
+                                 torch.is_grad_enabled(), outputs)
 
     def _replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
         """The recorder's flags for this call (``ooc.record.replay``; the call rules of
@@ -182,7 +192,8 @@ class Recomputation:
             return NOT_REPLAYABLE
         births = self.rec.births
         for t in written_tensors:
-            if t.untyped_storage()._cdata not in births:
+            s = storage_of(t)
+            if s is None or s._cdata not in births:
                 return NOT_REPLAYABLE
         return info.replay.flags(args, kwargs)
 
@@ -225,7 +236,7 @@ class Recomputation:
         device = self.ctx.device
         made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
         materialize = lambda x: _materialize(x, made, inside)  # noqa: E731
-        with _disable_current_modes(), torch.no_grad(), _no_autocast():
+        with _disable_current_modes(), torch._C._AutoDispatchBelowAutograd(), _no_autocast():
             for w, r in zip(chain, recipes):
                 args = tree_map(materialize, r.args)
                 kwargs = tree_map(materialize, r.kwargs)
@@ -235,20 +246,25 @@ class Recomputation:
                         if pos < len(args) and isinstance(args[pos], torch.Tensor):
                             args[pos] = args[pos].clone()
                     args = tuple(args)
-                if r.rng is not None:
-                    saved = _rng_state(device)
-                    _set_rng_state(device, r.rng)
-                    try:
+                with torch.set_grad_enabled(r.grad):
+                    if r.rng is not None:
+                        saved = _rng_state(device)
+                        _set_rng_state(device, r.rng)
+                        try:
+                            out = r.func(*args, **kwargs)
+                        finally:
+                            _set_rng_state(device, saved)
+                    else:
                         out = r.func(*args, **kwargs)
-                    finally:
-                        _set_rng_state(device, saved)
-                else:
-                    out = r.func(*args, **kwargs)
-                outs = (out,) if isinstance(out, torch.Tensor) else [
-                    t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
+                if len(outs) != r.outputs:   # its outputs are counted as on_op counted them
+                    raise OOCError(
+                        f"recomputing {slot.name}: {self._name(w)} returned {len(outs)} tensors "
+                        f"where it returned {r.outputs} when it ran; pass recompute=False to swap")
                 if w != producer:
                     for k, t in enumerate(outs):
-                        made[(w, k)] = t.untyped_storage()
+                        if (s := storage_of(t)) is not None:   # a sparse result is no Made
+                            made[(w, k)] = s
                 else:
                     s = outs[out_index].untyped_storage()
                     if s.nbytes() != slot.nbytes:

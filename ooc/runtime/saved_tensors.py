@@ -3,6 +3,13 @@
 Autograd's pack hook runs when an op saves a tensor for backward (in forward order), its
 unpack hook when a backward node needs it (in backward order), *before* that node's first op:
 unpack runs the plan's actions before the next op early, and nothing else happens in between.
+A node unpacks all it saved before it computes (the generated ``apply``s unpack first), so
+the next unpack after an op that computes belongs to the next node: the previous node has
+returned and let go of its tensors. Autograd itself runs a view op between two unpacks of
+one node (it detaches an unpacked input that had a ``grad_fn``), so view ops do not count
+(``Stepper.on_op``): counting that detach, the engine let go of the first tensor while the
+node still read it (``MultiLabelSoftMarginLoss``'s ``log_sigmoid_backward``), and the plan
+gave its bytes to the next swap-in, which did not fit the pool.
 A saved activation is kept as a ``Packed`` (its slot and how to rebuild the view); the slot,
 not autograd, holds the bytes, so the plan can move them.
 """
@@ -46,8 +53,8 @@ class Packed:
 class SavedTensors:
     """The ``Stepper``'s pack and unpack hooks (a mixin). Its state (``_init_saved``):
     ``unpacked``, vars unpacked for the next op; ``node_vars``, vars unpacked by the backward
-    node now running; ``ops_since_unpack``, the node's ops since its last unpack (autograd's
-    detach of an unpacked tensor not counted: ``used_unpacked``); ``full_vars``, a saved
+    node now running; ``ops_since_unpack``, the node's ops since its last unpack (views not
+    counted: ``used_unpacked``); ``full_vars``, a saved
     activation's var -> its variable in the whole-step recording; ``small_saved``, storages
     under the threshold that autograd saved (for the adaptive chunk); the pack hook this step
     pushed."""
@@ -85,6 +92,8 @@ class SavedTensors:
         return hooks
 
     def pack(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided:
+            return t   # sparse: no storage to move, left to PyTorch
         p = self._pack_saved(t)
         trace = self.hook_trace
         if trace is not None:
@@ -150,18 +159,20 @@ class SavedTensors:
             self._write_out(slot)     # on demand: write it out at once
         return Packed(slot, t)
 
-    def used_unpacked(self, i: int, name: str) -> None:
-        """Op ``i`` comes right after unpacks: it uses what they unpacked. Autograd detaches
-        each tensor an unpack hook returns (``SavedVariable::unpack``), so that op is
-        usually the unpack's own ``aten.detach``, not the node's: counted as one, the node's
-        next unpack closed the node, and the tensors it had unpacked looked released while
-        it still held them (the plan freed their memory before their last use, and the pool
-        ran out of room at a swap-in the plan had proven: issue 40)."""
+    def used_unpacked(self, i: int) -> None:
+        """Op ``i`` comes right after unpacks: it uses what they unpacked.
+
+        Why views do not count as a backward node's work (``Stepper.on_op``): autograd
+        detaches each tensor an unpack hook returns (``SavedVariable::unpack``), and a node
+        may take views of one unpacked tensor before it unpacks the next. Counted as work,
+        such an op closed the node at its next unpack, and the tensors it had unpacked looked
+        released while it still held them: the plan freed their memory before their last use,
+        and the pool ran out of room at a swap-in the plan had proven (issue 40: the
+        attention's ``attn @ v``; issue 42: a TransformerEncoder's layer norm, found by
+        PyTorch's module database)."""
         for var in self.unpacked:
             self.rec.use(i, var, Access.READ)
         self.unpacked.clear()
-        if name != "aten.detach.default":
-            self.ops_since_unpack += 1
 
     def close_node(self) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next

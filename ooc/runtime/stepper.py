@@ -43,6 +43,7 @@ from ooc.record import roles
 from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
+from ooc.record.storages import storage_of
 from ooc.runtime import slots as sl
 from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
@@ -73,7 +74,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
     engine drives it through methods: ``on_op`` (from its dispatch mode),
     ``saved_tensors_hooks``, ``adopt_grad_of`` (its grad hook), ``close_node``,
     ``forgive_overflow``, ``wait_for_transfers``, ``update_starts``/``update_done`` (its
-    optimizer hooks), and at the step's end ``writes_settled``, ``roll_back``, ``live_slot``,
+    optimizer hooks), and at the step's end ``writes_settled``, ``rollback.roll_back``, ``live_slot``,
     ``rename``, ``hand_back``, ``mark_live_out``, ``book_device_times``, ``saved_sizes``,
     ``whole_recording``; ``slot_of`` finds the slot of a tensor.
 
@@ -159,7 +160,10 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         return slot.nbytes if slot is not None else None
 
     def slot_of(self, t: torch.Tensor) -> Slot | None:
-        s = t.untyped_storage()
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # sparse: no storage, PyTorch's (see on_op)
+            return None
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
             del self.by_storage[id(s)]   # a dead storage's id was reused
@@ -259,8 +263,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         i = rec.begin_op(info.name)
         self.i = i
         if self.unpacked:
-            self.used_unpacked(i, info.name)
-        else:
+            self.used_unpacked(i)
+        if not info.view:   # views are not a node's work: see SavedTensors.used_unpacked
             self.ops_since_unpack += 1
         if self.planned:
             expected = self._plan_names[i] if i < len(self._plan_names) else None
@@ -274,7 +278,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             self._prune_fresh()
         ins = info.inputs(args, kwargs)
         written_tensors = info.written(args, kwargs) if info.writes else ()
-        written = {id(t.untyped_storage()) for t in written_tensors} if written_tensors else ()
+        written = {id(s) for t in written_tensors if (s := storage_of(t)) is not None} if written_tensors else ()
         touched: list[Slot] = []
         keep: set[Slot | Birth] = set()   # what op i uses: on demand, never evicted for it
         in_ids = set()
@@ -283,13 +287,18 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         rollback = self.rollback
         buffers = rollback.buffers if rollback.undo is not None else None
         for t in ins:
-            s = t.untyped_storage()
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse: nothing to manage, PyTorch's
+                continue
             key = id(s)
             in_ids.add(key)
             slot = by_storage.get(key)
             if slot is not None and slot.storage is s:
                 rec.use(i, slot.var, Access.READ)
                 touched.append(slot)
+                if key in written and slot.state is State.OUT and not slot.in_place:
+                    taken_back.append((slot, s))   # written while its copy goes out: stale
             elif s._cdata in births:
                 b = rec.live_birth(s)
                 if b is not None:
@@ -342,15 +351,19 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         tracked = set() if not self.planned and self._tracking() else None
         min_bytes = self.ctx.min_bytes
         aliased = False   # a result in an input's storage, not written in place (replay.py)
-        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else _tensors(out)):
-            s = t.untyped_storage()
+        outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
+        for k, t in enumerate(outs):
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # a sparse result: left to PyTorch
+                continue
             key = id(s)
             if key in in_ids:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
             if nbytes >= min_bytes:
-                if t.is_meta:
+                if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
                 b = rec.birth(s, i, k, nbytes)
                 var = self.binding.get((i, k)) if self.planned else None
@@ -361,16 +374,14 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
                     keep.add(self._track_fresh(b, keep, i))
             elif self.small_born is not None and not t.is_meta:
                 self.small_born[key] = nbytes
-        if not self.planned and info.replay.replayable and not aliased and not self.updating:
-            rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
+        if not self.planned and not self.updating:   # replay flags; reads of no variable (managed.py)
+            rec.outside(i, ins, written_tensors, self.slot_of)
+            if info.replay.replayable and not aliased:
+                rec.flags[i] = self._replay_flags(info, args, kwargs, written_tensors)
         if recipe:
-            self.capture(i, info, func, args, kwargs, rng)
+            self.capture(i, info, func, args, kwargs, rng, len(outs))
         self.after(i, touched)
         return out
-
-    def roll_back(self) -> str | None:
-        """Take back what the failed step did to the model (``StepRollback.roll_back``)."""
-        return self.rollback.roll_back()
 
     def after(self, i: int, touched: list[Slot]) -> None:
         if self.planned:

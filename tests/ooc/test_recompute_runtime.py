@@ -148,13 +148,13 @@ def test_a_diverged_step_recomputes_a_discarded_activation_on_demand(monkeypatch
 class _Step(rc.Recomputation):
     """Just what ``_recompute`` reads of a ``Stepper``: one captured op, its output a slot."""
 
-    def __init__(self, recipe: rc.Recipe) -> None:
+    def __init__(self, recipe: rc.Recipe, out: int = 0) -> None:
         from collections import Counter
         from types import SimpleNamespace
 
         self.ctx = SimpleNamespace(device=torch.device("cpu"), counters=Counter())
         self.events: list = []
-        self.recipes, self.rec = {0: recipe}, SimpleNamespace(born_at={7: (0, 0)})
+        self.recipes, self.rec = {0: recipe}, SimpleNamespace(born_at={7: (0, out)})
 
     def ensure(self, slot, i, keep=()) -> None:
         pass
@@ -176,7 +176,7 @@ def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
     g = torch.Generator().manual_seed(0)
     bias, a, b = torch.randn(64, generator=g), torch.randn(32, 48, generator=g), torch.randn(48, 64, generator=g)
     first = torch.ops.aten.addmm.default(bias, a, b)
-    step = _Step(rc.Recipe(torch.ops.aten.addmm.default, (bias, a, b), {}, [], None, None))
+    step = _Step(rc.Recipe(torch.ops.aten.addmm.default, (bias, a, b), {}, [], None, None, True, 1))
     slot = Slot(7, Kind.ACTIVATION, first.untyped_storage().nbytes(), "addmm#0", in_place=False,
                 state=State.DISCARDED)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -184,6 +184,39 @@ def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
     again = torch.empty(0).set_(slot.storage, 0, first.size(), first.stride())
     assert torch.equal(again, first)
     assert step.ctx.counters["bytes_recomputed"] == slot.nbytes
+
+
+def test_the_replay_runs_ops_under_the_grad_mode_they_ran_under() -> None:
+    """The CPU's LSTM kernel (``mkldnn_rnn_layer``) returns its workspace, a fourth tensor
+    the backward reads, only with grad mode on. Replayed under ``no_grad`` it returned three:
+    recomputing the workspace (an LSTM language model under recompute="prefer") failed with
+    ``IndexError`` in the middle of a step. The replay runs below autograd, grad mode as
+    recorded, and the backward given the replayed workspace is bitwise the same."""
+    from ooc.runtime.slots import Slot, State
+    from scheduler.ir import Kind
+
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(8, 16, batch_first=True), torch.randn(4, 5, 8)
+    h = torch.zeros(4, 16)
+    args = (x.transpose(0, 1).contiguous(), lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0,
+            lstm.bias_hh_l0, h, h, False, [], 2, 16, 1, True, False, False, True)
+    layer = torch.ops.aten.mkldnn_rnn_layer.default
+    with torch._C._AutoDispatchBelowAutograd():
+        first = layer(*args)
+    step = _Step(rc.Recipe(layer, args, {}, [], None, None, True, 4), out=3)
+    slot = Slot(7, Kind.ACTIVATION, first[3].untyped_storage().nbytes(), "workspace", in_place=False,
+                state=State.DISCARDED)
+    with torch.no_grad():   # replays run in the backward, where grad mode is off
+        step._recompute(slot, (0,), 1)
+    workspace = torch.empty(0, dtype=first[3].dtype).set_(slot.storage, 0, first[3].size(), first[3].stride())
+    backward = torch.ops.aten.mkldnn_rnn_layer_backward.default
+    grads = (torch.randn_like(first[0]), None, None)
+    rest = (False, 2, 16, 1, True, True, False, [], False)
+    with torch._C._AutoDispatchBelowAutograd():
+        ref = backward(*args[:7], *first[:3], *grads, *rest, first[3])
+        got = backward(*args[:7], *first[:3], *grads, *rest, workspace)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
 
 
 # -- pins: OutOfCore(pin=...), the user's say per op ------------------------------------------

@@ -1,0 +1,53 @@
+"""Issue 42: PyTorch's OpInfo database (``torch.testing._internal.common_methods_invocations
+.op_db``) trains bitwise under the engine: every differentiable op with a float32 CPU
+variant, its first two samples.
+
+Each sample becomes a module whose parameters are the sample's dense float inputs that
+require grad (the others, indices and sparse tensors among them, are passed at each step),
+and trains as ``db_steps.compare`` says: one step in core, two inside ``OutOfCore`` at the
+smallest budget that plans, bitwise against the same steps in core. Each op's first sample
+runs swap only (``recompute=False``), its second ``recompute="prefer"``, with activations
+managed for every other op and every kind for the others (``OOC_DB_FULL=1``: both samples
+under all four settings). The samples are made from seed 0.
+
+What it found: sparse inputs crashed the step (the engine asked a sparse CSR tensor for its
+storage, the recorder a sparse COO one for its bytes): a tensor without a storage is left to
+PyTorch now, as is a ``ZeroTensor`` (``sgn``'s gradient: its storage has no data). ``prod``
+along a dimension and ``masked_fill``'s value gradient are computed by PyTorch another way
+whenever any dispatch mode is active (GUARANTEES.md): they match in-core training under a
+no-op mode, and this test checks that the engine adds no difference of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from db_steps import CONFIGS, FULL, op_sample, run_chosen
+from test_reliability import _one_torch_thread  # noqa: F401
+
+pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (the dev extra)")
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")   # the samples' own deprecation warnings
+
+OPS = {op.name + (f".{op.variant_test_name}" if op.variant_test_name else ""): (k, op)
+       for k, op in enumerate(o for o in op_db
+                              if o.supports_autograd and torch.float32 in o.supported_dtypes("cpu"))}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_samples_train_bitwise_under_the_engine(name: str) -> None:
+    k, op = OPS[name]
+    torch.manual_seed(0)
+    samples = []   # the generator itself: OpInfo.sample_inputs walks the stack (0.2 s a call)
+    for j, s in enumerate(op.sample_inputs_func(op, "cpu", torch.float32, True)):
+        if j == 2:
+            break
+        samples.append(op_sample(f"{name}#{j}", op, s))
+    if FULL:
+        pairs = [(s, c) for s in samples for c in CONFIGS]
+    else:
+        kinds = ("", "-all")[k % 2]
+        pairs = [(s, ("swap", "prefer")[j] + kinds) for j, s in enumerate(samples)]
+    run_chosen(pairs)
