@@ -1,11 +1,13 @@
 """The layout rules of issue 14, checked on the source: no import cycle among the modules of
 ooc/, scheduler/ and vmm/ (imports inside functions and under TYPE_CHECKING count: a cycle a
-reader must untangle is one whether or not Python does), no module over 400 lines, and
-scheduler/ plans without torch."""
+reader must untangle is one whether or not Python does), no module over 400 lines,
+scheduler/ plans without torch, and ``import ooc`` imports no training framework."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,3 +116,11 @@ def test_no_module_over_400_lines():
     """Issue 14's rule: a module is split by responsibility before it reaches 400 lines."""
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def test_importing_ooc_imports_no_framework():
+    """transformers, Lightning and peft are imported by ooc/integrations' module of each alone."""
+    code = ("import sys, ooc, ooc.integrations, ooc.integrations.held_step; ooc.OutOfCore; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -14,7 +14,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -231,12 +231,13 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         weakref.finalize(self, collected, self._hooks, self._effects, self._held)
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self, kind: Hashable = None) -> Iterator[None]:
         """One training step. The first records and plans; later ones execute the plan.
 
         The update is ``optimizer.step()`` wherever it is called inside the step (directly,
         by ``GradScaler.step``, or by ``optimizer_step()``); a step without one (a micro-batch
-        of gradient accumulation, an update the scaler skipped) is a step too.
+        of gradient accumulation, an update the scaler skipped) is a step too. Plans are kept
+        per starting state and ``kind`` (steps that start alike, run other ops: Lightning's).
 
         A step that raises before its update (an exception in the user's code, a
         swap failure, Ctrl-C) is rolled back as it unwinds: its transfers are waited for, the
@@ -254,7 +255,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         t0 = time.perf_counter()
         self._forget_dropped()
         self._stable_vars()
-        key = self._start_key()
+        key = self._start_key(kind)
         self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
             self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
@@ -357,7 +358,6 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         """Write the last steps (up to ``TIMELINE_STEPS``) as a Chrome/Perfetto trace (compute,
         swap, wait tracks)."""
         from scheduler.timeline import Event, write_chrome_trace
-
         if not self.events:
             raise OOCError("no step has run yet: nothing to put on a timeline")
         t0 = self.events[0][2]

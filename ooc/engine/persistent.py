@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import weakref
-from typing import Any, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -139,7 +139,7 @@ class PersistentTensors:
             renamed[slot.var] = slot
         self.persistent = renamed
 
-    def _start_key(self) -> tuple[frozenset[int], tuple[bool, ...]]:
+    def _start_key(self, kind: Hashable = None) -> tuple[frozenset[int], tuple[bool, ...], Hashable]:
         """The state a step starts in, which decides its ops: the managed persistent tensors,
         and which parameters have a gradient. Autograd creates a missing gradient (a detach)
         and adds to an existing one (``add_``): the first micro-batch of an accumulation
@@ -147,8 +147,12 @@ class PersistentTensors:
         persistent variable says which, and the two kinds of step replaced each other's plan
         at every step. (A step that also calls ``optimizer_step()`` extends the plan of its
         starting state: it diverges once at the plan's end, and the steps without an update
-        run the longer plan's prefix.)"""
-        return frozenset(self.persistent), tuple(p.grad is not None for p in self.model.parameters())
+        run the longer plan's prefix.) ``kind`` is the caller's (``OutOfCore.step(kind)``), for
+        steps that start alike and run other ops in turn: Lightning zeroes the gradients in a
+        window's first micro-batch, after its forward, so all its micro-batches start with
+        gradients, the first zeroes them and the last updates; without a kind each replaced
+        the other's plan and every step ran on demand (``ooc/integrations/lightning.py``)."""
+        return frozenset(self.persistent), tuple(p.grad is not None for p in self.model.parameters()), kind
 
     def _reconcile(self) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import mmap
 import time
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import scheduler
 from ooc.engine.host_pricing import priced_hardware
@@ -42,8 +42,8 @@ class Planning:
     def _init_plans(self) -> None:
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
         # state exist. Gradient accumulation alternates two such states, so plans are kept
-        # per starting state (``_start_key``) instead of one.
-        self.plans: dict[tuple[frozenset[int], tuple[bool, ...]],
+        # per starting state (``_start_key``; and per the step's kind) instead of one.
+        self.plans: dict[tuple[frozenset[int], tuple[bool, ...], Hashable],
                          tuple[Schedule, dict[tuple[int, int], int]]] = {}
         self.plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self.schedule: Schedule | None = None   # the current step's plan and its binding

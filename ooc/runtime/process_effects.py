@@ -10,7 +10,9 @@ engine is garbage-collected without one:
 - CPU: glibc's mmap threshold is fixed so that freed tensors leave the process
   (``malloc.release_freed_memory``; ``keep_freed_memory`` puts it back, see ``malloc``);
 - managed params, grads or optimizer state: the optimizer's ``foreach`` flag is set to False
-  so that one op touches one parameter's tensors; the user's values come back.
+  so that one op touches one parameter's tensors; the user's values come back, and while
+  they are ours ``optimizer.state_dict()`` saves the user's (a checkpoint made during the run
+  is the one a run without ooc makes).
 
 The undo holds no strong reference to the engine, nor to the optimizer whose flags it
 restores: the optimizer's hooks and param groups lead back to the engine, and a finalizer's
@@ -40,6 +42,7 @@ class ProcessEffects:
         self.applied = False
         self.allocator = False     # this engine holds ooc's CPU allocator
         self._foreach: list[tuple[int, Any]] = []   # (index of a param group, its value before)
+        self._saving_hook: Any = None   # optimizer.state_dict() post-hook while the flags are ours
         self._lock = threading.Lock()
 
     def apply(self) -> None:
@@ -61,6 +64,9 @@ class ProcessEffects:
                 return
             self.applied = False
             optimizer = self._optimizer() if self._optimizer is not None else None
+            if self._saving_hook is not None:
+                self._saving_hook.remove()
+                self._saving_hook = None
             if optimizer is not None:
                 groups = optimizer.param_groups
                 for k, old in self._foreach:
@@ -81,6 +87,7 @@ class ProcessEffects:
                 self._foreach.append((k, group["foreach"]))
                 multi_tensor |= group["foreach"] is not False
                 group["foreach"] = False
+        self._saving_hook = optimizer.register_state_dict_post_hook(self._saved_as_the_user_set)
         if multi_tensor and self.device_type == "cuda":
             # Measured on an H100: Adam's multi-tensor update (PyTorch's default on CUDA)
             # rounds differently from its per-parameter one; SGD's does not.
@@ -88,3 +95,14 @@ class ProcessEffects:
                         "parameter (foreach=False); on a GPU its results are bitwise those "
                         "of in-core training with foreach=False, which for Adam/AdamW differ "
                         "in rounding from PyTorch's default multi-tensor update")
+
+    def _saved_as_the_user_set(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """``optimizer.state_dict()`` post-hook: each param group's ``foreach`` as the user set
+        it. The False is the steps' need, not training state: saved, it made a Trainer's
+        ``optimizer.pt`` differ from a run without ooc, and a run loading it later would keep
+        the per-parameter update (on a GPU, Adam's other rounding) with no engine around."""
+        groups = state_dict["param_groups"]   # fresh dicts: the optimizer's own are untouched
+        for k, old in self._foreach:
+            if k < len(groups):
+                groups[k]["foreach"] = old
+        return state_dict

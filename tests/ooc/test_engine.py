@@ -8,6 +8,7 @@ so that these small tensors are managed at all.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -354,6 +355,47 @@ def test_gradient_accumulation_with_unmanaged_grads_is_planned() -> None:
     e.close()
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("kinds", [False, True])
+def test_steps_that_start_alike_keep_a_plan_per_kind(kinds: bool) -> None:
+    """Lightning's accumulation, one step per micro-batch: gradients are zeroed inside a
+    window's first micro-batch, after its forward, so both micro-batches start with
+    gradients; the first zeroes them, the second updates. Their start states are alike, so
+    without a kind each replaces the other's plan and every step runs on demand; with
+    ``engine.step(kind)`` each keeps its plan and the steps after the warm-up run planned.
+    Bitwise as in core either way."""
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256),
+                            nn.ReLU(), nn.Linear(256, 10))
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    model, opt = fresh()
+    ref, ref_opt = fresh()
+    e = OutOfCore(model, opt, budget="192KiB", chunk=CHUNK, min_bytes=4096)   # 3/4 of its peak
+    planned = []
+    for step in range(12):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+        for net, o, engine in ((model, opt, e), (ref, ref_opt, None)):
+            torch.manual_seed(step)
+            with engine.step(step % 2 if kinds else None) if engine else contextlib.nullcontext():
+                loss = F.cross_entropy(net(x), y)
+                if step % 2 == 0:
+                    o.zero_grad(set_to_none=True)
+                loss.backward()
+                if step % 2 == 1:
+                    o.step()
+        planned.append(e.stats()["last_planned"])
+    assert e.stats()["plan.bytes_out"] > 0, "the plan must move bytes"
+    e.close()
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+    if kinds:
+        assert all(planned[6:]), f"steps after the warm-up must run planned: {planned}"
+    else:   # why the kind is there
+        assert not any(planned[2:]), f"alike starts were thought to share a plan: {planned}"
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -36,7 +36,8 @@ LIFECYCLE = """
 
     def state(opt):
         return {"allocator": cpu_allocator.installed(), "threshold": malloc.holds(),
-                "foreach": [g.get("foreach") for g in opt.param_groups]}
+                "foreach": [g.get("foreach") for g in opt.param_groups],
+                "saved": [g.get("foreach") for g in opt.state_dict()["param_groups"]]}
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -74,15 +75,17 @@ ALL = ("activations", "params", "grads", "optimizer_state")
                                          ("dropped", ("activations",)), ("collected", ALL)])
 def test_process_effects_wait_for_the_first_step_and_are_undone(mode, manage):
     got = _child(f"MODE, MANAGE = {mode!r}, {manage!r}\n" + textwrap.dedent(LIFECYCLE))
-    untouched = {"allocator": False, "threshold": False, "foreach": [True]}
+    untouched = {"allocator": False, "threshold": False, "foreach": [True], "saved": [True]}
     assert got["before"] == untouched
     assert got["created"] == untouched, "the constructor changed the process or the optimizer"
     assert got["stepped"]["threshold"] is True
     assert got["stepped"]["foreach"] == [False if manage == ALL else True]
+    assert got["stepped"]["saved"] == [True], "a checkpoint must keep the user's foreach"
     if cpu_allocator.acquire():   # a compiler is here: the allocator is built and installed
         cpu_allocator.relinquish()
         assert got["stepped"]["allocator"] is True
-    assert got["after"] == {**untouched, "foreach": [] if mode == "collected" else [True]}
+    assert got["after"] == {"allocator": False, "threshold": False,
+                            "foreach": [] if mode == "collected" else [True]}
     assert got["stats"]["bytes_out"] > 0 and got["stats"]["last_planned"] == 1
 
 
