@@ -86,13 +86,14 @@ def main() -> int:
             f"no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
             "nothing was validated; run this on a machine with a GPU"]))
         return 0
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
     clock = _Clock(args.deadline)
     report = gpu_report.Report(out, args.quick)
     profiles = args.profiles or (None if args.quick else HERE.parent / "profiles")
-    _sections(args, report, clock, profiles)
+    # cuDNN's flags through its context manager: assigning them raises once something has
+    # called torch.backends.disable_global_flags() (torch.testing._internal does, on import)
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True):
+        _sections(args, report, clock, profiles)
     report.write()
     return 1 if report.failures() else 0
 

@@ -49,7 +49,7 @@ def dry_gpu(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 96 * MiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 40 * MiB)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
         name="FAKE (dry run)", total_memory=16 << 30, multi_processor_count=0))
@@ -77,7 +77,7 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     # with another argument): the suite's time is shared
     methods = "in-core-repeat,checkpoint-every-block,save_on_cpu,ooc"
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
-                                      "--methods", methods,
+                                      "--methods", methods, "--cases", "resnet50,llama",
                                       "--no-sanitizer", "--profiles", str(tmp_path / "profiles"),
                                       "--recordings", str(tmp_path / "rec")])
     code = bench_gpu.main()
@@ -87,7 +87,7 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     assert not broken, broken
     assert code == 0
     ran = {(r["case"], r["method"]) for r in data["rows"]}
-    for case in ("resnet50", "gpt2", "llama"):
+    for case in ("resnet50", "llama"):   # GPT-2's code is the zoo's, as ResNet-50's
         for method in ("in-core", *methods.split(",")):
             assert (case, method) in ran
     keys = {"case", "method", "budget_fraction", "step_ms", "samples_per_s", "peak_bytes",
@@ -99,10 +99,10 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     assert all(r["predicted_step_ms"] for r in ooc_rows)
     assert any(r["bytes_moved"] for r in ooc_rows), "no ooc run moved a byte: budgets not binding"
     profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
-    assert profiles == ["gpt2.json", "llama.json", "resnet50.json"]
+    assert profiles == ["llama.json", "resnet50.json"]
     from scheduler.ir import VariableSequence
 
-    seq = VariableSequence.from_json(tmp_path / "profiles" / "gpt2.json")
-    assert seq.meta["case"] == "gpt2" and seq.meta["in_core_step_ms"] > 0
+    seq = VariableSequence.from_json(tmp_path / "profiles" / "llama.json")
+    assert seq.meta["case"] == "llama" and seq.meta["in_core_step_ms"] > 0
     assert all(f.cost.seconds is not None for f in seq.functions)
     assert "## Side by side" in out.read_text()
