@@ -143,25 +143,33 @@ def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
 def chain_through(seq: VariableSequence, chain: Chain, absent: Callable[[int], bool]) -> Chain | None:
     """``chain`` with each of its inputs that is ``absent`` at ``chain.at`` (discarded by the
     plan, to be recomputed later for its own use) made again inside it: that input's own chain
-    (``chain_for`` at the same function) runs first and the input is one more temporary of the
-    replay. None if such an input has no chain there, if that chain needs an absent input in
-    turn, or past ``MAX_CHAIN`` functions. ResNet's ReLU outputs come back through the 1x1
-    convolution and BatchNorm that made them when the convolution's output was discarded too."""
+    (``chain_for`` at the same function) runs first, the input is one more temporary of the
+    replay, and so on through the inputs that chain needs in turn. None if such an input has
+    no chain there, or past ``MAX_CHAIN`` functions. ResNet's ReLU outputs come back through
+    the 1x1 convolution and BatchNorm that made them when the convolution's output was
+    discarded too; a bottleneck's last output through its whole block."""
     gone = [x for x in chain.inputs if absent(x)]
     if not gone:
         return chain
     functions, inputs = set(chain.functions), [x for x in chain.inputs if x not in gone]
-    for x in gone:
-        inner = chain_for(seq, x, chain.at)
-        if inner is None or any(absent(y) for y in inner.inputs):
+    todo, seen = list(gone), set(gone)
+    while todo:
+        inner = chain_for(seq, todo.pop(), chain.at)
+        if inner is None:
             return None
         functions.update(inner.functions)
-        inputs.extend(y for y in inner.inputs if y not in inputs)
-    if len(functions) > MAX_CHAIN:
-        return None
+        if len(functions) > MAX_CHAIN:
+            return None
+        for y in inner.inputs:
+            if absent(y):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+            elif y not in inputs:
+                inputs.append(y)
     ordered = tuple(sorted(functions))
     made = {x for w in ordered for x in seq.functions[w].var_ids if seq.producer.get(x) == w and x != chain.var}
-    return Chain(var=chain.var, at=chain.at, functions=ordered, inputs=tuple(inputs),
+    return Chain(var=chain.var, at=chain.at, functions=ordered, inputs=tuple(x for x in inputs if x not in made),
                  temporaries_bytes=_temporaries_peak(seq, chain.var, ordered, made))
 
 

@@ -167,3 +167,31 @@ def test_a_chain_through_a_discarded_input_stays_bitwise(monkeypatch, opt_name: 
     assert any(c[0] == "aten.convolution.default" and "aten.native_batch_norm.default" in c for c in chains), chains
     assert got["stats"]["last_planned"] == 1 and got["stats"]["last_diverged_at"] == -1
     assert got["stats"]["bytes_recomputed"] > 0
+
+
+def test_a_chain_through_two_discarded_levels_stays_bitwise(monkeypatch) -> None:
+    """``chain_through`` through an input whose own chain needs a discarded input in turn: with
+    transfers priced dear and a tight budget, a ResNet block's outputs come back through two
+    convolutions (conv, BatchNorm, ReLU, conv, ...) made again inside one chain, from an input
+    still resident. On GPU profiles this is what lets the plan recompute a block instead of
+    swapping it (benchmarks/results/profiles.md). Training stays bitwise in core."""
+    import dataclasses
+
+    import scheduler
+    from scheduler.hardware import hardware
+    from scheduler.pins import Pins, pinned_rule
+    from scheduler.recompute import swap_or_recompute
+    from scheduler.window import plan_window
+
+    dear = dataclasses.replace(hardware("cpu-edge"), h2d_bandwidth=1e6, d2h_bandwidth=1e6)
+
+    def plan(seq, budget, window=None, policy="window", **options):
+        return plan_window(seq, budget, window, pinned_rule(seq, Pins(), swap_or_recompute(seq, dear, 1.0, True)))
+
+    ref = _train("small_cnn", "sgd")
+    monkeypatch.setattr(scheduler, "plan", plan)
+    got = _train("small_cnn", "sgd", budget="768KiB")
+    runtime._assert_bitwise(ref, got)
+    chains = _through_chains(got["schedule"])
+    assert any(c.count("aten.convolution.default") >= 2 for c in chains), chains
+    assert got["stats"]["last_planned"] == 1 and got["stats"]["bytes_recomputed"] > 0
