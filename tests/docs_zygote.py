@@ -2,18 +2,21 @@
 forks a fresh child per example, so that no example pays the imports (~2.5 s each on a
 2-core machine) and none sees what another left in the process.
 
-One JSON object a line on stdin: ``{"code": str | None, "ooc": [[arg, ...], ...], "cwd": str,
-"timeout": seconds, "ranks": int}``; the answer, one line on stdout: ``{"status": int,
-"seconds": float}`` (status: the first non-zero exit code of the children, or minus the signal
-that ended one: -14, SIGALRM, when it ran past ``timeout``). A child runs in ``cwd``, which is
-also its TMPDIR (swap directories, checkpoints, Trainer output stay there), with its stdout
-and stderr in ``cwd/output.txt``; ``code`` runs as a script (``__name__ == "__main__"``) in a
-fresh namespace, then each ``ooc`` argument list through ``ooc.cli.main``, as the ``ooc``
-command would, stopping at the first that fails. With ``ranks`` N > 1, N children run the
-code at once with the environment ``torchrun --nproc-per-node N`` gives its workers (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), rank r's output in ``cwd/output-r.txt``. Nothing
-here has run a kernel on more than one thread before a fork (imports only), so a child's
-thread pools start as in a fresh process.
+Requests on stdin, one JSON object a line, read until stdin closes: ``{"id": str, "code":
+str | None, "ooc": [[arg, ...], ...], "cwd": str, "timeout": seconds, "ranks": int}``, run
+``argv[1]`` children at a time (default 1). Each answer, one line on stdout as its request
+ends: ``{"id": str, "status": int, "seconds": float}`` (status: the first non-zero exit code
+of its children, or minus the signal that ended one: -14, SIGALRM, when it ran past
+``timeout``).
+
+A child runs in ``cwd``, which is also its TMPDIR (swap directories, checkpoints, Trainer
+output stay there), with its stdout and stderr in ``cwd/output.txt``; ``code`` runs as a
+script (``__name__ == "__main__"``) in a fresh namespace, then each ``ooc`` argument list
+through ``ooc.cli.main``, as the ``ooc`` command would, stopping at the first that fails.
+With ``ranks`` N > 1, N children run the code at once with the environment ``torchrun
+--nproc-per-node N`` gives its workers (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
+rank r's output in ``cwd/output-r.txt``. Nothing here has run a kernel on more than one
+thread before a fork (imports only), so a child's thread pools start as in a fresh process.
 """
 
 from __future__ import annotations
@@ -76,21 +79,31 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    for line in sys.stdin:
-        request = json.loads(line)
-        ranks = request.get("ranks", 1)
-        port = _free_port() if ranks > 1 else 0
-        start = time.perf_counter()
-        pids = []
-        for rank in range(ranks):
-            pid = os.fork()
-            if pid == 0:
-                os._exit(_child(request, None if ranks == 1 else rank,
-                                _rank_env(rank, ranks, port) if ranks > 1 else {}))
-            pids.append(pid)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        print(json.dumps({"status": next((c for c in codes if c), 0),
-                          "seconds": time.perf_counter() - start}), flush=True)
+    """Read every request (until stdin closes), run them ``argv[1]`` children at a time (one by
+    default; a request's ranks count each), answer each as it ends."""
+    parallel = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    waiting = [json.loads(line) for line in sys.stdin]
+    running: dict[int, tuple[dict, float]] = {}        # pid -> (request, start)
+    groups: dict[str, list[int]] = {}                  # request id -> exit codes so far
+    while waiting or running:
+        while waiting and (not running or len(running) + waiting[0].get("ranks", 1) <= parallel):
+            request = waiting.pop(0)
+            ranks = request.get("ranks", 1)
+            port = _free_port() if ranks > 1 else 0
+            groups[request["id"]] = []
+            for rank in range(ranks):
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(_child(request, None if ranks == 1 else rank,
+                                    _rank_env(rank, ranks, port) if ranks > 1 else {}))
+                running[pid] = (request, time.perf_counter())
+        pid, status = os.wait()
+        request, start = running.pop(pid)
+        codes = groups[request["id"]]
+        codes.append(os.waitstatus_to_exitcode(status))
+        if len(codes) == request.get("ranks", 1):
+            print(json.dumps({"id": request["id"], "status": next((c for c in codes if c), 0),
+                              "seconds": time.perf_counter() - start}), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-TIMEOUT_S = 90   # one example; the slowest (Lightning) takes ~15 s on a loaded 2-core machine
+TIMEOUT_S = 90   # one example; the slowest (Lightning, the Trainer) take ~10 s on a loaded 2-core machine
+PARALLEL = 2     # examples at once (a DDP example's ranks count each)
 
 # Every block that does not run, by page, with the reason its marker gives.
 OPT_OUTS = {
@@ -129,29 +130,37 @@ def _env() -> dict[str, str]:
     return env
 
 
-class Zygote:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "docs_zygote.py")], cwd=ROOT,
-                                     env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def run(self, cwd: Path, code: str | None = None, ooc: list[list[str]] | None = None, ranks: int = 1) -> dict:
-        self.proc.stdin.write(json.dumps({"code": code, "ooc": ooc, "cwd": str(cwd), "timeout": TIMEOUT_S,
-                                          "ranks": ranks}) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        assert answer, f"the example runner died (exit {self.proc.wait()})"
-        return json.loads(answer)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+def _request(block: Block, cwd: Path) -> dict | None:
+    """What the example runner is asked to run for ``block`` in ``cwd`` (None: nothing)."""
+    kind, arg = block.marker or (None, None)
+    if kind == "no-run":
+        return None
+    request = {"id": block.id, "cwd": str(cwd), "timeout": TIMEOUT_S}
+    if block.lang == "python":
+        return request | {"code": block.code, "ranks": int(arg) if kind == "torchrun" else 1}
+    commands = block.ooc_commands()
+    if commands is None:
+        return None   # test_example_runs fails it, saying why
+    (cwd / "benchmarks").symlink_to(ROOT / "benchmarks")   # the profiles the examples name
+    return request | {"ooc": commands}
 
 
 @pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
+def ran(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """Every example, run once, two at a time (two cores; each on one compute thread): by
+    block id, the runner's answer and the directory the example ran in."""
+    requests = {}
+    for n, block in enumerate(_runnable()):
+        cwd = tmp_path_factory.mktemp(f"example{n}")
+        if (request := _request(block, cwd)) is not None:
+            requests[block.id] = (request, cwd)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "docs_zygote.py"), str(PARALLEL)], cwd=ROOT,
+                            env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate("".join(json.dumps(r) + "\n" for r, _ in requests.values()),
+                              timeout=TIMEOUT_S * len(requests))
+    answers = {a["id"]: a for a in map(json.loads, out.splitlines())}
+    return {i: (answers.get(i, {"status": f"no answer: the runner exited {proc.returncode}", "seconds": 0}), cwd)
+            for i, (_, cwd) in requests.items()}
 
 
 def test_mkdocs_builds_strict(tmp_path):
@@ -174,19 +183,15 @@ def test_mkdocs_builds_strict(tmp_path):
 
 
 @pytest.mark.parametrize("block", _runnable(), ids=lambda b: b.id)
-def test_example_runs(block: Block, zygote: Zygote, tmp_path):
+def test_example_runs(block: Block, ran):
     kind, arg = block.marker or (None, None)
     if kind == "no-run":
         pytest.skip(f"{block.id}: {arg}")
-    if block.lang == "python":
-        answer = zygote.run(tmp_path, code=block.code, ranks=int(arg) if kind == "torchrun" else 1)
-    else:
-        commands = block.ooc_commands()
-        assert commands is not None, (f"{block.id}: a bash block runs only if all its commands are `ooc ...`; "
-                                      "mark it <!-- no-run: why --> (and add it to OPT_OUTS) otherwise")
-        (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")   # the profiles the examples name
-        answer = zygote.run(tmp_path, ooc=commands)
-    output = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("output*.txt")))
+    assert block.lang == "python" or block.ooc_commands() is not None, (
+        f"{block.id}: a bash block runs only if all its commands are `ooc ...`; "
+        "mark it <!-- no-run: why --> (and add it to OPT_OUTS) otherwise")
+    answer, cwd = ran[block.id]
+    output = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(cwd.glob("output*.txt")))
     assert answer["status"] == 0, f"{block.id} exited {answer['status']} after {answer['seconds']:.1f} s:\n{output}"
 
 
