@@ -76,7 +76,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         budget: bytes (int) or a size string ("512MiB", "2GB") for the managed tensors.
         device: ``"cpu"`` (slower tier: a private swap file) or ``"cuda"`` (pinned host
             memory and copy streams; written against the driver API and tested against a fake
-            driver in CI; run on an H100, see README).
+            driver in CI; run on an H100 and an H200, see docs/guide/gpu.md).
         storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
         window: prefetch window in bytes or a size string (default: the scheduler's).
         chunk: physical chunk size of the device pool. Default: it adapts. The engine starts
@@ -307,8 +307,8 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         """Flat numbers with stable keys, like ``torch.cuda.memory_stats()``: what moved, what
         stalled, what the plan says. Every key is there from the start (0 before the first
         step; ``last_diverged_at`` is -1 when the last step kept to its plan). The keys are
-        listed in README ("Statistics"); ``tier.*`` are the slower tier's own counters (its
-        numbers only; its settings are its attributes)."""
+        listed in docs/guide/budgets.md ("What the engine did"); ``tier.*`` are the slower
+        tier's own counters (its numbers only; its settings are its attributes)."""
         last = self.last
         diverged = last.get("diverged_at")
         ran = self._ran or self.schedule   # an anchored step ran its own plan

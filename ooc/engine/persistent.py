@@ -252,7 +252,7 @@ class PersistentTensors:
         did not grant. A model whose params, grads and state exceed the budget (the reason to
         manage them) keeps them on the tier between steps: ``state_dict()`` and
         ``load_state_dict()`` bring them back through hooks, other reads need
-        ``with engine.resident():`` (README)."""
+        ``with engine.resident():`` (docs/guide/manage.md)."""
         total = sum(s.nbytes for s in self.persistent.values())
         if total <= self.budget:
             self._bring_back(between_steps=False)

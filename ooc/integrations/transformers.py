@@ -42,8 +42,8 @@ kinds; a run resumed from such a checkpoint under ooc ends bitwise where the uni
 does. Not guaranteed: ``torch_compile=True`` (the engine refuses a compiled model); a fused
 optimizer (the default ``adamw_torch_fused``) with ``params``, ``grads`` or
 ``optimizer_state`` managed (refused: ``optim="adamw_torch"``); DeepSpeed, FSDP and
-multi-process runs (untested: README's DDP and FSDP2 notes apply per rank); more than one
-engine per Trainer.
+multi-process runs (untested: the DDP and FSDP2 notes of docs/guide/distributed.md apply per
+rank); more than one engine per Trainer.
 """
 
 from __future__ import annotations
