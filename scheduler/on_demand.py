@@ -9,7 +9,8 @@ move). A plan replaces them from the next step on.
 1. **Victims** (``choose_victims``): when an op needs ``n`` more bytes than the budget leaves,
    evict the least recently used tensors the op does not use, until ``n`` fit. LRU is the
    on-demand policy of the seed paper's baseline and of every OS pager: without a future,
-   the past is the best guess of what comes back last.
+   the past is the best guess of what comes back last. Reads between steps of managed
+   tensors over the budget (``ooc/engine/between_steps.py``) follow the same rule.
 2. **Writes in flight** (``in_flight_limit``): evicted tensors are written out
    asynchronously, but their device bytes stay taken until the write completes. At most half
    the budget may be in flight, so that the other half always holds the op's own tensors.

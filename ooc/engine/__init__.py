@@ -4,6 +4,7 @@ The engine, in the order a step meets it (``ooc/runtime/stepper.py`` runs the op
 
 - ``out_of_core.py``: ``OutOfCore``, its settings, the step context manager, stats, close;
 - ``persistent.py``: the parameters, gradients and optimizer state it manages across steps;
+- ``between_steps.py``: their uses between steps, where they exceed the budget;
 - ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point;
 - ``step_end.py``: finishing a step (settle, roll back, what outlives it);
 - ``planning.py``: re-planning from a recorded step, the adaptive chunk;

@@ -253,8 +253,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         if not self._effects.applied:   # the first step (see ProcessEffects)
             self._effects.apply()
         t0 = time.perf_counter()
-        self._forget_dropped()
-        self._stable_vars()
+        self._enter_step()   # plain tensors from here on, the ones still held, stable ids
         key = self._start_key(kind)
         self.schedule, self.binding = self.plans.get(key, (None, {}))
         if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
@@ -333,6 +332,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         }
         for key in PLAN_STAT_KEYS:
             out[f"plan.{key}"] = plan.get(key) or 0
+        out.update(self._reads.stats())   # between_steps.*: reads between steps
         out.update(_numbers("tier", self.tier.stats()))
         allocator = cpu_allocator.stats() if self.device.type == "cpu" else None
         for key in cpu_allocator.STAT_KEYS:

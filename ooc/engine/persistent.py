@@ -4,7 +4,8 @@ They outlive a step (activations do not): the engine adopts them (``_adopt``), k
 variable id per name across steps (``_stable_vars``, which plans are keyed by), puts them where
 a step's plan expects them at its start (``_reconcile``), forgets those the model and the
 optimizer let go of, and between steps brings them back (``_step_end_bring_back``,
-``resident()``, the ``state_dict`` hooks) and notices writes made outside a step
+``resident()``, the ``state_dict`` hooks) or, where they exceed the budget, has every use of
+one bring it back (``ooc/engine/between_steps.py``), and notices writes made outside a step
 (``_note_writes_between``), whose copies on the tier then go stale.
 """
 
@@ -17,8 +18,10 @@ import weakref
 from typing import Any, Hashable, Iterator
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ooc.engine.between_steps import BetweenSteps, resizable_copy
 from ooc.record.storages import storage_of
 from ooc.runtime import cpu_allocator
 from ooc.runtime import slots as sl
@@ -35,7 +38,8 @@ class PersistentTensors:
     """``OutOfCore``'s persistent tensors (a mixin over the engine's tier, pool, budget,
     model and optimizer). Its state (``_init_persistent``): ``persistent``, var -> ``Slot``;
     ``_between``, var -> tensor version at the end of the last step; ``_canon`` and
-    ``_canon_name``, a persistent tensor's name -> its variable id, and back."""
+    ``_canon_name``, a persistent tensor's name -> its variable id, and back; ``_reads``, their
+    uses between steps (``between_steps.py``)."""
 
     def _init_persistent(self) -> None:
         self._ids = itertools.count()
@@ -45,6 +49,7 @@ class PersistentTensors:
         self._canon: dict[tuple[Kind, str], int] = {}
         self._canon_name: dict[int, tuple[Kind, str]] = {}
         self._warned_released = False
+        self._reads = BetweenSteps(self)   # uses between steps of those left on the tier
         self._claimed: set[int] = set()   # vars whose storage allocates through ooc's CPU allocator
 
     def new_var(self) -> int:
@@ -66,12 +71,12 @@ class PersistentTensors:
 
     def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.load_state_dict`` put new tensors in its state: manage those instead of
-        the ones it replaced (whose tier copies go), from the next step on, which re-plans."""
+        the ones it replaced (whose tier copies go; one the user still holds gets its bytes
+        back first), from the next step on, which re-plans."""
+        held = self._reads.unwatch()
         for var, slot in list(self.persistent.items()):
             if slot.kind is Kind.OPTIMIZER_STATE:
-                if slot.host_current:
-                    self.tier.discard(slot.key)
-                    slot.host_current = False
+                self._let_go(slot, held.get(var))
                 del self.persistent[var]
         names = {p: n for n, p in self.model.named_parameters()}
         for p, state in optimizer.state.items():
@@ -80,6 +85,8 @@ class PersistentTensors:
                     if t.layout is torch.strided and not t.untyped_storage().resizable():   # torch.load's
                         t = state[key] = t.clone()
                     self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
+        if self._stepper is None:   # (versions stay: writes since the last were not written out)
+            self._watch_released()
 
     def _grad_hook(self, name: str):
         # A parameter's hooks are held from C++, where the garbage collector cannot follow
@@ -98,21 +105,47 @@ class PersistentTensors:
                 st.adopt_grad_of(p.grad, name)
         return hook
 
-    def _forget_dropped(self) -> None:
+    def _enter_step(self) -> None:
+        """A step starts: its ops run on plain tensors (no longer watched), on the persistent
+        tensors the model and the optimizer still hold, under the variable ids of their names."""
+        if self.persistent:   # (activations only: none, and a plain step makes no call for them)
+            self._forget_dropped(self._reads.unwatch())
+            self._own_storages()
+        self._stable_vars()
+
+    def _own_storages(self) -> None:
+        """Storages exported between steps are not resizable: give their tensors a copy
+        (``between_steps.resizable_copy``), so that the step can release it."""
+        stuck = [s for s in self.persistent.values() if s.storage is not None and not s.storage.resizable()]
+        by_var = self._tensors_by_var() if stuck else {}
+        for slot in stuck:
+            slot.storage = resizable_copy(slot.storage, by_var.get(slot.var, []))
+            self._claimed.discard(slot.var)
+
+    def _forget_dropped(self, watched: dict[int, list[torch.Tensor]]) -> None:
         """Stop managing the gradients and optimizer state that the model and the optimizer
         let go of between steps (``zero_grad()`` before the step, ``opt.state.clear()``): the
         engine's reference would keep their bytes, and the tier their copies, for nothing;
-        and the next step's plan would count tensors that no longer exist."""
-        held = {id(t.untyped_storage()) for t in self._persistent_tensors()}
+        and the next step's plan would count tensors that no longer exist. ``watched``: the
+        tensors watched until now, by var (one the user still holds gets its bytes back)."""
+        with DisableTorchFunctionSubclass():
+            held = {id(t.untyped_storage()) for t in self._persistent_tensors()}
         for var, slot in list(self.persistent.items()):
             if slot.kind is Kind.PARAM or slot.storage is None or id(slot.storage) in held:
                 continue
-            if slot.host_current:
-                self.tier.discard(slot.key)
-                slot.host_current = False
+            self._let_go(slot, watched.get(var))
             slot.storage = None
             del self.persistent[var]
             self._between.pop(var, None)
+
+    def _let_go(self, slot: Slot, alive: list[torch.Tensor] | None) -> None:
+        """Stop keeping ``slot``'s copy on the tier; a tensor of it that is still alive (the
+        user's reference to a gradient ``zero_grad()`` dropped) gets its bytes back first."""
+        if alive and slot.state is State.HOST:
+            self._read_back(slot)
+        if slot.host_current:
+            self.tier.discard(slot.key)
+            slot.host_current = False
 
     def _stable_vars(self) -> None:
         """Give each persistent tensor the variable id its name had when first managed.
@@ -233,37 +266,46 @@ class PersistentTensors:
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
-        """Bring every managed parameter, grad and state tensor back, e.g. to evaluate or save.
+        """Bring every managed parameter, grad and state tensor back at once, e.g. to evaluate
+        or save (plain tensors until the next step).
 
-        Needed only when the managed params, grads and state together exceed the budget:
-        otherwise every step's end already brought them back (see ``_step_end_bring_back``),
-        and ``state_dict()``/``load_state_dict()`` of the model and the optimizer bring them
-        back by themselves in any case. The next step puts them where its plan wants them.
+        Never needed for correctness: between steps, where they exceed the budget, any use of
+        one brings back what it uses, within the budget where it can (``between_steps.py``);
+        otherwise every step's end already brought them back (``_step_end_bring_back``). The
+        next step puts them where its plan wants them.
         """
         self._bring_back()
         yield
 
     def _step_end_bring_back(self) -> None:
         """At a step's end, bring the managed persistent tensors back if all of them fit the
-        budget: between steps a released storage has 0 bytes under a tensor that still has
-        its shape, and PyTorch does not check that on a read (``torch.save`` wrote empty
-        storages, ``p.sum()`` read freed memory: a segfault), and no hook can catch an
-        arbitrary read of a plain tensor. Within the budget this costs no memory the budget
-        did not grant. A model whose params, grads and state exceed the budget (the reason to
-        manage them) keeps them on the tier between steps: ``state_dict()`` and
-        ``load_state_dict()`` bring them back through hooks, other reads need
-        ``with engine.resident():`` (docs/guide/manage.md)."""
+        budget: within it that costs no memory the budget did not grant, and between steps
+        they are plain tensors. Those of a model whose params, grads and state exceed the
+        budget (the reason to manage them) stay where the plan left them, all watched: a use
+        of one from Python brings it back (``_watch_released``). Left plain, a released
+        storage had 0 bytes under a tensor that keeps its shape, which PyTorch does not check:
+        ``p.sum()`` read out of bounds, a segfault (issue 40)."""
         total = sum(s.nbytes for s in self.persistent.values())
         if total <= self.budget:
-            self._bring_back(between_steps=False)
+            try:
+                self._bring_back(between_steps=False)
+            finally:   # a failed read leaves its tensor on the tier: watched, as below
+                self._watch_released()
             return
         if not self._warned_released and any(s.state is State.HOST for s in self.persistent.values()):
             self._warned_released = True
-            log.warning("managed params/grads/optimizer state (%s) exceed the %s budget: between "
-                        "steps they stay on the slower tier; state_dict()/load_state_dict() bring "
-                        "them back, other reads need `with engine.resident():`",
-                        format_size(total), format_size(self.budget))
+            log.info("managed params/grads/optimizer state (%s) exceed the %s budget: between "
+                     "steps they stay on the slower tier, and each use brings back what it uses",
+                     format_size(total), format_size(self.budget))
         self._between = self._versions()
+        self._watch_released()
+
+    def _watch_released(self) -> None:
+        """Between steps, with some persistent tensors on the tier: watch them all, so that a
+        use of one brings it back (``ooc/engine/between_steps.py``); one that a tensor not
+        watched can read is read back now."""
+        if any(s.state is State.HOST for s in self.persistent.values()):
+            self._reads.watch(self.persistent, self._tensors_by_var(), self._read_back)
 
     def _bring_back(self, *, between_steps: bool = True) -> None:
         """Read every managed persistent tensor the tier holds back into its storage (the
@@ -271,16 +313,36 @@ class PersistentTensors:
         unless they were written in between)."""
         if between_steps:   # a step's own writes are the stepper's to track
             self._note_writes_between()   # before the versions are taken again below
-        try:
-            for slot in self.persistent.values():
-                if slot.state is State.HOST:
-                    sl.start_swap_in(slot, self.tier, self.pool)
-                    sl.finish_swap_in(slot)
-                    self.counters["bytes_in"] += slot.nbytes
-        except BaseException:
-            self._settle(self.persistent.values())
-            raise
+        for slot in self.persistent.values():
+            if slot.state is State.HOST:
+                self._read_back(slot)   # a failure leaves the rest as they were: watched
+        self._reads.unwatch()
         self._between = self._versions()
+
+    def _read_back(self, slot: Slot) -> None:
+        """Read one persistent tensor back from the tier into its storage, between steps."""
+        try:
+            sl.start_swap_in(slot, self.tier, self.pool)
+            sl.finish_swap_in(slot)
+        except BaseException:
+            self._settle([slot])   # on the tier again, its copy intact
+            raise
+        self.counters["bytes_in"] += slot.nbytes
+
+    def _release_between(self, slot: Slot, tensors: list[torch.Tensor]) -> int:
+        """Give a resident persistent tensor's memory back between steps (a read of another
+        one needs the room), writing it out if its bytes changed; returns the bytes written.
+        ``tensors``: those that hold it, whose versions say whether they were written."""
+        with DisableTorchFunctionSubclass():
+            versions = {t._version for t in tensors}
+        if slot.host_current and versions - {self._between.get(slot.var)}:
+            self.tier.discard(slot.key)   # written since it was read back: the copy is stale
+            slot.host_current = False
+        written = 0 if slot.host_current else slot.nbytes
+        self._to_tier(slot)
+        if versions:
+            self._between[slot.var] = max(versions)
+        return written
 
     def _bring_back_hook(self, *args: Any, **kwargs: Any) -> None:
         """``state_dict()``/``load_state_dict()`` pre-hook: their reads and copies need the
@@ -302,14 +364,22 @@ class PersistentTensors:
     def _versions(self) -> dict[int, int]:
         """The version counter of the tensor that holds each persistent variable (params,
         their grads, optimizer state): in-place writes between steps bump it."""
+        with DisableTorchFunctionSubclass():   # watched ones too: their versions, no reads
+            return {var: ts[-1]._version for var, ts in self._tensors_by_var().items()}
+
+    def _tensors_by_var(self) -> dict[int, list[torch.Tensor]]:
+        """The tensors the model and the optimizer hold now for each persistent variable."""
         if not self.persistent:   # activations only: nothing to look for (twice a step)
             return {}
         by_storage = {id(s.storage): s for s in self.persistent.values() if s.storage is not None}
-        out: dict[int, int] = {}
-        for t in self._persistent_tensors():
-            slot = by_storage.get(id(t.untyped_storage()))
-            if slot is not None and slot.storage is t.untyped_storage():
-                out[slot.var] = t._version
+        out: dict[int, list[torch.Tensor]] = {}
+        with DisableTorchFunctionSubclass():   # a watched tensor's storage, not brought back
+            for t in self._persistent_tensors():
+                slot = by_storage.get(id(t.untyped_storage()))
+                if slot is not None and slot.storage is t.untyped_storage():
+                    ts = out.setdefault(slot.var, [])
+                    if not any(x is t for x in ts):   # a tied parameter: once
+                        ts.append(t)
         return out
 
     def _persistent_tensors(self) -> list[torch.Tensor]:

@@ -11,6 +11,8 @@ Two kinds of slot, because PyTorch holds them differently:
   the optimizer, and views of them sit in the autograd graph. They keep their storage
   object: swapping out writes the bytes and resizes the storage to 0 bytes in place,
   swapping in resizes it back and reads into it (what FSDP does). Every view follows.
+  PyTorch does not check a 0-byte storage under a real shape (a kernel reads out of bounds),
+  so between steps such tensors are watched (``ooc/runtime/watched.py``).
 """
 
 from __future__ import annotations
