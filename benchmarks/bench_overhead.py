@@ -40,7 +40,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -187,23 +186,11 @@ def _child(spec: dict[str, Any]) -> None:
 
 
 def run_child(spec: dict[str, Any], timeout: float = 1200) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("OVERHEAD-RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise RuntimeError(f"{spec['method']} case of {spec['setting']['label']} failed: {tail}")
-    return json.loads(line[len("OVERHEAD-RESULT "):])
+    return common.run_child(Path(__file__).resolve(), spec, "OVERHEAD-RESULT",
+                            f"{spec['method']} case of {spec['setting']['label']}", timeout)
 
 
 # -- the parent: rounds, table -------------------------------------------------------------------------
-
-
-def _same_parameters(a: str, b: str) -> bool:
-    import torch
-
-    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def measure(setting: Setting, rows: list[Row], rounds: int, steps: int, threads: int | None,
@@ -224,7 +211,7 @@ def measure(setting: Setting, rows: list[Row], rounds: int, steps: int, threads:
             row.cpu_ratios.append(row.results[-1]["cpu_s"] / base["cpu_s"])
     ref = rows[0].results[0]["params"]
     for row in rows[1:]:
-        row.identical = _same_parameters(ref, row.results[0]["params"])
+        row.identical = common.same_state(ref, row.results[0]["params"])
 
 
 def table(setting: Setting, rows: list[Row], peak: int) -> tuple[list[str], float | None]:

@@ -168,6 +168,33 @@ def median_of(fn: Callable[[], Any], runs: int) -> Timing:
     return Timing(statistics.median(times), tuple(times), value, statistics.median(cpus))
 
 
+# -- cases in fresh processes ---------------------------------------------------------------
+
+
+def run_child(script: str | Path, spec: dict[str, Any], tag: str, what: str,
+              timeout: float = 1200) -> dict[str, Any]:
+    """Run ``python script --child JSON`` (one case, in a fresh process: no allocator or cache
+    state carried over from another case) and return the JSON object its stdout printed after
+    ``tag``; ``RuntimeError`` naming ``what`` with the child's last line of stderr if it failed."""
+    import json
+
+    proc = subprocess.run([sys.executable, str(script), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(tag + " ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise RuntimeError(f"{what} failed: {tail}")
+    return json.loads(line[len(tag) + 1:])
+
+
+def same_state(a: str | Path, b: str | Path) -> bool:
+    """Whether two state dicts saved with ``torch.save`` hold bitwise the same tensors."""
+    import torch
+
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 # -- output ---------------------------------------------------------------------------------
 
 

@@ -3,11 +3,13 @@
 The engine, in the order a step meets it (``ooc/runtime/stepper.py`` runs the ops):
 
 - ``out_of_core.py``: ``OutOfCore``, its settings, the step context manager, stats, close;
+- ``planning.py``: which plan a step runs (per start and shape, least recently used out),
+  re-planning from a recorded step, the adaptive chunk;
+- ``step_forms.py``: the step's form (per op, plain, anchored) and switching it at the forward;
 - ``persistent.py``: the parameters, gradients and optimizer state it manages across steps;
 - ``between_steps.py``: their uses between steps, where they exceed the budget;
 - ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point;
 - ``step_end.py``: finishing a step (settle, roll back, what outlives it);
-- ``planning.py``: re-planning from a recorded step, the adaptive chunk;
 - ``lifetime.py``: what it holds outside itself (hooks, tier, pool), and letting go.
 """
 

@@ -17,7 +17,6 @@ from collections import Counter
 from typing import Any, Hashable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scheduler
 from ooc.engine.anchored_steps import AnchoredSteps
@@ -27,6 +26,7 @@ from ooc.engine.pin_policy import pin_function
 from ooc.engine.plain_steps import PlainSteps
 from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
 from ooc.engine.step_end import StepEnd, partial_update_error
+from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateHooks
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
@@ -45,17 +45,6 @@ log = logging.getLogger(__name__)
 KINDS = ("activations", "params", "grads", "optimizer_state")
 
 
-class _Mode(TorchDispatchMode):
-    """Routes every aten op of the step through the stepper."""
-
-    def __init__(self, stepper: Stepper) -> None:
-        super().__init__()
-        self.stepper = stepper
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.stepper.on_op(func, args, kwargs or {})
-
-
 class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, AnchoredSteps):
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
 
@@ -63,10 +52,11 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
     tensors each one touches, while keeping nothing resident that it does not need (slow,
     but within the budget). The recorded sequence goes to ``scheduler.plan``; the plan is
     proven safe by ``scheduler.check``; every later step executes exactly that plan, with
-    transfers on background threads overlapping compute. A step that does something else
-    (another batch shape, data-dependent control flow) is noticed at its first differing
-    op, finished on demand, and re-planned. Swapping copies bytes: parameters come out
-    bitwise identical to in-core training. A plan with nothing to do runs plain (``plain_steps.py``).
+    transfers on background threads overlapping compute. Plans are kept per step shape (the
+    model's inputs, ``planning.py``); a step that does something else (data-dependent control
+    flow) is noticed at its first differing op, finished on demand, and re-planned. Swapping
+    copies bytes: parameters come out bitwise identical to in-core training. A plan with
+    nothing to do runs plain (``plain_steps.py``).
 
     Args:
         model: the ``nn.Module`` to train, on ``device``.
@@ -217,6 +207,10 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
                             owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
+        # The step's shape, from the model's inputs, picks its plan (planning.py): first, before
+        # hooks that run ops (FSDP2's all-gather), so that the step can still switch its plan.
+        self._hooks.append(model.register_forward_pre_hook(weakly(self._forward_starts), prepend=True,
+                                                            with_kwargs=True))
         if optimizer is not None:   # the update starts at optimizer.step(), however it is called
             # Held weakly: an engine that manages activations only keeps nothing between steps,
             # so a user who drops it without close() loses nothing, and it can be collected
@@ -249,49 +243,41 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
             raise OOCError("this engine is closed; create a new OutOfCore")
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
-        check_step_entry(_Mode, "activations" in self.manage)
+        check_step_entry(OpMode, "activations" in self.manage)
         if not self._effects.applied:   # the first step (see ProcessEffects)
             self._effects.apply()
         t0 = time.perf_counter()
         self._enter_step()   # plain tensors from here on, the ones still held, stable ids
-        key = self._start_key(kind)
-        self.schedule, self.binding = self.plans.get(key, (None, {}))
-        if self.schedule is not None:   # how often this plan ran before (see Stepper._diverge)
-            self.plan_runs[id(self.schedule)] = self.plan_runs.get(id(self.schedule), -1) + 1
         if self.device.type == "cpu":   # plain steps too; before _reconcile: what it lets go of is recycled
             cpu_allocator.begin(self, recycle_bytes(self.budget))
-        try:
-            self._reconcile()
-            plain = self._plain_step(key) or self._anchored_step(key)
-            self._ran = getattr(plain, "anchored", None)   # stats' plan.* are the plan that ran
-            if plain is not None:   # no op is intercepted (plain_steps.py, anchored_steps.py)
-                st, finish = plain, self._finish_plain
-            else:
-                st = Stepper(self._step_context(key), self.schedule, self.binding,
-                             observe_small=self._adapt_pending)
-                finish = self._finish
+        try:   # the plan and the step's form (per op, plain, anchored: planning.py, step_forms.py)
+            form = self._begin(self._start_key(kind))
         except BaseException:
             cpu_allocator.end(self)
             raise
-        self._stepper = st
+        self._stepper, self._form = form.st, form   # the forward may switch form.st (_forward_starts)
         try:
-            with contextlib.ExitStack() as stack:
-                if "activations" in self.manage:
-                    stack.enter_context(st.saved_tensors_hooks())
-                stack.enter_context(_Mode(st) if plain is None else contextlib.nullcontext())
+            with form:
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
-            self._stepper = None
+            st, self._stepper, self._form = form.st, None, None
             committed = st.rollback.undo is None   # past the commit point: nothing to roll back
             try:
-                finish(st, exc, time.perf_counter() - t0)
+                self._finish_step(st, exc, time.perf_counter() - t0)
             finally:   # an update that raised: a Ctrl-C it held is delivered now
                 self._interrupts.release()
             if committed and isinstance(exc, StorageError):
                 raise partial_update_error(exc, during_step=st.updating) from exc
             raise
-        self._stepper = None
-        finish(st, None, time.perf_counter() - t0)
+        st, self._stepper, self._form = form.st, None, None
+        self._finish_step(st, None, time.perf_counter() - t0)
+
+    def _finish_step(self, st: Any, exc: BaseException | None, seconds: float) -> None:
+        """A per-op step's end (``step_end.py``), or a plain or anchored one's (``plain_steps.py``).
+        Its shape's plan is now the most recently used (``planning.py``: least recently used out)."""
+        if st.start_key in self.plans:
+            self.plans.move_to_end(st.start_key)
+        (self._finish if isinstance(st, Stepper) else self._finish_plain)(st, exc, seconds)
 
     def _step_context(self, key: Any) -> StepContext:
         """What the step that starts now needs from the engine (``ooc/runtime/step_context.py``)."""
@@ -315,6 +301,7 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         out: dict[str, int | float] = {
             "steps": self.counters["steps"],
             "plans": self.counters["plans"],
+            "plans_kept": len(self.plans),
             "plain_steps": self.counters["plain_steps"],
             "anchored_steps": self.counters["anchored_steps"],
             "bytes_in": self.counters["bytes_in"],

@@ -75,9 +75,8 @@ class PlainSteps:
                         "back on demand, re-planning next step", st.diverged_at,
                         self._plan_op_name(st.schedule, st.diverged_at), st.why,
                         format_size(st.spilled_bytes))
-            self.plans.pop(st.start_key, None)
-            self._plain.pop(st.start_key, None)
-            self._anchored.pop(st.start_key, None)
+            if self.plans.get(st.start_key, (None,))[0] is st.schedule:   # not a guess of another shape's
+                self._drop_plan(st.start_key)
 
     @staticmethod
     def _plan_op_name(schedule: Schedule, i: int) -> str:

@@ -1,10 +1,22 @@
-"""Plans: re-planning from a recorded step, and the adaptive chunk.
+"""Plans: which one a step runs, re-planning from a recorded step, and the adaptive chunk.
 
 A step that did not follow a plan (the recording step, a diverged step) is planned from its
 own recording (``_replan``: ``scheduler.plan`` then ``scheduler.check``), and the plan is kept
-for the state the step started in. With the default chunk, the first recording step also
-chooses the pool's chunk from the sizes it saved (``_adapt_chunk``,
+for the state the step started in and the shape it had. With the default chunk, the first
+recording step also chooses the pool's chunk from the sizes it saved (``_adapt_chunk``,
 ``scheduler.chunk_size``); a new chunk means a new pool and a new recording.
+
+Plans per shape. A plan is a sequence of ops with the sizes one step had: a step of another
+shape (dynamic padding: another sequence length) leaves it at its first differing op. Plans
+are keyed by the step's start (``_start_key``: managed persistent tensors, which parameters
+have a gradient, the caller's kind) and its shape (``step_forms.shape_of``: the shapes and
+dtypes of the tensors the model's forward is called with), at most ``max_plans`` of them,
+the least recently used evicted first. The shape shows only when the forward starts, after
+the step began: it begins with the plan of the shape its start's last step had (the guess),
+and the model's forward pre-hook (``_forward_starts``) switches it to the plan of the shape
+it has, if nothing of it touched managed memory yet (``step_forms.py``); a shape without a
+plan is recorded by that step. A guess that cannot be switched diverges where its plan differs, as before, and
+the step is re-planned under the shape it had: no other shape's plan is lost.
 """
 
 from __future__ import annotations
@@ -13,12 +25,14 @@ import dataclasses
 import logging
 import mmap
 import time
-from typing import Hashable, Sequence
+from collections import OrderedDict
+from typing import Any, Hashable, Sequence
 
 import scheduler
 from ooc.engine.host_pricing import priced_hardware
 from ooc.engine.lifetime import close_pool
 from ooc.engine.pin_policy import pins_of
+from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.devices import make_pool
 from ooc.runtime.plain_step import moves_nothing
 from ooc.runtime.stepper import Stepper
@@ -32,6 +46,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
 REPRICED_RUNS = 2   # a CPU plan is re-priced on the fastest op times of this many planned runs
+# Plans kept (start x shape), least recently used out. A plan holds its step's sequence: GPT
+# 6x256 at 256 tokens, 1,858 ops, ~1.3 MiB of Python objects with its anchored form and prices
+# (benchmarks/results/shapes.md).
+MAX_PLANS = 16
 
 
 class Planning:
@@ -42,14 +60,111 @@ class Planning:
     def _init_plans(self) -> None:
         # A plan holds for the state a step starts in: which parameters, grads and optimizer
         # state exist. Gradient accumulation alternates two such states, so plans are kept
-        # per starting state (``_start_key``; and per the step's kind) instead of one.
-        self.plans: dict[tuple[frozenset[int], tuple[bool, ...], Hashable],
-                         tuple[Schedule, dict[tuple[int, int], int]]] = {}
+        # per starting state (``_start_key``; and per the step's kind) instead of one, and per
+        # shape: key (start, shape), most recently used last, at most ``max_plans``.
+        self.plans: OrderedDict[tuple[Hashable, Any], tuple[Schedule, dict[tuple[int, int], int]]] = OrderedDict()
+        self.max_plans = MAX_PLANS
+        self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
+        self._form: StepForm | None = None   # the running step's form (step_forms.py)
         self.plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self.schedule: Schedule | None = None   # the current step's plan and its binding
         self.binding: dict[tuple[int, int], int] = {}
         # start key -> (planned runs priced, the sequence at the fastest times so far): ``_reprice``
         self.repriced: dict[object, tuple[int, scheduler.VariableSequence]] = {}
+
+    # -- which plan a step runs ----------------------------------------------------------------
+
+    def _begin(self, start: Hashable) -> StepForm:
+        """The plan and form of a step that starts in ``start``: the plan of the shape its
+        start's last step had, until the forward shows the step's own (``_forward_starts``).
+        With plans for several shapes of this start, the step runs per op until then: a
+        plain or anchored form is taken up at the forward, where the mode can come off."""
+        key = self._guess(start)
+        provisional = sum(1 for s, _ in self.plans if s == start) > 1
+        self.schedule, self.binding = self._use_plan(key)
+        self._reconcile()
+        return StepForm(start, self._step_for(key, per_op=provisional),
+                        activations="activations" in self.manage, provisional=provisional)
+
+    def _guess(self, start: Hashable) -> tuple[Hashable, Any]:
+        """The plan key a step that starts in ``start`` begins with: the shape of its start's
+        last step (None where no forward was seen: a model not called through its forward)."""
+        return start, self._shapes.get(start)
+
+    def _use_plan(self, key: tuple) -> tuple[Schedule | None, dict]:
+        """``key``'s plan and binding, counted as a run (``plan_runs``)."""
+        schedule, binding = self.plans.get(key, (None, {}))
+        if schedule is not None:   # how often this plan ran before (see Stepper._diverge)
+            self.plan_runs[id(schedule)] = self.plan_runs.get(id(schedule), -1) + 1
+        return schedule, binding
+
+    def _step_for(self, key: tuple, *, per_op: bool = False) -> Any:
+        """The step object that runs ``self.schedule`` for ``key``: plain, anchored or per op."""
+        st = None if per_op else (self._plain_step(key) or self._anchored_step(key))
+        self._ran = getattr(st, "anchored", None)   # stats' plan.* are the plan that ran
+        if st is None:
+            st = Stepper(self._step_context(key), self.schedule, self.binding, observe_small=self._adapt_pending)
+        return st
+
+    def _forward_starts(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The model's forward pre-hook: the step's shape is known. A step that guessed
+        another shape's plan, or waits per op for its shape, runs the plan of the shape it
+        has (on demand, recorded, if there is none), provided nothing of it touched managed
+        memory yet (``StepForm.quiet``) and that plan begins with the ops it ran."""
+        form = self._form
+        if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
+            return None
+        form.shape = shape = shape_of(args, kwargs)
+        self._shapes[form.start] = shape
+        self._shapes.move_to_end(form.start)
+        while len(self._shapes) > self.max_plans:
+            self._shapes.popitem(last=False)
+        key, st = (form.start, shape), form.st
+        if st.start_key == key and not form.provisional:   # the guess was right
+            return None
+        guessed, st.start_key = st.start_key, key   # booked under its shape, whatever plan it runs
+        schedule, binding = self.plans.get(key, (None, {}))
+        ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
+        if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
+            if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
+                st.leave_plan(f"the step's shape {shape} has no plan")
+            return None
+        if not (form.quiet() and form.innermost() and (schedule is None or _begins_with(schedule, ran))):
+            log.info("the step's shape has %s plan, but the step touched managed memory before its "
+                     "forward: it runs the plan it began with", "no" if schedule is None else "another")
+            return None
+        kept = self.schedule, self.binding, self._ran
+        self.schedule, self.binding = schedule, binding
+        hooks_only, per_op = form.can_drop_mode(), key != guessed and form.can_run_per_op()
+        new = None
+        try:
+            with form.paused():   # making the next step object runs ops that are not the step's
+                new = (self._plain_step(key) or self._anchored_step(key)) if hooks_only else None
+                if new is None and per_op:
+                    self._reconcile()
+                    new = Stepper(self._step_context(key), schedule, binding, observe_small=self._adapt_pending)
+        finally:
+            if new is None:   # it keeps its form and plan (or a transfer failed: the step fails)
+                self.schedule, self.binding, self._ran = kept
+        if new is None:
+            return None
+        if key != guessed:
+            if kept[0] is not None:
+                self.plan_runs[id(kept[0])] -= 1   # the guess did not run
+            self._use_plan(key)
+        form.switch(new)
+        self._stepper = new
+        self._ran = getattr(new, "anchored", None)
+        return None
+
+    def _drop_plan(self, key: tuple) -> None:
+        """Forget ``key``'s plan and what was made of it (prices, plain and anchored forms)."""
+        entry = self.plans.pop(key, None)
+        if entry is not None:
+            self.plan_runs.pop(id(entry[0]), None)
+        self.repriced.pop(key, None)
+        self._plain.pop(key, None)
+        self._anchored.pop(key, None)
 
     def _adapt_chunk(self, st: Stepper) -> bool:
         """With the default chunk, after the first recording step that completes: choose the
@@ -89,6 +204,7 @@ class Planning:
         self._held.pool = self.pool
         close_pool(old)
         self.plans.clear()
+        self.plan_runs.clear()
         self.repriced.clear()
         self._plain.clear()
         self._anchored.clear()
@@ -107,8 +223,10 @@ class Planning:
         schedule = self._plan(seq)
         self.schedule = schedule
         self.binding = {where: var for var, where in st.rec.born_at.items()}
+        self._drop_plan(st.start_key)
         self.plans[st.start_key] = (self.schedule, self.binding)
-        self.repriced.pop(st.start_key, None)
+        while len(self.plans) > max(1, self.max_plans):   # the least recently used go
+            self._drop_plan(next(iter(self.plans)))
         self.counters["plans"] += 1
         log.info("planned %d ops in %.3fs: %s in, %s out, %s recomputed per step", len(seq.functions),
                  time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out),
@@ -179,6 +297,14 @@ class Planning:
             raise
         scheduler.check(schedule)
         return schedule
+
+
+def _begins_with(schedule: Schedule, names: Sequence[str]) -> bool:
+    """Whether ``schedule``'s first ops are ``names``, with no action before or after any."""
+    functions = schedule.sequence.functions
+    return len(functions) >= len(names) and all(
+        functions[j].name == name and not schedule.before[j] and not schedule.after[j]
+        for j, name in enumerate(names))
 
 
 def priced_seconds(seq: scheduler.VariableSequence,

@@ -9,6 +9,8 @@ the adaptive chunk), and the whole recording.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import scheduler
@@ -34,6 +36,33 @@ class StepRecording:
 
     def update_done(self) -> None:
         self.updating = False
+
+    # -- another step object takes over (its shape showed at the model's forward) -------------
+
+    def quiet(self) -> bool:
+        """Whether the ops this step ran so far left managed memory alone: no managed tensor
+        used, none born, no buffer touched, no plan action run at them, no update begun. A
+        step of the same ops on another plan can take over from here (``resume``)."""
+        rec = self.rec
+        if self.updating or self.rollback.undo != {} or rec.births or any(rec.uses):
+            return False
+        ran = range(min(len(rec.names), len(self._after)))   # the plan's ops run so far
+        return not self.planned or not any(self._before[j] or self._after[j] for j in ran)
+
+    def leave_plan(self, why: str) -> None:
+        """Stop following the plan before the next op, quietly (the engine knows why): the
+        rest of the step runs on demand and is recorded (``Stepper._diverge``)."""
+        self._diverge(len(self.rec.names), why, logging.INFO)
+
+    def resume(self, prefix: "StepRecording") -> None:
+        """Take over after ``prefix``'s quiet ops (``quiet``): they are this step's first ops,
+        run, their plan actions (none) done."""
+        for name, seconds in zip(prefix.rec.names, prefix.rec.seconds):
+            self.rec.begin_op(name)
+            self.rec.seconds[-1] = seconds
+        self.done_before = len(self.rec.names) - 1
+        self.i = max(self.done_before, 0)
+        self.events[:0] = prefix.events
 
     def live_slot(self, s: torch.UntypedStorage, kind: Kind, name: str) -> Slot | None:
         """A slot for storage ``s``, born in this step and managed from now on as ``name``

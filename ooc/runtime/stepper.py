@@ -76,7 +76,8 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
     ``forgive_overflow``, ``wait_for_transfers``, ``update_starts``/``update_done`` (its
     optimizer hooks), and at the step's end ``writes_settled``, ``rollback.roll_back``, ``live_slot``,
     ``rename``, ``hand_back``, ``mark_live_out``, ``book_device_times``, ``saved_sizes``,
-    ``whole_recording``; ``slot_of`` finds the slot of a tensor.
+    ``whole_recording``; ``slot_of`` finds the slot of a tensor; when the model's forward shows
+    another shape, ``quiet``, ``leave_plan``, ``resume`` (``step_recording.py``).
 
     Public attributes the engine reads (never writes):
 
@@ -220,13 +221,13 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
             self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
             self._register(slot)
 
-    def _diverge(self, i: int, why: str) -> None:
+    def _diverge(self, i: int, why: str, level: int | None = None) -> None:
         """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
         if self.planned:
             # A fresh plan's first run often meets what its recording step could not see
             # (optimizer state the optimizer creates on its first step): routine, say it
             # quietly. A plan that ran before and now diverges is worth a warning.
-            level = logging.WARNING if self.ctx.plan_runs else logging.INFO
+            level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)
             log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
                     "re-planning next step", i, self._name(i), why)
             self.planned = False

@@ -54,7 +54,7 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
                 nn.functional.cross_entropy(model(X), Y).backward()
                 opt.step()
             if engine:
-                plans.append(engine.plans.get(engine._start_key(), (None,))[0])
+                plans.append(engine.plans.get(engine._guess(engine._start_key()), (None,))[0])
     finally:
         if engine:
             engine.close()

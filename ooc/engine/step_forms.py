@@ -1,0 +1,157 @@
+"""The form a running step takes, and changing it before the step has done anything.
+
+A step runs in one of three forms: per op (a ``Stepper`` that every aten op reaches through
+``OpMode``, the engine's ``TorchDispatchMode``), plain or anchored (a ``PlainStep`` or
+``AnchoredStep``, watched by autograd's saved-tensor hooks alone). ``StepForm`` is what the
+running step has pushed onto PyTorch's two stacks (the dispatch modes, the saved-tensor
+hooks) and which step object they reach.
+
+Why it can change: the engine keeps a plan per step shape (``planning.py``), and a step's
+shape shows only when the model's forward starts (its inputs), after ``engine.step()`` began
+with a guess. If nothing of the step has touched managed memory by then (no tensor saved, no
+managed tensor made or used, no buffer touched, no update begun: views of the batch such as
+``x[:, :-1]`` may have run, and the new plan must begin with the same ops), the step switches
+to the plan of the shape it has, in that plan's form: the new step object's hooks replace the
+old one's (ours are innermost: the step refuses other hooks entered inside it), and the mode
+comes off (a plain or anchored step: only when it is on top of the stack) or goes on (only
+when no mode was entered since the step began, so that it sits where it would have from the
+start). Otherwise the step keeps the form it has and runs its guess, which diverges at its
+first differing op as any step that leaves its plan does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Hashable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from ooc.runtime.composition import top_saved_tensors_hooks
+from ooc.runtime.hook_step import HookStep
+from ooc.runtime.stepper import Stepper
+
+UNSEEN = object()   # a step's shape before its model's forward began
+
+
+class OpMode(TorchDispatchMode):
+    """Routes every aten op of the step through the stepper."""
+
+    def __init__(self, stepper: Stepper) -> None:
+        super().__init__()
+        self.stepper = stepper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.stepper.on_op(func, args, kwargs or {})
+
+
+def shape_of(args: tuple, kwargs: dict) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """A step's shape: the shape and dtype of each tensor the model's forward is called with,
+    in order (positional, then keyword arguments, nested containers flattened)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
+class StepForm:
+    """The running step's object (``st``) and what it pushed: its saved-tensor hooks (with
+    activations managed) and, per op, ``OpMode``. ``start`` is the state the step started in
+    (``_start_key``), ``shape`` what its forward showed (``UNSEEN`` before), and
+    ``provisional`` whether it runs per op only to wait for its shape (its start has plans
+    for several shapes: a plain or anchored form is taken up once the shape is known)."""
+
+    def __init__(self, start: Hashable, st: Stepper | HookStep, *, activations: bool,
+                 provisional: bool) -> None:
+        self.start, self.st = start, st
+        self.shape: Any = UNSEEN
+        self.provisional = provisional
+        self.activations = activations
+        self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.mode: OpMode | None = None
+        self.depth = 0   # the dispatch modes in force when the step began
+
+    def __enter__(self) -> StepForm:
+        self.depth = torch._C._len_torch_dispatch_stack()
+        if self.activations:
+            self.hooks = self.st.saved_tensors_hooks()
+            self.hooks.__enter__()
+        try:
+            if isinstance(self.st, Stepper):
+                self._push(self.st)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.mode is not None:
+                self.mode, mode = None, self.mode
+                mode.__exit__(None, None, None)
+        finally:
+            if self.hooks is not None:
+                self.hooks, hooks = None, self.hooks
+                hooks.__exit__()
+
+    def quiet(self) -> bool:
+        """Nothing of the step touched managed memory yet: a hook-driven step saved no tensor,
+        a per-op step's ops (views of the batch, say) used no managed tensor (``Stepper.quiet``);
+        no update began."""
+        st = self.st
+        if isinstance(st, HookStep):
+            return st.k == 0 and not st.updating and st.rollback.undo is not None
+        return st.quiet()
+
+    def innermost(self) -> bool:
+        """Our saved-tensor hooks are the innermost (none was entered inside the step)."""
+        if self.hooks is None or top_saved_tensors_hooks is None:
+            return self.hooks is None
+        top = top_saved_tensors_hooks(False)
+        return top is not None and top[0] is self.hooks.pack_hook
+
+    def can_drop_mode(self) -> bool:
+        """A hook-driven step can replace this one: no mode, or ours on top of the stack."""
+        return self.mode is None or _get_current_dispatch_mode() is self.mode
+
+    def can_run_per_op(self) -> bool:
+        """A per-op step can replace this one: the mode is on, or can go where it would have
+        been from the step's start (no mode was entered inside the step since)."""
+        return self.mode is not None or torch._C._len_torch_dispatch_stack() == self.depth
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Our mode off (it is on top: ``can_drop_mode``) while the next step object is made:
+        what that runs (``_reconcile``'s transfers, a rollback's copies of the buffers) is not
+        an op of the step."""
+        mode = self.mode if _get_current_dispatch_mode() is self.mode else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if mode is not None:
+                mode.__enter__()
+
+    def switch(self, new: Stepper | HookStep) -> None:
+        """Run ``new`` instead of ``st`` (``quiet``, ``innermost`` and ``can_drop_mode`` or
+        ``can_run_per_op`` checked by the caller, as ``new`` needs); a per-op ``new`` takes
+        over after the ops ``st`` ran (``Stepper.resume``)."""
+        if self.hooks is not None:
+            self.hooks.__exit__()
+            self.hooks = new.saved_tensors_hooks()
+            self.hooks.__enter__()
+        if isinstance(new, Stepper):
+            if isinstance(self.st, Stepper):
+                new.resume(self.st)
+            if self.mode is None:
+                self._push(new)
+            else:
+                self.mode.stepper = new
+        elif self.mode is not None:
+            self.mode, mode = None, self.mode
+            mode.__exit__(None, None, None)
+        self.st = new
+
+    def _push(self, st: Stepper) -> None:
+        mode = OpMode(st)
+        mode.__enter__()
+        self.mode = mode

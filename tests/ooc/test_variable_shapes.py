@@ -1,0 +1,173 @@
+"""Steps of varying shapes (dynamic padding) keep a plan per shape and run planned.
+
+A plan is a sequence of ops with one step's sizes: before plans were kept per shape, a GPT
+trained on sequence lengths in turn made a plan at every step (every step left the last
+one's plan and was re-planned, none ran planned). Plans are now keyed by the step's start
+and its shape (the tensors the model's forward is called with), at most ``max_plans``, the
+least recently used out; a step switches to its shape's plan when its forward begins.
+Small GPTs (2 blocks, width 64), 16 KiB chunks; every step checked bitwise against the same
+loop in core, parameters and losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import ooc
+from ooc.engine import OutOfCore
+
+ALL = ("activations", "params", "grads", "optimizer_state")
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = ooc.models.tiny_transformer(depth=2, width=64, heads=4, seq_len=32, vocab=256)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)   # no state: no first-update divergence
+
+
+def _batch(step: int, length: int) -> torch.Tensor:
+    return torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(step))
+
+
+def _train(lengths: list[int], engine_kw: dict | None, *, before=lambda x: x,
+           setup=lambda e: None) -> tuple[list, list, list[dict]]:
+    """Train on ``lengths`` in turn (in core with ``engine_kw`` None), ``before(x)`` run in the
+    step before the model's forward; the losses, each step's parameters, and (under the
+    engine) each step's stats."""
+    model, opt = _model()
+    engine = OutOfCore(model, opt, chunk="16KiB", min_bytes=4096, **engine_kw) if engine_kw else None
+    if engine is not None:
+        setup(engine)
+    losses, params, stats = [], [], []
+    try:
+        for step, length in enumerate(lengths):
+            x = _batch(step, length)
+            torch.manual_seed(step)   # dropout
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                x = before(x)
+                loss = ooc.models.lm_loss(model(x), x.roll(-1, 1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.detach().clone())
+            with engine.resident() if engine is not None else contextlib.nullcontext():
+                params.append([p.detach().clone() for p in model.parameters()])
+            if engine is not None:
+                stats.append(engine.stats())
+    finally:
+        if engine is not None:
+            engine.close()
+    return losses, params, stats
+
+
+def _assert_bitwise(ref: tuple, got: tuple) -> None:
+    for step, (a, b) in enumerate(zip(ref[0], got[0])):
+        assert torch.equal(a, b), f"loss of step {step} differs"
+    for step, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+
+
+LENGTHS = [32, 16, 24] * 8   # dynamic padding: 3 shapes in turn
+
+
+@pytest.mark.parametrize("case", ["per-op", "all-forms", "all-managed", "views-before-forward"])
+def test_each_shape_keeps_its_plan_and_its_steps_run_planned(case: str) -> None:
+    """Three sequence lengths in turn at 1 MiB (32 and 24 tokens swap, 16 fits: its plan moves
+    nothing): each shape is recorded once, then every step runs its shape's plan and the
+    number of plans stops at three; with the default forms the plain and anchored ones are
+    taken up per shape too. Ops on the batch inside the step before the forward (a view,
+    ``x[:, 1:]``) touch no managed memory: the step still switches to its shape's plan.
+    Before plans were kept per shape, every step made a plan."""
+    kw = {"budget": "1MiB", "manage": ALL if case == "all-managed" else ("activations",)}
+
+    def per_op_only(e: OutOfCore) -> None:
+        e.plain_steps = e.anchored_steps = False
+
+    before = (lambda x: x[:, 1:]) if case == "views-before-forward" else (lambda x: x)
+    lengths = [n + 1 for n in LENGTHS] if case == "views-before-forward" else LENGTHS
+    ref = _train(lengths, None, before=before)
+    got = _train(lengths, kw, before=before, setup=per_op_only if case == "per-op" else lambda e: None)
+    _assert_bitwise(ref, got)
+    stats = got[2]
+    planned = [s["last_planned"] for s in stats]
+    plans = [s["plans"] for s in stats]
+    assert all(planned[3:]), f"after each shape was seen once, every step runs planned: {planned}"
+    assert plans[2] == plans[-1] == 3, f"one plan per shape, then no more: {plans}"
+    assert stats[-1]["plans_kept"] == 3
+    assert max(s["plan.bytes_out"] for s in stats) > 0, "the plans must move bytes"
+    if case in ("all-forms", "views-before-forward"):
+        assert stats[-1]["plain_steps"] > 0 and stats[-1]["anchored_steps"] > 0, stats[-1]
+
+
+def test_plans_are_bounded_least_recently_used_out() -> None:
+    """At most ``max_plans`` plans are kept: a third shape evicts the least recently used
+    one, which is recorded again when it comes back; the shapes still kept run planned."""
+    lengths = [32, 16, 32, 16, 24, 16, 24, 32, 24, 32]
+    ref = _train(lengths, None)
+
+    def two(e: OutOfCore) -> None:
+        e.max_plans = 2
+
+    got = _train(lengths, {"budget": "1MiB"}, setup=two)
+    _assert_bitwise(ref, got)
+    stats = got[2]
+    assert max(s["plans_kept"] for s in stats) == 2
+    planned = [s["last_planned"] for s in stats]
+    # 24 evicts 32 (16 was used later), 32 evicts 16, 24 is kept throughout the end
+    assert planned == [0, 0, 1, 1, 0, 1, 1, 0, 1, 1], planned
+    assert [s["plans"] for s in stats][-1] == 4
+
+
+def test_a_step_that_cannot_switch_runs_its_guess_and_loses_no_plan() -> None:
+    """A tensor as large as a managed one made in the step before the model's forward: when
+    the forward shows the shape, the step has touched managed memory and keeps the plan it
+    began with (that of its start's last step's shape). A wrong guess diverges at its first
+    differing op, finishes on demand and is re-planned under the shape it had; the other
+    shape's plan stays. Right guesses run planned."""
+    def before(x: torch.Tensor) -> torch.Tensor:
+        torch.ones(4096).add_(1)   # 16 KiB: above min_bytes
+        return x
+
+    lengths = [32, 32, 16, 16] * 3
+    ref = _train(lengths, None, before=before)
+    got = _train(lengths, {"budget": "1MiB"}, before=before)
+    _assert_bitwise(ref, got)
+    stats = got[2]
+    planned = [s["last_planned"] for s in stats]
+    assert planned[4:] == [0, 1] * 4, planned
+    assert all(s["plans_kept"] == 2 for s in stats[3:])
+
+
+def test_shapes_compose_with_the_start_state() -> None:
+    """Gradient accumulation over two micro-batches (two start states: without and with
+    gradients) and two shapes: a plan per (start, shape), four in all; every step after the
+    warm-up runs planned, bitwise as in core."""
+    def run(engine: OutOfCore | None) -> tuple[list, list]:
+        model, opt = _model()
+        if engine is not None:
+            engine = OutOfCore(model, opt, budget="1MiB", chunk="16KiB", min_bytes=4096)
+        losses, planned = [], []
+        for step in range(16):
+            x = _batch(step, (32, 16)[step // 2 % 2])
+            torch.manual_seed(step)
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                loss = ooc.models.lm_loss(model(x), x.roll(-1, 1))
+                loss.backward()
+                if step % 2:
+                    opt.step()
+                    opt.zero_grad()
+            losses.append(loss.detach().clone())
+            if engine is not None:
+                planned.append(engine.stats()["last_planned"])
+        if engine is not None:
+            assert engine.stats()["plans_kept"] == 4
+            engine.close()
+        return losses + [p.detach().clone() for p in model.parameters()], planned
+
+    ref, _ = run(None)
+    got, planned = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(planned[8:]), planned
