@@ -35,10 +35,11 @@ gained nothing measurable (median +0.02x in-core over 12 paired fresh-process ro
 A sequence in which no function is replayable (every trace before recomputation) gets the
 swap-only plan at the default window, unchanged.
 
-Where the link runs beside compute (a GPU), two things change (issue 38; ResNet-50 b256 on
-the H200 profile at 1/2 and 1/4 of the in-core peak went from 0.82x / 0.65x to 0.89x / 0.77x
-in-core, GPT-2 small from 0.90x / 0.86x to 0.95x / 0.92x, the Llama from 0.89x / 0.81x to
-0.93x / 0.88x, predicted):
+Where the link runs beside compute (a GPU), the plans tried are mostly of another kind
+(issue 38; predicted on the H200 profiles at 1/2 and 1/4 of the in-core peak: ResNet-50 b256
+from 0.82x / 0.65x to 0.89x / 0.77x in-core, GPT-2 small from 0.90x / 0.86x to 0.95x / 0.92x,
+the Llama from 0.89x / 0.81x to 0.93x / 0.90x; one plan of the old kind, through chains at
+``GPU_THROUGH_EXPOSURES``, stays in the grid for links that cannot keep up whatever the plan):
 
 - replays are *shared* (``SHARED``, ``scheduler.segments``): a chain whose input was
   discarded moves that input's own recompute before it instead of making the input again
@@ -76,7 +77,7 @@ from scheduler.simulate import simulate
 from scheduler.window import Recompute, plan_window
 from scheduler.working_sets import INF, Infeasible, default_window
 
-__all__ = ["EXPOSURES", "GPU_EXPOSURES", "RECOMPUTE_MODES", "SHARED", "WIDE_TRIES", "WIDE_WINDOW",
+__all__ = ["EXPOSURES", "GPU_EXPOSURES", "GPU_THROUGH_EXPOSURES", "RECOMPUTE_MODES", "SHARED", "WIDE_TRIES", "WIDE_WINDOW",
            "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,11 @@ EXPOSURES = (1.0, 0.5, 0.2, 0.1)
 #: discarded inputs in all six (by 0.03-0.12x in-core). The full grid (12 plans) took 0.6 s
 #: for the Llama's 5,872 functions: a re-plan that costs several GPU steps.
 GPU_EXPOSURES = (0.1, 0.05)
+#: Beside them, chains through discarded inputs, not shared, at these exposures: where the
+#: link cannot carry what the budget forces out whatever the plan (ResNet-50 b1440 on the
+#: V100 preset, meta trace, roofline times, at 14-15 GiB: 150 GB moved per 3.1 s of compute),
+#: shared replays hold more in the backward and predict 0.57x in-core against 0.62x.
+GPU_THROUGH_EXPOSURES = (0.2,)
 #: With no window named, plans are also made with this many times nnabla's default window,
 #: for the ``WIDE_TRIES`` fastest (exposure, through) pairs at the default window only: the
 #: window shifts them alike (ResNet-50 b1440 on the V100: the same top four at both windows;
@@ -198,7 +204,7 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             return INF
 
     beside = not hw.moved_byte_s   # the link runs beside compute: a GPU
-    grid = ([(e, SHARED) for e in GPU_EXPOSURES] if beside
+    grid = ([(e, SHARED) for e in GPU_EXPOSURES] + [(e, True) for e in GPU_THROUGH_EXPOSURES] if beside
             else [(e, t) for e in EXPOSURES for t in (False, True)])
     tried = []   # (predicted seconds, exposure, through), in the order tried
     best, best_s, best_how, best_stall = None, INF, (window, None, False), 0.0

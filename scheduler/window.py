@@ -230,7 +230,7 @@ class _BudgetWindow:
                     # (b) its bytes come back at wait_out: here, or sooner by the release rule.
                     after[anchor[v]].append(Action(Op.SWAP_OUT, v))
                     if replays.clock is not None:
-                        replays.clock.book(nb, anchor[v])
+                        replays.clock.book(nb, anchor[v], i)
                     back = i if self.release is None else self.release(v, anchor[v], i)
                     waits[back].append(v)
                     ready[v] = back

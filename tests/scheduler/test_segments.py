@@ -73,8 +73,11 @@ def test_the_link_clock_queues_copies_on_the_in_core_clock() -> None:
     assert clock.start[1] == 1e-3
     assert clock.stall_s(MiB, 0, 6) == 0.0                 # out after f_0 at 1 ms, done at 2 ms
     assert abs(clock.stall_s(MiB, 0, 2) - 0.9e-3) < 1e-12   # needed back at 1.1 ms
-    clock.book(MiB, 0)
+    clock.book(MiB, 0, 6)
     assert abs(clock.stall_s(MiB, 0, 3) - (3e-3 - 1.2e-3)) < 1e-12   # queued behind it
+    clock.book(MiB, 0, 2)                                   # the stream waits 0.9 ms before f_2 ...
+    assert abs(clock.delay - (3e-3 - 1.1e-3)) < 1e-12      # (the second copy ends at 3 ms)
+    assert clock.stall_s(MiB, 2, 4) < 1.2e-3 + 1e-12       # ... so f_4 starts later too
 
 
 def test_a_swap_that_would_wait_on_a_busy_link_is_priced_with_that_wait() -> None:
