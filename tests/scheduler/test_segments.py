@@ -7,12 +7,16 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from scheduler import Cost, Kind, Op, Schedule, Variable, VariableSequence, build_sequence, check, simulate
 from scheduler.hardware import hardware
 from scheduler.link_clock import LinkClock
 from scheduler.pins import Pins, pinned_rule
 from scheduler.recompute import swap_or_recompute
 from scheduler.window import plan_window
+from strategies import training_sequences
 
 R = {"replayable": True}
 MiB = 1 << 20
@@ -89,3 +93,39 @@ def test_a_swap_that_would_wait_on_a_busy_link_is_priced_with_that_wait() -> Non
     assert rule.link is hw
     assert rule(3, 8) is None                       # conv2 (1 ms) dearer than 0.1 x 2 copies of 1 MiB
     assert rule(3, 8, stall_s=1.0).functions == (3,)
+
+
+# -- properties -------------------------------------------------------------------------------
+
+
+def _replayable_forward(seq: VariableSequence) -> VariableSequence:
+    """Every function that writes only what it creates is replayable (the recorder's verdict
+    for a forward op without side effects)."""
+    from scheduler.replay import mark_replayable
+
+    def rule(f):
+        fresh = all(seq.producer.get(u.var) == f.index for u in f.uses if u.access.value == "write")
+        return {"replayable": fresh}
+
+    return mark_replayable(seq, rule)
+
+
+@given(training_sequences(), st.floats(0.2, 1.0), st.sampled_from([1e6, 1e9, 1e11]), st.sampled_from([0.02, 0.1, 1.0]))
+@settings(max_examples=60, deadline=None)
+def test_shared_plans_are_safe_and_within_budget(seq, fraction, bandwidth, exposure) -> None:
+    """Whatever the sequence, the budget and the prices: a plan with shared replays (moved
+    recomputes, pinned inputs discarded, swaps priced on the link's queue) is either refused
+    (Infeasible / BudgetTooSmall) or proven safe by ``check`` within its budget."""
+    from scheduler.errors import BudgetTooSmall
+    from scheduler.working_sets import Infeasible
+
+    seq = _replayable_forward(seq)
+    hw = dataclasses.replace(DEAR, h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth)
+    budget = max(1, int(seq.in_core_peak_bytes * fraction))
+    rule = pinned_rule(seq, Pins(), swap_or_recompute(seq, hw, exposure, True, shared=True))
+    try:
+        s = plan_window(seq, budget, recompute=rule)
+    except (Infeasible, BudgetTooSmall):
+        return
+    assert check(s).peak_bytes <= budget
+    assert simulate(s, hw, timeline=False).peak_bytes <= budget
