@@ -63,12 +63,14 @@ def pinned_rule(seq: VariableSequence, pins: Pins, rule=None):
     """The window planner's swap-or-recompute rule with the pins applied over ``rule``
     (None: swap every unpinned victim)."""
 
-    def choose(v: int, at: int, *absent) -> Chain | None:
+    def choose(v: int, at: int, *absent, **priced) -> Chain | None:
         if v in pins.offload:
             return None
         if v in pins.prefer or v in pins.must:
             return chain_for(seq, v, at)
-        return rule(v, at, *absent) if rule is not None else None
+        return rule(v, at, *absent, **priced) if rule is not None else None
 
     choose.through = getattr(rule, "through", False)   # type: ignore[attr-defined]
+    choose.shared = getattr(rule, "shared", False)     # type: ignore[attr-defined]
+    choose.link = getattr(rule, "link", None)          # type: ignore[attr-defined]
     return choose

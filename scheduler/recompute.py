@@ -35,6 +35,23 @@ gained nothing measurable (median +0.02x in-core over 12 paired fresh-process ro
 A sequence in which no function is replayable (every trace before recomputation) gets the
 swap-only plan at the default window, unchanged.
 
+Where the link runs beside compute (a GPU), the plans tried are mostly of another kind
+(issue 38; predicted on the H200 profiles at 1/2 and 1/4 of the in-core peak: ResNet-50 b256
+from 0.82x / 0.65x to 0.89x / 0.77x in-core, GPT-2 small from 0.90x / 0.86x to 0.95x / 0.92x,
+the Llama from 0.89x / 0.81x to 0.93x / 0.90x; one plan of the old kind, through chains at
+``GPU_THROUGH_EXPOSURES``, stays in the grid for links that cannot keep up whatever the plan):
+
+- replays are *shared* (``SHARED``, ``scheduler.segments``): a chain whose input was
+  discarded moves that input's own recompute before it instead of making the input again
+  as a temporary, so each function of a discarded segment reruns once per backward (through
+  chains had rerun 12 of ResNet-50's 33 ms of recompute a second time), and a chain is priced
+  on its own functions only, the ones it adds;
+- a swap's price adds the wait for its copy on the device-to-host queue
+  (``scheduler.link_clock``): the forward makes activations faster than the link takes them
+  (ResNet-50's forward: 43 ms, 2.2 GiB of link; the plan swapped 3.45 GiB there and stalled
+  35 ms), so a tensor is swapped while the link is idle and recomputed when its copy would
+  keep the compute stream waiting.
+
 Last, the winner (or, with nothing to replay or ``mode="never"``, the swap-only plan) is made
 once more with its waits for swap-outs placed by time (``scheduler.release``: a victim's bytes
 come back as soon as its copy should be done, not at the overflow point, so a prefetch can use
@@ -60,27 +77,38 @@ from scheduler.simulate import simulate
 from scheduler.window import Recompute, plan_window
 from scheduler.working_sets import INF, Infeasible, default_window
 
-__all__ = ["EXPOSURES", "GPU_EXPOSURES", "RECOMPUTE_MODES", "WIDE_TRIES", "WIDE_WINDOW", "chain_seconds", "default_hardware",
-           "plan_swap_or_recompute", "swap_or_recompute"]
+__all__ = ["EXPOSURES", "GPU_EXPOSURES", "GPU_THROUGH_EXPOSURES", "RECOMPUTE_MODES", "SHARED", "WIDE_TRIES", "WIDE_WINDOW",
+           "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
 
 log = logging.getLogger(__name__)
 
 EXPOSURES = (1.0, 0.5, 0.2, 0.1)
-#: Where the link runs beside compute (a GPU's copy engines), only chains through discarded
-#: inputs, at two exposures. On the H200 profiles of ResNet-50 b256, GPT-2 small b8x1024 and
-#: a ~320 M Llama b4x2048 (benchmarks/profiles/), at 1/2 and 1/4 of the managed peak, a
-#: chain-through plan won five of six times and was within 0.4% the sixth; over exposures
-#: from 0.02 to 1, 0.1 or 0.2 was the fastest or within 1% of it every time; the wide window
-#: won once (-2%) and waits placed by time never. The full grid made 12 plans, which took
-#: 0.6 s for the Llama's 6,238 functions: a re-plan that costs several GPU steps.
-GPU_EXPOSURES = (0.2, 0.1)
+#: Where the link runs beside compute (a GPU's copy engines), only shared replays with swaps
+#: priced on the link's queue, at two exposures (the queue's wait is priced apart, so the
+#: exposure is only what a copy that waits for nothing still costs). On the H200 profiles of
+#: ResNet-50 b256, GPT-2 small b8x1024 and a ~320 M Llama b4x2048 (benchmarks/profiles/), at
+#: 1/2 and 1/4 of the managed peak, over 0.2, 0.1, 0.05 and 0.02, 0.05 won five of six times
+#: and 0.1 the sixth (Llama at 1/4: 0.881 vs 0.866), and shared replays beat chains through
+#: discarded inputs in all six (by 0.03-0.12x in-core). The full grid (12 plans) took 0.6 s
+#: for the Llama's 5,872 functions: a re-plan that costs several GPU steps.
+GPU_EXPOSURES = (0.1, 0.05)
+#: Beside them, chains through discarded inputs, not shared, at these exposures: where the
+#: link cannot carry what the budget forces out whatever the plan (ResNet-50 b1440 on the
+#: V100 preset, meta trace, roofline times, at 14-15 GiB: 150 GB moved per 3.1 s of compute),
+#: shared replays hold more in the backward and predict 0.57x in-core against 0.62x.
+GPU_THROUGH_EXPOSURES = (0.2,)
 #: With no window named, plans are also made with this many times nnabla's default window,
 #: for the ``WIDE_TRIES`` fastest (exposure, through) pairs at the default window only: the
 #: window shifts them alike (ResNet-50 b1440 on the V100: the same top four at both windows;
-#: on the H200 profiles the wide window won once in six, with the fastest pair).
+#: on the H200 profiles the wide window won once in six, with the fastest pair, before replays
+#: were shared). A wider window only lets swap-ins start earlier, so it is tried only where
+#: the best plan's compute stream waits at all: shared, with swaps priced on the link's
+#: queue, the wide window gave the same prediction as the default in all 15 profile plans
+#: (3 profiles, 1/8 to 3/4 of the peak), and 6 of them wait for nothing.
 WIDE_WINDOW = 2
 WIDE_TRIES = 1
 RECOMPUTE_MODES = ("auto", "prefer", "never")
+SHARED = "shared"
 
 
 def default_hardware(seq: VariableSequence) -> Hardware:
@@ -103,13 +131,17 @@ def chain_seconds(seq: VariableSequence, chain: Chain, hw: Hardware) -> float:
     return sum(hw.function_s(seq.functions[k].cost) for k in chain.functions)
 
 
-def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float, through: bool = False) -> Recompute:
+def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float, through: bool = False,
+                      shared: bool = False) -> Recompute:
     """The rule: ``rule(v, at)`` is the chain to recompute ``v`` with before function ``at``
     when that costs less than swapping it (priced as the module says), else None. ``through``:
     the rule takes ``absent`` too and prices the chain through inputs discarded then
-    (``chain_through``)."""
+    (``chain_through``). ``shared``: the planner moves the recomputes of a chain's discarded
+    inputs before it (``scheduler.segments``; asked without ``absent``, the rule prices the
+    chain's own functions) and passes ``stall_s``, the wait a swap-out would cause on the
+    link's queue (``link``, ``scheduler.link_clock``), which the swap's price includes."""
 
-    def rule(v: int, at: int, absent: Callable[[int], bool] | None = None) -> Chain | None:
+    def rule(v: int, at: int, absent: Callable[[int], bool] | None = None, stall_s: float = 0.0) -> Chain | None:
         chain = chain_for(seq, v, at)
         if chain is not None and absent is not None:
             chain = chain_through(seq, chain, absent)
@@ -117,10 +149,12 @@ def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float, thro
             return None
         nb = seq.variables[v].nbytes
         swap_s = (exposure * (hw.transfer_s(nb, to_device=False) + hw.transfer_s(nb, to_device=True))
-                  + 2 * nb * hw.moved_byte_s)
+                  + 2 * nb * hw.moved_byte_s + stall_s)
         return chain if chain_seconds(seq, chain, hw) < swap_s else None
 
     rule.through = through   # type: ignore[attr-defined]
+    rule.shared = shared     # type: ignore[attr-defined]
+    rule.link = hw if shared else None   # type: ignore[attr-defined]
     return rule
 
 
@@ -156,20 +190,24 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             log.info("recompute='prefer' does not fit; pricing swap against recompute instead: %s", err)
     hw = default_hardware(seq) if hw is None else hardware(hw)
 
+    stall = [0.0]   # the last prediction's stall
+
     def predicted(candidate: Schedule | None) -> float:   # None: it did not fit
         if candidate is None:
             return INF
         try:
-            return simulate(candidate, hw, timeline=False).total_s
+            r = simulate(candidate, hw, timeline=False)
+            stall[0] = r.stall_s
+            return r.total_s
         except ScheduleError as err:   # unchecked yet (``_safe``): a planner bug, never the winner
             log.warning("a window+recompute candidate is unsafe, ignored: %s", err)
             return INF
 
     beside = not hw.moved_byte_s   # the link runs beside compute: a GPU
-    grid = ([(e, True) for e in GPU_EXPOSURES] if beside
+    grid = ([(e, SHARED) for e in GPU_EXPOSURES] + [(e, True) for e in GPU_THROUGH_EXPOSURES] if beside
             else [(e, t) for e in EXPOSURES for t in (False, True)])
     tried = []   # (predicted seconds, exposure, through), in the order tried
-    best, best_s, best_how = None, INF, (window, None, False)
+    best, best_s, best_how, best_stall = None, INF, (window, None, False), 0.0
     for exposure, through in [(None, False)] + grid:
         baseline = exposure is None and not (pins.prefer or pins.must)
         candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through)
@@ -177,9 +215,9 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
         log.debug("exposure %s, through %s -> %.6f s", exposure, through, t)
         tried.append((t, exposure, through))
         if t < best_s and (baseline or _safe(candidate)):
-            best, best_s, best_how = candidate, t, (window, exposure, through)
+            best, best_s, best_how, best_stall = candidate, t, (window, exposure, through), stall[0]
     assert best is not None   # the baseline always fits: swap-only did
-    if window is None and beside:   # the module docstring says why only there
+    if window is None and beside and best_stall > 0:   # the module docstring says why
         wide = WIDE_WINDOW * default_window(budget)
         for _, exposure, through in sorted(tried, key=lambda r: r[0])[:WIDE_TRIES]:
             candidate = _candidate(seq, budget, wide, pins, hw, exposure, through)
@@ -235,7 +273,8 @@ def _candidate(seq: VariableSequence, budget: int, window: int, pins: Pins, hw: 
         return plan_window(seq, budget, window, None, pins.swap_only(), release)
     try:   # checked only if it wins (``_safe``)
         return plan_window(seq, budget, window,
-                           pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, through)), pins,
+                           pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, bool(through),
+                                                             through == SHARED)), pins,
                            release)
     except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
         log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)

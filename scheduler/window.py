@@ -44,8 +44,9 @@ from scheduler.release import Release
 from scheduler.replay import Chain
 from scheduler.prefetch import prefetch_through_window
 from scheduler.schedule import Action, Op, Schedule
+from scheduler.segments import Replays
 from scheduler.window_paper import plan_window_paper
-from scheduler.working_sets import (INF, Infeasible, Prepared, default_window, replay_floor,
+from scheduler.working_sets import (INF, Infeasible, Prepared, default_window,
                                     require_working_sets_fit, working_sets)
 
 __all__ = ["plan_window", "plan_window_paper", "default_window", "require_working_sets_fit", "working_sets"]
@@ -174,19 +175,19 @@ class _BudgetWindow:
         demand_ready: list[list[int]] = [[] for _ in range(n + 1)]
         after: list[list[Action]] = [[] for _ in range(n)]
         during = [0] * n
-        regen = self.regen = [[] for _ in range(n)]   # the chains recomputed before f_i
-        pinned: dict[int, int] = {}   # inputs of chains still to run: never discarded
+        replays = Replays(prep, budget, self.recompute)   # the recomputes planned so far
+        regen = self.regen = replays.regen   # the chains recomputed before f_i
+        gone = lambda x: state[x] == _GONE   # noqa: E731
         protect: set[int] = set()     # the inputs of the chains about to run: not evicted now
         keep, must = self.pins.keep, self.pins.must
 
-        def discard(v: int, last: int, chain: Chain) -> None:
+        def discard(v: int, last: int, chains: list[Chain]) -> None:
             """Recompute ``v`` instead of a swap: discarded right after its last use ``last``,
-            its chain rerun right before its next use."""
+            its chain (the last of ``chains``) rerun right before its next use, after the
+            recomputes it reads moved there (``scheduler.segments``)."""
             nonlocal mem
             after[last].append(Action(Op.DISCARD, v))
-            regen[chain.at].append(chain)
-            for x in chain.inputs:
-                pinned[x] = pinned.get(x, 0) + 1
+            replays.commit(chains)
             state[v] = _GONE
             mem -= nbytes[v]
 
@@ -220,14 +221,16 @@ class _BudgetWindow:
                     # its last use.
                     after[anchor[v]].append(Action(Op.DROP, v))
                     ready[v] = anchor[v] + 1
-                elif (chain := self._recompute_instead(v, -key[0], state, pinned)) is not None:
-                    discard(v, anchor[v], chain)   # no transfer
+                elif (chains := replays.instead(v, -key[0], gone, anchor[v], i)) is not None:
+                    discard(v, anchor[v], chains)   # no transfer
                     excess -= nb
                     continue
                 else:
                     # (c) out right after its last use, overlapping the functions between;
                     # (b) its bytes come back at wait_out: here, or sooner by the release rule.
                     after[anchor[v]].append(Action(Op.SWAP_OUT, v))
+                    if replays.clock is not None:
+                        replays.clock.book(nb, anchor[v], i)
                     back = i if self.release is None else self.release(v, anchor[v], i)
                     waits[back].append(v)
                     ready[v] = back
@@ -254,7 +257,6 @@ class _BudgetWindow:
                     transient = max(transient, chain.temporaries_bytes)
                     for x in chain.inputs:
                         protect.add(x)
-                        pinned[x] -= 1
                         if state[x] == _HOST and x not in ids and x not in fetched:
                             fetched.append(x)
                             extra += nbytes[x]
@@ -274,6 +276,9 @@ class _BudgetWindow:
                 for chain in regen[i]:
                     state[chain.var] = _RESIDENT
                     clean[chain.var] = False
+                    replays.ran(chain)
+                    if chain.var not in ids:   # moved here: resident until its use
+                        self._hold(chain.var, i, untouched, anchor, stamp, heap)
             for v in fetched + incoming:
                 demand[i].append(v)
                 demand_ready[i].append(ready[v])
@@ -296,8 +301,8 @@ class _BudgetWindow:
                     after[i].append(Action(Op.FREE, v))
                     state[v] = _ABSENT
                     mem -= nbytes[v]
-                elif v in must and nxt > i + 1 and (chain := self._recompute_instead(v, nxt, state, pinned)):
-                    discard(v, i, chain)   # pinned "must_recompute": never kept across a gap
+                elif v in must and nxt > i + 1 and (chains := replays.instead(v, nxt, gone)):
+                    discard(v, i, chains)   # pinned "must_recompute": never kept across a gap
                 else:
                     stamp[v] += 1
                     heappush(heap, (-nxt, 0 if clean[v] else 1, nbytes[v], v, stamp[v]))
@@ -339,18 +344,16 @@ class _BudgetWindow:
         return assemble_window(self.seq, self.budget, self.window, self.waits, self.demand, prefetch,
                                self.regen, self.after, self.start_set)
 
-    def _recompute_instead(self, v: int, nxt: float, state: dict[int, int],
-                           pinned: dict[int, int]) -> Chain | None:
-        """The chain to recompute victim ``v`` with before its next use ``nxt``, when the
-        pricing rule prefers it to a swap; never for an input of a chain still to run, with an
-        input that is itself discarded, nor one its use cannot hold beside it (``replay_floor``)."""
-        if self.recompute is None or nxt == INF or pinned.get(v):
-            return None
-        through = (lambda x: state[x] == _GONE,) if getattr(self.recompute, "through", False) else ()
-        chain = self.recompute(v, int(nxt), *through)
-        if chain is None or any(state[x] == _GONE for x in chain.inputs):
-            return None
-        return chain if replay_floor(self.prep, chain.at, self.regen[chain.at] + [chain]) <= self.budget else None
+    def _hold(self, v: int, i: int, untouched: set[int], anchor: dict[int, int], stamp: dict[int, int],
+              heap: list) -> None:
+        """``v`` recomputed before f_i for a chain there, not used by f_i: resident from here,
+        evictable, next needed at its next use."""
+        uses = self.seq.uses_of[v]
+        k = bisect.bisect_right(uses, i)
+        untouched.discard(v)
+        anchor[v] = i
+        stamp[v] += 1
+        heapq.heappush(heap, (-(uses[k] if k < len(uses) else INF), 1, self.prep.nbytes[v], v, stamp[v]))
 
     def _bring_chain_inputs(self, i: int, chains: list[Chain], fetched: list[int], state, clean,
                             untouched, anchor, stamp, heap) -> None:

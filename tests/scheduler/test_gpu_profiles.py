@@ -23,9 +23,9 @@ from scheduler.recompute import default_hardware
 PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
 
 # (case, budget as a fraction of the managed peak) -> predicted speed relative to in-core
-FLOORS = {("resnet50", 0.5): 0.81, ("resnet50", 0.25): 0.64,
-          ("gpt2", 0.5): 0.89, ("gpt2", 0.25): 0.85,
-          ("llama", 0.5): 0.88, ("llama", 0.25): 0.80}
+FLOORS = {("resnet50", 0.5): 0.88, ("resnet50", 0.25): 0.76,
+          ("gpt2", 0.5): 0.94, ("gpt2", 0.25): 0.91,
+          ("llama", 0.5): 0.92, ("llama", 0.25): 0.89}
 
 
 def _profile(case: str) -> VariableSequence:
