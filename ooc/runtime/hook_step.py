@@ -1,8 +1,8 @@
-"""What a step watched only by autograd's saved-tensor hooks holds, whether its plan moves
-nothing (``plain_step.py``) or swaps at the hooks (``anchored_step.py``): no per-op path sees a
-buffer's first use, so a rollback copies every buffer when the step starts; and once the step
-has left its plan, what it saves beyond the budget is written to the slower tier at once and
-read back when the backward needs it (what an on-demand step does, without the per-op path)."""
+"""What a step watched only by autograd's saved-tensor hooks holds (``anchored_step.py``, whose
+plan swaps at the hooks or moves nothing): no per-op path sees a buffer's first use, so a
+rollback copies every buffer when the step starts; and once the step has left its plan, what
+it saves beyond the budget is written to the slower tier at once and read back when the
+backward needs it (what an on-demand step does, without the per-op path)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ class HookStep:
     to its plan) and ``why``, ``spilled_bytes`` and ``read_bytes`` (to and from the tier),
     ``stall_s``, ``events``, ``rollback``; ``updating`` inside ``optimizer.step()``."""
 
-    planned = True
     refused = None   # no per-op action runs, so the transition table refuses none here
 
     def __init__(self, model: torch.nn.Module, budget: int, tier: SlowerTier,

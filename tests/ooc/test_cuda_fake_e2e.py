@@ -84,13 +84,12 @@ def _fresh(case: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _peak(case: str) -> int:
     """The in-core peak of the managed tensors, from a plan made with plenty of budget."""
     model, opt = _fresh(case)
-    e = ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", chunk=CHUNK, min_bytes=4096,
-                      manage=CASES[case][2])
+    e = ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=CASES[case][2])
     x, y = _batch(case, 0, 16)
     with e.step():   # records, then plans
         F.cross_entropy(model(x), y).backward()
         e.optimizer_step()
-    peak = e.schedule.sequence.in_core_peak_bytes
+    peak = e._plans.schedule.sequence.in_core_peak_bytes
     e.close()
     return peak
 
@@ -108,7 +107,7 @@ def _assert_same(step: int, ref: tuple, got: tuple) -> None:
 
 def _host_syncs(engine: ooc.OutOfCore) -> int:
     """Host synchronizations so far: the tier's, plus the pool backend's synchronize calls."""
-    calls = engine.pool.backend.calls
+    calls = engine._mem.pool.backend.calls
     return engine.stats()["tier.host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
 
 
@@ -119,10 +118,9 @@ def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
     model, opt = _fresh(case)
     ref_model, ref_opt = copy.deepcopy(model), _fresh(case)[1]
     ref_opt = CASES[case][1](ref_model)
-    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, chunk=CHUNK, min_bytes=4096,
-                      manage=CASES[case][2])
+    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=CASES[case][2])
     assert e.device == torch.device("cuda", 0)
-    assert isinstance(e.tier, cuda_tier.PinnedTier)
+    assert isinstance(e._mem.tier, cuda_tier.PinnedTier)
     log = []
     for step, (n, change) in enumerate(SCHEDULE):
         if change == "smaller":
