@@ -52,21 +52,35 @@ def _patch() -> None:
     real_hw = planning.priced_hardware
     planning.priced_hardware = lambda seq, stats: real_hw(seq, {"bytes_read": 1 << 30, "read_s": 1.0,
                                                                  "bytes_written": 1 << 30, "write_s": 1.0})
-    cls = planning.Planner if NEW else planning.Planning
-    names = ("replan", "reprice") if NEW else ("_replan", "_reprice")
-    real_replan, real_reprice = getattr(cls, names[0]), getattr(cls, names[1])
-
-    def replan(self, st):
+    # (the old engine called _reprice after every kept per-op step, before _note_anchored;
+    # the new one asks the scheduler once, with the same op times: both patched alike)
+    def recorded(st) -> None:
         st.rec.seconds[:] = _recorded_seconds(len(st.rec.seconds))
-        return real_replan(self, st)
 
-    def reprice(self, st):
-        if st.planned and st.diverged_at is None:
-            st.rec.seconds[:] = [t * (0.5 if k % 3 == 0 else 1.0)
-                                 for k, t in enumerate(_recorded_seconds(len(st.rec.seconds)))]
-        return real_reprice(self, st)
-    setattr(cls, names[0], replan)
-    setattr(cls, names[1], reprice)
+    def planned(st) -> None:
+        st.rec.seconds[:] = [t * (0.5 if k % 3 == 0 else 1.0)
+                             for k, t in enumerate(_recorded_seconds(len(st.rec.seconds)))]
+    if NEW:   # the engine asks the scheduler once per step, with the step's facts
+        from ooc.runtime.stepper import Stepper
+        real_facts = planning.Planner._facts
+
+        def facts(self, st, report):
+            if isinstance(st, Stepper):
+                (planned if report.kept_plan else recorded)(st)
+            return real_facts(self, st, report)
+        planning.Planner._facts = facts
+    else:
+        real_replan, real_reprice = planning.Planning._replan, planning.Planning._reprice
+
+        def replan(self, st):
+            recorded(st)
+            return real_replan(self, st)
+
+        def reprice(self, st):
+            if st.planned and st.diverged_at is None:
+                planned(st)
+            return real_reprice(self, st)
+        planning.Planning._replan, planning.Planning._reprice = replan, reprice
     if NEW:
         from ooc.engine.hook_forms import HookPlan as Trial
     else:

@@ -8,11 +8,14 @@ would: one frozen object, validated once, printed whole.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from ooc.errors import OOCError
 from vmm.units import parse_size
 
+RECOMPUTE = ("auto", "never", "prefer")   # OutOfCore(recompute=...): the scheduler's words
 MAX_PLANS = 16   # plans kept (start x shape), least recently used out (ooc/engine/plan_cache.py)
 
 
@@ -63,3 +66,17 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OOCError(f"Options.{name} must be a positive int, got {value!r}")
+
+
+def recompute_word(recompute: Any) -> str:
+    """The scheduler's word for ``recompute``. The booleans of ooc 0.1 still work, with a
+    DeprecationWarning: True was "auto", False "never" (unambiguous, so a script written for
+    0.1 keeps its plans for one more release)."""
+    if recompute is True or recompute is False:
+        word = "auto" if recompute else "never"
+        warnings.warn(f"OutOfCore(recompute={recompute}) is deprecated: use recompute={word!r} "
+                      "(the scheduler's words: 'auto', 'never', 'prefer')", DeprecationWarning, stacklevel=3)
+        return word
+    if recompute not in RECOMPUTE:
+        raise OOCError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    return recompute

@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import logging
 import time
-import warnings
 import weakref
 from typing import Any, Hashable, Iterator
 
@@ -29,13 +28,14 @@ import torch
 
 from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
 from ooc.engine.memory import EngineMemory
-from ooc.engine.options import Options
+from ooc.engine.options import Options, recompute_word
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import DEFAULT_CHUNK, Planner, start_chunk
 from ooc.engine.step_book import StepBook
 from ooc.engine.step_end import StepEnd, partial_update_error
+from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError, StorageError
@@ -51,7 +51,6 @@ from vmm.units import format_size, parse_size
 log = logging.getLogger(__name__)
 
 KINDS = ("activations", "params", "grads", "optimizer_state")
-RECOMPUTE = ("auto", "never", "prefer")
 
 
 class OutOfCore:
@@ -123,7 +122,7 @@ class OutOfCore:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
         self._manage = frozenset(manage)
         check_sharded_params(model, self._manage)   # FSDP2: activations only
-        recompute = _recompute_word(recompute)
+        recompute = recompute_word(recompute)
         pin_fn = pin_function(pin)
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -274,32 +273,7 @@ class OutOfCore:
         steps of each form ran. Every key is there from the start (0 before the first step;
         ``last_diverged_at`` and ``last_form`` are -1). The keys are listed in
         docs/guide/budgets.md ("What the engine did")."""
-        mem, counters = self._mem, self._mem.counters
-        ran = self._plans.ran or self._plans.schedule   # a hook-driven step ran its own plan
-        plan = ran.summary() if ran is not None else {}
-        out: dict[str, int | float] = self._book.stats()
-        out.update({
-            "plans": counters["plans"],
-            "plans_kept": len(self._plans.plans),
-            "bytes_in": counters["bytes_in"],
-            "bytes_out": counters["bytes_out"],
-            "bytes_recomputed": counters["bytes_recomputed"],
-            "recompute_s": float(counters["recompute_s"]),
-            "budget": mem.budget,
-            "chunk": mem.chunk,
-            "pool_peak_mapped_bytes": mem.pool.stats().get("peak_mapped_bytes") or 0,
-        })
-        for key in PLAN_STAT_KEYS:
-            out[f"plan.{key}"] = plan.get(key) or 0
-        out.update(self._store.reads.stats())   # between_steps.*: reads between steps
-        tier = mem.tier.stats()
-        for key in TIER_STAT_KEYS:   # the same keys from either tier, 0 where meaningless
-            value = tier.get(key) or 0
-            out[f"tier.{key}"] = int(value) if isinstance(value, bool) else value
-        allocator = cpu_allocator.stats() if mem.on_cpu else None
-        for key in cpu_allocator.STAT_KEYS:
-            out[f"cpu_allocator.{key}"] = (allocator or {}).get(key, 0)
-        return out
+        return engine_stats(self._book, self._mem, self._plans, self._store.reads)
 
     @property
     def last_recording(self) -> Any:
@@ -390,31 +364,6 @@ class OutOfCore:
         bytes (inside a step the stepper brings each tensor back at its use)."""
         if self._stepper is None and not self._closed:
             self._store.bring_back()
-
-
-# The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
-PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
-                  "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
-# The slower tier's counters that ``stats()`` gives as ``tier.<key>``, from either tier (the CPU
-# swap file, the GPU's pinned memory), 0 where one has no such thing.
-TIER_STAT_KEYS = ("bytes_written", "bytes_read", "writes", "reads", "failed", "write_s", "read_s",
-                  "wait_s", "host_syncs", "live_bytes", "peak_live_bytes", "keys", "in_flight",
-                  "file_bytes", "peak_file_bytes", "direct_transfers", "buffered_transfers",
-                  "pinned_bytes", "peak_pinned_bytes", "slabs")
-
-
-def _recompute_word(recompute: Any) -> str:
-    """The scheduler's word for ``recompute``. The booleans of ooc 0.1 still work, with a
-    DeprecationWarning: True was "auto", False "never" (unambiguous, so a script written for
-    0.1 keeps its plans for one more release)."""
-    if recompute is True or recompute is False:
-        word = "auto" if recompute else "never"
-        warnings.warn(f"OutOfCore(recompute={recompute}) is deprecated: use recompute={word!r} "
-                      "(the scheduler's words: 'auto', 'never', 'prefer')", DeprecationWarning, stacklevel=3)
-        return word
-    if recompute not in RECOMPUTE:
-        raise OOCError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
-    return recompute
 
 
 def _grad_hook(engine: weakref.ref, name: str) -> Any:

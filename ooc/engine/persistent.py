@@ -22,7 +22,6 @@ from ooc.engine.between_steps import BetweenSteps, resizable_copy
 from ooc.engine.memory import EngineMemory
 from ooc.record.storages import storage_of
 from ooc.runtime import cpu_allocator
-from ooc.runtime import slots as sl
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
@@ -139,9 +138,7 @@ class PersistentStore:
         user's reference to a gradient ``zero_grad()`` dropped) gets its bytes back first."""
         if alive and slot.state is State.HOST:
             self.read_back(slot)
-        if slot.host_current:
-            self._mem.tier.discard(slot.key)
-            slot.host_current = False
+        slot.forget_copy(self._mem.tier)
 
     def _stable_vars(self) -> None:
         """Give each persistent tensor the variable id its name had when first managed.
@@ -195,9 +192,7 @@ class PersistentStore:
             want = schedule.initial_resident
             for slot in self.slots.values():
                 if slot.var in want and slot.state is State.HOST:
-                    sl.start_swap_in(slot, self._mem.tier, self._mem.pool)
-                    sl.finish_swap_in(slot)
-                    self._mem.counters["bytes_in"] += slot.nbytes
+                    self._mem.counters["bytes_in"] += slot.bring_back(self._mem.tier, self._mem.pool)
                 elif slot.var not in want and slot.state is State.RESIDENT:
                     self.to_tier(slot)
         except BaseException:
@@ -233,15 +228,12 @@ class PersistentStore:
         for slot in on_demand.persistent_to_evict(resident, self._mem.budget):
             self.to_tier(slot)
 
-    def to_tier(self, slot: Slot) -> None:
-        """Give a resident persistent slot's memory back, writing it out first if needed."""
-        if slot.host_current:
-            sl.release(slot)
-        else:
-            sl.start_swap_out(slot, self._mem.tier)
-            sl.finish_swap_out(slot)
-            self._mem.counters["bytes_out"] += slot.nbytes
-        slot.state = State.HOST
+    def to_tier(self, slot: Slot) -> int:
+        """Give a resident persistent slot's memory back, writing it out first if needed;
+        returns the bytes written."""
+        written = slot.to_tier(self._mem.tier)
+        self._mem.counters["bytes_out"] += written
+        return written
 
     def settle(self, slots) -> list[BaseException]:
         """Wait for the transfers of ``slots``; leave each resident or on the tier. Returns the
@@ -250,7 +242,7 @@ class PersistentStore:
         interrupt: BaseException | None = None
         for slot in list(slots):
             try:
-                e = sl.settle(slot, self._mem.tier)
+                e = slot.settle(self._mem.tier)
             except BaseException as exc:  # noqa: B036 - an interrupt: re-raised below
                 interrupt = interrupt or exc
                 continue
@@ -305,8 +297,7 @@ class PersistentStore:
     def read_back(self, slot: Slot) -> None:
         """Read one persistent tensor back from the tier into its storage, between steps."""
         try:
-            sl.start_swap_in(slot, self._mem.tier, self._mem.pool)
-            sl.finish_swap_in(slot)
+            slot.bring_back(self._mem.tier, self._mem.pool)
         except BaseException:
             self.settle([slot])   # on the tier again, its copy intact
             raise
@@ -318,11 +309,9 @@ class PersistentStore:
         ``tensors``: those that hold it, whose versions say whether they were written."""
         with DisableTorchFunctionSubclass():
             versions = {t._version for t in tensors}
-        if slot.host_current and versions - {self._between.get(slot.var)}:
-            self._mem.tier.discard(slot.key)   # written since it was read back: the copy is stale
-            slot.host_current = False
-        written = 0 if slot.host_current else slot.nbytes
-        self.to_tier(slot)
+        if versions - {self._between.get(slot.var)}:
+            slot.forget_copy(self._mem.tier)   # written since it was read back: the copy is stale
+        written = self.to_tier(slot)
         if versions:
             self._between[slot.var] = max(versions)
         return written
@@ -333,10 +322,8 @@ class PersistentStore:
         writing them would lose the write. Runs before anything records new versions."""
         for var, version in self._versions().items():
             slot = self.slots[var]
-            if (slot.state is State.RESIDENT and slot.host_current
-                    and self._between.get(var) != version):
-                self._mem.tier.discard(slot.key)
-                slot.host_current = False
+            if slot.state is State.RESIDENT and self._between.get(var) != version:
+                slot.forget_copy(self._mem.tier)
 
     def _versions(self) -> dict[int, int]:
         """The version counter of the tensor that holds each persistent variable (params,

@@ -32,6 +32,7 @@ from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule
+from scheduler.step_plans import moves_nothing
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class PlanCache:
         self.plans: OrderedDict[tuple[Hashable, Any], Plan] = OrderedDict()
         self.max_plans = max_plans
         self.hooked = HookForms(hook_steps)
-        # start key -> (planned runs priced, the sequence at the fastest times so far): ``Planner.reprice``
+        # start key -> (planned runs priced, the sequence at the fastest times so far): ``scheduler.step_plans.reprice``
         self.repriced: dict[object, tuple[int, Any]] = {}
         self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
@@ -101,7 +102,7 @@ class PlanCache:
         managed parameters, gradients or state need the per-op path to be brought back and
         released, and on a GPU the activations would sit in PyTorch's caching allocator."""
         return (self.hooked.enabled and self.schedule is not None and self._mem.on_cpu
-                and self._activations_only and _moves_nothing(self.schedule))
+                and self._activations_only and moves_nothing(self.schedule))
 
     def _hook_step(self, key: tuple) -> AnchoredStep | None:
         mem = self._mem
@@ -113,7 +114,7 @@ class PlanCache:
                 mem.pool.trim()
                 moved = None
             return AnchoredStep(plan, moved, trace, budget=mem.budget, min_bytes=mem.min_bytes, tier=mem.tier,
-                                pool=mem.pool, model=self._model, new_key=self._store.new_var, start_key=key)
+                                pool=mem.pool, model=self._model, start_key=key)
         return self.hooked.step(key, self.schedule, make)
 
     def _use_plan(self, key: tuple) -> tuple[Schedule | None, dict]:
@@ -211,10 +212,6 @@ class PlanCache:
         self.repriced.clear()
         self.hooked.clear()
         self.schedule, self.binding = None, {}
-
-
-def _moves_nothing(schedule: Schedule) -> bool:
-    return not (schedule.bytes_in or schedule.bytes_out or schedule.bytes_recomputed)
 
 
 def _begins_with(schedule: Schedule, names: Sequence[str]) -> bool:

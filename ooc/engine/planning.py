@@ -1,26 +1,20 @@
-"""The engine's side of planning: what it asks ``scheduler`` after each step, and the chunk.
+"""The engine's side of planning: it asks ``scheduler`` after each step, and does what it says.
 
-After a step, ``after_step`` decides what follows from it, in one place:
-
-- a step that did not follow a plan (recorded, diverged) is planned from its own recording
-  (``replan``: ``scheduler.plan`` then ``scheduler.check``), and the plan is kept for the state
-  and shape the step had (``plan_cache.py``); with the default chunk, the first recording step
-  first chooses the pool's chunk from the sizes it saved (``adapt_chunk``,
-  ``scheduler.chunk_size``): a new chunk means a new pool and a new recording;
-- a per-op step that kept to its plan re-prices it on its measured op times (``reprice``), and
-  gives its plan a hook-driven form (``note_hook_form``: plain, or anchored by
-  ``scheduler.anchoring``), or is timed against it on trial;
-- a hook-driven step is timed on trial, or, if it left its plan, the plan goes.
+After a step, ``Planner.after_step`` gives the scheduler's one planning entry point
+(``scheduler.step_plans.after_step``) the step's facts (its form, its recording and measured
+op times, where its hooks ran) and the plan's state (its prices so far, its hook-driven form),
+and executes the ``Decision`` it gets back on the plan cache (``plan_cache.py``): keep a new or
+re-priced plan, give it a plain or anchored form, time a side of its trial, or drop it. The
+engine decides nothing about plans itself; the one choice made here is the chunk's, through
+``scheduler.chunk_size`` (a new chunk means a new pool, and the next step records again).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import mmap
 import time
-from typing import Callable, Sequence
-
+from typing import Callable
 
 import scheduler
 from ooc.engine.hook_forms import HookPlan
@@ -28,23 +22,19 @@ from ooc.engine.host_pricing import priced_hardware
 from ooc.engine.lifetime import close_pool
 from ooc.engine.memory import EngineMemory
 from ooc.engine.pin_policy import PinFn, pins_of
-from ooc.engine.plan_cache import PlanCache, _moves_nothing
+from ooc.engine.plan_cache import PlanCache
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.devices import make_pool
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.step_protocol import StepReport
 from ooc.runtime.stepper import Stepper
-from scheduler.anchoring import anchor_within_budget
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
-from scheduler.ir import Kind
-from scheduler.replay import mark_replayable
-from scheduler.schedule import Schedule
+from scheduler.step_plans import Decision, PlanState, Settings, StepFacts, after_step
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
-REPRICED_RUNS = 2   # a CPU plan is re-priced on the fastest op times of this many planned runs
 
 
 class Planner:
@@ -61,152 +51,93 @@ class Planner:
         self.adaptive = self.adapt_pending = adaptive
         self._adopt_params = adopt_params
 
+    def settings(self) -> Settings:
+        """What the scheduler plans with, now (the budget and chunk change between steps)."""
+        mem, pin = self._mem, self.pin
+        tier = mem.tier
+        return Settings(budget=mem.budget, chunk=mem.chunk, window=self.window, policy=self.policy,
+                        recompute=self.recompute,
+                        pins=None if pin is None else (lambda seq: pins_of(seq, pin)),
+                        hardware=lambda seq: priced_hardware(seq, tier.stats()),   # this machine's swap file
+                        reprice=mem.on_cpu, hook_forms=self._cache.hooked.enabled)
+
     def after_step(self, st: Stepper | AnchoredStep, report: StepReport) -> None:
-        """What the scheduler makes of a step that completed (the module docstring)."""
-        if isinstance(st, AnchoredStep):
-            if report.diverged_at is None:
-                self._cache.hooked.hook_ran(st, report.seconds)
-            elif self._cache.plan_of(st.start_key) is st.schedule:   # not a guess of another shape's
-                self._cache.drop(st.start_key)
-            return
-        if st.schedule is None or st.diverged_at is not None:
+        """Ask the scheduler what follows from a step that completed (``scheduler.step_plans.
+        after_step``), and do it. Only the chunk is chosen here first: a recording step under
+        the default chunk may choose another (``adapt_chunk``), and then the next step records
+        again instead."""
+        if isinstance(st, Stepper) and (st.schedule is None or st.diverged_at is not None):
             st.book_device_times()
             if self.adapt_chunk(st):
                 overflow = st.forgive_overflow()
                 if overflow is not None:   # the next step records again, in the new chunks
                     log.warning("the recording step went over the pool once (%s); the next step "
                                 "records again with %s chunks", overflow, format_size(self._mem.chunk))
-            else:
-                self.replan(st)
-            return
-        self._note_plain(st)
-        self.reprice(st)   # a plan's first planned runs time its ops on warm memory
-        self._note_anchored(st, report.seconds)
+                return
+        cache, key = self._cache, st.start_key
+        state = None
+        if st.schedule is not None and cache.plan_of(key) is st.schedule:
+            runs, fastest = cache.repriced.get(key, (0, None))
+            hooked = cache.hooked.get(key)
+            state = PlanState(st.schedule, runs, fastest,
+                              None if hooked is None or hooked.plan is not st.schedule else "kept")
+        t0 = time.perf_counter()
+        decision = after_step(self._facts(st, report), state, self.settings())
+        self._do(st, decision, report.seconds, time.perf_counter() - t0)
 
-    # -- plans -----------------------------------------------------------------------------------
-
-    def replan(self, st: Stepper) -> None:
-        """Plan from ``st``'s recording; the plan is its start key's from now on."""
+    def _facts(self, st: Stepper | AnchoredStep, report: StepReport) -> StepFacts:
+        """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks."""
+        if isinstance(st, AnchoredStep):
+            return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated)
         mem = self._mem
-        seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
-        if self.recompute == "never":   # swap only: no function may be replayed
-            seq = mark_replayable(seq, lambda f: {})
-        seq = _round_activations(seq, mem.chunk)
-        t0 = time.perf_counter()
-        schedule = self.plan(seq)
-        self._cache.keep(st.start_key, schedule, {where: var for var, where in st.rec.born_at.items()})
-        mem.counters["plans"] += 1
-        log.info("planned %d ops in %.3fs: %s in, %s out, %s recomputed per step", len(seq.functions),
-                 time.perf_counter() - t0, format_size(schedule.bytes_in), format_size(schedule.bytes_out),
-                 format_size(schedule.bytes_recomputed))
+        seq = None
+        if not report.kept_plan:
+            seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
+        trace = st.hook_trace if st.planned and st.diverged_at is None else None
+        whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
+        if trace is not None:
+            trace.update = st.rec.optimizer_start
+        return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
+                         sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
+                         gaps=None if trace is None else trace.gaps(),
+                         first=None if trace is None else trace.first_saved(),
+                         update=None if trace is None else trace.update)
 
-    def reprice(self, st: Stepper) -> None:
-        """After each of a CPU plan's first ``REPRICED_RUNS`` planned steps that kept to it:
-        plan once more, with each op priced at the fastest of its recorded and its planned runs
-        so far (``priced_seconds``, folded run by run into ``repriced``).
-
-        Why: the recording step runs on cold memory (every output in pages the kernel zeroes,
-        transfers on demand beside the ops), and its op times are too high to price recompute
-        on: ResNet-50 batch 8 at 1/4, its convolutions took 1.8x and its whole step 1.3-1.7x
-        what they take once the plan runs (sum of op times 1.46-1.91 s against 1.11-1.20 s).
-        Priced on those, every replay chain looked dear, and the plan swapped all 1,152 MiB the
-        budget forces out. Re-priced, ``simulate`` predicts the step within ~10% of its measured
-        time (it was 1.3-1.5x over) and the plan moves 580 MiB and recomputes 286 MiB, at the
-        swap-only plan's step time within this machine's noise (bench_cpu, cpu-rerun.md).
-        Several runs, not one: a single planned run is as noisy as the host, and priced on one
-        the plan differed from process to process (ResNet-50 1/4: 580-716 MiB moved); an op's
-        time only grows by what ran beside it, so the fastest of two is the steadier price.
-        A re-pricing that moves and recomputes the same bytes keeps the plan that runs (the
-        fastest times are kept beside it); the last plan is kept until a step diverges from it.
-        Not for swap only (prices change no swap-only plan), nor on a GPU, whose recording step
-        times ops on the device (CUDA events) and whose planned steps do not."""
-        key, schedule = st.start_key, st.schedule
-        cache = self._cache
-        if (not self._mem.on_cpu or schedule is None or not st.planned or st.diverged_at is not None
-                or self.policy not in ("window", "milp") or self.recompute == "never"
-                or cache.plan_of(key) is not schedule):
-            return
-        runs, fastest = cache.repriced.get(key, (0, schedule.sequence))
-        if runs >= REPRICED_RUNS or _moves_nothing(schedule):   # no price changes the latter
-            return
-        seq = priced_seconds(fastest, st.rec.seconds)
-        if seq is None:   # the runs do not line up, or the recording was not timed
-            cache.repriced[key] = (REPRICED_RUNS, fastest)
-            return
-        cache.repriced[key] = (runs + 1, seq)
-        t0 = time.perf_counter()
-        try:
-            new = self.plan(seq)
-        except scheduler.BudgetTooSmall:   # costs do not change what fits; keep the plan that ran
-            return
-        if _bytes(new) == _bytes(schedule):   # the same decisions: keep running the plan that runs
-            return
-        cache.replace(key, new)
-        log.info("re-priced on %d planned runs' op times (%.3f s -> %.3f s of ops) in %.3fs: %s in, "
-                 "%s out, %s recomputed per step (was %s, %s, %s)", runs + 1,
-                 _op_seconds(schedule.sequence), _op_seconds(seq), time.perf_counter() - t0,
-                 format_size(new.bytes_in), format_size(new.bytes_out), format_size(new.bytes_recomputed),
-                 format_size(schedule.bytes_in), format_size(schedule.bytes_out),
-                 format_size(schedule.bytes_recomputed))
-
-    def plan(self, seq: scheduler.VariableSequence) -> Schedule:
-        """``scheduler.plan`` with this engine's budget, policy, pins and pricing, checked."""
-        options: dict = {"recompute": "prefer"} if self.recompute == "prefer" and self.policy == "window" else {}
-        if self.policy in ("window", "milp"):   # priced with this machine's swap file (host_pricing.py)
-            options["hardware"] = priced_hardware(seq, self._mem.tier.stats())
-        if self.pin is not None:   # the user's pins (ooc/engine/pin_policy.py)
-            options["pins"] = pins_of(seq, self.pin)
-        try:
-            schedule = scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy,
-                                      **options)
-        except scheduler.BudgetTooSmall as err:
-            kept = [v for v, p in options.get("pins", {}).items() if p == "keep"]
-            if kept:
-                err.add_note(f"ooc: pin keeps {len(kept)} activations "
-                             f"({format_size(sum(seq.variables[v].nbytes for v in kept))}) on the device")
-            raise
-        scheduler.check(schedule)
-        return schedule
+    def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
+        """Execute the scheduler's decision for ``st``'s plan key."""
+        cache, key, mem = self._cache, st.start_key, self._mem
+        if d.drop:
+            cache.drop(key)
+        if d.trial == "hook":
+            cache.hooked.hook_ran(st, seconds)
+        if d.priced_runs is not None:
+            cache.repriced[key] = (d.priced_runs, d.fastest)
+        if d.plan is not None and d.repriced:
+            old = st.schedule
+            cache.replace(key, d.plan)
+            log.info("re-priced on %d planned runs' op times (%.3f s -> %.3f s of ops) in %.3fs: %s in, "
+                     "%s out, %s recomputed per step (was %s, %s, %s)", d.priced_runs,
+                     _op_seconds(old.sequence), _op_seconds(d.fastest), took, format_size(d.plan.bytes_in),
+                     format_size(d.plan.bytes_out), format_size(d.plan.bytes_recomputed),
+                     format_size(old.bytes_in), format_size(old.bytes_out), format_size(old.bytes_recomputed))
+        elif d.plan is not None:
+            schedule = d.plan
+            cache.keep(key, schedule, {where: var for var, where in st.rec.born_at.items()})
+            mem.counters["plans"] += 1
+            log.info("planned %d ops in %.3fs: %s in, %s out, %s recomputed per step",
+                     len(schedule.sequence.functions), took, format_size(schedule.bytes_in),
+                     format_size(schedule.bytes_out), format_size(schedule.bytes_recomputed))
+        if d.plain:   # later steps compare their saves with what this one saved
+            trace = HookTrace.from_signature(st.signature)
+            cache.hooked.add(key, HookPlan(st.schedule, st.schedule, trace, kept=True))
+        if d.trial == "per_op":
+            cache.hooked.per_op_ran(key, st.schedule, seconds)
+        if d.anchored:
+            cache.hooked.add(key, HookPlan(st.schedule, d.moved, st.hook_trace, per_op=[seconds]))
 
     def check_feasible(self, seq: scheduler.VariableSequence) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget."""
         scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
-
-    # -- hook-driven forms -----------------------------------------------------------------------
-
-    def _note_plain(self, st: Stepper) -> None:
-        """A planned step that kept to its plan that moves nothing: later steps may run it with
-        no op intercepted, their saves compared with what this one saved."""
-        if st.signature is not None and st.planned and st.diverged_at is None:
-            trace = HookTrace.from_signature(st.signature)
-            self._cache.hooked.add(st.start_key, HookPlan(st.schedule, st.schedule, trace, kept=True))
-
-    def _note_anchored(self, st: Stepper, seconds: float) -> None:
-        """After a planned per-op step that kept to a plan that moves bytes to its end, and whose
-        prices are settled (``reprice``): the anchored form of its swap-only plan, if one proves
-        within the budget (``scheduler.anchoring``); then its trial."""
-        trace, cache = st.hook_trace, self._cache
-        key, schedule = st.start_key, st.schedule
-        if (trace is None or not st.planned or st.diverged_at is not None or not cache.hooked.enabled
-                or cache.plan_of(key) is not schedule or _moves_nothing(schedule)
-                or self.policy != "window" or self.pin is not None   # pins are the per-op plan's
-                or self.recompute == "prefer"):   # asked to recompute: a form that swaps instead is not that
-            return
-        if len(st.rec.names) != len(schedule.sequence.functions):
-            # The step ended before its plan did (a micro-batch without the update its plan
-            # has): it proved part of the plan only. An anchored step does not see the ops it
-            # would have missed, so a stale update (momentum created since the plan was made)
-            # would go unnoticed where a per-op step diverges and re-plans.
-            return
-        if cache.hooked.per_op_ran(key, schedule, seconds):
-            return
-        if self.recompute != "never" and cache.repriced.get(key, (0,))[0] < REPRICED_RUNS:
-            return   # the plan may still change with its prices
-        trace.update = st.rec.optimizer_start
-        mem = self._mem
-        moved = anchor_within_budget(schedule, trace.gaps(), trace.first_saved(), budget=mem.budget,
-                                     chunk=mem.chunk, window=self.window, policy=self.policy)
-        cache.hooked.add(key, HookPlan(schedule, moved, trace, per_op=[seconds]))
 
     # -- the chunk -------------------------------------------------------------------------------
 
@@ -265,24 +196,6 @@ class Planner:
         self._adopt_params()   # parameters now above the threshold are managed too
 
 
-def priced_seconds(seq: scheduler.VariableSequence,
-                   seconds: Sequence[float]) -> scheduler.VariableSequence | None:
-    """``seq`` with each function's measured seconds the smaller of its own and ``seconds[i]``
-    (a later run of the same ops); None when the runs do not line up (another op count) or
-    ``seq`` was not timed. The smaller: an op's time only ever grows by what ran beside it
-    (cold pages, I/O threads, the host), and the planner charges those separately."""
-    if len(seconds) != len(seq.functions) or any(f.cost.seconds is None for f in seq.functions):
-        return None
-    functions = tuple(
-        dataclasses.replace(f, cost=dataclasses.replace(f.cost, seconds=min(f.cost.seconds, t)))
-        for f, t in zip(seq.functions, seconds))
-    return scheduler.VariableSequence(functions, seq.variables, seq.meta)
-
-
-def _bytes(schedule: Schedule) -> tuple[int, int, int]:
-    return schedule.bytes_in, schedule.bytes_out, schedule.bytes_recomputed
-
-
 def _op_seconds(seq: scheduler.VariableSequence) -> float:
     return sum(f.cost.seconds or 0.0 for f in seq.functions)
 
@@ -293,14 +206,3 @@ def start_chunk(budget: int) -> int:
     if budget >= DEFAULT_CHUNK:
         return DEFAULT_CHUNK
     return max(mmap.PAGESIZE, 1 << (max(budget, 1).bit_length() - 1))
-
-
-def _round_activations(seq: scheduler.VariableSequence, chunk: int) -> scheduler.VariableSequence:
-    """Activations come back into pool ranges of whole chunks: plan with those sizes."""
-    from scheduler.ir import Variable, VariableSequence
-
-    variables = {
-        v: (Variable(x.id, -(-x.nbytes // chunk) * chunk, x.kind, x.name, x.live_in, x.live_out)
-            if x.kind is Kind.ACTIVATION else x)
-        for v, x in seq.variables.items()}
-    return VariableSequence(seq.functions, variables, seq.meta)

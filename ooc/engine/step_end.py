@@ -139,9 +139,8 @@ class StepEnd:
         store.keep(live)
         st.mark_live_out(live)
         for slot in st.slots.values():
-            if slot.host_current and slot.var not in live:   # activations, dropped grads
-                tier.discard(slot.key)
-                slot.host_current = False
+            if slot.var not in live:   # activations, dropped grads: nobody reads their copies
+                slot.forget_copy(tier)
             if not slot.in_place:
                 slot.storage = None
         back_error: BaseException | None = None

@@ -24,16 +24,15 @@ own arguments), so only plans that swap, or move nothing, have a hook-driven for
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ooc.runtime import slots as sl
 from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.saved_tensors import Packed, _of_parameter
-from ooc.runtime.slots import Slot, State
+from ooc.runtime.slots import Slot, State, in_flight, raise_failed
 from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
@@ -50,8 +49,8 @@ class AnchoredStep(HookStep):
 
     def __init__(self, schedule: Schedule, anchored: Schedule | None, trace: HookTrace, *, budget: int,
                  min_bytes: int, tier: SlowerTier, pool: DevicePool, model: torch.nn.Module,
-                 new_key: Callable[[], int], start_key: Any = None) -> None:
-        super().__init__(model, budget, tier, new_key)
+                 start_key: Any = None) -> None:
+        super().__init__(model, budget, tier)
         self.schedule, self.start_key = schedule, start_key   # the engine's plan, for its bookkeeping
         self.anchored = anchored   # the plan this step runs (None: the plan moves nothing, no action)
         self.trace, self.min_bytes, self.pool = trace, min_bytes, pool
@@ -168,35 +167,32 @@ class AnchoredStep(HookStep):
         if why is not None:
             self._diverge(gap, f"{op.value} {slot.name}: {why}")
             return
-        eff = TRANSITIONS[op, state]
+        device = TRANSITIONS[op, state].device   # the row's change of device bytes
         if op is Op.SWAP_IN:
-            sl.start_swap_in(slot, self.tier, self.pool)
+            slot.start_swap_in(self.tier, self.pool)
             self.read_bytes += slot.nbytes
         elif op is Op.WAIT_IN:
-            self._wait(f"wait_in {slot.name}", sl.finish_swap_in, slot)
+            self._wait(f"wait_in {slot.name}", Slot.finish_swap_in, slot)
             self.by_storage[id(slot.storage)] = slot
         elif op is Op.SWAP_OUT:
-            sl.start_swap_out(slot, self.tier)
+            slot.start_swap_out(self.tier)
             self.spilled_bytes += slot.nbytes
         elif op is Op.WAIT_OUT:
-            self._wait(f"wait_out {slot.name}", sl.finish_swap_out, slot)
-        elif op in (Op.DROP, Op.FREE):
-            slot.storage = None
-        sl.follow(slot, eff, self.tier)
-        self._account(eff.device * slot.nbytes)
+            self._wait(f"wait_out {slot.name}", Slot.finish_swap_out, slot)
+        elif op is Op.DROP:
+            slot.drop(self.tier)
+        elif op is Op.FREE:
+            slot.free(self.tier)
+        else:   # a swap-only plan has no other action (recompute needs the per-op path)
+            raise RuntimeError(f"ooc: an anchored plan cannot {op.value} {slot.name}")
+        self._account(device * slot.nbytes)
 
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
         plan): synchronously, whatever its state."""
-        if slot.state is State.OUT:
-            self._wait(f"wait_out {slot.name}", sl.finish_swap_out, slot)
-            self._account(-slot.nbytes)
-        if slot.state is State.HOST:
-            sl.start_swap_in(slot, self.tier, self.pool)
-            self.read_bytes += slot.nbytes
-            self._account(slot.nbytes)
-        if slot.state is State.IN:
-            self._wait(f"swap_in {slot.name}", sl.finish_swap_in, slot)
+        self.read_bytes += slot.bring_back(self.tier, self.pool, account=self._account,
+                                           wait=lambda name, fn: self._wait(name, lambda _: fn()))
+        if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
         if slot.state is not State.RESIDENT:   # freed by a plan that did not expect this use
             raise RuntimeError(f"ooc: {slot.name} was unpacked after the plan freed it")
@@ -228,10 +224,10 @@ class AnchoredStep(HookStep):
         if not self.actions:   # nothing in flight: a plain step's writes are synchronous
             return
         self._reach(self.trace.update)
-        busy = sl.in_flight(self.slots.values())
+        busy = in_flight(self.slots.values())
         if busy and drain:
             self._wait("commit point", lambda _: self.tier.drain())
-        sl.raise_failed(busy)
+        raise_failed(busy)
 
     def update_starts(self) -> None:
         self.updated = True
@@ -257,12 +253,8 @@ class AnchoredStep(HookStep):
             self.peak = max(self.peak, self.trace.counted_before(len(self.trace.packs)))
         error = None
         for slot in self.slots.values():
-            error = sl.settle(slot, self.tier) or error
-            if slot.host_current:
-                self.tier.discard(slot.key)
-                slot.host_current = False
-            slot.storage = None
-            slot.state = State.ABSENT
+            error = slot.settle(self.tier) or error
+            slot.forget(self.tier)
         self._forget_spilled()
         if self.actions:
             self.pool.reap()

@@ -1,5 +1,5 @@
 """A CPU plan is priced again on the fastest op times of its first planned steps
-(ooc/engine/planning.py): the recording step's are too high to price recompute on (cold
+(scheduler/step_plans.py): the recording step's are too high to price recompute on (cold
 memory, transfers on demand), and one planned step's are as noisy as the host."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import ooc
-from ooc.engine.planning import Planner, priced_seconds
+from ooc.engine.planning import Planner
+from ooc.runtime.stepper import Stepper
+from scheduler.step_plans import priced_seconds
 from scheduler.ir import Cost, Function, Kind, Use, Access, Variable, VariableSequence
 
 X, Y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 10
@@ -63,29 +65,30 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
 
 def _slow_recordings(monkeypatch) -> None:
     """Every recording step's ops look 1000x slower than they ran when its plan is made."""
-    real = Planner.replan
+    real = Planner._facts
 
-    def cold(self, st):
-        st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
-        return real(self, st)
+    def cold(self, st, report):
+        if isinstance(st, Stepper) and not report.kept_plan:   # what the scheduler plans from
+            st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
+        return real(self, st, report)
 
-    monkeypatch.setattr(Planner, "replan", cold)
+    monkeypatch.setattr(Planner, "_facts", cold)
 
 
 def _planned_runs(monkeypatch, scale) -> None:
     """The k-th planned run's op times, as re-pricing reads them, are ``scale(k)`` times what
     they measured: the host's load during the suite must not decide what the plan recomputes
     (on a loaded host the real times made no chain pay, and re-pricing rightly kept the plan)."""
-    real = Planner.reprice
+    real = Planner._facts
     runs = []
 
-    def scaled(self, st):
-        if st.planned:
+    def scaled(self, st, report):
+        if isinstance(st, Stepper) and report.kept_plan:   # what the scheduler prices again on
             st.rec.seconds[:] = [t * scale(len(runs)) for t in st.rec.seconds]
             runs.append(st)
-        return real(self, st)
+        return real(self, st, report)
 
-    monkeypatch.setattr(Planner, "reprice", scaled)
+    monkeypatch.setattr(Planner, "_facts", scaled)
 
 
 def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
