@@ -174,3 +174,35 @@ def test_fake_cuda_restores_the_real_seam() -> None:
     with ooc.testing.fake_cuda() as driver:
         assert devices.cuda_runtime().fake and devices.cuda_runtime().driver() is driver
     assert devices.cuda_runtime() is real and not real.fake
+
+
+def _stats_after_steps(device: str) -> dict:
+    model, opt = _fresh("mlp_adam_all")
+    with ooc.OutOfCore(model, opt, device=device, budget="5MiB", manage=CASES["mlp_adam_all"][2],
+                       options=ooc.Options(chunk=CHUNK, min_bytes=4096)) as e:
+        before = e.stats()
+        for step in range(3):
+            x, y = _batch("mlp_adam_all", step, 16)
+            with e.step():
+                F.cross_entropy(model(x), y).backward()
+                e.optimizer_step()
+        return {"before": before, "after": e.stats()}
+
+
+def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
+    """``stats()`` is counters and gauges with the same keys on every device (issue 39 item 6):
+    ``tier.host_syncs`` on the CPU and ``cpu_allocator.*`` and ``tier.file_bytes`` on CUDA are
+    there, 0 where they mean nothing; the steps of each form add up to ``steps``."""
+    cpu = _stats_after_steps("cpu")
+    with ooc.testing.fake_cuda() as driver:
+        cuda = _stats_after_steps("cuda")
+        assert driver.violations == []
+    for stats in (cpu["before"], cpu["after"], cuda["before"], cuda["after"]):
+        assert stats.keys() == cpu["after"].keys()
+        assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in stats.values()), stats
+        assert stats["steps"] == sum(stats[f"steps.{form}"] for form in ooc.FORMS)
+    assert cpu["before"]["last_form"] == -1 and cpu["after"]["steps"] == cuda["after"]["steps"] == 3
+    assert cpu["after"]["tier.host_syncs"] == 0 and cpu["after"]["tier.file_bytes"] > 0
+    assert cuda["after"]["tier.file_bytes"] == 0 and cuda["after"]["cpu_allocator.hits"] == 0
+    assert cuda["after"]["tier.bytes_written"] > 0 and cuda["after"]["tier.pinned_bytes"] > 0
+    assert ooc.FORMS[cuda["after"]["last_form"]] in ("planned", "recorded", "diverged")
