@@ -4,8 +4,7 @@
   benchmarks/results/ through docs/hooks.py, the API reference from the docstrings
   (mkdocstrings). Any warning (a broken link or anchor, a page missing from the nav, a
   docstring griffe cannot read) fails the build.
-- Every ```python block of docs/ and of the README runs (``docs/README.next.md``, the README
-  to be, stands for README.md until the merge that makes it README.md): CPU only, on one
+- Every ```python block of docs/ and of the README runs: CPU only, on one
   compute thread, in a fresh process forked from one that imported torch and ooc
   (``tests/docs_zygote.py``), in its own temporary directory, under a timeout; identical
   blocks run once. One thread: on a 2-core machine that other jobs share, two OpenMP threads
@@ -78,11 +77,9 @@ class Block:
 
 
 def _pages() -> dict[str, Path]:
-    """The pages whose examples run, by name: docs/'s relative to docs/, and "README": the
-    README to be (docs/README.next.md) until the merge that makes it README.md."""
-    readme = DOCS / "README.next.md"
-    pages = {str(p.relative_to(DOCS)): p for p in sorted(DOCS.rglob("*.md")) if p != readme}
-    return {"README": readme if readme.exists() else ROOT / "README.md", **pages}
+    """The pages whose examples run, by name: docs/'s relative to docs/, and "README"."""
+    pages = {str(p.relative_to(DOCS)): p for p in sorted(DOCS.rglob("*.md"))}
+    return {"README": ROOT / "README.md", **pages}
 
 
 def _blocks() -> list[Block]:
@@ -209,7 +206,7 @@ def test_every_example_is_found():
 
 
 def test_the_readme_links_to_files_that_exist():
-    """From the repository root, where it stands (or will stand: docs/README.next.md)."""
+    """From the repository root, where it stands."""
     text = _pages()["README"].read_text()
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+://|#", t)]
     assert targets and [t for t in targets if not (ROOT / t).exists()] == []

@@ -230,11 +230,12 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
         seg_delta = [(p + _count_le(shift, p - 1), d) for p, d in seg_delta]
 
     # Blocks active at the end that the trace never mentions were allocated before it.
-    for s_i, seg in enumerate(segments):
-        for addr, requested in _active_blocks(seg, where, s_i):
-            if addr not in seen:
-                seen.add(addr)
-                before.append(Event("alloc", addr, requested, 0.0))
+    active_end = {addr: requested for s_i, seg in enumerate(segments)
+                  for addr, requested in _active_blocks(seg, where, s_i)}
+    for addr, requested in active_end.items():
+        if addr not in seen:
+            seen.add(addr)
+            before.append(Event("alloc", addr, requested, 0.0))
     if before:
         notes.append(f"{len(before)} allocations made before the trace started are allocated "
                      f"at the start")
@@ -243,6 +244,9 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
         ooms = [OomMarker(m.index + n0, m.nbytes, m.device_free, m.time) for m in ooms]
         seg_delta = [(p + n0, d) for p, d in seg_delta]
 
+    note = _end_state_note(events, active_end, segments)
+    if note:
+        notes.append(note)
     streams.update(s.get("stream") for s in segments)
     if len(streams - {None}) > 1:
         notes.append(f"the run allocated on {len(streams - {None})} streams; the replay puts every "
@@ -267,6 +271,31 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
     return Trace(name=name, kind="snapshot", events=events, ooms=tuple(ooms),
                  device_memory=device_memory, device_memory_source=source, device=device,
                  recorded=recorded, notes=tuple(notes), labels=labels, expandable=expandable)
+
+
+def _end_state_note(events: list[Event], active_end: dict[int, int], has_segments: Any) -> str:
+    """The replay starts from the snapshot's state (blocks allocated before the trace began,
+    from its segments and from frees of blocks it never saw allocated), so it must end in the
+    state the segments record: the same blocks allocated. Where it does not, say by how much,
+    so that a reader knows the replay's live bytes are not the snapshot's (issue 40: a real
+    snapshot whose replay peaked below the live bytes it held at its end)."""
+    if not has_segments:
+        return ""
+    live: dict[Any, int] = {}
+    for e in events:
+        if e.action == "alloc":
+            live[e.key] = e.nbytes
+        else:
+            live.pop(e.key, None)
+    live = {k: n for k, n in live.items() if not (isinstance(k, str) and k.startswith("oom:"))}
+    missing = sum(n for a, n in active_end.items() if a not in live)
+    extra = sum(n for a, n in live.items() if a not in active_end)
+    if not missing and not extra:
+        return ""
+    return (f"the replay does not end in the snapshot's state: it ends with {format_size(sum(live.values()))} "
+            f"allocated, the snapshot's segments hold {format_size(sum(active_end.values()))} "
+            f"({format_size(missing)} allocated there that the replay freed or never saw, "
+            f"{format_size(extra)} the replay holds that the segments do not)")
 
 
 def _segment_device(seg: Any, where: str) -> int | None:

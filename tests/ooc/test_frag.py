@@ -548,3 +548,37 @@ def test_envelope_sees_every_event_and_the_oom(tmp_path):
     png = tmp_path / "long.png"
     frag.plot_timeline(tight, png)
     assert png.stat().st_size > 20_000
+
+
+def _transformer_like_snapshot(*, consistent: bool) -> dict:
+    """Weights allocated before recording began (never freed, never in the trace: only the
+    segments list them), then a forward that allocates activations and frees some."""
+    weights = [(1 << 32) + i * 8 * MiB for i in range(4)]
+    acts = [(2 << 32) + i * 4 * MiB for i in range(3)]
+    blocks = [{"address": a, "size": 8 * MiB, "requested_size": 8 * MiB, "state": "active_allocated",
+               "frames": []} for a in weights]
+    live_acts = acts[1:] if consistent else acts[2:]   # inconsistent: one the trace keeps is inactive
+    blocks += [{"address": a, "size": 4 * MiB, "requested_size": 4 * MiB,
+                "state": "active_allocated" if a in live_acts else "inactive", "frames": []} for a in acts]
+    return {"segments": [{"device": 0, "address": 1 << 32, "total_size": 32 * MiB, "stream": 0,
+                          "blocks": blocks[:4]},
+                         {"device": 0, "address": 2 << 32, "total_size": 12 * MiB, "stream": 0,
+                          "blocks": blocks[4:]}],
+            "device_traces": [[{"action": "alloc", "addr": a, "size": 4 * MiB} for a in acts]
+                              + [{"action": "free_completed", "addr": acts[0], "size": 4 * MiB}]]}
+
+
+def test_replay_starts_from_the_snapshots_state_and_says_when_it_does_not_end_there():
+    """Issue 40: blocks allocated before the trace began and never freed in it (a model's
+    weights) count from the start, so the peak live bytes are never below what the snapshot
+    holds at its end; a replay that does not end in the segments' state says so."""
+    t = snapshot_to_trace(_transformer_like_snapshot(consistent=True))
+    rep = ooc.frag.report.analyze(t)
+    peaks = {a.name: a.peak_live_bytes for a in rep.allocators}
+    assert set(peaks.values()) == {32 * MiB + 12 * MiB}, peaks   # weights + the three activations
+    assert rep.advice.peak_live_bytes >= 32 * MiB + 8 * MiB      # >= what the snapshot holds at its end
+    assert all(a.peak_reserved_bytes >= 44 * MiB for a in rep.allocators)
+    assert not any("does not end in the snapshot's state" in n for n in t.notes)
+    bad = snapshot_to_trace(_transformer_like_snapshot(consistent=False))
+    assert any("does not end in the snapshot's state" in n and "4 MiB the replay holds" in n
+               for n in bad.notes), bad.notes
