@@ -9,7 +9,8 @@
   (``Planner``);
 - ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point (``UpdateGuard``);
 - ``step_end.py``: every step's end, one routine (``StepEnd``); ``step_book.py``: what is kept
-  of the steps (``StepBook``).
+  of the steps (``StepBook``); ``stats.py``: ``stats()`` from the parts;
+- ``options.py``: ``ooc.Options``, the advanced knobs, and the recompute vocabulary.
 
 This module ties them together: the constructor and its validation, ``step()``, ``stats()``,
 ``set_budget()``, ``resident()``, ``timeline()`` and ``close()``.
