@@ -14,7 +14,7 @@ seed with:
   what the plan needs is reported as "infeasible (min X)". These run with the engine's
   defaults, recomputation included (the planner swaps or recomputes each activation the
   budget forces out, whichever it prices cheaper);
-- ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute=False``, and ``ooc 1/4
+- ``ooc 1/4 swap-only``: the same at 1/4 with ``recompute="never"``, and ``ooc 1/4
   recompute=prefer``: every activation forced out that a chain can re-create is recomputed
   (issue 15's comparison: what each lever costs on this machine);
 - ``checkpoint``: ``torch.utils.checkpoint`` around every block, and around every other block;
@@ -152,7 +152,7 @@ def run_verify_case(case: Case, timeout: float = 1800) -> CaseResult:
     the child is ``ooc.measure``'s own, with ``ooc.OutOfCore`` wrapped before it runs."""
     code = ("import functools, json, sys, ooc\n"
             "from ooc import measure\n"
-            "ooc.OutOfCore = functools.partial(ooc.OutOfCore, verify=True)\n"
+            "measure.VERIFY = True\n"
             "measure._child(json.loads(sys.argv[1]))\n"
             "sys.stdout.flush()\n")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(case))],
@@ -180,7 +180,7 @@ def build_rows(model: Model, steps: int, tmp: Path, quick: bool) -> tuple[list[R
         rows.append(Row(f"ooc {frac}", replace(base, method="ooc", budget=int(peak * Fraction(frac)),
                                                params_out=out("ooc" + frac.replace("/", "of")))))
     if not quick or model.target:   # issue 15: the same budget without recomputation
-        rows.append(Row("ooc 1/4 swap-only", replace(base, method="ooc", budget=peak // 4, recompute=False,
+        rows.append(Row("ooc 1/4 swap-only", replace(base, method="ooc", budget=peak // 4, recompute="never",
                                                      params_out=out("swap"))))
         rows.append(Row("ooc 1/4 recompute=prefer", replace(base, method="ooc", budget=peak // 4,
                                                             recompute="prefer", params_out=out("prefer"))))

@@ -14,7 +14,7 @@ of a second or so, where a fixed cost per op weighs most), trained with SGD, fou
   plan moves no byte (checked: the row says so): the engine's own cost. After one step that
   follows the plan, its steps run plain (no op intercepted, ``ooc/runtime/plain_step.py``);
 - ``ooc, nothing moves, per-op path``: the same with plain steps off
-  (``engine.plain_steps = False``): every op through the engine's dispatch mode, as a plan
+  (``engine._plans.hooked.enabled = False``): every op through the engine's dispatch mode, as a plan
   that moves bytes runs;
 - ``ooc 1/4``: a budget of a quarter of the managed peak (the bytes moved cost on top), or
   the smallest budget the planner accepts where a quarter is below it.
@@ -136,8 +136,8 @@ def _child(spec: dict[str, Any]) -> None:
     engine = None
     if method.startswith("ooc"):
         chunk = spec["setting"]["chunk"]
-        engine = ooc.OutOfCore(model, opt, budget=spec["budget"], **({"chunk": chunk} if chunk else {}))
-        engine.plain_steps = "per-op path" not in method
+        engine = ooc.OutOfCore(model, opt, budget=spec["budget"], options=ooc.Options(chunk=chunk or None))
+        engine._plans.hooked.enabled = "per-op path" not in method
 
     def step() -> None:
         if engine is not None:
@@ -172,7 +172,7 @@ def _child(spec: dict[str, Any]) -> None:
         plan = common.plan_stats(stats)
         out.update(ops=plan.get("functions"), planned=stats["last_planned"],
                    moved=plan.get("bytes_in", 0) + plan.get("bytes_out", 0),
-                   managed=plan.get("variables"), chunk=engine.chunk, plain_steps=stats["plain_steps"])
+                   managed=plan.get("variables"), chunk=engine._mem.chunk, plain_steps=stats["steps.plain"])
         if spec.get("profile"):   # one more planned step, counting calls into ooc's functions
             prof = cProfile.Profile()
             prof.enable()

@@ -110,9 +110,9 @@ def measured(case: Case) -> dict[str, Any]:
                 counts.record(engine)
             print(f"step {step + 1}/{case.steps}: {times[-1]:.3f} s", flush=True)
         if engine is not None:
-            key, (schedule, _) = list(engine.plans.items())[-1]
-            ran = {"schedule": schedule, "seq": engine.repriced.get(key, (0, schedule.sequence))[1],
-                   "tier": engine.tier.stats()}
+            key, (schedule, _) = list(engine._plans.plans.items())[-1]
+            ran = {"schedule": schedule, "seq": engine._plans.repriced.get(key, (0, schedule.sequence))[1],
+                   "tier": engine._mem.tier.stats()}
     finally:
         if engine is not None:
             engine.close()
@@ -126,7 +126,7 @@ def measured(case: Case) -> dict[str, Any]:
             "planned_recomputed": schedule.bytes_recomputed if schedule else 0,
             "moved": statistics.median(c["bytes_in"] + c["bytes_out"] for c in per_step),
             "recomputed": statistics.median(c["bytes_recomputed"] for c in per_step),
-            "anchored": sum(c["anchored_steps"] for c in per_step), "steady": len(per_step),
+            "anchored": sum(c["steps.anchored"] for c in per_step), "steady": len(per_step),
             "params": [p.detach().clone() for p in net.parameters()]}
 
 

@@ -8,8 +8,8 @@ padding gives a loader that groups by length), three ways, each in a fresh proce
 
 - ``in-core``: plain PyTorch;
 - ``ooc``: ``OutOfCore`` at a 96 MiB budget (a quarter of the longest shape's managed peak,
-  about): plans kept per shape (``engine.max_plans``, 16 by default);
-- ``ooc, 1 plan kept``: the same with ``engine.max_plans = 1``: every step whose shape differs
+  about): plans kept per shape (``engine._plans.max_plans``, 16 by default);
+- ``ooc, 1 plan kept``: the same with ``engine._plans.max_plans = 1``: every step whose shape differs
   from the last one's is recorded and re-planned, what every step cost before plans were kept
   per shape (then it also left the last plan at its first differing op).
 
@@ -86,10 +86,9 @@ def _child(spec: dict[str, Any]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = None
     if case != "in-core":
-        chunk = {"chunk": setting["chunk"]} if setting["chunk"] else {}
-        engine = ooc.OutOfCore(model, opt, budget=setting["budget"], **chunk)
+        engine = ooc.OutOfCore(model, opt, budget=setting["budget"], options=ooc.Options(chunk=setting["chunk"]))
         if case == "ooc, 1 plan kept":
-            engine.max_plans = 1
+            engine._plans.max_plans = 1
     lengths, vocab = setting["lengths"], setting["model"]["vocab"]
     rows, before = [], engine.stats() if engine is not None else {}
     for step in range(spec["cycles"] * len(lengths)):
@@ -106,8 +105,8 @@ def _child(spec: dict[str, Any]) -> None:
         row = {"length": length, "s": time.perf_counter() - t0, "loss": loss.item()}
         if engine is not None:
             st = engine.stats()
-            form = ("plain" if st["plain_steps"] > before["plain_steps"] else "anchored"
-                    if st["anchored_steps"] > before["anchored_steps"] else "per op" if st["last_planned"]
+            form = ("plain" if st["steps.plain"] > before["steps.plain"] else "anchored"
+                    if st["steps.anchored"] > before["steps.anchored"] else "per op" if st["last_planned"]
                     else "on demand")
             row.update(planned=st["last_planned"], plans=st["plans"], form=form,
                        fresh=st["cpu_allocator.fresh_bytes"] - before["cpu_allocator.fresh_bytes"])
@@ -117,13 +116,13 @@ def _child(spec: dict[str, Any]) -> None:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, spec["params_out"])
     if engine is not None:
         st = engine.stats()
-        keys = list(engine.plans)
-        forms = [[engine.plans[k], engine._plain.get(k), engine._anchored.get(k), engine.repriced.get(k)]
+        keys = list(engine._plans.plans)
+        forms = [[engine._plans.plans[k], engine._plans.hooked.get(k), engine._plans.repriced.get(k)]
                  for k in keys]
-        out.update(plans=st["plans"], plans_kept=st["plans_kept"], plain_steps=st["plain_steps"],
-                   anchored_steps=st["anchored_steps"], chunk=engine.chunk,
+        out.update(plans=st["plans"], plans_kept=st["plans_kept"], plain_steps=st["steps.plain"],
+                   anchored_steps=st["steps.anchored"], chunk=engine._mem.chunk,
                    plan_bytes=[_deep_bytes([f]) for f in forms],
-                   functions=[engine.plans[k][0].summary()["functions"] for k in keys],
+                   functions=[engine._plans.plans[k][0].summary()["functions"] for k in keys],
                    moved=st["plan.bytes_in"] + st["plan.bytes_out"])
         engine.close()
     print("SHAPES-RESULT " + json.dumps(out), flush=True)

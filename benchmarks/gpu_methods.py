@@ -203,13 +203,13 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
     row.peak_bytes = (row.torch_peak_bytes or 0) + row.pool_peak_bytes
     row.bytes_moved = int(statistics.median(s["bytes_in"] + s["bytes_out"] for s in per_step))
     row.bytes_recomputed = int(statistics.median(s["bytes_recomputed"] for s in per_step))
-    row.forms = {"steps": st["steps"], "plans": st["plans"], "plain": st["plain_steps"],
-                 "anchored": st["anchored_steps"],
+    row.forms = {"steps": st["steps"], "plans": st["plans"], "plain": st["steps.plain"],
+                 "anchored": st["steps.anchored"],
                  "planned_timed": sum(s["planned"] for s in per_step)}
-    if engine.schedule is not None and setup.hardware is not None:
-        r = scheduler.simulate(engine.schedule, setup.hardware, timeline=False)
+    if engine._plans.schedule is not None and setup.hardware is not None:
+        r = scheduler.simulate(engine._plans.schedule, setup.hardware, timeline=False)
         row.predicted_step_ms = r.total_s * 1e3
-        plan = engine.schedule.summary()
+        plan = engine._plans.schedule.summary()
         row.note += ("; " if row.note else "") + (f"plan: {plan.get('bytes_in', 0) + plan.get('bytes_out', 0)} B moved, "
                     f"{plan.get('bytes_recomputed', 0)} B recomputed per step")
 

@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "OutOfCore": "ooc.engine",
+    "Options": "ooc.engine",
+    "FORMS": "ooc.engine",
     "trace": "ooc.trace",
     "models": "ooc.models",
     "plan": "scheduler.planner",

@@ -42,7 +42,7 @@ class Case:
     params_out: str | None = None
     seed: int = 0
     policy: str = "window"
-    recompute: bool | str = True   # OutOfCore's: False swaps only
+    recompute: str = "auto"   # OutOfCore's: "never" swaps only
     update_in_backward: bool = False   # each parameter's update in its grad hook (``update_in_backward``)
 
 
@@ -74,8 +74,11 @@ class CaseResult:
         return median(sums) if sums else None
 
 
+#: Every engine ``engine_for`` makes checksums its swapped bytes (``bench_cpu``'s verify rows).
+VERIFY = False
+
 #: The engine's counters (``OutOfCore.stats()``) a measuring child reads after each step.
-COUNTED = ("bytes_in", "bytes_out", "bytes_recomputed", "anchored_steps", "plain_steps")
+COUNTED = ("bytes_in", "bytes_out", "bytes_recomputed", "steps.anchored", "steps.plain")
 
 
 class StepCounts:
@@ -223,9 +226,14 @@ def engine_for(case: Case, model, optimizer, **extra: Any):
 
     engine = None
     if case.method == "ooc":
+        options = {k: extra.pop(k) for k in list(extra) if k in ooc.Options.__dataclass_fields__}
+        if VERIFY:
+            options["verify"] = True
         engine = ooc.OutOfCore(model, optimizer, budget=case.budget, manage=case.manage,
-                               storage=case.storage, chunk=case.chunk, threads=case.threads,
-                               policy=case.policy, recompute=case.recompute, **extra)
+                               storage=case.storage, recompute=case.recompute,
+                               options=ooc.Options(chunk=case.chunk, threads=case.threads, **options), **extra)
+        if case.policy != "window":   # a research planner (benchmarks' baselines): not the API's
+            engine._planner.policy = case.policy
     if case.update_in_backward:
         update_in_backward(model, optimizer)
     return engine

@@ -107,7 +107,7 @@ def _figures(args: argparse.Namespace, inc: CaseResult, ooc_: CaseResult, budget
         "ooc": {**run(ooc_), "bytes_in_per_step": st.get("plan.bytes_in", 0),
                 "bytes_out_per_step": st.get("plan.bytes_out", 0),
                 "bytes_recomputed_per_step": st.get("plan.bytes_recomputed", 0),
-                "anchored_steps": st.get("anchored_steps", 0), "plain_steps": st.get("plain_steps", 0),
+                "anchored_steps": st.get("steps.anchored", 0), "plain_steps": st.get("steps.plain", 0),
                 "planned_in_core_peak_bytes": st.get("plan.in_core_peak_bytes"),
                 "last_stall_s": st.get("last_stall_s")},
         "step_time_ratio": ooc_.median_step_s / inc.median_step_s,
@@ -137,7 +137,7 @@ def _table(inc: CaseResult, ooc_: CaseResult, budget: int, same: bool) -> str:
     lines.insert(1, "-" * max(len(line) for line in lines))
     notes = ["peak memory of training = rise of the process's VmHWM above its footprint after "
              "model, optimizer and data were built (fresh process per run); " + _step_note(len(ooc_.step_s))]
-    if st.get("anchored_steps"):
+    if st.get("steps.anchored"):
         notes.append("anchored steps run the settled plan's swaps at autograd's saved-tensor hooks, "
                      "with no op intercepted; the engine runs them and the per-op form in turn (two "
                      "steps each) and keeps the faster, so those turns fall inside the step time")
@@ -153,7 +153,7 @@ def _hooks_only(st: dict[str, Any], steps: int) -> str:
     settled swapping plan moved onto the hooks) and plain ones (a plan that moves nothing).
     The rest intercepted every op: recording, planning, re-pricing and the anchored trial's
     per-op turns, or a plan that recomputes, which only the per-op path can run."""
-    anchored, plain = int(st.get("anchored_steps", 0)), int(st.get("plain_steps", 0))
+    anchored, plain = int(st.get("steps.anchored", 0)), int(st.get("steps.plain", 0))
     parts = [f"{anchored} anchored"] if anchored else []
     parts += [f"{plain} plain"] if plain else []
     return f"{anchored + plain} of {steps}" + (f" ({', '.join(parts)})" if parts else "")

@@ -44,8 +44,8 @@ class BetweenSteps:
     ``_pinned``, vars autograd may read later; ``_resident``, the bytes resident; ``_refs``,
     Python references to each storage object when watching began; and its counters."""
 
-    def __init__(self, engine: Any) -> None:   # a PersistentTensors (it imports this module)
-        self._engine = weakref.ref(engine)
+    def __init__(self, store: Any) -> None:   # a PersistentStore (it imports this module)
+        self._store = weakref.ref(store)
         self._tensors: dict[int, list[weakref.ref]] = {}
         self._names: dict[int, str] = {}
         self._recent: dict[int, None] = {}
@@ -108,21 +108,21 @@ class BetweenSteps:
         """An op is about to use the tensors of ``keys`` (vars): bring those on the tier back,
         after making room among the resident ones it does not use, and hold them. The bytes
         move outside any dispatch mode: the op may run inside another engine's step."""
-        engine = self._engine()
-        if engine is None or engine._closed:
+        store = self._store()
+        if store is None or store.closed:
             self._without_engine(keys)
             return
         for var in keys:
-            if var not in engine.persistent:
+            if var not in store.slots:
                 raise OOCError(f"{self._names.get(var, 'a managed tensor')} was on the tier, but "
                                "the optimizer's state was replaced since: its bytes are gone")
-        slots = [engine.persistent[v] for v in keys]
+        slots = [store.slots[v] for v in keys]
         need = [s for s in slots if s.state is State.HOST]
         if need:
             with _disable_current_modes():
-                fits = self._make_room(engine, sum(s.nbytes for s in need), set(keys))
+                fits = self._make_room(store, sum(s.nbytes for s in need), set(keys))
                 for slot in need:
-                    engine._read_back(slot)
+                    store.read_back(slot)
                     self._resident += slot.nbytes
                     self.counts["bytes_in"] += slot.nbytes
             self._peak()
@@ -132,7 +132,7 @@ class BetweenSteps:
                             "the tensors one op uses, and those autograd saved or other tensors "
                             "share, stay (stats()['between_steps.peak_resident_bytes']); under "
                             "torch.no_grad() and without views kept, reads stay within it",
-                            format_size(self._resident), format_size(engine.budget))
+                            format_size(self._resident), format_size(store.budget))
         self._held.update(keys)
         for var in keys:
             self._recent.pop(var, None)
@@ -158,17 +158,17 @@ class BetweenSteps:
         self._held = +self._held   # drop the zeros
         self._pinned |= pinned
 
-    def _make_room(self, engine: Any, need: int, keep: set[int]) -> bool:
+    def _make_room(self, store: Any, need: int, keep: set[int]) -> bool:
         """Release least recently used resident tensors but ``keep`` until ``need`` more bytes
         fit the budget; False if they do not (none is left that may go)."""
-        persistent = engine.persistent
-        excess = self._resident + need - engine.budget
+        persistent = store.slots
+        excess = self._resident + need - store.budget
         if excess <= 0:
             return True
         for var in choose_victims(list(self._recent), excess, lambda v: persistent[v].nbytes,
                                   lambda v: v in keep or not self._may_release(persistent.get(v))):
             slot = persistent[var]
-            self.counts["bytes_out"] += engine._release_between(slot, self._alive(var))
+            self.counts["bytes_out"] += store.release_between(slot, self._alive(var))
             self._resident -= slot.nbytes
             excess -= slot.nbytes
             del self._recent[var]

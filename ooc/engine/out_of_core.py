@@ -1,9 +1,19 @@
-"""``OutOfCore``: its settings, the step context manager, statistics and closing.
+"""``OutOfCore``: the facade the user holds, over parts that each own their state.
 
-The class is composed of one part per responsibility (the package docstring lists them);
-this module holds what ties them together: the constructor and its validation, ``step()``
-(which hands the ``Stepper`` its ``StepContext``), ``stats()``, ``set_budget()``,
-``timeline()`` and ``close()``.
+- ``memory.py``: the budget, chunk, pool and tier every part reads (``EngineMemory``);
+- ``persistent.py``: the parameters, gradients and optimizer state it manages across steps
+  (``PersistentStore``; their uses between steps: ``between_steps.py``);
+- ``plan_cache.py``: the plans kept per start and shape, and the step that runs one: the one
+  place where a step's form is chosen (``PlanCache``; hook-driven forms: ``hook_forms.py``);
+- ``planning.py``: what the engine asks ``scheduler`` after each step, and the chunk
+  (``Planner``);
+- ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point (``UpdateGuard``);
+- ``step_end.py``: every step's end, one routine (``StepEnd``); ``step_book.py``: what is kept
+  of the steps (``StepBook``); ``stats.py``: ``stats()`` from the parts;
+- ``options.py``: ``ooc.Options``, the advanced knobs, and the recompute vocabulary.
+
+This module ties them together: the constructor and its validation, ``step()``, ``stats()``,
+``set_budget()``, ``resident()``, ``timeline()`` and ``close()``.
 """
 
 from __future__ import annotations
@@ -13,30 +23,29 @@ import itertools
 import logging
 import time
 import weakref
-from collections import Counter
 from typing import Any, Hashable, Iterator
 
 import torch
 
-import scheduler
-from ooc.engine.anchored_steps import AnchoredSteps
 from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
-from ooc.engine.persistent import PersistentTensors
+from ooc.engine.memory import EngineMemory
+from ooc.engine.options import Options, recompute_word
+from ooc.engine.persistent import PersistentStore
 from ooc.engine.pin_policy import pin_function
-from ooc.engine.plain_steps import PlainSteps
-from ooc.engine.planning import DEFAULT_CHUNK, Planning, _start_chunk
+from ooc.engine.plan_cache import PlanCache
+from ooc.engine.planning import DEFAULT_CHUNK, Planner, start_chunk
+from ooc.engine.step_book import StepBook
 from ooc.engine.step_end import StepEnd, partial_update_error
+from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
-from ooc.engine.update_hooks import UpdateHooks
+from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
 from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
-from ooc.runtime.pool import DevicePool
 from ooc.runtime.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.stepper import Stepper
-from ooc.storage.tier import SlowerTier
 from scheduler.ir import Kind
 from vmm.units import format_size, parse_size
 
@@ -45,7 +54,7 @@ log = logging.getLogger(__name__)
 KINDS = ("activations", "params", "grads", "optimizer_state")
 
 
-class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, AnchoredSteps):
+class OutOfCore:
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
 
     The first step records every aten op (forward, backward, optimizer) and the managed
@@ -53,10 +62,10 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
     but within the budget). The recorded sequence goes to ``scheduler.plan``; the plan is
     proven safe by ``scheduler.check``; every later step executes exactly that plan, with
     transfers on background threads overlapping compute. Plans are kept per step shape (the
-    model's inputs, ``planning.py``); a step that does something else (data-dependent control
-    flow) is noticed at its first differing op, finished on demand, and re-planned. Swapping
-    copies bytes: parameters come out bitwise identical to in-core training. A plan with
-    nothing to do runs plain (``plain_steps.py``).
+    model's inputs); a step that does something else (data-dependent control flow) is noticed
+    at its first differing op, finished on demand, and re-planned. Swapping copies bytes:
+    parameters come out bitwise identical to in-core training. A plan with nothing to move,
+    or only swaps, runs without intercepting ops (``steps.plain``, ``steps.anchored``).
 
     Args:
         model: the ``nn.Module`` to train, on ``device``.
@@ -67,34 +76,24 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
         device: ``"cpu"`` (slower tier: a private swap file) or ``"cuda"`` (pinned host
             memory and copy streams; written against the driver API and tested against a fake
             driver in CI; run on an H100 and an H200, see docs/guide/gpu.md).
-        storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
-        window: prefetch window in bytes or a size string (default: the scheduler's).
-        chunk: physical chunk size of the device pool. Default: it adapts. The engine starts
-            at 2 MiB (on the CPU, at most the budget rounded down to a power of two), and
-            after its first recording step, if the activations it saved exceed the budget and
-            those under half a chunk (left to PyTorch) take more than an eighth of it, it
-            halves the chunk until they do not, down to the page size on the CPU (the VMM
-            granularity, 2 MiB, on a GPU: there it warns instead), and records again
-            (``scheduler/chunk_size.py``). Given explicitly (or with ``min_bytes``), it is
-            fixed.
         manage: which tensors may leave the device: any of "activations" (saved for
             backward), "params", "grads", "optimizer_state". Default: activations.
-        policy: the scheduler policy ("window" moves only what the budget forces out).
-        verify: checksum swapped bytes and raise ``StorageError`` on corruption.
-        min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2, and it
-            adapts with the default chunk).
-        recompute: let the plan discard a saved activation and rerun the ops that made it
-            before the backward needs it, where that costs less than swapping it (priced on
-            the device, ``scheduler.recompute``; the replay gives the same bytes: random ops
-            replay their generator state, BatchNorm does not update its running statistics
-            twice). False: swap only. "prefer": recompute every activation the budget
-            forces out that can be (tests, and devices where moving bytes is dearest).
+        recompute: "auto" (default): the plan may discard a saved activation and rerun the
+            ops that made it before the backward needs it, where that costs less than swapping
+            it (priced on the device, ``scheduler.recompute``; the replay gives the same bytes:
+            random ops replay their generator state, BatchNorm does not update its running
+            statistics twice). "never": swap only. "prefer": recompute every activation the
+            budget forces out that can be (tests, and devices where moving bytes is dearest).
+            The scheduler's words (``scheduler.plan(recompute=...)``, ``ooc plan --recompute``).
         pin: the user's say per op, as torch.utils.checkpoint's selective checkpointing
             policy: ``{op: pin}`` or ``fn(op) -> pin | None``, a pin being "keep" (never
             leaves the device), "offload" (swapped, never recomputed), "prefer_recompute",
             "must_recompute" (recomputed even when the budget would keep it) or a
             ``CheckpointPolicy``; it applies to the activations the op saves
             (``ooc/engine/pin_policy.py``, ``scheduler/pins.py``).
+        storage: directory in which a private 0700 swap directory is made (default: $TMPDIR).
+        options: the advanced knobs (``ooc.Options``: chunk, min_bytes, window, threads,
+            verify, hook_steps, max_plans).
 
     Example::
 
@@ -106,108 +105,91 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
                 opt.step()   # or scaler.step(opt); the engine hooks the optimizer
     """
 
-    tier: SlowerTier   # where swapped-out bytes live (FileTier on a CPU, PinnedTier on a GPU)
-    pool: DevicePool   # the budget: device memory for swapped-in tensors
-    #: The last step that ran unplanned (the recording step), whole, as ``ooc.trace``
-    #: records a step: every storage, of every kind, with the same recorder
-    #: (``ooc/record/``). None until one completed.
-    last_recording: scheduler.VariableSequence | None = None
-
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 budget: int | str, device: str | torch.device = "cpu", storage: str | None = None,
-                 window: int | str | None = None, chunk: int | str | None = None,
-                 manage: tuple[str, ...] | list[str] | str = ("activations",), policy: str = "window",
-                 verify: bool = False, min_bytes: int | str | None = None, threads: int = 2,
-                 recompute: bool | str = True, pin: Any = None) -> None:
-        self.budget = parse_size(budget, what="budget")
+                 budget: int | str, device: str | torch.device = "cpu",
+                 manage: tuple[str, ...] | list[str] | str = ("activations",), recompute: str = "auto",
+                 pin: Any = None, storage: str | None = None, options: Options | None = None) -> None:
+        options = Options() if options is None else options
+        if not isinstance(options, Options):
+            raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
+        budget = parse_size(budget, what="budget")
         # With neither chunk nor min_bytes given, the chunk adapts to what the first
-        # recording step saves (_adapt_chunk); either one given keeps both as before.
-        self._adapt_pending = chunk is None and min_bytes is None
-        self._adaptive = self._adapt_pending
-        self.chunk = DEFAULT_CHUNK if chunk is None else parse_size(chunk, what="chunk")
-        self.window = None if window is None else parse_size(window, what="window")
-        min_bytes = None if min_bytes is None else parse_size(min_bytes, what="min_bytes")
+        # recording step saves (Planner.adapt_chunk); either one given keeps both as before.
+        adaptive = options.chunk is None and options.min_bytes is None
+        chunk = DEFAULT_CHUNK if options.chunk is None else options.chunk
         manage = (manage,) if isinstance(manage, str) else tuple(manage)
         unknown = [m for m in manage if m not in KINDS]
         if unknown:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
-        self.manage = frozenset(manage)
-        check_sharded_params(model, self.manage)   # FSDP2: activations only
-        if policy not in scheduler.POLICIES:
-            raise OOCError(f"policy {policy!r} is not one of {list(scheduler.POLICIES)}")
-        self.policy = policy
-        if recompute not in (True, False, "prefer"):
-            raise OOCError(f"recompute must be True, False or 'prefer', got {recompute!r}")
-        self.recompute = recompute
-        self._pin = pin_function(pin)
-        if self._pin is not None and policy != "window":
-            raise OOCError(f"pin: policy {policy!r} does not take pins; they belong to policy 'window'")
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise OOCError(f"device {self.device}: the runtime runs on 'cpu' or 'cuda'")
+        self._manage = frozenset(manage)
+        check_sharded_params(model, self._manage)   # FSDP2: activations only
+        recompute = recompute_word(recompute)
+        pin_fn = pin_function(pin)
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise OOCError(f"device {device}: the runtime runs on 'cpu' or 'cuda'")
         # torch.cuda through one seam (ooc.runtime.devices.CudaRuntime): ooc.testing.fake_cuda()
         # swaps it to run this CUDA path over a fake driver, with the model on the CPU.
-        cuda = cuda_runtime() if self.device.type == "cuda" else None
+        cuda = cuda_runtime() if device.type == "cuda" else None
         if cuda is not None and not cuda.is_available():
-            raise OOCError(f"device {self.device}: this PyTorch has no usable CUDA (torch "
+            raise OOCError(f"device {device}: this PyTorch has no usable CUDA (torch "
                            f"{torch.__version__}); install a CUDA build and 'ooc[cuda]', or use device='cpu'")
-        if cuda is not None and self.device.index is None:
+        if cuda is not None and device.index is None:
             # Parameters say "cuda:0", never "cuda": compare (and allocate) with the index.
-            self.device = torch.device("cuda", cuda.current_device())
-        if self._adaptive and self.device.type == "cpu":
-            self.chunk = _start_chunk(self.budget)   # a budget under 2 MiB starts smaller
-        if self.budget < self.chunk:
-            raise OOCError(f"budget {format_size(self.budget)} is smaller than one chunk "
-                           f"({format_size(self.chunk)}); raise the budget or lower chunk")
-        self.min_bytes = self.chunk // 2 if min_bytes is None else min_bytes
-        home = cuda.tensor_device(self.device) if cuda is not None else self.device
+            device = torch.device("cuda", cuda.current_device())
+        if adaptive and device.type == "cpu":
+            chunk = start_chunk(budget)   # a budget under 2 MiB starts smaller
+        if budget < chunk:
+            raise OOCError(f"budget {format_size(budget)} is smaller than one chunk "
+                           f"({format_size(chunk)}); raise the budget or lower chunk")
+        min_bytes = chunk // 2 if options.min_bytes is None else options.min_bytes
+        home = cuda.tensor_device(device) if cuda is not None else device
         for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
             if p.device != home:
                 raise OOCError(f"{name} is on {p.device}, but the engine manages {home}: "
                                f"move the model with model.to('{home}') first")
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise OOCError(f"threads must be a positive int (I/O threads of the swap tier), got {threads!r}")
-        self.model, self.optimizer = model, optimizer
-        per_parameter = optimizer is not None and bool(self.manage & {"params", "grads", "optimizer_state"})
+        self.model, self.optimizer, self.device = model, optimizer, device
+        per_parameter = optimizer is not None and bool(self._manage & {"params", "grads", "optimizer_state"})
         if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
             raise OOCError("a fused optimizer updates every parameter in one op; "
                            "create it with fused=False to manage params/grads/state")
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
         # or when the engine is collected (ooc/runtime/process_effects.py).
-        self._effects = ProcessEffects(self.device.type, optimizer, per_parameter)
+        self._effects = ProcessEffects(device.type, optimizer, per_parameter)
         # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.
-        self.tier, self.pool = make_tier_and_pool(self.device, self.budget, self.chunk, storage,
-                                                  threads, verify)
-        self._init_persistent()
-        self._init_plans()
-        self._init_plain()
-        self._init_anchored()
-        self.counters: Counter = Counter()
-        self.last: dict[str, Any] = {}
-        self.events: list[tuple[str, str, float, float, int]] = []
-        self._stepper: Stepper | None = None
+        tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify)
+        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool))
+        self._store = store = PersistentStore(model, optimizer, mem)
+        self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
+                                activations="activations" in self._manage, hook_steps=options.hook_steps,
+                                max_plans=options.max_plans, new_stepper=self._new_stepper)
+        self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=recompute,
+                                pin=pin_fn, adaptive=adaptive, adopt_params=self._adopt_params)
+        self._book = StepBook()
+        self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
+                            manage=self._manage)
+        self._stepper: Stepper | Any = None   # the running step (None between steps)
+        self._guard = UpdateGuard(mem, store, self._planner, model=model, optimizer=optimizer,
+                                  manage=self._manage, running=lambda: self._stepper)
         ref = weakref.ref(self)
         self._hooks: list = refuse_compiled(model, lambda: (e := ref()) is not None and e._stepper is not None)
         self._closed = False
-        self._init_update()
-        if "params" in self.manage:
-            for name, p in model.named_parameters():
-                self._adopt(p, Kind.PARAM, name)
-        if "grads" in self.manage:
+        self._adopt_params()
+        if "grads" in self._manage:
             for name, p in model.named_parameters():
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
-        if "optimizer_state" in self.manage and optimizer is not None:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(ref, name)))
+        if "optimizer_state" in self._manage and optimizer is not None:
             self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
-        if self.manage & {"params", "grads", "optimizer_state"}:
+        if self._manage & {"params", "grads", "optimizer_state"}:
             owner = state_dict_owner(model)   # DDP: its .module, whose hooks cover both
             self._hooks += [owner.register_state_dict_pre_hook(self._bring_back_hook),
                             owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
             if optimizer is not None:
                 self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
-        # The step's shape, from the model's inputs, picks its plan (planning.py): first, before
+        # The step's shape, from the model's inputs, picks its plan (plan_cache.py): first, before
         # hooks that run ops (FSDP2's all-gather), so that the step can still switch its plan.
         self._hooks.append(model.register_forward_pre_hook(weakly(self._forward_starts), prepend=True,
                                                             with_kwargs=True))
@@ -216,13 +198,12 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
             # so a user who drops it without close() loses nothing, and it can be collected
             # while model and optimizer live on. One that manages persistent tensors owns their
             # swapped bytes between steps: the model's hooks above keep it alive with the model.
-            self._hooks += [optimizer.register_step_pre_hook(weakly(self._update_starts)),
-                            optimizer.register_step_post_hook(weakly(self._update_done))]
+            self._hooks += [optimizer.register_step_pre_hook(weakly(self._guard.update_starts)),
+                            optimizer.register_step_post_hook(weakly(self._guard.update_done))]
         # Collected without close(): unhook, and put back what the steps changed outside.
-        # (``_held`` follows the pool when the chunk changes; it references nothing that refers
-        # to the engine, or the engine could never be collected.)
-        self._held = Held(self.tier, self.pool)
-        weakref.finalize(self, collected, self._hooks, self._effects, self._held)
+        # (``mem.held`` follows the pool when the chunk changes; it references nothing that
+        # refers to the engine, or the engine could never be collected.)
+        weakref.finalize(self, collected, self._hooks, self._effects, mem.held)
 
     @contextlib.contextmanager
     def step(self, kind: Hashable = None) -> Iterator[None]:
@@ -243,128 +224,104 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
             raise OOCError("this engine is closed; create a new OutOfCore")
         if self._stepper is not None:
             raise OOCError("engine.step() is already active; steps do not nest")
-        check_step_entry(OpMode, "activations" in self.manage)
+        check_step_entry(OpMode, "activations" in self._manage)
         if not self._effects.applied:   # the first step (see ProcessEffects)
             self._effects.apply()
         t0 = time.perf_counter()
-        self._enter_step()   # plain tensors from here on, the ones still held, stable ids
-        if self.device.type == "cpu":   # plain steps too; before _reconcile: what it lets go of is recycled
-            cpu_allocator.begin(self, recycle_bytes(self.budget))
-        try:   # the plan and the step's form (per op, plain, anchored: planning.py, step_forms.py)
-            form = self._begin(self._start_key(kind))
+        self._store.enter_step()   # plain tensors from here on, the ones still held, stable ids
+        mem = self._mem
+        if mem.on_cpu:   # hook-driven steps too; before reconcile: what it lets go of is recycled
+            cpu_allocator.begin(mem, recycle_bytes(mem.budget))
+        try:   # the plan and the step's form (plan_cache.py)
+            form = self._plans.begin(self._store.start_key(kind))
         except BaseException:
-            cpu_allocator.end(self)
+            cpu_allocator.end(mem)
             raise
-        self._stepper, self._form = form.st, form   # the forward may switch form.st (_forward_starts)
+        self._stepper = form.st   # the forward may switch form.st (_forward_starts)
         try:
             with form:
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
-            st, self._stepper, self._form = form.st, None, None
+            st = self._end_step(form)
             committed = st.rollback.undo is None   # past the commit point: nothing to roll back
             try:
-                self._finish_step(st, exc, time.perf_counter() - t0)
+                self._end.finish(st, exc, time.perf_counter() - t0)
             finally:   # an update that raised: a Ctrl-C it held is delivered now
-                self._interrupts.release()
+                self._guard.interrupts.release()
             if committed and isinstance(exc, StorageError):
                 raise partial_update_error(exc, during_step=st.updating) from exc
             raise
-        st, self._stepper, self._form = form.st, None, None
-        self._finish_step(st, None, time.perf_counter() - t0)
+        st = self._end_step(form)
+        self._end.finish(st, None, time.perf_counter() - t0)
 
-    def _finish_step(self, st: Any, exc: BaseException | None, seconds: float) -> None:
-        """A per-op step's end (``step_end.py``), or a plain or anchored one's (``plain_steps.py``).
-        Its shape's plan is now the most recently used (``planning.py``: least recently used out)."""
-        if st.start_key in self.plans:
-            self.plans.move_to_end(st.start_key)
-        (self._finish if isinstance(st, Stepper) else self._finish_plain)(st, exc, seconds)
+    def _end_step(self, form: Any) -> Any:
+        """The step's body is over: its object, no longer the running one; its plan is now the
+        most recently used (``plan_cache.py``: least recently used out)."""
+        st, self._stepper, self._plans.form = form.st, None, None
+        self._plans.used(st.start_key)
+        return st
 
-    def _step_context(self, key: Any) -> StepContext:
-        """What the step that starts now needs from the engine (``ooc/runtime/step_context.py``)."""
-        runs = self.plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
-        return StepContext(budget=self.budget, chunk=self.chunk, min_bytes=self.min_bytes,
-                           manage=self.manage, device=self.device, tier=self.tier, pool=self.pool,
-                           new_var=self._ids.__next__, counters=self.counters, model=self.model,
-                           optimizer=self.optimizer, persistent=tuple(self.persistent.values()),
-                           plan_runs=runs, start_key=key, plain_candidate=self._plain_candidate())
+    def optimizer_step(self) -> None:
+        """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
+
+        A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
+        ``with engine.step():`` is recognised as the update by itself."""
+        self._guard.optimizer_step()
 
     def stats(self) -> dict[str, int | float]:
-        """Flat numbers with stable keys, like ``torch.cuda.memory_stats()``: what moved, what
-        stalled, what the plan says. Every key is there from the start (0 before the first
-        step; ``last_diverged_at`` is -1 when the last step kept to its plan). The keys are
-        listed in docs/guide/budgets.md ("What the engine did"); ``tier.*`` are the slower
-        tier's own counters (its numbers only; its settings are its attributes)."""
-        last = self.last
-        diverged = last.get("diverged_at")
-        ran = self._ran or self.schedule   # an anchored step ran its own plan
-        plan = ran.summary() if ran is not None else {}
-        out: dict[str, int | float] = {
-            "steps": self.counters["steps"],
-            "plans": self.counters["plans"],
-            "plans_kept": len(self.plans),
-            "plain_steps": self.counters["plain_steps"],
-            "anchored_steps": self.counters["anchored_steps"],
-            "bytes_in": self.counters["bytes_in"],
-            "bytes_out": self.counters["bytes_out"],
-            "bytes_recomputed": self.counters["bytes_recomputed"],
-            "recompute_s": float(self.counters["recompute_s"]),
-            "budget": self.budget,
-            "chunk": self.chunk,
-            "last_step_s": last.get("step_s") or 0.0,
-            "last_stall_s": last.get("stall_s") or 0.0,
-            "last_planned": int(bool(last.get("planned"))),
-            "last_diverged_at": -1 if diverged is None else diverged,
-            "resident_peak_bytes": last.get("resident_peak_bytes") or 0,
-            "pool_peak_mapped_bytes": self.pool.stats().get("peak_mapped_bytes") or 0,
-        }
-        for key in PLAN_STAT_KEYS:
-            out[f"plan.{key}"] = plan.get(key) or 0
-        out.update(self._reads.stats())   # between_steps.*: reads between steps
-        out.update(_numbers("tier", self.tier.stats()))
-        allocator = cpu_allocator.stats() if self.device.type == "cpu" else None
-        for key in cpu_allocator.STAT_KEYS:
-            out[f"cpu_allocator.{key}"] = (allocator or {}).get(key, 0)
-        return out
+        """Flat numbers with stable keys, the same on every device, like
+        ``torch.cuda.memory_stats()``: what moved, what stalled, what the plan says, how many
+        steps of each form ran. Every key is there from the start (0 before the first step;
+        ``last_diverged_at`` and ``last_form`` are -1). The keys are listed in
+        docs/guide/budgets.md ("What the engine did")."""
+        return engine_stats(self._book, self._mem, self._plans, self._store.reads)
+
+    @property
+    def last_recording(self) -> Any:
+        """The last step that ran unplanned (the recording step), whole, as ``ooc.trace``
+        records a step: every storage, of every kind, with the same recorder (``ooc/record/``).
+        None until one completed."""
+        return self._end.last_recording
 
     def set_budget(self, budget: int | str) -> None:
         """Change the budget; the next step records again and re-plans under it. With the
         default chunk, that step also chooses the chunk again (never a larger one)."""
         new = parse_size(budget, what="budget")
-        chunk = self.chunk
-        if self._adaptive and self.device.type == "cpu":
-            chunk = min(chunk, _start_chunk(new))
-        if new < chunk:
-            raise OOCError(f"budget {format_size(new)} is smaller than one chunk ({format_size(chunk)})")
-        with self.resident():
-            pass
-        self.budget = new
-        self._adapt_pending = self._adaptive
-        self._set_chunk(chunk, chunk // 2 if self._adaptive else self.min_bytes)
+        self._store.bring_back()
+        self._planner.set_budget(new)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Bring every managed parameter, grad and state tensor back at once, e.g. to evaluate
+        or save (plain tensors until the next step).
+
+        Never needed for correctness: between steps, where they exceed the budget, any use of
+        one brings back what it uses, within the budget where it can; otherwise every step's
+        end already brought them back. The next step puts them where its plan wants them.
+        """
+        self._store.bring_back()
+        yield
 
     def timeline(self, path: str) -> None:
         """Write the last steps (up to ``TIMELINE_STEPS``) as a Chrome/Perfetto trace (compute,
         swap, wait tracks)."""
-        from scheduler.timeline import Event, write_chrome_trace
-        if not self.events:
-            raise OOCError("no step has run yet: nothing to put on a timeline")
-        t0 = self.events[0][2]
-        write_chrome_trace([Event(track=tr, name=n, start_s=a - t0, end_s=b - t0, step=s)
-                            for tr, n, a, b, s in self.events], path)
+        self._book.timeline(path)
 
     def close(self) -> None:
         """Leave model and optimizer as ordinary PyTorch objects, everything resident."""
         if self._closed:
             return
+        mem = self._mem
         try:
-            with self.resident():
-                pass
-            self.pool.trim()   # its idle chunks: no next step to reuse them
+            self._store.bring_back()
+            mem.pool.trim()   # its idle chunks: no next step to reuse them
         finally:   # even if a tensor cannot be read back (the error names it): no thread, no file
             for h in self._hooks:
                 h.remove()
-            self.persistent.clear()
-            self.tier.close()   # first: its copies may still touch the pool's ranges
-            close_pool(self.pool)
+            self._store.slots.clear()
+            self._store.closed = True
+            mem.tier.close()   # first: its copies may still touch the pool's ranges
+            close_pool(mem.pool)
             self._effects.undo()
             self._closed = True
 
@@ -374,14 +331,56 @@ class OutOfCore(PersistentTensors, UpdateHooks, StepEnd, Planning, PlainSteps, A
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # -- wiring between the parts --------------------------------------------------------------
 
-# The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
-PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
-                  "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
+    def _new_stepper(self, key: Any, schedule: Any, binding: dict, plain_candidate: bool,
+                     plan_runs: int) -> Stepper:
+        """A per-op step of ``schedule`` (None: on demand) for plan key ``key``, with what it
+        needs from the engine (``ooc/runtime/step_context.py``)."""
+        mem = self._mem
+        ctx = StepContext(budget=mem.budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
+                          device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
+                          counters=mem.counters, model=self.model, optimizer=self.optimizer,
+                          persistent=tuple(self._store.slots.values()), plan_runs=plan_runs, start_key=key,
+                          plain_candidate=plain_candidate)
+        return Stepper(ctx, schedule, binding, observe_small=self._planner.adapt_pending)
+
+    def _adopt_params(self) -> None:
+        """With params managed, manage every parameter at or over the threshold."""
+        if "params" in self._manage:
+            for name, p in self.model.named_parameters():
+                self._store.adopt(p, Kind.PARAM, name)
+
+    def _forward_starts(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The model's forward pre-hook: the step's shape is known (``PlanCache.forward_starts``)."""
+        new = self._plans.forward_starts(args, kwargs)
+        if new is not None:
+            self._stepper = new
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self._store.state_loaded(optimizer, stepping=self._stepper is not None)
+
+    def _bring_back_hook(self, *args: Any, **kwargs: Any) -> None:
+        """``state_dict()``/``load_state_dict()`` pre-hook: their reads and copies need the
+        bytes (inside a step the stepper brings each tensor back at its use)."""
+        if self._stepper is None and not self._closed:
+            self._store.bring_back()
 
 
-def _numbers(prefix: str, stats: dict[str, Any]) -> dict[str, int | float]:
-    """``stats``' numbers (bools as 0/1) under ``prefix.``; strings and None are settings or
-    reasons, not counters, and are left out."""
-    return {f"{prefix}.{k}": int(v) if isinstance(v, bool) else v for k, v in stats.items()
-            if isinstance(v, (int, float))}
+def _grad_hook(engine: weakref.ref, name: str) -> Any:
+    """A parameter's post-accumulate-grad hook: a new gradient becomes managed. A parameter's
+    hooks are held from C++, where the garbage collector cannot follow them: a hook that held
+    the engine would keep it, and with it the model, forever (``engine`` is a weak reference;
+    the model's state_dict hooks, Python, keep the engine alive while the model lives)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def hook(p: torch.nn.Parameter) -> None:
+        e = engine()
+        st = None if e is None else e._stepper
+        if st is None or p.grad is None:
+            return
+        if p.grad._base is not None:   # a window onto another owner's buffer (StepEnd._live_out)
+            return
+        with _disable_current_modes():
+            st.adopt_grad_of(p.grad, name)
+    return hook

@@ -1,31 +1,39 @@
-"""Finishing a step: settle its transfers, keep what outlives it, roll back a failed one.
+"""The end of every step, whatever its form: one routine, one report.
 
-``_finish`` runs at every step's end, failed or not: it waits for every transfer, rolls back
-a step that failed before its update, decides which managed tensors outlive the step
-(``_live_out``), brings them back between steps if they fit, books the step's statistics and
-timeline, and re-plans from a step that did not follow a plan (``ooc/engine/planning.py``).
+``StepEnd.finish`` runs at every step's end, failed or not. First the form's own settling:
+
+- per op: wait for every transfer, roll back a step that failed before its update, decide
+  which managed tensors outlive the step (``_live_out``) and bring them back between steps if
+  they fit (``PersistentStore.step_end_bring_back``);
+- hook-driven: the rest of its plan runs and its transfers settle (``AnchoredStep.finish``);
+  a step that failed before its update is rolled back.
+
+Then, for every form alike: one ``StepReport`` is booked (``step_book.py``), the errors the
+settling met are raised, and the planner decides what follows from the step
+(``Planner.after_step``: plan, re-price, a hook-driven form, its trial).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 
 import torch
 
+from ooc.engine.memory import EngineMemory
+from ooc.engine.persistent import PersistentStore
+from ooc.engine.planning import Planner
+from ooc.engine.step_book import StepBook
 from ooc.errors import OOCError, StorageError
 from ooc.runtime import cpu_allocator
+from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.malloc import give_back_heap
 from ooc.runtime.slots import Slot
+from ooc.runtime.step_protocol import StepReport, form_of
 from ooc.runtime.stepper import Stepper
 from scheduler.ir import Kind
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
-
-# The timeline keeps the events of this many recent steps (and at most 200,000 events), so
-# that a long run's memory does not grow with its number of steps.
-TIMELINE_STEPS = 32
 
 
 def partial_update_error(exc: StorageError, *, during_step: bool) -> StorageError:
@@ -44,30 +52,76 @@ def partial_update_error(exc: StorageError, *, during_step: bool) -> StorageErro
 
 
 class StepEnd:
-    """``OutOfCore``'s end of a step (a mixin over the engine's persistent tensors, tier,
-    pool, counters and timeline)."""
+    """The engine's end of a step (the module docstring), over its memory, persistent store,
+    book and planner."""
 
-    def _finish(self, st: Stepper, exc: BaseException | None, seconds: float) -> None:
-        """Drain transfers, keep what outlives the step, and re-plan if the step was not planned.
+    def __init__(self, mem: EngineMemory, store: PersistentStore, book: StepBook, planner: Planner, *,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, manage: frozenset[str]) -> None:
+        self._mem, self._store, self._book, self._planner = mem, store, book, planner
+        self._model, self._optimizer, self._manage = model, optimizer, manage
+        self._lost: list[str] = []   # the per-op step's gradients given back (_drop_given_back_grads)
+        #: The last step that ran unplanned (the recording step), whole, as ``ooc.trace``
+        #: records a step (``ooc/record/``). None until one completed.
+        self.last_recording = None
+
+    def finish(self, st: Stepper | AnchoredStep, exc: BaseException | None, seconds: float) -> None:
+        """End ``st`` (``exc``: what the step raised, which ``step()`` re-raises): settle it,
+        book its report, raise what the settling met, and let the planner decide what follows.
 
         A step that failed before its optimizer step (``exc``: the user's exception, a swap
         failure, Ctrl-C; or a transfer that fails here) is rolled back: the buffers it wrote
         (BatchNorm statistics) get their old bytes, the gradients it created are dropped, and
         every managed tensor is left either in memory or on the tier, so the next step can
-        run as if this one had not.
-        """
-        st.close_node()
-        if self.device.type == "cpu":
-            cpu_allocator.end(self)   # the cache stays for the next step, shrinking between
+        run as if this one had not."""
+        if isinstance(st, Stepper):
+            st.close_node()
+        if self._mem.on_cpu:
+            cpu_allocator.end(self._mem)   # the cache stays for the next step, shrinking between
+        settle = self._settle_per_op if isinstance(st, Stepper) else self._settle_hooked
+        try:
+            raised = settle(st, exc)
+        finally:
+            self._book.book(StepReport(form_of(st), seconds, st.stall_s, st.peak, st.diverged_at,
+                                       tuple(st.events)))
+        if raised is not None:
+            raise raised
+        if exc is None:
+            if isinstance(st, AnchoredStep) and st.diverged_at is not None:
+                log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
+                            "back on demand, re-planning next step", st.diverged_at,
+                            _op_name(st.schedule, st.diverged_at), st.why, format_size(st.spilled_bytes))
+            self._planner.after_step(st, self._book.last)
+        if isinstance(st, Stepper) and exc is None:
+            self._after_per_op(st)
+
+    def _settle_hooked(self, st: AnchoredStep, exc: BaseException | None) -> BaseException | None:
+        """A hook-driven step's end: the rest of its plan, its transfers; a failed one (before
+        its update) rolled back. Its bytes moved are counted here."""
+        try:
+            st.finish(failed=exc is not None)
+        finally:
+            if exc is not None and st.rollback.undo is not None:   # failed before the commit point
+                note = st.rollback.roll_back()
+                if note and hasattr(exc, "add_note"):
+                    exc.add_note(note)
+            self._mem.counters["bytes_out"] += st.spilled_bytes
+            self._mem.counters["bytes_in"] += st.read_bytes
+        return None
+
+    def _settle_per_op(self, st: Stepper, exc: BaseException | None) -> BaseException | None:
+        """A per-op step's end (the module docstring). Returns the error to raise: a Ctrl-C
+        met while settling, a failed transfer, a failed read back; None after a step that
+        raised ``exc`` (its transfers' errors are its consequences, noted on it)."""
+        store, tier = self._store, self._mem.tier
         interrupt: BaseException | None = None
         try:   # every transfer, also one whose future an interrupt kept from reaching its
             # slot; first, so that settling the slots below finds them complete (on a GPU: one
             # host synchronization for the step's end, not one per slot)
-            self.tier.drain()
+            tier.drain()
         except BaseException as e:  # noqa: B036 - raised at the end
             interrupt = e
         try:
-            errors = self._settle(st.slots.values())
+            errors = store.settle(st.slots.values())
         except BaseException as e:  # noqa: B036 - every slot is settled; raised at the end
             interrupt, errors = interrupt or e, []
         st.writes_settled()
@@ -76,103 +130,75 @@ class StepEnd:
             note = st.rollback.roll_back()
             if note and exc is not None and hasattr(exc, "add_note"):
                 exc.add_note(note)
-        lost = self._drop_given_back_grads(st)
+        self._lost = lost = self._drop_given_back_grads(st)
         if lost and exc is not None and hasattr(exc, "add_note"):
             exc.add_note(f"ooc: the gradients of {', '.join(lost)} were given back after the update, "
                          "as the plan does; they are None now")
         live = self._live_out(st)
         st.hand_back(live)
-        for var, slot in list(self.persistent.items()):
-            if var not in live:
-                del self.persistent[var]
-        for var, slot in live.items():
-            self.persistent[var] = slot
+        store.keep(live)
         st.mark_live_out(live)
         for slot in st.slots.values():
-            if slot.host_current and slot.var not in live:   # activations, dropped grads
-                self.tier.discard(slot.key)
-                slot.host_current = False
+            if slot.var not in live:   # activations, dropped grads: nobody reads their copies
+                slot.forget_copy(tier)
             if not slot.in_place:
                 slot.storage = None
         back_error: BaseException | None = None
         try:
-            self._step_end_bring_back()
+            store.step_end_bring_back()
         except Exception as e:  # a failed read: the tensor stays on the tier; raised below
             back_error = e
-        if self.device.type == "cpu":
+        if self._mem.on_cpu:
             # the pool's idle chunks go to the CPU allocator's cache, for the next step's
             # tensors and chunks alike (or, without it, back to the kernel). A GPU pool keeps
             # its chunks mapped between steps (within the budget): unmapping synchronizes the
             # device, and the next step would map them again.
-            self.pool.trim()
+            self._mem.pool.trim()
             give_back_heap()   # parameters built before the engine left their pages in glibc's heap
-        self._book_step(st.events, seconds, st.stall_s, planned=st.planned, diverged_at=st.diverged_at,
-                        peak=st.peak)
         if interrupt is not None:
-            raise interrupt
+            return interrupt
         if exc is not None:
             if back_error is not None and hasattr(exc, "add_note"):
                 exc.add_note(f"ooc: reading managed tensors back after it failed too: {back_error}")
-            return   # step() re-raises it; the transfers' errors are its consequences
+            return None   # step() re-raises it; the transfers' errors are its consequences
         if errors:
             err = errors[0]
             if st.rec.optimizer_start is not None:
                 err = StorageError(f"{err}. The step's update had completed and nothing was lost: "
                                    "a tensor whose write failed kept its bytes in memory")
                 err.errno = errors[0].errno
-            raise err
+            return err
         if back_error is not None:   # the step is done; a tensor the tier holds could not come back
-            raise back_error
+            return back_error
         recording = st.whole_recording()
         if recording is not None:
             self.last_recording = recording
-        self._note_verified(st)
-        if st.schedule is None or st.diverged_at is not None:
-            st.book_device_times()
-            if self._adapt_chunk(st):
-                overflow = st.forgive_overflow()
-                if overflow is not None:   # the next step records again, in the new chunks
-                    log.warning("the recording step went over the pool once (%s); the next step "
-                                "records again with %s chunks", overflow, format_size(self.chunk))
-            else:
-                self._replan(st)
-        else:   # a plan's first planned run times its ops on warm memory (planning.py)
-            self._reprice(st)
-            self._note_anchored(st, seconds)
+        return None
+
+    def _after_per_op(self, st: Stepper) -> None:
+        """What a per-op step that completed still raises once planned from: an on-demand need
+        the pool could not meet, gradients its plan gave back that outlived it."""
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
             raise st.overflow
-        if lost:
+        if self._lost:
             raise OOCError(
-                f"the gradients of {', '.join(lost)} outlived this step, but its plan (recorded from a "
+                f"the gradients of {', '.join(self._lost)} outlived this step, but its plan (recorded from a "
                 "step that set them to None after optimizer.step()) gave their bytes back after the "
                 "update: they are None now. Call zero_grad(set_to_none=True) after the update in every "
                 "step, or never inside the step")
-
-    def _book_step(self, events: list[tuple[str, str, float, float]], seconds: float, stall_s: float, *,
-                   planned: bool, diverged_at: int | None, peak: int) -> None:
-        """Count the step, keep its timeline events (the last ``TIMELINE_STEPS`` steps') and
-        what ``stats()`` says of the last step."""
-        self.counters["steps"] += 1
-        for tr, name, t0, t1 in events:
-            self.events.append((tr, name, t0, t1, self.counters["steps"]))
-        oldest = self.counters["steps"] - TIMELINE_STEPS
-        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
-        del self.events[:-200_000]
-        self.last = {"step_s": seconds, "stall_s": stall_s, "planned": planned,
-                     "diverged_at": diverged_at, "resident_peak_bytes": peak}
 
     def _drop_given_back_grads(self, st: Stepper) -> list[str]:
         """Gradients whose bytes the plan freed after the update (they died in the recorded
         step) but which outlive this one (an exception or a Ctrl-C before ``zero_grad``, a
         loop that stopped zeroing them): their storage is empty, and a read would be of freed
         memory. They become None, as ``zero_grad`` would have made them; named for the error."""
-        if "grads" not in self.manage:
+        if "grads" not in self._manage:
             return []
         freed = {id(s.storage) for s in st.slots.values() if s.kind is Kind.GRAD and s.given_back()}
         if not freed:   # the usual step: no parameter to look at
             return []
         lost = []
-        for name, p in self.model.named_parameters():
+        for name, p in self._model.named_parameters():
             if p.grad is not None and p.grad.layout is torch.strided and id(p.grad.untyped_storage()) in freed:
                 p.grad = None
                 lost.append(name)
@@ -181,28 +207,28 @@ class StepEnd:
     def _live_out(self, st: Stepper) -> dict[int, Slot]:
         """The managed tensors that exist after the step: parameters, kept grads, state."""
         live: dict[int, Slot] = {}
-        if not self.manage & {"params", "grads", "optimizer_state"}:
+        if not self._manage & {"params", "grads", "optimizer_state"}:
             return live   # activations only: none outlives the step
-        by_storage = {id(s.storage): s for s in [*self.persistent.values(), *st.slots.values()]
+        by_storage = {id(s.storage): s for s in [*self._store.slots.values(), *st.slots.values()]
                       if s.in_place and s.storage is not None}
         candidates: list[tuple[torch.Tensor, Kind, str]] = []
-        names = {p: n for n, p in self.model.named_parameters()}
+        names = {p: n for n, p in self._model.named_parameters()}
         for p, name in names.items():
-            if "params" in self.manage:
+            if "params" in self._manage:
                 candidates.append((p, Kind.PARAM, name))
             # A gradient that is a view is a window onto a buffer another owner holds: DDP's
             # gradient_as_bucket_view=True makes p.grad a view into its bucket, whose all-reduce
             # runs asynchronously, after the op that started it returned. Managed, the whole
             # bucket was adopted as one parameter's gradient (at DDP's bucket rebuild) and could
             # be released under that all-reduce. The bucket stays DDP's.
-            if "grads" in self.manage and p.grad is not None and p.grad._base is None:
+            if "grads" in self._manage and p.grad is not None and p.grad._base is None:
                 candidates.append((p.grad, Kind.GRAD, f"{name}.grad"))
-            if "optimizer_state" in self.manage and self.optimizer is not None:
-                for key, t in self.optimizer.state.get(p, {}).items():
+            if "optimizer_state" in self._manage and self._optimizer is not None:
+                for key, t in self._optimizer.state.get(p, {}).items():
                     if isinstance(t, torch.Tensor):
                         candidates.append((t, Kind.OPTIMIZER_STATE, f"{name}.{key}"))
         for t, kind, name in candidates:
-            if t.layout is not torch.strided:   # sparse: PyTorch's (PersistentTensors._persistent_tensors)
+            if t.layout is not torch.strided:   # sparse: PyTorch's (PersistentStore._persistent_tensors)
                 continue
             s = t.untyped_storage()
             slot = by_storage.get(id(s))
@@ -211,7 +237,12 @@ class StepEnd:
                 if slot is None:
                     continue
                 by_storage[id(s)] = slot
-            elif slot.name != name and slot.var not in self.persistent:
+            elif slot.name != name and slot.var not in self._store.slots:
                 st.rename(slot, name)   # optimizer state written out on demand before it had a name
             live[slot.var] = slot
         return live
+
+
+def _op_name(schedule, i: int) -> str:
+    functions = schedule.sequence.functions
+    return functions[i].name if 0 <= i < len(functions) else "end of step"

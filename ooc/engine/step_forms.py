@@ -1,19 +1,19 @@
 """The form a running step takes, and changing it before the step has done anything.
 
-A step runs in one of three forms: per op (a ``Stepper`` that every aten op reaches through
-``OpMode``, the engine's ``TorchDispatchMode``), plain or anchored (a ``PlainStep`` or
-``AnchoredStep``, watched by autograd's saved-tensor hooks alone). ``StepForm`` is what the
+A step runs per op (a ``Stepper`` that every aten op reaches through ``OpMode``, the engine's
+``TorchDispatchMode``) or hook-driven (an ``AnchoredStep``, plain or anchored, watched by
+autograd's saved-tensor hooks alone; ``ooc/runtime/step_protocol.py`` lists the forms). ``StepForm`` is what the
 running step has pushed onto PyTorch's two stacks (the dispatch modes, the saved-tensor
 hooks) and which step object they reach.
 
-Why it can change: the engine keeps a plan per step shape (``planning.py``), and a step's
+Why it can change: the engine keeps a plan per step shape (``plan_cache.py``), and a step's
 shape shows only when the model's forward starts (its inputs), after ``engine.step()`` began
 with a guess. If nothing of the step has touched managed memory by then (no tensor saved, no
 managed tensor made or used, no buffer touched, no update begun: views of the batch such as
 ``x[:, :-1]`` may have run, and the new plan must begin with the same ops), the step switches
 to the plan of the shape it has, in that plan's form: the new step object's hooks replace the
 old one's (ours are innermost: the step refuses other hooks entered inside it), and the mode
-comes off (a plain or anchored step: only when it is on top of the stack) or goes on (only
+comes off (a hook-driven step: only when it is on top of the stack) or goes on (only
 when no mode was entered since the step began, so that it sits where it would have from the
 start). Otherwise the step keeps the form it has and runs its guess, which diverges at its
 first differing op as any step that leaves its plan does.
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from ooc.runtime.composition import top_saved_tensors_hooks
-from ooc.runtime.hook_step import HookStep
+from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.stepper import Stepper
 
 UNSEEN = object()   # a step's shape before its model's forward began
@@ -59,7 +59,7 @@ class StepForm:
     ``provisional`` whether it runs per op only to wait for its shape (its start has plans
     for several shapes: a plain or anchored form is taken up once the shape is known)."""
 
-    def __init__(self, start: Hashable, st: Stepper | HookStep, *, activations: bool,
+    def __init__(self, start: Hashable, st: Stepper | AnchoredStep, *, activations: bool,
                  provisional: bool) -> None:
         self.start, self.st = start, st
         self.shape: Any = UNSEEN
@@ -94,12 +94,9 @@ class StepForm:
 
     def quiet(self) -> bool:
         """Nothing of the step touched managed memory yet: a hook-driven step saved no tensor,
-        a per-op step's ops (views of the batch, say) used no managed tensor (``Stepper.quiet``);
-        no update began."""
-        st = self.st
-        if isinstance(st, HookStep):
-            return st.k == 0 and not st.updating and st.rollback.undo is not None
-        return st.quiet()
+        a per-op step's ops (views of the batch, say) used no managed tensor; no update began
+        (``Step.quiet``)."""
+        return self.st.quiet()
 
     def innermost(self) -> bool:
         """Our saved-tensor hooks are the innermost (none was entered inside the step)."""
@@ -131,7 +128,7 @@ class StepForm:
             if mode is not None:
                 mode.__enter__()
 
-    def switch(self, new: Stepper | HookStep) -> None:
+    def switch(self, new: Stepper | AnchoredStep) -> None:
         """Run ``new`` instead of ``st`` (``quiet``, ``innermost`` and ``can_drop_mode`` or
         ``can_run_per_op`` checked by the caller, as ``new`` needs); a per-op ``new`` takes
         over after the ops ``st`` ran (``Stepper.resume``)."""

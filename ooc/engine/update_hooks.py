@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-import scheduler
+from ooc.engine.memory import EngineMemory
+from ooc.engine.persistent import PersistentStore
+from ooc.engine.planning import Planner
 from ooc.errors import OOCError
 from ooc.runtime.deferred_interrupt import DeferredInterrupt
 from ooc.runtime.dry_run import optimizer_need, state_sizes
@@ -27,33 +29,39 @@ from scheduler.ir import Kind
 log = logging.getLogger(__name__)
 
 
-class UpdateHooks:
-    """``OutOfCore``'s optimizer hooks (a mixin). Its state (``_init_update``):
+class UpdateGuard:
+    """The engine's optimizer hooks (one part of ``OutOfCore``). Its state:
     ``_optimizer_stepped``, whether the optimizer's state exists (its size is known); before
     it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
     on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable);
-    ``_reserved_for``, a weak reference to the step whose writes were last reserved."""
+    ``_reserved_for``, a weak reference to the step whose writes were last reserved;
+    ``interrupts``, a Ctrl-C held while an update runs. ``running()`` gives the running step
+    (None between steps)."""
 
-    def _init_update(self) -> None:
+    def __init__(self, mem: EngineMemory, store: PersistentStore, planner: Planner, *,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, manage: frozenset[str],
+                 running: Callable[[], Any]) -> None:
+        self._mem, self._store, self._planner, self._running = mem, store, planner, running
+        self._model, self._optimizer, self._manage = model, optimizer, manage
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
         self._reserved_for: weakref.ref | None = None
-        self._interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
+        self.interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
     def optimizer_step(self) -> None:
         """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
 
         A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
-        ``with engine.step():`` is recognised as the update by itself (see ``_update_starts``).
+        ``with engine.step():`` is recognised as the update by itself (see ``update_starts``).
         """
-        if self.optimizer is None:
+        if self._optimizer is None:
             raise OOCError("this engine was created without an optimizer")
-        if self._stepper is None:
+        if self._running() is None:
             raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
 
-    def _update_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def update_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` pre-hook: the update starts here, whoever calls it (the user,
         ``GradScaler.step``, which skips it when the gradients are not finite, or
         ``optimizer_step()``).
@@ -68,9 +76,10 @@ class UpdateHooks:
         brought back first (an empty storage read there is garbage or a segfault), and the
         next step sees the update's writes as writes between steps.
         """
-        st = self._stepper
+        st = self._running()
         if st is None:
-            self._bring_back_hook()
+            if not self._store.closed:
+                self._store.bring_back()
             return
         # The backward is over: its last node returned, so the activations it unpacked are no
         # longer held by autograd (on demand, their bytes go back before the update needs room).
@@ -84,23 +93,23 @@ class UpdateHooks:
         self._commit_point(st)
         # From here on the step is not rolled back, so Ctrl-C waits until the update is whole
         # (ooc/runtime/deferred_interrupt.py): the step is then either undone or complete.
-        self._interrupts.hold()
+        self.interrupts.hold()
         st.update_starts()
 
-    def _update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def update_done(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` post-hook: the update completed (its state exists, with its
         size). Outside a step, the state it created there becomes managed too."""
         self._optimizer_stepped = True
-        st = self._stepper
+        st = self._running()
         if st is not None:
             st.update_done()
-            self._interrupts.release()   # a Ctrl-C held during the update raises here
-        elif "optimizer_state" in self.manage:
-            names = {p: n for n, p in self.model.named_parameters()}
+            self.interrupts.release()   # a Ctrl-C held during the update raises here
+        elif "optimizer_state" in self._manage:
+            names = {p: n for n, p in self._model.named_parameters()}
             for p, state in optimizer.state.items():
                 for key, t in state.items():
                     if isinstance(t, torch.Tensor):
-                        self._adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
+                        self._store.adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
 
     def _commit_point(self, st: Stepper) -> None:
         """Make sure nothing the step did so far can fail once parameters start changing.
@@ -121,29 +130,29 @@ class UpdateHooks:
             # A later update of the recipe's step: its first one reserved every write the
             # plan's step makes (listing them at each of VGG16's 28 updates cost ~6 ms a step).
             return
-        self.tier.reserve(self._writes_ahead(st))
+        self._mem.tier.reserve(self._writes_ahead(st))
         self._reserved_for = weakref.ref(st)
 
     def _writes_ahead(self, st: Stepper) -> list[tuple[int | None, int]]:
         """(tier key, or None for a new one; bytes) of each managed tensor the optimizer step
         may write to the tier: the updated parameters and the optimizer state."""
         out: list[tuple[int | None, int]] = []
-        if not self.manage & {"params", "optimizer_state"}:
+        if not self._manage & {"params", "optimizer_state"}:
             return out
-        for group in self.optimizer.param_groups:
+        for group in self._optimizer.param_groups:
             for p in group["params"]:
                 slot = st.slot_of(p)
-                if "params" in self.manage and slot is not None:
+                if "params" in self._manage and slot is not None:
                     out.append((slot.key, slot.nbytes))
-                if "optimizer_state" not in self.manage:
+                if "optimizer_state" not in self._manage:
                     continue
-                state = [t for t in self.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+                state = [t for t in self._optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
                 for t in state:
                     s = st.slot_of(t)
                     if s is not None:
                         out.append((s.key, s.nbytes))
                 if not state and not self._optimizer_stepped:   # created now: as measured
-                    out += [(None, n) for n in (self._state_sizes or {}).get(p, ()) if n >= self.min_bytes]
+                    out += [(None, n) for n in (self._state_sizes or {}).get(p, ()) if n >= self._mem.min_bytes]
         return out
 
     def _check_feasible(self, st: Stepper) -> None:
@@ -153,19 +162,18 @@ class UpdateHooks:
         measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
         shapes: here the parameters and grads are on the tier, their storages empty (sizes
         read from them said 0 bytes, and an overflowing update got through)."""
-        seq = st.rec.sequence({})
-        scheduler.plan(seq, budget=self.budget, window=self.window, policy=self.policy)
-        if "optimizer_state" in self.manage and not self._optimizer_stepped:
-            self._state_sizes = state_sizes(self.optimizer)   # what the first update creates
-        counted = self.manage & {"params", "grads", "optimizer_state"}
+        self._planner.check_feasible(st.rec.sequence({}))
+        if "optimizer_state" in self._manage and not self._optimizer_stepped:
+            self._state_sizes = state_sizes(self._optimizer)   # what the first update creates
+        counted = self._manage & {"params", "grads", "optimizer_state"}
         if not counted:
             return
-        names = {p: n for n, p in self.model.named_parameters()}
-        need = optimizer_need(self.optimizer, names, counted, self.min_bytes, len(st.rec.names))
-        if need is not None and need.nbytes > self.budget:
+        names = {p: n for n, p in self._model.named_parameters()}
+        need = optimizer_need(self._optimizer, names, counted, self._mem.min_bytes, len(st.rec.names))
+        if need is not None and need.nbytes > self._mem.budget:
             raise BudgetTooSmall(function=need.index,
                                  name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
-                                 working_set=need.nbytes, budget=self.budget, minimum=need.nbytes)
+                                 working_set=need.nbytes, budget=self._mem.budget, minimum=need.nbytes)
 
 
 def _inside_backward() -> bool:

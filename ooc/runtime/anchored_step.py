@@ -1,35 +1,38 @@
-"""A planned step that moves bytes without intercepting ops: its actions run at autograd's hooks.
+"""A planned step that runs without intercepting ops: its actions run at autograd's hooks.
 
 Why: the per-op path (a ``TorchDispatchMode`` that sees every aten op) costs time per op even
-where the plan has nothing to do. GPT 6x256 batch 8 on this 2-core CPU spends ~70 ms of a
-0.6 s step there at 7/8 of its peak, with almost nothing moved. A step with activations
-managed only needs to act where an activation is saved (the pack hook, forward) and where a
-backward node needs one (the unpack hook): the plan is moved to those *anchors*
-(``scheduler.anchors``), proven again by ``scheduler.check``, and run there.
+where the plan has nothing to do. PyTorch's Python dispatch alone costs 10-25 us per op (+7%
+on a ResNet-18 step of 0.17 s at 32 px, more than the 5% an engine that moves nothing may
+cost; benchmarks/results/overhead.md), and GPT 6x256 batch 8 on this 2-core CPU spends
+~70 ms of a 0.6 s step there at 7/8 of its peak, with almost nothing moved. A step with
+activations managed only needs to act where an activation is saved (the pack hook, forward)
+and where a backward node needs one (the unpack hook): the plan is moved to those *anchors*
+(``scheduler.anchors``), proven again by ``scheduler.check``, and run there. A plan that moves
+nothing is the same step with no action: its guard is the pack hook alone (one Python call
+per saved tensor, not per op), and the stats call it ``plain``.
 
 What the per-op step saw, the anchored step takes from a trace of the planned step that kept
 to its plan (``HookTrace``): the k-th saved tensor of at least ``min_bytes``, its size, the gap
 (ops run so far) and the plan's variable; the m-th unpack, its gap and variable; where the
 update starts. The step compares each save and unpack with the trace. The first that differs
 ends the plan: the rest of the step brings back what its nodes unpack synchronously, writes
-what it saves beyond the budget to the tier at once (as a diverged plain step does), and the
-engine records the next step and plans again. Recomputation needs the per-op path (a chain
-reruns the ops' own arguments), so only plans that swap have an anchored form.
+what it saves beyond the budget to the tier at once (``hook_step.py``), and the engine records
+the next step and plans again. Recomputation needs the per-op path (a chain reruns the ops'
+own arguments), so only plans that swap, or move nothing, have a hook-driven form.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ooc.runtime import slots as sl
 from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.saved_tensors import Packed, _of_parameter
-from ooc.runtime.slots import Slot, State
+from ooc.runtime.slots import Slot, State, in_flight, raise_failed
 from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
@@ -37,32 +40,43 @@ from scheduler.schedule import Action, Schedule
 
 
 class AnchoredStep(HookStep):
-    """One step of an anchored plan (the module docstring says why and how). The engine drives
-    it as it drives a ``PlainStep`` (``ooc/runtime/plain_step.py``): hooks, ``close_node``,
-    ``wait_for_transfers``, ``update_starts``/``update_done``, ``finish``; and reads the same
-    attributes at its end (``diverged_at``, ``why``, ``saved_bytes``, ``spilled_bytes``,
-    ``read_bytes``, ``stall_s``, ``events``, ``rollback``)."""
+    """One step of an anchored plan (the module docstring says why and how); ``form`` is
+    "plain" when the plan moves nothing (``anchored`` None: no action; its frees are
+    autograd's). The engine drives it as it drives a ``Stepper``
+    (``ooc/runtime/step_protocol.py``): hooks, ``close_node``, ``wait_for_transfers``,
+    ``update_starts``/``update_done``, ``finish``; and reads at its end ``diverged_at``,
+    ``why``, ``peak``, ``spilled_bytes``, ``read_bytes``, ``stall_s``, ``events``, ``rollback``."""
 
-    counter = "anchored_steps"   # the engine's count of such steps
-
-    def __init__(self, schedule: Schedule, anchored: Schedule, trace: HookTrace, *, budget: int,
+    def __init__(self, schedule: Schedule, anchored: Schedule | None, trace: HookTrace, *, budget: int,
                  min_bytes: int, tier: SlowerTier, pool: DevicePool, model: torch.nn.Module,
-                 new_key: Callable[[], int], start_key: Any = None) -> None:
-        super().__init__(model, budget, tier, new_key)
+                 start_key: Any = None) -> None:
+        super().__init__(model, budget, tier)
         self.schedule, self.start_key = schedule, start_key   # the engine's plan, for its bookkeeping
-        self.anchored = anchored                              # the plan this step runs
+        self.anchored = anchored   # the plan this step runs (None: the plan moves nothing, no action)
         self.trace, self.min_bytes, self.pool = trace, min_bytes, pool
-        n = len(anchored.sequence.functions)
-        self.variables = anchored.sequence.variables
-        self.actions: list[tuple[int, Action]] = [(g, a) for g in range(n) for a in anchored.before[g]]
-        self.actions += [(n, a) for a in anchored.after[n - 1]] if n else []
+        self.variables = schedule.sequence.variables
+        self.actions: list[tuple[int, Action]] = []
+        if anchored is not None:
+            n = len(anchored.sequence.functions)
+            self.actions = [(g, a) for g in range(n) for a in anchored.before[g]]
+            self.actions += [(n, a) for a in anchored.after[n - 1]] if n else []
+        self.form = "anchored" if self.actions else "plain"
         self.cursor = 0
         self.k = self.m = 0                       # saves and unpacks seen so far
         self.slots: dict[int, Slot] = {}          # var -> slot
         self.by_storage: dict[int, Slot] = {}     # id(storage) -> slot
-        self.resident = self.saved_bytes = 0      # managed bytes held now, and their peak
+        self.resident = self.peak = 0             # managed bytes held now, and their peak
         self.unbound = 0   # bytes saved after the plan ended, kept (counted at each save: an upper bound)
         self.updated = False                      # the optimizer step ran in this step
+
+    @property
+    def planned(self) -> bool:
+        """Still following its plan (``Stepper.planned``)."""
+        return self.diverged_at is None
+
+    def quiet(self) -> bool:
+        """Nothing of the step touched managed memory yet: no tensor saved, no update began."""
+        return self.k == 0 and not self.updating and self.rollback.undo is not None
 
     # -- autograd's hooks --------------------------------------------------------------------
 
@@ -85,7 +99,7 @@ class AnchoredStep(HookStep):
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
         if expected != nbytes:
             self._diverge(gap, f"saved tensor {k} has {nbytes} B, the plan's had "
-                          f"{'none' if expected is None else f'{expected} B'}")
+                          f"{'none' if expected is None else f'{expected} B'}", saves=k)
             return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
@@ -96,7 +110,8 @@ class AnchoredStep(HookStep):
                 self.slots[var] = slot
                 self._account(nbytes)
             self.by_storage[id(s)] = slot
-        self._reach(gap)
+        if self.actions:
+            self._reach(gap)
         return Packed(slot, t) if slot is not None and var == slot.var else t
 
     def unpack(self, p: Any) -> torch.Tensor:
@@ -125,7 +140,7 @@ class AnchoredStep(HookStep):
 
     def _hold(self, nbytes: int) -> None:
         self.unbound += nbytes
-        self.saved_bytes = max(self.saved_bytes, self.resident + self.unbound)
+        self.peak = max(self.peak, self.resident + self.unbound)
 
     # -- the plan ----------------------------------------------------------------------------
 
@@ -152,47 +167,49 @@ class AnchoredStep(HookStep):
         if why is not None:
             self._diverge(gap, f"{op.value} {slot.name}: {why}")
             return
-        eff = TRANSITIONS[op, state]
+        device = TRANSITIONS[op, state].device   # the row's change of device bytes
         if op is Op.SWAP_IN:
-            sl.start_swap_in(slot, self.tier, self.pool)
+            slot.start_swap_in(self.tier, self.pool)
             self.read_bytes += slot.nbytes
         elif op is Op.WAIT_IN:
-            self._wait(f"wait_in {slot.name}", sl.finish_swap_in, slot)
+            self._wait(f"wait_in {slot.name}", Slot.finish_swap_in, slot)
             self.by_storage[id(slot.storage)] = slot
         elif op is Op.SWAP_OUT:
-            sl.start_swap_out(slot, self.tier)
+            slot.start_swap_out(self.tier)
             self.spilled_bytes += slot.nbytes
         elif op is Op.WAIT_OUT:
-            self._wait(f"wait_out {slot.name}", sl.finish_swap_out, slot)
-        elif op in (Op.DROP, Op.FREE):
-            slot.storage = None
-        sl.follow(slot, eff, self.tier)
-        self._account(eff.device * slot.nbytes)
+            self._wait(f"wait_out {slot.name}", Slot.finish_swap_out, slot)
+        elif op is Op.DROP:
+            slot.drop(self.tier)
+        elif op is Op.FREE:
+            slot.free(self.tier)
+        else:   # a swap-only plan has no other action (recompute needs the per-op path)
+            raise RuntimeError(f"ooc: an anchored plan cannot {op.value} {slot.name}")
+        self._account(device * slot.nbytes)
 
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
         plan): synchronously, whatever its state."""
-        if slot.state is State.OUT:
-            self._wait(f"wait_out {slot.name}", sl.finish_swap_out, slot)
-            self._account(-slot.nbytes)
-        if slot.state is State.HOST:
-            sl.start_swap_in(slot, self.tier, self.pool)
-            self.read_bytes += slot.nbytes
-            self._account(slot.nbytes)
-        if slot.state is State.IN:
-            self._wait(f"swap_in {slot.name}", sl.finish_swap_in, slot)
+        self.read_bytes += slot.bring_back(self.tier, self.pool, account=self._account,
+                                           wait=lambda name, fn: self._wait(name, lambda _: fn()))
+        if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
         if slot.state is not State.RESIDENT:   # freed by a plan that did not expect this use
             raise RuntimeError(f"ooc: {slot.name} was unpacked after the plan freed it")
 
     def _account(self, delta: int) -> None:
         self.resident += delta
-        self.saved_bytes = max(self.saved_bytes, self.resident)
+        self.peak = max(self.peak, self.resident)
 
-    def _diverge(self, gap: int | None, why: str) -> None:
+    def _diverge(self, gap: int | None, why: str, saves: int | None = None) -> None:
+        """The step leaves its plan at ``gap``; ``saves``: the saves that matched it so far,
+        which a plan that moves nothing counts from here on (``HookTrace.counted``)."""
         if self.diverged_at is None:
             self.diverged_at = gap if gap is not None else len(self.schedule.sequence.functions)
             self.why = why
+            if saves is not None:
+                self.unbound += self.trace.counted_before(saves)
+                self.peak = max(self.peak, self.resident + self.unbound)
 
     # -- what the engine calls ---------------------------------------------------------------
 
@@ -204,15 +221,18 @@ class AnchoredStep(HookStep):
         flight completes (a failed one raises, naming its variable; ``drain=False``: only those
         already failed). The slots keep their states: the plan's own waits still find them in
         flight."""
+        if not self.actions:   # nothing in flight: a plain step's writes are synchronous
+            return
         self._reach(self.trace.update)
-        busy = sl.in_flight(self.slots.values())
+        busy = in_flight(self.slots.values())
         if busy and drain:
             self._wait("commit point", lambda _: self.tier.drain())
-        sl.raise_failed(busy)
+        raise_failed(busy)
 
     def update_starts(self) -> None:
         self.updated = True
-        self._reach(self.trace.update)
+        if self.actions:
+            self._reach(self.trace.update)
         self.rollback.commit()
         self.updating = True
 
@@ -220,24 +240,24 @@ class AnchoredStep(HookStep):
         """The step is over: the rest of the plan runs (frees at the step's end), every
         transfer settles, and the tier forgets the step's activations."""
         if not failed and self.diverged_at is None:
-            self._reach(None)
+            if self.actions:
+                self._reach(None)
             if self.cursor < len(self.actions):
                 g, a = self.actions[self.cursor]
                 self._diverge(g, f"the plan's {a.op.value} of {self.variables[a.var].name} never ran: "
                               "the step did not save it")
         if not failed and self.diverged_at is None and self.k != len(self.trace.packs):
-            self._diverge(len(self.schedule.sequence.functions),
-                          f"{self.k} saved tensors, the plan's step saved {len(self.trace.packs)}")
+            self._diverge(None, f"{self.k} saved tensors of at least {self.min_bytes} B, the plan's "
+                          f"step saved {len(self.trace.packs)}", saves=min(self.k, len(self.trace.packs)))
+        if self.diverged_at is None:   # as the plan's step: what it saved counts
+            self.peak = max(self.peak, self.trace.counted_before(len(self.trace.packs)))
         error = None
         for slot in self.slots.values():
-            error = sl.settle(slot, self.tier) or error
-            if slot.host_current:
-                self.tier.discard(slot.key)
-                slot.host_current = False
-            slot.storage = None
-            slot.state = State.ABSENT
+            error = slot.settle(self.tier) or error
+            slot.forget(self.tier)
         self._forget_spilled()
-        self.pool.reap()
-        self.events.insert(0, ("compute", "anchored step (no op intercepted)", self.t0, time.perf_counter()))
+        if self.actions:
+            self.pool.reap()
+        self.events.insert(0, ("compute", f"{self.form} step (no op intercepted)", self.t0, time.perf_counter()))
         if error is not None and not failed:
             raise error

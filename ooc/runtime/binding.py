@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ooc.runtime import slots as sl
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Kind
 
@@ -38,10 +37,6 @@ class Binding:
         if slot.storage is s and slot.state is not State.OUT:
             return   # the storage appears twice among the op's arguments
         if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
-            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
-        if slot.host_current:
-            self.ctx.tier.discard(slot.key)
-            slot.host_current = False
-        slot.storage = s   # counted as resident already: it replaces the copy, or the copy in flight
-        slot.state = State.RESIDENT
+            self._timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
+        slot.take_back(s, self.ctx.tier)   # counted as resident already: it replaces the copy, or the copy in flight
         self._register(slot)

@@ -78,8 +78,8 @@ def check_step_entry(engine_mode: type, manages_activations: bool) -> None:
         if isinstance(mode, engine_mode):
             raise OOCError(_NESTED)
     top = _top_hooks()
-    if top is not None and _is_plain_step(top[0]):
-        raise OOCError(_NESTED)   # a plain step of the other engine: no dispatch mode to find
+    if top is not None and _is_hook_step(top[0]):
+        raise OOCError(_NESTED)   # a hook-driven step of the other engine: no dispatch mode to find
     if not manages_activations:
         return
     if top is not None:
@@ -92,12 +92,12 @@ def check_step_entry(engine_mode: type, manages_activations: bool) -> None:
             "to keep them in charge of activations")
 
 
-def _is_plain_step(hook: Callable) -> bool:
-    """Whether ``hook`` is the pack hook of an engine's plain step (``plain_step.py``), which
-    runs without the dispatch mode the check above looks for."""
-    from ooc.runtime.plain_step import PlainStep
+def _is_hook_step(hook: Callable) -> bool:
+    """Whether ``hook`` is the pack hook of an engine's hook-driven step (plain or anchored,
+    ``anchored_step.py``), which runs without the dispatch mode the check above looks for."""
+    from ooc.runtime.hook_step import HookStep
 
-    return isinstance(getattr(hook, "__self__", None), PlainStep)
+    return isinstance(getattr(hook, "__self__", None), HookStep)
 
 
 def check_hooks_inside(own_pack: Any) -> None:

@@ -15,7 +15,6 @@ import dataclasses
 import torch
 
 from ooc.record.managed import Birth
-from ooc.runtime import slots as sl
 from ooc.runtime.executor import _Unbudgeted
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Kind
@@ -95,6 +94,4 @@ class FreshStorages:
             if slot.var in live or slot.state is not State.HOST or slot.storage is None:
                 continue
             if _use_count(slot.storage) > 1:   # more than the slot holds it
-                sl.start_swap_in(slot, self.ctx.tier, _Unbudgeted(self.ctx.device))
-                sl.finish_swap_in(slot)
-                self.ctx.counters["bytes_in"] += slot.nbytes
+                self.ctx.counters["bytes_in"] += slot.bring_back(self.ctx.tier, _Unbudgeted(self.ctx.device))

@@ -1,8 +1,8 @@
-"""What a step watched only by autograd's saved-tensor hooks holds, whether its plan moves
-nothing (``plain_step.py``) or swaps at the hooks (``anchored_step.py``): no per-op path sees a
-buffer's first use, so a rollback copies every buffer when the step starts; and once the step
-has left its plan, what it saves beyond the budget is written to the slower tier at once and
-read back when the backward needs it (what an on-demand step does, without the per-op path)."""
+"""What a step watched only by autograd's saved-tensor hooks holds (``anchored_step.py``, whose
+plan swaps at the hooks or moves nothing): no per-op path sees a buffer's first use, so a
+rollback copies every buffer when the step starts; and once the step has left its plan, what
+it saves beyond the budget is written to the slower tier at once and read back when the
+backward needs it (what an on-demand step does, without the per-op path)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,36 @@ from typing import Any, Callable
 
 import torch
 
-from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
+from ooc.runtime.slots import Slot, State
 from ooc.storage.tier import SlowerTier
+from scheduler.ir import Kind
+from scheduler.step_plans import keeps_saved
 from vmm.units import format_size
 
 
 class Spilled:
-    """A saved activation that a diverged step wrote to the tier: where, and its view."""
+    """A saved activation that a diverged step wrote to the tier: its slot (on the tier), and
+    its view."""
 
-    __slots__ = ("key", "nbytes", "device", "dtype", "size", "stride", "offset")
+    __slots__ = ("slot", "device", "dtype", "size", "stride", "offset")
 
-    def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
-        self.key, self.nbytes, self.device = key, nbytes, t.device
+    def __init__(self, slot: Slot, t: torch.Tensor) -> None:
+        self.slot, self.device = slot, t.device
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
         self.offset = t.storage_offset()
+
+
+class _TorchMemory:
+    """Where a spilled activation comes back: PyTorch's allocator, as where it was made (the
+    step left its plan, and the pool's room is the plan's: ``RangeSource``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
 class HookStep:
@@ -34,13 +48,11 @@ class HookStep:
     to its plan) and ``why``, ``spilled_bytes`` and ``read_bytes`` (to and from the tier),
     ``stall_s``, ``events``, ``rollback``; ``updating`` inside ``optimizer.step()``."""
 
-    planned = True
     refused = None   # no per-op action runs, so the transition table refuses none here
 
-    def __init__(self, model: torch.nn.Module, budget: int, tier: SlowerTier,
-                 new_key: Callable[[], int]) -> None:
-        self.budget, self.tier, self.new_key = budget, tier, new_key
-        self.spilled: list[int] = []   # tier keys of what the step spilled
+    def __init__(self, model: torch.nn.Module, budget: int, tier: SlowerTier) -> None:
+        self.budget, self.tier = budget, tier
+        self.spilled: list[Slot] = []   # what the step spilled (on the tier until the step ends)
         self.diverged_at: int | None = None
         self.why = ""
         self.spilled_bytes = self.read_bytes = 0
@@ -80,7 +92,7 @@ class HookStep:
         within the budget, else written to the tier at once. Parameters are not the budget's."""
         if _of_parameter(t) or t.is_meta:
             return t
-        if self._held() + nbytes > self.budget:
+        if not keeps_saved(self._held(), nbytes, self.budget):   # the scheduler's rule
             return self._spill(t, nbytes)
         self._hold(nbytes)
         return t
@@ -94,25 +106,29 @@ class HookStep:
         raise NotImplementedError
 
     def _spill(self, t: torch.Tensor, nbytes: int) -> Spilled:
-        """Write a saved activation of a diverged step to the tier; autograd keeps only where."""
-        key = self.new_key()
-        view = byte_view_for(t.untyped_storage())
-        self._wait(f"write out saved tensor ({format_size(nbytes)})",
-                   lambda _: self.tier.write_async(key, view, nbytes).result())
-        self.spilled.append(key)
+        """Write a saved activation of a diverged step to the tier (its slot's ``to_tier``);
+        autograd keeps only where."""
+        slot = Slot(-1 - len(self.spilled), Kind.ACTIVATION, nbytes, f"saved tensor {len(self.spilled)}",
+                    in_place=False, state=State.RESIDENT, storage=t.untyped_storage())
+        self._wait(f"write out saved tensor ({format_size(nbytes)})", slot.to_tier, self.tier)
+        self.spilled.append(slot)
         self.spilled_bytes += nbytes
-        return Spilled(key, t, nbytes)
+        return Spilled(slot, t)
 
     def _read_spilled(self, p: Spilled) -> torch.Tensor:
-        """Read back what ``_spill`` wrote, synchronously: the backward's node needs it now."""
-        dest = torch.empty(p.nbytes, dtype=torch.uint8, device=p.device).untyped_storage()
-        self._wait(f"read back saved tensor ({format_size(p.nbytes)})",
-                   lambda _: self.tier.read_async(p.key, byte_view_for(dest)).result())
-        self.read_bytes += p.nbytes
-        return torch.empty(0, dtype=p.dtype, device=p.device).set_(dest, p.offset, p.size, p.stride)
+        """Read back what ``_spill`` wrote, synchronously: the backward's node needs it now
+        (into PyTorch's memory, where the step made it; the tier keeps its copy until the
+        step's end, as another unpack of it may come)."""
+        slot = p.slot
+        if slot.state is not State.RESIDENT:
+            self.read_bytes += slot.bring_back(self.tier, _TorchMemory(p.device),
+                                               wait=lambda name, fn: self._wait(f"read back {name}", lambda _: fn()))
+        out = torch.empty(0, dtype=p.dtype, device=p.device).set_(slot.storage, p.offset, p.size, p.stride)
+        slot.drop(self.tier)   # the tensor holds the bytes now; the slot, the tier's copy
+        return out
 
     def _forget_spilled(self) -> None:
         """The step is over: nothing reads what it spilled again."""
-        for key in self.spilled:
-            self.tier.discard(key)
+        for slot in self.spilled:
+            slot.forget_copy(self.tier)
         self.spilled.clear()

@@ -1,24 +1,38 @@
-"""What a planned step's saved-tensor hooks saw: where an anchored step may act, and what it
+"""What a planned step's saved-tensor hooks saw: where a hook-driven step may act, and what it
 must see there to be the same step (``ooc/runtime/anchored_step.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass
 class HookTrace:
-    """What a planned per-op step's hooks saw (the anchored step's reference): ``packs``,
+    """What a planned per-op step's hooks saw (the hook-driven step's reference): ``packs``,
     (gap, bytes, variable or None) of each saved tensor of at least ``min_bytes``; ``unpacks``,
     (gap, variable) of each managed activation unpacked; ``update``, the gap where the
-    optimizer step started (None without one). A gap is the number of ops begun before it."""
+    optimizer step started (None without one). A gap is the number of ops begun before it.
+
+    ``counted``: for a plan that moves nothing (``from_signature``), the bytes of each pack that
+    count in the budget (activations and inputs; parameters do not): no slot stands for them,
+    and a step that leaves the plan counts what it kept so far from these."""
 
     packs: list[tuple[int, int, int | None]] = field(default_factory=list)
     unpacks: list[tuple[int, int]] = field(default_factory=list)
     update: int | None = None
+    counted: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_signature(cls, signature: Sequence[tuple[int, int, bool]]) -> HookTrace:
+        """The trace of a verified step of a plan that moves nothing, from what it saved:
+        (bytes, the op that saved it, whether it counts in the budget) of each saved tensor of
+        at least ``min_bytes`` (``Stepper.signature``). No variable: nothing is bound."""
+        return cls(packs=[(op, n, None) for n, op, _ in signature],
+                   counted=[n if counts else 0 for n, _, counts in signature])
 
     def gaps(self) -> set[int]:
-        """Where an anchored step can act."""
+        """Where a hook-driven step can act."""
         g = {p[0] for p in self.packs} | {u[0] for u in self.unpacks}
         return g if self.update is None else g | {self.update}
 
@@ -29,3 +43,7 @@ class HookTrace:
             if var is not None:
                 first.setdefault(var, gap)
         return first
+
+    def counted_before(self, k: int) -> int:
+        """The budget's bytes of the first ``k`` saves (0 for a trace with variables)."""
+        return sum(self.counted[:k])

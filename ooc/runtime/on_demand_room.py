@@ -18,7 +18,6 @@ import torch
 
 from ooc.record.managed import Birth
 from ooc.record.storages import storage_of
-from ooc.runtime import slots as sl
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
 from scheduler.ir import Kind
@@ -86,8 +85,7 @@ class OnDemandRoom:
         for slot in dict.fromkeys(touched):
             if slot.in_place and slot.state is State.RESIDENT:
                 if slot.host_current:
-                    sl.release(slot)
-                    slot.state = State.HOST
+                    slot.drop(self.ctx.tier)
                     self._account(-slot.nbytes)
                 else:
                     self._write_out(slot)
@@ -111,7 +109,7 @@ class OnDemandRoom:
             if not (block or slot.future.done() or in_flight > limit):
                 break
             self.in_flight_out.pop(0)
-            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
+            self._timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
             self._account(-slot.nbytes)
 
     def writes_settled(self) -> None:
@@ -179,17 +177,16 @@ class OnDemandRoom:
         """Give a slot's memory back: wait for its write in flight, release it if the slower
         tier holds its bytes, else write it out and wait."""
         if slot.state is State.IN:
-            self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
+            self._timed("wait", f"swap_in {slot.name}", slot.finish_swap_in)
         if slot.state is State.RESIDENT and slot.host_current:
-            sl.release(slot)
-            slot.state = State.HOST
+            slot.drop(self.ctx.tier)
             self._account(-slot.nbytes)
             return
         if slot.state is State.RESIDENT:
             self._start_out(slot)
             self.ctx.counters["bytes_out"] += slot.nbytes
         if slot.state is State.OUT:
-            self._timed("wait", f"evict {slot.name}", sl.finish_swap_out, slot)
+            self._timed("wait", f"evict {slot.name}", slot.finish_swap_out)
             self._account(-slot.nbytes)
 
     def _kept_names(self) -> str:

@@ -43,7 +43,7 @@ from ooc.record.managed import NOT_REPLAYABLE
 from ooc.record.op_schema import tensors
 from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
-from ooc.runtime.slots import Slot, State
+from ooc.runtime.slots import Slot
 from scheduler.schedule import Op, Schedule
 from vmm.units import format_size
 
@@ -210,7 +210,7 @@ class Recomputation:
                    else f"an input of its chain ({tuple(changed.shape)}) was written since")
             self._diverge(where, f"cannot discard {slot.name}: {why}")
             return False
-        slot.storage = None
+        slot.discard(self.ctx.tier)
         self.discarded_for[slot.var] = chain
         return True
 
@@ -271,10 +271,9 @@ class Recomputation:
                         raise OOCError(
                             f"recomputing {slot.name}: its producer {self._name(w)} gave "
                             f"{format_size(s.nbytes())} ({s.nbytes()} B), not {slot.nbytes} B")
-                    slot.storage = s
+                    slot.made_again(s)   # discarded: the tier holds no copy to forget
                     self._register(slot)
                 del out, outs
-        slot.state = State.RESIDENT
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
         self.ctx.counters["recompute_s"] += t1 - t0

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ooc.runtime import slots as sl
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.slots import Slot, State
 from scheduler.ir import Access, Kind
@@ -193,8 +192,7 @@ class SavedTensors:
         them); then their bytes go back, the slower tier keeps a copy."""
         for slot in self.held:
             if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
-                sl.release(slot)
-                slot.state = State.HOST
+                slot.drop(self.ctx.tier)
                 self._account(-slot.nbytes)
 
     def unpack(self, p: Any) -> torch.Tensor:

@@ -13,12 +13,16 @@ Two kinds of slot, because PyTorch holds them differently:
   swapping in resizes it back and reads into it (what FSDP does). Every view follows.
   PyTorch does not check a 0-byte storage under a real shape (a kernel reads out of bounds),
   so between steps such tensors are watched (``ooc/runtime/watched.py``).
+
+A ``Slot`` is the one place a managed tensor's bytes move and its state changes: every step
+form, the engine between steps and the step's end call its methods, never assign its state
+(``tests/ooc/test_slot_transitions.py`` reads the source to hold that).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -28,7 +32,7 @@ from ooc.errors import OOCError, StorageError
 from ooc.runtime.byte_views import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
-from scheduler.actions import Effect, Residency
+from scheduler.actions import TRANSITIONS, Effect, Op, Residency, refusal
 from scheduler.ir import Kind
 from vmm.units import format_size
 
@@ -60,9 +64,34 @@ _RESIDENCY = {State.ABSENT: Residency.ABSENT, State.RESIDENT: Residency.RESIDENT
 _STATE = {**{r: s for s, r in _RESIDENCY.items()}, Residency.DEAD: State.ABSENT}
 
 
+class SlotError(OOCError):
+    """A slot was asked for a transition its state does not allow: a bug of the runtime (the
+    step forms check the table first, ``scheduler.actions.refusal``, and diverge), named."""
+
+
+def _call(name: str, fn: Callable[[], None]) -> None:
+    fn()
+
+
+def _ignore(*_: object) -> None:
+    pass
+
+
 @dataclass(eq=False)
 class Slot:
-    """A managed variable: its plan id, bytes, where its bytes are, and its storage."""
+    """A managed variable: its plan id, bytes, where its bytes are, and its storage.
+
+    The one owner of its state (as FSDP2's ``FSDPParam`` owns its sharded and unsharded
+    states): every change of ``state`` is one of the methods below, each a row of the
+    transition table (``scheduler.actions.TRANSITIONS``: ``start_swap_in``,
+    ``finish_swap_in``, ``start_swap_out``, ``finish_swap_out``, ``drop``, ``free``,
+    ``discard``, ``made_again``) or one of the moves outside any plan (``bring_back``,
+    ``to_tier``, ``take_back``, ``settle``, ``forget``). A method asked for a transition the
+    state does not allow raises ``SlotError`` naming the tensor; the byte moves, the tier's
+    copy (``host_current``) and the storage follow the table's row. Callers count device
+    bytes (the step's ledger) and time the waits; the slot moves bytes and knows where they
+    are.
+    """
 
     var: int
     kind: Kind
@@ -79,15 +108,218 @@ class Slot:
     def key(self) -> int:
         return id(self)
 
-    def usable(self) -> bool:
-        return self.state is State.RESIDENT
-
     def given_back(self) -> bool:
         """The plan freed this tensor's bytes (it died in the recorded step) but the tensor
         lives on: a gradient read after ``optimizer.step()``, or kept past the step, where
         the recorded step had set it to None. Its storage is empty; no copy exists."""
         return (self.state is State.ABSENT and self.in_place and self.storage is not None
                 and self.nbytes > 0 and self.storage.nbytes() == 0)
+
+    # -- the transition table's rows ---------------------------------------------------------
+
+    def _row(self, op: Op) -> Effect:
+        """``op``'s row for the slot's state, or ``SlotError`` naming the tensor."""
+        why = refusal(op, self.state.residency, self.host_current)
+        if why is not None:
+            raise SlotError(f"{op.value} of {self.name} ({self.kind.value}, {format_size(self.nbytes)}): {why}")
+        return TRANSITIONS[op, self.state.residency]
+
+    def _follow(self, eff: Effect, tier: SlowerTier | None) -> None:
+        """The state and the tier's copy after a row (the bytes moved already)."""
+        self.state = State.of(eff.to)
+        if eff.tier is False and self.host_current and tier is not None:   # the tier's copy is forgotten
+            tier.discard(self.key)
+        if eff.tier is not None:
+            self.host_current = eff.tier
+
+    def start_swap_out(self, tier: SlowerTier) -> None:
+        """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
+        eff = self._row(Op.SWAP_OUT)
+        view = byte_view_for(self.storage)
+        self.pending = [self.storage, view]
+        self.future = tier.write_async(self.key, view, self.nbytes)
+        self._follow(eff, tier)
+
+    def finish_swap_out(self) -> None:
+        """Wait for the write, then give the device bytes back.
+
+        On a GPU the wait is the compute stream's, not the host's: every kernel queued after it
+        (the only work that may reuse the bytes released here) runs after the copy."""
+        eff = self._row(Op.WAIT_OUT)
+        _result(self, "out")
+        self.future = None
+        self.pending = []
+        self._release()
+        self._follow(eff, None)
+
+    def start_swap_in(self, tier: SlowerTier, pool: RangeSource) -> None:
+        """Take device memory and begin reading the slot's bytes back into it (an
+        ``OutOfBudget`` from ``pool`` leaves the slot as it was)."""
+        eff = self._row(Op.SWAP_IN)
+        if self.in_place:
+            self.storage.resize_(self.nbytes)
+            dest = self.storage
+        else:
+            dest = pool.take(self.nbytes).untyped_storage()
+        view = byte_view_for(dest)
+        self.pending = [dest, view]
+        self.future = tier.read_async(self.key, view)
+        if not self.in_place:
+            self.storage = dest
+        self._follow(eff, tier)
+
+    def finish_swap_in(self) -> None:
+        """The bytes are usable: by the host on the CPU; on a GPU by every kernel queued on the
+        compute stream from now on (the stream waits for the copy, the host goes on)."""
+        eff = self._row(Op.WAIT_IN)
+        _result(self, "in")
+        self.future = None
+        self.pending = []
+        self._follow(eff, None)
+
+    def drop(self, tier: SlowerTier) -> None:
+        """Give the device bytes back: the tier holds the current ones (no transfer)."""
+        eff = self._row(Op.DROP)
+        self._release()
+        self._follow(eff, tier)
+
+    def free(self, tier: SlowerTier) -> None:
+        """A dead variable gives back whatever it holds, on the device and on the tier."""
+        eff = self._row(Op.FREE)
+        if self.state is State.RESIDENT:
+            if not self.in_place:
+                self.storage = None
+            elif self.storage is not None and self.storage.resizable():
+                # A gradient dead for the rest of the step (the plan frees only variables that
+                # are not live-out and never used again): give its bytes back now. Otherwise
+                # p.grad keeps them until zero_grad, and every gradient of the model piles up
+                # through the optimizer step, outside the budget.
+                self.storage.resize_(0)
+        self._follow(eff, tier)
+
+    def discard(self, tier: SlowerTier) -> None:
+        """Give the bytes back with no copy anywhere: only ``made_again`` brings them back."""
+        eff = self._row(Op.DISCARD)
+        self.storage = None
+        self._follow(eff, tier)
+
+    def made_again(self, storage: torch.UntypedStorage, tier: SlowerTier | None = None) -> None:
+        """A discarded slot's bytes, re-created by rerunning its chain (``recompute.py``)."""
+        eff = self._row(Op.RECOMPUTE)
+        self.storage = storage
+        self._follow(eff, tier)
+
+    # -- moves outside any plan (on demand, between steps, a step's end) ---------------------
+
+    def bring_back(self, tier: SlowerTier, pool: RangeSource, *,
+                   wait: Callable[[str, Callable[[], None]], None] = _call,
+                   account: Callable[[int], None] = _ignore,
+                   started: Callable[["Slot"], None] = _ignore) -> int:
+        """Make the slot resident now, from wherever its bytes are: a write in flight is
+        waited for (its device bytes go back: ``account(-nbytes)``), the tier's copy is read
+        into memory from ``pool`` (taken first: ``account(+nbytes)``, where the caller makes
+        room) and waited for. ``wait(name, fn)`` runs each wait (the caller times it),
+        ``started`` sees the read issued. Returns the bytes read from the tier. A slot with no
+        copy anywhere (freed, discarded) is left as it is: what that means is the caller's."""
+        if self.state is State.OUT:
+            wait(f"wait_out {self.name}", self.finish_swap_out)
+            account(-self.nbytes)
+        read = 0
+        if self.state is State.HOST:
+            account(self.nbytes)
+            self.start_swap_in(tier, pool)
+            started(self)
+            read = self.nbytes
+        if self.state is State.IN:
+            wait(f"swap_in {self.name}", self.finish_swap_in)
+        return read
+
+    def to_tier(self, tier: SlowerTier) -> int:
+        """A resident slot's memory back now: dropped if the tier holds its bytes, else written
+        out and waited for. Returns the bytes written."""
+        if self.host_current:
+            self.drop(tier)
+            return 0
+        self.start_swap_out(tier)
+        self.finish_swap_out()
+        return self.nbytes
+
+    def take_back(self, storage: torch.UntypedStorage, tier: SlowerTier) -> None:
+        """An op writes in place into the storage the slot was born in, after the engine let
+        go of it (``binding.py``): that storage holds the bytes from now on (resident; counted
+        as such already, it replaces the copy) and the tier's copy goes stale. A write in
+        flight is waited for first (``finish_swap_out``)."""
+        if self.state in (State.ABSENT, State.OUT):
+            raise SlotError(f"{self.name} is {self.state.value}: nothing to take back")
+        self.forget_copy(tier)
+        self.storage = storage
+        self.state = State.RESIDENT
+
+    def written(self) -> None:
+        """An op wrote the slot's bytes: the tier's copy, if any, is stale (kept until freed)."""
+        self.host_current = False
+
+    def forget_copy(self, tier: SlowerTier) -> None:
+        """The tier's copy is of no use any more (stale, or nobody reads it again)."""
+        if self.host_current:
+            tier.discard(self.key)
+            self.host_current = False
+
+    def forget(self, tier: SlowerTier) -> None:
+        """A step's activation at the step's end: settled, its tier copy and storage let go."""
+        if self.state in (State.IN, State.OUT):
+            raise SlotError(f"{self.name} is {self.state.value}: settle it before forgetting it")
+        self.forget_copy(tier)
+        self.storage = None
+        self.state = State.ABSENT
+
+    def settle(self, tier: SlowerTier) -> BaseException | None:
+        """Wait for the transfer in flight, if any, and leave the slot consistent whatever
+        happened: RESIDENT (its bytes in memory) or HOST (the tier holds them). Returns the
+        transfer's error, named, or None. Used when a step ends, failed or not.
+
+        The wait is not given up for a KeyboardInterrupt (or a signal handler's SystemExit):
+        the I/O thread may still be copying into or out of the slot's buffer, which must stay
+        alive until it is done (freeing it early is a segfault, not an exception). The
+        interrupt is raised once the transfer is over; transfers never hang (the tier raises
+        instead).
+        """
+        if self.future is None or self.state not in (State.IN, State.OUT):
+            return None
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                block(self.future)
+                break
+            except BaseException as e:  # noqa: B036 - re-raised below, after the buffer is free
+                interrupt = interrupt or e
+        error: BaseException | None = None
+        try:
+            (self.finish_swap_in if self.state is State.IN else self.finish_swap_out)()
+        except Exception as e:
+            error = e
+            self.future = None
+            self.pending = []
+            if self.state is State.IN:
+                # The read failed: the bytes in memory are not the variable's. The tier still
+                # holds them (a retry reads them again), unless they are what was corrupted.
+                self._release()
+                self.state = State.HOST
+            else:
+                # The write failed: the bytes are still in memory, the tier's copy is not valid.
+                self.host_current = False
+                tier.discard(self.key)
+                self.state = State.RESIDENT
+        if interrupt is not None:
+            raise interrupt
+        return error
+
+    def _release(self) -> None:
+        """Give the device bytes back (the state is the caller's)."""
+        if self.in_place and self.storage is not None:
+            self.storage.resize_(0)
+        else:
+            self.storage = None
 
 
 def given_back_error(slot: Slot, where: str) -> OOCError:
@@ -98,59 +330,6 @@ def given_back_error(slot: Slot, where: str) -> OOCError:
         f"gave back after its last use in the step it was recorded from (nothing read it later "
         f"there). Read gradients before optimizer.step() (clip_grad_norm_ returns the norm), do the "
         f"same reads in every step, or leave 'grads' out of manage")
-
-
-def start_swap_out(slot: Slot, tier: SlowerTier) -> None:
-    """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
-    view = byte_view_for(slot.storage)
-    slot.pending = [slot.storage, view]
-    slot.future = tier.write_async(slot.key, view, slot.nbytes)
-    slot.state = State.OUT
-
-
-def finish_swap_out(slot: Slot) -> None:
-    """Wait for the write, then give the device bytes back.
-
-    On a GPU the wait is the compute stream's, not the host's: every kernel queued after it
-    (the only work that may reuse the bytes released here) runs after the copy."""
-    _result(slot, "out")
-    slot.future = None
-    slot.pending = []
-    slot.host_current = True
-    release(slot)
-    slot.state = State.HOST
-
-
-def release(slot: Slot) -> None:
-    """Give the device bytes back (the caller knows the slower tier or nobody needs them)."""
-    if slot.in_place and slot.storage is not None:
-        slot.storage.resize_(0)
-    else:
-        slot.storage = None
-
-
-def start_swap_in(slot: Slot, tier: SlowerTier, pool: RangeSource) -> None:
-    """Take device memory and begin reading the slot's bytes back into it."""
-    if slot.in_place:
-        slot.storage.resize_(slot.nbytes)
-        dest = slot.storage
-    else:
-        dest = pool.take(slot.nbytes).untyped_storage()
-    view = byte_view_for(dest)
-    slot.pending = [dest, view]
-    slot.future = tier.read_async(slot.key, view)
-    if not slot.in_place:
-        slot.storage = dest
-    slot.state = State.IN
-
-
-def finish_swap_in(slot: Slot) -> None:
-    """The bytes are usable: by the host on the CPU; on a GPU by every kernel queued on the
-    compute stream from now on (the stream waits for the copy, the host goes on)."""
-    _result(slot, "in")
-    slot.future = None
-    slot.pending = []
-    slot.state = State.RESIDENT
 
 
 def _result(slot: Slot, direction: str) -> None:
@@ -180,16 +359,6 @@ def block(future: Transfer) -> None:
         future.exception()
 
 
-def follow(slot: Slot, eff: Effect, tier: SlowerTier) -> None:
-    """The slot's state and tier copy after an action, as the table's row ``eff`` says (the
-    bytes moved by the caller, who also counts the device bytes)."""
-    slot.state = State.of(eff.to)
-    if eff.tier is False and slot.host_current:   # the slower tier's copy is forgotten
-        tier.discard(slot.key)
-    if eff.tier is not None:
-        slot.host_current = eff.tier
-
-
 def in_flight(slots: Iterable[Slot]) -> list[Slot]:
     """The slots with a transfer issued and not yet waited for."""
     return [s for s in slots if s.future is not None and s.state in (State.IN, State.OUT)]
@@ -199,7 +368,7 @@ def raise_failed(slots: Iterable[Slot]) -> None:
     """After a drain: the first failed transfer among ``slots`` raises, naming its variable."""
     for s in slots:
         if failed(s):
-            (finish_swap_in if s.state is State.IN else finish_swap_out)(s)
+            (s.finish_swap_in if s.state is State.IN else s.finish_swap_out)()
 
 
 def failed(slot: Slot) -> bool:
@@ -207,42 +376,13 @@ def failed(slot: Slot) -> bool:
     return slot.future is not None and slot.future.done() and slot.future.exception() is not None
 
 
-def settle(slot: Slot, tier: SlowerTier) -> BaseException | None:
-    """Wait for the slot's transfer in flight, if any, and leave the slot consistent whatever
-    happened: RESIDENT (its bytes in memory) or HOST (the tier holds them). Returns the
-    transfer's error, named, or None. Used when a step ends, failed or not.
+# -- the former module-level moves: thin wrappers for the engine's files until they call the
+# slot's methods (ooc/engine/persistent.py, ooc/engine/step_end.py, ooc/runtime/anchored_step.py)
 
-    The wait is not given up for a KeyboardInterrupt (or a signal handler's SystemExit): the
-    I/O thread may still be copying into or out of the slot's buffer, which must stay alive
-    until it is done (freeing it early is a segfault, not an exception). The interrupt is
-    raised once the transfer is over; transfers never hang (the tier raises instead).
-    """
-    if slot.future is None or slot.state not in (State.IN, State.OUT):
-        return None
-    interrupt: BaseException | None = None
-    while True:
-        try:
-            block(slot.future)
-            break
-        except BaseException as e:  # noqa: B036 - re-raised below, after the buffer is free
-            interrupt = interrupt or e
-    error: BaseException | None = None
-    try:
-        (finish_swap_in if slot.state is State.IN else finish_swap_out)(slot)
-    except Exception as e:
-        error = e
-        slot.future = None
-        slot.pending = []
-        if slot.state is State.IN:
-            # The read failed: the bytes in memory are not the variable's. The tier still
-            # holds them (a retry reads them again), unless they are what was corrupted.
-            release(slot)
-            slot.state = State.HOST
-        else:
-            # The write failed: the bytes are still in memory, the tier's copy is not valid.
-            slot.host_current = False
-            tier.discard(slot.key)
-            slot.state = State.RESIDENT
-    if interrupt is not None:
-        raise interrupt
-    return error
+def start_swap_out(slot: Slot, tier: SlowerTier) -> None: slot.start_swap_out(tier)  # noqa: E704
+def finish_swap_out(slot: Slot) -> None: slot.finish_swap_out()  # noqa: E704
+def start_swap_in(slot: Slot, tier: SlowerTier, pool: RangeSource) -> None: slot.start_swap_in(tier, pool)  # noqa: E704
+def finish_swap_in(slot: Slot) -> None: slot.finish_swap_in()  # noqa: E704
+def release(slot: Slot) -> None: slot._release()  # noqa: E704
+def follow(slot: Slot, eff: Effect, tier: SlowerTier) -> None: slot._follow(eff, tier)  # noqa: E704
+def settle(slot: Slot, tier: SlowerTier) -> BaseException | None: return slot.settle(tier)  # noqa: E704

@@ -44,7 +44,7 @@ from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.recorder import StepRecorder
 from ooc.record.storages import storage_of
-from ooc.runtime import slots as sl
+from ooc.runtime.slots import given_back_error
 from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.devices import cuda_runtime
@@ -200,26 +200,25 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         if self.planned:
             self._diverge(i, f"{slot.name} is {slot.state.value} at its use")
         if slot.given_back():
-            raise sl.given_back_error(slot, f"op {i} ({self._name(i)})")
-        if slot.state is State.OUT:
-            if not slot.in_place:
-                return  # the engine still holds the source: reading it while it is written is safe
-            self._timed("wait", f"wait_out {slot.name}", sl.finish_swap_out, slot)
-            self._account(-slot.nbytes)
+            raise given_back_error(slot, f"op {i} ({self._name(i)})")
+        if slot.state is State.OUT and not slot.in_place:
+            return  # the engine still holds the source: reading it while it is written is safe
         self._touch(slot)
         if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
             self._make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
             self._account(slot.nbytes)
             self._recompute(slot, self.discarded_for[slot.var], i)
             return
-        if slot.state is State.HOST:
-            self._make_room_for(slot.nbytes, keep, i, f"swapping in {slot.name}")
-            self._account(slot.nbytes)
-            self._swap_in(slot, i)
-            self.ctx.counters["bytes_in"] += slot.nbytes
-        if slot.state is State.IN:
-            self._timed("wait", f"swap_in {slot.name}", sl.finish_swap_in, slot)
-            self._register(slot)
+
+        def account(delta: int) -> None:   # room first, for what the read takes
+            if delta > 0:
+                self._make_room_for(delta, keep, i, f"swapping in {slot.name}")
+            self._account(delta)
+
+        self.ctx.counters["bytes_in"] += slot.bring_back(
+            self.ctx.tier, self._pool_for(slot, i), wait=self._wait, account=account,
+            started=lambda s: self._trace_transfer(s, "swap-in"))
+        self._register(slot)
 
     def _diverge(self, i: int, why: str, level: int | None = None) -> None:
         """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
@@ -329,7 +328,7 @@ class Stepper(SavedTensors, PlanExecutor, Recomputation, Binding, OnDemandRoom, 
         for t in written_tensors:
             slot = self.slot_of(t)
             if slot is not None:
-                slot.host_current = False
+                slot.written()
                 rec.use(i, slot.var, Access.WRITE)
         gpu_timing = self.gpu_timing
         if gpu_timing:

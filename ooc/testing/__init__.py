@@ -138,8 +138,8 @@ def fake_cuda(*, memory_bytes: int = 16 << 30, granularity: int = 64 << 10,
                                     torch.nn.Linear(512, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with ooc.testing.fake_cuda() as driver:
-            engine = ooc.OutOfCore(model, opt, device="cuda", budget="1MiB", chunk="64KiB",
-                                   manage=("activations", "params"))
+            engine = ooc.OutOfCore(model, opt, device="cuda", budget="1MiB",
+                                   manage=("activations", "params"), options=ooc.Options(chunk="64KiB"))
             for _ in range(3):
                 x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
                 with engine.step():

@@ -13,7 +13,7 @@ start with optimizer state to manage. Then two steps inside ``OutOfCore``: the f
 second runs the plan (``stats()["last_planned"]``). The budget is the smallest that plans
 (the engine names it: ``BudgetTooSmall.minimum``), with 4 KiB chunks and ``min_bytes=1``, so
 that every tensor of these tiny samples is managed and as much as can move does. The plan's
-choice is forced (``CONFIGS``): ``recompute=False`` swaps only, ``"prefer"`` recomputes all it
+choice is forced (``CONFIGS``): ``recompute="never"`` swaps only, ``"prefer"`` recomputes all it
 can; with activations managed, or every kind.
 
 After each step the loss, every gradient (inputs', then parameters', read before the update:
@@ -37,13 +37,13 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from scheduler.errors import BudgetTooSmall
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 # (recompute, manage): the plan's choice forced each way, activations alone and every kind.
-CONFIGS = {"swap": (False, ("activations",)), "prefer": ("prefer", ("activations",)),
-           "swap-all": (False, ALL), "prefer-all": ("prefer", ALL)}
+CONFIGS = {"swap": ("never", ("activations",)), "prefer": ("prefer", ("activations",)),
+           "swap-all": ("never", ALL), "prefer-all": ("prefer", ALL)}
 ENGINE_STEPS = 2
 FULL = os.environ.get("OOC_DB_FULL") == "1"   # every sample under every setting (~10 minutes)
 LR = 0.01
@@ -143,7 +143,7 @@ def _train(sample: Sample, warm: dict, engine_kw: dict | None,
     module = copy.deepcopy(warm["module"])
     opt = _optimizer(module)
     opt.load_state_dict(copy.deepcopy(warm["opt"].state_dict()))   # load_state_dict shares tensors
-    engine = OutOfCore(module, opt, chunk=CHUNK, min_bytes=1, **engine_kw) if engine_kw else None
+    engine = OutOfCore(module, opt, options=Options(chunk=CHUNK, min_bytes=1), **engine_kw) if engine_kw else None
     try:
         steps = [_train_step(sample, module, opt, 11 + k, engine, mode) for k in range(ENGINE_STEPS)]
         stats = engine.stats() if engine is not None else {}

@@ -96,17 +96,16 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
     engine = None
     if use_ooc:
         target = wrapped if cfg.get("target", "outer") == "outer" else model
-        engine = ooc.OutOfCore(target, opt, budget=cfg["budget"], chunk=cfg.get("chunk", 16 * KiB),
-                               manage=tuple(cfg["manage"]), device=DEVICE,
+        engine = ooc.OutOfCore(target, opt, budget=cfg["budget"], options=ooc.Options(chunk=cfg.get("chunk", 16 * KiB)), manage=tuple(cfg["manage"]), device=DEVICE,
                                pin={torch.ops.aten.native_batch_norm.default: "must_recompute"}
                                if cfg.get("pin_bn") else None)
         if cfg.get("slow_writes") and DEVICE.type == "cpu":   # a loaded disk: races show only when writes are slow
-            write = engine.tier._run_write
+            write = engine._mem.tier._run_write
 
             def slow(*a, **kw):
                 time.sleep(cfg["slow_writes"])
                 return write(*a, **kw)
-            engine.tier._run_write = slow
+            engine._mem.tier._run_write = slow
     torch.manual_seed(100 + rank)   # dropout: the same stream per rank with and without ooc
     accum = cfg.get("accum", 1)
     bad_grads: list[str] = []
@@ -122,14 +121,14 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
             if engine is not None:   # a managed gradient is one parameter's, never a DDP bucket
                 params = dict(engine.model.named_parameters())
-                bad_grads += [s.name for s in engine.persistent.values() if s.kind.value == "grad"
+                bad_grads += [s.name for s in engine._store.slots.values() if s.kind.value == "grad"
                               and s.nbytes != params[s.name[:-5]].nbytes]
     stats = None
     if engine is not None and cfg["mode"] == "ddp":
         # Between steps, managed parameters over the budget stay released: state_dict() of
         # the inner module (how DDP checkpoints are saved) must bring them back, whichever
         # module the engine was given.
-        released = sum(s.state.value == "host" for s in engine.persistent.values())
+        released = sum(s.state.value == "host" for s in engine._store.slots.values())
         saved = {k: v.clone() for k, v in model.state_dict().items()}
     if engine is not None:
         stats = engine.stats()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ooc
-from ooc import models
+from ooc import models, Options
 from ooc.engine import OutOfCore
 from scheduler import Action, Op, check, plan
 from scheduler.actions import Refused
@@ -65,16 +65,16 @@ def test_a_corrupted_plan_is_refused_by_the_runtime_as_by_check() -> None:
             e.optimizer_step()
         return st
 
-    e = OutOfCore(model, opt, budget=1 << 20, chunk=16 << 10, min_bytes=4096)
+    e = OutOfCore(model, opt, budget=1 << 20, options=Options(chunk=16 << 10, min_bytes=4096))
     try:
         for _ in range(3):
             st = step(e)
         assert st.planned and st.diverged_at is None and st.refused is None
-        key, (schedule, binding) = next((k, p) for k, p in e.plans.items() if p[0] is st.schedule)
+        key, (schedule, binding) = next((k, p) for k, p in e._plans.plans.items() if p[0] is st.schedule)
         bad = _corrupt(schedule)
         with pytest.raises(Refused) as checked:
             check(bad)
-        e.plans[key] = (bad, binding)
+        e._plans.plans[key] = (bad, binding)
         st = step(e)
         assert st.refused is not None and st.diverged_at == checked.value.function
         assert st.refused.verdict == checked.value.verdict

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ooc
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from ooc.errors import StorageError
 from test_engine import TinyGPT, _data, _loss
 from test_reliability import (ALL, CHUNK, Faults, _eio, _one_torch_thread, batch,  # noqa: F401
@@ -66,8 +66,10 @@ def _train(precision: str, engine_kw: dict | None, zero_grad: str = "top", steps
     of the step ("top"), before entering it ("outside") or after the update ("after")."""
     model, opt = _fresh(device)
     scaler = torch.amp.GradScaler(device, **SKIP_FIRST) if precision == "fp16" else None
-    engine = (OutOfCore(model, opt, **{"chunk": CHUNK, "min_bytes": 4096, "device": device, **engine_kw})
-              if engine_kw else None)
+    if engine_kw:
+        kw = {"device": device, **engine_kw}
+        options = Options(chunk=kw.pop("chunk", CHUNK), min_bytes=4096)
+    engine = OutOfCore(model, opt, options=options, **kw) if engine_kw else None
     record = {"loss": [], "scale": [], "updated": [], "planned": [], "plans": [], "dropped_alive": []}
     for step in range(steps):
         x, y = _batch(step, device)
@@ -123,7 +125,7 @@ def _budget(manage: tuple[str, ...], fraction: int = 4, device: str = "cpu", chu
     """A fraction of the managed in-core peak, recorded with a huge budget (the plan of a
     step that starts with AdamW's state), rounded down to whole chunks."""
     model, opt = _fresh(device)
-    with OutOfCore(model, opt, budget="4GiB", chunk=chunk, min_bytes=4096, manage=manage,
+    with OutOfCore(model, opt, budget="4GiB", options=Options(chunk=chunk, min_bytes=4096), manage=manage,
                    device=device) as e:
         for step in range(3):
             x, y = _batch(step, device)
@@ -131,7 +133,7 @@ def _budget(manage: tuple[str, ...], fraction: int = 4, device: str = "cpu", chu
                 opt.zero_grad()
                 _loss("gpt", model(x), y).backward()
                 opt.step()
-        return e.schedule.sequence.in_core_peak_bytes // fraction // chunk * chunk
+        return e._plans.schedule.sequence.in_core_peak_bytes // fraction // chunk * chunk
 
 
 def _assert_bitwise(ref, got) -> None:
@@ -186,7 +188,7 @@ def test_an_update_over_the_budget_fails_at_opt_step_before_it_changes_anything(
     parameters on demand over the budget, and fail only then)."""
     model, opt = ub.fresh()
     before = state_of(model, opt)
-    engine = OutOfCore(model, opt, budget=ub.BUDGET, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = OutOfCore(model, opt, budget=ub.BUDGET, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     scaler = torch.amp.GradScaler("cpu")
     x, y = ub.batch(0)
     with pytest.raises(ooc.BudgetTooSmall) as err:
@@ -241,7 +243,7 @@ def test_unscale_and_clip_over_all_grads_fit_a_budget_smaller_than_the_grads(cli
     model, opt = fresh("sgd", kind="mlp")
     ref, ref_opt = fresh("sgd", kind="mlp")
     budget = sum(p.untyped_storage().nbytes() for p in model.parameters()) * 3 // 4 // CHUNK * CHUNK
-    engine = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     scalers = [torch.amp.GradScaler("cpu", **SKIP_FIRST) for _ in range(2)]
     for step in range(4):
         x, y = batch(step)
@@ -273,7 +275,7 @@ def update_outside_the_step() -> None:
     model, opt = _fresh("cpu")
     ref, ref_opt = _fresh("cpu")
     budget = _budget(ALL)
-    engine = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     for step in range(4):
         x, y = _data("gpt", step)
         for m, o, e in ((ref, ref_opt, None), (model, opt, engine)):
@@ -282,7 +284,7 @@ def update_outside_the_step() -> None:
                 _loss("gpt", m(x), y).backward()
             o.step()
             o.zero_grad()
-        managed = {id(s.storage) for s in engine.persistent.values()}
+        managed = {id(s.storage) for s in engine._store.slots.values()}
         assert all(id(t.untyped_storage()) in managed for s in opt.state.values()
                    for t in s.values() if t.untyped_storage().nbytes() >= 4096), \
             "the state an update outside the step made must be managed"

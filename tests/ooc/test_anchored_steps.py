@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ooc import OutOfCore, models
-from ooc.engine import anchored_steps
+from ooc.engine import hook_forms
 from ooc.measure import managed_peak, update_in_backward
 from ooc.runtime import stepper as stepper_module
 
@@ -92,12 +92,12 @@ def counted_ops(monkeypatch):
         return on_op(self, func, args, kwargs)
 
     monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
-    monkeypatch.setattr(anchored_steps.Anchored, "judge", _decided(keep=True))
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
     return ops
 
 
 def _decided(keep: bool, runs: int = 1):
-    """``Anchored.judge`` deciding ``keep`` once each side ran ``runs`` steps, whatever the times."""
+    """``HookPlan.judge`` deciding ``keep`` once each side ran ``runs`` steps, whatever the times."""
     def judge(self) -> bool:
         if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < runs:
             return False
@@ -117,10 +117,10 @@ def test_anchored_steps_intercept_no_op_and_are_bitwise(counted_ops, name, opt) 
     ref, ref_opt = fresh(name, opt)
     ref_losses, _ = train(name, ref, ref_opt, None, sizes)
     model, o = fresh(name, opt)
-    with engine_for(name, model, o, 0.4, recompute=False) as engine:
+    with engine_for(name, model, o, 0.4, recompute="never") as engine:
         losses, stats = train(name, model, o, engine, sizes, ops=counted_ops)
     anchored = [s for s in stats if s["ops seen"] == 0]
-    assert len(anchored) >= 3 and stats[-1]["anchored_steps"] == len(anchored), [s["ops seen"] for s in stats]
+    assert len(anchored) >= 3 and stats[-1]["steps.anchored"] == len(anchored), [s["ops seen"] for s in stats]
     assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in anchored)
     last = anchored[-1]
     assert last["plan.bytes_out"] > 0 and last["plan.peak_resident_bytes"] <= last["budget"]
@@ -139,7 +139,7 @@ def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(co
     model, o = fresh("gpt2", "sgd")
     with engine_for("gpt2", model, o, 0.3) as engine:
         losses, stats = train("gpt2", model, o, engine, sizes, ops=counted_ops)
-        per_op = engine.schedule
+        per_op = engine._plans.schedule
     assert per_op.bytes_recomputed > 0
     assert stats[-1]["ops seen"] == 0 and stats[-1]["plan.bytes_recomputed"] == 0
     assert stats[-1]["plan.bytes_in"] > per_op.bytes_in   # it swaps what the per-op plan recomputes
@@ -157,7 +157,7 @@ def test_recompute_prefer_keeps_the_per_op_plan_that_recomputes(counted_ops) -> 
     model, o = fresh("gpt2", "sgd")
     with engine_for("gpt2", model, o, 0.3, recompute="prefer") as engine:
         losses, stats = train("gpt2", model, o, engine, sizes, ops=counted_ops)
-    assert stats[-1]["anchored_steps"] == 0
+    assert stats[-1]["steps.anchored"] == 0
     assert all(s["ops seen"] > 0 for s in stats[-4:])
     assert stats[-1]["plan.bytes_recomputed"] > 0
     assert stats[-1]["bytes_recomputed"] > stats[-2]["bytes_recomputed"]   # the last step recomputed
@@ -165,15 +165,15 @@ def test_recompute_prefer_keeps_the_per_op_plan_that_recomputes(counted_ops) -> 
 
 
 def test_a_rejected_trial_keeps_the_per_op_plan(monkeypatch) -> None:
-    monkeypatch.setattr(anchored_steps.Anchored, "judge", _decided(keep=False))
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=False))
     sizes = [8] * 9
     ref, ref_opt = fresh("small_cnn", "sgd")
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
     model, o = fresh("small_cnn", "sgd")
-    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
         losses, stats = train("small_cnn", model, o, engine, sizes)
-    tried = stats[-1]["anchored_steps"]
-    assert tried >= 1 and all(s["anchored_steps"] == tried for s in stats[-3:])
+    tried = stats[-1]["steps.anchored"]
+    assert tried >= 1 and all(s["steps.anchored"] == tried for s in stats[-3:])
     assert_same(ref, model, ref_losses, losses)
 
 
@@ -187,7 +187,7 @@ def test_a_larger_batch_leaves_the_anchored_plan_and_is_still_bitwise(counted_op
     ref, ref_opt = fresh("small_cnn", "sgd")
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes)
     model, o = fresh("small_cnn", "sgd")
-    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
         losses, stats = train("small_cnn", model, o, engine, sizes, ops=counted_ops, hidden=True)
     assert stats[5]["ops seen"] == 0   # anchored before the larger batch
     big = stats[6]
@@ -206,7 +206,7 @@ def test_an_anchored_step_that_fails_is_rolled_back(counted_ops) -> None:
     ref, ref_opt = fresh("small_cnn", "sgd")
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes, fail_at=6)
     model, o = fresh("small_cnn", "sgd")
-    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
         losses, stats = train("small_cnn", model, o, engine, sizes, fail_at=6, ops=counted_ops)
         assert stats[6]["ops seen"] == 0 and all(p.grad is None for p in model.parameters())
     assert stats[-1]["ops seen"] == 0
@@ -224,7 +224,7 @@ def test_an_update_the_plans_step_did_not_run_hands_the_state_back_to_the_per_op
     ref, ref_o = fresh("small_cnn", "sgd")
     loss_fn = models.loss_fn("small_cnn")
     stats = []
-    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
         for step in range(14):
             x, y = data("small_cnn", step, 8)
             before = len(counted_ops)
@@ -239,7 +239,7 @@ def test_an_update_the_plans_step_did_not_run_hands_the_state_back_to_the_per_op
     assert stats[3]["ops seen"] == 0 and stats[3]["last_diverged_at"] == -1   # the update, anchored
     assert stats[7]["ops seen"] > 0 and stats[7]["last_diverged_at"] >= 0     # per-op: seen, re-planned
     assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in stats[8:]), stats[8:]
-    assert stats[-1]["anchored_steps"] > stats[3]["anchored_steps"]
+    assert stats[-1]["steps.anchored"] > stats[3]["steps.anchored"]
     assert_same(ref, model, [], [])
 
 
@@ -252,7 +252,7 @@ def test_updates_inside_the_backward_run_anchored_and_bitwise(counted_ops, opt) 
     update_in_backward(ref, ref_opt)
     ref_losses, _ = train("small_cnn", ref, ref_opt, None, sizes, in_backward=True)
     model, o = fresh("small_cnn", opt)
-    with engine_for("small_cnn", model, o, 0.4, recompute=False) as engine:
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
         update_in_backward(model, o)   # after the engine, as users add it
         losses, stats = train("small_cnn", model, o, engine, sizes, ops=counted_ops, in_backward=True)
     anchored = [s for s in stats if s["ops seen"] == 0]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from test_reliability import ALL, CHUNK, fresh, run_step
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,8 +43,7 @@ class _Pair:
         self.ref, self.ref_opt = fresh(opt, kind="mlp")
         self.model, self.opt = fresh(opt, kind="mlp")
         budget = int(times_params * sum(p.untyped_storage().nbytes() for p in self.model.parameters()))
-        self.engine = OutOfCore(self.model, self.opt, budget=budget, chunk=CHUNK, min_bytes=4096,
-                                manage=ALL)
+        self.engine = OutOfCore(self.model, self.opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
         self.steps = 0
 
     def step(self) -> None:
@@ -55,7 +54,7 @@ class _Pair:
     def released(self) -> int:
         """How many managed tensors the engine's plan has on the tier during a step (so that
         the test is about released storages at all)."""
-        return len(self.engine.persistent) - len(self.engine.schedule.initial_resident)
+        return len(self.engine._store.slots) - len(self.engine._plans.schedule.initial_resident)
 
 
 def _checkpoint(model, opt) -> dict:
@@ -102,9 +101,9 @@ def load_between_steps_and_train_on() -> None:
         _assert_same_checkpoint(_checkpoint(pair.ref, pair.ref_opt), _checkpoint(pair.model, pair.opt),
                                 f"at step {pair.steps}, after loading at step 4")
         # The loaded state is managed again (not left in memory outside the budget).
-        managed = {id(s.storage) for s in pair.engine.persistent.values()}
+        managed = {id(s.storage) for s in pair.engine._store.slots.values()}
         state = [t for st in pair.opt.state.values() for t in st.values()
-                 if t.untyped_storage().nbytes() >= pair.engine.min_bytes]
+                 if t.untyped_storage().nbytes() >= pair.engine._mem.min_bytes]
         assert state and all(id(t.untyped_storage()) in managed for t in state)
     pair.engine.close()
 

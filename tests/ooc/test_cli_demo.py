@@ -90,7 +90,7 @@ def test_a_small_real_demo_swaps_and_matches_bit_for_bit(capsys):
 
 def test_the_table_says_what_was_recomputed_and_how_many_steps_ran_at_the_hooks_alone():
     ooc_ = _result("ooc", 14, bytes_out=MiB)
-    ooc_.stats.update({"plan.bytes_recomputed": 5 * MiB, "anchored_steps": 8, "plain_steps": 0})
+    ooc_.stats.update({"plan.bytes_recomputed": 5 * MiB, "steps.anchored": 8, "steps.plain": 0})
     table = cmd_demo._table(_result("incore", 14), ooc_, 10 * MiB, True)
     rows = {line.split("  ")[0]: line for line in table.splitlines()}
     assert "5 MiB" in rows["recomputed per step (plan)"]

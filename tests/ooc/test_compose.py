@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
-from ooc import OOCError, OutOfCore
+from ooc import OOCError, OutOfCore, Options
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,7 +94,7 @@ def test_saved_tensor_hooks_inside_the_step_are_refused_and_the_step_rolled_back
     ref, ref_opt = _fresh()
     model, opt = _fresh()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
     x, y = _batch(0)
     with pytest.raises(OOCError, match=f"{name}.*inside engine.step\\(\\).*bypass ooc"):
         with engine.step():
@@ -116,7 +116,7 @@ def test_saved_tensor_hooks_inside_the_step_are_refused_and_the_step_rolled_back
 def test_saved_tensor_hooks_around_the_step_are_refused() -> None:
     """Around the step, the engine's hooks would replace them for the step's duration."""
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
     with torch.autograd.graph.save_on_cpu():
         with pytest.raises(OOCError, match="save_on_cpu.*around engine.step\\(\\)"):
             with engine.step():
@@ -130,7 +130,7 @@ def test_save_on_cpu_inside_composes_when_activations_are_not_managed() -> None:
     the activations; bitwise identical to in core with ``save_on_cpu``."""
     ref, ref_opt = _fresh()
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK, manage=("params",))
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK), manage=("params",))
     for step in range(3):
         x, y = _batch(step)
         torch.manual_seed(1000 + step)
@@ -157,7 +157,7 @@ def test_checkpoint_inside_the_step_composes_bitwise(mode) -> None:
     checkpointing (its RNG restore and BatchNorm's second update included)."""
     ref, ref_opt = _fresh(mode)
     model, opt = _fresh(mode)
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
     for step in range(STEPS):
         _in_core_step(ref, ref_opt, step)
         _engine_step(engine, model, step)
@@ -176,8 +176,8 @@ def test_nested_engines_are_refused_and_both_train_afterwards() -> None:
     ref2, ref2_opt = _fresh()
     model, opt = _fresh()
     model2, opt2 = _fresh()
-    outer = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
-    inner = OutOfCore(model2, opt2, budget=BUDGET, chunk=CHUNK)
+    outer = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
+    inner = OutOfCore(model2, opt2, budget=BUDGET, options=Options(chunk=CHUNK))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = _batch(0)
     with pytest.raises(OOCError, match="inside the step of another OutOfCore engine"):
@@ -209,7 +209,7 @@ def test_torch_compile_inside_the_step_is_refused_not_run_eagerly() -> None:
     the uncompiled model trains on, bitwise; a compiled submodule is refused at construction."""
     ref, ref_opt = _fresh()
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK)
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
     compiled = torch.compile(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = _batch(0)
@@ -226,4 +226,4 @@ def test_torch_compile_inside_the_step_is_refused_not_run_eagerly() -> None:
     wrapped, wrapped_opt = _fresh()
     wrapped.add_module("head", torch.compile(nn.Identity()))
     with pytest.raises(OOCError, match="submodule head is compiled"):
-        OutOfCore(wrapped, wrapped_opt, budget=BUDGET, chunk=CHUNK)
+        OutOfCore(wrapped, wrapped_opt, budget=BUDGET, options=Options(chunk=CHUNK))

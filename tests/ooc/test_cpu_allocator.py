@@ -329,20 +329,20 @@ TRAIN = """
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
     # 6 MiB of saved activations in 4 MiB: every planned step swaps 2 MiB in through the pool
     # (whether the recording step's on-demand swaps take any pool range depends on timing)
-    with ooc.OutOfCore(model, opt, budget="4MiB", recompute=False) as engine:
+    with ooc.OutOfCore(model, opt, budget="4MiB", recompute="never") as engine:
         for _ in range(3):
             with engine.step():
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 engine.optimizer_step()
         used = cpu_allocator.installed()
-        pool_between_steps = engine.pool.stats()["physical_bytes"]
+        pool_between_steps = engine._mem.pool.stats()["physical_bytes"]
         cached_between_steps = (cpu_allocator.stats() or {}).get("cached_bytes", 0)
     after = cpu_allocator.stats()
     print(json.dumps({"used": used, "installed_after_close": cpu_allocator.installed(), "reason": cpu_allocator.unavailable(),
                       "cached_after_close": after and after["cached_bytes"],
                       "pool_between_steps": pool_between_steps,
                       "cached_between_steps": cached_between_steps,
-                      "pool_after_close": engine.pool.stats()["physical_bytes"],
+                      "pool_after_close": engine._mem.pool.stats()["physical_bytes"],
                       "weight_sum": float(model[0].weight.double().sum())}))
 """
 
@@ -376,7 +376,7 @@ SHED = """
     # 1 MiB for 1.5 MiB of saved activations: each planned step swaps 512 KiB out and back in,
     # so the pool holds a chunk's worth of pages at every step's end (the recording step's own
     # on-demand swaps depend on when its writes finish: they may take no pool range at all)
-    with ooc.OutOfCore(model, opt, budget="1MiB", chunk="64KiB", recompute=False) as engine:
+    with ooc.OutOfCore(model, opt, budget="1MiB", recompute="never", options=ooc.Options(chunk="64KiB")) as engine:
         def step():
             with engine.step():
                 torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -384,14 +384,14 @@ SHED = """
 
         for _ in range(2):
             step()
-        calls = engine.pool.backend.calls
+        calls = engine._mem.pool.backend.calls
         lent, adopted = calls["lent"], calls["adopted"]
         step()
         stats = engine.stats()
         moved = stats["plan.bytes_in"] if stats["last_planned"] else 0
         out = {"moved": moved, "lent": calls["lent"] - lent, "adopted": calls["adopted"] - adopted,
-               "pool_between_steps": engine.pool.stats()["physical_bytes"],
-               "chunks": engine.pool.backend.physical_bytes()}
+               "pool_between_steps": engine._mem.pool.stats()["physical_bytes"],
+               "chunks": engine._mem.pool.backend.physical_bytes()}
     print(json.dumps(out))
 """
 
@@ -525,17 +525,25 @@ def test_a_step_recycles_the_persistent_tensors_it_lets_go_of_at_its_start(monke
     on by then, so that their pages serve the step's activations: unmapped, they came back as
     freshly zeroed pages every step (VGG16 at 1/2 of its peak: ~55 MiB a step)."""
     import ooc
-    from ooc.engine.persistent import PersistentTensors
+    from ooc.engine.persistent import PersistentStore
 
-    seen = []
-    to_tier = PersistentTensors._to_tier
+    seen, starting = [], []
+    to_tier, reconcile = PersistentStore.to_tier, PersistentStore.reconcile
+
+    def at_start(self, schedule):   # a step's start, not inside it
+        starting.append(True)
+        try:
+            return reconcile(self, schedule)
+        finally:
+            starting.pop()
 
     def spy(self, slot):
-        if self._stepper is None:   # a step's start (_reconcile), not inside it
+        if starting:
             seen.append(cpu_allocator.stats()["enabled"])
         return to_tier(self, slot)
 
-    monkeypatch.setattr(PersistentTensors, "_to_tier", spy)
+    monkeypatch.setattr(PersistentStore, "reconcile", at_start)
+    monkeypatch.setattr(PersistentStore, "to_tier", spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
@@ -551,7 +559,7 @@ def test_a_step_recycles_the_persistent_tensors_it_lets_go_of_at_its_start(monke
                 opt.step()
                 opt.zero_grad()
         assert engine.stats()["last_planned"]
-        assert set(engine.persistent) <= engine._claimed   # their swap-ins recycle too
+        assert set(engine._store.slots) <= engine._store._claimed   # their swap-ins recycle too
     assert seen and all(seen), seen
 
 

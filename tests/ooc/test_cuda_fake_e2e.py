@@ -85,13 +85,12 @@ def _fresh(case: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _peak(case: str) -> int:
     """The in-core peak of the managed tensors, from a plan made with plenty of budget."""
     model, opt = _fresh(case)
-    e = ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", chunk=CHUNK, min_bytes=4096,
-                      manage=CASES[case][2])
+    e = ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=CASES[case][2])
     x, y = _batch(case, 0, 16)
     with e.step():   # records, then plans
         F.cross_entropy(model(x), y).backward()
         e.optimizer_step()
-    peak = e.schedule.sequence.in_core_peak_bytes
+    peak = e._plans.schedule.sequence.in_core_peak_bytes
     e.close()
     return peak
 
@@ -109,7 +108,7 @@ def _assert_same(step: int, ref: tuple, got: tuple) -> None:
 
 def _host_syncs(engine: ooc.OutOfCore) -> int:
     """Host synchronizations so far: the tier's, plus the pool backend's synchronize calls."""
-    calls = engine.pool.backend.calls
+    calls = engine._mem.pool.backend.calls
     return engine.stats()["tier.host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
 
 
@@ -120,10 +119,9 @@ def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
     model, opt = _fresh(case)
     ref_model, ref_opt = copy.deepcopy(model), _fresh(case)[1]
     ref_opt = CASES[case][1](ref_model)
-    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, chunk=CHUNK, min_bytes=4096,
-                      manage=CASES[case][2])
+    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=CASES[case][2])
     assert e.device == torch.device("cuda", 0)
-    assert isinstance(e.tier, cuda_tier.PinnedTier)
+    assert isinstance(e._mem.tier, cuda_tier.PinnedTier)
     log = []
     for step, (n, change) in enumerate(SCHEDULE):
         if change == "smaller":
@@ -177,3 +175,35 @@ def test_fake_cuda_restores_the_real_seam() -> None:
     with ooc.testing.fake_cuda() as driver:
         assert devices.cuda_runtime().fake and devices.cuda_runtime().driver() is driver
     assert devices.cuda_runtime() is real and not real.fake
+
+
+def _stats_after_steps(device: str) -> dict:
+    model, opt = _fresh("mlp_adam_all")
+    with ooc.OutOfCore(model, opt, device=device, budget="5MiB", manage=CASES["mlp_adam_all"][2],
+                       options=ooc.Options(chunk=CHUNK, min_bytes=4096)) as e:
+        before = e.stats()
+        for step in range(3):
+            x, y = _batch("mlp_adam_all", step, 16)
+            with e.step():
+                F.cross_entropy(model(x), y).backward()
+                e.optimizer_step()
+        return {"before": before, "after": e.stats()}
+
+
+def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
+    """``stats()`` is counters and gauges with the same keys on every device (issue 39 item 6):
+    ``tier.host_syncs`` on the CPU and ``cpu_allocator.*`` and ``tier.file_bytes`` on CUDA are
+    there, 0 where they mean nothing; the steps of each form add up to ``steps``."""
+    cpu = _stats_after_steps("cpu")
+    with ooc.testing.fake_cuda() as driver:
+        cuda = _stats_after_steps("cuda")
+        assert driver.violations == []
+    for stats in (cpu["before"], cpu["after"], cuda["before"], cuda["after"]):
+        assert stats.keys() == cpu["after"].keys()
+        assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in stats.values()), stats
+        assert stats["steps"] == sum(stats[f"steps.{form}"] for form in ooc.FORMS)
+    assert cpu["before"]["last_form"] == -1 and cpu["after"]["steps"] == cuda["after"]["steps"] == 3
+    assert cpu["after"]["tier.host_syncs"] == 0 and cpu["after"]["tier.file_bytes"] > 0
+    assert cuda["after"]["tier.file_bytes"] == 0 and cuda["after"]["cpu_allocator.hits"] == 0
+    assert cuda["after"]["tier.bytes_written"] > 0 and cuda["after"]["tier.pinned_bytes"] > 0
+    assert ooc.FORMS[cuda["after"]["last_form"]] in ("planned", "recorded", "diverged")

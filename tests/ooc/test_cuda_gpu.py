@@ -107,7 +107,7 @@ def test_gpu_tiny_out_of_core_step() -> None:
 
     import torch.nn as nn
 
-    from ooc.engine import OutOfCore
+    from ooc.engine import Options, OutOfCore
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
@@ -117,7 +117,7 @@ def test_gpu_tiny_out_of_core_step() -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(512, 256, device="cuda")
     target = torch.randint(0, 10, (512,), device="cuda")
-    engine = OutOfCore(model, opt, budget="4MiB", device="cuda", chunk="2MiB", min_bytes=4096)
+    engine = OutOfCore(model, opt, budget="4MiB", device="cuda", options=Options(chunk="2MiB", min_bytes=4096))
     for _ in range(3):
         with engine.step():
             nn.functional.cross_entropy(model(x), target).backward()

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 
 CHUNK = 16 << 10
 STEPS = 6
@@ -118,7 +118,7 @@ def _fresh(kind: str, opt: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _train(kind: str, opt_name: str, engine_kw: dict | None, steps: int = STEPS):
     model, opt = _fresh(kind, opt_name)
-    engine = OutOfCore(model, opt, chunk=CHUNK, min_bytes=4096, **engine_kw) if engine_kw else None
+    engine = OutOfCore(model, opt, options=Options(chunk=CHUNK, min_bytes=4096), **engine_kw) if engine_kw else None
     losses = []
     for step in range(steps):
         x, y = _data(kind, step)
@@ -158,13 +158,13 @@ def managed_peak(kind: str, opt: str, manage: tuple[str, ...]) -> int:
     key = (kind, opt, manage)
     if key not in _PEAK:
         model, optimizer = _fresh(kind, opt)
-        with OutOfCore(model, optimizer, budget="4GiB", chunk=CHUNK, min_bytes=4096, manage=manage) as e:
+        with OutOfCore(model, optimizer, budget="4GiB", options=Options(chunk=CHUNK, min_bytes=4096), manage=manage) as e:
             for step in range(2):
                 x, y = _data(kind, step)
                 with e.step():
                     _loss(kind, model(x), y).backward()
                     e.optimizer_step()
-            _PEAK[key] = e.schedule.sequence.in_core_peak_bytes
+            _PEAK[key] = e._plans.schedule.sequence.in_core_peak_bytes
     return _PEAK[key]
 
 
@@ -214,20 +214,20 @@ def test_bitwise_identical_each_manage_combination(kind: str, manage: str) -> No
 
 def test_plenty_of_budget_moves_nothing_after_planning() -> None:
     model, opt = _fresh("cnn", "sgd")
-    with OutOfCore(model, opt, budget="4GiB", chunk=CHUNK, min_bytes=4096) as e:
+    with OutOfCore(model, opt, budget="4GiB", options=Options(chunk=CHUNK, min_bytes=4096)) as e:
         for step in range(3):
             x, y = _data("cnn", step)
             with e.step():
                 _loss("cnn", model(x), y).backward()
                 e.optimizer_step()
-        assert e.schedule.bytes_in == 0 and e.schedule.bytes_out == 0
+        assert e._plans.schedule.bytes_in == 0 and e._plans.schedule.bytes_out == 0
         assert e.stats()["last_planned"] == 1
 
 
 def test_budget_too_small_fails_in_step_one_and_leaves_model_untouched() -> None:
     model, opt = _fresh("cnn", "adam")
     before = copy.deepcopy(model.state_dict())
-    e = OutOfCore(model, opt, budget=CHUNK, chunk=CHUNK, min_bytes=4096, manage=MANAGE["all"])
+    e = OutOfCore(model, opt, budget=CHUNK, options=Options(chunk=CHUNK, min_bytes=4096), manage=MANAGE["all"])
     x, y = _data("cnn", 0)
     with pytest.raises(ooc.BudgetTooSmall) as err:
         with e.step():
@@ -248,7 +248,7 @@ def test_another_batch_shape_is_recorded_and_both_plans_kept() -> None:
     model, opt = _fresh("cnn", "sgd")
     ref_model, ref_opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 2
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096)
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096))
     shapes = [16, 16, 8, 8, 16]
     for step, n in enumerate(shapes):
         x, y = _data("cnn", step)
@@ -275,7 +275,7 @@ def test_eval_between_steps_and_close_leave_plain_pytorch() -> None:
     model, opt = _fresh("cnn", "sgd")
     ref, ref_opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", MANAGE["all"]) // 2
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=MANAGE["all"])
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=MANAGE["all"])
     xe, _ = _data("cnn", 99)
     for step in range(4):
         x, y = _data("cnn", step)
@@ -306,7 +306,7 @@ def test_gradient_accumulation_over_steps() -> None:
     model, opt = _fresh("cnn", "sgd")
     ref, ref_opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations", "grads")) // 2
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=("activations", "grads"))
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=("activations", "grads"))
     for step in range(6):
         x, y = _data("cnn", step)
         torch.manual_seed(step)
@@ -334,7 +334,7 @@ def test_gradient_accumulation_with_unmanaged_grads_is_planned() -> None:
     model, opt = _fresh("cnn", "sgd")
     ref, ref_opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 2
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096)
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096))
     plans = []
     for step in range(12):
         x, y = _data("cnn", step)
@@ -375,8 +375,8 @@ def test_steps_that_start_alike_keep_a_plan_per_kind(kinds: bool) -> None:
 
     model, opt = fresh()
     ref, ref_opt = fresh()
-    e = OutOfCore(model, opt, budget="192KiB", chunk=CHUNK, min_bytes=4096,   # 3/4 of its peak
-                  recompute=False)   # the plan swaps (recomputing instead depends on measured times)
+    e = OutOfCore(model, opt, budget="192KiB", options=Options(chunk=CHUNK, min_bytes=4096), # 3/4 of its peak
+                  recompute="never")   # the plan swaps (recomputing instead depends on measured times)
     planned = []
     for step in range(12):
         g = torch.Generator().manual_seed(step)
@@ -413,14 +413,15 @@ def test_steps_that_start_alike_keep_a_plan_per_kind(kinds: bool) -> None:
 ])
 def test_bad_arguments_fail_before_any_work(bad: dict, words: str) -> None:
     model, opt = _fresh("cnn", "sgd")
+    options = {k: bad.pop(k) for k in ("chunk",) if k in bad}
     with pytest.raises(ooc.OOCError, match=words):
-        OutOfCore(model, opt, **bad)
+        OutOfCore(model, opt, options=Options(**options), **bad)
 
 
 def test_swap_directory_is_private_and_empty_after_close(tmp_path) -> None:
     model, opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 4
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, storage=str(tmp_path))
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096), storage=str(tmp_path))
     x, y = _data("cnn", 0)
     with e.step():
         _loss("cnn", model(x), y).backward()

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from scheduler.ir import Kind
 from scheduler.schedule import Op
 from test_reliability import CHUNK, _one_torch_thread, assert_same, state_of  # noqa: F401
@@ -63,7 +63,7 @@ def _rewrite_grads(model: nn.Module, form: str) -> None:
 
 def _train(opt_name: str, form: str, engine_kw: dict | None):
     model, opt = fresh(opt_name)
-    engine = OutOfCore(model, opt, chunk=CHUNK, min_bytes=4096, **engine_kw) if engine_kw else None
+    engine = OutOfCore(model, opt, options=Options(chunk=CHUNK, min_bytes=4096), **engine_kw) if engine_kw else None
     for step in range(STEPS):
         x, y = batch(step)
         if engine is None:
@@ -90,10 +90,10 @@ def test_in_place_grad_writes_through_lists_and_out_are_kept(form: str, opt: str
     # Step 0 records; the optimizer's first update differs from later ones (SGD creates its
     # momentum buffers by clone, Adam its state): at most one re-plan, then planned steps.
     assert stats["last_planned"] == 1 and stats["plans"] <= 2, stats
-    seq = engine.schedule.sequence
+    seq = engine._plans.schedule.sequence
     rewrite = min(i for i, f in enumerate(seq.functions)
                   if f.name.startswith(("aten._foreach", "aten.mul.out")))
-    grad_ins = [i for i, acts in enumerate(engine.schedule.before) for a in acts
+    grad_ins = [i for i, acts in enumerate(engine._plans.schedule.before) for a in acts
                 if a.op is Op.SWAP_IN and seq.variables[a.var].kind is Kind.GRAD]
     assert grad_ins, "the plan must move gradients for this test to mean anything"
     if manage == GRADS_STATE:

@@ -54,8 +54,8 @@ def test_the_engine_plans_with_what_its_tier_timed(monkeypatch) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ooc.OutOfCore(model, opt, budget="8MiB") as engine:
-        real_stats = engine.tier.stats
-        monkeypatch.setattr(engine.tier, "stats", lambda: {
+        real_stats = engine._mem.tier.stats
+        monkeypatch.setattr(engine._mem.tier, "stats", lambda: {
             **real_stats(), "bytes_read": 1 << 30, "read_s": (1 << 30) / (3 * GB)})
         with engine.step():
             model(torch.randn(4, 64)).sum().backward()

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 
 
 class BasicBlock(nn.Module):
@@ -91,7 +91,7 @@ def test_frozen_resnet18_with_inplace_relu_is_bitwise_identical() -> None:
     steps = 3
     ref, ref_opt = _frozen_resnet18()
     model, opt = _frozen_resnet18()
-    engine = OutOfCore(model, opt, budget="1MiB", chunk="128KiB")
+    engine = OutOfCore(model, opt, budget="1MiB", options=Options(chunk="128KiB"))
     diverged = []
     for step in range(steps):
         x, y = _batch(step)
@@ -99,7 +99,7 @@ def test_frozen_resnet18_with_inplace_relu_is_bitwise_identical() -> None:
         loss_ref.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        plan = engine.schedule
+        plan = engine._plans.schedule
         with engine.step():
             loss = F.cross_entropy(model(x), y)
             loss.backward()

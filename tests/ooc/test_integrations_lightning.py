@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 UPDATES, SAVE, ACCUMULATE = 4, 2, 2
-OPTIONS = {"chunk": "16KiB", "min_bytes": 4096}   # small model: manage its small tensors too
+OPTIONS = {"options": ooc.Options(chunk="16KiB", min_bytes=4096)}   # small model: manage its small tensors too
 
 
 @pytest.fixture(autouse=True, scope="module")

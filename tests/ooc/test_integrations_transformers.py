@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import ooc
 from ooc.errors import OOCError
 from test_outside_models import _library, _quiet_transformers  # noqa: F401
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""),
               pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")]
 
 UPDATES, SAVE = 4, 2
-OPTIONS = {"chunk": "16KiB", "min_bytes": 4096}   # tiny model: manage its small tensors too
+OPTIONS = {"options": ooc.Options(chunk="16KiB", min_bytes=4096)}   # tiny model: manage its small tensors too
 
 
 class _Tokens(torch.utils.data.Dataset):

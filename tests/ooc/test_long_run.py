@@ -61,7 +61,7 @@ def _round(n: int) -> int:
 
 def _child(storage: str) -> None:
     """1,000 steps under a quarter budget; print the measurements as JSON."""
-    from ooc.engine import OutOfCore
+    from ooc.engine import Options, OutOfCore
 
     torch.set_num_threads(1)   # tiny ops: extra OpenMP threads only contend on a shared machine
     torch.manual_seed(0)
@@ -69,15 +69,15 @@ def _child(storage: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     pm = MLP()
     with OutOfCore(pm, torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9), budget="1GiB",
-                   chunk=ALIGN, min_bytes=ALIGN, manage=ALL, storage=storage) as probe:   # in-core peak
+                   options=Options(chunk=ALIGN, min_bytes=ALIGN), manage=ALL, storage=storage) as probe:   # in-core peak
         m = probe.model
         for step in range(2):
             x, y = _batch(step)
             with probe.step():
                 F.cross_entropy(m(x), y).backward()
                 probe.optimizer_step()
-        peak = probe.schedule.sequence.in_core_peak_bytes
-    e = OutOfCore(model, opt, budget=peak // 4, chunk=ALIGN, min_bytes=ALIGN, manage=ALL, storage=storage)
+        peak = probe._plans.schedule.sequence.in_core_peak_bytes
+    e = OutOfCore(model, opt, budget=peak // 4, options=Options(chunk=ALIGN, min_bytes=ALIGN), manage=ALL, storage=storage)
     marks = {}
     for step in range(1, STEPS + 1):
         x, y = _batch(step)
@@ -86,17 +86,17 @@ def _child(storage: str) -> None:
             e.optimizer_step()
         if step in (50, STEPS):
             gc.collect()
-            tier = e.tier.stats()
+            tier = e._mem.tier.stats()
             marks[step] = {"rss": _status("VmRSS"), "fds": len(os.listdir("/proc/self/fd")),
                            "threads": threading.active_count(), "file_bytes": tier["file_bytes"],
                            "peak_file_bytes": tier["peak_file_bytes"], "keys": tier["keys"],
-                           "events": len(e.events)}
-    seq = e.schedule.sequence
+                           "events": len(e._book.events)}
+    seq = e._plans.schedule.sequence
     params = sum(_round(p.numel() * p.element_size()) for p in model.parameters()
                  if p.numel() * p.element_size() >= ALIGN)
     stats = e.stats()
     print(json.dumps({
-        "marks": marks, "budget": e.budget, "planned": stats["last_planned"], "plans": stats["plans"],
+        "marks": marks, "budget": e._mem.budget, "planned": stats["last_planned"], "plans": stats["plans"],
         "bytes_moved": stats["bytes_in"] + stats["bytes_out"],
         # Every variable of the step at most once in the file, plus the room the first optimizer
         # step reserves for state it has not created yet (two tensors per parameter, Adam-like).
@@ -161,16 +161,14 @@ def one_thread():
 @pytest.mark.timeout(120)
 def test_two_engines_in_one_process_each_train_like_in_core(tmp_path, one_thread):
     """Two models, two engines, steps interleaved, each with its own tier, pool and plan."""
-    from ooc.engine import OutOfCore
+    from ooc.engine import Options, OutOfCore
     from test_reliability import CHUNK, assert_same, fresh, managed_peak, reference, run_step, state_of
 
     cnn, cnn_opt = fresh("adam")
     mlp, mlp_opt = fresh("adam", kind="mlp")
-    engines = [OutOfCore(cnn, cnn_opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK,
-                         min_bytes=4096, manage=ALL, storage=str(tmp_path)),
-               OutOfCore(mlp, mlp_opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, chunk=CHUNK,
-                         min_bytes=4096, manage=ALL, storage=str(tmp_path))]
-    assert engines[0].tier.directory != engines[1].tier.directory
+    engines = [OutOfCore(cnn, cnn_opt, budget=managed_peak("adam", ALL) // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(tmp_path)),
+               OutOfCore(mlp, mlp_opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(tmp_path))]
+    assert engines[0]._mem.tier.directory != engines[1]._mem.tier.directory
     for step in range(4):
         run_step(cnn, cnn_opt, step, engines[0])
         run_step(mlp, mlp_opt, step, engines[1])
@@ -187,7 +185,7 @@ def test_two_engines_in_one_process_each_train_like_in_core(tmp_path, one_thread
 def test_torch_thread_count_does_not_change_the_result(tmp_path, threads):
     """Under ``torch.set_num_threads(1)`` and the default, out of core matches in core run
     under the same setting, bit for bit."""
-    from ooc.engine import OutOfCore
+    from ooc.engine import Options, OutOfCore
 
     before = torch.get_num_threads()
     torch.set_num_threads(1 if threads == 1 else before)
@@ -200,10 +198,10 @@ def test_torch_thread_count_does_not_change_the_result(tmp_path, threads):
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         pm = MLP()
         with OutOfCore(pm, torch.optim.Adam(pm.parameters()), budget="1GiB",
-                       chunk=ALIGN, min_bytes=ALIGN, manage=ALL, storage=str(tmp_path)) as probe:
+                       options=Options(chunk=ALIGN, min_bytes=ALIGN), manage=ALL, storage=str(tmp_path)) as probe:
             _run(probe.model, probe.optimizer, 2, probe)
-            peak = probe.schedule.sequence.in_core_peak_bytes
-        e = OutOfCore(model, opt, budget=peak // 2, chunk=ALIGN, min_bytes=ALIGN, manage=ALL,
+            peak = probe._plans.schedule.sequence.in_core_peak_bytes
+        e = OutOfCore(model, opt, budget=peak // 2, options=Options(chunk=ALIGN, min_bytes=ALIGN), manage=ALL,
                       storage=str(tmp_path))
         ref_losses = _run(ref, ref_opt, 4)
         losses = _run(model, opt, 4, e)

@@ -4,7 +4,7 @@
 Each sample, in training mode: one step in core, then two inside ``OutOfCore`` (the
 recording step and a planned one) at the smallest budget that plans, against the same two
 steps in core (``db_steps.compare`` says how and why). The plan's choice is forced each
-way: swap only (``recompute=False``) and ``recompute="prefer"``, with activations managed
+way: swap only (``recompute="never"``) and ``recompute="prefer"``, with activations managed
 or every kind. A sample that fails in core (PyTorch's own sample does not run) is skipped
 with its reason.
 

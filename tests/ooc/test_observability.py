@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ooc.cli import main
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from test_engine import CHUNK, _data, _fresh, _loss, managed_peak
 
 
@@ -25,7 +25,7 @@ def _run(engine: OutOfCore, model: torch.nn.Module, steps: int) -> None:
 def trained(tmp_path_factory):
     model, opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 4
-    engine = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096)
+    engine = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096))
     _run(engine, model, 4)
     yield engine, model
     engine.close()
@@ -50,7 +50,7 @@ def test_timeline_has_compute_swap_and_wait_tracks_per_step(trained, tmp_path) -
 
 def test_timeline_before_any_step_is_a_clear_error(tmp_path) -> None:
     model, opt = _fresh("cnn", "sgd")
-    with OutOfCore(model, opt, budget="64MiB", chunk=CHUNK) as engine:
+    with OutOfCore(model, opt, budget="64MiB", options=Options(chunk=CHUNK)) as engine:
         with pytest.raises(Exception, match="no step has run yet"):
             engine.timeline(str(tmp_path / "t.json"))
 
@@ -58,11 +58,11 @@ def test_timeline_before_any_step_is_a_clear_error(tmp_path) -> None:
 def test_swaps_and_waits_show_up_in_the_pytorch_profiler() -> None:
     model, opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 4
-    with OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096) as engine:
+    with OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096)) as engine:
         _run(engine, model, 3)   # planned from here on
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _run(engine, model, 1)
-        assert engine.schedule.bytes_in > 0
+        assert engine._plans.schedule.bytes_in > 0
     names = {e.name for e in prof.events()}
     assert any(n.startswith("ooc.swap_in ") for n in names), sorted(n for n in names if "ooc" in n)
     assert any(n.startswith("ooc.swap_out ") for n in names)

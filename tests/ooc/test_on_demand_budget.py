@@ -55,8 +55,7 @@ def _train(opt: str, batches: list[int], budget: int | None, *,
     loss_fn = models.loss_fn("gpt2")
     engine = None
     if budget is not None:
-        engine = ooc.OutOfCore(model, optimizer, budget=budget, chunk=CHUNK, min_bytes=4096,
-                               manage=ALL)
+        engine = ooc.OutOfCore(model, optimizer, budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     if in_backward:
         update_in_backward(model, optimizer)   # after the engine's own hooks, which run first
     stats = []
@@ -123,7 +122,7 @@ def test_repro_sizes_from_the_report() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, y = models.example_batch("gpt2", 2, "cpu", **shape)
     budget = 9 << 20   # 4 x the 2 MiB embedding is the smallest plan, + 1 MiB
-    with ooc.OutOfCore(model, optimizer, budget=budget, chunk="256KiB", manage=ALL) as engine:
+    with ooc.OutOfCore(model, optimizer, budget=budget, options=ooc.Options(chunk="256KiB"), manage=ALL) as engine:
         stats = []
         for _ in range(4):
             with engine.step():
@@ -139,7 +138,7 @@ def test_working_set_over_budget_is_reported_not_hidden(caplog) -> None:
     the plan's verdict instead of carrying on as if it had fit."""
     model, optimizer = _model_and_optimizer("adam")
     budget = 256 << 10   # the 512 KiB embedding alone does not fit
-    engine = ooc.OutOfCore(model, optimizer, budget=budget, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = ooc.OutOfCore(model, optimizer, budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     x, y = _batch(0)
     with caplog.at_level(logging.WARNING, logger="ooc.runtime.stepper"):
         with pytest.raises(ooc.BudgetTooSmall):
@@ -157,7 +156,7 @@ def test_tensors_made_after_the_optimizer_step_are_handed_back() -> None:
     to make room (they are its state, most likely). One that turns out not to be state but
     that the caller still holds gets its bytes back when the step ends."""
     model, optimizer = _model_and_optimizer("adam")
-    engine = ooc.OutOfCore(model, optimizer, budget=BUDGET, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = ooc.OutOfCore(model, optimizer, budget=BUDGET, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     x, y = _batch(0)
     n = (BUDGET // 2) // 4   # float32 elements in half the budget: two do not fit together
     with engine.step():
@@ -186,7 +185,8 @@ def _vgg_run(policy: str | None, budget: int | str, steps: int = 3) -> tuple[dic
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     else:
-        with ooc.OutOfCore(model, optimizer, budget=budget, manage=ALL, policy=policy) as engine:
+        with ooc.OutOfCore(model, optimizer, budget=budget, manage=ALL) as engine:
+            engine._planner.policy = policy   # a research planner: not the API's (scheduler.plan's)
             for _ in range(steps):
                 with engine.step():
                     loss_fn(model(x), y).backward()

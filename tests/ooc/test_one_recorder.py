@@ -28,7 +28,7 @@ import torch
 
 import ooc
 from ooc import models
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from ooc.record.compare import canonical, first_difference
 from ooc.record.op_schema import op_info
 from scheduler.ir import Access, Kind
@@ -54,7 +54,7 @@ def _warm(model, opt, run):
 
 
 def _engine_recording(model, opt, run, manage=ALL, reload_state=False, **kw):
-    engine = OutOfCore(model, opt, budget="1GiB", manage=manage, **kw)
+    engine = OutOfCore(model, opt, budget="1GiB", manage=manage, options=Options(**kw))
     if reload_state:   # the engine manages state it sees loaded (not state that was there)
         opt.load_state_dict(opt.state_dict())
     try:
@@ -62,7 +62,7 @@ def _engine_recording(model, opt, run, manage=ALL, reload_state=False, **kw):
             run(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return engine.last_recording, engine.schedule, engine.chunk, engine.min_bytes
+        return engine.last_recording, engine._plans.schedule, engine._mem.chunk, engine._mem.min_bytes
     finally:
         engine.close()
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
-from ooc import OutOfCore
+from ooc import OutOfCore, Options
 from ooc.runtime import saved_tensors as saved_tensors_module, stepper as stepper_module
 from ooc.record.op_schema import OpInfo, op_info, tensors
 
@@ -82,8 +82,8 @@ def _planned(min_bytes: str, plain: bool = False) -> tuple[nn.Module, torch.opti
     plan's steps run plain (no op intercepted, ooc/runtime/plain_step.py); ``plain=False``
     keeps them on the per-op path, which is what a plan that moves bytes runs."""
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget="64MiB", chunk="8KiB", min_bytes=min_bytes)
-    engine.plain_steps = plain
+    engine = OutOfCore(model, opt, budget="64MiB", options=Options(chunk="8KiB", min_bytes=min_bytes))
+    engine._plans.hooked.enabled = plain
     for step in range(3):   # record, re-plan once SGD's momentum exists, planned
         _step(model, opt, engine, step)
     stats = engine.stats()
@@ -183,7 +183,7 @@ def test_a_plain_step_makes_a_python_call_per_saved_tensor_only() -> None:
     finally:
         sys.setprofile(None)
     stats = engine.stats()
-    assert stats["plain_steps"] == 2 and stats["last_diverged_at"] == -1
+    assert stats["steps.plain"] == 2 and stats["last_diverged_at"] == -1
     engine.close()
     assert calls["hooks"] == 2 * len(saved), (calls, len(saved))
     assert calls["other"] <= 100, f"{calls['other']} Python calls into ooc besides the hooks for {ops} ops"

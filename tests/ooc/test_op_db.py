@@ -6,7 +6,7 @@ Each sample becomes a module whose parameters are the sample's dense float input
 require grad (the others, indices and sparse tensors among them, are passed at each step),
 and trains as ``db_steps.compare`` says: one step in core, two inside ``OutOfCore`` at the
 smallest budget that plans, bitwise against the same steps in core. Each op's first sample
-runs swap only (``recompute=False``), its second ``recompute="prefer"``, with activations
+runs swap only (``recompute="never"``), its second ``recompute="prefer"``, with activations
 managed for every other op and every kind for the others (``OOC_DB_FULL=1``: both samples
 under all four settings). The samples are made from seed 0.
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from ooc.measure import update_in_backward
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
 
@@ -216,7 +216,7 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
     scaler = torch.amp.GradScaler("cpu", **SKIP_FIRST) if case.precision == "fp16" else None
     autocast = (torch.autocast("cpu", dtype=torch.float16 if case.precision == "fp16" else torch.bfloat16)
                 if case.precision != "fp32" else contextlib.nullcontext())
-    engine = (OutOfCore(model, opt, chunk=CHUNK, min_bytes=4096, **engine_kw)
+    engine = (OutOfCore(model, opt, options=Options(chunk=CHUNK, min_bytes=4096), **engine_kw)
               if engine_kw is not None else None)
     if case.in_backward:   # after the engine, as a user adds it to a loop that has one
         update_in_backward(model, opt)
@@ -256,7 +256,7 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
                 out["planned"].append(engine.stats()["last_planned"])
         if engine is not None:
             out["stats"] = engine.stats()
-            out["budget"] = engine.budget
+            out["budget"] = engine._mem.budget
     finally:
         if engine is not None:
             engine.close()
@@ -355,4 +355,4 @@ def test_outside_model_runs_plain_steps_bitwise_when_nothing_moves(name: str) ->
     got = _train(case, _model(name), {"budget": "4GiB"}, updates=updates)
     _assert_bitwise(ref, got, name)
     stats = got["stats"]
-    assert stats["plan.bytes_out"] == 0 and stats["plain_steps"] > 0, stats["plain_steps"]
+    assert stats["plan.bytes_out"] == 0 and stats["steps.plain"] > 0, stats["steps.plain"]

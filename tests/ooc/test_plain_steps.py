@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ooc import OOCError, OutOfCore
+from ooc import OOCError, OutOfCore, Options
 from ooc.runtime import stepper as stepper_module
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,7 +100,7 @@ def test_a_plan_that_moves_nothing_runs_plain_and_bitwise(monkeypatch, opt) -> N
         return on_op(self, func, args, kwargs)
 
     monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
-    with OutOfCore(model, o, budget="64MiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="64MiB", options=Options(chunk="64KiB")) as engine:
         stats = []
         for i in range(7):
             before = len(ops)
@@ -115,7 +115,7 @@ def test_a_plan_that_moves_nothing_runs_plain_and_bitwise(monkeypatch, opt) -> N
     assert stats[-1]["plan.variables"] > 0   # activations are managed; the plan keeps them
     plain = [s for s in stats if s["ops seen"] == 0]
     # record, re-plan once the optimizer's state exists, verify the plan: then plain
-    assert len(plain) >= 4 and stats[-1]["plain_steps"] == len(plain), [s["ops seen"] for s in stats]
+    assert len(plain) >= 4 and stats[-1]["steps.plain"] == len(plain), [s["ops seen"] for s in stats]
     assert all(s["last_planned"] and s["last_diverged_at"] == -1 for s in plain)
     first = stats.index(plain[0])   # the recording step wrote activations out; no plain step did
     assert (stats[-1]["bytes_out"], stats[-1]["bytes_in"]) == (stats[first - 1]["bytes_out"],
@@ -125,9 +125,9 @@ def test_a_plan_that_moves_nothing_runs_plain_and_bitwise(monkeypatch, opt) -> N
 
 def test_plain_steps_are_off_when_the_plan_moves_bytes() -> None:
     model, o = fresh("sgd")
-    with OutOfCore(model, o, budget="512KiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="512KiB", options=Options(chunk="64KiB")) as engine:
         stats = train(model, o, engine, 5)
-    assert stats[-1]["plan.bytes_out"] > 0 and stats[-1]["plain_steps"] == 0
+    assert stats[-1]["plan.bytes_out"] > 0 and stats[-1]["steps.plain"] == 0
 
 
 def test_a_larger_batch_in_a_plain_step_keeps_its_saved_bytes_near_the_budget() -> None:
@@ -140,16 +140,16 @@ def test_a_larger_batch_in_a_plain_step_keeps_its_saved_bytes_near_the_budget() 
     ref, ref_opt = fresh("sgd")
     train(ref, ref_opt, None, len(sizes), sizes)
     model, o = fresh("sgd")
-    with OutOfCore(model, o, budget="2MiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="2MiB", options=Options(chunk="64KiB")) as engine:
         stats = train(model, o, engine, len(sizes), sizes, hidden=True)
-    assert stats[3]["plain_steps"] >= 1 and stats[3]["plan.bytes_out"] == 0
+    assert stats[3]["steps.plain"] >= 1 and stats[3]["plan.bytes_out"] == 0
     big = stats[4]
-    assert big["plain_steps"] == stats[3]["plain_steps"] + 1   # it ran plain, and diverged
+    assert big["steps.plain"] == stats[3]["steps.plain"] + 1   # it ran plain, and diverged
     assert big["last_diverged_at"] >= 0 and not big["last_planned"]
     written, read = (big[k] - stats[3][k] for k in ("bytes_out", "bytes_in"))
     assert written > 0 and read == written
     assert big["resident_peak_bytes"] <= big["budget"]
-    assert stats[5]["last_planned"] == 0 and stats[5]["plain_steps"] == big["plain_steps"]  # records
+    assert stats[5]["last_planned"] == 0 and stats[5]["steps.plain"] == big["steps.plain"]  # records
     assert_same(ref, model)
 
 
@@ -158,9 +158,9 @@ def test_a_smaller_batch_diverges_without_writing_anything() -> None:
     ref, ref_opt = fresh("sgd")
     train(ref, ref_opt, None, len(sizes), sizes)
     model, o = fresh("sgd")
-    with OutOfCore(model, o, budget="8MiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="8MiB", options=Options(chunk="64KiB")) as engine:
         stats = train(model, o, engine, len(sizes), sizes, hidden=True)   # its shape unseen: see above
-    assert stats[4]["last_diverged_at"] >= 0 and stats[4]["plain_steps"] == stats[3]["plain_steps"] + 1
+    assert stats[4]["last_diverged_at"] >= 0 and stats[4]["steps.plain"] == stats[3]["steps.plain"] + 1
     assert stats[4]["bytes_out"] == stats[3]["bytes_out"]
     assert stats[-1]["last_planned"] and stats[-1]["last_diverged_at"] == -1
     assert_same(ref, model)
@@ -172,18 +172,18 @@ def test_a_plain_step_that_fails_is_rolled_back() -> None:
     ref, ref_opt = fresh("sgd")
     train(ref, ref_opt, None, 7, fail_at=4)
     model, o = fresh("sgd")
-    with OutOfCore(model, o, budget="8MiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="8MiB", options=Options(chunk="64KiB")) as engine:
         stats = train(model, o, engine, 7, fail_at=4)
-        assert stats[4]["plain_steps"] == stats[3]["plain_steps"] + 1   # the failed one was plain
+        assert stats[4]["steps.plain"] == stats[3]["steps.plain"] + 1   # the failed one was plain
         assert all(p.grad is None for p in model.parameters())
-    assert stats[-1]["plain_steps"] > stats[4]["plain_steps"]
+    assert stats[-1]["steps.plain"] > stats[4]["steps.plain"]
     assert_same(ref, model)
 
 
 def test_gradient_accumulation_runs_plain_in_both_starting_states() -> None:
     ref, ref_opt = fresh("sgd")
     model, o = fresh("sgd")
-    engine = OutOfCore(model, o, budget="8MiB", chunk="64KiB")
+    engine = OutOfCore(model, o, budget="8MiB", options=Options(chunk="64KiB"))
     for m, opt, e in ((ref, ref_opt, None), (model, o, engine)):
         for i in range(12):
             x, y = batch(i)
@@ -195,17 +195,17 @@ def test_gradient_accumulation_runs_plain_in_both_starting_states() -> None:
                     opt.zero_grad(set_to_none=True)
     stats = engine.stats()
     engine.close()
-    assert stats["plain_steps"] >= 4 and stats["last_diverged_at"] == -1
+    assert stats["steps.plain"] >= 4 and stats["last_diverged_at"] == -1
     assert_same(ref, model)
 
 
 def test_another_engine_inside_a_plain_step_is_refused() -> None:
     model, o = fresh("sgd")
     other, other_opt = fresh("sgd")
-    with OutOfCore(model, o, budget="8MiB", chunk="64KiB") as engine, \
-            OutOfCore(other, other_opt, budget="8MiB", chunk="64KiB") as inner:
+    with OutOfCore(model, o, budget="8MiB", options=Options(chunk="64KiB")) as engine, \
+            OutOfCore(other, other_opt, budget="8MiB", options=Options(chunk="64KiB")) as inner:
         train(model, o, engine, 5)
-        assert engine.stats()["plain_steps"] >= 1
+        assert engine.stats()["steps.plain"] >= 1
         with engine.step():
             with pytest.raises(OOCError, match="do not nest"):
                 with inner.step():
@@ -219,7 +219,7 @@ def test_save_on_cpu_inside_a_plain_step_is_refused_at_the_next_step() -> None:
     away from its guard, the step diverges, and the step after it (recorded through the
     dispatch mode) refuses them by name, as in any recorded step."""
     model, o = fresh("sgd")
-    with OutOfCore(model, o, budget="8MiB", chunk="64KiB") as engine:
+    with OutOfCore(model, o, budget="8MiB", options=Options(chunk="64KiB")) as engine:
         train(model, o, engine, 5)
         for i in range(2):
             x, y = batch(20 + i)
@@ -232,4 +232,4 @@ def test_save_on_cpu_inside_a_plain_step_is_refused_at_the_next_step() -> None:
                 break
         else:
             pytest.fail("save_on_cpu inside the step was never refused")
-        assert engine.stats()["plain_steps"] >= 2   # the first of the two ran plain
+        assert engine.stats()["steps.plain"] >= 2   # the first of the two ran plain

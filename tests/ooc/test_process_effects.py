@@ -44,7 +44,7 @@ LIFECYCLE = """
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
     out = {"before": state(opt)}
-    engine = ooc.OutOfCore(model, opt, budget="1MiB", chunk="64KiB", manage=MANAGE)
+    engine = ooc.OutOfCore(model, opt, budget="1MiB", manage=MANAGE, options=ooc.Options(chunk="64KiB"))
     out["created"] = state(opt)
     out["stats_created"] = engine.stats()
     for _ in range(3):
@@ -95,7 +95,7 @@ def test_two_engines_hold_the_effects_until_the_last_one_closes():
         from ooc.runtime import cpu_allocator, malloc
         def engine():
             model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-            e = ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1MiB", chunk="64KiB")
+            e = ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1MiB", options=ooc.Options(chunk="64KiB"))
             with e.step():
                 model(torch.randn(8, 64)).sum().backward()
                 e.optimizer_step()
@@ -116,7 +116,7 @@ def test_stats_are_flat_numbers_with_the_same_keys_before_and_after_steps():
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
-    with ooc.OutOfCore(model, opt, budget="256KiB", chunk="16KiB") as engine:
+    with ooc.OutOfCore(model, opt, budget="256KiB", options=ooc.Options(chunk="16KiB")) as engine:
         before = engine.stats()
         for _ in range(3):
             with engine.step():

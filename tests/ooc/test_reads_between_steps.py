@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import ooc
 import ooc.testing
 from test_reliability import ALL, CHUNK, batch, fresh, run_step
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,8 +51,7 @@ class _Pair:
         self.model, self.opt = fresh(opt, kind="mlp", depth=8)
         self.params = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
         self.budget = self.params // 2
-        self.engine = OutOfCore(self.model, self.opt, budget=self.budget, chunk=CHUNK, min_bytes=4096,
-                                manage=ALL, device=device)
+        self.engine = OutOfCore(self.model, self.opt, budget=self.budget, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, device=device)
         self.steps = 0
 
     def step(self) -> None:
@@ -63,7 +62,7 @@ class _Pair:
 
     def on_tier(self) -> set[str]:
         """What the engine holds on the tier now: "param", "grad", "optimizer_state"."""
-        return {s.kind.value for s in self.engine.persistent.values() if s.state.value == "host"}
+        return {s.kind.value for s in self.engine._store.slots.values() if s.state.value == "host"}
 
     def both(self):
         return ((self.ref, self.ref_opt), (self.model, self.opt))
@@ -239,7 +238,7 @@ def engine_gone() -> None:
     memory; one in memory reads as in core."""
     pair = _Pair()
     pair.step()
-    states = {s.name: s.state.value for s in pair.engine.persistent.values()}
+    states = {s.name: s.state.value for s in pair.engine._store.slots.values()}
     resident = next(n for n, st in states.items() if st == "resident")
     params = dict(pair.model.named_parameters())
     ref = dict(pair.ref.named_parameters())
@@ -249,7 +248,7 @@ def engine_gone() -> None:
         return opt.state[named[owner]][key] if key in ("exp_avg", "exp_avg_sq") else named[name]
 
     pair.step()
-    states = {s.name: s.state.value for s in pair.engine.persistent.values()}
+    states = {s.name: s.state.value for s in pair.engine._store.slots.values()}
     on_tier = "net.8.weight.exp_avg"
     assert states[on_tier] == "host" and states[resident] == "resident", states
     kept = [tensor(params, pair.opt, n) for n in (on_tier, resident)]

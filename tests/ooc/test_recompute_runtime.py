@@ -47,7 +47,7 @@ def _train(opt_name: str, steps: int = 4, *, make=None, data=None, chunk: str = 
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd"
            else torch.optim.Adam(model.parameters(), lr=1e-3))
     torch.manual_seed(1)   # dropout
-    engine = ooc.OutOfCore(model, opt, chunk=chunk, **engine_kw) if engine_kw else None
+    engine = ooc.OutOfCore(model, opt, options=ooc.Options(chunk=chunk), **engine_kw) if engine_kw else None
     losses = []
     try:
         for _ in range(steps):
@@ -57,7 +57,7 @@ def _train(opt_name: str, steps: int = 4, *, make=None, data=None, chunk: str = 
                 loss.backward()
                 opt.step()
             losses.append(loss.detach().clone())
-        out = {"stats": engine.stats() if engine else {}, "schedule": engine and engine.schedule}
+        out = {"stats": engine.stats() if engine else {}, "schedule": engine and engine._plans.schedule}
     finally:
         if engine is not None:
             engine.close()
@@ -106,15 +106,23 @@ def test_recomputed_training_is_bitwise_in_core(opt_name: str, budget: str, expe
 
 
 def test_swap_only_recomputes_nothing() -> None:
-    got = _train("sgd", budget="3MiB", recompute=False)
+    got = _train("sgd", budget="3MiB", recompute="never")
     _assert_bitwise(_reference("sgd"), got)
     assert not _chains(got["schedule"])
     assert got["stats"]["bytes_recomputed"] == 0 and got["stats"]["plan.bytes_recomputed"] == 0
 
 
-def test_recompute_takes_true_false_or_prefer() -> None:
+def test_recompute_takes_the_schedulers_words() -> None:
+    """"auto", "never", "prefer", as ``scheduler.plan`` and ``ooc plan --recompute``; the
+    booleans of 0.1 map to "auto" and "never" with a DeprecationWarning; anything else is
+    refused."""
     with pytest.raises(ooc.OOCError, match="recompute must be"):
         ooc.OutOfCore(_model(), budget="8MiB", recompute="always")
+    for old, word in ((True, "auto"), (False, "never")):
+        with pytest.warns(DeprecationWarning, match=f"recompute='{word}'"):
+            engine = ooc.OutOfCore(_model(), budget="8MiB", recompute=old)
+        assert engine._planner.recompute == word
+        engine.close()
 
 
 def test_a_chain_input_written_since_keeps_the_activation(monkeypatch) -> None:
@@ -246,7 +254,7 @@ def test_pins_keep_and_must_recompute_steer_the_plan_and_stay_bitwise() -> None:
     assert kept["stats"]["bytes_in"] + kept["stats"]["bytes_recomputed"] > 0   # others did leave
     assert not all(f <= {Op.FREE} for f in _fates(_train("sgd", budget="10MiB")["schedule"], "aten.convolution"))
     # BatchNorm outputs must be recomputed, even at a budget where nothing has to move
-    roomy = _train("sgd", budget="64MiB", recompute=True)
+    roomy = _train("sgd", budget="64MiB", recompute="auto")
     assert roomy["schedule"].bytes_recomputed == 0 and roomy["schedule"].bytes_in == 0
     must = _train("sgd", budget="64MiB",
                   pin=lambda op: CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.aten.native_batch_norm.default else None)

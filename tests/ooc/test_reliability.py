@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from ooc.errors import OOCError, StorageError
 from ooc.measure import update_in_backward
 from ooc.storage import FileTier
@@ -186,10 +186,10 @@ def managed_peak(opt: str, manage: tuple[str, ...], **kw) -> int:
     key = (opt, manage, tuple(sorted(kw.items())))
     if key not in _PEAK:
         model, o = fresh(opt, **kw)
-        with OutOfCore(model, o, budget="1GiB", chunk=CHUNK, min_bytes=4096, manage=manage) as e:
+        with OutOfCore(model, o, budget="1GiB", options=Options(chunk=CHUNK, min_bytes=4096), manage=manage) as e:
             for step in range(2):
                 run_step(model, o, step, e)
-            _PEAK[key] = e.schedule.sequence.in_core_peak_bytes
+            _PEAK[key] = e._plans.schedule.sequence.in_core_peak_bytes
     return _PEAK[key]
 
 
@@ -206,14 +206,14 @@ class Faults:
 
 def faulty_engine(model, opt, faults: Faults, storage, *, fraction: int = 4,
                   manage: tuple[str, ...] = ("activations",), verify: bool = False,
-                  opt_name: str = "adam", kind: str = "cnn", recompute: bool = True) -> OutOfCore:
+                  opt_name: str = "adam", kind: str = "cnn", recompute: str = "auto") -> OutOfCore:
     """An engine at ``1/fraction`` of the in-core managed peak whose tier has the fault hook
     (the engine's own tier is closed and replaced before any step)."""
     budget = managed_peak(opt_name, manage, kind=kind) // fraction
-    e = OutOfCore(model, opt, budget=budget, chunk=CHUNK, min_bytes=4096, manage=manage,
-                  storage=str(storage), verify=verify, recompute=recompute)
-    e.tier.close()
-    e.tier = FileTier(storage, threads=2, verify=verify, chunk_bytes=CHUNK, _fault=faults)
+    e = OutOfCore(model, opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096, verify=verify), manage=manage,
+                  storage=str(storage), recompute=recompute)
+    e._mem.tier.close()
+    e._mem.tier = FileTier(storage, threads=2, verify=verify, chunk_bytes=CHUNK, _fault=faults)
     return e
 
 
@@ -233,8 +233,8 @@ def disk_of(room: list[int]):
 
 def live_pool_allocations(engine: OutOfCore) -> int:
     gc.collect()
-    engine.pool.reap()
-    return engine.pool.stats()["allocations"]
+    engine._mem.pool.reap()
+    return engine._mem.pool.stats()["allocations"]
 
 
 def assert_storage_error_names_the_filesystem(err: StorageError, storage) -> None:
@@ -267,7 +267,7 @@ def test_full_disk_in_the_forward_fails_the_step_before_the_optimizer_and_a_retr
     assert re.search(r"swap-(out|in) of aten\.\w+\.\w+#\d+ \(activation", str(err.value)), str(err.value)
     assert_same(before, state_of(model, opt, e), "after the failed step")
     del err
-    assert live_pool_allocations(e) == 0 and e.tier.stats()["keys"] == 0, "transfers and pool released"
+    assert live_pool_allocations(e) == 0 and e._mem.tier.stats()["keys"] == 0, "transfers and pool released"
     faults.fn = None
     for step in (2, 3):
         run_step(model, opt, step, e)
@@ -292,7 +292,7 @@ def test_full_disk_with_managed_state_fails_before_the_update_then_room_again(tm
     x, y = batch(0)
     with e.step():
         F.cross_entropy(model(x), y).backward()
-        before_update = e.tier.stats()["file_bytes"]
+        before_update = e._mem.tier.stats()["file_bytes"]
         e.optimizer_step()
     e.close()
 
@@ -313,7 +313,7 @@ def test_full_disk_with_managed_state_fails_before_the_update_then_room_again(tm
     for step in range(3):
         run_step(model, opt, step, e)
         assert_same(ref[step], state_of(model, opt, e), f"step {step}")
-    room[0] = e.tier.stats()["file_bytes"]   # the disk is full now
+    room[0] = e._mem.tier.stats()["file_bytes"]   # the disk is full now
     for step in (3, 4):
         run_step(model, opt, step, e)
         assert e.stats()["last_planned"]
@@ -467,8 +467,7 @@ def test_the_commit_point_inside_the_backward_does_not_wait_for_transfers(monkey
     monkeypatch.setattr(PlanExecutor, "wait_for_transfers", spy)
     for inside in (False, True):
         model, opt = fresh(kind="mlp")
-        e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, chunk=CHUNK,
-                      min_bytes=4096, manage=ALL)
+        e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
         if inside:
             update_in_backward(model, opt)
         calls.clear()
@@ -499,8 +498,7 @@ def test_a_planned_step_reserves_its_writes_at_its_first_update_only(monkeypatch
 
     monkeypatch.setattr(FileTier, "reserve", spy)
     model, opt = fresh(kind="mlp")
-    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, chunk=CHUNK,
-                  min_bytes=4096, manage=ALL)
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL, kind="mlp") // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     update_in_backward(model, opt)
     updates = sum(p.requires_grad for p in model.parameters())
     per_step = []
@@ -531,7 +529,7 @@ def test_corrupted_swap_bytes_are_detected_and_named(tmp_path):
 
     def flip(op, key, offset, length):
         if op == "pread" and not flipped:   # the bytes on storage change before they are read
-            fd = os.open(f"/proc/self/fd/{e.tier._file.fd}", os.O_RDWR)
+            fd = os.open(f"/proc/self/fd/{e._mem.tier._file.fd}", os.O_RDWR)
             try:
                 b = os.pread(fd, 1, offset)
                 os.pwrite(fd, bytes([b[0] ^ 0x40]), offset)
@@ -546,7 +544,7 @@ def test_corrupted_swap_bytes_are_detected_and_named(tmp_path):
     msg = str(err.value)
     assert flipped and "corrupted" in msg and "CRC-32 mismatch" in msg, msg
     name = re.search(r"swap-in of (\S+) \(activation", msg).group(1)
-    assert name in {v.name for v in e.schedule.sequence.variables.values()}, name
+    assert name in {v.name for v in e._plans.schedule.sequence.variables.values()}, name
     assert_same(before, state_of(model, opt, e), "after the failed step")
     faults.fn = None
     for step in (2, 3):
@@ -574,7 +572,7 @@ def test_exception_in_the_step_rolls_back_and_training_continues(tmp_path, where
     ref = reference("adam", 5)
     for step in range(3):
         run_step(model, opt, step, e)
-    persistent_keys = e.tier.stats()["keys"]
+    persistent_keys = e._mem.tier.stats()["keys"]
     before = state_of(model, opt, e)
     model.fail = None if where == "loss" else where
     expected = {"forward": RuntimeError, "backward": RuntimeError, "loss": ValueError,
@@ -584,7 +582,7 @@ def test_exception_in_the_step_rolls_back_and_training_continues(tmp_path, where
     model.fail = None
     assert_same(before, state_of(model, opt, e), f"after a failure in the {where}")
     assert live_pool_allocations(e) == 0
-    assert e.tier.stats()["keys"] <= persistent_keys, "the failed step's activations left the tier"
+    assert e._mem.tier.stats()["keys"] <= persistent_keys, "the failed step's activations left the tier"
     for step in (3, 4):
         run_step(model, opt, step, e)
     assert_same(ref[4], state_of(model, opt, e), "after the failed step")
@@ -616,8 +614,7 @@ def test_failed_step_during_gradient_accumulation_names_the_partial_gradients(tm
 def test_keyboard_interrupt_leaves_no_thread_and_no_file(tmp_path):
     baseline = set(threading.enumerate())
     model, opt = fresh()
-    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
-                  manage=ALL, storage=str(tmp_path))
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(tmp_path))
     for step in range(2):
         run_step(model, opt, step, e)
     assert set(threading.enumerate()) > baseline, "the tier's I/O threads run"
@@ -643,8 +640,8 @@ _CHILD = textwrap.dedent("""
     if mode == "sigterm-exit":   # the user's choice: turn SIGTERM into SystemExit
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))
     model, opt = fresh()
-    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
-                  manage=ALL, storage=storage)
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, manage=ALL, storage=storage,
+                  options=Options(chunk=CHUNK, min_bytes=4096))
     for step in range(2):
         run_step(model, opt, step, e)
 
@@ -655,7 +652,7 @@ _CHILD = textwrap.dedent("""
                 fds.append(os.readlink(f"/proc/self/fd/{{fd}}"))
             except OSError:   # the descriptor listdir itself used
                 pass
-        inside = [f for f in fds if f.startswith(e.tier.directory + "/")]   # files, not the dir
+        inside = [f for f in fds if f.startswith(e._mem.tier.directory + "/")]   # files, not the dir
         print("ready", json.dumps(inside), flush=True)
         while True:
             time.sleep(0.05)
@@ -701,7 +698,7 @@ def test_killed_mid_step_leaves_no_swapped_bytes_and_the_next_engine_sweeps(tmp_
     left = os.listdir(storage)
     assert len(left) == 1 and left[0].startswith(PREFIX)
     model, opt = fresh()
-    e = OutOfCore(model, opt, budget="1MiB", chunk=CHUNK, storage=storage)
+    e = OutOfCore(model, opt, budget="1MiB", options=Options(chunk=CHUNK), storage=storage)
     assert left[0] not in os.listdir(storage), "the stale directory of the dead process is swept"
     e.close()
     assert os.listdir(storage) == []
@@ -732,7 +729,7 @@ _SIGINT_CHILD = textwrap.dedent("""
     model, opt = fresh()
     faults = Faults()
     # Swap only: the plan does not depend on measured op times, so the reads are the same each step.
-    e = faulty_engine(model, opt, faults, storage, manage=ALL, recompute=False)
+    e = faulty_engine(model, opt, faults, storage, manage=ALL, recompute="never")
     updating = []
     opt.register_step_pre_hook(lambda *a: updating.append(1))
     opt.register_step_post_hook(lambda *a: updating.clear())
@@ -828,8 +825,7 @@ def test_gradients_given_back_after_the_update_are_never_read_as_freed_memory(tm
     gradients None. Both read freed memory before (a segfault). The update itself is whole
     and training continues bitwise."""
     model, opt = fresh()
-    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
-                  manage=ALL, storage=str(tmp_path), recompute=False)
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(tmp_path), recompute="never")
     ref = reference("adam", 5)
     for step in range(2):
         run_step(model, opt, step, e)
@@ -864,7 +860,7 @@ def test_gradients_given_back_after_the_update_are_never_read_as_freed_memory(tm
 def test_budget_changes_between_steps_replan_and_stay_identical(tmp_path):
     model, opt = fresh()
     peak = managed_peak("adam", ALL)
-    e = OutOfCore(model, opt, budget=peak // 2, chunk=CHUNK, min_bytes=4096, manage=ALL,
+    e = OutOfCore(model, opt, budget=peak // 2, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL,
                   storage=str(tmp_path))
     ref = reference("adam", 8)
     budgets = {2: peak // 4, 4: peak * 2, 6: peak // 3}
@@ -875,7 +871,7 @@ def test_budget_changes_between_steps_replan_and_stay_identical(tmp_path):
         run_step(model, opt, step, e)
         if step in budgets:
             assert e.stats()["plans"] > plans and e.stats()["budget"] == budgets[step]
-            assert e.schedule.budget == budgets[step]
+            assert e._plans.schedule.budget == budgets[step]
         assert_same(ref[step], state_of(model, opt, e), f"step {step}")
     assert e.stats()["plan.peak_resident_bytes"] <= peak // 3
     e.close()
@@ -898,7 +894,7 @@ def test_budget_units_are_distinct_and_both_valid(tmp_path):
     ({"budget": ""}, "not a size"), ({"budget": "1 GiBs"}, "not a size"),
     ({"budget": "1GiB", "chunk": 0}, "chunk: must be"), ({"budget": "1GiB", "chunk": "1000"}, "granularity"),
     ({"budget": "1GiB", "window": -1}, "window: must be"), ({"budget": "1GiB", "min_bytes": "lots"}, "not a size"),
-    ({"budget": "1GiB", "threads": 0}, "threads must be"), ({"budget": "1GiB", "policy": "lru"}, "policy"),
+    ({"budget": "1GiB", "threads": 0}, "threads must be"),
     ({"budget": "1GiB", "manage": "everything"}, "unknown kind"),
 ])
 def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
@@ -907,19 +903,20 @@ def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     model, opt = fresh()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     threads = set(threading.enumerate())
+    options = {k: bad.pop(k) for k in ("chunk", "window", "min_bytes", "threads") if k in bad}
     with pytest.raises(OOCError, match=words):
-        OutOfCore(model, opt, storage=str(tmp_path), manage=bad.pop("manage", ALL), **bad)
+        OutOfCore(model, opt, storage=str(tmp_path), manage=bad.pop("manage", ALL), options=Options(**options), **bad)
     assert os.listdir(tmp_path) == [] and set(threading.enumerate()) <= threads
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
 
 
 def test_bad_budget_in_set_budget_keeps_the_old_one(tmp_path):
     model, opt = fresh()
-    with OutOfCore(model, opt, budget="1MiB", chunk=CHUNK, storage=str(tmp_path)) as e:
+    with OutOfCore(model, opt, budget="1MiB", options=Options(chunk=CHUNK), storage=str(tmp_path)) as e:
         for bad in (0, -1, "x", "1 KiB"):
             with pytest.raises(OOCError):
                 e.set_budget(bad)
-        assert e.budget == 1 << 20
+        assert e._mem.budget == 1 << 20
         run_step(model, opt, 0, e)
 
 
@@ -957,8 +954,7 @@ def test_data_dependent_branch_diverges_and_stays_identical(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     branches = [bool(batch(s)[0].mean() > 0) for s in range(8)]
     assert len(set(branches)) == 2, "the data must take both branches"
-    e = OutOfCore(model, opt, budget=managed_peak("sgd", ALL) // 2, chunk=CHUNK, min_bytes=4096,
-                  manage=ALL, storage=str(tmp_path))
+    e = OutOfCore(model, opt, budget=managed_peak("sgd", ALL) // 2, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(tmp_path))
     diverged = 0
     for step in range(8):
         run_step(ref, ref_opt, step)
@@ -1006,7 +1002,7 @@ def test_activation_held_by_the_user_across_steps_stays_correct(tmp_path):
         return state_of(model, opt), reads
 
     ref_state, ref_reads = train(None)
-    state, reads = train({"budget": managed_peak("adam", ALL) // 4, "chunk": CHUNK, "min_bytes": 4096,
+    state, reads = train({"budget": managed_peak("adam", ALL) // 4, "options": Options(chunk=CHUNK, min_bytes=4096),
                           "manage": ALL, "storage": str(tmp_path)})
     assert_same(ref_state, state, "holding an activation")
     assert len(reads) == len(ref_reads) == 4

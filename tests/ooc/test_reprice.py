@@ -1,5 +1,5 @@
 """A CPU plan is priced again on the fastest op times of its first planned steps
-(ooc/engine/planning.py): the recording step's are too high to price recompute on (cold
+(scheduler/step_plans.py): the recording step's are too high to price recompute on (cold
 memory, transfers on demand), and one planned step's are as noisy as the host."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import ooc
-from ooc.engine.planning import Planning, priced_seconds
+from ooc.engine.planning import Planner
+from ooc.runtime.stepper import Stepper
+from scheduler.step_plans import priced_seconds
 from scheduler.ir import Cost, Function, Kind, Use, Access, Variable, VariableSequence
 
 X, Y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 10
@@ -45,7 +47,7 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(1)   # dropout
-    engine = ooc.OutOfCore(model, opt, chunk="256KiB", **engine_kw) if engine_kw else None
+    engine = ooc.OutOfCore(model, opt, options=ooc.Options(chunk="256KiB"), **engine_kw) if engine_kw else None
     plans = []   # the plan each step started with
     try:
         for _ in range(steps):
@@ -54,7 +56,7 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
                 nn.functional.cross_entropy(model(X), Y).backward()
                 opt.step()
             if engine:
-                plans.append(engine.plans.get(engine._guess(engine._start_key()), (None,))[0])
+                plans.append(engine._plans.plan_of(engine._plans.guess(engine._store.start_key())))
     finally:
         if engine:
             engine.close()
@@ -63,29 +65,30 @@ def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
 
 def _slow_recordings(monkeypatch) -> None:
     """Every recording step's ops look 1000x slower than they ran when its plan is made."""
-    real = Planning._replan
+    real = Planner._facts
 
-    def cold(self, st):
-        st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
-        return real(self, st)
+    def cold(self, st, report):
+        if isinstance(st, Stepper) and not report.kept_plan:   # what the scheduler plans from
+            st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
+        return real(self, st, report)
 
-    monkeypatch.setattr(Planning, "_replan", cold)
+    monkeypatch.setattr(Planner, "_facts", cold)
 
 
 def _planned_runs(monkeypatch, scale) -> None:
     """The k-th planned run's op times, as re-pricing reads them, are ``scale(k)`` times what
     they measured: the host's load during the suite must not decide what the plan recomputes
     (on a loaded host the real times made no chain pay, and re-pricing rightly kept the plan)."""
-    real = Planning._reprice
+    real = Planner._facts
     runs = []
 
-    def scaled(self, st):
-        if st.planned:
+    def scaled(self, st, report):
+        if isinstance(st, Stepper) and report.kept_plan:   # what the scheduler prices again on
             st.rec.seconds[:] = [t * scale(len(runs)) for t in st.rec.seconds]
             runs.append(st)
-        return real(self, st)
+        return real(self, st, report)
 
-    monkeypatch.setattr(Planning, "_reprice", scaled)
+    monkeypatch.setattr(Planner, "_facts", scaled)
 
 
 def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
@@ -126,7 +129,7 @@ def test_the_fastest_of_several_planned_runs_prices_the_plan(monkeypatch) -> Non
 
 
 def test_swap_only_and_a_plan_that_moves_nothing_are_kept() -> None:
-    _, _, plans = _train(4, budget="8MiB", recompute=False)
+    _, _, plans = _train(4, budget="8MiB", recompute="never")
     assert plans[1] is plans[3] and plans[3].bytes_recomputed == 0   # not re-priced: prices change no swap-only plan
     _, _, plans = _train(4, budget="1GiB")
     assert plans[1] is plans[3] and plans[3].bytes_in == 0

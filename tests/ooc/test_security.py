@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from ooc.errors import StorageError
 from ooc.storage import private_dir
 from test_reliability import ALL, CHUNK, fresh, managed_peak, run_step
@@ -34,8 +34,7 @@ ALLOWED = {Path("ooc/frag/safe_pickle.py")}   # the allow-listing unpickler
 
 def _engine(storage, **kw) -> tuple[OutOfCore, torch.nn.Module, torch.optim.Optimizer]:
     model, opt = fresh()
-    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, chunk=CHUNK, min_bytes=4096,
-                  manage=ALL, storage=str(storage), **kw)
+    e = OutOfCore(model, opt, budget=managed_peak("adam", ALL) // 4, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL, storage=str(storage), **kw)
     return e, model, opt
 
 
@@ -51,12 +50,12 @@ def test_swap_file_is_0600_unlinked_in_a_0700_directory_whatever_the_umask(tmp_p
     for step in range(2):
         run_step(model, opt, step, e)
     assert e.stats()["bytes_out"] > 0, "the test needs bytes on the tier"
-    private = Path(e.tier.directory)
+    private = Path(e._mem.tier.directory)
     assert private.parent == tmp_path and private.name.startswith(private_dir.PREFIX)
     st = os.lstat(private)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
     assert os.listdir(private) == [], "the swap file has no name"
-    fds = [e.tier._file.fd] + ([e.tier._file.direct_fd] if e.tier._file.direct_fd is not None else [])
+    fds = [e._mem.tier._file.fd] + ([e._mem.tier._file.direct_fd] if e._mem.tier._file.direct_fd is not None else [])
     for fd in fds:
         fst = os.fstat(fd)
         assert stat.S_ISREG(fst.st_mode) and stat.S_IMODE(fst.st_mode) == 0o600, oct(fst.st_mode)
@@ -76,7 +75,7 @@ def _refused(storage, words: str) -> None:
     model, opt = fresh()
     before = set(os.listdir(os.path.dirname(os.path.abspath(storage))))
     with pytest.raises(StorageError, match=words):
-        OutOfCore(model, opt, budget="1MiB", chunk=CHUNK, storage=str(storage))
+        OutOfCore(model, opt, budget="1MiB", options=Options(chunk=CHUNK), storage=str(storage))
     assert set(os.listdir(os.path.dirname(os.path.abspath(storage)))) == before
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ooc import OutOfCore
+from ooc import Options, OutOfCore
 from scheduler.chunk_size import UNMANAGED_SHARE
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,7 +108,7 @@ def _in_core() -> list[dict[str, torch.Tensor]]:
 def _train(budget: int, steps: int, reference: list[dict[str, torch.Tensor]],
            **engine_kw) -> tuple[OutOfCore, list[dict]]:
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget=budget, **engine_kw)
+    engine = OutOfCore(model, opt, budget=budget, options=Options(**engine_kw))
     return engine, _steps(engine, model, range(steps), reference)
 
 
@@ -144,7 +144,7 @@ def test_explicit_chunk_or_min_bytes_keeps_the_old_behaviour(fixed, saved, refer
     of the saved activations nothing moves. Given either one, it stays so."""
     budget = sum(saved) // 4
     engine, stats = _train(budget, 2, reference, **fixed)
-    assert (engine.chunk, engine.min_bytes) == (2 * MiB, MiB)
+    assert (engine._mem.chunk, engine._mem.min_bytes) == (2 * MiB, MiB)
     assert stats[-1]["bytes_out"] == 0 and stats[-1]["bytes_in"] == 0
     engine.close()
 
@@ -158,7 +158,7 @@ def test_default_chunk_adapts_and_meets_a_quarter_budget(saved, reference, caplo
     assert budget >= 2 * MiB   # the old default accepted this budget (one 2 MiB chunk)
     with caplog.at_level(logging.INFO, logger="ooc.engine"):
         engine, stats = _train(budget, STEPS, reference)
-    assert engine.chunk < 2 * MiB and engine.min_bytes == engine.chunk // 2
+    assert engine._mem.chunk < 2 * MiB and engine._mem.min_bytes == engine._mem.chunk // 2
     assert any("the next step records again" in r.message for r in caplog.records)
     last = stats[-1]
     assert last["bytes_out"] > 0 and last["bytes_in"] > 0, "a quarter budget must move bytes"
@@ -166,8 +166,8 @@ def test_default_chunk_adapts_and_meets_a_quarter_budget(saved, reference, caplo
     assert last["plan.bytes_out"] > 0
     for s in stats:
         assert s["resident_peak_bytes"] <= budget, s
-    outside = sum(n for n in saved if n < engine.min_bytes)
-    assert outside <= budget // UNMANAGED_SHARE, (outside, engine.min_bytes)
+    outside = sum(n for n in saved if n < engine._mem.min_bytes)
+    assert outside <= budget // UNMANAGED_SHARE, (outside, engine._mem.min_bytes)
     engine.close()
 
 
@@ -176,7 +176,7 @@ def test_a_budget_under_two_mib_is_accepted_with_the_default_chunk(saved, refere
     at the largest power of two within the budget."""
     budget = 3 * MiB // 2
     engine, stats = _train(budget, 3, reference)
-    assert engine.chunk <= MiB
+    assert engine._mem.chunk <= MiB
     assert all(s["resident_peak_bytes"] <= budget for s in stats)
     assert stats[-1]["bytes_out"] > 0
     engine.close()
@@ -189,12 +189,12 @@ def test_set_budget_chooses_the_chunk_again(saved, reference) -> None:
     model, opt = _fresh()
     engine = OutOfCore(model, opt, budget=4 * sum(saved))
     stats = _steps(engine, model, range(2), reference)
-    assert engine.chunk == 2 * MiB and stats[-1]["bytes_out"] == 0
+    assert engine._mem.chunk == 2 * MiB and stats[-1]["bytes_out"] == 0
     budget = 3 * MiB // 2
     engine.set_budget(budget)
-    start = engine.chunk
+    start = engine._mem.chunk
     stats = _steps(engine, model, range(2, STEPS + 1), reference)
-    assert start <= MiB and engine.chunk < start
+    assert start <= MiB and engine._mem.chunk < start
     assert stats[-1]["plan.bytes_out"] > 0 and stats[-1]["last_planned"]
     assert all(s["resident_peak_bytes"] <= budget for s in stats)
     engine.close()
@@ -211,7 +211,7 @@ def test_on_the_cuda_path_the_vmm_granularity_is_the_floor(granularity, saved, r
     with ooc.testing.fake_cuda(granularity=granularity) as driver:
         with caplog.at_level(logging.WARNING, logger="ooc.engine"):
             engine, stats = _train(budget, 3, reference, device="cuda")
-        chunk = engine.chunk
+        chunk = engine._mem.chunk
         engine.close()
     assert driver.violations == []
     assert chunk % granularity == 0 and chunk >= granularity

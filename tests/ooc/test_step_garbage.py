@@ -40,9 +40,9 @@ def test_a_finished_step_is_freed_without_the_cycle_collector(budget: str) -> No
         stats = engine.stats()
         assert stats["steps"] == 5
         if budget == "24MiB":   # the case is what it says: planned steps that move bytes
-            assert stats["bytes_in"] > 0 and stats["plain_steps"] == 0
+            assert stats["bytes_in"] > 0 and stats["steps.plain"] == 0
         else:
-            assert stats["plain_steps"] > 0
+            assert stats["steps.plain"] > 0
     finally:
         if enabled:
             gc.enable()

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 from test_reliability import CHUNK, ALL, _one_torch_thread, assert_same, state_of  # noqa: F401
 
 BUDGET = 4 << 20
@@ -55,7 +55,7 @@ def train_step(model, opt, step: int, engine: OutOfCore | None = None) -> None:
 def test_an_update_over_the_budget_fails_before_it_changes_anything() -> None:
     model, opt = fresh()
     before = state_of(model, opt)
-    engine = OutOfCore(model, opt, budget=BUDGET, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     with pytest.raises(ooc.BudgetTooSmall) as err:
         train_step(model, opt, 0, engine)
     e = err.value
@@ -71,7 +71,7 @@ def test_an_update_over_the_budget_fails_before_it_changes_anything() -> None:
     # The minimum it names is a budget that works: within it, bitwise as in core.
     ref_model, ref_opt = fresh()
     model, opt = fresh()
-    engine = OutOfCore(model, opt, budget=e.minimum, chunk=CHUNK, min_bytes=4096, manage=ALL)
+    engine = OutOfCore(model, opt, budget=e.minimum, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
     for step in range(3):
         train_step(ref_model, ref_opt, step)
         train_step(model, opt, step, engine)

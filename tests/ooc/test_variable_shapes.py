@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ooc
-from ooc.engine import OutOfCore
+from ooc.engine import Options, OutOfCore
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 
@@ -38,7 +38,7 @@ def _train(lengths: list[int], engine_kw: dict | None, *, before=lambda x: x,
     step before the model's forward; the losses, each step's parameters, and (under the
     engine) each step's stats."""
     model, opt = _model()
-    engine = OutOfCore(model, opt, chunk="16KiB", min_bytes=4096, **engine_kw) if engine_kw else None
+    engine = OutOfCore(model, opt, options=Options(chunk="16KiB", min_bytes=4096), **engine_kw) if engine_kw else None
     if engine is not None:
         setup(engine)
     losses, params, stats = [], [], []
@@ -84,7 +84,7 @@ def test_each_shape_keeps_its_plan_and_its_steps_run_planned(case: str) -> None:
     kw = {"budget": "1MiB", "manage": ALL if case == "all-managed" else ("activations",)}
 
     def per_op_only(e: OutOfCore) -> None:
-        e.plain_steps = e.anchored_steps = False
+        e._plans.hooked.enabled = False
 
     before = (lambda x: x[:, 1:]) if case == "views-before-forward" else (lambda x: x)
     lengths = [n + 1 for n in LENGTHS] if case == "views-before-forward" else LENGTHS
@@ -99,7 +99,7 @@ def test_each_shape_keeps_its_plan_and_its_steps_run_planned(case: str) -> None:
     assert stats[-1]["plans_kept"] == 3
     assert max(s["plan.bytes_out"] for s in stats) > 0, "the plans must move bytes"
     if case in ("all-forms", "views-before-forward"):
-        assert stats[-1]["plain_steps"] > 0 and stats[-1]["anchored_steps"] > 0, stats[-1]
+        assert stats[-1]["steps.plain"] > 0 and stats[-1]["steps.anchored"] > 0, stats[-1]
 
 
 def test_plans_are_bounded_least_recently_used_out() -> None:
@@ -109,7 +109,7 @@ def test_plans_are_bounded_least_recently_used_out() -> None:
     ref = _train(lengths, None)
 
     def two(e: OutOfCore) -> None:
-        e.max_plans = 2
+        e._plans.max_plans = 2
 
     got = _train(lengths, {"budget": "1MiB"}, setup=two)
     _assert_bitwise(ref, got)
@@ -148,7 +148,7 @@ def test_shapes_compose_with_the_start_state() -> None:
     def run(engine: OutOfCore | None) -> tuple[list, list]:
         model, opt = _model()
         if engine is not None:
-            engine = OutOfCore(model, opt, budget="1MiB", chunk="16KiB", min_bytes=4096)
+            engine = OutOfCore(model, opt, budget="1MiB", options=Options(chunk="16KiB", min_bytes=4096))
         losses, planned = [], []
         for step in range(16):
             x = _batch(step, (32, 16)[step // 2 % 2])

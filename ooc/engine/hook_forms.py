@@ -1,0 +1,139 @@
+"""Hook-driven forms of a plan: the engine out of the way of the ops.
+
+A planned step runs every aten op through the engine's dispatch mode, which costs time per op
+whether or not the plan acts there (GPT 6x256 b8 on this CPU: ~70 ms of a 0.6 s step). With
+activations managed only, on a CPU, a plan can run at the saved-tensor hooks alone
+(``ooc/runtime/anchored_step.py``), once a planned per-op step kept to it and showed where its
+hooks ran:
+
+- a plan that moves nothing (the budget holds the whole step) runs with no action at all: its
+  verified step noted what autograd saved (``Stepper.signature``), and the later steps compare
+  their saves with it (``plain`` in the stats). On small models PyTorch's Python dispatch by
+  itself cost more than the 5% an engine that moves nothing may add;
+- a plan that swaps (and does not recompute) is moved to the anchors its step's hook trace
+  gives (``scheduler.anchors.anchor``), for a budget the scheduler lowers until ``check``
+  proves the moved plan within the real one (``scheduler.anchoring.anchor_within_budget``);
+  then anchored and per-op steps take turns on trial, and the scheduler's rule keeps the
+  faster (``scheduler.anchoring.judge``).
+
+A step of either form that leaves its plan is finished synchronously, and the engine records
+and plans again, as after any step that diverged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Hashable
+
+from ooc.runtime.anchored_step import AnchoredStep
+from ooc.runtime.hook_trace import HookTrace
+from scheduler.anchoring import judge
+from scheduler.schedule import Schedule
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class HookPlan:
+    """A plan's hook-driven form: ``moved``, the plan its steps run (the plan itself when it
+    moves nothing; None: it has none within the budget), the hook trace it was made from, and
+    its trial (step times of the anchored form and of the per-op plan, taken in turn, then
+    ``kept`` or ``rejected``). A plan that moves nothing has no trial: it is kept."""
+
+    plan: Schedule
+    moved: Schedule | None
+    trace: HookTrace
+    trial: list[float] = dataclasses.field(default_factory=list)
+    per_op: list[float] = dataclasses.field(default_factory=list)
+    kept: bool = False
+    rejected: bool = False
+
+    def judge(self) -> bool:
+        """Decide once both sides ran their trial (``scheduler.anchoring.judge``). Returns
+        whether it decided now."""
+        if self.kept or self.rejected or self.moved is None:
+            return False
+        verdict = judge(self.trial, self.per_op, moved=_moved(self.moved), planned=_moved(self.plan))
+        if verdict is None:
+            return False
+        self.kept, self.rejected = verdict, not verdict
+        return True
+
+
+class HookForms:
+    """The hook-driven form of each plan key that has one (or was refused one). ``enabled``:
+    whether the engine may run such steps at all (``Options.hook_steps``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._entries: dict[Hashable, HookPlan] = {}
+
+    def get(self, key: Hashable) -> HookPlan | None:
+        return self._entries.get(key)
+
+    def drop(self, key: Hashable) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def add(self, key: Hashable, entry: HookPlan) -> None:
+        self._entries[key] = entry
+        if entry.moved is not None and entry.moved is not entry.plan:
+            plan, moved, trace = entry.plan, entry.moved, entry.trace
+            log.info("anchored plan: %d anchors, %s in, %s out per step, peak %s (per-op plan: %s in, %s out, "
+                     "%s recomputed); on trial", len(trace.gaps()), format_size(moved.bytes_in),
+                     format_size(moved.bytes_out), format_size(moved.peak_resident_bytes),
+                     format_size(plan.bytes_in), format_size(plan.bytes_out), format_size(plan.bytes_recomputed))
+
+    def step(self, key: Hashable, schedule: Schedule | None, make: Callable[..., AnchoredStep]) -> AnchoredStep | None:
+        """The hook-driven step for ``key``'s plan ``schedule``, if it has one and its turn
+        is now (on trial, the turns alternate: the per-op plan's turn gives None)."""
+        entry = self._entries.get(key)
+        if (entry is None or entry.moved is None or entry.plan is not schedule or entry.rejected
+                or not self.enabled):
+            return None
+        if not entry.kept and len(entry.trial) > len(entry.per_op):
+            return None   # on trial: the per-op plan's turn
+        return make(entry.plan, entry.moved, entry.trace)
+
+    def per_op_ran(self, key: Hashable, schedule: Schedule, seconds: float) -> bool:
+        """A planned per-op step of ``schedule`` kept to it: its time, on trial. Returns
+        whether ``key`` has an entry for this plan (nothing more to note)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.plan is not schedule:
+            return False
+        entry.per_op.append(seconds)
+        self._log_judged(entry)
+        return True
+
+    def hook_ran(self, st: AnchoredStep, seconds: float) -> None:
+        """After a hook-driven step that kept to its plan: its time, while on trial, if it did
+        what the per-op steps it is timed against did (the update, or not). One that ran an
+        update its trace's step did not (gradient accumulation: the plan was made from a
+        micro-batch) ran ops no plan has proven: the per-op path takes that state back, and its
+        next update step diverges there and plans from a step that updates."""
+        entry = self._entries.get(st.start_key)
+        if entry is None or entry.plan is not st.schedule or entry.moved is entry.plan:
+            return   # (a plan that moves nothing: kept, no trial; saves alone guard it)
+        if st.updated and entry.trace.update is None:   # no anchored form for this plan any more
+            entry.moved, entry.kept = None, False
+            log.info("an anchored step ran an update its plan's step did not: back to the per-op path")
+        elif not entry.kept and st.updated == (entry.trace.update is not None):
+            entry.trial.append(seconds)
+            self._log_judged(entry)
+
+    @staticmethod
+    def _log_judged(entry: HookPlan) -> None:
+        if entry.judge():
+            log.info("anchored steps %s: fastest %.3f s against the per-op plan's %.3f s",
+                     "kept" if entry.kept else "rejected", min(entry.trial), min(entry.per_op))
+
+
+def _moved(schedule: Schedule) -> int:
+    return schedule.bytes_in + schedule.bytes_out
+
+
+__all__ = ["HookForms", "HookPlan"]

@@ -1,0 +1,41 @@
+"""The budget and where managed bytes live: what the engine's parts share, and nothing else.
+
+The engine (``out_of_core.py``) is composed of parts that each own their state: the persistent
+store (``persistent.py``), the plan cache (``plan_cache.py``), the planner's adapter
+(``planning.py``), the update guard (``update_hooks.py``), the step's end (``step_end.py``)
+and its book (``step_book.py``). What they all read is here, made once by the engine and
+handed to each at construction: the budget and chunk change only between steps
+(``OutOfCore.set_budget``, the adaptive chunk, both through ``planning.Planner``), and a new
+chunk brings a new pool, which every part then finds here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ooc.engine.lifetime import Held
+from ooc.runtime.pool import DevicePool
+from ooc.storage.tier import SlowerTier
+
+
+@dataclass(eq=False)
+class EngineMemory:
+    """The device, the budget and its pool, the slower tier, and the byte counters that
+    every transfer adds to (``bytes_in``, ``bytes_out``, ``bytes_recomputed``,
+    ``recompute_s``: the steps' ``StepContext`` shares them)."""
+
+    device: torch.device
+    budget: int                  # bytes of managed device memory
+    chunk: int                   # the pool's chunk
+    min_bytes: int               # storages below this stay with PyTorch
+    tier: SlowerTier             # where swapped-out bytes live
+    pool: DevicePool             # the budget's device memory
+    held: Held                   # what a collected engine lets go of (follows the pool)
+    counters: Counter = field(default_factory=Counter)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"

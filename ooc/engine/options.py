@@ -1,0 +1,82 @@
+"""``ooc.Options``: the engine's advanced knobs, in one object.
+
+``OutOfCore`` takes what most training scripts set (model, optimizer, budget, device, what to
+manage, recomputation, pins, where the swap file goes); everything else has a default that
+adapts or measured well, and lives here, as ``torch.utils.checkpoint``'s rarely used flags
+would: one frozen object, validated once, printed whole.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ooc.errors import OOCError
+from vmm.units import parse_size
+
+RECOMPUTE = ("auto", "never", "prefer")   # OutOfCore(recompute=...): the scheduler's words
+MAX_PLANS = 16   # plans kept (start x shape), least recently used out (ooc/engine/plan_cache.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Advanced settings of ``ooc.OutOfCore`` (``options=ooc.Options(...)``).
+
+    Args:
+        chunk: physical chunk size of the device pool, bytes or a size string. Default
+            (None): it adapts. The engine starts at 2 MiB (on the CPU, at most the budget
+            rounded down to a power of two), and after its first recording step, if the
+            activations it saved exceed the budget and those under half a chunk (left to
+            PyTorch) take more than an eighth of it, it halves the chunk until they do not,
+            down to the page size on the CPU (the VMM granularity, 2 MiB, on a GPU: there it
+            warns instead), and records again (``scheduler/chunk_size.py``). Given (or with
+            ``min_bytes``), it is fixed.
+        min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2, and it
+            adapts with the default chunk).
+        window: the planner's prefetch window in bytes or a size string (default: the
+            scheduler's).
+        threads: I/O threads of the CPU swap file (default 2: on a 2-core host more threads
+            take compute from the ops).
+        verify: checksum swapped bytes and raise ``StorageError`` on corruption.
+        hook_steps: let a plan that moves nothing, or only swaps, run without intercepting
+            ops, at autograd's saved-tensor hooks (``steps.plain``, ``steps.anchored`` in
+            ``stats()``). False: every planned step runs per op (to measure that path).
+        max_plans: plans kept, per start state and step shape, least recently used out.
+
+    Example::
+
+        engine = ooc.OutOfCore(model, opt, budget="256MiB", options=ooc.Options(chunk="64KiB"))
+    """
+
+    chunk: int | str | None = None
+    min_bytes: int | str | None = None
+    window: int | str | None = None
+    threads: int = 2
+    verify: bool = False
+    hook_steps: bool = True
+    max_plans: int = MAX_PLANS
+
+    def __post_init__(self) -> None:
+        for name in ("chunk", "min_bytes", "window"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value, what=name))
+        for name in ("threads", "max_plans"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OOCError(f"Options.{name} must be a positive int, got {value!r}")
+
+
+def recompute_word(recompute: Any) -> str:
+    """The scheduler's word for ``recompute``. The booleans of ooc 0.1 still work, with a
+    DeprecationWarning: True was "auto", False "never" (unambiguous, so a script written for
+    0.1 keeps its plans for one more release)."""
+    if recompute is True or recompute is False:
+        word = "auto" if recompute else "never"
+        warnings.warn(f"OutOfCore(recompute={recompute}) is deprecated: use recompute={word!r} "
+                      "(the scheduler's words: 'auto', 'never', 'prefer')", DeprecationWarning, stacklevel=3)
+        return word
+    if recompute not in RECOMPUTE:
+        raise OOCError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    return recompute

@@ -1,0 +1,222 @@
+"""The plans an engine keeps, and the step that runs one: the only place a step's form is chosen.
+
+A plan holds for the state a step starts in (``PersistentStore.start_key``: managed persistent
+tensors, which parameters have a gradient, the caller's kind) and the shape it has
+(``step_forms.shape_of``: the shapes and dtypes the model's forward is called with). Gradient
+accumulation alternates two such states, and dynamic padding varies the shape: plans are kept
+per (start, shape), at most ``max_plans``, the least recently used evicted first, with what
+was made of each (its prices, ``repriced``; its hook-driven form, ``hook_forms.py``).
+
+The shape shows only when the forward starts, after the step began: it begins with the plan of
+the shape its start's last step had (the guess), and the model's forward pre-hook
+(``forward_starts``) switches it to the plan of the shape it has, if nothing of it touched
+managed memory yet (``step_forms.py``); a shape without a plan is recorded by that step. A
+guess that cannot be switched diverges where its plan differs, and the step is re-planned
+under the shape it had: no other shape's plan is lost.
+
+The form (``ooc/runtime/step_protocol.py``) follows from the plan and what the scheduler made
+of it (``step_for``): none, per op on demand (recorded); a hook-driven form whose turn it is,
+that (plain or anchored); else per op, planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Sequence
+
+from ooc.engine.hook_forms import HookForms
+from ooc.engine.memory import EngineMemory
+from ooc.engine.persistent import PersistentStore
+from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
+from ooc.runtime.anchored_step import AnchoredStep
+from ooc.runtime.stepper import Stepper
+from scheduler.schedule import Schedule
+from scheduler.step_plans import moves_nothing
+
+log = logging.getLogger(__name__)
+
+# Plans kept (start x shape), least recently used out. A plan holds its step's sequence: GPT
+# 6x256 at 256 tokens, 1,858 ops, ~1.3 MiB of Python objects with its anchored form and prices
+# (benchmarks/results/shapes.md).
+MAX_PLANS = 16
+
+Plan = tuple[Schedule, dict[tuple[int, int], int]]   # a plan and its binding ((op, out) -> var)
+
+
+class PlanCache:
+    """Plans by key, the running step's plan (``schedule``, ``binding``) and form (``form``),
+    and the step objects that run them. ``new_stepper(key, schedule, binding, plain_candidate,
+    plan_runs)`` makes a per-op step (the engine's, which knows its context)."""
+
+    def __init__(self, mem: EngineMemory, store: PersistentStore, model: Any, *, activations_only: bool,
+                 activations: bool, hook_steps: bool, max_plans: int,
+                 new_stepper: Callable[..., Stepper]) -> None:
+        self._mem, self._store, self._model, self._new_stepper = mem, store, model, new_stepper
+        self._activations_only, self._activations = activations_only, activations
+        self.plans: OrderedDict[tuple[Hashable, Any], Plan] = OrderedDict()
+        self.max_plans = max_plans
+        self.hooked = HookForms(hook_steps)
+        # start key -> (planned runs priced, the sequence at the fastest times so far): ``scheduler.step_plans.reprice``
+        self.repriced: dict[object, tuple[int, Any]] = {}
+        self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
+        self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
+        self.schedule: Schedule | None = None   # the running (or last) step's plan and binding
+        self.binding: dict[tuple[int, int], int] = {}
+        self.ran: Schedule | None = None   # the hook-driven plan the last step ran (stats' plan.*)
+        self.form: StepForm | None = None   # the running step's form (step_forms.py)
+
+    # -- which plan, which form ----------------------------------------------------------------
+
+    def begin(self, start: Hashable) -> StepForm:
+        """The plan and form of a step that starts in ``start``: the plan of the shape its
+        start's last step had, until the forward shows the step's own (``forward_starts``).
+        With plans for several shapes of this start, the step runs per op until then: a
+        hook-driven form is taken up at the forward, where the mode can come off."""
+        key = self.guess(start)
+        provisional = sum(1 for s, _ in self.plans if s == start) > 1
+        self.schedule, self.binding = self._use_plan(key)
+        self._store.reconcile(self.schedule)
+        self.form = StepForm(start, self.step_for(key, per_op=provisional), activations=self._activations,
+                             provisional=provisional)
+        return self.form
+
+    def guess(self, start: Hashable) -> tuple[Hashable, Any]:
+        """The plan key a step that starts in ``start`` begins with: the shape of its start's
+        last step (None where no forward was seen: a model not called through its forward)."""
+        return start, self._shapes.get(start)
+
+    def step_for(self, key: tuple, *, per_op: bool = False) -> Stepper | AnchoredStep:
+        """The step that runs ``self.schedule`` for ``key``: its hook-driven form if the
+        scheduler made one and it is its turn (not ``per_op``), else per op."""
+        st = None if per_op else self._hook_step(key)
+        self.ran = getattr(st, "anchored", None)
+        if st is None:
+            runs = self._plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
+            st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs)
+        return st
+
+    def plain_candidate(self) -> bool:
+        """Whether the running step's plan moves nothing and could run with no op intercepted:
+        its step notes what it saves (``Stepper.signature``). CPU, activations managed only:
+        managed parameters, gradients or state need the per-op path to be brought back and
+        released, and on a GPU the activations would sit in PyTorch's caching allocator."""
+        return (self.hooked.enabled and self.schedule is not None and self._mem.on_cpu
+                and self._activations_only and moves_nothing(self.schedule))
+
+    def _hook_step(self, key: tuple) -> AnchoredStep | None:
+        mem = self._mem
+        if not self._activations_only or not mem.on_cpu:
+            return None
+
+        def make(plan: Schedule, moved: Schedule, trace: Any) -> AnchoredStep:
+            if moved is plan:   # it moves nothing: no action, and the pool's idle chunks go back
+                mem.pool.trim()
+                moved = None
+            return AnchoredStep(plan, moved, trace, budget=mem.budget, min_bytes=mem.min_bytes, tier=mem.tier,
+                                pool=mem.pool, model=self._model, start_key=key)
+        return self.hooked.step(key, self.schedule, make)
+
+    def _use_plan(self, key: tuple) -> tuple[Schedule | None, dict]:
+        """``key``'s plan and binding, counted as a run."""
+        schedule, binding = self.plans.get(key, (None, {}))
+        if schedule is not None:   # how often this plan ran before (see Stepper._diverge)
+            self._plan_runs[id(schedule)] = self._plan_runs.get(id(schedule), -1) + 1
+        return schedule, binding
+
+    def forward_starts(self, args: tuple, kwargs: dict) -> Stepper | AnchoredStep | None:
+        """The model's forward began: the step's shape is known. A step that guessed another
+        shape's plan, or waits per op for its shape, runs the plan of the shape it has (on
+        demand, recorded, if there is none), provided nothing of it touched managed memory yet
+        (``StepForm.quiet``) and that plan begins with the ops it ran. Returns the new step
+        object, if the step switched."""
+        form = self.form
+        if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
+            return None
+        form.shape = shape = shape_of(args, kwargs)
+        self._shapes[form.start] = shape
+        self._shapes.move_to_end(form.start)
+        while len(self._shapes) > self.max_plans:
+            self._shapes.popitem(last=False)
+        key, st = (form.start, shape), form.st
+        if st.start_key == key and not form.provisional:   # the guess was right
+            return None
+        guessed, st.start_key = st.start_key, key   # booked under its shape, whatever plan it runs
+        schedule, binding = self.plans.get(key, (None, {}))
+        ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
+        if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
+            if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
+                st.leave_plan(f"the step's shape {shape} has no plan")
+            return None
+        if not (form.quiet() and form.innermost() and (schedule is None or _begins_with(schedule, ran))):
+            log.info("the step's shape has %s plan, but the step touched managed memory before its "
+                     "forward: it runs the plan it began with", "no" if schedule is None else "another")
+            return None
+        kept = self.schedule, self.binding, self.ran
+        self.schedule, self.binding = schedule, binding
+        hooks_only, per_op = form.can_drop_mode(), key != guessed and form.can_run_per_op()
+        new = None
+        try:
+            with form.paused():   # making the next step object runs ops that are not the step's
+                new = self._hook_step(key) if hooks_only else None
+                if new is None and per_op:
+                    self._store.reconcile(schedule)
+                    new = self.step_for(key, per_op=True)
+        finally:
+            if new is None:   # it keeps its form and plan (or a transfer failed: the step fails)
+                self.schedule, self.binding, self.ran = kept
+        if new is None:
+            return None
+        if key != guessed:
+            if kept[0] is not None:
+                self._plan_runs[id(kept[0])] -= 1   # the guess did not run
+            self._use_plan(key)
+        form.switch(new)
+        self.ran = getattr(new, "anchored", None)
+        return new
+
+    # -- keeping plans -------------------------------------------------------------------------
+
+    def plan_of(self, key: Hashable) -> Schedule | None:
+        return self.plans.get(key, (None,))[0]
+
+    def used(self, key: Hashable) -> None:
+        """``key``'s plan ran: the most recently used (least recently used out)."""
+        if key in self.plans:
+            self.plans.move_to_end(key)
+
+    def keep(self, key: Hashable, schedule: Schedule, binding: dict) -> None:
+        """``schedule`` is ``key``'s plan from now on; what was made of the one before goes."""
+        self.drop(key)
+        self.plans[key] = (schedule, binding)
+        self.schedule, self.binding = schedule, binding
+        while len(self.plans) > max(1, self.max_plans):   # the least recently used go
+            self.drop(next(iter(self.plans)))
+
+    def replace(self, key: Hashable, schedule: Schedule) -> None:
+        """``key``'s plan re-priced: ``schedule`` instead, same binding, same prices so far."""
+        self.plans[key] = (schedule, self.plans[key][1])
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s plan and what was made of it (prices, hook-driven form)."""
+        entry = self.plans.pop(key, None)
+        if entry is not None:
+            self._plan_runs.pop(id(entry[0]), None)
+        self.repriced.pop(key, None)
+        self.hooked.drop(key)
+
+    def clear(self) -> None:
+        """Every plan goes (a new chunk: the next step records again)."""
+        self.plans.clear()
+        self._plan_runs.clear()
+        self.repriced.clear()
+        self.hooked.clear()
+        self.schedule, self.binding = None, {}
+
+
+def _begins_with(schedule: Schedule, names: Sequence[str]) -> bool:
+    """Whether ``schedule``'s first ops are ``names``, with no action before or after any."""
+    functions = schedule.sequence.functions
+    return len(functions) >= len(names) and all(
+        functions[j].name == name and not schedule.before[j] and not schedule.after[j]
+        for j, name in enumerate(names))

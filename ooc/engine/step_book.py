@@ -1,0 +1,66 @@
+"""What the engine keeps of the steps it ran: counts per form, the last step, the timeline.
+
+Every step, whatever its form, ends in one ``StepReport`` (``ooc/runtime/step_protocol.py``)
+that ``book`` counts: ``steps`` and ``steps.<form>`` (their sum is ``steps``), the last step's
+numbers and form, and its events for ``OutOfCore.timeline``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+from ooc.errors import OOCError
+from ooc.runtime.step_protocol import FORMS, StepReport
+
+# The timeline keeps the events of this many recent steps (and at most 200,000 events), so
+# that a long run's memory does not grow with its number of steps.
+TIMELINE_STEPS = 32
+
+
+class StepBook:
+    """The steps booked so far: ``forms`` (form -> count), ``last`` (the last report) and
+    ``events`` ((track, name, start, end, step) of the last ``TIMELINE_STEPS`` steps)."""
+
+    def __init__(self) -> None:
+        self.forms: Counter[str] = Counter()
+        self.steps = 0
+        self.last: StepReport | None = None
+        self.events: list[tuple[str, str, float, float, int]] = []
+
+    def book(self, report: StepReport) -> None:
+        """Count the step, keep its timeline events and what ``stats()`` says of it."""
+        self.steps += 1
+        self.forms[report.form] += 1
+        for tr, name, t0, t1 in report.events:
+            self.events.append((tr, name, t0, t1, self.steps))
+        oldest = self.steps - TIMELINE_STEPS
+        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
+        del self.events[:-200_000]
+        self.last = report
+
+    def stats(self) -> dict[str, int | float]:
+        """``steps``, ``steps.<form>``, ``last_form`` (the index of the last step's form in
+        ``FORMS``, -1 before the first) and the last step's numbers."""
+        last = self.last
+        out: dict[str, int | float] = {"steps": self.steps}
+        for form in FORMS:
+            out[f"steps.{form}"] = self.forms[form]
+        out.update({
+            "last_form": -1 if last is None else FORMS.index(last.form),
+            "last_step_s": last.seconds if last else 0.0,
+            "last_stall_s": last.stall_s if last else 0.0,
+            "last_planned": int(last is not None and last.kept_plan),
+            "last_diverged_at": -1 if last is None or last.diverged_at is None else last.diverged_at,
+            "resident_peak_bytes": last.peak if last else 0,
+        })
+        return out
+
+    def timeline(self, path: str) -> None:
+        """Write the last steps as a Chrome/Perfetto trace (compute, swap, wait tracks)."""
+        from scheduler.timeline import Event, write_chrome_trace
+        if not self.events:
+            raise OOCError("no step has run yet: nothing to put on a timeline")
+        t0 = self.events[0][2]
+        write_chrome_trace([Event(track=tr, name=n, start_s=a - t0, end_s=b - t0, step=s)
+                            for tr, n, a, b, s in self.events], path)

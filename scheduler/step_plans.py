@@ -1,0 +1,241 @@
+"""One entry point for what follows a step: plan it, price its plan again, give it a form.
+
+The runtime runs a step in one of five forms (``ooc/runtime/step_protocol.py``) and reports
+what it saw; every decision about the next steps is made here, from plain data, and the
+engine executes it (``ooc/engine/planning.py``):
+
+- a step that ran no plan (recorded) or left it (diverged) is planned from its recording
+  (``plan_recorded``: activations rounded to whole chunks, swap only where asked, then
+  ``plan`` and ``check``);
+- a planned per-op step that kept to a plan with something to move prices the plan again
+  on its op times (``reprice``): the recording step ran on cold memory, and its op times are
+  too high to price recompute on; each op at the fastest of its recorded and first
+  ``REPRICED_RUNS`` planned runs (an op's time only grows by what ran beside it). A plan that
+  moves and recomputes the same bytes keeps the plan that runs;
+- such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
+  plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
+  the trial between forms is ``anchoring.judge``'s;
+- a hook-driven step that left its plan drops it (the next step records).
+
+``after_step`` is the entry point: the step's facts (``StepFacts``) and the plan's state
+(``PlanState``) in, a ``Decision`` out. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence, Set
+
+from scheduler.anchoring import anchor_within_budget
+from scheduler.check import check
+from scheduler.errors import BudgetTooSmall
+from scheduler.hardware import Hardware
+from scheduler.ir import Kind, Variable, VariableSequence
+from scheduler.planner import plan as plan_schedule
+from scheduler.replay import mark_replayable
+from scheduler.schedule import Schedule
+from vmm.units import format_size
+
+REPRICED_RUNS = 2   # a CPU plan is re-priced on the fastest op times of this many planned runs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the engine plans: its budget, chunk, window, policy and recompute mode ("auto",
+    "never", "prefer"); ``pins`` (a sequence -> the user's pin per activation) and
+    ``hardware`` (a sequence -> what it is priced on), None where not given; whether plans
+    are re-priced on planned runs (``reprice``, a CPU's) and may take a hook-driven form
+    (``hook_forms``: a CPU's, activations managed only, not turned off)."""
+
+    budget: int
+    chunk: int
+    window: int | None
+    policy: str = "window"
+    recompute: str = "auto"
+    pins: Callable[[VariableSequence], Mapping[int, str]] | None = None
+    hardware: Callable[[VariableSequence], Hardware] | None = None
+    reprice: bool = True
+    hook_forms: bool = True
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What a completed step showed, as data: its ``form`` (``FORMS``), whether it kept to
+    its plan to the end (``kept``; a per-op step: ``ran_whole_plan``, it ran all the plan's
+    ops), its recording (``sequence``, recorded and diverged steps) and measured op times
+    (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
+    the gap of the update), whether it saved what a plain form compares (``signature``),
+    whether it ran an update (``updated``) and its wall time (``step_s``)."""
+
+    form: str
+    kept: bool
+    step_s: float
+    seconds: Sequence[float] = ()
+    sequence: VariableSequence | None = None
+    ran_whole_plan: bool = False
+    gaps: Set[int] | None = None
+    first: Mapping[int, int] | None = None
+    update: int | None = None
+    signature: bool = False
+    updated: bool = False
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """What was decided for one plan so far: its plan, the runs priced and the sequence at
+    the fastest op times (``repriced``), and its hook-driven form if it was given one
+    (``hook``: "plain", "anchored" or "none" when none is within the budget)."""
+
+    plan: Schedule
+    priced_runs: int = 0
+    fastest: VariableSequence | None = None
+    hook: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the engine does after a step: keep ``plan`` (a new plan, or a re-priced one:
+    ``repriced``), note the prices (``priced_runs``, ``fastest``), give the plan a hook form
+    (``plain``, or ``anchored``: its moved plan, None if none fits), time a trial side
+    (``trial``: "per_op" or "hook"), or ``drop`` the plan."""
+
+    plan: Schedule | None = None
+    repriced: bool = False
+    priced_runs: int | None = None
+    fastest: VariableSequence | None = None
+    plain: bool = False
+    anchored: bool = False
+    moved: Schedule | None = None
+    trial: str | None = None
+    drop: bool = False
+
+
+def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) -> Decision:
+    """The one planning entry point after a step (the module docstring)."""
+    if facts.form in ("plain", "anchored"):
+        if not facts.kept:
+            return Decision(drop=state is not None)
+        return Decision(trial="hook")
+    if facts.form in ("recorded", "diverged"):
+        return Decision(plan=plan_recorded(facts.sequence, settings))
+    if state is None:   # a guess of another shape's plan: nothing to note of this one
+        return Decision()
+    if facts.signature and moves_nothing(state.plan):
+        return Decision(plain=True)
+    priced = reprice(state, facts.seconds, settings)
+    if priced is not None and priced.plan is not None:   # a new plan: its form comes after its runs
+        return priced
+    hook = hook_form(facts, dataclasses.replace(state, **_priced(priced)), settings)
+    return dataclasses.replace(priced or Decision(), **hook)
+
+
+def _priced(decision: Decision | None) -> dict:
+    if decision is None or decision.priced_runs is None:
+        return {}
+    return {"priced_runs": decision.priced_runs, "fastest": decision.fastest}
+
+
+def plan_recorded(seq: VariableSequence, settings: Settings) -> Schedule:
+    """The plan of a recorded step: swap only where asked, activations in whole chunks (they
+    come back into pool ranges of whole chunks), planned and checked."""
+    if settings.recompute == "never":   # swap only: no function may be replayed
+        seq = mark_replayable(seq, lambda f: {})
+    return plan(round_activations(seq, settings.chunk), settings)
+
+
+def plan(seq: VariableSequence, settings: Settings) -> Schedule:
+    """``plan`` with the engine's budget, policy, pins and pricing, checked."""
+    options: dict = ({"recompute": "prefer"} if settings.recompute == "prefer" and settings.policy == "window"
+                     else {})
+    if settings.hardware is not None and settings.policy in ("window", "milp"):
+        options["hardware"] = settings.hardware(seq)
+    if settings.pins is not None:
+        options["pins"] = settings.pins(seq)
+    try:
+        schedule = plan_schedule(seq, budget=settings.budget, window=settings.window, policy=settings.policy,
+                                 **options)
+    except BudgetTooSmall as err:
+        kept = [v for v, p in options.get("pins", {}).items() if p == "keep"]
+        if kept:
+            err.add_note(f"ooc: pin keeps {len(kept)} activations "
+                         f"({format_size(sum(seq.variables[v].nbytes for v in kept))}) on the device")
+        raise
+    check(schedule)
+    return schedule
+
+
+def reprice(state: PlanState, seconds: Sequence[float], settings: Settings) -> Decision | None:
+    """After each of a plan's first ``REPRICED_RUNS`` planned runs: the plan again, each op
+    priced at the fastest of its runs so far (``priced_seconds``). None: nothing to do (not
+    re-priced: swap only, another policy, a plan that moves nothing, prices settled)."""
+    schedule = state.plan
+    if (not settings.reprice or settings.policy not in ("window", "milp") or settings.recompute == "never"
+            or state.priced_runs >= REPRICED_RUNS or moves_nothing(schedule)):
+        return None
+    fastest = state.fastest or schedule.sequence
+    seq = priced_seconds(fastest, seconds)
+    if seq is None:   # the runs do not line up, or the recording was not timed
+        return Decision(priced_runs=REPRICED_RUNS, fastest=fastest)
+    runs = state.priced_runs + 1
+    try:
+        new = plan(seq, settings)
+    except BudgetTooSmall:   # costs do not change what fits; keep the plan that ran
+        return Decision(priced_runs=runs, fastest=seq)
+    if _bytes(new) == _bytes(schedule):   # the same decisions: keep running the plan that runs
+        return Decision(priced_runs=runs, fastest=seq)
+    return Decision(plan=new, repriced=True, priced_runs=runs, fastest=seq)
+
+
+def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
+    """The fields of a ``Decision`` that give a kept plan its anchored form (or time the
+    per-op side of its trial): a plan that moves bytes, swap-only priced (its prices
+    settled), of a step that ran it whole (a micro-batch that ended before its plan's update
+    proved part of it: an anchored step would not see the ops it missed)."""
+    if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
+            or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
+        return {}
+    if state.hook is not None:
+        return {"trial": "per_op"}
+    if settings.recompute != "never" and state.priced_runs < REPRICED_RUNS:
+        return {}   # the plan may still change with its prices
+    moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
+                                 chunk=settings.chunk, window=settings.window, policy=settings.policy)
+    return {"anchored": True, "moved": moved}
+
+
+def keeps_saved(held: int, nbytes: int, budget: int) -> bool:
+    """A step that left its plan (no per-op path to make room): a tensor autograd saves is
+    kept while the step's saved bytes stay within the budget, else written to the tier at once."""
+    return held + nbytes <= budget
+
+
+def moves_nothing(schedule: Schedule) -> bool:
+    """Whether ``schedule`` has nothing to do: no byte moved, none recomputed."""
+    return not (schedule.bytes_in or schedule.bytes_out or schedule.bytes_recomputed)
+
+
+def priced_seconds(seq: VariableSequence, seconds: Sequence[float]) -> VariableSequence | None:
+    """``seq`` with each function's measured seconds the smaller of its own and ``seconds[i]``
+    (a later run of the same ops); None when the runs do not line up (another op count) or
+    ``seq`` was not timed. The smaller: an op's time only ever grows by what ran beside it
+    (cold pages, I/O threads, the host), and the planner charges those separately."""
+    if len(seconds) != len(seq.functions) or any(f.cost.seconds is None for f in seq.functions):
+        return None
+    functions = tuple(
+        dataclasses.replace(f, cost=dataclasses.replace(f.cost, seconds=min(f.cost.seconds, t)))
+        for f, t in zip(seq.functions, seconds))
+    return VariableSequence(functions, seq.variables, seq.meta)
+
+
+def round_activations(seq: VariableSequence, chunk: int) -> VariableSequence:
+    """Activations come back into pool ranges of whole chunks: plan with those sizes."""
+    variables = {
+        v: (Variable(x.id, -(-x.nbytes // chunk) * chunk, x.kind, x.name, x.live_in, x.live_out)
+            if x.kind is Kind.ACTIVATION else x)
+        for v, x in seq.variables.items()}
+    return VariableSequence(seq.functions, variables, seq.meta)
+
+
+def _bytes(schedule: Schedule) -> tuple[int, int, int]:
+    return schedule.bytes_in, schedule.bytes_out, schedule.bytes_recomputed

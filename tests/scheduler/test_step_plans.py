@@ -1,0 +1,84 @@
+"""The one planning entry point after a step (``scheduler.step_plans``): plain data in, a
+decision out, the same decisions the engine made itself before (benchmarks/dump_plans.py
+compares them on the zoo)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler import plan
+from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
+from scheduler.step_plans import (REPRICED_RUNS, PlanState, Settings, StepFacts, after_step, keeps_saved,
+                                  moves_nothing, plan_recorded, priced_seconds)
+from tests.scheduler.strategies import training_like_sequence
+
+
+def _timed(seq, seconds: float):
+    functions = tuple(dataclasses.replace(f, cost=dataclasses.replace(f.cost, seconds=seconds))
+                      for f in seq.functions)
+    return dataclasses.replace(seq, functions=functions)
+
+
+SEQ = _timed(training_like_sequence(8), 1e-3)
+TIGHT = Settings(budget=SEQ.in_core_peak_bytes // 2, chunk=1 << 16, window=None)
+
+
+def test_a_recorded_or_diverged_step_is_planned_from_its_recording() -> None:
+    for form in ("recorded", "diverged"):
+        d = after_step(StepFacts(form, False, 1.0, sequence=SEQ), None, TIGHT)
+        assert d.plan is not None and not d.repriced and not d.drop
+        assert d.plan.peak_resident_bytes <= TIGHT.budget and not moves_nothing(d.plan)
+    never = plan_recorded(SEQ, dataclasses.replace(TIGHT, recompute="never"))
+    assert never.bytes_recomputed == 0
+
+
+def test_a_hook_driven_step_is_timed_if_it_kept_its_plan_else_its_plan_goes() -> None:
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+    assert after_step(StepFacts("anchored", True, 1.0), state, TIGHT).trial == "hook"
+    assert after_step(StepFacts("plain", False, 1.0), state, TIGHT).drop
+    assert not after_step(StepFacts("anchored", False, 1.0), None, TIGHT).drop   # a guess's plan
+
+
+def test_a_plan_that_moves_nothing_gets_its_plain_form_and_no_price() -> None:
+    roomy = dataclasses.replace(TIGHT, budget=SEQ.in_core_peak_bytes * 2)
+    state = PlanState(plan_recorded(SEQ, roomy))
+    d = after_step(StepFacts("planned", True, 1.0, seconds=[1e-4] * len(SEQ.functions), signature=True),
+                   state, roomy)
+    assert d.plain and d.plan is None and d.priced_runs is None
+
+
+def test_prices_settle_after_the_repriced_runs_then_the_anchored_form_is_made() -> None:
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+    gaps = set(range(len(SEQ.functions) + 1))
+    facts = StepFacts("planned", True, 1.0, seconds=[1e-3] * len(SEQ.functions), ran_whole_plan=True,
+                      gaps=gaps, first={})
+    for run in range(1, REPRICED_RUNS + 1):
+        d = after_step(facts, state, TIGHT)
+        assert d.priced_runs == run
+        assert d.anchored == (run == REPRICED_RUNS), "no form while the prices may change"
+        state = dataclasses.replace(state, priced_runs=d.priced_runs, fastest=d.fastest,
+                                    plan=d.plan or state.plan)
+    assert d.moved is not None and d.moved.peak_resident_bytes <= TIGHT.budget   # every gap an anchor
+    assert after_step(facts, state, TIGHT).priced_runs is None   # settled
+    d = after_step(facts, dataclasses.replace(state, hook="kept"), TIGHT)
+    assert d.trial == "per_op" and not d.anchored
+    part = dataclasses.replace(facts, ran_whole_plan=False)   # a micro-batch: no form
+    assert not after_step(part, state, TIGHT).anchored
+
+
+def test_priced_seconds_takes_the_faster_of_each_op_and_refuses_another_op_count() -> None:
+    faster = priced_seconds(SEQ, [5e-4] * len(SEQ.functions))
+    assert all(f.cost.seconds == 5e-4 for f in faster.functions)
+    slower = priced_seconds(SEQ, [2e-3] * len(SEQ.functions))
+    assert all(f.cost.seconds == 1e-3 for f in slower.functions)
+    assert priced_seconds(SEQ, [1e-3]) is None
+
+
+def test_the_trial_and_the_spill_rule() -> None:
+    assert judge([1.0], [2.0], moved=1, planned=1) is None   # not TRIAL_RUNS each yet
+    runs = TRIAL_RUNS
+    assert judge([1.0] * runs, [1.0] * runs, moved=1, planned=1) is True
+    assert judge([1.0] * runs, [1.0] * runs, moved=2, planned=1) is False   # more bytes: MARGIN faster
+    assert judge([1.0 - 2 * MARGIN] * runs, [1.0] * runs, moved=2, planned=1) is True
+    assert keeps_saved(60, 40, 100) and not keeps_saved(61, 40, 100)
+    assert plan(SEQ, budget=SEQ.in_core_peak_bytes * 2).bytes_out == 0
