@@ -500,7 +500,7 @@ ANALYSIS = [
     "- Every method runs as its users run it: in-core and checkpointing with PyTorch's and "
     "glibc's defaults (glibc keeps freed blocks in its heap: fast, but the heap does not "
     "shrink, so in-core's rise is well above its live bytes), ooc with its recycling CPU "
-    "allocator (ooc/runtime/cpu_allocator.py). The first version of this benchmark fixed glibc's "
+    "allocator (ooc/host/cpu_allocator.py). The first version of this benchmark fixed glibc's "
     "mmap threshold at 1 MiB for every method; that made in-core training ~30% slower (fresh "
     "pages are zeroed by the kernel at about 1 GB/s on this VM) and ooc's ratios look better "
     "than they were (small CNN at 1/4: 1.29x then, 1.36x here against PyTorch's defaults).",

@@ -199,7 +199,7 @@ def _warm_up(case: Case, warmup: dict[str, Any]) -> None:
     # glibc keeps some of what the warm-up freed in its heap, a different amount each run (the
     # bare size then varied by ~80 MiB between runs of the same case): give it back, so that
     # "training memory" (peak minus the bare size) measures training, not the warm-up.
-    from ooc.runtime.malloc import give_back_heap
+    from ooc.host.malloc import give_back_heap
     give_back_heap()
 
 

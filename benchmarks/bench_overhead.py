@@ -123,7 +123,7 @@ def _child(spec: dict[str, Any]) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import ooc
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
 
     class Forward(TorchDispatchMode):
         """Every op through Python and straight on: the floor of a dispatch-mode engine."""

@@ -3,7 +3,7 @@
 Why a second host backend: a memfd chunk's pages belong to the file, so they can only go
 back to the kernel (a hole punched) and the next chunk faults fresh, zeroed pages in, 4 KiB at
 a time where shared memory gets no transparent huge pages. On a CPU the device pool sits
-beside PyTorch's own allocator (``ooc.runtime.cpu_allocator``), and both recycle memory
+beside PyTorch's own allocator (``ooc.host.cpu_allocator``), and both recycle memory
 under one bound: with a file the pool's freed pages could never serve a tensor, nor a freed
 tensor's pages a chunk, so memory churned between them (ResNet-50 batch 8 at 1/4 of its
 peak: ~70 fresh blocks and ~44k page faults per step, ``clear_page_erms`` 9-12% of samples).

@@ -1,7 +1,7 @@
 """What an engine holds outside itself, and how it lets go of it.
 
 Hooks on the model and the optimizer, the tier's threads and file, the pool's device memory,
-and the process effects of its steps (``ooc/runtime/process_effects.py``) are given back by
+and the process effects of its steps (``ooc/host/process_effects.py``) are given back by
 ``close()``, or when the engine is garbage-collected without it (``collected``). The CPU
 allocator's bounds for a step are here too: they decide how much of the process's memory
 outside the budget the engine may keep between ops.
@@ -13,7 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from ooc.runtime.process_effects import ProcessEffects
+from ooc.host.process_effects import ProcessEffects
 
 
 def weakly(method: Any) -> Any:

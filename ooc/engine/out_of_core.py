@@ -40,10 +40,10 @@ from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError, StorageError
-from ooc.runtime import cpu_allocator
+from ooc.host import cpu_allocator
 from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
-from ooc.runtime.process_effects import ProcessEffects
+from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.stepper import Stepper
 from scheduler.ir import Kind
@@ -155,7 +155,7 @@ class OutOfCore:
                            "create it with fused=False to manage params/grads/state")
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
-        # or when the engine is collected (ooc/runtime/process_effects.py).
+        # or when the engine is collected (ooc/host/process_effects.py).
         self._effects = ProcessEffects(device.type, optimizer, per_parameter)
         # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool. The pool
         # checks the chunk against the backend's granularity before anything else is made.

@@ -21,8 +21,8 @@ from torch._C import DisableTorchFunctionSubclass
 from ooc.engine.between_steps import BetweenSteps, resizable_copy
 from ooc.engine.memory import EngineMemory
 from ooc.record.storages import storage_of
-from ooc.runtime import cpu_allocator
-from ooc.runtime.malloc import give_back_heap
+from ooc.host import cpu_allocator
+from ooc.host.malloc import give_back_heap
 from ooc.runtime.slots import Slot, State
 from scheduler import on_demand
 from scheduler.ir import Kind

@@ -15,7 +15,7 @@ from typing import Any
 from ooc.engine.memory import EngineMemory
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.step_book import StepBook
-from ooc.runtime import cpu_allocator
+from ooc.host import cpu_allocator
 
 # The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
 PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",

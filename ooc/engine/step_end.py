@@ -24,9 +24,9 @@ from ooc.engine.persistent import PersistentStore
 from ooc.engine.planning import Planner
 from ooc.engine.step_book import StepBook
 from ooc.errors import OOCError, StorageError
-from ooc.runtime import cpu_allocator
+from ooc.host import cpu_allocator
 from ooc.runtime.anchored_step import AnchoredStep
-from ooc.runtime.malloc import give_back_heap
+from ooc.host.malloc import give_back_heap
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_protocol import StepReport, form_of
 from ooc.runtime.stepper import Stepper

@@ -11,7 +11,7 @@ than a chunk shares a chunk with others (page-aligned blocks), a larger one gets
 range of whole chunks whose unused tail takes small ones.
 
 Its chunks are anonymous pages (``vmm.AnonHostBackend``) lent by ooc's CPU allocator
-(``ooc.runtime.cpu_allocator``) and given back to it as soon as a freed range leaves them
+(``ooc.host.cpu_allocator``) and given back to it as soon as a freed range leaves them
 unused: one cache of populated pages serves the step's tensors and the pool's swap-ins alike,
 where a pool of its own would make the kernel zero fresh pages each time memory changed sides.
 
@@ -33,7 +33,7 @@ import torch
 
 import vmm
 from ooc.errors import OOCError
-from ooc.runtime import cpu_allocator
+from ooc.host import cpu_allocator
 
 __all__ = ["CpuDevicePool"]
 

@@ -14,7 +14,7 @@ cuda    ``PinnedTier`` / ``CudaDevicePool``  a ``DevicePtr`` (device address and
 ======  ==================================  ===========================================
 
 :func:`make_tier_and_pool` (and :func:`make_pool` when the chunk changes) and
-:func:`~ooc.runtime.byte_views.byte_view_for` are the calls the engine makes; the rest of the
+:func:`~ooc.storage.device_bytes.byte_view_for` are the calls the engine makes; the rest of the
 runtime does not look at the device. CUDA outside the driver goes through one seam,
 :func:`~ooc.runtime.cuda_seam.cuda_runtime` (re-exported here with :class:`DevicePtr`,
 :class:`CudaRuntime`, :func:`set_cuda_runtime` and :func:`byte_view_for`, their old home).
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 
 from ooc.errors import OOCError
-from ooc.runtime import cpu_allocator
-from ooc.runtime.byte_views import byte_view_for
+from ooc.host import cpu_allocator
+from ooc.storage.device_bytes import byte_view_for
 from ooc.runtime.cpu_pool import CpuDevicePool
 from ooc.runtime.cuda_pool import CudaDevicePool
 from ooc.runtime.cuda_seam import CudaRuntime, DevicePtr, cuda_runtime, set_cuda_runtime
-from ooc.runtime.cuda_tier import PinnedTier
+from ooc.storage.cuda_tier import PinnedTier
 from ooc.runtime.pool import DevicePool
 from ooc.storage import FileTier
 from ooc.storage.tier import SlowerTier

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ooc.errors import OOCError, StorageError
-from ooc.runtime.byte_views import byte_view_for
+from ooc.storage.device_bytes import byte_view_for
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
 from scheduler.actions import TRANSITIONS, Effect, Op, Residency, refusal

@@ -6,7 +6,7 @@ never look at what the tier is. Two tiers implement it:
 ==============================================  ===========================================
 :class:`~ooc.storage.FileTier` (CPU)             a private swap file, background I/O threads;
                                                  ``src``/``dst`` are byte buffers (memoryview)
-:class:`~ooc.runtime.cuda_tier.PinnedTier` (GPU) pinned host memory, two copy streams;
+:class:`~ooc.storage.cuda_tier.PinnedTier` (GPU) pinned host memory, two copy streams;
                                                  ``src``/``dst`` are ``DevicePtr``
 ==============================================  ===========================================
 

@@ -2,7 +2,7 @@
 
 :func:`fake_cuda` makes ``OutOfCore(model, opt, device="cuda", ...)`` run over a FAKE CUDA
 driver: the model and its batches stay on the CPU, CPU memory stands in for device memory,
-and the real :class:`~ooc.runtime.cuda_tier.PinnedTier` (copy streams, events, pinned
+and the real :class:`~ooc.storage.cuda_tier.PinnedTier` (copy streams, events, pinned
 memory), :class:`~ooc.runtime.cuda_pool.CudaDevicePool` (``vmm.CudaBackend`` VMM chunks) and
 the engine's CUDA branches (device-side waits, drain, reserve, op timing) run above it.
 

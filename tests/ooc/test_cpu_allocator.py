@@ -1,4 +1,4 @@
-"""The recycling CPU allocator (ooc/runtime/cpu_allocator.py): reuse inside a step, a cache
+"""The recycling CPU allocator (ooc/host/cpu_allocator.py): reuse inside a step, a cache
 bounded by the live peak and given back on release, and a clean fallback wherever it cannot
 be built or trusted.
 
@@ -21,7 +21,7 @@ import torch
 
 import vmm
 
-from ooc.runtime import cpu_allocator
+from ooc.host import cpu_allocator
 
 needs_compiler = pytest.mark.skipif(
     not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")),
@@ -121,7 +121,7 @@ def test_a_miss_gathers_the_pages_of_smaller_cached_blocks_instead_of_mapping_fr
 
 BOUND = """
     import json, random, torch
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
     rng = random.Random(0)
     owner = object()
@@ -153,7 +153,7 @@ def test_the_cache_never_maps_more_than_the_live_peak():
 # A child process whose step reached a live peak of 32 MiB, all of it now cached.
 FULL_CACHE = """
     import json, torch
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
     assert cpu_allocator.acquire(), cpu_allocator.unavailable()
     MiB, owner, out = 1 << 20, object(), {}
     cached = lambda: cpu_allocator.stats()["cached_bytes"] // MiB
@@ -319,7 +319,7 @@ def test_with_two_engines_recycling_lasts_until_the_last_step_ends():
 
 TRAIN = """
     import json, logging, torch, ooc
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
     logging.basicConfig(level=logging.INFO)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
@@ -365,7 +365,7 @@ def test_switched_off_the_engine_trains_the_same_without_it(tmp_path):
 
 SHED = """
     import json, torch, ooc
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
 
     torch.manual_seed(0)
     conv = lambda c: (torch.nn.Conv2d(c, 16, 3, padding=1), torch.nn.Tanh())
@@ -468,7 +468,7 @@ def test_storages_made_before_the_engine_give_their_memory_back():
 
 HEAP = """
     import ctypes, json, os, torch
-    from ooc.runtime.malloc import give_back_heap
+    from ooc.host.malloc import give_back_heap
     def rss():
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -565,7 +565,7 @@ def test_a_step_recycles_the_persistent_tensors_it_lets_go_of_at_its_start(monke
 
 CLAIM = """
     import json, numpy, torch
-    from ooc.runtime import cpu_allocator
+    from ooc.host import cpu_allocator
     MiB = 1 << 20
     w = torch.ones(4 * MiB)                       # a parameter built before the allocator
     p = torch.arange(4 * MiB, dtype=torch.float32)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import ooc
 import ooc.testing
-from ooc.runtime import cuda_tier
+from ooc.storage import cuda_tier
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ MiB = 1 << 20
 @pytest.fixture
 def driver():
     pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python: pip install 'ooc[cuda]'")
-    from ooc.runtime.cuda_tier import import_driver
+    from ooc.storage.cuda_tier import import_driver
 
     torch.cuda.init()   # PyTorch makes the primary context the tier and pool retain
     return import_driver()
@@ -35,7 +35,7 @@ def _ptr(t: torch.Tensor):
 def test_gpu_pinned_round_trip(driver) -> None:
     """REAL GPU: bytes produced by a kernel on the compute stream go to pinned memory and come
     back identical into another tensor; result() synchronizes."""
-    from ooc.runtime.cuda_tier import PinnedTier
+    from ooc.storage.cuda_tier import PinnedTier
 
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     with PinnedTier(capacity_bytes=64 * MiB, slab_bytes=16 * MiB, verify=True,
@@ -52,7 +52,7 @@ def test_gpu_pinned_round_trip(driver) -> None:
 def test_gpu_wait_on_orders_the_compute_stream(driver) -> None:
     """REAL GPU: wait_on(current stream) instead of result(): kernels queued afterwards on that
     stream see the swapped-in bytes without a host synchronization."""
-    from ooc.runtime.cuda_tier import PinnedTier
+    from ooc.storage.cuda_tier import PinnedTier
 
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     with PinnedTier(capacity_bytes=64 * MiB, compute_stream=stream) as tier:

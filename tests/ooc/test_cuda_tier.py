@@ -25,7 +25,7 @@ if _ROOT not in sys.path:  # make ``tests.fakes`` importable however pytest was 
 from ooc.errors import OOCError, OutOfBudget, StorageError  # noqa: E402
 from ooc.runtime import cuda_pool  # noqa: E402
 from ooc.runtime.cuda_pool import CudaDevicePool, make_callbacks, route_allocations  # noqa: E402
-from ooc.runtime.cuda_tier import PinnedTier  # noqa: E402
+from ooc.storage.cuda_tier import PinnedTier  # noqa: E402
 from ooc.runtime.devices import DevicePtr, byte_view_for, make_tier_and_pool  # noqa: E402
 from tests.fakes.fake_cuda_copies import CUresult, FakeCopyDriver  # noqa: E402
 

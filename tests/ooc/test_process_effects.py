@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ooc
-from ooc.runtime import cpu_allocator, malloc
+from ooc.host import cpu_allocator, malloc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,7 @@ def _child(code: str, env: dict[str, str] | None = None) -> dict:
 
 LIFECYCLE = """
     import gc, json, torch, ooc
-    from ooc.runtime import cpu_allocator, malloc
+    from ooc.host import cpu_allocator, malloc
 
     def state(opt):
         return {"allocator": cpu_allocator.installed(), "threshold": malloc.holds(),
@@ -92,7 +92,7 @@ def test_process_effects_wait_for_the_first_step_and_are_undone(mode, manage):
 def test_two_engines_hold_the_effects_until_the_last_one_closes():
     got = _child("""
         import json, torch, ooc
-        from ooc.runtime import cpu_allocator, malloc
+        from ooc.host import cpu_allocator, malloc
         def engine():
             model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
             e = ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1MiB", options=ooc.Options(chunk="64KiB"))

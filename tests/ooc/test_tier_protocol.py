@@ -25,7 +25,7 @@ import torch
 from ooc.errors import StorageError
 from ooc.runtime.cpu_pool import CpuDevicePool
 from ooc.runtime.cuda_pool import CudaDevicePool
-from ooc.runtime.cuda_tier import PinnedTier
+from ooc.storage.cuda_tier import PinnedTier
 from ooc.storage import FileTier
 from ooc.storage.tier import STATS_KEYS, SlowerTier, Transfer
 from ooc.testing.fake_cuda_copies import FakeCopyDriver

@@ -13,12 +13,12 @@ accessible device ranges and pinned ranges, events recorded before they are wait
 order, copies run lazily so a missing wait shows stale bytes).
 
 Every driver call goes through :class:`vmm.cuda_driver.CudaDriver` (the one module that calls
-the driver); their order, and what each is for, is listed in :mod:`ooc.runtime.copy_streams`.
+the driver); their order, and what each is for, is listed in :mod:`ooc.storage.copy_streams`.
 Every result is checked and a failure raises :class:`~ooc.errors.StorageError` naming the call,
 the error, the key and the bytes.
 
-The tier's parts: :mod:`ooc.runtime.copy_streams` (the streams, events and copies in flight,
-:class:`CopyFuture`), :mod:`ooc.runtime.pinned_slabs` (the pinned slabs, each key's pieces,
+The tier's parts: :mod:`ooc.storage.copy_streams` (the streams, events and copies in flight,
+:class:`CopyFuture`), :mod:`ooc.storage.pinned_slabs` (the pinned slabs, each key's pieces,
 and the resources a finalizer gives back); this module keeps the keys and the public API.
 """
 
@@ -29,10 +29,10 @@ import weakref
 from typing import Any
 
 from ooc.errors import StorageError
-from ooc.runtime.copy_streams import CopyFuture, CopyStreams, InFlightCopy
+from ooc.storage.copy_streams import CopyFuture, CopyStreams, InFlightCopy
 from ooc.runtime.cuda_seam import device_range
 from ooc.runtime.labels import label
-from ooc.runtime.pinned_slabs import (ALIGN, DEFAULT_SLAB, KeyBytes, PinnedSlabs, TierResources,
+from ooc.storage.pinned_slabs import (ALIGN, DEFAULT_SLAB, KeyBytes, PinnedSlabs, TierResources,
                                       half_the_ram, release_resources)
 from ooc.storage.extents import room_to_write, round_up
 from vmm.cuda_driver import CudaDriver, import_driver, in_own_context
@@ -68,7 +68,7 @@ class PinnedTier:
 
     Ordering: a copy starts after the work queued on the compute stream before the call; a
     read waits (on the device) for its key's write; pinned space is reused only once no copy
-    of it is in flight (the reasons: :mod:`ooc.runtime.copy_streams`). The caller keeps
+    of it is in flight (the reasons: :mod:`ooc.storage.copy_streams`). The caller keeps
     ``src``/``dst`` alive and untouched until the future resolves (or ``wait_on(stream)``).
 
     Thread-safe: a thread blocked in ``result()`` holds no lock. The CUDA context is made
@@ -225,7 +225,7 @@ class PinnedTier:
     @in_own_context
     def drain(self) -> None:
         """Block until every copy submitted so far is complete, with one host synchronization
-        at most (see :meth:`CopyStreams.drain <ooc.runtime.copy_streams.CopyStreams.drain>`).
+        at most (see :meth:`CopyStreams.drain <ooc.storage.copy_streams.CopyStreams.drain>`).
         Afterwards no copy touches any range handed to the tier. A closed tier has nothing in
         flight."""
         with self._lock:
@@ -378,7 +378,7 @@ class PinnedTier:
     def _after_failure(self, rec: KeyBytes, stream: Any) -> None:
         """A submission failed half-way: some copies of ``rec`` may be queued on ``stream``.
         Its pieces are reused only once they are known to have run (else never: see
-        :meth:`CopyStreams.recover <ooc.runtime.copy_streams.CopyStreams.recover>`)."""
+        :meth:`CopyStreams.recover <ooc.storage.copy_streams.CopyStreams.recover>`)."""
         if not self._copies.recover(stream, sum(n for _, n in rec.pieces)):
             rec.refs += 1   # leaked until close()
         elif rec.retired and rec.refs == 0:

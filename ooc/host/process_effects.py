@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ooc.runtime import cpu_allocator, malloc
+from ooc.host import cpu_allocator, malloc
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 // A CPU allocator for PyTorch that recycles large blocks instead of handing them back to the
-// kernel at every free. Built and loaded by ooc/runtime/cpu_allocator.py; see its docstring
+// kernel at every free. Built and loaded by ooc/host/cpu_allocator.py; see its docstring
 // for why it exists. Blocks below kLarge go to PyTorch's own alloc_cpu/free_cpu unchanged.
 //
 // Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages,

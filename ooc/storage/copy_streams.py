@@ -63,7 +63,7 @@ from vmm.cuda_driver import CudaDriver, DriverCallError, in_own_context
 from vmm.units import format_size
 
 if TYPE_CHECKING:
-    from ooc.runtime.pinned_slabs import KeyBytes, TierResources
+    from ooc.storage.pinned_slabs import KeyBytes, TierResources
 
 __all__ = ["CopyFuture", "CopyStreams", "InFlightCopy", "fresh_error"]
 

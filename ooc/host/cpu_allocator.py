@@ -35,7 +35,7 @@ compiled against the installed torch's headers with the system's C++ compiler (a
 smoke-tested in a child process (a crash there costs nothing), cached in a private directory
 and loaded. Anything missing (no compiler, no headers, an unsafe cache directory, a failed
 smoke test) is logged and the engine falls back to glibc with a fixed mmap threshold
-(:func:`ooc.runtime.malloc.release_freed_memory`): slower, same results. ``OOC_CPU_ALLOCATOR=0``
+(:func:`ooc.host.malloc.release_freed_memory`): slower, same results. ``OOC_CPU_ALLOCATOR=0``
 in the environment skips it.
 
 An engine installs it at its first step (:func:`acquire`), not when it is made, and gives
