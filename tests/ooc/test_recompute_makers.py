@@ -195,3 +195,36 @@ def test_a_chain_through_two_discarded_levels_stays_bitwise(monkeypatch) -> None
     chains = _through_chains(got["schedule"])
     assert any(c.count("aten.convolution.default") >= 2 for c in chains), chains
     assert got["stats"]["last_planned"] == 1 and got["stats"]["bytes_recomputed"] > 0
+
+
+@pytest.mark.parametrize("budget", ["1MiB", "1536KiB", "2MiB"])
+def test_shared_replays_the_gpu_planner_makes_run_bitwise(monkeypatch, budget: str) -> None:
+    """Segment recompute (``scheduler.segments``, the GPU planner's shared replays) moves a
+    discarded input's recompute before the chain that reads it, out of its own use. The engine
+    on a CPU never plans so (its prices differ), so here its planning is replaced by the GPU
+    rule with swaps made dear: the runtime must execute the moved recomputes as they are
+    planned, every step planned, bitwise as in core."""
+    import dataclasses
+
+    import scheduler.step_plans as step_plans
+    from scheduler.hardware import hardware
+    from scheduler.pins import Pins, pinned_rule
+    from scheduler.recompute import swap_or_recompute
+    from scheduler.window import plan_window
+
+    dear = dataclasses.replace(hardware("cpu-edge"), h2d_bandwidth=1e6, d2h_bandwidth=1e6, moved_byte_s=0.0)
+    moved = []
+
+    def plan(seq, budget, window=None, policy="window", **options):
+        rule = pinned_rule(seq, Pins(), swap_or_recompute(seq, dear, 1.0, True, True))
+        s = plan_window(seq, budget, window, rule)
+        moved.append(sum(1 for i, acts in enumerate(s.before) for a in acts
+                         if a.op is Op.RECOMPUTE and i not in seq.uses_of[a.var]))
+        return s
+
+    ref = _train("small_cnn", "sgd")
+    monkeypatch.setattr(step_plans, "plan_schedule", plan)
+    got = _train("small_cnn", "sgd", budget=budget)
+    runtime._assert_bitwise(ref, got)
+    assert max(moved) > 0, "no recompute was moved before its use: nothing shared was tested"
+    assert got["stats"]["last_planned"] == 1 and got["stats"]["last_diverged_at"] == -1
