@@ -18,6 +18,11 @@ move). A plan replaces them from the next step on.
    resident before the first step; what exceeds the budget goes to the slower tier, the
    last registered first, because a forward pass uses parameters roughly in registration
    order, so the last ones are needed last.
+4. **Leaving a plan** (``to_write_out_on_leaving``): a step that leaves its plan keeps, from
+   then on, only what it needs, as the recording step does: the saved activations it holds
+   with no current copy on the slower tier are written out at once, except those the running
+   backward node holds (autograd reads them until it returns). Persistent tensors stay: they
+   leave after the next op that uses them, as on demand does for every op.
 """
 
 from __future__ import annotations
@@ -67,3 +72,11 @@ def persistent_to_evict(resident: Sequence[tuple[T, int]], budget: int) -> list[
         out.append(x)
         excess -= n
     return out
+
+
+def to_write_out_on_leaving(tensors: Iterable[tuple[T, bool, bool, bool]]) -> list[T]:
+    """Rule 4: of the tensors a step manages when it leaves its plan, as ``(tensor, saved,
+    resident_only, held)`` (a saved activation, not a persistent tensor; resident with no
+    current copy on the slower tier; held by the running backward node), those to write out
+    now, in the order given."""
+    return [x for x, saved, resident_only, held in tensors if saved and resident_only and not held]

@@ -124,3 +124,106 @@ def test_importing_ooc_imports_no_framework():
             "print(sorted(m for m in ('transformers', 'lightning', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- classes: one idea each (issue 39 item 7) --------------------------------------------------
+#
+# A file limit keeps one idea per file; a class spread over many files (mixins) meets it and
+# loses the point. So a class is bounded too: its methods, counted across the project's classes
+# it inherits (what a reader must hold to follow a call), and how many of them it inherits.
+
+MAX_METHODS = 30
+MAX_PROJECT_BASES = 2
+
+# Classes over the bound today. A class listed here that meets the bound fails the test, so
+# the list only shrinks.
+EXEMPT = {
+    # Until the engine's side of issue 39 makes OutOfCore a facade over parts (72 methods across
+    # six mixins): emptied when that branch is merged.
+    "ooc.engine.out_of_core.OutOfCore",
+    # Outside issue 39's two classes, over the bound on main as well, left for their owners:
+    # the fake CUDA driver mirrors the driver API's calls (62 and 60 across its mixins), the
+    # virtual allocator has 39 methods across three mixins.
+    "ooc.testing.fake_cuda_host.HostBackedFakeDriver",
+    "ooc.testing.fake_cuda_copies.FakeCopyDriver",
+    "vmm.virtual.VirtualAllocator",
+}
+
+
+def _classes() -> dict[str, tuple[set[str], list[str]]]:
+    """Every class of ooc/, scheduler/ and vmm/: qualified name -> (its own methods, its
+    bases that are classes of ours, qualified). A base is resolved through the module's own
+    classes and its imports (``from m import C``, ``import m as x`` then ``x.C``)."""
+    modules = _modules()
+    raw: dict[str, tuple[set[str], list[ast.expr], dict[str, str]]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        names: dict[str, str] = {}   # local name -> qualified name (classes) or module
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[:len(base) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                for a in node.names:
+                    names[a.asname or a.name] = f"{module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    names[a.asname or a.name.partition(".")[0]] = a.name if a.asname else a.name.partition(".")[0]
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                names[node.name] = f"{name}.{node.name}"
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                methods = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                raw[f"{name}.{node.name}"] = (methods, node.bases, names)
+    out = {}
+    for qual, (methods, bases, names) in raw.items():
+        ours = []
+        for b in bases:
+            dotted = ast.unparse(b)
+            head, _, rest = dotted.partition(".")
+            target = names.get(head, head) + (f".{rest}" if rest else "")
+            if target not in raw:   # re-exported by a package: ``from ooc.runtime import X``
+                module, _, cls = target.rpartition(".")
+                target = next((q for q in raw if q.endswith(f".{cls}") and q.startswith(module)), target)
+            if target in raw:
+                ours.append(target)
+        out[qual] = (methods, ours)
+    return out
+
+
+def _methods_across_bases(classes: dict[str, tuple[set[str], list[str]]], qual: str) -> set[str]:
+    methods, bases = classes[qual]
+    every = set(methods)
+    for b in bases:
+        every |= _methods_across_bases(classes, b)
+    return every
+
+
+def _over_bound(classes: dict[str, tuple[set[str], list[str]]]) -> dict[str, str]:
+    over = {}
+    for qual, (_, bases) in classes.items():
+        n = len(_methods_across_bases(classes, qual))
+        if n > MAX_METHODS or len(bases) > MAX_PROJECT_BASES:
+            over[qual] = f"{n} methods across {len(bases)} project bases {bases}"
+    return over
+
+
+def test_no_class_over_30_methods_or_2_project_bases():
+    over = _over_bound(_classes())
+    assert set(over) - EXEMPT == set(), {q: over[q] for q in set(over) - EXEMPT}
+    assert EXEMPT - set(over) == set(), f"within the bound now, take out of EXEMPT: {EXEMPT - set(over)}"
+
+
+def test_the_class_bound_counts_inherited_methods_and_bases():
+    classes = {
+        "m.A": ({f"a{k}" for k in range(20)}, []),
+        "m.B": ({f"b{k}" for k in range(11)} | {"a0"}, ["m.A"]),   # 31 across its base
+        "m.C": ({"c"}, ["m.A", "m.D", "m.E"]),                      # three project bases
+        "m.D": (set(), []), "m.E": (set(), []),
+    }
+    assert sorted(_over_bound(classes)) == ["m.B", "m.C"]

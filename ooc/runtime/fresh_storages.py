@@ -14,9 +14,11 @@ import dataclasses
 
 import torch
 
-from ooc.record.managed import Birth
-from ooc.runtime.executor import _Unbudgeted
+from ooc.record.managed import Birth, Recording
+from ooc.runtime.overflow import Unbudgeted
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_book import StepBook
+from ooc.runtime.step_context import StepContext
 from scheduler.ir import Kind
 
 
@@ -28,15 +30,17 @@ def _use_count(s: torch.UntypedStorage) -> int:
 
 
 class FreshStorages:
-    """The ``Stepper``'s tracking of the optimizer's new storages (a mixin). Its state
-    (``_init_fresh``): ``fresh``, the new storages not managed yet; ``adopted``, those
-    written out to make room (see ``hand_back``)."""
+    """The optimizer's new storages of a step on demand. Its state: ``fresh``, the new
+    storages not managed yet (counted in the step's resident bytes); ``adopted``, those
+    written out to make room (see ``hand_back``). The on-demand room decides when they count
+    and which leave (``OnDemandRoom.track_fresh``, ``evict``)."""
 
-    def _init_fresh(self) -> None:
+    def __init__(self, ctx: StepContext, book: StepBook, rec: Recording) -> None:
+        self.ctx, self.book, self.rec = ctx, book, rec
         self.fresh: dict[Birth, None] = {}
         self.adopted: list[Slot] = []
 
-    def _tracking(self) -> bool:
+    def tracking(self, planned: bool, updating: bool) -> bool:
         """Whether new storages count as managed from birth: on demand, during the optimizer
         step, with its state managed. The optimizer creates its state there (Adam all of it
         before its first update; SGD's momentum buffers join ``optimizer.state`` only when
@@ -44,43 +48,42 @@ class FreshStorages:
         Inside ``step()`` only: with the update in the backward (one ``step()`` per gradient,
         from a post-accumulate-grad hook), what the backward makes between two updates is
         not the optimizer's."""
-        return not self.planned and self.updating and "optimizer_state" in self.ctx.manage
+        return not planned and updating and "optimizer_state" in self.ctx.manage
 
-    def _track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
-        """Count a storage the optimizer just created, after making room for it."""
-        self._make_room_for(b.nbytes, keep, i, f"a new tensor of {self.rec.names[i]}")
+    def add(self, b: Birth) -> None:
+        """Count a storage the optimizer just created (room was made for it)."""
         self.fresh[b] = None
-        self._account(b.nbytes)
-        self._touch(b)
-        return b
+        self.book.account(b.nbytes)
 
-    def _prune_fresh(self) -> None:
+    def died(self) -> list[Birth]:
         """Forget the optimizer's new storages that died (its temporaries): bytes given back."""
-        for b in [b for b in self.fresh if b.ref.expired()]:
+        dead = [b for b in self.fresh if b.ref.expired()]
+        for b in dead:
             del self.fresh[b]
-            self.recent.pop(b, None)
-            self._account(-b.nbytes)
+            self.book.account(-b.nbytes)
+        return dead
 
-    def _evict_fresh(self, b: Birth) -> None:
-        """Write out a storage the optimizer created: it becomes a managed variable now
-        (``_live_out`` names it as the state it turns out to be, ``hand_back`` returns it
-        if it is not state but something still holds it)."""
+    def adopt(self, b: Birth) -> Slot | None:
+        """A storage the optimizer created, to be written out to make room: it becomes a
+        managed variable now (``_live_out`` names it as the state it turns out to be,
+        ``hand_back`` returns it if it is not state but something still holds it). None if it
+        just died (its bytes given back)."""
         del self.fresh[b]
         s = torch.UntypedStorage._new_with_weak_ptr(b.ref.cdata)   # None if it just died
         if s is None:
-            self._account(-b.nbytes)
-            return
+            self.book.account(-b.nbytes)
+            return None
         var = self.ctx.new_var()
         name = f"{self.rec.names[b.op]}#{b.op}"
         self.rec.promote(b, var, Kind.OPTIMIZER_STATE, name)
         slot = Slot(var, Kind.OPTIMIZER_STATE, b.nbytes, name, in_place=True,
                     state=State.RESIDENT, storage=s)
-        self._register(slot)
+        self.book.register(slot)
         self.adopted.append(slot)
-        self._evict(slot)
+        return slot
 
     def rename(self, slot: Slot, name: str) -> None:
-        """Give a variable adopted before it had a name (``_evict_fresh``) its real one."""
+        """Give a variable adopted before it had a name (``adopt``) its real one."""
         slot.name = name
         v = self.rec.variables.get(slot.var)
         if v is not None:
@@ -94,4 +97,4 @@ class FreshStorages:
             if slot.var in live or slot.state is not State.HOST or slot.storage is None:
                 continue
             if _use_count(slot.storage) > 1:   # more than the slot holds it
-                self.ctx.counters["bytes_in"] += slot.bring_back(self.ctx.tier, _Unbudgeted(self.ctx.device))
+                self.ctx.counters["bytes_in"] += slot.bring_back(self.ctx.tier, Unbudgeted(self.ctx.device))

@@ -16,9 +16,12 @@ import logging
 
 import torch
 
-from ooc.record.managed import Birth
+from ooc.record.managed import Birth, Recording
 from ooc.record.storages import storage_of
+from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_book import Course, StepBook
+from ooc.runtime.step_context import StepContext
 from scheduler import on_demand
 from scheduler.ir import Kind
 from vmm.errors import OutOfBudget
@@ -28,34 +31,46 @@ log = logging.getLogger(__name__)
 
 
 class OnDemandRoom:
-    """The ``Stepper``'s on-demand budget, and the adoption of the step's new managed storages,
-    which on demand needs room first (a mixin over the step's slots and resident bytes).
+    """A step's on-demand budget, and the adoption of the step's new managed storages, which
+    on demand needs room first (over the step's ``StepBook``).
 
-    Its state (``_init_room``): ``recent``, what may hold managed memory, least recently used
-    first (slots, and the optimizer's new storages of ``FreshStorages``); ``held``, the
-    activations the running backward node unpacked (autograd holds them until it returns:
-    never evicted); ``in_flight_out``, on-demand writes, oldest first; ``overflow``, an
-    on-demand need the pool could not meet (the step fails with it at its end).
+    Its state: ``recent``, what may hold managed memory, least recently used first (slots,
+    and the optimizer's new storages of ``FreshStorages``); ``held``, the activations the
+    running backward node unpacked (autograd holds them until it returns: never evicted);
+    ``in_flight_out``, on-demand writes, oldest first. An on-demand need the pool could not
+    meet is the book's ``overflow`` (the step fails with it at its end).
     """
 
-    def _init_room(self, persistent: list[Slot]) -> None:
+    def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording,
+                 fresh: FreshStorages, persistent: list[Slot]) -> None:
+        self.ctx, self.book, self.course, self.rec, self.fresh = ctx, book, course, rec, fresh
         self.recent: dict[Slot | Birth, None] = {}
         self.held: dict[Slot, None] = {}
         self.in_flight_out: list[Slot] = []
-        self.overflow: OutOfBudget | None = None
-        if not self.planned:   # the last registered leave first: a forward uses them in order
+        if not course.planned:   # the last registered leave first: a forward uses them in order
             for slot in reversed(persistent):
                 if slot.state in (State.RESIDENT, State.IN, State.OUT):
                     self.recent[slot] = None
 
+    def leave_plan(self) -> None:
+        """The step left its plan: from here on it keeps only what it needs. Every slot that
+        holds device memory is in the eviction order, and the saved activations the scheduler
+        says so (``scheduler.on_demand.to_write_out_on_leaving``) are written out now."""
+        slots = self.book.slots.values()
+        self.recent = {s: None for s in slots if s.state in (State.RESIDENT, State.IN, State.OUT)}
+        held = self.held
+        for slot in on_demand.to_write_out_on_leaving(
+                (s, not s.in_place, s.state is State.RESIDENT and not s.host_current, s in held) for s in slots):
+            self.write_out(slot)
+
     def adopt(self, slot: Slot, what: str) -> None:
         """A storage of this step becomes managed (a saved activation, a gradient): count its
         bytes, after making room for them on demand."""
-        if not self.planned:
-            self._make_room_for(slot.nbytes, (), self.i, what)
-            self._touch(slot)
-        self._register(slot)
-        self._account(slot.nbytes)
+        if not self.course.planned:
+            self.make_room_for(slot.nbytes, (), self.course.i, what)
+            self.touch(slot)
+        self.book.register(slot)
+        self.book.account(slot.nbytes)
 
     def adopt_grad(self, slot: Slot) -> None:
         """A gradient autograd has finished accumulating becomes managed. On demand it is
@@ -63,9 +78,9 @@ class OnDemandRoom:
         after the rest of the backward, and keeping every gradient until then is what took
         on-demand steps over their budget."""
         self.adopt(slot, f"the gradient {slot.name}")
-        if not self.planned:
-            self._write_out(slot)
-            self._reap_writes(block=False)
+        if not self.course.planned:
+            self.write_out(slot)
+            self.reap_writes(block=False)
 
     def adopt_grad_of(self, grad: torch.Tensor, name: str) -> None:
         """A parameter's gradient autograd has finished accumulating (the engine's post-
@@ -74,30 +89,29 @@ class OnDemandRoom:
         if s is None:   # a sparse gradient (nn.Embedding(sparse=True)): left to PyTorch
             return
         b = self.rec.live_birth(s)
-        if b is not None and b.var is None and self.slot_of(grad) is None:
+        if b is not None and b.var is None and self.book.slot_of(grad) is None:
             var = self.ctx.new_var()
             self.rec.promote(b, var, Kind.GRAD, f"{name}.grad")
             self.adopt_grad(Slot(var, Kind.GRAD, b.nbytes, f"{name}.grad", in_place=True,
                                  state=State.RESIDENT, storage=s))
 
-    def _on_demand_after(self, touched: list[Slot]) -> None:
+    def after_op(self, touched: list[Slot]) -> None:
         """Keep nothing: persistent tensors leave after the op that used them."""
         for slot in dict.fromkeys(touched):
             if slot.in_place and slot.state is State.RESIDENT:
                 if slot.host_current:
                     slot.drop(self.ctx.tier)
-                    self._account(-slot.nbytes)
+                    self.book.account(-slot.nbytes)
                 else:
-                    self._write_out(slot)
-        self._reap_writes(block=False)
+                    self.write_out(slot)
+        self.reap_writes(block=False)
 
-    def _write_out(self, slot: Slot) -> None:
+    def write_out(self, slot: Slot) -> None:
         """On demand: start writing ``slot`` out; its bytes count until the write is reaped."""
-        self._start_out(slot)
-        self.ctx.counters["bytes_out"] += slot.nbytes
+        self.book.write_out(slot)
         self.in_flight_out.append(slot)
 
-    def _reap_writes(self, block: bool) -> None:
+    def reap_writes(self, block: bool) -> None:
         """Finish on-demand writes, oldest first; block while too many bytes are in flight."""
         limit = on_demand.in_flight_limit(self.ctx.budget)
         while self.in_flight_out:
@@ -109,21 +123,47 @@ class OnDemandRoom:
             if not (block or slot.future.done() or in_flight > limit):
                 break
             self.in_flight_out.pop(0)
-            self._timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
-            self._account(-slot.nbytes)
+            self.book.timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
+            self.book.account(-slot.nbytes)
 
     def writes_settled(self) -> None:
         """The engine waited for every transfer of the step (``OutOfCore._settle``): no
         on-demand write is in flight any more."""
         self.in_flight_out.clear()
 
-    def _touch(self, x: Slot | Birth) -> None:
+    def touch(self, x: Slot | Birth) -> None:
         """On demand: ``x`` was just used; eviction takes the least recently used first."""
-        if not self.planned:
+        if not self.course.planned:
             self.recent.pop(x, None)
             self.recent[x] = None
 
-    def _make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str) -> None:
+    def hold(self, slot: Slot) -> None:
+        """The running backward node unpacked ``slot``: autograd holds it until it returns."""
+        self.held[slot] = None
+
+    def release_held(self) -> None:
+        """The backward node returned. On demand its unpacked activations counted until now
+        (autograd held them); their bytes go back, the slower tier keeps a copy."""
+        if not self.course.planned:
+            for slot in self.held:
+                if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
+                    slot.drop(self.ctx.tier)
+                    self.book.account(-slot.nbytes)
+        self.held.clear()
+
+    def track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
+        """Count a storage the optimizer just created, after making room for it."""
+        self.make_room_for(b.nbytes, keep, i, f"a new tensor of {self.rec.names[i]}")
+        self.fresh.add(b)
+        self.touch(b)
+        return b
+
+    def prune_fresh(self) -> None:
+        """The optimizer's new storages that died leave the eviction order (and the budget)."""
+        for b in self.fresh.died():
+            self.recent.pop(b, None)
+
+    def make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str) -> None:
         """On demand: make ``nbytes`` fit the budget before they become resident.
 
         If evicting everything that may go still leaves too little (op ``where``'s own
@@ -133,15 +173,16 @@ class OnDemandRoom:
         """
         if self._make_room(nbytes, keep):
             return
-        why = (f"what it cannot do without already takes {format_size(self.resident)} "
-               f"({self.resident} B: {self._kept_names()})" if self.resident else "alone it is larger")
+        resident = self.book.resident
+        why = (f"what it cannot do without already takes {format_size(resident)} "
+               f"({resident} B: {self._kept_names()})" if resident else "alone it is larger")
         error = OutOfBudget(
-            f"op {where} ({self._name(where)}): {what} ({format_size(nbytes)}, {nbytes} B) does "
+            f"op {where} ({self.course.name(where)}): {what} ({format_size(nbytes)}, {nbytes} B) does "
             f"not fit the {format_size(self.ctx.budget)} budget: {why}; raise the budget to at "
-            f"least {format_size(self.resident + nbytes)}")
-        if self.overflow is None:
+            f"least {format_size(resident + nbytes)}")
+        if self.book.overflow is None:
             log.warning("%s", error)
-            self.overflow = error
+            self.book.overflow = error
 
     def _make_room(self, nbytes: int, keep: set | tuple) -> bool:
         """Evict until ``nbytes`` more fit the budget; False if they cannot.
@@ -152,51 +193,45 @@ class OnDemandRoom:
         are reaped, a write in flight is waited for, a tensor the slower tier holds is
         released, any other is written out and waited for (the waits count as stall).
         """
-        budget = self.ctx.budget
-        if self.resident + nbytes <= budget:
+        budget, book = self.ctx.budget, self.book
+        if book.resident + nbytes <= budget:
             return True
-        self._reap_writes(block=False)
+        self.reap_writes(block=False)
         held = self.held
-        victims = on_demand.choose_victims(self.recent, self.resident + nbytes - budget, self._evictable_bytes,
+        victims = on_demand.choose_victims(self.recent, book.resident + nbytes - budget, self._evictable_bytes,
                                            lambda x: x in keep or x in held)
         for x in victims:
             del self.recent[x]
-            if isinstance(x, Birth):
-                self._evict_fresh(x)
-            else:
+            if not isinstance(x, Birth):
                 self._evict(x)
-        return self.resident + nbytes <= budget
+            elif (slot := self.fresh.adopt(x)) is not None:
+                self._evict(slot)
+        return book.resident + nbytes <= budget
 
     def _evictable_bytes(self, x: Slot | Birth) -> int:
         """The bytes evicting ``x`` gives back (0 for an entry already gone)."""
         if isinstance(x, Birth):
-            return x.nbytes if x in self.fresh else 0
+            return x.nbytes if x in self.fresh.fresh else 0
         return x.nbytes if x.state in (State.RESIDENT, State.IN, State.OUT) else 0
 
     def _evict(self, slot: Slot) -> None:
         """Give a slot's memory back: wait for its write in flight, release it if the slower
         tier holds its bytes, else write it out and wait."""
+        book = self.book
         if slot.state is State.IN:
-            self._timed("wait", f"swap_in {slot.name}", slot.finish_swap_in)
+            book.timed("wait", f"swap_in {slot.name}", slot.finish_swap_in)
         if slot.state is State.RESIDENT and slot.host_current:
             slot.drop(self.ctx.tier)
-            self._account(-slot.nbytes)
+            book.account(-slot.nbytes)
             return
         if slot.state is State.RESIDENT:
-            self._start_out(slot)
-            self.ctx.counters["bytes_out"] += slot.nbytes
+            book.write_out(slot)
         if slot.state is State.OUT:
-            self._timed("wait", f"evict {slot.name}", slot.finish_swap_out)
-            self._account(-slot.nbytes)
+            book.timed("wait", f"evict {slot.name}", slot.finish_swap_out)
+            book.account(-slot.nbytes)
 
     def _kept_names(self) -> str:
         """What stayed resident after evicting all that could go, for an overflow message."""
         names = [x.name if isinstance(x, Slot) else f"{self.rec.names[x.op]}#{x.op}"
                  for x in self.recent if self._evictable_bytes(x)]
         return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-    def forgive_overflow(self) -> OutOfBudget | None:
-        """The on-demand overflow so far, forgotten: the engine decided it does not fail the
-        step (a plan will keep later steps within the budget)."""
-        overflow, self.overflow = self.overflow, None
-        return overflow

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +40,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.errors import OOCError
-from ooc.record.managed import NOT_REPLAYABLE
+from ooc.record.managed import NOT_REPLAYABLE, Recording
 from ooc.record.op_schema import tensors
 from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.slots import Slot
+from ooc.runtime.step_book import Course, StepBook
+from ooc.runtime.step_context import StepContext
 from scheduler.schedule import Op, Schedule
 from vmm.units import format_size
 
@@ -138,12 +141,13 @@ def next_chain(chains: dict[int, list[tuple[int, tuple[int, ...]]]], var: int, a
 
 
 class Recomputation:
-    """The ``Stepper``'s discard and recompute (a mixin). Its state (``_init_recompute``):
-    ``chains`` (var -> functions to rerun), ``recipe_ops`` (every function of some chain: the
-    ones ``on_op`` captures), ``recipes`` (function -> ``Recipe``)."""
+    """The step's discard and recompute. Its state: ``chains`` (var -> functions to rerun),
+    ``recipe_ops`` (every function of some chain: the ones ``on_op`` captures), ``recipes``
+    (function -> ``Recipe``), ``discarded_for`` (var -> the chain it was discarded for)."""
 
-    def _init_recompute(self, schedule: Schedule | None) -> None:
-        self.chains = chains_of(schedule)
+    def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording) -> None:
+        self.ctx, self.book, self.course, self.rec = ctx, book, course, rec
+        self.chains = chains_of(course.schedule)
         self.recipe_ops = frozenset(w for each in self.chains.values() for _, chain in each for w in chain)
         self.recipes: dict[int, Recipe] = {}
         # var -> the chain it was discarded for: a step that diverges after the discard runs on
@@ -152,7 +156,7 @@ class Recomputation:
         # FSDP2 frees each unsharded parameter after its forward use and gathers it again in
         # its module's backward: a replay run before that (for an earlier backward op) would
         # read freed storage. With sharded parameters no op that reads a parameter is replayed.
-        self.params_leave = has_sharded_params(self.ctx.model)
+        self.params_leave = has_sharded_params(ctx.model)
 
     def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
         """The generator state a chain function is about to draw from (random ops only)."""
@@ -166,7 +170,7 @@ class Recomputation:
         def keep(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
-            slot = self.slot_of(x)
+            slot = self.book.slot_of(x)
             if slot is not None:
                 return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset())
             s = storage_of(x)   # None: sparse, held as it is
@@ -184,7 +188,7 @@ class Recomputation:
         self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
                                  torch.is_grad_enabled(), outputs)
 
-    def _replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
+    def replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
         """The recorder's flags for this call (``ooc.record.replay``; the call rules of
         ``StepRecorder.op``): an in-place write to what the step did not create (parameters,
         buffers, state, tensors under the threshold) cannot be replayed."""
@@ -197,9 +201,9 @@ class Recomputation:
                 return NOT_REPLAYABLE
         return info.replay.flags(args, kwargs)
 
-    def _discard(self, slot: Slot, where: int) -> bool:
+    def discard(self, slot: Slot, where: int) -> str | None:
         """Give ``slot``'s bytes back with no copy, if its chain can bring them back exactly;
-        else the step diverges (on demand writes the activation out). Returns whether it did."""
+        else say why not (the step diverges: on demand writes the activation out)."""
         chain = next_chain(self.chains, slot.var, where)
         recipes = [self.recipes.get(w) for w in chain]
         missing = [w for w, r in zip(chain, recipes) if r is None]
@@ -208,14 +212,14 @@ class Recomputation:
         if not chain or missing or changed is not None:
             why = (f"ops {missing} of its chain were not captured" if missing or not chain
                    else f"an input of its chain ({tuple(changed.shape)}) was written since")
-            self._diverge(where, f"cannot discard {slot.name}: {why}")
-            return False
+            return f"cannot discard {slot.name}: {why}"
         slot.discard(self.ctx.tier)
         self.discarded_for[slot.var] = chain
-        return True
+        return None
 
-    def _recompute(self, slot: Slot, chain: tuple[int, ...], where: int) -> None:
-        """Rerun ``chain`` to re-create ``slot`` before op ``where`` (the module docstring)."""
+    def recompute(self, slot: Slot, chain: tuple[int, ...], where: int, ensure: Callable[..., None]) -> None:
+        """Rerun ``chain`` to re-create ``slot`` before op ``where`` (the module docstring);
+        ``ensure(slot, where, keep)`` makes each managed input usable (``Stepper.ensure``)."""
         t0 = time.perf_counter()
         recipes = [self.recipes[w] for w in chain]
         # Managed variables the chain makes on the way (an input discarded too, made again inside
@@ -225,11 +229,11 @@ class Recomputation:
         for r in recipes:   # every other managed input usable (the plan made them resident)
             for ref in _refs(r):
                 if ref.slot is not slot and ref.slot.var not in inside:
-                    self.ensure(ref.slot, where, keep={ref.slot, slot})
+                    ensure(ref.slot, where, keep={ref.slot, slot})
             changed = r.changed()
             if changed is not None:
                 raise OOCError(
-                    f"cannot recompute {slot.name} before op {where} ({self._name(where)}): a "
+                    f"cannot recompute {slot.name} before op {where} ({self.course.name(where)}): a "
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
                     f"in place since; pass recompute=False to OutOfCore to swap instead")
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
@@ -259,7 +263,7 @@ class Recomputation:
                 outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
                 if len(outs) != r.outputs:   # its outputs are counted as on_op counted them
                     raise OOCError(
-                        f"recomputing {slot.name}: {self._name(w)} returned {len(outs)} tensors "
+                        f"recomputing {slot.name}: {self.course.name(w)} returned {len(outs)} tensors "
                         f"where it returned {r.outputs} when it ran; pass recompute=False to swap")
                 if w != producer:
                     for k, t in enumerate(outs):
@@ -269,15 +273,15 @@ class Recomputation:
                     s = outs[out_index].untyped_storage()
                     if s.nbytes() != slot.nbytes:
                         raise OOCError(
-                            f"recomputing {slot.name}: its producer {self._name(w)} gave "
+                            f"recomputing {slot.name}: its producer {self.course.name(w)} gave "
                             f"{format_size(s.nbytes())} ({s.nbytes()} B), not {slot.nbytes} B")
                     slot.made_again(s)   # discarded: the tier holds no copy to forget
-                    self._register(slot)
+                    self.book.register(slot)
                 del out, outs
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
         self.ctx.counters["recompute_s"] += t1 - t0
-        self.events.append(("recompute", f"recompute {slot.name}", t0, t1))
+        self.book.events.append(("recompute", f"recompute {slot.name}", t0, t1))
 
 
 def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage],

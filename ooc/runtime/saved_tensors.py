@@ -7,7 +7,7 @@ A node unpacks all it saved before it computes (the generated ``apply``s unpack 
 the next unpack after an op that computes belongs to the next node: the previous node has
 returned and let go of its tensors. Autograd itself runs a view op between two unpacks of
 one node (it detaches an unpacked input that had a ``grad_fn``), so view ops do not count
-(``Stepper.on_op``): counting that detach, the engine let go of the first tensor while the
+(``SavedTensors.op_ran``): counting that detach, the engine let go of the first tensor while the
 node still read it (``MultiLabelSoftMarginLoss``'s ``log_sigmoid_backward``), and the plan
 gave its bytes to the next swap-in, which did not fit the pool.
 A saved activation is kept as a ``Packed`` (its slot and how to rebuild the view); the slot,
@@ -16,14 +16,18 @@ not autograd, holds the bytes, so the plan can move them.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ooc.record.managed import Recording
+from ooc.record.recorder import StepRecorder
 from ooc.runtime.hook_trace import HookTrace
+from ooc.runtime.on_demand_room import OnDemandRoom
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_book import Course, StepBook
+from ooc.runtime.step_context import StepContext
 from scheduler.ir import Access, Kind
 
 
@@ -50,45 +54,39 @@ class Packed:
 
 
 class SavedTensors:
-    """The ``Stepper``'s pack and unpack hooks (a mixin). Its state (``_init_saved``):
-    ``unpacked``, vars unpacked for the next op; ``node_vars``, vars unpacked by the backward
-    node now running; ``ops_since_unpack``, the node's ops since its last unpack (views not
-    counted: ``used_unpacked``); ``full_vars``, a saved
-    activation's var -> its variable in the whole-step recording; ``small_saved``, storages
-    under the threshold that autograd saved (for the adaptive chunk); the pack hook this step
-    pushed."""
+    """A step's pack hook and what its unpacks note (the ``Stepper`` runs the unpack: it
+    brings the bytes back). Its state: ``unpacked``, vars unpacked for the next op;
+    ``node_vars``, vars unpacked by the backward node now running; ``ops_since_unpack``, the
+    node's ops since its last unpack (views not counted: ``used_unpacked``); ``full_vars``, a
+    saved activation's var -> its variable in the whole-step recording; ``small_born`` and
+    ``small_saved``, storages under the threshold the step created and those autograd saved
+    (for the adaptive chunk; None unless observed); ``own_pack``, the pack hook this step
+    pushed, weakly; ``signature`` and ``hook_trace``, what the plain and anchored forms of the
+    next steps compare with (None when not noted)."""
 
-    def _init_saved(self) -> None:
+    def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording,
+                 full: StepRecorder | None, room: OnDemandRoom, observe_small: bool) -> None:
+        self.ctx, self.book, self.course, self.rec, self.full, self.room = ctx, book, course, rec, full, room
+        planned = course.planned
         self.unpacked: list[int] = []
         self.node_vars: list[int] = []
         self.ops_since_unpack = 0
         self.full_vars: dict[int, int] = {}
+        # A recording step that decides the chunk (the engine's default chunk adapts, see
+        # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
+        # which of those autograd saves (``small_saved``): would a smaller chunk manage them?
+        self.small_born: dict[int, int] | None = {} if observe_small and not planned else None
         self.small_saved: dict[int, int] = {}
-        # The pack hook this step pushed, weakly (see saved_tensors_hooks); None before.
-        self._own_pack: Callable[[], Any] | None = None
+        # The pack hook this step pushed, weakly (see Stepper.saved_tensors_hooks); None before.
+        self.own_pack: Callable[[], Any] | None = None
         # A planned step of a plan that moves nothing notes what it saves (plain_step.Signature):
         # if it keeps to the plan, its next steps may run plain (``ooc/runtime/plain_step.py``).
-        self.signature: list[tuple[int, int, bool]] | None = (
-            [] if self.planned and self.ctx.plain_candidate else None)
+        self.signature: list[tuple[int, int, bool]] | None = [] if planned and ctx.plain_candidate else None
         # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
         # its next steps may run the plan at those hooks alone (``anchored_step.py``).
         self.hook_trace: HookTrace | None = (
-            HookTrace() if self.planned and not self.ctx.plain_candidate and self.ctx.device.type == "cpu"
-            and self.ctx.manage == {"activations"} else None)
-
-    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks through which this step manages saved activations. Remembers its pack
-        hook: an op that finds other hooks innermost (``save_on_cpu`` entered inside the
-        step) is refused, since the activations saved under them would bypass the engine.
-
-        Weakly: a bound method of the step kept on the step is a reference cycle, and then the
-        whole step (its recording, slots and plan cursor: ~5,000 objects on GPT 6x256) is
-        garbage that only the cyclic collector frees. It piled up until a full collection
-        paused a step for 0.13 s, about one step in ten (GPT 6x256 b8 at 1/4). The hooks
-        object holds the method as long as the step runs."""
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._own_pack = weakref.ref(hooks.pack_hook)
-        return hooks
+            HookTrace() if planned and not ctx.plain_candidate and ctx.device.type == "cpu"
+            and ctx.manage == {"activations"} else None)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:
@@ -102,7 +100,7 @@ class SavedTensors:
         return p
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
-        if self.planned:
+        if self.course.planned:
             # A planned step only looks its storage up: no op runs, so the dispatch modes
             # need not be taken off the stack and put back (what most of the time went to).
             s = t.untyped_storage()
@@ -110,7 +108,7 @@ class SavedTensors:
                 n = s.nbytes()
                 if n >= self.ctx.min_bytes:
                     self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)))
-            slot = self.by_storage.get(id(s))
+            slot = self.book.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
                 b = self.rec.births.get(s._cdata)
                 if b is None or b.var is None:
@@ -135,14 +133,14 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor) -> Any:
         if _of_parameter(t) or t.device.type == "meta":
             return t
-        slot = self.slot_of(t)
+        slot = self.book.slot_of(t)
         if slot is None:
             s = t.untyped_storage()
             b = self.rec.live_birth(s)
-            if b is not None and b.var is not None and b.var in self.slots:
-                slot = self.slots[b.var]   # saved again after the engine let go of its bytes
+            if b is not None and b.var is not None and b.var in self.book.slots:
+                slot = self.book.slots[b.var]   # saved again after the engine let go of its bytes
                 return Packed(slot, t) if slot.kind is Kind.ACTIVATION else t
-            if b is None or self.planned:
+            if b is None or self.course.planned:
                 if b is None and self.small_born is not None and id(s) in self.small_born:
                     self.small_saved[id(s)] = self.small_born[id(s)]
                 return t   # not born in this step (input, buffer), too small, or not in the plan
@@ -151,27 +149,30 @@ class SavedTensors:
             self.rec.promote(b, var, Kind.ACTIVATION, name)
             slot = Slot(var, Kind.ACTIVATION, b.nbytes, name, in_place=False,
                         state=State.RESIDENT, storage=s)
-            self.adopt(slot, f"the saved activation {name}")
+            self.room.adopt(slot, f"the saved activation {name}")
         if slot.kind is not Kind.ACTIVATION:
             return t
-        if not self.planned and slot.state is State.RESIDENT and not slot.host_current:
-            self._write_out(slot)     # on demand: write it out at once
+        if not self.course.planned and slot.state is State.RESIDENT and not slot.host_current:
+            self.room.write_out(slot)     # on demand: write it out at once
         return Packed(slot, t)
 
-    def used_unpacked(self, i: int) -> None:
-        """Op ``i`` comes right after unpacks: it uses what they unpacked.
+    def op_ran(self, i: int, view: bool) -> None:
+        """Op ``i`` begins: it uses what the unpacks right before it unpacked, and, unless it
+        is a view, counts as the running backward node's work.
 
-        Why views do not count as a backward node's work (``Stepper.on_op``): autograd
-        detaches each tensor an unpack hook returns (``SavedVariable::unpack``), and a node
-        may take views of one unpacked tensor before it unpacks the next. Counted as work,
-        such an op closed the node at its next unpack, and the tensors it had unpacked looked
-        released while it still held them: the plan freed their memory before their last use,
-        and the pool ran out of room at a swap-in the plan had proven (issue 40: the
-        attention's ``attn @ v``; issue 42: a TransformerEncoder's layer norm, found by
-        PyTorch's module database)."""
-        for var in self.unpacked:
-            self.rec.use(i, var, Access.READ)
-        self.unpacked.clear()
+        Why views do not count as a backward node's work: autograd detaches each tensor an
+        unpack hook returns (``SavedVariable::unpack``), and a node may take views of one
+        unpacked tensor before it unpacks the next. Counted as work, such an op closed the
+        node at its next unpack, and the tensors it had unpacked looked released while it
+        still held them: the plan freed their memory before their last use, and the pool ran
+        out of room at a swap-in the plan had proven (issue 40: the attention's ``attn @ v``;
+        issue 42: a TransformerEncoder's layer norm, found by PyTorch's module database)."""
+        if self.unpacked:
+            for var in self.unpacked:
+                self.rec.use(i, var, Access.READ)
+            self.unpacked.clear()
+        if not view:
+            self.ops_since_unpack += 1
 
     def close_node(self) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next
@@ -183,39 +184,35 @@ class SavedTensors:
                 self.rec.use(last, var, Access.READ)
         self.node_vars.clear()
         self.ops_since_unpack = 0
-        if not self.planned:
-            self._release_held()
-        self.held.clear()
+        self.room.release_held()
 
-    def _release_held(self) -> None:
-        """On demand: the node's unpacked activations count until it returns (autograd held
-        them); then their bytes go back, the slower tier keeps a copy."""
-        for slot in self.held:
-            if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
-                slot.drop(self.ctx.tier)
-                self._account(-slot.nbytes)
-
-    def unpack(self, p: Any) -> torch.Tensor:
-        if not isinstance(p, Packed):
-            return p
-        with _disable_current_modes():
-            return self._unpack(p)
-
-    def _unpack(self, p: Packed) -> torch.Tensor:
+    def unpacking(self, p: Packed) -> int:
+        """Unpack of ``p`` begins: the op that will use it (the next), after closing the node
+        that ran before, if any; the caller brings the bytes back for that op (``rebuild``)."""
         nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
         if self.ops_since_unpack:
             self.close_node()
-        self.before(nxt)
+        return nxt
+
+    def rebuild(self, p: Packed, nxt: int) -> torch.Tensor:
+        """The saved view on its slot's storage, usable now, for op ``nxt``. On demand keeps
+        nothing, but the tensor handed to autograd holds the bytes as long as the backward
+        node runs: they count until it returns (``close_node``)."""
         slot = p.slot
         if self.hook_trace is not None:
             self.hook_trace.unpacks.append((nxt, slot.var))
         self.unpacked.append(slot.var)
         self.node_vars.append(slot.var)
-        self.ensure(slot, nxt)
-        # On demand keeps nothing, but the tensor handed to autograd holds the bytes as long
-        # as the backward node runs: they count until it returns (close_node releases them).
-        self.held[slot] = None
+        self.room.hold(slot)
         if self.full is not None and slot.var in self.full_vars:
             self.full.alias(slot.storage, self.full_vars[slot.var])
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
+
+    def saved_sizes(self) -> list[int] | None:
+        """Bytes of every distinct storage born in this step that autograd saved, managed or
+        not; None unless the step observed them (``observe_small``)."""
+        if self.small_born is None:
+            return None
+        managed = [v.nbytes for v in self.rec.variables.values() if v.kind is Kind.ACTIVATION]
+        return managed + list(self.small_saved.values())

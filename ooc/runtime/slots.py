@@ -54,7 +54,7 @@ class State(enum.Enum):
         return _RESIDENCY[self]
 
     @staticmethod
-    def of(residency: Residency) -> "State":
+    def of(residency: Residency) -> State:
         """The slot state for a state of the transition table."""
         return _STATE[residency]
 
@@ -214,7 +214,7 @@ class Slot:
     def bring_back(self, tier: SlowerTier, pool: RangeSource, *,
                    wait: Callable[[str, Callable[[], None]], None] = _call,
                    account: Callable[[int], None] = _ignore,
-                   started: Callable[["Slot"], None] = _ignore) -> int:
+                   started: Callable[[Slot], None] = _ignore) -> int:
         """Make the slot resident now, from wherever its bytes are: a write in flight is
         waited for (its device bytes go back: ``account(-nbytes)``), the tier's copy is read
         into memory from ``pool`` (taken first: ``account(+nbytes)``, where the caller makes

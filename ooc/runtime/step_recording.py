@@ -9,60 +9,70 @@ the adaptive chunk), and the whole recording.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import scheduler
 from ooc.record import roles
+from ooc.record.managed import Recording
+from ooc.record.recorder import StepRecorder
+from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_book import Course, StepBook
+from ooc.runtime.step_context import StepContext
 from scheduler.ir import Kind
 
 
 class StepRecording:
-    """The ``Stepper``'s answers about its recording (a mixin over ``rec``, ``full`` and the
-    GPU timing events the ``Stepper`` holds)."""
+    """What a step records beyond its ``Recording``: a step that is not planned also records
+    the whole step (``full``, with the recorder ``ooc.trace`` uses: ``engine.last_recording``
+    is the step as ``ooc plan`` would plan it; a planned step does not pay for it) and, on a
+    GPU, times its ops with CUDA events (``gpu_timing``, ``gpu_events``: an op's host time is
+    its launch, not its run)."""
 
-    def update_starts(self) -> None:
-        """``optimizer.step()`` begins, past the commit point: its ops are the optimizer
-        phase, and from here on the step is not rolled back (the undo copies go)."""
+    def __init__(self, ctx: StepContext, rec: Recording, course: Course, book: StepBook) -> None:
+        self.ctx, self.rec, self.course = ctx, rec, course
+        planned = course.planned
+        self.gpu_timing = ctx.device.type == "cuda" and not planned
+        self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
+        self.full: StepRecorder | None = None
+        if not planned:
+            self.full = StepRecorder()
+            self.roles = roles.register_persistent(self.full, ctx.model, ctx.optimizer, _sizes_of(book))
+
+    def start_timing(self) -> tuple[Any, Any]:
+        """CUDA events around the op about to run (its start recorded now)."""
+        cuda = cuda_runtime()   # torch.cuda.Event, or host timing under the fake
+        start, end = cuda.timing_event(), cuda.timing_event()
+        cuda.keep_busy()   # else the events time the host's launches too (cuda_seam)
+        start.record()
+        return start, end
+
+    def op_ran(self, i: int, info: Any, args: tuple, kwargs: dict, out: Any, seconds: float,
+               timing: tuple[Any, Any] | None) -> None:
+        """Op ``i`` ran: recorded whole (a step not planned), its CUDA events kept."""
+        if self.full is not None and not info.skip:
+            self.full.op(info, args, kwargs, out, info.name, seconds)
+        if timing is not None:
+            timing[1].record()
+            self.gpu_events.append((i, *timing))
+
+    def left_plan(self, i: int) -> None:
+        """The step left its plan before op ``i``: the flags of the ops it ran as planned are
+        the plan's (recorded the same way), and the rest is timed to be planned from."""
+        planned_ops = self.course.schedule.sequence.functions[:i]
+        self.rec.flags[:len(planned_ops)] = [(f.replayable, f.rng, f.updates_stats) for f in planned_ops]
+        self.gpu_timing = self.ctx.device.type == "cuda"
+
+    def optimizer_starts(self) -> None:
+        """``optimizer.step()`` begins: its ops are the optimizer phase."""
         if self.rec.optimizer_start is None:   # a second update in the step: the first one began it
             self.rec.optimizer_start = len(self.rec.names)
             if self.full is not None:
                 self.full.phase("optimizer")
                 roles.mark_grads(self.full, self.roles)
-        self.rollback.commit()
-        self.updating = True
-
-    def update_done(self) -> None:
-        self.updating = False
-
-    # -- another step object takes over (its shape showed at the model's forward) -------------
-
-    def quiet(self) -> bool:
-        """Whether the ops this step ran so far left managed memory alone: no managed tensor
-        used, none born, no buffer touched, no plan action run at them, no update begun. A
-        step of the same ops on another plan can take over from here (``resume``)."""
-        rec = self.rec
-        if self.updating or self.rollback.undo != {} or rec.births or any(rec.uses):
-            return False
-        ran = range(min(len(rec.names), len(self._after)))   # the plan's ops run so far
-        return not self.planned or not any(self._before[j] or self._after[j] for j in ran)
-
-    def leave_plan(self, why: str) -> None:
-        """Stop following the plan before the next op, quietly (the engine knows why): the
-        rest of the step runs on demand and is recorded (``Stepper._diverge``)."""
-        self._diverge(len(self.rec.names), why, logging.INFO)
-
-    def resume(self, prefix: "StepRecording") -> None:
-        """Take over after ``prefix``'s quiet ops (``quiet``): they are this step's first ops,
-        run, their plan actions (none) done."""
-        for name, seconds in zip(prefix.rec.names, prefix.rec.seconds):
-            self.rec.begin_op(name)
-            self.rec.seconds[-1] = seconds
-        self.done_before = len(self.rec.names) - 1
-        self.i = max(self.done_before, 0)
-        self.events[:0] = prefix.events
 
     def live_slot(self, s: torch.UntypedStorage, kind: Kind, name: str) -> Slot | None:
         """A slot for storage ``s``, born in this step and managed from now on as ``name``
@@ -96,11 +106,12 @@ class StepRecording:
         synchronization, at the end of a step the engine plans from)."""
         if self.ctx.device.type != "cuda":
             return
-        if self.diverged_at is not None and self.schedule is not None:
+        diverged_at, schedule = self.course.diverged_at, self.course.schedule
+        if diverged_at is not None and schedule is not None:
             # The ops before the divergence ran planned, untimed: they are the plan's ops,
             # whose run times its own recording step measured.
-            functions = self.schedule.sequence.functions
-            for i in range(min(self.diverged_at, len(functions))):
+            functions = schedule.sequence.functions
+            for i in range(min(diverged_at, len(functions))):
                 if functions[i].cost.seconds is not None:
                     self.rec.seconds[i] = functions[i].cost.seconds
         if not self.gpu_events:
@@ -110,10 +121,10 @@ class StepRecording:
             self.rec.seconds[i] = start.elapsed_time(end) / 1e3
         self.gpu_events.clear()
 
-    def saved_sizes(self) -> list[int] | None:
-        """Bytes of every distinct storage born in this step that autograd saved, managed or
-        not; None unless the step observed them (``observe_small``)."""
-        if self.small_born is None:
-            return None
-        managed = [v.nbytes for v in self.rec.variables.values() if v.kind is Kind.ACTIVATION]
-        return managed + list(self.small_saved.values())
+
+def _sizes_of(book: StepBook) -> Callable[[torch.Tensor], int | None]:
+    """A managed persistent tensor's size (its storage may be empty: on the tier)."""
+    def size(t: torch.Tensor) -> int | None:
+        slot = book.slot_of(t)
+        return slot.nbytes if slot is not None else None
+    return size

@@ -11,7 +11,7 @@ from torch import nn
 
 import ooc
 from ooc.runtime import recompute as rc
-from ooc.runtime.executor import PlanExecutor
+from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Op
 
 X, Y = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(8) % 10
@@ -139,39 +139,36 @@ def test_a_chain_input_written_since_keeps_the_activation(monkeypatch) -> None:
 def test_a_diverged_step_recomputes_a_discarded_activation_on_demand(monkeypatch) -> None:
     """The plan's recompute never runs (the step diverges right before it): the backward's
     unpack finds the activation discarded, and on demand reruns its chain."""
-    run = PlanExecutor.run_actions
+    run = Stepper.run_actions
 
     def diverge_before_recompute(self, actions, where, phase="before"):
         if self.planned and any(a.op is Op.RECOMPUTE for a in actions):
             self._diverge(where, "test: diverged before a recompute")
         return run(self, actions, where, phase)
 
-    monkeypatch.setattr(PlanExecutor, "run_actions", diverge_before_recompute)
+    monkeypatch.setattr(Stepper, "run_actions", diverge_before_recompute)
     got = _train("adam", budget="3MiB", recompute="prefer")
     _assert_bitwise(_reference("adam"), got)
     assert got["stats"]["bytes_recomputed"] > 0
     assert got["stats"]["last_diverged_at"] >= 0
 
 
-class _Step(rc.Recomputation):
-    """Just what ``_recompute`` reads of a ``Stepper``: one captured op, its output a slot."""
+def _Step(recipe: rc.Recipe, out: int = 0) -> rc.Recomputation:
+    """Just what ``recompute`` reads of a step: one captured op, its output a slot."""
+    from collections import Counter
+    from types import SimpleNamespace
 
-    def __init__(self, recipe: rc.Recipe, out: int = 0) -> None:
-        from collections import Counter
-        from types import SimpleNamespace
+    from ooc.runtime.step_book import StepBook
 
-        self.ctx = SimpleNamespace(device=torch.device("cpu"), counters=Counter())
-        self.events: list = []
-        self.recipes, self.rec = {0: recipe}, SimpleNamespace(born_at={7: (0, out)})
+    ctx = SimpleNamespace(device=torch.device("cpu"), counters=Counter(), model=nn.Module())
+    course = SimpleNamespace(schedule=None, name=lambda i: "addmm")
+    step = rc.Recomputation(ctx, StepBook(ctx), course, SimpleNamespace(born_at={7: (0, out)}))
+    step.recipes = {0: recipe}
+    return step
 
-    def ensure(self, slot, i, keep=()) -> None:
-        pass
 
-    def _register(self, slot) -> None:
-        pass
-
-    def _name(self, i: int) -> str:
-        return "addmm"
+def _nothing(slot, i, keep=()) -> None:
+    pass
 
 
 def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
@@ -188,7 +185,7 @@ def test_the_replay_runs_ops_as_recorded_whatever_autocast_says_then() -> None:
     slot = Slot(7, Kind.ACTIVATION, first.untyped_storage().nbytes(), "addmm#0", in_place=False,
                 state=State.DISCARDED)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        step._recompute(slot, (0,), 1)
+        step.recompute(slot, (0,), 1, _nothing)
     again = torch.empty(0).set_(slot.storage, 0, first.size(), first.stride())
     assert torch.equal(again, first)
     assert step.ctx.counters["bytes_recomputed"] == slot.nbytes
@@ -215,7 +212,7 @@ def test_the_replay_runs_ops_under_the_grad_mode_they_ran_under() -> None:
     slot = Slot(7, Kind.ACTIVATION, first[3].untyped_storage().nbytes(), "workspace", in_place=False,
                 state=State.DISCARDED)
     with torch.no_grad():   # replays run in the backward, where grad mode is off
-        step._recompute(slot, (0,), 1)
+        step.recompute(slot, (0,), 1, _nothing)
     workspace = torch.empty(0, dtype=first[3].dtype).set_(slot.storage, 0, first[3].size(), first[3].stride())
     backward = torch.ops.aten.mkldnn_rnn_layer_backward.default
     grads = (torch.randn_like(first[0]), None, None)

@@ -67,9 +67,9 @@ def test_no_module_but_slots_writes_a_slot_state() -> None:
 def test_the_check_sees_a_state_write(tmp_path: Path) -> None:
     """The source check finds what it looks for (else the test above could not fail)."""
     probe = tmp_path / "probe.py"
-    probe.write_text((
+    probe.write_text(
         "def f(slot, x):\n    slot.state = x\n    self.state = x\n    a.b.state: int = 1\n"
-        "    opt.state[x] = 1\n    y, s.state = x\n"))
+        "    opt.state[x] = 1\n    y, s.state = x\n")
     assert sorted(_state_writes(probe)) == [2, 4, 6]
 
 

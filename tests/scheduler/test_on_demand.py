@@ -1,5 +1,5 @@
 """The on-demand rules (scheduler/on_demand.py): LRU victims, the in-flight share, the
-persistent tensors evicted before a step; and the optimizer state sizes measured on meta."""
+persistent tensors evicted before a step, what a step leaving its plan writes out; and the optimizer state sizes measured on meta."""
 
 from __future__ import annotations
 
@@ -41,6 +41,15 @@ def test_persistent_eviction_leaves_what_fits_and_takes_the_last_first(sizes, bu
     assert left <= budget or len(out) == len(sizes)
     if out:   # no more than needed
         assert left + sizes[out[-1]] > budget
+
+
+def test_leaving_a_plan_writes_out_the_saved_activations_only_memory_holds():
+    """Rule 4: a saved activation resident with no current copy on the tier is written out,
+    unless the running backward node holds it; persistent tensors stay, whatever they hold."""
+    tensors = [("act", True, True, False), ("held", True, True, True), ("copied", True, False, False),
+               ("param", False, True, False), ("act2", True, True, False)]
+    assert on_demand.to_write_out_on_leaving(tensors) == ["act", "act2"]
+    assert on_demand.to_write_out_on_leaving([]) == []
 
 
 def test_in_flight_limit_is_a_share_of_the_budget():
