@@ -20,11 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence, Set
 
+import scheduler
 from scheduler.actions import replay
 from scheduler.anchors import anchor
-from scheduler.check import check
 from scheduler.errors import BudgetTooSmall, ScheduleError
-from scheduler.planner import plan
 from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
 
@@ -41,14 +40,14 @@ def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int,
     lowered = budget
     for _ in range(ANCHOR_TRIES):
         try:
-            planned = plan(seq, budget=lowered, window=window, policy=policy)
+            planned = scheduler.plan(seq, budget=lowered, window=window, policy=policy)
         except BudgetTooSmall:
             return None
         moved = anchor(dataclasses.replace(planned, budget=budget), gaps, first)
         if moved is None:
             return None
         try:
-            check(moved)
+            scheduler.check(moved)
             return moved
         except ScheduleError:
             try:

@@ -35,7 +35,7 @@ class EngineMemory:
     pool: DevicePool             # the budget's device memory
     held: Held                   # what a collected engine lets go of (follows the pool)
     counters: Counter = field(default_factory=Counter)
+    on_cpu: bool = field(init=False)   # the device is the CPU (an attribute: read several times a step)
 
-    @property
-    def on_cpu(self) -> bool:
-        return self.device.type == "cpu"
+    def __post_init__(self) -> None:
+        self.on_cpu = self.device.type == "cpu"

@@ -171,8 +171,8 @@ class OutOfCore:
         self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
                             manage=self._manage)
         self._stepper: Stepper | Any = None   # the running step (None between steps)
-        self._guard = UpdateGuard(mem, store, self._planner, model=model, optimizer=optimizer,
-                                  manage=self._manage, running=lambda: self._stepper)
+        self._guard = UpdateGuard(mem, store, self._planner, self._plans, model=model, optimizer=optimizer,
+                                  manage=self._manage)
         ref = weakref.ref(self)
         self._hooks: list = refuse_compiled(model, lambda: (e := ref()) is not None and e._stepper is not None)
         self._closed = False

@@ -178,7 +178,7 @@ class PersistentStore:
         window's first micro-batch, after its forward, so all its micro-batches start with
         gradients, the first zeroes them and the last updates; without a kind each replaced
         the other's plan and every step ran on demand (``ooc/integrations/lightning.py``)."""
-        return frozenset(self.slots), tuple(p.grad is not None for p in self._model.parameters()), kind
+        return frozenset(self.slots), tuple([p.grad is not None for p in self._model.parameters()]), kind
 
     def reconcile(self, schedule: Schedule | None) -> None:
         """Bring persistent tensors to where the plan expects them at the start of a step;

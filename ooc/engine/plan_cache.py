@@ -74,7 +74,7 @@ class PlanCache:
         With plans for several shapes of this start, the step runs per op until then: a
         hook-driven form is taken up at the forward, where the mode can come off."""
         key = self.guess(start)
-        provisional = sum(1 for s, _ in self.plans if s == start) > 1
+        provisional = len([s for s, _ in self.plans if s == start]) > 1
         self.schedule, self.binding = self._use_plan(key)
         self._store.reconcile(self.schedule)
         self.form = StepForm(start, self.step_for(key, per_op=provisional), activations=self._activations,

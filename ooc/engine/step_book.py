@@ -7,15 +7,15 @@ numbers and form, and its events for ``OutOfCore.timeline``.
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
+from collections import Counter, deque
 
 from ooc.errors import OOCError
 from ooc.runtime.step_protocol import FORMS, StepReport
 
-# The timeline keeps the events of this many recent steps (and at most 200,000 events), so
-# that a long run's memory does not grow with its number of steps.
+# The timeline keeps the events of this many recent steps (and at most about 200,000 events),
+# so that a long run's memory does not grow with its number of steps.
 TIMELINE_STEPS = 32
+MAX_EVENTS = 200_000
 
 
 class StepBook:
@@ -26,18 +26,26 @@ class StepBook:
         self.forms: Counter[str] = Counter()
         self.steps = 0
         self.last: StepReport | None = None
-        self.events: list[tuple[str, str, float, float, int]] = []
+        self._recent: deque[list[tuple[str, str, float, float, int]]] = deque(maxlen=TIMELINE_STEPS)
+        self._kept = 0   # events in _recent
 
     def book(self, report: StepReport) -> None:
         """Count the step, keep its timeline events and what ``stats()`` says of it."""
         self.steps += 1
         self.forms[report.form] += 1
-        for tr, name, t0, t1 in report.events:
-            self.events.append((tr, name, t0, t1, self.steps))
-        oldest = self.steps - TIMELINE_STEPS
-        del self.events[:bisect.bisect_right(self.events, oldest, key=lambda ev: ev[4])]
-        del self.events[:-200_000]
+        if len(self._recent) == TIMELINE_STEPS:   # the oldest step's events go
+            self._kept -= len(self._recent[0])
+        step = self.steps
+        self._recent.append([(tr, name, t0, t1, step) for tr, name, t0, t1 in report.events])
+        self._kept += len(report.events)
+        while self._kept > MAX_EVENTS and len(self._recent) > 1:
+            self._kept -= len(self._recent.popleft())
         self.last = report
+
+    @property
+    def events(self) -> list[tuple[str, str, float, float, int]]:
+        """(track, name, start, end, step) of the steps kept, oldest first."""
+        return [ev for events in self._recent for ev in events]
 
     def stats(self) -> dict[str, int | float]:
         """``steps``, ``steps.<form>``, ``last_form`` (the index of the last step's form in
@@ -59,8 +67,9 @@ class StepBook:
     def timeline(self, path: str) -> None:
         """Write the last steps as a Chrome/Perfetto trace (compute, swap, wait tracks)."""
         from scheduler.timeline import Event, write_chrome_trace
-        if not self.events:
+        events = self.events
+        if not events:
             raise OOCError("no step has run yet: nothing to put on a timeline")
-        t0 = self.events[0][2]
+        t0 = events[0][2]
         write_chrome_trace([Event(track=tr, name=n, start_s=a - t0, end_s=b - t0, step=s)
-                            for tr, n, a, b, s in self.events], path)
+                            for tr, n, a, b, s in events], path)

@@ -81,8 +81,9 @@ class StepEnd:
         try:
             raised = settle(st, exc)
         finally:
-            self._book.book(StepReport(form_of(st), seconds, st.stall_s, st.peak, st.diverged_at,
-                                       tuple(st.events)))
+            form = form_of(st)
+            self._book.book(StepReport(form, seconds, st.stall_s, st.peak, st.diverged_at, tuple(st.events),
+                                       kept_plan=form != "recorded" and st.diverged_at is None))
         if raised is not None:
             raise raised
         if exc is None:

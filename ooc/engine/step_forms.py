@@ -49,7 +49,7 @@ def shape_of(args: tuple, kwargs: dict) -> tuple[tuple[tuple[int, ...], torch.dt
     """A step's shape: the shape and dtype of each tensor the model's forward is called with,
     in order (positional, then keyword arguments, nested containers flattened)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+    return tuple([(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)])
 
 
 class StepForm:

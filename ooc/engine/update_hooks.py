@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
+from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import Planner
 from ooc.errors import OOCError
 from ooc.runtime.deferred_interrupt import DeferredInterrupt
@@ -35,13 +36,11 @@ class UpdateGuard:
     it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
     on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable);
     ``_reserved_for``, a weak reference to the step whose writes were last reserved;
-    ``interrupts``, a Ctrl-C held while an update runs. ``running()`` gives the running step
-    (None between steps)."""
+    ``interrupts``, a Ctrl-C held while an update runs. the running step is the plan cache's ``form.st``."""
 
-    def __init__(self, mem: EngineMemory, store: PersistentStore, planner: Planner, *,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, manage: frozenset[str],
-                 running: Callable[[], Any]) -> None:
-        self._mem, self._store, self._planner, self._running = mem, store, planner, running
+    def __init__(self, mem: EngineMemory, store: PersistentStore, planner: Planner, cache: PlanCache, *,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, manage: frozenset[str]) -> None:
+        self._mem, self._store, self._planner, self._cache = mem, store, planner, cache
         self._model, self._optimizer, self._manage = model, optimizer, manage
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
@@ -56,7 +55,7 @@ class UpdateGuard:
         """
         if self._optimizer is None:
             raise OOCError("this engine was created without an optimizer")
-        if self._running() is None:
+        if self._cache.form is None:
             raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
@@ -76,7 +75,8 @@ class UpdateGuard:
         brought back first (an empty storage read there is garbage or a segfault), and the
         next step sees the update's writes as writes between steps.
         """
-        st = self._running()
+        form = self._cache.form   # the running step's (None between steps)
+        st = None if form is None else form.st
         if st is None:
             if not self._store.closed:
                 self._store.bring_back()
@@ -100,7 +100,8 @@ class UpdateGuard:
         """``optimizer.step()`` post-hook: the update completed (its state exists, with its
         size). Outside a step, the state it created there becomes managed too."""
         self._optimizer_stepped = True
-        st = self._running()
+        form = self._cache.form   # the running step's (None between steps)
+        st = None if form is None else form.st
         if st is not None:
             st.update_done()
             self.interrupts.release()   # a Ctrl-C held during the update raises here

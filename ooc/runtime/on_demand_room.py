@@ -13,13 +13,16 @@ it, counted as such (``overflow``), and fails its step at the end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from ooc.record.managed import Birth, Recording
 from ooc.record.storages import storage_of
 from ooc.runtime.fresh_storages import FreshStorages
-from ooc.runtime.slots import Slot, State
+from ooc.runtime.overflow import pool_for
+from ooc.runtime.slots import Slot, State, given_back_error
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler import on_demand
@@ -28,6 +31,15 @@ from vmm.errors import OutOfBudget
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
+
+
+class Recreates(Protocol):
+    """What the room needs of recomputation (``recompute.Recomputation``): the chain a
+    discarded variable was discarded for, and rerunning it."""
+
+    discarded_for: dict[int, tuple[int, ...]]
+
+    def recompute(self, slot: Slot, chain: tuple[int, ...], where: int, ensure: Callable[..., None]) -> None: ...
 
 
 class OnDemandRoom:
@@ -42,8 +54,9 @@ class OnDemandRoom:
     """
 
     def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording,
-                 fresh: FreshStorages, persistent: list[Slot]) -> None:
+                 fresh: FreshStorages, recompute: Recreates, persistent: list[Slot]) -> None:
         self.ctx, self.book, self.course, self.rec, self.fresh = ctx, book, course, rec, fresh
+        self.recompute = recompute
         self.recent: dict[Slot | Birth, None] = {}
         self.held: dict[Slot, None] = {}
         self.in_flight_out: list[Slot] = []
@@ -62,6 +75,32 @@ class OnDemandRoom:
         for slot in on_demand.to_write_out_on_leaving(
                 (s, not s.in_place, s.state is State.RESIDENT and not s.host_current, s in held) for s in slots):
             self.write_out(slot)
+
+    def bring_back(self, slot: Slot, i: int, keep: set | tuple, ensure: Callable[..., None]) -> None:
+        """On demand: make ``slot`` usable for op ``i`` now, within the budget, evicting nothing
+        in ``keep``: read back from the tier (``Slot.bring_back``) or re-created by its chain
+        (``ensure`` makes the chain's inputs usable in turn)."""
+        if slot.given_back():
+            raise given_back_error(slot, f"op {i} ({self.course.name(i)})")
+        if slot.state is State.OUT and not slot.in_place:
+            return  # the engine still holds the source: reading it while it is written is safe
+        self.touch(slot)
+        book = self.book
+        if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
+            self.make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
+            book.account(slot.nbytes)
+            self.recompute.recompute(slot, self.recompute.discarded_for[slot.var], i, ensure)
+            return
+
+        def account(delta: int) -> None:   # room first, for what the read takes
+            if delta > 0:
+                self.make_room_for(delta, keep, i, f"swapping in {slot.name}")
+            book.account(delta)
+
+        self.ctx.counters["bytes_in"] += slot.bring_back(
+            self.ctx.tier, pool_for(self.ctx, book, self.course, slot, i), wait=book.wait, account=account,
+            started=lambda s: book.trace_transfer(s, "swap-in"))
+        book.register(slot)
 
     def adopt(self, slot: Slot, what: str) -> None:
         """A storage of this step becomes managed (a saved activation, a gradient): count its

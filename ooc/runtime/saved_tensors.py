@@ -16,7 +16,9 @@ not autograd, holds the bytes, so the plan can move them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -56,8 +58,8 @@ class Packed:
 class SavedTensors:
     """A step's pack hook and what its unpacks note (the ``Stepper`` runs the unpack: it
     brings the bytes back). Its state: ``unpacked``, vars unpacked for the next op;
-    ``node_vars``, vars unpacked by the backward node now running; ``ops_since_unpack``, the
-    node's ops since its last unpack (views not counted: ``used_unpacked``); ``full_vars``, a
+    ``node_vars``, vars unpacked by the backward node now running; ``worked``, whether an op of
+    the node ran since its last unpack (views not counted: ``op_ran``); ``full_vars``, a
     saved activation's var -> its variable in the whole-step recording; ``small_born`` and
     ``small_saved``, storages under the threshold the step created and those autograd saved
     (for the adaptive chunk; None unless observed); ``own_pack``, the pack hook this step
@@ -70,7 +72,7 @@ class SavedTensors:
         planned = course.planned
         self.unpacked: list[int] = []
         self.node_vars: list[int] = []
-        self.ops_since_unpack = 0
+        self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.full_vars: dict[int, int] = {}
         # A recording step that decides the chunk (the engine's default chunk adapts, see
         # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
@@ -158,7 +160,8 @@ class SavedTensors:
 
     def op_ran(self, i: int, view: bool) -> None:
         """Op ``i`` begins: it uses what the unpacks right before it unpacked, and, unless it
-        is a view, counts as the running backward node's work.
+        is a view, is the running backward node's work (the ``Stepper`` calls this only when
+        either changes something: after an unpack).
 
         Why views do not count as a backward node's work: autograd detaches each tensor an
         unpack hook returns (``SavedVariable::unpack``), and a node may take views of one
@@ -172,7 +175,7 @@ class SavedTensors:
                 self.rec.use(i, var, Access.READ)
             self.unpacked.clear()
         if not view:
-            self.ops_since_unpack += 1
+            self.worked = True
 
     def close_node(self) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next
@@ -183,16 +186,37 @@ class SavedTensors:
             for var in self.node_vars:
                 self.rec.use(last, var, Access.READ)
         self.node_vars.clear()
-        self.ops_since_unpack = 0
+        self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.room.release_held()
 
-    def unpacking(self, p: Packed) -> int:
-        """Unpack of ``p`` begins: the op that will use it (the next), after closing the node
-        that ran before, if any; the caller brings the bytes back for that op (``rebuild``)."""
-        nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
-        if self.ops_since_unpack:
-            self.close_node()
-        return nxt
+    def hooks(self, before: Callable[[int], None], ensure: Callable[[Slot, int], None]
+              ) -> torch.autograd.graph.saved_tensors_hooks:
+        """The step's saved-tensor hooks: ``pack``, and an unpack that runs the plan's actions
+        before the next op early (``before``), brings the slot's bytes back for it
+        (``ensure``) and rebuilds the view. Remembers the pack hook, weakly (``own_pack``): an
+        op that finds other hooks innermost (``save_on_cpu`` entered inside the step) is
+        refused, since the activations saved under them would bypass the engine.
+
+        Weakly: a bound method of the step kept on the step is a reference cycle, and then the
+        whole step (its recording, slots and plan cursor: ~5,000 objects on GPT 6x256) is
+        garbage that only the cyclic collector frees. It piled up until a full collection
+        paused a step for 0.13 s, about one step in ten (GPT 6x256 b8 at 1/4). The hooks
+        object, which the engine holds as long as the step runs, holds the functions."""
+
+        def unpack(p: Any) -> torch.Tensor:
+            if not isinstance(p, Packed):
+                return p
+            with _disable_current_modes():
+                nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
+                if self.worked:
+                    self.close_node()
+                before(nxt)
+                ensure(p.slot, nxt)
+                return self.rebuild(p, nxt)
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self.own_pack = weakref.ref(hooks.pack_hook)
+        return hooks
 
     def rebuild(self, p: Packed, nxt: int) -> torch.Tensor:
         """The saved view on its slot's storage, usable now, for op ``nxt``. On demand keeps

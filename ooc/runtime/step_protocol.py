@@ -82,10 +82,7 @@ class StepReport:
     peak: int                     # managed bytes held at most
     diverged_at: int | None       # the op where it left its plan
     events: tuple[tuple[str, str, float, float], ...]
-
-    @property
-    def kept_plan(self) -> bool:
-        return self.form != "recorded" and self.diverged_at is None
+    kept_plan: bool = False       # it ran a plan to its end (not recorded, not diverged)
 
 
 def form_of(st: Step) -> str:

@@ -23,9 +23,8 @@ Where each part lives, in the order a step meets them:
 
 - ``step_context.py``: what the step gets from the engine (budget, chunk, tier, pool, ...);
 - ``step_book.py``: what every part shares: ``Course`` (on its plan or not) and ``StepBook``;
-- this module: the per-op protocol above (``Stepper.on_op``), divergence, the unpack;
-- ``saved_tensors.py``: autograd's pack hook and what unpacks note (``Packed``);
-- ``op_uses.py``: what an op touches of managed memory, and the storages it creates;
+- this module: the per-op protocol above (``Stepper.on_op``) and divergence;
+- ``saved_tensors.py``: autograd's pack and unpack hooks (``Packed``);
 - ``executor.py``: the plan's actions (``scheduler.actions``), moved by the slots
   (``slots.py``); ``recompute.py``: discard and recompute (capture, replay);
 - ``binding.py``: the storages born in the step bound to the plan's variables;
@@ -39,25 +38,23 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from ooc.record.managed import Recording
+from ooc.record.managed import Birth, Recording
 from ooc.record.op_schema import _OPS, op_info, split_foreach
+from ooc.record.op_schema import tensors as _tensors
+from ooc.record.storages import storage_of
 from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
 from ooc.runtime.executor import PlanExecutor
 from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.on_demand_room import OnDemandRoom
-from ooc.runtime.op_uses import OpUses, find_uses, new_storages
-from ooc.runtime.overflow import pool_for
 from ooc.runtime.recompute import Recomputation
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import Packed, SavedTensors
-from ooc.runtime.slots import Slot, State, given_back_error
+from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.step_recording import StepRecording
@@ -148,12 +145,14 @@ class Stepper:
         self.recompute = Recomputation(ctx, book, course, rec)
         self.plan = PlanExecutor(ctx, book, course, self.recompute)
         self.fresh = FreshStorages(ctx, book, rec)
-        self.room = OnDemandRoom(ctx, book, course, rec, self.fresh, persistent)
+        self.room = OnDemandRoom(ctx, book, course, rec, self.fresh, self.recompute, persistent)
         self.binder = Binding(ctx, book, course, rec, binding)
         self.saved = SavedTensors(ctx, book, course, rec, self.recording.full, self.room, observe_small)
         self.signature, self.hook_trace = self.saved.signature, self.saved.hook_trace
 
     # -- the per-op protocol -----------------------------------------------------------------
+    # Three steps, each one Python call: every aten op of the step runs this, and on small
+    # models its Python calls are the overhead (tests/ooc/test_op_cost.py bounds them).
 
     def on_op(self, func, args, kwargs) -> Any:
         """Op ``i`` as the module docstring says. Most ops of a planned step touch no managed
@@ -172,104 +171,138 @@ class Stepper:
             if pieces is not None:   # one list entry at a time: see split_foreach
                 outs = [self.on_op(func, a, k) for a, k in pieces]
                 return None if outs[0] is None else [t for out in outs for t in out]
-        i = self._begin(info)                     # 1. the plan's actions before op i
-        uses = self._uses(info, args, kwargs, i)  # 2. what it touches, usable
-        out = self._run(info, func, args, kwargs, i, uses)   # 3. the op, timed
-        self._results(info, func, args, kwargs, out, i, uses)   # 4. what it made, bound
-        self.after(i, uses.touched)               # 4. the plan's actions after it
-        return out
-
-    def _begin(self, info) -> int:
-        """Op ``i`` begins: counted, checked against the plan, its before-actions run."""
-        i = self.rec.begin_op(info.name)
-        course = self.course
-        course.i = i
-        self.saved.op_ran(i, info.view)   # views are not a node's work: see SavedTensors.op_ran
-        if course.planned:
-            expected = course.names[i] if i < len(course.names) else None
-            if expected != info.name:
-                self._diverge(i, f"expected {expected}, got {info.name}")
-        if self.done_before < i:   # not run early by an unpack
-            self.before(i)
-        if self.fresh.fresh:
-            self.room.prune_fresh()
-        return i
-
-    def _uses(self, info, args, kwargs, i: int) -> OpUses:
-        """The managed storages op ``i`` reads or writes (``op_uses.find_uses``), each made
-        usable for it (the plan did, or the step diverges; on demand, now); the rollback's
-        copies of the buffers it uses; the tier's copies of what it writes go stale."""
-        book = self.book
-        uses = find_uses(info, args, kwargs, i, self.rec, book, self.fresh.fresh, self.room.touch)
-        for slot in uses.touched:
-            self.ensure(slot, i, uses.keep)
-        for slot, s in uses.taken_back:
-            self.binder.take_back(slot, s)
-        rollback = self.rollback
-        if rollback.undo is not None and rollback.buffers:   # copied before the first op that uses them
-            for key in uses.in_ids & rollback.buffers.keys():
-                rollback.save_before_write(key)
-        for t in uses.written_tensors:
-            slot = book.slot_of(t)
-            if slot is not None:
-                slot.written()
-                self.rec.use(i, slot.var, Access.WRITE)
-        return uses
-
-    def _run(self, info, func, args, kwargs, i: int, uses: OpUses) -> Any:
-        """Op ``i`` itself, timed (with CUDA events on a GPU step planned from), recorded whole
-        if the step is not planned, captured if a recompute chain reruns it."""
-        recording = self.recording
+        i, uses = self._take(info, args, kwargs)     # 1-2. actions before it; what it uses, usable
+        recording, recompute = self.recording, self.recompute   # 3. the op itself, timed
         timing = recording.start_timing() if recording.gpu_timing else None
-        recompute = self.recompute
-        recipe = i in recompute.recipe_ops and self.course.planned
+        recipe = i in recompute.recipe_ops and self.course.planned   # a chain reruns it: capture
         rng = recompute.rng_before(info, self.ctx.device) if recipe else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
         self.rec.seconds[i] = t1 - t0
-        recording.op_ran(i, info, args, kwargs, out, t1 - t0, timing)
+        if recording.full is not None or timing is not None:
+            recording.op_ran(i, info, args, kwargs, out, t1 - t0, timing)
         self.book.events.append(("compute", info.name, t0, t1))
-        uses.recipe = (recipe, rng)
+        self._give(info, func, args, kwargs, out, i, uses, rng if recipe else False)   # 4. after it
         return out
 
-    def _results(self, info, func, args, kwargs, out, i: int, uses: OpUses) -> None:
-        """The storages op ``i`` created (``op_uses.new_storages``): bound to the plan's
-        variables (planned) or counted from birth (the optimizer's, on demand); the op's
-        replay flags; its capture for a recompute chain."""
-        rec, course = self.rec, self.course
-        n_outs, aliased, born = new_storages(out, uses, rec, i, self.ctx.min_bytes, self.saved.small_born)
-        if born:
-            tracked = set() if self.fresh.tracking(course.planned, self.updating) else None
-            for k, s, nbytes, b in born:
+    def _take(self, info, args, kwargs) -> tuple[int, tuple]:
+        """Op ``i`` begins: counted, checked against the plan, the plan's actions before it
+        run; the managed storages it reads or writes are made usable (the plan did, or the
+        step diverges; on demand, now), activations it writes after the engine let go of them
+        taken back, the buffers it uses copied for a rollback, the tier's copies of what it
+        writes marked stale. Returns ``i`` and its uses: (inputs, their storages' ids, written
+        tensors, their storages' ids, touched slots, what on demand never evicts for it)."""
+        rec, course, book, saved = self.rec, self.course, self.book, self.saved
+        i = rec.begin_op(info.name)
+        course.i = i
+        if saved.unpacked or not (info.view or saved.worked):   # views are no node's work: see op_ran
+            saved.op_ran(i, info.view)
+        if course.planned:
+            expected = course.names[i] if i < len(course.names) else None
+            if expected != info.name:
+                self._diverge(i, f"expected {expected}, got {info.name}")
+        if self.done_before < i:   # before(i), inline: most ops have no action before them
+            self.done_before = i
+            if course.planned and i < len(course.before) and course.before[i]:
+                self.run_actions(course.before[i], i)
+        fresh = self.fresh.fresh
+        if fresh:
+            self.room.prune_fresh()
+        ins = info.inputs(args, kwargs)
+        written_tensors = info.written(args, kwargs) if info.writes else ()
+        written = {id(s) for t in written_tensors if (s := storage_of(t)) is not None} if written_tensors else ()
+        touched: list[Slot] = []
+        keep: set[Slot | Birth] = set()
+        in_ids = set()
+        taken_back: list[tuple[Slot, torch.UntypedStorage]] = []
+        by_storage, births = book.by_storage, rec.births
+        for t in ins:
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse: nothing to manage, PyTorch's
+                continue
+            key = id(s)
+            in_ids.add(key)
+            slot = by_storage.get(key)
+            if slot is not None and slot.storage is s:
+                rec.use(i, slot.var, Access.READ)
+                touched.append(slot)
+                if key in written and slot.state is State.OUT and not slot.in_place:
+                    taken_back.append((slot, s))   # written while its copy goes out: stale
+            elif s._cdata in births and (b := rec.live_birth(s)) is not None:
+                if b.var is None:
+                    b.reads.append(i)      # replayed if it becomes managed later
+                    rec.anonymous_reads.append((i, b))
+                    if key in written:
+                        b.writes.append(i)
+                    if b in fresh:
+                        keep.add(b)
+                        self.room.touch(b)
+                else:
+                    rec.use(i, b.var, Access.READ)   # managed; the engine let go of it
+                    slot = book.slots.get(b.var)
+                    if key in written and slot is not None and slot.state is not State.ABSENT:
+                        touched.append(slot)
+                        taken_back.append((slot, s))
+        if touched:
+            keep.update(touched)
+            for slot in touched:
+                self.ensure(slot, i, keep)
+        for slot, s in taken_back:
+            self.binder.take_back(slot, s)
+        rollback = self.rollback
+        if rollback.undo is not None and rollback.buffers:   # copied before the first op that uses them
+            for key in in_ids & rollback.buffers.keys():
+                rollback.save_before_write(key)
+        for t in written_tensors:
+            slot = book.slot_of(t)
+            if slot is not None:
+                slot.written()
+                rec.use(i, slot.var, Access.WRITE)
+        return i, (ins, in_ids, written_tensors, written, touched, keep)
+
+    def _give(self, info, func, args, kwargs, out, i: int, uses: tuple, rng) -> None:
+        """Op ``i`` ran: the storages it created are bound to the plan's variables (planned)
+        or counted from birth (the optimizer's, on demand); its replay flags; its capture for
+        a recompute chain (``rng`` is False unless one reruns it); the plan's actions after
+        it, or on demand what it used leaves."""
+        rec, course, book = self.rec, self.course, self.book
+        ins, in_ids, written_tensors, written, touched, keep = uses
+        tracked = set() if not course.planned and self.fresh.tracking(False, self.updating) else None
+        min_bytes, small_born = self.ctx.min_bytes, self.saved.small_born
+        aliased = False   # a result in an input's storage, not written in place (replay.py)
+        outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
+        for k, t in enumerate(outs):
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # a sparse result: left to PyTorch
+                continue
+            key = id(s)
+            if key in in_ids:
+                aliased = aliased or key not in written
+                continue
+            nbytes = s.nbytes()
+            if nbytes >= min_bytes:
+                if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
+                    continue
+                b = rec.birth(s, i, k, nbytes)
                 var = self.binder.vars.get((i, k)) if course.planned else None
                 if var is not None:
                     why = self.binder.bind(var, s, nbytes, i)
                     if why is not None:
                         self._diverge(i, why)
-                elif tracked is not None and id(s) not in tracked:   # once per storage
-                    tracked.add(id(s))
-                    uses.keep.add(self.room.track_fresh(b, uses.keep, i))
+                elif tracked is not None and key not in tracked:   # once per storage
+                    tracked.add(key)
+                    keep.add(self.room.track_fresh(b, keep, i))
+            elif small_born is not None and not t.is_meta:
+                small_born[key] = nbytes
         if not course.planned and not self.updating:   # replay flags; reads of no variable (managed.py)
-            rec.outside(i, uses.ins, uses.written_tensors, self.book.slot_of)
+            rec.outside(i, ins, written_tensors, book.slot_of)
             if info.replay.replayable and not aliased:
-                rec.flags[i] = self.recompute.replay_flags(info, args, kwargs, uses.written_tensors)
-        recipe, rng = uses.recipe
-        if recipe:
-            self.recompute.capture(i, info, func, args, kwargs, rng, n_outs)
-
-    def before(self, i: int) -> None:
-        """Run the plan's actions before op ``i`` once (from unpack or from the op itself)."""
-        if self.done_before >= i:
-            return
-        self.done_before = i
-        course = self.course
-        if course.planned and i < len(course.before) and course.before[i]:
-            self.run_actions(course.before[i], i)
-
-    def after(self, i: int, touched: list[Slot]) -> None:
-        """The plan's actions after op ``i``; on demand, what it used leaves."""
-        course, book = self.course, self.book
+                rec.flags[i] = self.recompute.replay_flags(info, args, kwargs, written_tensors)
+        if rng is not False:
+            self.recompute.capture(i, info, func, args, kwargs, rng, len(outs))
         if course.planned:
             if course.after[i]:
                 self.run_actions(course.after[i], i, "after")
@@ -281,6 +314,15 @@ class Stepper:
                 f"({book.resident} B), over the {format_size(self.ctx.budget)} budget")
         self.ctx.pool.reap()
 
+    def before(self, i: int) -> None:
+        """Run the plan's actions before op ``i`` once (from an unpack, early)."""
+        if self.done_before >= i:
+            return
+        self.done_before = i
+        course = self.course
+        if course.planned and i < len(course.before) and course.before[i]:
+            self.run_actions(course.before[i], i)
+
     def run_actions(self, actions, where: int, phase: str = "before") -> None:
         """The plan's ``actions`` around op ``where``; one the step cannot run makes it diverge."""
         why = self.plan.run(actions, where, phase, self.ensure)
@@ -288,36 +330,15 @@ class Stepper:
             self._diverge(where, why)
 
     def ensure(self, slot: Slot, i: int, keep: set | tuple = ()) -> None:
-        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged.
-        On demand, room is made first, evicting nothing in ``keep`` (the op's other inputs)."""
-        room = self.room
+        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged, and
+        the room brings it back on demand, evicting nothing in ``keep`` (the op's other inputs)."""
         if slot.state is State.RESIDENT:
             if not self.course.planned:
-                room.touch(slot)
+                self.room.touch(slot)
             return
         if self.course.planned:
             self._diverge(i, f"{slot.name} is {slot.state.value} at its use")
-        if slot.given_back():
-            raise given_back_error(slot, f"op {i} ({self.course.name(i)})")
-        if slot.state is State.OUT and not slot.in_place:
-            return  # the engine still holds the source: reading it while it is written is safe
-        room.touch(slot)
-        book = self.book
-        if slot.state is State.DISCARDED:   # no copy anywhere: its chain re-creates it
-            room.make_room_for(slot.nbytes, keep, i, f"recomputing {slot.name}")
-            book.account(slot.nbytes)
-            self.recompute.recompute(slot, self.recompute.discarded_for[slot.var], i, self.ensure)
-            return
-
-        def account(delta: int) -> None:   # room first, for what the read takes
-            if delta > 0:
-                room.make_room_for(delta, keep, i, f"swapping in {slot.name}")
-            book.account(delta)
-
-        self.ctx.counters["bytes_in"] += slot.bring_back(
-            self.ctx.tier, pool_for(self.ctx, book, self.course, slot, i), wait=book.wait, account=account,
-            started=lambda s: book.trace_transfer(s, "swap-in"))
-        book.register(slot)
+        self.room.bring_back(slot, i, keep, self.ensure)
 
     def _diverge(self, i: int, why: str, level: int | None = None) -> None:
         """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
@@ -335,32 +356,11 @@ class Stepper:
         self.recording.left_plan(i)
         self.room.leave_plan()   # on demand keeps no activation it need not
 
-    # -- saved activations --------------------------------------------------------------------
-
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks through which this step manages saved activations. Remembers its pack
-        hook: an op that finds other hooks innermost (``save_on_cpu`` entered inside the
-        step) is refused, since the activations saved under them would bypass the engine.
-
-        Weakly: a bound method of the step kept on the step is a reference cycle, and then the
-        whole step (its recording, slots and plan cursor: ~5,000 objects on GPT 6x256) is
-        garbage that only the cyclic collector frees. It piled up until a full collection
-        paused a step for 0.13 s, about one step in ten (GPT 6x256 b8 at 1/4). The hooks
-        object holds the methods as long as the step runs."""
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.unpack)
-        self.saved.own_pack = weakref.ref(hooks.pack_hook)
-        return hooks
-
-    def unpack(self, p: Any) -> torch.Tensor:
-        """Autograd's unpack hook: a saved activation, usable for the backward op that comes
-        next (its plan's actions before it run now, early: nothing else runs in between)."""
-        if not isinstance(p, Packed):
-            return p
-        with _disable_current_modes():
-            nxt = self.saved.unpacking(p)
-            self.before(nxt)
-            self.ensure(p.slot, nxt)
-            return self.saved.rebuild(p, nxt)
+        """The hooks through which this step manages saved activations (``SavedTensors.hooks``:
+        an unpack runs the plan's actions before the next op, ``before``, and brings the bytes
+        back for it, ``ensure``)."""
+        return self.saved.hooks(self.before, self.ensure)
 
     # -- the optimizer step, and another step object taking over ------------------------------
 

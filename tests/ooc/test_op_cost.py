@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
-from ooc import OutOfCore, Options
-from ooc.runtime import saved_tensors as saved_tensors_module, stepper as stepper_module
+from ooc import Options, OutOfCore
+from ooc.runtime import saved_tensors as saved_tensors_module
 from ooc.record.op_schema import OpInfo, op_info, tensors
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,8 +109,8 @@ def test_saved_tensor_hooks_of_a_planned_step_leave_the_dispatch_modes_alone(mon
     model, opt, engine = _planned(min_bytes)
     managed = engine.stats()["plan.variables"]
     counts = {"disable": 0, "pack": 0, "unpack": 0}
-    disable, pack, unpack = (saved_tensors_module._disable_current_modes, stepper_module.Stepper.pack,
-                             stepper_module.Stepper._unpack)
+    saved = saved_tensors_module.SavedTensors
+    disable, pack, unpack = saved_tensors_module._disable_current_modes, saved.pack, saved.rebuild
 
     def counting_disable():
         counts["disable"] += 1
@@ -120,13 +120,13 @@ def test_saved_tensor_hooks_of_a_planned_step_leave_the_dispatch_modes_alone(mon
         counts["pack"] += 1
         return pack(self, t)
 
-    def counting_unpack(self, p):
+    def counting_unpack(self, p, nxt):   # the unpack of a managed tensor rebuilds its view
         counts["unpack"] += 1
-        return unpack(self, p)
+        return unpack(self, p, nxt)
 
     monkeypatch.setattr(saved_tensors_module, "_disable_current_modes", counting_disable)
-    monkeypatch.setattr(stepper_module.Stepper, "pack", counting_pack)
-    monkeypatch.setattr(stepper_module.Stepper, "_unpack", counting_unpack)
+    monkeypatch.setattr(saved, "pack", counting_pack)
+    monkeypatch.setattr(saved, "rebuild", counting_unpack)
     _step(model, opt, engine, 3)
     assert engine.stats()["last_planned"] and engine.stats()["last_diverged_at"] == -1
     assert counts["pack"] > counts["unpack"], counts   # more saved tensors than managed ones

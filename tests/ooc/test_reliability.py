@@ -634,7 +634,7 @@ _CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from test_reliability import fresh, run_step, managed_peak, ALL, CHUNK
-    from ooc.engine import OutOfCore
+    from ooc.engine import Options, OutOfCore
 
     mode, storage = sys.argv[1], sys.argv[2]
     if mode == "sigterm-exit":   # the user's choice: turn SIGTERM into SystemExit
@@ -883,9 +883,9 @@ def test_budget_changes_between_steps_replan_and_stay_identical(tmp_path):
 def test_budget_units_are_distinct_and_both_valid(tmp_path):
     model, opt = fresh()
     with OutOfCore(model, opt, budget="16 GB", storage=str(tmp_path)) as a:
-        assert a.budget == 16 * 10**9
+        assert a.stats()["budget"] == 16 * 10**9
     with OutOfCore(model, opt, budget="16GiB", storage=str(tmp_path)) as b:
-        assert b.budget == 16 * 2**30
+        assert b.stats()["budget"] == 16 * 2**30
 
 
 @pytest.mark.parametrize("bad, words", [

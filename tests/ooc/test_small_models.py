@@ -108,7 +108,8 @@ def _in_core() -> list[dict[str, torch.Tensor]]:
 def _train(budget: int, steps: int, reference: list[dict[str, torch.Tensor]],
            **engine_kw) -> tuple[OutOfCore, list[dict]]:
     model, opt = _fresh()
-    engine = OutOfCore(model, opt, budget=budget, options=Options(**engine_kw))
+    options = {k: engine_kw.pop(k) for k in ("chunk", "min_bytes") if k in engine_kw}
+    engine = OutOfCore(model, opt, budget=budget, options=Options(**options), **engine_kw)
     return engine, _steps(engine, model, range(steps), reference)
 
 
