@@ -38,6 +38,8 @@ HERE = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 # (label, model, batch, kwargs): bench_cpu's ResNet-50 and GPT, the two cases.
 MODELS = (("ResNet-50", "resnet50", 8, {}), ("GPT", "gpt2", 8, GPT_FULL))
+# --quick (the smoke test): a tiny GPT, this tree against itself unless --before is given.
+QUICK = (("GPT", "gpt2", 2, dict(depth=2, width=64, heads=2, seq_len=128, vocab=512)),)
 
 
 @dataclass
@@ -77,27 +79,33 @@ def same(a: str, b: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", type=Path, required=True, help="the tree before the change")
+    ap.add_argument("--before", type=Path, help="the tree before the change (required unless --quick)")
+    ap.add_argument("--quick", action="store_true", help="a tiny GPT, one round of 3 steps (a smoke run)")
     ap.add_argument("--after", type=Path, default=HERE, help="the tree after it (default: this one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", default="ResNet-50,GPT", help="comma-separated labels (default: both)")
     ap.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results" / "compare.md")
     args = ap.parse_args()
+    if args.before is None and not args.quick:
+        ap.error("--before is required (the tree to compare with)")
+    if args.quick:
+        args.before, args.rounds, args.steps = args.before or HERE, 1, 3
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     commits = {k: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip() for k, t in trees.items()}
-    lines = common.header("Before and after a change: ooc's CPU step time, side by side", quick=False, notes=[
+    lines = common.header("Before and after a change: ooc's CPU step time, side by side", quick=args.quick, notes=[
         f"before: {trees['before']} at {commits['before']}; after: {trees['after']} at {commits['after']}",
         f"command: `python benchmarks/bench_compare.py --before ... --rounds {args.rounds} --steps {args.steps}`;"
         " each case in a fresh process importing its tree's ooc; order rotated each round"])
-    models = [m for m in MODELS if m[0] in args.models.split(",")]
+    models = list(QUICK) if args.quick else [m for m in MODELS if m[0] in args.models.split(",")]
     cells: dict[tuple[str, str], Cell] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for label, model, batch, kw in models:
-                peak = managed_peak(model, batch, model_kwargs=kw)
-                base = dict(model=model, batch=batch, steps=args.steps, model_kwargs=kw, chunk=2 * MiB,
+                peak = managed_peak(model, batch, chunk=256 << 10 if args.quick else 2 * MiB, model_kwargs=kw)
+                chunk = 256 << 10 if args.quick else 2 * MiB
+                base = dict(model=model, batch=batch, steps=args.steps, model_kwargs=kw, chunk=chunk,
                             manage=["activations"])
                 cases = [("in-core", "after", dict(base, method="incore")),
                          *((f"ooc 1/4 {k}", k, dict(base, method="ooc", budget=peak // 4)) for k in trees)]
