@@ -644,9 +644,13 @@ def test_the_recording_step_does_not_keep_swapped_out_parameters_in_glibcs_heap(
     recording step left their pages resident in the heap until the step's end: with the update
     inside the backward, the optimizer's new state came on top (24 MiB of weights here: the
     recording step peaked at +27 MiB over the built model, the planned ones at +6). The engine
-    moves their bytes into its allocator at its first step, so that step is no higher than the
-    planned ones (the process's own peak, VmHWM, per step)."""
+    moves their bytes into its allocator at its first step, so that step stays within a few MiB
+    of the planned ones (the process's own peak, VmHWM, per step)."""
     out = _child(HEAP_STEP, {})
     assert out["planned"]
-    first, later = out["rises"][0], max(out["rises"][1:])
-    assert first <= later + 4, out["rises"]
+    # Measured (MiB over the built model): recording step ~11.3, planned steps ~5, before the
+    # fix ~27. This compared with the highest later step, which was step 1's ~8.4 (on demand:
+    # its start has optimizer state and no plan) until reads between steps (issue 40) brought
+    # step 1 down to ~2.3; against the planned steps the recording step is ~6 MiB higher.
+    first, later = out["rises"][0], max(out["rises"][2:])
+    assert first <= later + 8, out["rises"]

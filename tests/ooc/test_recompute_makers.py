@@ -206,7 +206,7 @@ def test_shared_replays_the_gpu_planner_makes_run_bitwise(monkeypatch, budget: s
     planned, every step planned, bitwise as in core."""
     import dataclasses
 
-    import scheduler.step_plans as step_plans
+    import scheduler
     from scheduler.hardware import hardware
     from scheduler.pins import Pins, pinned_rule
     from scheduler.recompute import swap_or_recompute
@@ -223,7 +223,7 @@ def test_shared_replays_the_gpu_planner_makes_run_bitwise(monkeypatch, budget: s
         return s
 
     ref = _train("small_cnn", "sgd")
-    monkeypatch.setattr(step_plans, "plan_schedule", plan)
+    monkeypatch.setattr(scheduler, "plan", plan)
     got = _train("small_cnn", "sgd", budget=budget)
     runtime._assert_bitwise(ref, got)
     assert max(moved) > 0, "no recompute was moved before its use: nothing shared was tested"
