@@ -232,6 +232,7 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
     # Blocks active at the end that the trace never mentions were allocated before it.
     active_end = {addr: requested for s_i, seg in enumerate(segments)
                   for addr, requested in _active_blocks(seg, where, s_i)}
+    note = _end_state_note(live, seen, active_end) if segments else ""
     for addr, requested in active_end.items():
         if addr not in seen:
             seen.add(addr)
@@ -244,7 +245,6 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
         ooms = [OomMarker(m.index + n0, m.nbytes, m.device_free, m.time) for m in ooms]
         seg_delta = [(p + n0, d) for p, d in seg_delta]
 
-    note = _end_state_note(events, active_end, segments)
     if note:
         notes.append(note)
     streams.update(s.get("stream") for s in segments)
@@ -273,26 +273,23 @@ def snapshot_to_trace(snap: dict[str, Any], *, name: str = "snapshot", where: st
                  recorded=recorded, notes=tuple(notes), labels=labels, expandable=expandable)
 
 
-def _end_state_note(events: list[Event], active_end: dict[int, int], has_segments: Any) -> str:
+def _end_state_note(live: dict[int, int], seen: set[int], active_end: dict[int, int]) -> str:
     """The replay starts from the snapshot's state (blocks allocated before the trace began,
     from its segments and from frees of blocks it never saw allocated), so it must end in the
     state the segments record: the same blocks allocated. Where it does not, say by how much,
     so that a reader knows the replay's live bytes are not the snapshot's (issue 40: a real
-    snapshot whose replay peaked below the live bytes it held at its end)."""
-    if not has_segments:
-        return ""
-    live: dict[Any, int] = {}
-    for e in events:
-        if e.action == "alloc":
-            live[e.key] = e.nbytes
-        else:
-            live.pop(e.key, None)
-    live = {k: n for k, n in live.items() if not (isinstance(k, str) and k.startswith("oom:"))}
-    missing = sum(n for a, n in active_end.items() if a not in live)
+    snapshot whose replay peaked below the live bytes it held at its end).
+
+    ``live``: what the trace left allocated (late frees taken out), ``seen``: every address the
+    trace mentions, before the segments' blocks it never mentions are added at the start.
+    Those blocks are allocated at the replay's end by construction, so only the blocks the
+    trace mentions can differ: no second pass over the events."""
+    missing = sum(n for a, n in active_end.items() if a in seen and a not in live)
     extra = sum(n for a, n in live.items() if a not in active_end)
     if not missing and not extra:
         return ""
-    return (f"the replay does not end in the snapshot's state: it ends with {format_size(sum(live.values()))} "
+    ends_with = sum(live.values()) + sum(n for a, n in active_end.items() if a not in seen)
+    return (f"the replay does not end in the snapshot's state: it ends with {format_size(ends_with)} "
             f"allocated, the snapshot's segments hold {format_size(sum(active_end.values()))} "
             f"({format_size(missing)} allocated there that the replay freed or never saw, "
             f"{format_size(extra)} the replay holds that the segments do not)")
