@@ -99,12 +99,13 @@ def main() -> None:
         f"command: `python benchmarks/bench_compare.py --before ... --rounds {args.rounds} --steps {args.steps}`;"
         " each case in a fresh process importing its tree's ooc; order rotated each round"])
     models = list(QUICK) if args.quick else [m for m in MODELS if m[0] in args.models.split(",")]
+    chunk = 256 << 10 if args.quick else 2 * MiB
+    peaks = {label: managed_peak(model, batch, chunk=chunk, model_kwargs=kw) for label, model, batch, kw in models}
     cells: dict[tuple[str, str], Cell] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for label, model, batch, kw in models:
-                peak = managed_peak(model, batch, chunk=256 << 10 if args.quick else 2 * MiB, model_kwargs=kw)
-                chunk = 256 << 10 if args.quick else 2 * MiB
+                peak = peaks[label]
                 base = dict(model=model, batch=batch, steps=args.steps, model_kwargs=kw, chunk=chunk,
                             manage=["activations"])
                 cases = [("in-core", "after", dict(base, method="incore")),
