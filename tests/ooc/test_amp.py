@@ -14,10 +14,6 @@ reads the real bytes.
 from __future__ import annotations
 
 import contextlib
-import copy
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +22,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ooc
+from in_child import run_in_child
 from ooc.engine import Options, OutOfCore
 from ooc.errors import StorageError
 from test_engine import TinyGPT, _data, _loss
@@ -33,7 +30,6 @@ from test_reliability import (ALL, CHUNK, Faults, _eio, _one_torch_thread, batch
                               faulty_engine, fresh, state_of)
 import test_update_budget as ub
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 # A first scale so large that the fp16 backward overflows: the first update is skipped (the
 # scaler never calls opt.step()), and the back-off brings the scale down at once.
@@ -296,11 +292,7 @@ def update_outside_the_step() -> None:
 
 def test_update_outside_the_step_reads_the_real_bytes() -> None:
     """In a child process: a read of a released storage is garbage or a segfault."""
-    code = f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(ROOT)!r}]; " \
-           "import torch; torch.set_num_threads(1); import test_amp as t; t.update_outside_the_step()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, f"exited with {r.returncode}:\n{r.stdout}\n{r.stderr[-4000:]}"
+    run_in_child(__file__, "update_outside_the_step")
 
 
 @pytest.mark.gpu

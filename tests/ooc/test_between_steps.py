@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from test_reliability import ALL, CHUNK, fresh, run_step
+from in_child import run_in_child
 from ooc.engine import Options, OutOfCore
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _in_child(name: str) -> None:
-    """Run ``name()`` of this module in a fresh interpreter: rc 139 is a segfault."""
-    code = f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(ROOT)!r}]; " \
-           f"import test_between_steps as t; t.{name}()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, f"{name} exited with {r.returncode}:\n{r.stdout}\n{r.stderr[-4000:]}"
+    run_in_child(__file__, name)
 
 
 class _Pair:

@@ -16,10 +16,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,18 +24,12 @@ import torch.nn.functional as F
 import ooc
 import ooc.testing
 from test_reliability import ALL, CHUNK, batch, fresh, run_step
+from in_child import run_in_child
 from ooc.engine import Options, OutOfCore
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _in_child(name: str, *args: str) -> None:
-    """Run ``name(*args)`` of this module in a fresh interpreter; a signal fails the test."""
-    code = f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(ROOT)!r}]; " \
-           f"import torch; torch.set_num_threads(1); import test_reads_between_steps as t; t.{name}(*{args!r})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    how = f"killed by {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exited with {r.returncode}"
-    assert r.returncode == 0, f"{name}{args} {how}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    run_in_child(__file__, name, *args)
 
 
 class _Pair:
