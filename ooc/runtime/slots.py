@@ -374,15 +374,3 @@ def raise_failed(slots: Iterable[Slot]) -> None:
 def failed(slot: Slot) -> bool:
     """The slot's transfer has finished and failed (its ``finish_*`` would raise)."""
     return slot.future is not None and slot.future.done() and slot.future.exception() is not None
-
-
-# -- the former module-level moves: thin wrappers for the engine's files until they call the
-# slot's methods (ooc/engine/persistent.py, ooc/engine/step_end.py, ooc/runtime/anchored_step.py)
-
-def start_swap_out(slot: Slot, tier: SlowerTier) -> None: slot.start_swap_out(tier)  # noqa: E704
-def finish_swap_out(slot: Slot) -> None: slot.finish_swap_out()  # noqa: E704
-def start_swap_in(slot: Slot, tier: SlowerTier, pool: RangeSource) -> None: slot.start_swap_in(tier, pool)  # noqa: E704
-def finish_swap_in(slot: Slot) -> None: slot.finish_swap_in()  # noqa: E704
-def release(slot: Slot) -> None: slot._release()  # noqa: E704
-def follow(slot: Slot, eff: Effect, tier: SlowerTier) -> None: slot._follow(eff, tier)  # noqa: E704
-def settle(slot: Slot, tier: SlowerTier) -> BaseException | None: return slot.settle(tier)  # noqa: E704
