@@ -235,7 +235,7 @@ class Recomputation:
                 raise OOCError(
                     f"cannot recompute {slot.name} before op {where} ({self.course.name(where)}): a "
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
-                    f"in place since; pass recompute=False to OutOfCore to swap instead")
+                    f"in place since; pass recompute=\"never\" to OutOfCore to swap instead")
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
         device = self.ctx.device
         made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
@@ -264,7 +264,7 @@ class Recomputation:
                 if len(outs) != r.outputs:   # its outputs are counted as on_op counted them
                     raise OOCError(
                         f"recomputing {slot.name}: {self.course.name(w)} returned {len(outs)} tensors "
-                        f"where it returned {r.outputs} when it ran; pass recompute=False to swap")
+                        f"where it returned {r.outputs} when it ran; pass recompute=\"never\" to swap")
                 if w != producer:
                     for k, t in enumerate(outs):
                         if (s := storage_of(t)) is not None:   # a sparse result is no Made
