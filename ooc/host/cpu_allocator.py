@@ -70,7 +70,12 @@ STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misse
              "fresh_bytes", "gathered_bytes")
 
 _TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
-_lock = threading.Lock()
+# Reentrant: a pool or an engine collected without close() reports to this module from its
+# finalizer, and the garbage collector runs finalizers at any allocation of the thread that
+# triggers it, this module's own locked sections included (a plain Lock deadlocked the suite:
+# ``external`` -> a tuple -> gc -> a dead pool's ``external(0, 0)`` -> the same lock). Every
+# locked section leaves the state whole at each allocation, so a nested call sees it whole.
+_lock = threading.RLock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
