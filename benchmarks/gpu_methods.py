@@ -127,7 +127,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     if method.startswith("ooc"):
         from ooc.engine import OutOfCore
 
-        engine_kw.setdefault("recompute", method != "ooc-swap-only")
+        engine_kw.setdefault("recompute", "never" if method == "ooc-swap-only" else "auto")
         engine = OutOfCore(model, opt, budget=row.budget_bytes, device="cuda", **engine_kw)
     scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
     moved = [0]
