@@ -15,7 +15,10 @@ engine executes it (``ooc/engine/planning.py``):
 - such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
   plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
   the trial between forms is ``anchoring.judge``'s;
-- a hook-driven step that left its plan drops it (the next step records).
+- a hook-driven step that left its plan drops it (the next step records); one that kept to it
+  is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
+- which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
+  ``plain_candidate``'s.
 
 ``after_step`` is the entry point: the step's facts (``StepFacts``) and the plan's state
 (``PlanState``) in, a ``Decision`` out. Pure data: no torch.
@@ -45,7 +48,7 @@ class Settings:
     "never", "prefer"); ``pins`` (a sequence -> the user's pin per activation) and
     ``hardware`` (a sequence -> what it is priced on), None where not given; whether plans
     are re-priced on planned runs (``reprice``, a CPU's) and may take a hook-driven form
-    (``hook_forms``: a CPU's, activations managed only, not turned off)."""
+    (``hook_forms``: ``hook_forms_allowed``)."""
 
     budget: int
     chunk: int
@@ -64,8 +67,9 @@ class StepFacts:
     its plan to the end (``kept``; a per-op step: ``ran_whole_plan``, it ran all the plan's
     ops), its recording (``sequence``, recorded and diverged steps) and measured op times
     (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
-    the gap of the update), whether it saved what a plain form compares (``signature``),
-    whether it ran an update (``updated``) and its wall time (``step_s``)."""
+    the gap of the update, None if it ran none; a hook-driven step: that of the trace it ran
+    against), whether it saved what a plain form compares (``signature``), whether it ran an
+    update (``updated``) and its wall time (``step_s``)."""
 
     form: str
     kept: bool
@@ -97,7 +101,8 @@ class Decision:
     """What the engine does after a step: keep ``plan`` (a new plan, or a re-priced one:
     ``repriced``), note the prices (``priced_runs``, ``fastest``), give the plan a hook form
     (``plain``, or ``anchored``: its moved plan, None if none fits), time a trial side
-    (``trial``: "per_op" or "hook"), or ``drop`` the plan."""
+    (``trial``: "per_op" or "hook"), take the plan's hook-driven form away (``unhook``), or
+    ``drop`` the plan."""
 
     plan: Schedule | None = None
     repriced: bool = False
@@ -107,6 +112,7 @@ class Decision:
     anchored: bool = False
     moved: Schedule | None = None
     trial: str | None = None
+    unhook: bool = False
     drop: bool = False
 
 
@@ -115,7 +121,7 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
     if facts.form in ("plain", "anchored"):
         if not facts.kept:
             return Decision(drop=state is not None)
-        return Decision(trial="hook")
+        return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
         return Decision(plan=plan_recorded(facts.sequence, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
@@ -202,6 +208,36 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
                                  chunk=settings.chunk, window=settings.window, policy=settings.policy)
     return {"anchored": True, "moved": moved}
+
+
+def hook_ran(facts: StepFacts) -> Decision:
+    """A hook-driven step that kept to its plan. A plain one has no trial (its saves alone
+    guard it). An anchored one is timed for its trial if it did what the per-op steps it is
+    timed against did (the update, or not); one that ran an update its trace's step did not
+    (gradient accumulation: the plan was made from a micro-batch) ran ops no plan has proven:
+    the plan loses its anchored form, the per-op path takes that state back, and its next
+    update step diverges there and plans from a step that updates."""
+    if facts.form == "plain":
+        return Decision()
+    if facts.updated and facts.update is None:
+        return Decision(unhook=True)
+    if facts.updated == (facts.update is not None):
+        return Decision(trial="hook")
+    return Decision()
+
+
+def hook_forms_allowed(*, on_cpu: bool, activations_only: bool, enabled: bool) -> bool:
+    """Whether an engine's plans may take a hook-driven form at all (``Options.hook_steps``:
+    ``enabled``). On a CPU with activations managed only: managed parameters, gradients or
+    optimizer state need the per-op path to be brought back and released, and on a GPU the
+    activations would sit in PyTorch's caching allocator, outside the pool the plan counts."""
+    return enabled and on_cpu and activations_only
+
+
+def plain_candidate(schedule: Schedule | None, *, hook_forms: bool) -> bool:
+    """Whether a step of ``schedule`` should note what it saves (``Stepper.signature``): its
+    plan moves nothing, so it could run with no op intercepted (``hook_form``: plain)."""
+    return hook_forms and schedule is not None and moves_nothing(schedule)
 
 
 def keeps_saved(held: int, nbytes: int, budget: int) -> bool:

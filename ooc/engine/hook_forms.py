@@ -110,20 +110,21 @@ class HookForms:
         return True
 
     def hook_ran(self, st: AnchoredStep, seconds: float) -> None:
-        """After a hook-driven step that kept to its plan: its time, while on trial, if it did
-        what the per-op steps it is timed against did (the update, or not). One that ran an
-        update its trace's step did not (gradient accumulation: the plan was made from a
-        micro-batch) ran ops no plan has proven: the per-op path takes that state back, and its
-        next update step diverges there and plans from a step that updates."""
+        """A hook-driven step that kept to its plan, timed for its trial
+        (``scheduler.step_plans.hook_ran`` says when)."""
         entry = self._entries.get(st.start_key)
-        if entry is None or entry.plan is not st.schedule or entry.moved is entry.plan:
-            return   # (a plan that moves nothing: kept, no trial; saves alone guard it)
-        if st.updated and entry.trace.update is None:   # no anchored form for this plan any more
-            entry.moved, entry.kept = None, False
-            log.info("an anchored step ran an update its plan's step did not: back to the per-op path")
-        elif not entry.kept and st.updated == (entry.trace.update is not None):
-            entry.trial.append(seconds)
-            self._log_judged(entry)
+        if entry is None or entry.plan is not st.schedule or entry.moved is entry.plan or entry.kept:
+            return
+        entry.trial.append(seconds)
+        self._log_judged(entry)
+
+    def unhook(self, key: Hashable, schedule: Schedule) -> None:
+        """``key``'s plan ``schedule`` runs per op from now on (``Decision.unhook``)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.plan is not schedule:
+            return
+        entry.moved, entry.kept = None, False
+        log.info("an anchored step ran an update its plan's step did not: back to the per-op path")
 
     @staticmethod
     def _log_judged(entry: HookPlan) -> None:

@@ -32,7 +32,7 @@ from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule
-from scheduler.step_plans import moves_nothing
+from scheduler.step_plans import hook_forms_allowed, plain_candidate
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class PlanCache:
         self.plans: OrderedDict[tuple[Hashable, Any], Plan] = OrderedDict()
         self.max_plans = max_plans
         self.hooked = HookForms(hook_steps)
+        self.hook_forms = hook_forms_allowed(on_cpu=mem.on_cpu, activations_only=activations_only,
+                                             enabled=hook_steps)
         # start key -> (planned runs priced, the sequence at the fastest times so far): ``scheduler.step_plans.reprice``
         self.repriced: dict[object, tuple[int, Any]] = {}
         self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
@@ -97,16 +99,12 @@ class PlanCache:
         return st
 
     def plain_candidate(self) -> bool:
-        """Whether the running step's plan moves nothing and could run with no op intercepted:
-        its step notes what it saves (``Stepper.signature``). CPU, activations managed only:
-        managed parameters, gradients or state need the per-op path to be brought back and
-        released, and on a GPU the activations would sit in PyTorch's caching allocator."""
-        return (self.hooked.enabled and self.schedule is not None and self._mem.on_cpu
-                and self._activations_only and moves_nothing(self.schedule))
+        """Whether the running step notes what it saves (``scheduler.step_plans.plain_candidate``)."""
+        return plain_candidate(self.schedule, hook_forms=self.hook_forms)
 
     def _hook_step(self, key: tuple) -> AnchoredStep | None:
         mem = self._mem
-        if not self._activations_only or not mem.on_cpu:
+        if not self.hook_forms:
             return None
 
         def make(plan: Schedule, moved: Schedule, trace: Any) -> AnchoredStep:

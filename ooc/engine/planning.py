@@ -59,7 +59,7 @@ class Planner:
                         recompute=self.recompute,
                         pins=None if pin is None else (lambda seq: pins_of(seq, pin)),
                         hardware=lambda seq: priced_hardware(seq, tier.stats()),   # this machine's swap file
-                        reprice=mem.on_cpu, hook_forms=self._cache.hooked.enabled)
+                        reprice=mem.on_cpu, hook_forms=self._cache.hook_forms)
 
     def after_step(self, st: Stepper | AnchoredStep, report: StepReport) -> None:
         """Ask the scheduler what follows from a step that completed (``scheduler.step_plans.
@@ -88,7 +88,8 @@ class Planner:
     def _facts(self, st: Stepper | AnchoredStep, report: StepReport) -> StepFacts:
         """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks."""
         if isinstance(st, AnchoredStep):
-            return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated)
+            return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated,
+                             update=st.trace.update)
         mem = self._mem
         seq = None
         if not report.kept_plan:
@@ -110,6 +111,8 @@ class Planner:
             cache.drop(key)
         if d.trial == "hook":
             cache.hooked.hook_ran(st, seconds)
+        if d.unhook:
+            cache.hooked.unhook(key, st.schedule)
         if d.priced_runs is not None:
             cache.repriced[key] = (d.priced_runs, d.fastest)
         if d.plan is not None and d.repriced:

@@ -8,8 +8,9 @@ import dataclasses
 
 from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
-from scheduler.step_plans import (REPRICED_RUNS, PlanState, Settings, StepFacts, after_step, keeps_saved,
-                                  moves_nothing, plan_recorded, priced_seconds)
+from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
+                                  hook_forms_allowed, keeps_saved, moves_nothing, plain_candidate, plan_recorded,
+                                  priced_seconds)
 from tests.scheduler.strategies import training_like_sequence
 
 
@@ -37,6 +38,34 @@ def test_a_hook_driven_step_is_timed_if_it_kept_its_plan_else_its_plan_goes() ->
     assert after_step(StepFacts("anchored", True, 1.0), state, TIGHT).trial == "hook"
     assert after_step(StepFacts("plain", False, 1.0), state, TIGHT).drop
     assert not after_step(StepFacts("anchored", False, 1.0), None, TIGHT).drop   # a guess's plan
+
+
+def test_an_anchored_step_is_timed_only_if_it_did_what_its_traces_step_did() -> None:
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+
+    def after(updated: bool, update: int | None, form: str = "anchored"):
+        return after_step(StepFacts(form, True, 1.0, updated=updated, update=update), state, TIGHT)
+
+    assert after(True, 40).trial == "hook" and after(False, None).trial == "hook"
+    # an update its trace's step did not run (a plan made from a micro-batch): per op from now on
+    d = after(True, None)
+    assert d.unhook and d.trial is None and not d.drop
+    # no update where its trace's step ran one (a micro-batch of a plan made with the update): not timed
+    d = after(False, 40)
+    assert d.trial is None and not d.unhook and not d.drop
+    # a plain step has no trial, whatever it ran
+    assert after(True, None, "plain") == after(False, 40, "plain") == Decision()
+
+
+def test_hook_driven_forms_only_on_a_cpu_with_activations_alone_and_a_plan_that_moves_nothing_is_plain() -> None:
+    assert hook_forms_allowed(on_cpu=True, activations_only=True, enabled=True)
+    for off in ({"on_cpu": False}, {"activations_only": False}, {"enabled": False}):
+        assert not hook_forms_allowed(**{"on_cpu": True, "activations_only": True, "enabled": True, **off})
+    roomy = plan_recorded(SEQ, dataclasses.replace(TIGHT, budget=SEQ.in_core_peak_bytes * 2))
+    tight = plan_recorded(SEQ, TIGHT)
+    assert plain_candidate(roomy, hook_forms=True)
+    assert not plain_candidate(roomy, hook_forms=False)
+    assert not plain_candidate(tight, hook_forms=True) and not plain_candidate(None, hook_forms=True)
 
 
 def test_a_plan_that_moves_nothing_gets_its_plain_form_and_no_price() -> None:
