@@ -131,7 +131,9 @@ class FileTier(TransferTasks):
             raise StorageError(
                 f"direct=True but O_DIRECT does not work in {self.directory!r} ({reason}); "
                 "pass direct=None to fall back to buffered I/O")
-        self._lock = threading.Lock()
+        # Reentrant: an engine collected without close() closes its tier from its finalizer,
+        # which the collector may run in an I/O thread inside ``_done``'s locked section.
+        self._lock = threading.RLock()
         self._records: dict[int, _Record] = {}
         self._extents = Extents(ALIGN)
         self._closed = False

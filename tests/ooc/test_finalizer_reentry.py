@@ -1,8 +1,9 @@
 """Finalizers that call back into a module-level lock's owner from inside its locked section.
 
 A device pool or an engine dropped without ``close()`` reports to ``ooc.host.cpu_allocator``
-from a ``weakref.finalize``; the garbage collector runs finalizers at any allocation of the
-thread that triggers it, that module's own locked sections included.
+(and closes its swap file's tier) from a ``weakref.finalize``; the garbage collector runs
+finalizers at any allocation of the thread that triggers it, the locked sections of those
+very modules included.
 With a plain ``Lock`` that deadlocked CI (``external`` built a tuple, the collector ran a dead
 pool's ``external(0, 0)``, which waited on the lock its own thread held). pytest-timeout did not
 save the run: its ``SIGALRM`` exception is raised inside the finalizer, where the collector
@@ -26,6 +27,7 @@ import pytest
 
 from ooc.host import cpu_allocator
 from ooc.runtime.cpu_pool import CpuDevicePool
+from ooc.storage.file_tier import FileTier
 
 HANG = 120.0   # seconds: far beyond the milliseconds each case takes, even on a busy machine
 
@@ -102,3 +104,17 @@ def test_a_real_pool_collected_inside_external_reports_zero(monkeypatch: pytest.
     _finishes(body)
     assert 97 not in cpu_allocator._pools
     cpu_allocator.external(0, 0, 96)
+
+
+def test_a_tier_closed_by_a_finalizer_inside_its_own_io_thread_does_not_deadlock(tmp_path) -> None:
+    """An engine collected while its swap-out is in flight closes its tier from its finalizer
+    (``ooc.engine.lifetime.collected``); the collector may run it in the tier's I/O thread,
+    inside ``_done``'s locked section, where the transfer books its bytes."""
+    tier = FileTier(tmp_path, threads=1)
+    tier._stats = _CollectingDict(tier._stats)
+    _dead_with_finalizer(tier.close)
+    data = bytearray(b"x" * 8192)
+    future = tier.write_async(1, data, len(data))
+    _finishes(lambda: future.exception())   # the write finishes (done or failed), no hang
+    assert tier.closed
+    tier.close()
