@@ -3,11 +3,12 @@ sizes, chunks) and the buffers exported from it, with the misuse errors.
 
 Apart from the allocator because this is the caller's side of the contract (the lifetime rule
 of :meth:`Allocation.buffer`, what ``free`` refuses), while :mod:`vmm.virtual` and
-:mod:`vmm.range_reuse` are the allocator's own bookkeeping.
+:mod:`vmm.free_ranges` are the allocator's own bookkeeping.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from vmm.pool import Chunk
 from vmm.units import format_size
 
 if TYPE_CHECKING:
-    from vmm.range_reuse import _Range
+    from vmm.free_ranges import _Range
 
 
 class AllocationError(VMMError):
@@ -99,6 +100,21 @@ class Allocation:
             self._exports = [r for r in self._exports if r() is not None]
         self._exports.append(weakref.ref(buf))
         return buf
+
+    def _drop_exports(self) -> None:
+        """Before ``free``: raise :class:`BufferInUse` while a buffer exported from this
+        allocation is still referenced (its memory would be reused), else forget them."""
+        alive = self.exports_alive()
+        if alive:
+            gc.collect()  # a buffer kept only by a reference cycle is not really in use
+            alive = self.exports_alive()
+        if alive:
+            raise BufferInUse(
+                f"free of the allocation at 0x{self.address:x} "
+                f"({format_size(self.nbytes)}) while {alive} buffer(s) exported from it "
+                "are still referenced (numpy arrays, tensors or memoryviews made from "
+                "allocation.buffer()): drop them first, their memory would be reused")
+        self._exports = None
 
     def exports_alive(self) -> int:
         """How many buffers exported by :meth:`buffer` are still referenced."""

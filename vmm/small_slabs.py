@@ -193,7 +193,7 @@ def _check_packing(a: Any) -> None:
                 assert all((rng.touch[j] == 0) == (free[j] == c) for j in range(rng.capacity))
         else:
             chunks += tier.slabs * tier.slab_bytes // a.chunk_bytes
-    chunks += sum(r.mapped - r.idle for r in a.virtual._sparse_live.values())
+    chunks += a.virtual._sparse.chunks_in_use()
     assert chunks == a.small_chunks
     assert sum(t.slabs for t in a.tiers) <= a.small_blocks
 

@@ -23,10 +23,13 @@ and idle heads. Unmapping at once made the 200k-event swap schedule of bench_fra
 unmap a chunk every 20 events (11,834 maps, 9,935 unmaps; kept idle: about as few as without
 sparse ranges), and on CUDA an unmap at a free makes the host wait for the device.
 
-A mixin of :class:`vmm.VirtualAllocator` (as :class:`~vmm.range_reuse.RangeReuse` and
-:class:`~vmm.range_heads.IdleHeads` are): the chunks come from the same budget, by the same
-steps (cache, new, stolen from parked ranges or idle heads), and count in its
-``mapped_bytes``, ``live_chunks``, ``map_calls`` and ``unmap_calls``; its idle chunks in
+:class:`SparseRanges` is the part of :class:`vmm.VirtualAllocator` that owns them, as
+:class:`~vmm.free_ranges.FreeRanges` owns the free ranges and
+:class:`~vmm.range_heads.IdleHeads` the idle heads: the chunks come from the same budget, by
+the same steps (cache, new, stolen from parked ranges or idle heads:
+:meth:`~vmm.free_ranges.FreeRanges.gather`), their address space from
+:meth:`~vmm.free_ranges.FreeRanges.reserve`, and they count in the allocator's
+``mapped_bytes``, ``live_chunks``, ``map_calls`` and ``unmap_calls``; their idle chunks in
 ``idle_chunks``. A range whose last block goes stays reserved, its idle chunks mapped, and is
 handed out again (most recently given back first); :meth:`vmm.VirtualAllocator.trim` unmaps
 the idle chunks and frees the empty ranges.
@@ -34,9 +37,12 @@ the idle chunks and frees the empty ranges.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vmm.pool import Chunk, ChunkPool
+from vmm.pool import Chunk
+
+if TYPE_CHECKING:
+    from vmm.free_ranges import FreeRanges
 
 
 class SparseRange:
@@ -67,54 +73,42 @@ class SparseRange:
 
 
 class SparseRanges:
-    """Sparse ranges of a :class:`vmm.VirtualAllocator` (see the module docstring). Its state
-    (``_spare``: ranges with no block, by capacity; ``_sparse_live``: those held, by id;
-    ``_sparse_idle``: ranges with idle chunks, oldest first) is created by the allocator's
-    constructor."""
+    """The sparse ranges of one :class:`vmm.VirtualAllocator` (see the module docstring):
+    ``_spare``: ranges with no block, by capacity; ``_live``: those held, by id; ``_idle``:
+    ranges with idle chunks, oldest first."""
 
-    pool: ChunkPool
-    backend: Any
-    chunk_bytes: int
-    live_chunks: int
-    mapped_bytes: int
-    peak_mapped_bytes: int
-    peak_chunks_in_use: int
-    map_calls: int
-    unmap_calls: int
-    parked_chunks: int
-    idle_chunks: int
-    ooms: int
-    _reserve: Any                    # vmm.range_reuse: address space, counted
-    _unreserve: Any
-    _spare: dict[int, list[SparseRange]]
-    _sparse_live: dict[int, SparseRange]
-    _sparse_idle: dict[int, SparseRange]
+    def __init__(self, allocator: Any, free_ranges: FreeRanges) -> None:
+        self._va = allocator          # the vmm.VirtualAllocator: counters, budget error
+        self._free = free_ranges      # address space, and the quarantine flushed before a map
+        self._pool = allocator.pool
+        self._backend = allocator.backend
+        self._chunk = allocator.chunk_bytes
+        self._spare: dict[int, list[SparseRange]] = {}
+        self._live: dict[int, SparseRange] = {}
+        self._idle: dict[int, SparseRange] = {}
 
-    def sparse_range(self, capacity: int) -> SparseRange:
-        """A live sparse range of ``capacity`` chunks with no block on it: the one given back
-        last if there is one (its idle chunks may serve the next blocks), else a new
-        reservation (a driver call on CUDA)."""
+    def take(self, capacity: int) -> SparseRange:
+        """:meth:`vmm.VirtualAllocator.sparse_range`: the range of ``capacity`` chunks given
+        back last, else a new reservation."""
         spare = self._spare.get(capacity)
         if spare:
             rng = spare.pop()
         else:
-            rng = SparseRange(self, self._reserve(capacity), capacity)
+            rng = SparseRange(self._va, self._free.reserve(capacity), capacity)
         rng.live = True
-        self._sparse_live[id(rng)] = rng
+        self._live[id(rng)] = rng
         return rng
 
-    def release_sparse(self, rng: SparseRange) -> None:
-        """Give back a sparse range with no block left on it (its chunks, if any, idle)."""
+    def give_back(self, rng: SparseRange) -> None:
+        """:meth:`vmm.VirtualAllocator.release_sparse` (no block left on ``rng``)."""
         assert rng.live and rng.idle == rng.mapped, "a sparse range goes back with no block"
         rng.live = False
-        del self._sparse_live[id(rng)]
+        del self._live[id(rng)]
         self._spare.setdefault(rng.capacity, []).append(rng)
 
     def touch(self, rng: SparseRange, first: int, last: int, nbytes: int) -> int:
-        """Count a new block over positions ``first..last`` (inclusive): their chunks are in
-        use from now on (idle ones taken back as they are, missing ones mapped); return how
-        many were not in use before. Raises :class:`vmm.pool.BudgetExceeded` (changing
-        nothing) when the budget lacks the chunks to map."""
+        """:meth:`vmm.VirtualAllocator.touch`: a new block over positions ``first..last``."""
+        va = self._va
         touch, chunks = rng.touch, rng.chunks
         need = revive = 0
         for j in range(first, last + 1):
@@ -123,9 +117,9 @@ class SparseRanges:
                     need += 1
                 else:
                     revive += 1
-        if need > self.pool.available + self.parked_chunks + self.idle_chunks - revive:
-            self.ooms += 1
-            raise self._oom(nbytes, need)
+        if need > self._pool.available + va.parked_chunks + va.idle_chunks - revive:
+            va.ooms += 1
+            raise va._oom(nbytes, need)
         # Touched before any chunk is gathered: a steal takes only untouched chunks.
         for j in range(first, last + 1):
             touch[j] += 1
@@ -143,16 +137,15 @@ class SparseRanges:
                 raise
         used = need + revive
         if used:
-            self.live_chunks += used
-            total = self.mapped_bytes = self.mapped_bytes + used * self.chunk_bytes
-            if total > self.peak_mapped_bytes:
-                self.peak_mapped_bytes = total
-                self.peak_chunks_in_use = self.live_chunks
+            va.live_chunks += used
+            total = va.mapped_bytes = va.mapped_bytes + used * self._chunk
+            if total > va.peak_mapped_bytes:
+                va.peak_mapped_bytes = total
+                va.peak_chunks_in_use = va.live_chunks
         return used
 
     def untouch(self, rng: SparseRange, first: int, last: int) -> int:
-        """A block over positions ``first..last`` is gone: the chunks no block touches any
-        more go idle (still mapped); return how many."""
+        """:meth:`vmm.VirtualAllocator.untouch`: a block over ``first..last`` is gone."""
         touch = rng.touch
         drop = 0
         for j in range(first, last + 1):
@@ -160,19 +153,22 @@ class SparseRanges:
             if not t:
                 drop += 1
         if drop:
-            rng.fence = self.backend.fence()   # work queued before now may still use them
+            va = self._va
+            rng.fence = self._backend.fence()   # work queued before now may still use them
             self._set_idle(rng, rng.idle + drop)
-            self.live_chunks -= drop
-            self.mapped_bytes -= drop * self.chunk_bytes
+            va.live_chunks -= drop
+            va.mapped_bytes -= drop * self._chunk
         return drop
 
     def _map_missing(self, rng: SparseRange, first: int, last: int, need: int) -> None:
         """Map ``need`` chunks at the positions of ``first..last`` with none, one backend call
         per run of such positions; chunks gathered but not mapped go back to the pool."""
-        self._flush_quarantine()
+        self._free.flush_quarantine()
+        va = self._va
+        backend = self._backend
         chunks = rng.chunks
-        chunk = self.chunk_bytes
-        got = self._gather(need)
+        chunk = self._chunk
+        got = self._free.gather(need)
         try:
             j = first
             while j <= last:
@@ -184,30 +180,31 @@ class SparseRanges:
                     end += 1
                 run, got = got[:end - j], got[end - j:]
                 start = rng.address + j * chunk
-                self.backend.map_many(start, [c.handle for c in run], chunk)
+                backend.map_many(start, [c.handle for c in run], chunk)
                 chunks[j:end] = run
                 rng.mapped += end - j
-                self.map_calls += end - j
-                self.backend.set_access(start, (end - j) * chunk)
+                va.map_calls += end - j
+                backend.set_access(start, (end - j) * chunk)
                 j = end
         finally:
-            self.pool.release(got)
+            self._pool.release(got)
 
     def _set_idle(self, rng: SparseRange, idle: int) -> None:
-        self.idle_chunks += idle - rng.idle
+        self._va.idle_chunks += idle - rng.idle
         rng.idle = idle
         if idle:
-            self._sparse_idle.setdefault(id(rng), rng)
+            self._idle.setdefault(id(rng), rng)
         else:
-            self._sparse_idle.pop(id(rng), None)
+            self._idle.pop(id(rng), None)
 
-    def _steal_sparse(self, count: int) -> list[Chunk]:
+    def steal(self, count: int) -> list[Chunk]:
         """Unmap up to ``count`` idle chunks of sparse ranges (those idle longest first) and
         return them (still handed out by the pool)."""
-        chunk = self.chunk_bytes
+        chunk = self._chunk
+        backend = self._backend
         out: list[Chunk] = []
-        while count and self._sparse_idle:
-            rng = next(iter(self._sparse_idle.values()))
+        while count and self._idle:
+            rng = next(iter(self._idle.values()))
             take = [j for j in range(rng.capacity)
                     if rng.chunks[j] is not None and not rng.touch[j]][:count]
             i = 0
@@ -216,33 +213,37 @@ class SparseRanges:
                 while i < len(take) and take[i] == end:
                     i += 1
                     end += 1
-                self.backend.unmap(rng.address + j * chunk, (end - j) * chunk, fence=rng.fence)
+                backend.unmap(rng.address + j * chunk, (end - j) * chunk, fence=rng.fence)
                 out.extend(rng.chunks[j:end])   # type: ignore[arg-type]
                 rng.chunks[j:end] = [None] * (end - j)
-            self.unmap_calls += len(take)
+            self._va.unmap_calls += len(take)
             rng.mapped -= len(take)
             self._set_idle(rng, rng.idle - len(take))
             count -= len(take)
         return out
 
-    def _trim_sparse(self) -> None:
+    def trim(self) -> None:
         """Free the address space of every sparse range with no block (their idle chunks
         were stolen before)."""
         for spare in self._spare.values():
             for rng in spare:
                 assert not rng.mapped
-                self._unreserve(rng.address, rng.capacity)
+                self._free.unreserve(rng.address, rng.capacity)
         self._spare.clear()
 
-    def _check_sparse(self) -> int:
+    def chunks_in_use(self) -> int:
+        """Chunks under live blocks in the live sparse ranges (a packing check's sum)."""
+        return sum(r.mapped - r.idle for r in self._live.values())
+
+    def check(self) -> tuple[int, int]:
         """Verify the sparse ranges' invariants; return their idle chunks and reserved bytes."""
-        ranges = [*self._sparse_live.values(), *(r for s in self._spare.values() for r in s)]
+        ranges = [*self._live.values(), *(r for s in self._spare.values() for r in s)]
         for rng in ranges:
-            assert rng.live == (id(rng) in self._sparse_live)
+            assert rng.live == (id(rng) in self._live)
             assert rng.mapped == sum(c is not None for c in rng.chunks)
             assert all(c is not None for c, t in zip(rng.chunks, rng.touch) if t)
             assert rng.idle == sum(c is not None and not t for c, t in zip(rng.chunks, rng.touch))
-            assert (id(rng) in self._sparse_idle) == (rng.idle > 0)
+            assert (id(rng) in self._idle) == (rng.idle > 0)
             assert rng.live or not any(rng.touch)
-        assert len(self._sparse_idle) == sum(r.idle > 0 for r in ranges)
-        return sum(r.idle for r in ranges), sum(r.capacity for r in ranges) * self.chunk_bytes
+        assert len(self._idle) == sum(r.idle > 0 for r in ranges)
+        return sum(r.idle for r in ranges), sum(r.capacity for r in ranges) * self._chunk

@@ -8,29 +8,29 @@ less than N_max x chunk in total (N_max = allocations live at once), never holes
 allocations (Hayakawa & Narihira, "Out-of-core training ... adaptive window-based
 scheduling", the virtual-addressing half).
 
-This module is the allocator's public API and its byte accounting; how a request finds its
-range (reuse of parked ranges, stealing, quarantine) is :mod:`vmm.range_reuse`, and what a
-caller holds (:class:`Allocation`, its buffers and misuse errors) is :mod:`vmm.allocation`.
+This module is the allocator's public API and its byte accounting. The allocator is composed
+of parts, each owning its state and changing it through its own methods: the free ranges and
+how a request is placed on them (reuse of parked ranges, stealing, quarantine:
+:class:`~vmm.free_ranges.FreeRanges`), the idle heads of live ranges
+(:class:`~vmm.range_heads.IdleHeads`) and the sparse ranges
+(:class:`~vmm.sparse_ranges.SparseRanges`). What a caller holds (:class:`Allocation`, its
+buffers and misuse errors) is :mod:`vmm.allocation`.
 """
 
 from __future__ import annotations
 
-import gc
-from bisect import bisect_left, insort
-from typing import Any
-
 from vmm.allocation import Allocation, AllocationError, BufferInUse
 from vmm.backend import Backend
+from vmm.free_ranges import _EMPTY, FreeRanges
 from vmm.pool import BudgetExceeded, ChunkPool
 from vmm.range_heads import IdleHeads
-from vmm.range_reuse import _EMPTY, RangeReuse, _Range
-from vmm.sparse_ranges import SparseRanges
+from vmm.sparse_ranges import SparseRange, SparseRanges
 from vmm.units import format_size
 
 __all__ = ["VirtualAllocator", "Allocation", "AllocationError", "BufferInUse"]
 
 
-class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
+class VirtualAllocator:
     """Allocations of any size as contiguous virtual ranges of whole pooled chunks.
 
     ``alloc(nbytes)`` maps k = ceil(nbytes / chunk) chunks onto one reserved range and
@@ -87,9 +87,20 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
     price of more map/unmap calls.
 
     Reserved ranges cost no memory. :meth:`trim` unmaps parked chunks, frees unused ranges
-    and releases cached chunks to the backend. ``map_calls`` / ``unmap_calls`` count chunk mappings made / removed (one per chunk,
-    whatever the backend batches). Zero-byte requests get an ``Allocation`` at address 0
-    with no chunks. Not thread-safe: callers hold one lock around ``alloc``/``free``.
+    and releases cached chunks to the backend. ``map_calls`` / ``unmap_calls`` count chunk
+    mappings made / removed (one per chunk, whatever the backend batches). Zero-byte requests
+    get an ``Allocation`` at address 0 with no chunks. Not thread-safe: callers hold one lock
+    around ``alloc``/``free``.
+
+    Composed of three parts, each owning its indexes: the free ranges (steps 1-4, stealing,
+    quarantine, address space: :class:`~vmm.free_ranges.FreeRanges`), the idle heads
+    (:class:`~vmm.range_heads.IdleHeads`) and the sparse ranges
+    (:class:`~vmm.sparse_ranges.SparseRanges`). The counters all of them change (mapped
+    bytes, chunks in use, calls, ...) stay plain attributes of the allocator, which every part
+    holds: a replay reads ``mapped_bytes`` after every event. Parts reach each other only
+    through their methods: the chunks a request lacks are gathered by the free ranges
+    (:meth:`~vmm.free_ranges.FreeRanges.gather`) from the pool, their parked ranges, then the
+    idle heads, which pass on to the sparse ranges what they cannot give.
     """
 
     def __init__(self, pool: ChunkPool, *, keep_mapped: bool = True, lean: bool = False) -> None:
@@ -103,12 +114,14 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         # range's fence stays None ("unknown"), what ``Backend.fence`` would return: no call
         # per free.
         self._fences = type(self.backend).fence is not Backend.fence
-        # Live accounting (plain attributes: replay reads them per event).
+        # Live accounting (plain attributes: replay reads them per event; the parts update
+        # the ones they change).
         self.requested_bytes = 0
         self.mapped_bytes = 0      # chunks under live allocations x chunk_bytes
         self.reserved_bytes = 0    # virtual bytes of every reserved range
         self.live_chunks = 0
-        self.parked_chunks = 0
+        self.parked_chunks = 0     # mapped in parked ranges (FreeRanges)
+        self.idle_chunks = 0       # idle heads' (IdleHeads) and sparse ranges' (SparseRanges)
         self.live_allocations = 0
         self.peak_requested_bytes = 0
         self.peak_mapped_bytes = 0
@@ -127,26 +140,15 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         self.reuse_range = 0
         self.new_ranges = 0
         self.steals = 0
-        self.ooms = 0
-        # Free ranges. _parked: mapped count m > 0 -> {rid: range}, ordered by park time;
-        # _parked_sizes: sorted keys of _parked; _lru: every parked range by park time;
-        # _by_capacity: capacity -> {rid: range} for every free range (parked or empty).
-        self._parked: dict[int, dict[int, _Range]] = {}
-        self._parked_sizes: list[int] = []
-        self._lru: dict[int, _Range] = {}
-        self._by_capacity: dict[int, dict[int, _Range]] = {}
-        # Ranges whose chunks were stolen while the device may still use their addresses:
-        # (range, chunks still mapped there, fence), unmapped once the fence has passed.
-        self._quarantine: list[tuple[_Range, int, Any]] = []
         self.deferred_unmaps = 0
-        self._idle: dict[int, _Range] = {}   # live ranges with an idle head (vmm.range_heads)
-        self.idle_chunks = 0
         self.heads_retired = self.heads_reclaimed = 0
-        self._ranges: dict[int, _Range] = {}
-        self._next_rid = 0
-        self._spare: dict[int, list] = {}    # empty sparse ranges by capacity (vmm.sparse_ranges)
-        self._sparse_live: dict[int, Any] = {}
-        self._sparse_idle: dict[int, Any] = {}
+        self.ooms = 0
+        self._free = FreeRanges(self)
+        self._sparse = SparseRanges(self, self._free)
+        self._heads = self._free.idle = IdleHeads(self, self._sparse)
+        # Bound once: ``alloc`` and ``free`` call them per event of a replay.
+        self._take_exact = self._free.take_exact
+        self._add_free = self._free.add
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Allocation:
@@ -154,25 +156,17 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         chunk = self.chunk_bytes
         if nbytes <= 0:
             if nbytes == 0:
-                return self._account(Allocation(0, 0, 0, _EMPTY, self), 0, 0)
+                self.alloc_count += 1
+                live = self.live_allocations = self.live_allocations + 1
+                if live > self.peak_live_allocations:
+                    self.peak_live_allocations = live
+                return Allocation(0, 0, 0, _EMPTY, self)
             raise AllocationError(f"alloc of a negative size ({nbytes} bytes)")
         k = (nbytes + chunk - 1) // chunk
-        bucket = self._parked.get(k)
-        if bucket:
-            # 1. exact reuse (the hot path of a repeating schedule): no backend call.
-            rid, rng = bucket.popitem()
-            if not bucket:
-                del self._parked[k]
-                del self._parked_sizes[bisect_left(self._parked_sizes, k)]
-            del self._lru[rid]
-            by_cap = self._by_capacity[rng.capacity]
-            del by_cap[rid]
-            if not by_cap:
-                del self._by_capacity[rng.capacity]
-            self.parked_chunks -= k
-            self.reuse_exact += 1
-        else:
-            rng = self._place(k, nbytes)
+        # 1. exact reuse (the hot path of a repeating schedule): no backend call; else 2-4.
+        rng = self._take_exact(k)
+        if rng is None:
+            rng = self._free.place(k, nbytes)
         # Accounting, inline: this runs once per event of a million-event replay.
         mapped = k * chunk
         self.alloc_count += 1
@@ -203,38 +197,25 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
             raise AllocationError(f"double free of the allocation at 0x{allocation.address:x} "
                                   f"({format_size(allocation.nbytes)})")
         if allocation._exports:
-            self._check_exports(allocation)
+            allocation._drop_exports()
         allocation._range = None
         self.free_count += 1
         self.live_allocations -= 1
         if rng is _EMPTY:
             return
         k = len(rng.chunks)
-        used = k - self._forget_idle(rng) if rng.idle else k
+        used = k - self._heads.forget(rng) if rng.idle else k
         self.requested_bytes -= allocation.nbytes
         self.mapped_bytes -= used * self.chunk_bytes
         self.live_chunks -= used
-        rid = rng.rid
         if rng.head:
-            self._free_headless(rng)
+            self._heads.free_headless(rng)       # left empty
         elif self.keep_mapped:
             if self._fences:
                 rng.fence = self.backend.fence()
-            bucket = self._parked.get(k)   # park (inline _park: the hot path)
-            if bucket is None:
-                self._parked[k] = {rid: rng}
-                insort(self._parked_sizes, k)
-            else:
-                bucket[rid] = rng
-            self._lru[rid] = rng
-            self.parked_chunks += k
         else:
-            self._unmap_tail(rng, 0)
-        by_cap = self._by_capacity.get(rng.capacity)
-        if by_cap is None:
-            self._by_capacity[rng.capacity] = {rid: rng}
-        else:
-            by_cap[rid] = rng
+            self._free.unmap_tail(rng, 0)
+        self._add_free(rng)                      # parked if still mapped, free either way
 
     def largest_fit(self) -> int:
         """Bytes of the largest request that would succeed now (whole chunks)."""
@@ -249,20 +230,13 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
         parked ranges, whose address ranges stay reserved. A caller that must shed some memory
         keeps the rest of its chunks populated for the next allocations.
         """
-        self._flush_quarantine(force=True)   # no chunk may be released while still mapped
+        self._free.flush_quarantine(force=True)   # no chunk may be released while still mapped
         if limit is not None:
-            return self._trim_some(-(-max(0, limit) // self.chunk_bytes))
+            return self._free.trim_some(-(-max(0, limit) // self.chunk_bytes))
         if self.idle_chunks:
-            self.pool.release(self._steal_idle(self.idle_chunks))
-        for rng in list(self._lru.values()):
-            self._detach_parked(rng)
-            self._unmap_tail(rng, 0)
-        for by_cap in self._by_capacity.values():
-            for rng in by_cap.values():
-                self._unreserve(rng.address, rng.capacity)
-                del self._ranges[rng.rid]
-        self._by_capacity.clear()
-        self._trim_sparse()
+            self.pool.release(self._heads.steal(self.idle_chunks))
+        self._free.release_all()
+        self._sparse.trim()
         return self.pool.trim()
 
     def close(self) -> None:
@@ -271,6 +245,52 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
             raise AllocationError(f"close() with {self.live_allocations} live allocation(s) "
                                   f"({format_size(self.requested_bytes)}): free them first")
         self.trim()
+
+    def retire_head(self, allocation: Allocation) -> int:
+        """Count every chunk of a live allocation but its last as no longer in use, keeping
+        it mapped (an idle head, :mod:`vmm.range_heads`); return those bytes. The last chunk
+        stays in use at its address (small blocks live there); ``free`` of the allocation
+        later parks the range whole if no request took the idle chunks meanwhile. The
+        allocation keeps its ``nbytes``; the allocator's ``mapped_bytes`` and ``live_chunks``
+        drop."""
+        return self._heads.retire(allocation)
+
+    def sparse_range(self, capacity: int) -> SparseRange:
+        """A live sparse range (:mod:`vmm.sparse_ranges`) of ``capacity`` chunks with no block
+        on it: the one given back last if there is one (its idle chunks may serve the next
+        blocks), else a new reservation (a driver call on CUDA)."""
+        return self._sparse.take(capacity)
+
+    def release_sparse(self, rng: SparseRange) -> None:
+        """Give back a sparse range with no block left on it (its chunks, if any, idle)."""
+        self._sparse.give_back(rng)
+
+    def touch(self, rng: SparseRange, first: int, last: int, nbytes: int) -> int:
+        """Count a new block over positions ``first..last`` (inclusive) of a sparse range:
+        their chunks are in use from now on (idle ones taken back as they are, missing ones
+        mapped); return how many were not in use before. Raises
+        :class:`vmm.pool.BudgetExceeded` (changing nothing) when the budget lacks the chunks
+        to map."""
+        return self._sparse.touch(rng, first, last, nbytes)
+
+    def untouch(self, rng: SparseRange, first: int, last: int) -> int:
+        """A block over positions ``first..last`` of a sparse range is gone: the chunks no
+        block touches any more go idle (still mapped); return how many."""
+        return self._sparse.untouch(rng, first, last)
+
+    def check(self) -> None:
+        """Verify the internal invariants (for tests); raises AssertionError if broken."""
+        pool = self.pool
+        live = self.live_chunks
+        parked, reserved = self._free.check()
+        assert parked == self.parked_chunks, (parked, self.parked_chunks)
+        sparse_idle, sparse_reserved = self._sparse.check()
+        idle = self.idle_chunks
+        assert idle == self._heads.check() + sparse_idle, idle
+        assert pool.handed_out == live + parked + idle, (pool.handed_out, live, parked, idle)
+        assert pool.created == pool.handed_out + pool.cached
+        assert pool.created <= pool.max_chunks
+        assert self.reserved_bytes == reserved + sparse_reserved
 
     def stats(self) -> dict[str, int]:
         """Memory statistics as a plain dict with stable keys (all sizes in bytes).
@@ -341,7 +361,7 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
             "new_ranges": self.new_ranges,
             "steals": self.steals,
             "deferred_unmaps": self.deferred_unmaps,
-            "quarantined_ranges": len(self._quarantine),
+            "quarantined_ranges": self._free.quarantined,
             "ooms": self.ooms,
         }
 
@@ -352,36 +372,9 @@ class VirtualAllocator(RangeReuse, IdleHeads, SparseRanges):
                 f"{format_size(self.pool.budget_bytes)} in {format_size(self.chunk_bytes)} chunks>")
 
     # -- internals ---------------------------------------------------------------------
-    def _account(self, allocation: Allocation, nbytes: int, k: int) -> Allocation:
-        self.alloc_count += 1
-        self.live_allocations += 1
-        if self.live_allocations > self.peak_live_allocations:
-            self.peak_live_allocations = self.live_allocations
-        if k:
-            self.requested_bytes += nbytes
-            self.mapped_bytes += k * self.chunk_bytes
-            self.live_chunks += k
-            if self.requested_bytes > self.peak_requested_bytes:
-                self.peak_requested_bytes = self.requested_bytes
-            if self.mapped_bytes > self.peak_mapped_bytes:
-                self.peak_mapped_bytes = self.mapped_bytes
-                self.peak_chunks_in_use = self.live_chunks
-        return allocation
-
-    def _check_exports(self, allocation: Allocation) -> None:
-        alive = allocation.exports_alive()
-        if alive:
-            gc.collect()  # a buffer kept only by a reference cycle is not really in use
-            alive = allocation.exports_alive()
-        if alive:
-            raise BufferInUse(
-                f"free of the allocation at 0x{allocation.address:x} "
-                f"({format_size(allocation.nbytes)}) while {alive} buffer(s) exported from it "
-                "are still referenced (numpy arrays, tensors or memoryviews made from "
-                "allocation.buffer()): drop them first, their memory would be reused")
-        allocation._exports = None
-
     def _oom(self, nbytes: int, k: int) -> BudgetExceeded:
+        """The error for a request of ``k`` chunks the budget cannot hold (the free ranges
+        and the sparse ranges raise it: the message is in the allocator's terms)."""
         chunk = self.chunk_bytes
         pool = self.pool
         fit = self.largest_fit()

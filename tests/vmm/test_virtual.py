@@ -252,7 +252,7 @@ def test_a_limited_trim_gives_back_whole_chunks_cached_first_then_least_recently
     assert va.trim(CHUNK + 1) == 2 * CHUNK   # covers the request: the cached chunk, then old's
     s = va.stats()
     assert s["physical_bytes"] == physical - 2 * CHUNK
-    assert s["chunks_parked"] == 4 and va._parked_sizes == [1, 3]   # `new` keeps its 3 chunks
+    assert s["chunks_parked"] == 4 and va._free._parked_sizes == [1, 3]   # `new` keeps its 3 chunks
     assert s["reserved_bytes"] == 12 * MiB                          # address ranges stay
     assert va.trim(0) == 0 and va.trim(100 * MiB) == 4 * CHUNK      # never more than is unused
     assert va.stats()["physical_bytes"] == 2 * MiB
