@@ -53,7 +53,7 @@ class PlanCache:
                  activations: bool, hook_steps: bool, max_plans: int,
                  new_stepper: Callable[..., Stepper]) -> None:
         self._mem, self._store, self._model, self._new_stepper = mem, store, model, new_stepper
-        self._activations_only, self._activations = activations_only, activations
+        self._activations = activations
         self.plans: OrderedDict[tuple[Hashable, Any], Plan] = OrderedDict()
         self.max_plans = max_plans
         self.hooked = HookForms(hook_steps)
