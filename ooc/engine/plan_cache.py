@@ -53,12 +53,10 @@ class PlanCache:
                  activations: bool, hook_steps: bool, max_plans: int,
                  new_stepper: Callable[..., Stepper]) -> None:
         self._mem, self._store, self._model, self._new_stepper = mem, store, model, new_stepper
-        self._activations = activations
+        self._activations_only, self._activations = activations_only, activations
         self.plans: OrderedDict[tuple[Hashable, Any], Plan] = OrderedDict()
         self.max_plans = max_plans
         self.hooked = HookForms(hook_steps)
-        self.hook_forms = hook_forms_allowed(on_cpu=mem.on_cpu, activations_only=activations_only,
-                                             enabled=hook_steps)
         # start key -> (planned runs priced, the sequence at the fastest times so far): ``scheduler.step_plans.reprice``
         self.repriced: dict[object, tuple[int, Any]] = {}
         self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
@@ -97,6 +95,15 @@ class PlanCache:
             runs = self._plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
             st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs)
         return st
+
+    @property
+    def hook_forms(self) -> bool:
+        """Whether this engine's plans may take a hook-driven form now
+        (``scheduler.step_plans.hook_forms_allowed``). Read at each use: ``hooked.enabled`` is
+        the switch, which benchmarks and tests turn off on a live engine to force the per-op
+        path."""
+        return hook_forms_allowed(on_cpu=self._mem.on_cpu, activations_only=self._activations_only,
+                                  enabled=self.hooked.enabled)
 
     def plain_candidate(self) -> bool:
         """Whether the running step notes what it saves (``scheduler.step_plans.plain_candidate``)."""
