@@ -226,12 +226,11 @@ def hook_ran(facts: StepFacts) -> Decision:
     return Decision()
 
 
-def hook_forms_allowed(*, on_cpu: bool, activations_only: bool, enabled: bool) -> bool:
+def hook_forms_allowed(*, activations_only: bool, enabled: bool) -> bool:
     """Whether an engine's plans may take a hook-driven form at all (``Options.hook_steps``:
-    ``enabled``). On a CPU with activations managed only: managed parameters, gradients or
-    optimizer state need the per-op path to be brought back and released, and on a GPU the
-    activations would sit in PyTorch's caching allocator, outside the pool the plan counts."""
-    return enabled and on_cpu and activations_only
+    ``enabled``), on a CPU or a GPU alike: with activations managed only. Managed parameters,
+    gradients or optimizer state need the per-op path to be brought back and released."""
+    return enabled and activations_only
 
 
 def plain_candidate(schedule: Schedule | None, *, hook_forms: bool) -> bool:

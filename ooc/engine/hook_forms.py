@@ -1,10 +1,11 @@
 """Hook-driven forms of a plan: the engine out of the way of the ops.
 
 A planned step runs every aten op through the engine's dispatch mode, which costs time per op
-whether or not the plan acts there (GPT 6x256 b8 on this CPU: ~70 ms of a 0.6 s step). With
-activations managed only, on a CPU, a plan can run at the saved-tensor hooks alone
-(``ooc/runtime/anchored_step.py``), once a planned per-op step kept to it and showed where its
-hooks ran:
+whether or not the plan acts there (GPT 6x256 b8 on this CPU: ~70 ms of a 0.6 s step; on an
+H200 the per-op steps of ResNet-50 b32 took 99 ms against 28 ms in core under a plan that moved
+nothing, benchmarks/results/gpu.md). With activations managed only, on a CPU or a GPU, a plan
+can run at the saved-tensor hooks alone (``ooc/runtime/anchored_step.py``), once a planned
+per-op step kept to it and showed where its hooks ran:
 
 - a plan that moves nothing (the budget holds the whole step) runs with no action at all: its
   verified step noted what autograd saved (``Stepper.signature``), and the later steps compare
@@ -14,7 +15,8 @@ hooks ran:
   gives (``scheduler.anchors.anchor``), for a budget the scheduler lowers until ``check``
   proves the moved plan within the real one (``scheduler.anchoring.anchor_within_budget``);
   then anchored and per-op steps take turns on trial, and the scheduler's rule keeps the
-  faster (``scheduler.anchoring.judge``).
+  faster (``scheduler.anchoring.judge``). On a GPU each step on trial waits for the device at
+  its end: its host time alone would be its launches.
 
 A step of either form that leaves its plan is finished synchronously, and the engine records
 and plans again, as after any step that diverged.
@@ -98,6 +100,12 @@ class HookForms:
         if not entry.kept and len(entry.trial) > len(entry.per_op):
             return None   # on trial: the per-op plan's turn
         return make(entry.plan, entry.moved, entry.trace)
+
+    def on_trial(self, key: Hashable, schedule: Schedule | None) -> bool:
+        """Whether a step of ``key``'s plan ``schedule``, of either form, is timed for its trial."""
+        entry = self._entries.get(key)
+        return (entry is not None and entry.plan is schedule and entry.moved is not None
+                and entry.moved is not entry.plan and not (entry.kept or entry.rejected))
 
     def per_op_ran(self, key: Hashable, schedule: Schedule, seconds: float) -> bool:
         """A planned per-op step of ``schedule`` kept to it: its time, on trial. Returns

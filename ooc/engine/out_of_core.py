@@ -252,6 +252,8 @@ class OutOfCore:
                 raise partial_update_error(exc, during_step=st.updating) from exc
             raise
         st = self._end_step(form)
+        if not mem.on_cpu and self._plans.hooked.on_trial(st.start_key, st.schedule):
+            _device_done()   # a trial compares the device's time, not the host's launches
         self._end.finish(st, None, time.perf_counter() - t0)
 
     def _end_step(self, form: Any) -> Any:
@@ -384,3 +386,11 @@ def _grad_hook(engine: weakref.ref, name: str) -> Any:
         with _disable_current_modes():
             st.adopt_grad_of(p.grad, name)
     return hook
+
+
+def _device_done() -> None:
+    """Block until the compute stream has run what was queued on it so far (one host
+    synchronization: only the steps of a hook-driven form's trial pay it)."""
+    done = cuda_runtime().timing_event()
+    done.record()
+    done.synchronize()

@@ -102,8 +102,7 @@ class PlanCache:
         (``scheduler.step_plans.hook_forms_allowed``). Read at each use: ``hooked.enabled`` is
         the switch, which benchmarks and tests turn off on a live engine to force the per-op
         path."""
-        return hook_forms_allowed(on_cpu=self._mem.on_cpu, activations_only=self._activations_only,
-                                  enabled=self.hooked.enabled)
+        return hook_forms_allowed(activations_only=self._activations_only, enabled=self.hooked.enabled)
 
     def plain_candidate(self) -> bool:
         """Whether the running step notes what it saves (``scheduler.step_plans.plain_candidate``)."""

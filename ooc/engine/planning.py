@@ -135,8 +135,9 @@ class Planner:
             cache.hooked.add(key, HookPlan(st.schedule, st.schedule, trace, kept=True))
         if d.trial == "per_op":
             cache.hooked.per_op_ran(key, st.schedule, seconds)
-        if d.anchored:
-            cache.hooked.add(key, HookPlan(st.schedule, d.moved, st.hook_trace, per_op=[seconds]))
+        if d.anchored:   # on a GPU this step's time is its launches: its trial begins next step
+            cache.hooked.add(key, HookPlan(st.schedule, d.moved, st.hook_trace,
+                                           per_op=[seconds] if mem.on_cpu else []))
 
     def check_feasible(self, seq: scheduler.VariableSequence) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget."""

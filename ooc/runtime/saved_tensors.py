@@ -87,8 +87,7 @@ class SavedTensors:
         # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
         # its next steps may run the plan at those hooks alone (``anchored_step.py``).
         self.hook_trace: HookTrace | None = (
-            HookTrace() if planned and not ctx.plain_candidate and ctx.device.type == "cpu"
-            and ctx.manage == {"activations"} else None)
+            HookTrace() if planned and not ctx.plain_candidate and ctx.manage == {"activations"} else None)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:

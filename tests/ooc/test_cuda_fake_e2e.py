@@ -207,3 +207,62 @@ def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
     assert cuda["after"]["tier.file_bytes"] == 0 and cuda["after"]["cpu_allocator.hits"] == 0
     assert cuda["after"]["tier.bytes_written"] > 0 and cuda["after"]["tier.pinned_bytes"] > 0
     assert ooc.FORMS[cuda["after"]["last_form"]] in ("planned", "recorded", "diverged")
+
+
+# hook-driven forms on CUDA: (budget as a fraction of the in-core peak, recompute, the form the
+# settled steps take). A plan that recomputes keeps the per-op path (its chains rerun ops).
+HOOK_CASES = {"plain": (4.0, "auto", "plain"), "anchored": (0.5, "never", "anchored"),
+              "recomputing": (0.5, "prefer", "planned")}
+
+
+@pytest.mark.parametrize("case", list(HOOK_CASES))
+def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain and anchored steps (no op intercepted) on the CUDA path over the FAKE driver:
+    every step bitwise against the same loop without the engine; an anchored plan's trial
+    times each side on the device (one host synchronization at its end), then the kept form
+    blocks the host no more than a planned per-op step does."""
+    from ooc.runtime import devices
+
+    fraction, recompute, settled = HOOK_CASES[case]
+    with ooc.testing.fake_cuda() as driver:
+        peak = _peak("cnn_sgd_activations")
+        runtime, events = devices.cuda_runtime(), []
+        make_event = runtime.timing_event
+        monkeypatch.setattr(runtime, "timing_event", lambda: events.append(1) or make_event())
+        model, opt = _fresh("cnn_sgd_activations")
+        ref_model = copy.deepcopy(model)
+        ref_opt = CASES["cnn_sgd_activations"][1](ref_model)
+        e = ooc.OutOfCore(model, opt, device="cuda", budget=max(CHUNK, int(peak * fraction) // CHUNK * CHUNK),
+                          recompute=recompute, options=ooc.Options(chunk=CHUNK, min_bytes=4096))
+        forms, syncs, waits = [], [], []
+        for step in range(10):
+            x, y = _batch("cnn_sgd_activations", step, 16)
+            torch.manual_seed(1000 + step)
+            loss = F.cross_entropy(ref_model(x), y)
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            before, events_before = _host_syncs(e), len(events)
+            torch.manual_seed(1000 + step)
+            with e.step():
+                got = F.cross_entropy(model(x), y)
+                got.backward()
+                e.optimizer_step()
+            syncs.append(_host_syncs(e) - before)
+            waits.append(len(events) - events_before)   # timing events: per op when recording
+            forms.append(ooc.FORMS[e.stats()["last_form"]])
+            _assert_same(step, (loss.detach(), ref_model, ref_opt), (got.detach(), model, opt))
+        stats = e.stats()
+        e.close()
+        assert driver.violations == []
+        assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    assert forms[-3:] == [settled] * 3, forms
+    assert max(syncs[-3:]) <= MAX_PLANNED_SYNCS, (forms, syncs)
+    if case == "anchored":   # it moves bytes through the pinned tier, at the hooks
+        assert stats["steps.anchored"] >= 3 and "planned" in forms[3:7], forms
+        # the trial's steps, either side, wait for the device once (an event); the kept form never
+        trial = [w for f, w in zip(forms[3:], waits[3:]) if f in ("anchored", "planned")]
+        assert trial[:4] == [1, 1, 1, 1] and waits[-2:] == [0, 0], (forms, waits)
+        assert stats["bytes_out"] > 0 and stats["tier.bytes_written"] > 0
+    if case == "recomputing":
+        assert stats["bytes_recomputed"] > 0 and stats["steps.plain"] == stats["steps.anchored"] == 0

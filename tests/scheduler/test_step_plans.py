@@ -57,10 +57,10 @@ def test_an_anchored_step_is_timed_only_if_it_did_what_its_traces_step_did() -> 
     assert after(True, None, "plain") == after(False, 40, "plain") == Decision()
 
 
-def test_hook_driven_forms_only_on_a_cpu_with_activations_alone_and_a_plan_that_moves_nothing_is_plain() -> None:
-    assert hook_forms_allowed(on_cpu=True, activations_only=True, enabled=True)
-    for off in ({"on_cpu": False}, {"activations_only": False}, {"enabled": False}):
-        assert not hook_forms_allowed(**{"on_cpu": True, "activations_only": True, "enabled": True, **off})
+def test_hook_driven_forms_only_with_activations_alone_and_a_plan_that_moves_nothing_is_plain() -> None:
+    assert hook_forms_allowed(activations_only=True, enabled=True)
+    for off in ({"activations_only": False}, {"enabled": False}):
+        assert not hook_forms_allowed(**{"activations_only": True, "enabled": True, **off})
     roomy = plan_recorded(SEQ, dataclasses.replace(TIGHT, budget=SEQ.in_core_peak_bytes * 2))
     tight = plan_recorded(SEQ, TIGHT)
     assert plain_candidate(roomy, hook_forms=True)
