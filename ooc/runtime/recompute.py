@@ -44,6 +44,7 @@ from ooc.record.managed import NOT_REPLAYABLE, Recording
 from ooc.record.op_schema import tensors
 from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
+from ooc.runtime.cuda_seam import cuda_runtime
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
@@ -157,10 +158,13 @@ class Recomputation:
         # its module's backward: a replay run before that (for an earlier backward op) would
         # read freed storage. With sharded parameters no op that reads a parameter is replayed.
         self.params_leave = has_sharded_params(ctx.model)
+        # The generator a random op draws from: its tensors' device's (the CPU's under
+        # ooc.testing.fake_cuda, whose "device" tensors are CPU tensors).
+        self.rng_device = cuda_runtime().tensor_device(ctx.device) if ctx.device.type == "cuda" else ctx.device
 
-    def rng_before(self, info: Any, device: torch.device) -> torch.Tensor | None:
+    def rng_before(self, info: Any) -> torch.Tensor | None:
         """The generator state a chain function is about to draw from (random ops only)."""
-        return _rng_state(device) if info.replay.rng else None
+        return _rng_state(self.rng_device) if info.replay.rng else None
 
     def capture(self, i: int, info: Any, func: Any, args: tuple, kwargs: dict,
                 rng: torch.Tensor | None, outputs: int) -> None:
@@ -237,7 +241,7 @@ class Recomputation:
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
                     f"in place since; pass recompute=\"never\" to OutOfCore to swap instead")
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
-        device = self.ctx.device
+        device = self.rng_device
         made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
         materialize = lambda x: _materialize(x, made, inside)  # noqa: E731
         with _disable_current_modes(), torch._C._AutoDispatchBelowAutograd(), _no_autocast():

@@ -175,7 +175,7 @@ class Stepper:
         recording, recompute = self.recording, self.recompute   # 3. the op itself, timed
         timing = recording.start_timing() if recording.gpu_timing else None
         recipe = i in recompute.recipe_ops and self.course.planned   # a chain reruns it: capture
-        rng = recompute.rng_before(info, self.ctx.device) if recipe else None
+        rng = recompute.rng_before(info) if recipe else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
