@@ -220,9 +220,14 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, monkeypatch: p
     """Plain and anchored steps (no op intercepted) on the CUDA path over the FAKE driver:
     every step bitwise against the same loop without the engine; an anchored plan's trial
     times each side on the device (one host synchronization at its end), then the kept form
-    blocks the host no more than a planned per-op step does."""
+    blocks the host no more than a planned per-op step does (the trial's verdict is fixed:
+    keep, after two steps of each side)."""
+    from ooc.engine import hook_forms
     from ooc.runtime import devices
+    from test_anchored_steps import _decided
 
+    # the trial's verdict on the host's clock would depend on the machine's load: fixed here
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True, runs=2))
     fraction, recompute, settled = HOOK_CASES[case]
     with ooc.testing.fake_cuda() as driver:
         peak = _peak("cnn_sgd_activations")
