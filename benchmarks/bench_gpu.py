@@ -133,15 +133,17 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
         for method in BEFORE_OOC:
             if method != "in-core" and not _chosen(args, method):
                 continue
-            slow = method == "save_on_cpu"   # 10-16x in-core: fewer steps say as much
-            report.add(run(setup, method, warmup=1 if slow else 3, steps=3 if slow else None))
+            slow = method == "save_on_cpu"   # 10-16x in-core: fewer timed steps say as much
+            # (as many steps in all as in-core's, whose parameters it is compared with)
+            report.add(run(setup, method, warmup=max(1, setup.reference_steps - 3), steps=3) if slow
+                       else run(setup, method))
             if method == "in-core" and profiles is not None:
                 _profile(case, profiles, report, rates)
         for fraction, method in OOC_FRACTIONS:
             if not _chosen(args, method):
                 continue
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
-        references[case.name] = setup.reference
+        references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
     for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
@@ -159,7 +161,7 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
                 continue
             model, x, y, loss_fn = case.build()
             setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
-            setup.reference = references.get(case.name)
+            setup.reference, setup.reference_steps = references.get(case.name, (None, 0))
             report.add(run(setup, f"compile-budget-{budget}"))
     if not args.no_sanitizer and clock.left() > 60:
         from gpu_sanitizer import sanitizer

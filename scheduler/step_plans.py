@@ -203,8 +203,8 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
         return {}
     if state.hook is not None:
         return {"trial": "per_op"}
-    if settings.recompute != "never" and state.priced_runs < REPRICED_RUNS:
-        return {}   # the plan may still change with its prices
+    if settings.recompute != "never" and settings.reprice and state.priced_runs < REPRICED_RUNS:
+        return {}   # the plan may still change with its prices (on a GPU it is priced once: settled)
     moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
                                  chunk=settings.chunk, window=settings.window, policy=settings.policy)
     return {"anchored": True, "moved": moved}

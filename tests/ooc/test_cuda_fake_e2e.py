@@ -210,8 +210,11 @@ def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
 
 
 # hook-driven forms on CUDA: (budget as a fraction of the in-core peak, recompute, the form the
-# settled steps take). A plan that recomputes keeps the per-op path (its chains rerun ops).
+# settled steps take). Under "auto" the plan is tried against its swap-only anchored form after
+# its first run (a GPU's plan is priced once); under "prefer" it keeps the per-op path (its
+# chains rerun ops).
 HOOK_CASES = {"plain": (4.0, "auto", "plain"), "anchored": (0.5, "never", "anchored"),
+              "auto": (0.5, "auto", "anchored"),
               "recomputing": (0.5, "prefer", "planned")}
 
 
@@ -263,7 +266,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, monkeypatch: p
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
     assert forms[-3:] == [settled] * 3, forms
     assert max(syncs[-3:]) <= MAX_PLANNED_SYNCS, (forms, syncs)
-    if case == "anchored":   # it moves bytes through the pinned tier, at the hooks
+    if case in ("anchored", "auto"):   # it moves bytes through the pinned tier, at the hooks
         assert stats["steps.anchored"] >= 3 and "planned" in forms[3:7], forms
         # the trial's steps, either side, wait for the device once (an event); the kept form never
         trial = [w for f, w in zip(forms[3:], waits[3:]) if f in ("anchored", "planned")]

@@ -95,6 +95,20 @@ def test_prices_settle_after_the_repriced_runs_then_the_anchored_form_is_made() 
     assert not after_step(part, state, TIGHT).anchored
 
 
+def test_a_plan_never_re_priced_gets_its_anchored_form_after_its_first_run() -> None:
+    """On a GPU plans are priced once, on the CUDA-event times of their recording: settled from
+    the start, so the first planned run that kept to the plan makes the anchored form (waiting
+    for re-priced runs that never come, no GPU plan under "auto" ever had one)."""
+    gpu = dataclasses.replace(TIGHT, reprice=False)
+    state = PlanState(plan_recorded(SEQ, gpu))
+    facts = StepFacts("planned", True, 1.0, seconds=[1e-3] * len(SEQ.functions), ran_whole_plan=True,
+                      gaps=set(range(len(SEQ.functions) + 1)), first={})
+    d = after_step(facts, state, gpu)
+    assert d.anchored and d.priced_runs is None and d.moved is not None
+    assert not after_step(facts, state, TIGHT).anchored   # a CPU's plan waits for its prices
+    assert not after_step(facts, state, dataclasses.replace(gpu, recompute="prefer")).anchored
+
+
 def test_priced_seconds_takes_the_faster_of_each_op_and_refuses_another_op_count() -> None:
     faster = priced_seconds(SEQ, [5e-4] * len(SEQ.functions))
     assert all(f.cost.seconds == 5e-4 for f in faster.functions)
