@@ -17,12 +17,15 @@ still leaves the most important figures; the report is rewritten after every row
    and 1/4 of the in-core step's own peak, and ooc swap-only at 1/4 (``gpu_methods.py``).
    Per row: step, samples/s, peak device memory (PyTorch's peak + ooc's VMM pool), bytes
    moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
-3. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
+3. **Host cost per op** (``gpu_host_cost.py``): ResNet-50 b32 in core, under a dispatch mode
+   that only calls each op, and under ooc per op and plain with nothing to move; a profile of
+   one per-op step (where ~80 us an op of host time went in the first run).
+4. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
    same loop in core (recompute with dropout, swap only, bf16, fp16 + GradScaler, every kind
    managed, a budget with nothing to move).
-4. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
-5. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
-6. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
+5. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
+6. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
+7. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
 
 cuDNN and cuBLAS run deterministically in every run. Writes benchmarks/results/gpu.md and
 gpu.json (``--quick``: gpu-quick.*). Without CUDA it writes a report saying that nothing was
@@ -145,6 +148,10 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
+    if clock.left() > 60:
+        from gpu_host_cost import host_cost
+
+        report.section("Host cost per op", _guarded(host_cost, args.quick))
     for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
             report.skipped(f"step form {case.label} {engine_kw}: not run, the run's time limit")

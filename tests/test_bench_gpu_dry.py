@@ -105,4 +105,11 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     seq = VariableSequence.from_json(tmp_path / "profiles" / "llama.json")
     assert seq.meta["case"] == "llama" and seq.meta["in_core_step_ms"] > 0
     assert all(f.cost.seconds is not None for f in seq.functions)
-    assert "## Side by side" in out.read_text()
+    text = out.read_text()
+    assert "## Side by side" in text
+    # the host cost section: its four runs and the profile of a per-op step, which ran per op
+    host = text.split("## Host cost per op", 1)[1].split("\n## ", 1)[0]
+    assert "FAILED" not in host, host
+    for run in ("| in-core |", "| dispatch mode only |", "| ooc per op |", "| ooc |", "`on_op`"):
+        assert run in host, (run, host)
+    assert "| ooc per op |" in host and "plain" in host.split("| ooc |", 1)[1].split("\n", 1)[0], host
