@@ -253,7 +253,7 @@ class OutOfCore:
             raise
         st = self._end_step(form)
         if not mem.on_cpu and self._plans.hooked.on_trial(st.start_key, st.schedule):
-            _device_done()   # a trial compares the device's time, not the host's launches
+            cuda_runtime().device_done()   # a trial compares the device's time, not the host's launches
         self._end.finish(st, None, time.perf_counter() - t0)
 
     def _end_step(self, form: Any) -> Any:
@@ -387,10 +387,3 @@ def _grad_hook(engine: weakref.ref, name: str) -> Any:
             st.adopt_grad_of(p.grad, name)
     return hook
 
-
-def _device_done() -> None:
-    """Block until the compute stream has run what was queued on it so far (one host
-    synchronization: only the steps of a hook-driven form's trial pay it)."""
-    done = cuda_runtime().timing_event()
-    done.record()
-    done.synchronize()

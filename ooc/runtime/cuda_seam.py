@@ -113,6 +113,13 @@ class CudaRuntime:
         """Before an op's start event: ``keep_stream_busy`` (why: there)."""
         keep_stream_busy()
 
+    def device_done(self) -> None:
+        """Block the host until the current stream has run what was queued on it so far (one
+        host synchronization: an event recorded now, waited for)."""
+        done = self.timing_event()
+        done.record()
+        done.synchronize()
+
 
 #: GPU cycles the stream sleeps before each timed op (~0.1 ms at 2 GHz). Without it the events
 #: time the host too: an idle GPU records the start event at once and runs the op's kernels
