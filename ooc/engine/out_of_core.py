@@ -386,4 +386,3 @@ def _grad_hook(engine: weakref.ref, name: str) -> Any:
         with _disable_current_modes():
             st.adopt_grad_of(p.grad, name)
     return hook
-
