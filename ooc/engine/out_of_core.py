@@ -336,7 +336,7 @@ class OutOfCore:
     # -- wiring between the parts --------------------------------------------------------------
 
     def _new_stepper(self, key: Any, schedule: Any, binding: dict, plain_candidate: bool,
-                     plan_runs: int) -> Stepper:
+                     plan_runs: int, quiet_ops: frozenset[int] = frozenset()) -> Stepper:
         """A per-op step of ``schedule`` (None: on demand) for plan key ``key``, with what it
         needs from the engine (``ooc/runtime/step_context.py``)."""
         mem = self._mem
@@ -344,7 +344,7 @@ class OutOfCore:
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
                           counters=mem.counters, model=self.model, optimizer=self.optimizer,
                           persistent=tuple(self._store.slots.values()), plan_runs=plan_runs, start_key=key,
-                          plain_candidate=plain_candidate)
+                          plain_candidate=plain_candidate, quiet_ops=quiet_ops)
         return Stepper(ctx, schedule, binding, observe_small=self._planner.adapt_pending)
 
     def _adopt_params(self) -> None:

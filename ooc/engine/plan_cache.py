@@ -32,7 +32,7 @@ from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule
-from scheduler.step_plans import hook_forms_allowed, plain_candidate
+from scheduler.step_plans import hook_forms_allowed, plain_candidate, quiet_functions
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ Plan = tuple[Schedule, dict[tuple[int, int], int]]   # a plan and its binding ((
 class PlanCache:
     """Plans by key, the running step's plan (``schedule``, ``binding``) and form (``form``),
     and the step objects that run them. ``new_stepper(key, schedule, binding, plain_candidate,
-    plan_runs)`` makes a per-op step (the engine's, which knows its context)."""
+    plan_runs, quiet_ops)`` makes a per-op step (the engine's, which knows its context)."""
 
     def __init__(self, mem: EngineMemory, store: PersistentStore, model: Any, *, activations_only: bool,
                  activations: bool, hook_steps: bool, max_plans: int,
@@ -61,6 +61,7 @@ class PlanCache:
         self.repriced: dict[object, tuple[int, Any]] = {}
         self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
+        self._quiet: tuple[Schedule, frozenset[int]] | None = None   # the last plan's quiet ops
         self.schedule: Schedule | None = None   # the running (or last) step's plan and binding
         self.binding: dict[tuple[int, int], int] = {}
         self.ran: Schedule | None = None   # the hook-driven plan the last step ran (stats' plan.*)
@@ -93,8 +94,21 @@ class PlanCache:
         self.ran = getattr(st, "anchored", None)
         if st is None:
             runs = self._plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
-            st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs)
+            st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs,
+                                   self.quiet_ops())
         return st
+
+    def quiet_ops(self) -> frozenset[int]:
+        """The ops of the running plan that its per-op steps only run and record
+        (``scheduler.step_plans.quiet_functions``), once per plan; none unless activations
+        alone are managed (a managed parameter, gradient or state is brought back and
+        released by the per-op path's look at each use)."""
+        schedule = self.schedule
+        if schedule is None or not self._activations_only:
+            return frozenset()
+        if self._quiet is None or self._quiet[0] is not schedule:
+            self._quiet = schedule, quiet_functions(schedule, {op for op, _ in self.binding})
+        return self._quiet[1]
 
     @property
     def hook_forms(self) -> bool:

@@ -60,9 +60,7 @@ class HookStep:
         self.updating = False
         self.events: list[tuple[str, str, float, float]] = []
         self.t0 = time.perf_counter()
-        self.rollback = StepRollback(model)
-        for key in self.rollback.buffers:   # no per-op path sees a buffer's first use: copy all now
-            self.rollback.save_before_write(key)
+        self.rollback = StepRollback(model, copy_all=True)   # no per-op path sees a buffer's first use
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

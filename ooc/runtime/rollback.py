@@ -33,7 +33,9 @@ class StepRollback:
 
     __slots__ = ("model", "buffers", "undo", "grads_were_none", "grad_versions")
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, copy_all: bool = False) -> None:
+        """``copy_all``: copy every buffer now, for a step that does not see each op's uses
+        (a hook-driven step, a per-op step's quiet ops: ``Stepper.on_op``)."""
         self.model = model
         self.buffers: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {
             id(s): (b, s) for b in model.buffers() if (s := b.untyped_storage()).nbytes()}
@@ -41,6 +43,8 @@ class StepRollback:
         params = list(model.parameters())
         self.grads_were_none = [p for p in params if p.grad is None]
         self.grad_versions = {p: p.grad._version for p in params if p.grad is not None}
+        for key in self.buffers if copy_all else ():
+            self.save_before_write(key)
 
     def save_before_write(self, key: int) -> None:
         """Copy buffer ``key`` (the id of its storage) before the step's first op that touches

@@ -44,3 +44,4 @@ class StepContext:
     plan_runs: int = 0              # how often the step's plan ran before (0: its first run)
     start_key: Any = None           # the state the step starts in (the engine's plan key)
     plain_candidate: bool = False   # the plan moves nothing: note what the step saves (plain_step.py)
+    quiet_ops: frozenset[int] = frozenset()   # ops the plan gives no role: run them as they come (stepper.py)

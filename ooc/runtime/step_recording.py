@@ -9,6 +9,7 @@ the adaptive chunk), and the whole recording.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 import scheduler
 from ooc.record import roles
 from ooc.record.managed import Recording
+from ooc.record.op_schema import tensors
+from ooc.record.storages import storage_of
 from ooc.record.recorder import StepRecorder
 from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.slots import Slot, State
@@ -33,7 +36,7 @@ class StepRecording:
     its launch, not its run)."""
 
     def __init__(self, ctx: StepContext, rec: Recording, course: Course, book: StepBook) -> None:
-        self.ctx, self.rec, self.course = ctx, rec, course
+        self.ctx, self.rec, self.course, self.book = ctx, rec, course, book
         planned = course.planned
         self.gpu_timing = ctx.device.type == "cuda" and not planned
         self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
@@ -58,6 +61,29 @@ class StepRecording:
         if timing is not None:
             timing[1].record()
             self.gpu_events.append((i, *timing))
+
+    def quiet_op(self, info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The next op, one the plan gives no role (``StepContext.quiet_ops``): run, with its
+        name, time and timeline event recorded and the storages it makes born in the step (a
+        chain may read one: ``recompute.Made``), as for any planned op; none of the per-op
+        path's look at what it uses (``Stepper._take``), which costs the most."""
+        rec = self.rec
+        self.course.i = i = rec.begin_op(info.name)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        t1 = time.perf_counter()
+        rec.seconds[i] = t1 - t0
+        self.book.events.append(("compute", info.name, t0, t1))
+        min_bytes, ins = self.ctx.min_bytes, None
+        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else tensors(out)):
+            s = storage_of(t)   # None: sparse, left to PyTorch
+            if s is None or s.nbytes() < min_bytes or t.is_meta or t._is_zerotensor():
+                continue
+            if ins is None:   # a result in an input's storage (a view, an in-place op) is no birth
+                ins = {id(storage_of(x)) for x in info.inputs(args, kwargs)}
+            if id(s) not in ins:
+                rec.birth(s, i, k, s.nbytes())
+        return out
 
     def left_plan(self, i: int) -> None:
         """The step left its plan before op ``i``: the flags of the ops it ran as planned are

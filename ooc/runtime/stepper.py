@@ -10,6 +10,8 @@ backward and optimizer alike). Op i runs as:
 4. the schedule's actions *after* op i (swap-out, drop, free), and the binding of the
    variables op i created to their plan ids.
 
+A planned op the plan gives no role (most: ``step_plans.quiet_functions``) is run and recorded.
+
 Autograd's unpack hook for the node about to run happens *before* that node's first op,
 so unpack runs step 1 early for the next op: nothing else happens in between.
 
@@ -133,7 +135,7 @@ class Stepper:
         self.done_before = -1             # last op whose before-actions ran
         self.updating = False   # inside optimizer.step() (between the engine's pre and post hooks)
         # What a rollback needs if the step fails before its optimizer step (rollback.py).
-        self.rollback = StepRollback(ctx.model)
+        self.rollback = StepRollback(ctx.model, copy_all=bool(ctx.quiet_ops))   # a quiet op may write one
         persistent = list(ctx.persistent)
         for slot in persistent:
             book.register(slot)
@@ -150,14 +152,11 @@ class Stepper:
         self.saved = SavedTensors(ctx, book, course, rec, self.recording.full, self.room, observe_small)
         self.signature, self.hook_trace = self.saved.signature, self.saved.hook_trace
 
-    # -- the per-op protocol -----------------------------------------------------------------
-    # Three steps, each one Python call: every aten op of the step runs this, and on small
-    # models its Python calls are the overhead (tests/ooc/test_op_cost.py bounds them).
+    # -- the per-op protocol (each op's Python calls are the overhead: test_op_cost.py) -------
 
     def on_op(self, func, args, kwargs) -> Any:
-        """Op ``i`` as the module docstring says. Most ops of a planned step touch no managed
-        storage and have no plan action: that path is a few dict lookups per tensor (what it
-        costs: benchmarks/results/overhead.md)."""
+        """Op ``i`` as the module docstring says; of a planned step, one the plan gives no role
+        (most of them: ``scheduler.step_plans.quiet_functions``) is only run and recorded."""
         own_ref = self.saved.own_pack   # other hooks innermost (save_on_cpu inside the step)?
         if own_ref is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
             top = top_saved_tensors_hooks(False)   # only where autograd may save tensors
@@ -171,6 +170,11 @@ class Stepper:
             if pieces is not None:   # one list entry at a time: see split_foreach
                 outs = [self.on_op(func, a, k) for a, k in pieces]
                 return None if outs[0] is None else [t for out in outs for t in out]
+        i, course, saved = len(self.rec.names), self.course, self.saved
+        if i in self.ctx.quiet_ops and course.planned and course.names[i] == info.name:
+            if saved.unpacked or not (info.view or saved.worked):   # as _take does
+                saved.op_ran(i, info.view)
+            return self.recording.quiet_op(info, func, args, kwargs)
         i, uses = self._take(info, args, kwargs)     # 1-2. actions before it; what it uses, usable
         recording, recompute = self.recording, self.recompute   # 3. the op itself, timed
         timing = recording.start_timing() if recording.gpu_timing else None
@@ -188,14 +192,13 @@ class Stepper:
 
     def _take(self, info, args, kwargs) -> tuple[int, tuple]:
         """Op ``i`` begins: counted, checked against the plan, the plan's actions before it
-        run; the managed storages it reads or writes are made usable (the plan did, or the
-        step diverges; on demand, now), activations it writes after the engine let go of them
-        taken back, the buffers it uses copied for a rollback, the tier's copies of what it
-        writes marked stale. Returns ``i`` and its uses: (inputs, their storages' ids, written
-        tensors, their storages' ids, touched slots, what on demand never evicts for it)."""
+        run; the managed storages it uses made usable (the plan did, or the step diverges; on
+        demand, now), activations it writes after the engine let go of them taken back, the
+        buffers it uses copied for a rollback, the tier's copies of what it writes marked stale.
+        Returns ``i`` and its uses: (inputs, their storages' ids, written tensors, their
+        storages' ids, touched slots, what on demand never evicts for it)."""
         rec, course, book, saved = self.rec, self.course, self.book, self.saved
-        i = rec.begin_op(info.name)
-        course.i = i
+        course.i = i = rec.begin_op(info.name)
         if saved.unpacked or not (info.view or saved.worked):   # views are no node's work: see op_ran
             saved.op_ran(i, info.view)
         if course.planned:
@@ -316,12 +319,11 @@ class Stepper:
 
     def before(self, i: int) -> None:
         """Run the plan's actions before op ``i`` once (from an unpack, early)."""
-        if self.done_before >= i:
-            return
-        self.done_before = i
         course = self.course
-        if course.planned and i < len(course.before) and course.before[i]:
-            self.run_actions(course.before[i], i)
+        if self.done_before < i:
+            self.done_before = i
+            if course.planned and i < len(course.before) and course.before[i]:
+                self.run_actions(course.before[i], i)
 
     def run_actions(self, actions, where: int, phase: str = "before") -> None:
         """The plan's ``actions`` around op ``where``; one the step cannot run makes it diverge."""
@@ -345,9 +347,8 @@ class Stepper:
         course = self.course
         if not course.planned:
             return
-        # A fresh plan's first run often meets what its recording step could not see
-        # (optimizer state the optimizer creates on its first step): routine, say it
-        # quietly. A plan that ran before and now diverges is worth a warning.
+        # A fresh plan's first run often meets what its recording step could not see (the
+        # optimizer's new state): routine, said quietly; a plan that ran before warns.
         level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)
         log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
                 "re-planning next step", i, course.name(i), why)
@@ -358,15 +359,13 @@ class Stepper:
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks through which this step manages saved activations (``SavedTensors.hooks``:
-        an unpack runs the plan's actions before the next op, ``before``, and brings the bytes
-        back for it, ``ensure``)."""
+        an unpack runs ``before`` the next op early and ``ensure``s the bytes for it)."""
         return self.saved.hooks(self.before, self.ensure)
 
     # -- the optimizer step, and another step object taking over ------------------------------
 
     def update_starts(self) -> None:
-        """``optimizer.step()`` begins, past the commit point: its ops are the optimizer
-        phase, and from here on the step is not rolled back (the undo copies go)."""
+        """``optimizer.step()`` begins: its ops are the optimizer phase, past the commit point."""
         self.recording.optimizer_starts()
         self.rollback.commit()
         self.updating = True
@@ -375,11 +374,12 @@ class Stepper:
         self.updating = False
 
     def quiet(self) -> bool:
-        """Whether the ops this step ran so far left managed memory alone: no managed tensor
-        used, none born, no buffer touched, no plan action run at them, no update begun. A
-        step of the same ops on another plan can take over from here (``resume``)."""
-        rec, course = self.rec, self.course
-        if self.updating or self.rollback.undo != {} or rec.births or any(rec.uses):
+        """Whether the ops so far left managed memory alone: no managed tensor used or born,
+        no buffer touched (with quiet ops all were copied at the start, as a hook-driven step
+        does: no module ran before the forward, where this is asked), no plan action run, no
+        update begun. A step of the same ops on another plan can take over (``resume``)."""
+        rec, course, undo = self.rec, self.course, self.rollback.undo
+        if self.updating or (undo is None if self.ctx.quiet_ops else undo != {}) or rec.births or any(rec.uses):
             return False
         ran = range(min(len(rec.names), len(course.after)))   # the plan's ops run so far
         return not course.planned or not any(course.before[j] or course.after[j] for j in ran)

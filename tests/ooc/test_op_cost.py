@@ -136,11 +136,8 @@ def test_saved_tensor_hooks_of_a_planned_step_leave_the_dispatch_modes_alone(mon
     _same_as_in_core(model, 4)
 
 
-def test_a_planned_step_makes_few_python_calls_per_op() -> None:
-    """Deterministic stand-in for the per-op time: every Python function call into ooc during
-    one planned step (forward, backward, optimizer, step start and end), per op."""
-    model, opt, engine = _planned("4KiB")
-    ops = engine.stats()["plan.functions"]
+def _ooc_calls(engine: OutOfCore, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> int:
+    """Python calls into ooc during one step."""
     calls = 0
 
     def profile(frame, event, arg) -> None:
@@ -150,9 +147,18 @@ def test_a_planned_step_makes_few_python_calls_per_op() -> None:
 
     sys.setprofile(profile)
     try:
-        _step(model, opt, engine, 3)
+        _step(model, opt, engine, step)
     finally:
         sys.setprofile(None)
+    return calls
+
+
+def test_a_planned_step_makes_few_python_calls_per_op() -> None:
+    """Deterministic stand-in for the per-op time: every Python function call into ooc during
+    one planned step (forward, backward, optimizer, step start and end), per op."""
+    model, opt, engine = _planned("4KiB")
+    ops = engine.stats()["plan.functions"]
+    calls = _ooc_calls(engine, model, opt, 3)
     assert engine.stats()["last_planned"] and engine.stats()["last_diverged_at"] == -1
     engine.close()
     assert calls <= MAX_CALLS_PER_OP * ops, (
@@ -187,6 +193,46 @@ def test_a_plain_step_makes_a_python_call_per_saved_tensor_only() -> None:
     engine.close()
     assert calls["hooks"] == 2 * len(saved), (calls, len(saved))
     assert calls["other"] <= 100, f"{calls['other']} Python calls into ooc besides the hooks for {ops} ops"
+
+
+@pytest.mark.parametrize("recompute", ["never", "prefer"])
+def test_a_planned_step_only_runs_the_ops_its_plan_gives_no_role(monkeypatch, recompute: str) -> None:
+    """Ops with no action around them, no variable used or made, in no chain
+    (``scheduler.step_plans.quiet_functions``) skip the per-op look at their inputs and
+    outputs: a planned step that swaps (and recomputes) makes fewer Python calls with them
+    than with every op looked at, runs its plan the same (bytes moved and recomputed) and
+    trains bitwise as in core, BatchNorm statistics included (copied at the step's start,
+    as no op's use of them is seen)."""
+    from ooc.engine import plan_cache
+    from ooc.runtime.step_recording import StepRecording
+
+    quiet_op, ran_quietly = StepRecording.quiet_op, []
+    monkeypatch.setattr(StepRecording, "quiet_op", lambda self, *a: ran_quietly.append(1) or quiet_op(self, *a))
+    runs = {}
+    for quiet in (True, False):
+        if not quiet:
+            monkeypatch.setattr(plan_cache, "quiet_functions", lambda schedule, made=(): frozenset())
+        model, opt = _fresh()
+        peak = OutOfCore(*_fresh(), budget="64MiB", options=Options(chunk="8KiB", min_bytes="4KiB"))
+        for step in range(2):
+            _step(peak.model, peak.optimizer, peak, step)
+        budget = peak._plans.schedule.sequence.in_core_peak_bytes * 11 // 20
+        peak.close()
+        engine = OutOfCore(model, opt, budget=budget, recompute=recompute,
+                           options=Options(chunk="8KiB", min_bytes="4KiB", hook_steps=False))
+        for step in range(3):
+            _step(model, opt, engine, step)
+        ran_quietly.clear()
+        calls = _ooc_calls(engine, model, opt, 3)
+        stats = engine.stats()
+        assert stats["last_planned"] and stats["last_diverged_at"] == -1
+        assert stats["plan.bytes_out"] > 0 and (stats["plan.bytes_recomputed"] > 0) == (recompute == "prefer")
+        runs[quiet] = (calls, len(ran_quietly), stats["plan.bytes_out"], stats["plan.bytes_recomputed"])
+        engine.close()
+        _same_as_in_core(model, 4)
+    assert runs[True][1] > 0 and runs[False][1] == 0, runs
+    assert runs[True][2:] == runs[False][2:], runs   # the same plan
+    assert runs[True][0] < runs[False][0], runs
 
 
 class _Capture(TorchDispatchMode):

@@ -10,7 +10,7 @@ from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
 from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
                                   hook_forms_allowed, keeps_saved, moves_nothing, plain_candidate, plan_recorded,
-                                  priced_seconds)
+                                  priced_seconds, quiet_functions)
 from tests.scheduler.strategies import training_like_sequence
 
 
@@ -107,6 +107,26 @@ def test_a_plan_never_re_priced_gets_its_anchored_form_after_its_first_run() -> 
     assert d.anchored and d.priced_runs is None and d.moved is not None
     assert not after_step(facts, state, TIGHT).anchored   # a CPU's plan waits for its prices
     assert not after_step(facts, state, dataclasses.replace(gpu, recompute="prefer")).anchored
+
+
+def test_quiet_functions_have_no_role_in_the_plan() -> None:
+    """No action around them, no variable used, in no recompute chain, not where the runtime
+    binds a variable; every other function is looked at."""
+    n = len(SEQ.functions)   # ops that use no variable, between the training-like ones
+    loose = [dataclasses.replace(f, index=2 * i, uses=f.uses) for i, f in enumerate(SEQ.functions)]
+    loose = [g for i, f in enumerate(loose) for g in (f, dataclasses.replace(f, index=2 * i + 1, name="aten.view", uses=()))]
+    seq = dataclasses.replace(SEQ, functions=tuple(loose))
+    assert len(seq.functions) == 2 * n
+    for recompute in ("never", "prefer"):
+        schedule = plan_recorded(seq, dataclasses.replace(TIGHT, recompute=recompute))
+        chained = {w for actions in schedule.before for a in actions for w in a.chain}
+        quiet = quiet_functions(schedule)
+        for i, f in enumerate(schedule.sequence.functions):
+            role = bool(f.uses or schedule.before[i] or schedule.after[i] or i in chained)
+            assert (i in quiet) != role, (recompute, i, f.name)
+        assert quiet and len(quiet) < len(schedule.sequence.functions)
+        made = set(list(quiet)[:2])
+        assert quiet_functions(schedule, made) == quiet - made
 
 
 def test_priced_seconds_takes_the_faster_of_each_op_and_refuses_another_op_count() -> None:
