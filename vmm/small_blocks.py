@@ -71,38 +71,16 @@ from bisect import bisect_left
 from typing import Sequence
 
 from vmm.allocation import Allocation, AllocationError
-from vmm.small_slabs import (SmallBlock, _check_exports, _check_packing, _Free, _make_tiers,
-                             _packing_stats, _Slab, _Tier)
+from vmm.medium_blocks import alloc_medium
+from vmm.small_slabs import (DEFAULT_ALIGN, DEFAULT_PACK_WASTE, SmallBlock, _check_exports, _check_packing,
+                             _Free, _make_tiers, _packing_stats, _Slab, _Tier, default_tiers)
 from vmm.units import format_size
-from vmm.medium_blocks import MediumBlocks
 from vmm.virtual import VirtualAllocator
 
 __all__ = ["SmallBlockAllocator", "SmallBlock", "DEFAULT_ALIGN", "DEFAULT_PACK_WASTE",
            "default_tiers"]
 
-DEFAULT_ALIGN = 512
-DEFAULT_PACK_WASTE = 0.25
-
-
-def default_tiers(chunk: int, align: int = DEFAULT_ALIGN) -> tuple[tuple[int, int], ...]:
-    """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
-    pairs: every request below a chunk into one-chunk slabs, those up to 4 chunks that round
-    badly into 10-chunk sparse slabs (mapped only where blocks lie). None where a chunk holds
-    fewer than two blocks of ``align``. The one configuration of ooc's allocator: the
-    runtime's device pools, ``ooc simulate --allocator vmm`` and ``ooc frag``'s ``vmm-N``
-    models all use it, and it never maps more than whole chunks per request would (module
-    docstring), so a plan made with sizes rounded up to whole chunks fits it.
-
-    Measured on the 12 traces of benchmarks/bench_frag.py (peak reserved at 2 MiB chunks, see
-    benchmarks/results/frag.md): 4-chunk limit and 10-chunk slabs peak at or below 2-chunk /
-    5-chunk (resnet18 step 198 vs 202 MiB, its plan at 1/4 58 vs 64 MiB) and 8-chunk / 20-chunk
-    slabs; no medium tier misses two targets (resnet18 step 214 MiB, gpt2 step 7.38 GiB)."""
-    if chunk < 2 * align:
-        return ()
-    return ((chunk - align, chunk), (4 * chunk, 10 * chunk))
-
-
-class SmallBlockAllocator(MediumBlocks):
+class SmallBlockAllocator:
     """ooc's allocator: small requests packed into chunks, large ones as stitched virtual
     ranges (see the module docstring for the rules and the bound).
 
@@ -360,7 +338,14 @@ class SmallBlockAllocator(MediumBlocks):
             for tier in self.tiers:    # nbytes <= threshold, a multiple of align: one fits
                 if size <= tier.limit:
                     break
-            return self._alloc_sparse(nbytes, size, tier)
+            block, new, opened = alloc_medium(self.virtual, self, nbytes, size, tier)
+            self.mapped_bytes = self.virtual.mapped_bytes
+            self.small_chunks += new
+            if self.small_chunks > self.peak_small_chunks:
+                self.peak_small_chunks = self.small_chunks
+            self.small_chunk_opens += opened
+            self._count(block)
+            return block
         # Best fit in the tier's own slabs first, then in the tails of large ranges: a block
         # in a tail keeps that chunk in use after the large block goes (and the range out of
         # reuse until it goes too), so tails take only what no slab can.
@@ -393,8 +378,11 @@ class SmallBlockAllocator(MediumBlocks):
         slab.used += size
         if slab.head:
             self.tail_blocks += 1
+        return self._count(SmallBlock(slab.allocation.address + offset, nbytes, size, slab))
+
+    def _count(self, block: SmallBlock) -> SmallBlock:
         self.small_allocs += 1
         self.small_blocks += 1
-        self.small_requested_bytes += nbytes
-        self.small_block_bytes += size
-        return SmallBlock(slab.allocation.address + offset, nbytes, size, slab)
+        self.small_requested_bytes += block.nbytes
+        self.small_block_bytes += block.mapped_bytes
+        return block

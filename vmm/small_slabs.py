@@ -1,6 +1,7 @@
 """What :class:`vmm.SmallBlockAllocator` hands out and keeps: a :class:`SmallBlock` (the
 caller's side, with the buffer lifetime rule of :class:`vmm.Allocation`), and the slabs, free
-stretches and tiers of the packing (the allocator's bookkeeping, read by its ``check``).
+stretches and tiers of the packing (the allocator's bookkeeping, read by its ``check``), and
+the tiers it is made with (``default_tiers``).
 
 Apart from :mod:`vmm.small_blocks` (the rules: which path a request takes, best fit,
 coalescing, when a slab goes back) as :mod:`vmm.allocation` is apart from :mod:`vmm.virtual`.
@@ -16,7 +17,28 @@ from typing import Any, Sequence
 from vmm.allocation import Allocation, AllocationError, BufferInUse, buffer_span
 from vmm.units import format_size
 
-__all__ = ["SmallBlock"]
+__all__ = ["SmallBlock", "DEFAULT_ALIGN", "DEFAULT_PACK_WASTE", "default_tiers"]
+
+DEFAULT_ALIGN = 512
+DEFAULT_PACK_WASTE = 0.25
+
+
+def default_tiers(chunk: int, align: int = DEFAULT_ALIGN) -> tuple[tuple[int, int], ...]:
+    """The tiers ooc's allocator uses with chunks of ``chunk`` bytes, as ``(limit, slab)``
+    pairs: every request below a chunk into one-chunk slabs, those up to 4 chunks that round
+    badly into 10-chunk sparse slabs (mapped only where blocks lie). None where a chunk holds
+    fewer than two blocks of ``align``. The one configuration of ooc's allocator: the
+    runtime's device pools, ``ooc simulate --allocator vmm`` and ``ooc frag``'s ``vmm-N``
+    models all use it, and it never maps more than whole chunks per request would (module
+    docstring), so a plan made with sizes rounded up to whole chunks fits it.
+
+    Measured on the 12 traces of benchmarks/bench_frag.py (peak reserved at 2 MiB chunks, see
+    benchmarks/results/frag.md): 4-chunk limit and 10-chunk slabs peak at or below 2-chunk /
+    5-chunk (resnet18 step 198 vs 202 MiB, its plan at 1/4 58 vs 64 MiB) and 8-chunk / 20-chunk
+    slabs; no medium tier misses two targets (resnet18 step 214 MiB, gpt2 step 7.38 GiB)."""
+    if chunk < 2 * align:
+        return ()
+    return ((chunk - align, chunk), (4 * chunk, 10 * chunk))
 
 
 class SmallBlock:
@@ -196,6 +218,15 @@ def _check_packing(a: Any) -> None:
     chunks += a.virtual._sparse.chunks_in_use()
     assert chunks == a.small_chunks
     assert sum(t.slabs for t in a.tiers) <= a.small_blocks
+
+
+def add_free(slab: _Slab, offset: int, size: int) -> None:
+    """Index ``[offset, offset + size)`` of ``slab`` as a free stretch of its tier (a new
+    one: the caller made sure no free neighbour touches it)."""
+    f = _Free(slab, offset, size)
+    slab.free[offset] = f
+    slab.ends[offset + size] = f
+    slab.tier.index(f, False)
 
 
 def _make_tiers(tiers: Sequence[tuple[int, int]], chunk: int, align: int) -> tuple[_Tier, ...]:

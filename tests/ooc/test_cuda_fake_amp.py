@@ -74,17 +74,17 @@ def _peak(precision: str) -> int:
 def test_amp_on_the_cuda_path_is_bitwise_in_core(precision: str, recompute: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     counts = {"sparse": 0, "rng": 0}
-    alloc_sparse, set_rng = vmm.small_blocks.SmallBlockAllocator._alloc_sparse, recompute_module._set_rng_state
+    alloc_medium, set_rng = vmm.small_blocks.alloc_medium, recompute_module._set_rng_state
 
-    def counted_sparse(self, *args):
+    def counted_sparse(*args):
         counts["sparse"] += 1
-        return alloc_sparse(self, *args)
+        return alloc_medium(*args)
 
     def counted_rng(*args):
         counts["rng"] += 1
         return set_rng(*args)
 
-    monkeypatch.setattr(vmm.small_blocks.SmallBlockAllocator, "_alloc_sparse", counted_sparse)
+    monkeypatch.setattr(vmm.small_blocks, "alloc_medium", counted_sparse)
     monkeypatch.setattr(recompute_module, "_set_rng_state", counted_rng)
     # the anchored trial's verdict on the host's clock would depend on the machine's load
     monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True, runs=2))
