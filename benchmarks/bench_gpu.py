@@ -18,8 +18,9 @@ still leaves the most important figures; the report is rewritten after every row
    Per row: step, samples/s, peak device memory (PyTorch's peak + ooc's VMM pool), bytes
    moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
 3. **Host cost per op** (``gpu_host_cost.py``): ResNet-50 b32 in core, under a dispatch mode
-   that only calls each op, and under ooc per op and plain with nothing to move; a profile of
-   one per-op step (where ~80 us an op of host time went in the first run).
+   that only calls each op, and under ooc per op (with and without quiet ops) and plain with
+   nothing to move; a profile of one per-op step (where ~80 us an op of host time went in the
+   first run).
 4. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
    same loop in core (recompute with dropout, swap only, bf16, fp16 + GradScaler, every kind
    managed, a budget with nothing to move).

@@ -5,7 +5,7 @@ The first GPU run (gpu.md, H200) found ooc's per-op steps of ResNet-50 b32 at 99
 in core with both budgets and with swap only: ~80 us of host time an op, where the same code
 costs ~15 us an op of ooc's own work on this project's 2-core CPU (benchmarks/results/
 overhead.md). Nobody knows yet which part is PyTorch's Python dispatch, which ooc's Python and
-which the CUDA calls under it. Four ways to run the same steps, each the median of the timed
+which the CUDA calls under it. Five ways to run the same steps, each the median of the timed
 steps between two synchronizations, and the ops a step runs (counted by the dispatch mode of
 the second row):
 
@@ -13,7 +13,9 @@ the second row):
 - ``dispatch mode only``: in core under a ``TorchDispatchMode`` that only calls each op
   (what any engine built on one pays: PyTorch's cost, not ooc's);
 - ``ooc per op``: the engine with ``Options(hook_steps=False)`` and a budget far above the
-  step's peak: its plan moves nothing, every op goes through its dispatch mode;
+  step's peak: its plan moves nothing, every op goes through its dispatch mode, and the ops
+  the plan gives no role are only run and recorded (quiet ops);
+- ``ooc per op, every op looked at``: the same with no quiet op (the per-op path before them);
 - ``ooc``: the engine's default with the same budget: plain steps (no op intercepted).
 
 Then a profile (``cProfile``) of one ``ooc per op`` step: the functions with the most own
@@ -91,14 +93,16 @@ def host_cost(quick: bool) -> list[str]:
     rows.append(("dispatch mode only", statistics.median(times), ""))
     del model, opt
     profile: pstats.Stats | None = None
-    for label, hook_steps in (("ooc per op", False), ("ooc", True)):
+    for label, hook_steps in (("ooc per op", False), ("ooc per op, every op looked at", False), ("ooc", True)):
         model, opt = fresh()
         engine = OutOfCore(model, opt, budget=budget, device="cuda", options=Options(hook_steps=hook_steps))
+        if label.endswith("looked at"):
+            engine._plans.quiet_ops = frozenset   # no op left quiet
         times = _timed(lambda: step(model, opt, engine.step))
         st = engine.stats()
         forms = ", ".join(f"{k[6:]} {v}" for k, v in st.items() if k.startswith("steps.") and v)
         rows.append((label, statistics.median(times), f"{forms}; {st['bytes_in'] + st['bytes_out']} B moved"))
-        if not hook_steps:
+        if label == "ooc per op":
             profiler = cProfile.Profile()
             torch.cuda.synchronize()
             profiler.enable()

@@ -107,9 +107,10 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     assert all(f.cost.seconds is not None for f in seq.functions)
     text = out.read_text()
     assert "## Side by side" in text
-    # the host cost section: its four runs and the profile of a per-op step, which ran per op
+    # the host cost section: its five runs and the profile of a per-op step, which ran per op
     host = text.split("## Host cost per op", 1)[1].split("\n## ", 1)[0]
     assert "FAILED" not in host, host
-    for run in ("| in-core |", "| dispatch mode only |", "| ooc per op |", "| ooc |", "`on_op`"):
+    for run in ("| in-core |", "| dispatch mode only |", "| ooc per op |", "| ooc per op, every op looked at |",
+                "| ooc |", "`on_op`"):
         assert run in host, (run, host)
     assert "| ooc per op |" in host and "plain" in host.split("| ooc |", 1)[1].split("\n", 1)[0], host
