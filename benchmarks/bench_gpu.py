@@ -9,7 +9,11 @@ its time limit (``--deadline``: seconds from the start after which no new sectio
 still leaves the most important figures; the report is rewritten after every row.
 
 1. **The link**: one large pinned copy each way; the simulator prices swaps with it
-   (``h100-80gb-pcie5`` preset with the measured bandwidths).
+   (``h100-80gb-pcie5`` preset with the measured bandwidths). **Host cost per op**
+   (``gpu_host_cost.py``): ResNet-50 b32 in core, under a dispatch mode that only calls each
+   op, under ooc per op (with and without quiet ops) and plain, nothing to move; the host's
+   time to queue an op the engine looks at and a quiet one, which the simulator's host lane
+   charges (``Hardware.host_op_s``); a profile of one per-op step.
 2. **Per case** (ResNet-50 b256 SGD, GPT-2 small b8 x 1024 AdamW, a ~320 M Llama b4 x 2048 in
    bf16; ``gpu_cases.py``): in-core, in-core again (are the kernels deterministic?), a GPU
    profile (``gpu_profiles.py``: the step recorded with CUDA-event op times, written to
@@ -17,16 +21,12 @@ still leaves the most important figures; the report is rewritten after every row
    and 1/4 of the in-core step's own peak, and ooc swap-only at 1/4 (``gpu_methods.py``).
    Per row: step, samples/s, peak device memory (PyTorch's peak + ooc's VMM pool), bytes
    moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
-3. **Host cost per op** (``gpu_host_cost.py``): ResNet-50 b32 in core, under a dispatch mode
-   that only calls each op, and under ooc per op (with and without quiet ops) and plain with
-   nothing to move; a profile of one per-op step (where ~80 us an op of host time went in the
-   first run).
-4. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
+3. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
    same loop in core (recompute with dropout, swap only, bf16, fp16 + GradScaler, every kind
    managed, a budget with nothing to move).
-5. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
-6. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
-7. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
+4. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
+5. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
+6. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
 
 cuDNN and cuBLAS run deterministically in every run. Writes benchmarks/results/gpu.md and
 gpu.json (``--quick``: gpu-quick.*). Without CUDA it writes a report saying that nothing was
@@ -123,6 +123,13 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
     report.section("Pinned host memory bandwidth", table)
     report.link = rates
     hw = scheduler.hardware("h100-80gb-pcie5", h2d_bandwidth=rates["h2d"], d2h_bandwidth=rates["d2h"])
+    if clock.left() > 60:   # the host's time per op: the simulator's host lane for every 'sim' below
+        from gpu_host_cost import host_cost
+
+        got = _guarded(host_cost, args.quick)
+        lines, host = got if isinstance(got, tuple) else (got, {})
+        report.section("Host cost per op", lines)
+        hw = scheduler.hardware(hw, **host)
     steps = args.steps or (2 if args.quick else 5)
     cases = QUICK if args.quick else FULL
     if args.cases:
@@ -149,10 +156,6 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
-    if clock.left() > 60:
-        from gpu_host_cost import host_cost
-
-        report.section("Host cost per op", _guarded(host_cost, args.quick))
     for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
             report.skipped(f"step form {case.label} {engine_kw}: not run, the run's time limit")

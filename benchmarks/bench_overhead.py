@@ -16,7 +16,7 @@ of a second or so, where a fixed cost per op weighs most), trained with SGD, fou
 - ``ooc, nothing moves, per-op path``: the same with plain steps off
   (``engine._plans.hooked.enabled = False``): every op through the engine's dispatch mode, as a plan
   that moves bytes runs; the ops its plan gives no role only run and are recorded (quiet ops,
-  ``scheduler.step_plans.quiet_functions``);
+  ``scheduler.schedule.quiet_functions``);
 - ``ooc, nothing moves, per-op path, every op looked at``: the same with no quiet op (what
   the per-op path cost before them);
 - ``ooc 1/4``: a budget of a quarter of the managed peak (the bytes moved cost on top), or

@@ -55,70 +55,92 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_cost(quick: bool) -> list[str]:
-    """The section's markdown lines (see the module docstring)."""
+def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
+    """The section's markdown lines (see the module docstring), and the host's seconds per op
+    the simulator charges the engine's per-op path (``Hardware.host_op_s`` for an op it looks
+    at, ``host_quiet_op_s`` for a quiet one), from the time each step took to queue: every op
+    looked at gives the first; the default per-op path, with its quiet ops, the second."""
     from ooc.engine import Options, OutOfCore
 
     case = QUICK_CASE if quick else CASE
     model0, x0, y0, loss_fn = case.build()
     x, y = x0.to(gpu_cases.DEVICE), y0.to(gpu_cases.DEVICE)
-    rows: list[tuple[str, float, str]] = []
     mode = _Counting()
-    budget = 0
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = copy.deepcopy(model0).to(gpu_cases.DEVICE)
         return model, case.optimizer_for(model.parameters())
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, around: Callable[[], Any]) -> None:
-        with around():
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def trained(around: Callable[[torch.nn.Module, torch.optim.Optimizer], Any]) -> list[tuple[float, float]]:
+        model, opt = fresh()
+        ctx = around(model, opt)
+
+        def step() -> None:
+            with ctx() if callable(ctx) else ctx:
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return _timed(step)
 
     # in core, and the budget: four times the step's rise above its start (at least 256 MiB),
     # at most half the device: the engine's plan moves nothing
-    model, opt = fresh()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = _timed(lambda: step(model, opt, contextlib.nullcontext))
+    rows = [("in-core", trained(lambda m, o: contextlib.nullcontext), "")]
     rise = torch.cuda.max_memory_allocated() - start
     budget = min(max(4 * rise, 256 << 20), torch.cuda.get_device_properties(0).total_memory // 2)
-    rows.append(("in-core", statistics.median(times), ""))
-    del model, opt
-    model, opt = fresh()
-    times = _timed(lambda: step(model, opt, lambda: mode))
+    rows.append(("dispatch mode only", trained(lambda m, o: lambda: mode), ""))
     ops = mode.ops // (WARMUP + STEPS)
-    rows.append(("dispatch mode only", statistics.median(times), ""))
-    del model, opt
     profile: pstats.Stats | None = None
+    quiet = 0
     for label, hook_steps in (("ooc per op", False), ("ooc per op, every op looked at", False), ("ooc", True)):
-        model, opt = fresh()
-        engine = OutOfCore(model, opt, budget=budget, device="cuda", options=Options(hook_steps=hook_steps))
-        if label.endswith("looked at"):
-            engine._plans.quiet_ops = frozenset   # no op left quiet
-        times = _timed(lambda: step(model, opt, engine.step))
+        engines = []
+
+        def engine_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+            e = OutOfCore(model, opt, budget=budget, device="cuda", options=Options(hook_steps=hook_steps))
+            if label.endswith("looked at"):
+                e._plans.quiet_ops = frozenset   # no op left quiet
+            engines.append((e, model, opt))
+            return e.step
+        times = trained(engine_of)
+        engine, model, opt = engines[0]
         st = engine.stats()
         forms = ", ".join(f"{k[6:]} {v}" for k, v in st.items() if k.startswith("steps.") and v)
-        rows.append((label, statistics.median(times), f"{forms}; {st['bytes_in'] + st['bytes_out']} B moved"))
         if label == "ooc per op":
+            quiet = len(engine._plans.quiet_ops())
+            forms += f"; {quiet} quiet ops"
             profiler = cProfile.Profile()
             torch.cuda.synchronize()
             profiler.enable()
-            step(model, opt, engine.step)
+            with engine.step():
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             profiler.disable()
             profile = pstats.Stats(profiler)
+        rows.append((label, times, f"{forms}; {st['bytes_in'] + st['bytes_out']} B moved"))
         engine.close()
-        del model, opt, engine
-    base = rows[0][1]
+    step_s = {label: statistics.median(s for s, _ in times) for label, times, _ in rows}
+    queue_s = {label: statistics.median(q for _, q in times) for label, times, _ in rows}
+    looked = queue_s["ooc per op, every op looked at"] / max(ops, 1)
+    quiet_s = (queue_s["ooc per op"] - (ops - quiet) * looked) / quiet if quiet else looked
+    host = {"host_op_s": max(looked, 0.0), "host_quiet_op_s": max(quiet_s, 0.0)}
+    base = step_s["in-core"]
     lines = [f"{case.label}, {ops} ops a step; budget {budget / 2**30:.2f} GiB (the plan moves nothing). "
-             f"Median of {STEPS} steps after {WARMUP}, each between two synchronizations.", "",
-             "| run | step | vs in-core | host us per op over in-core | note |", "|---|---:|---:|---:|---|"]
-    for label, seconds, note in rows:
+             f"Median of {STEPS} steps after {WARMUP}, each between two synchronizations; 'queued' is the "
+             "host's time until the step's code returned (its ops queued, the device maybe still busy).", "",
+             "| run | step | vs in-core | queued | host us per op over in-core | note |",
+             "|---|---:|---:|---:|---:|---|"]
+    for label, _, note in rows:
+        seconds = step_s[label]
         over = "" if label == "in-core" else f"{(seconds - base) / max(ops, 1) * 1e6:+.1f}"
-        lines.append(f"| {label} | {seconds * 1e3:.1f} ms | {seconds / base:.2f}x | {over} | {note} |")
+        lines.append(f"| {label} | {seconds * 1e3:.1f} ms | {seconds / base:.2f}x | {queue_s[label] * 1e3:.1f} ms "
+                     f"| {over} | {note} |")
+    lines += ["", f"The simulator's host lane, from these: {host['host_op_s'] * 1e6:.1f} us to queue an op the "
+              f"engine looks at, {host['host_quiet_op_s'] * 1e6:.1f} us a quiet one (`Hardware.host_op_s`, "
+              "`host_quiet_op_s`; the 'sim' column of the cases above and below uses them)."]
     if profile is not None:
         lines += ["", f"One `ooc per op` step under cProfile (its own overhead included): the {TOP} functions "
                   "with the most own time.", "", "| function | where | calls | own ms | with callees ms |",
@@ -126,19 +148,21 @@ def host_cost(quick: bool) -> list[str]:
         for (path, line, name), (_, calls, own, cumulative, _) in sorted(
                 profile.stats.items(), key=lambda kv: -kv[1][2])[:TOP]:
             lines.append(f"| `{name}` | {_where(path, line)} | {calls} | {own * 1e3:.2f} | {cumulative * 1e3:.2f} |")
-    return lines
+    return lines, host
 
 
-def _timed(one_step: Callable[[], None]) -> list[float]:
-    """The times of the steps after ``WARMUP``, each between two synchronizations."""
+def _timed(one_step: Callable[[], None]) -> list[tuple[float, float]]:
+    """(step, queued) seconds of the steps after ``WARMUP``, each step between two
+    synchronizations; queued: until its code returned."""
     times = []
     for i in range(WARMUP + STEPS):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         one_step()
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0, t1 - t0))
     return times
 
 

@@ -59,7 +59,8 @@ class Report:
                   "peak allocation above its start (activations, gradients, temporaries). Peak: "
                   "PyTorch's peak allocated bytes over the run, plus ooc's VMM pool (mapped "
                   "outside PyTorch). `sim`: scheduler.simulate on the h100-80gb-pcie5 preset with "
-                  "the measured link, on the op times the engine recorded (CUDA events).", ""]
+                  "the measured link and the host lane measured in 'Host cost per op', on the op "
+                  "times the engine recorded (CUDA events).", ""]
         for case in dict.fromkeys(r.case for r in self.rows):
             rows = [r for r in self.rows if r.case == case]
             lines += [f"### {rows[0].label}", "", *_table(rows), "", *_verdicts(rows), ""]

@@ -65,6 +65,13 @@ class Hardware:
     # collective. 0 bandwidth: the collectives go over the host link, sharing it with swaps.
     collective_bandwidth: float = 0.0
     collective_latency_s: float = 0.0
+    # A device that runs ops as the host queues them (a GPU): the host seconds the engine's
+    # per-op path spends queuing one op it looks at, and one its plan gives no role (a quiet
+    # op, scheduler.schedule.quiet_functions; a recompute's replayed op too). The device cannot
+    # run an op before the host queued it: with ~5,900 small ops, the host is the bottleneck
+    # (a ~320 M Llama on an H200: 0.19x in core, ~80 us an op). 0: not modelled (the presets).
+    host_op_s: float = 0.0
+    host_quiet_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "mem_bandwidth", "h2d_bandwidth", "d2h_bandwidth"):
@@ -73,7 +80,7 @@ class Hardware:
                     or value == float("inf"):
                 raise HardwareError(f"hardware {self.name!r}: {f} must be a positive number, got {value!r}")
         for f in ("link_latency_s", "op_overhead_s", "moved_byte_s", "collective_bandwidth",
-                  "collective_latency_s"):
+                  "collective_latency_s", "host_op_s", "host_quiet_op_s"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 \
                     or value == float("inf"):

@@ -20,6 +20,12 @@ runtime executes it, in program order on the compute stream:
   copies and I/O threads take cycles from the compute threads), charged when the copy is
   issued (``copy_cpu_s``);
 - ``drop``, ``discard`` and ``free`` take no time;
+- on a device that runs ops as the host queues them (``Hardware.host_op_s`` or
+  ``host_quiet_op_s`` set: a GPU), the host queues function i through the engine's per-op
+  path in ``host_op_s`` (``host_quiet_op_s`` for one its plan gives no role,
+  ``scheduler.schedule.quiet_functions``, and for each function a recompute replays), and
+  the compute stream cannot start it before: ``host_s`` is that lane's length, ``host_wait_s``
+  the compute stream's idle time behind it (a host-bound step);
 - with ``data_parallel=r`` ranks, the gradients' all-reduce (``scheduler.data_parallel``:
   DDP's buckets, ring all-reduce) is issued after a bucket's last gradient is written and
   waited for before the first function that reads one of them again; it runs on its own
@@ -46,15 +52,14 @@ function and the variable.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 from scheduler.actions import IN, USE, Ledger, Refused, Residency
 from scheduler.data_parallel import DDP_BUCKET_BYTES, Bucket, gradient_buckets, ring_bytes
 from scheduler.errors import ScheduleError
 from scheduler.hardware import Hardware, hardware
 from scheduler.memory_events import replay_allocator
-from scheduler.schedule import Schedule
+from scheduler.schedule import Schedule, quiet_functions
+from scheduler.sim_result import SimResult
 from scheduler.timeline import ALLREDUCE, COMPUTE, RECOMPUTE, SWAP_IN, SWAP_OUT, WAIT, Event
 
 log = logging.getLogger(__name__)
@@ -67,82 +72,6 @@ _WORDS = {Residency.ABSENT: "not created yet", Residency.HOST: "not on the devic
           Residency.IN: "in flight in", Residency.RESIDENT: "resident",
           Residency.OUT: "in flight out", Residency.DEAD: "freed",
           Residency.DISCARDED: "discarded, to be recomputed"}
-
-
-@dataclass(frozen=True, slots=True)
-class SimResult:
-    """Predicted time and memory of one step. Times in seconds, sizes in bytes.
-
-    ``compute_s`` is the sum of function times (what the step takes in core, with nothing
-    swapped), ``stall_s`` the time the compute stream spent in ``wait_in``/``wait_out``,
-    ``recompute_s`` the time it spent rerunning recompute chains, ``copy_cpu_s`` the compute
-    time moved bytes took (``Hardware.moved_byte_s``), and ``total_s`` the step's end: the
-    compute stream's end or the last copy's, whichever is later.
-
-    ``reserved_peak_bytes`` and ``fits`` come from replaying the allocation stream through the
-    chosen ``allocator`` with the device's capacity; with ``allocator=None`` they describe an
-    ideal allocator (reserved = ``peak_bytes``, fits when that is within ``device_bytes``).
-    ``oom_function`` is the first function at which the device ran out, or None.
-    """
-
-    total_s: float
-    compute_s: float
-    stall_s: float
-    lower_bound_s: float
-    peak_bytes: int
-    peak_function: int
-    bytes_in: int
-    bytes_out: int
-    transfers_in: int
-    transfers_out: int
-    h2d_busy_s: float
-    d2h_busy_s: float
-    hardware: Hardware
-    policy: str
-    budget: int
-    timeline: tuple[Event, ...] = ()
-    allocator: str | None = None
-    chunk_bytes: int | None = None
-    reserved_peak_bytes: int = 0
-    fits: bool = True
-    oom_function: int | None = None
-    recompute_s: float = 0.0
-    bytes_recomputed: int = 0
-    copy_cpu_s: float = 0.0
-    data_parallel: int = 1
-    allreduce_bytes: int = 0      # bytes this rank sent (and received) in the step's all-reduce
-    allreduce_s: float = 0.0      # seconds its link was busy with them
-    allreduce_stall_s: float = 0.0   # of stall_s: the compute stream waiting for them
-
-    @property
-    def relative_speed(self) -> float:
-        """In-core time over this step's time (the paper's "55% of in-core speed" is 0.55)."""
-        return self.compute_s / self.total_s if self.total_s > 0 else 1.0
-
-    @property
-    def overhead_s(self) -> float:
-        """Seconds the step takes beyond its compute: what swapping costs."""
-        return self.total_s - self.compute_s
-
-    def throughput(self, samples_per_step: float) -> float:
-        """Samples per second at ``samples_per_step`` (the batch size) per step."""
-        return samples_per_step / self.total_s if self.total_s > 0 else float("inf")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON fields with stable keys (plus the allocator's, when one was modelled)."""
-        out: dict[str, Any] = {
-            "total_s": self.total_s, "compute_s": self.compute_s, "stall_s": self.stall_s,
-            "lower_bound_s": self.lower_bound_s, "peak_bytes": self.peak_bytes,
-            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-            "recompute_s": self.recompute_s, "bytes_recomputed": self.bytes_recomputed,
-            "copy_cpu_s": self.copy_cpu_s, "hardware": self.hardware.name, "policy": self.policy, "budget": self.budget,
-            "data_parallel": self.data_parallel, "allreduce_bytes": self.allreduce_bytes,
-            "allreduce_s": self.allreduce_s, "allreduce_stall_s": self.allreduce_stall_s,
-        }
-        if self.allocator is not None:
-            out.update(allocator=self.allocator, chunk_bytes=self.chunk_bytes,
-                       reserved_peak_bytes=self.reserved_peak_bytes, fits=self.fits)
-        return out
 
 
 def simulate(
@@ -209,6 +138,22 @@ def simulate(
     moved_byte_s = hw.moved_byte_s
     functions = seq.functions
     tl: list[Event] | None = [] if timeline else None
+    # The host's lane (a device that runs ops as the host queues them): when it has queued
+    # the ops so far, and the compute stream's time waiting for it.
+    host_op, host_quiet = hw.host_op_s, hw.host_quiet_op_s
+    host_lane = bool(host_op or host_quiet)
+    quiet = quiet_functions(schedule) if host_lane and host_op != host_quiet else frozenset()
+    host = host_wait = 0.0
+
+    def queued(by: float, i: int) -> None:
+        # The host queues what the compute stream runs next: it starts no sooner.
+        nonlocal t, host, host_wait
+        host += by
+        if host > t:
+            host_wait += host - t
+            if tl is not None:
+                tl.append(Event(WAIT, "host", t, host, 0, {"function": i}))
+            t = host
 
     def fail(i: int, v: int, what: str) -> ScheduleError:
         f = seq.functions[i]
@@ -262,6 +207,8 @@ def simulate(
     def rerun(v: int, i: int, chain: tuple[int, ...]) -> None:
         # recompute: the chain's functions run again, on the compute stream.
         nonlocal t, recompute, recomputed
+        if host_lane:
+            queued(host_quiet * len(chain), i)
         d = sum(hw.function_s(functions[k].cost) for k in chain)
         if tl is not None:
             tl.append(Event(RECOMPUTE, f"recompute {label[v]}", t, t + d, 0,
@@ -335,6 +282,8 @@ def simulate(
             ledger.run(i)
             if over_fn is None and ledger.device > capacity:
                 over_fn = i
+            if host_lane:
+                queued(host_quiet if i in quiet else host_op, i)
             # measured seconds, else the roofline (arithmetic or memory traffic, plus the launch)
             d = hw.function_s(f.cost)
             if tl is not None:
@@ -353,7 +302,7 @@ def simulate(
     peak_fn = ledger.peak_function or 0
 
     total = max(t, chan[0], chan[1], coll[0])
-    busy_compute = compute + recompute + copy_cpu
+    busy_compute = max(compute + recompute + copy_cpu, host)
     link = (ar[1], ar[1]) if shared else (0.0, 0.0)   # the all-reduce on the copy channels
     if hw.full_duplex:
         lower = max(busy_compute, busy[0] + link[0], busy[1] + link[1], 0.0 if shared else ar[1])
@@ -375,4 +324,5 @@ def simulate(
         allocator=allocator, chunk_bytes=chunk_bytes if allocator is not None else None,
         reserved_peak_bytes=reserved, fits=fits, oom_function=oom_fn,
         recompute_s=recompute, bytes_recomputed=recomputed, copy_cpu_s=copy_cpu,
-        data_parallel=data_parallel, allreduce_bytes=ar[0], allreduce_s=ar[1], allreduce_stall_s=ar[2])
+        data_parallel=data_parallel, allreduce_bytes=ar[0], allreduce_s=ar[1], allreduce_stall_s=ar[2],
+        host_s=host, host_wait_s=host_wait)

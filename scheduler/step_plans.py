@@ -18,8 +18,8 @@ engine executes it (``ooc/engine/planning.py``):
 - a hook-driven step that left its plan drops it (the next step records); one that kept to it
   is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
 - which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
-  ``plain_candidate``'s; which ops a planned per-op step runs with no bookkeeping,
-  ``quiet_functions``'.
+  ``plain_candidate``'s (which ops a planned per-op step runs with no bookkeeping is a
+  property of its plan: ``scheduler.schedule.quiet_functions``).
 
 ``after_step`` is the entry point: the step's facts (``StepFacts``) and the plan's state
 (``PlanState``) in, a ``Decision`` out. Pure data: no torch.
@@ -66,7 +66,8 @@ class Settings:
 class StepFacts:
     """What a completed step showed, as data: its ``form`` (``FORMS``), whether it kept to
     its plan to the end (``kept``; a per-op step: ``ran_whole_plan``, it ran all the plan's
-    ops), its recording (``sequence``, recorded and diverged steps) and measured op times
+    ops), its recording (``sequence``, recorded and diverged steps; None for a step that
+    diverged after quiet ops: who read what they made is not in it) and measured op times
     (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
     the gap of the update, None if it ran none; a hook-driven step: that of the trace it ran
     against), whether it saved what a plain form compares (``signature``), whether it ran an
@@ -124,6 +125,8 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
+        if facts.sequence is None:   # diverged after quiet ops, which it did not record whole
+            return Decision(drop=state is not None)   # the next step records
         return Decision(plan=plan_recorded(facts.sequence, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()
@@ -238,19 +241,6 @@ def plain_candidate(schedule: Schedule | None, *, hook_forms: bool) -> bool:
     """Whether a step of ``schedule`` should note what it saves (``Stepper.signature``): its
     plan moves nothing, so it could run with no op intercepted (``hook_form``: plain)."""
     return hook_forms and schedule is not None and moves_nothing(schedule)
-
-
-def quiet_functions(schedule: Schedule, made: Set[int] = frozenset()) -> frozenset[int]:
-    """The functions a planned per-op step may run with no bookkeeping of its own: no action
-    before or after them, no variable of the plan used or made (``made``: the functions the
-    runtime binds a variable at), in no recompute chain. On the GPU profiles 60-79% of a
-    step's ops (ResNet-50 b256, GPT-2, the Llama at 1/2 and 1/4): each skips the engine's
-    look at its inputs and outputs, the per-op path's cost that a GPU's host pays for every
-    op (``ooc/runtime/stepper.py``)."""
-    chained = {w for actions in schedule.before for a in actions for w in a.chain}
-    before, after = schedule.before, schedule.after
-    return frozenset(i for i, f in enumerate(schedule.sequence.functions)
-                     if not (f.uses or before[i] or after[i] or i in chained or i in made))
 
 
 def keeps_saved(held: int, nbytes: int, budget: int) -> bool:

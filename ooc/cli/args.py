@@ -85,6 +85,19 @@ def positive_float(text: str) -> float:
     return value
 
 
+def host_us(text: str) -> tuple[float, float]:
+    """``OP[,QUIET]``: microseconds the host takes to queue an op the engine looks at, and a
+    quiet one (``QUIET`` defaults to ``OP``); each a finite number >= 0."""
+    parts = text.split(",")
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give OP or OP,QUIET in microseconds, e.g. 80,20") from None
+    if len(values) > 2 or not all(0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give OP or OP,QUIET in microseconds, each >= 0, e.g. 80,20")
+    return values[0], values[-1]
+
+
 def choice(names: tuple[str, ...] | list[str], what: str) -> Callable[[str], str]:
     """One of ``names``; the error lists them (argparse's ``choices`` does too, but also
     prints every choice in the usage line, which is long for hardware presets)."""

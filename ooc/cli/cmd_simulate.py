@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
     from scheduler.recompute import RECOMPUTE_MODES
     from scheduler.simulate import ALLOCATORS
 
-    from ooc.cli.args import MANAGE_HELP, SIZE_HELP, choice, manage_kinds, output_file, positive_int, size
+    from ooc.cli.args import MANAGE_HELP, SIZE_HELP, choice, host_us, manage_kinds, output_file, positive_int, size
     from ooc.cli.cmd_plan import RECOMPUTE_HELP
 
     p = subparsers.add_parser(
@@ -60,6 +60,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeline", metavar="FILE", type=output_file(),
                    help="write the timeline as a Chrome trace JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--host-us", metavar="OP[,QUIET]", type=host_us,
+                   help="a GPU's host: microseconds to queue an op the engine looks at, and one its plan "
+                        "gives no role (bench_gpu.py's 'Host cost per op' measures both); an op starts "
+                        "no sooner than queued (default: the host is not modelled)")
     p.add_argument("--data-parallel", metavar="N", type=positive_int, default=1,
                    help="ranks of a DDP job: simulate one rank, its gradient all-reduce beside the swaps")
     p.add_argument("--budget", metavar="SIZE", type=size, help="plan a trace input within this budget first")
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {}
     if args.device_memory is not None:
         overrides["device_bytes"] = args.device_memory
+    if args.host_us is not None:
+        overrides["host_op_s"], overrides["host_quiet_op_s"] = (us * 1e-6 for us in args.host_us)
     chunk = None
     if args.chunk is not None:
         if args.allocator != "vmm":
@@ -169,6 +175,8 @@ def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any]) -> str:
         f"{'bytes out':<16}{fs(r.bytes_out)}  in {r.transfers_out:,} copies, "
         f"link busy {ms(r.d2h_busy_s)}",
     ]
+    if r.host_s:
+        lines.append(f"{'host':<16}{ms(r.host_s)} queuing the step's ops; compute waited for it {ms(r.host_wait_s)}")
     if r.data_parallel > 1:
         link = ("over the host link, queued with the swaps" if hw.collective_bandwidth == 0 else
                 f"over its own {hw.collective_bandwidth / 1e9:.3g} GB/s interconnect")

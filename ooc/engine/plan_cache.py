@@ -31,8 +31,8 @@ from ooc.engine.persistent import PersistentStore
 from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.stepper import Stepper
-from scheduler.schedule import Schedule
-from scheduler.step_plans import hook_forms_allowed, plain_candidate, quiet_functions
+from scheduler.schedule import Schedule, quiet_functions
+from scheduler.step_plans import hook_forms_allowed, plain_candidate
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +94,16 @@ class PlanCache:
         self.ran = getattr(st, "anchored", None)
         if st is None:
             runs = self._plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
+            # a plan's first run looks at every op: it often meets what its recording step
+            # could not see (the optimizer's new state), and the step that diverges is the
+            # recording the next plan is made from; a later one that diverges records again
             st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs,
-                                   self.quiet_ops())
+                                   self.quiet_ops() if runs else frozenset())
         return st
 
     def quiet_ops(self) -> frozenset[int]:
         """The ops of the running plan that its per-op steps only run and record
-        (``scheduler.step_plans.quiet_functions``), once per plan; none unless activations
+        (``scheduler.schedule.quiet_functions``), once per plan; none unless activations
         alone are managed (a managed parameter, gradient or state is brought back and
         released by the per-op path's look at each use)."""
         schedule = self.schedule

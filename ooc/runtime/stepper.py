@@ -10,7 +10,7 @@ backward and optimizer alike). Op i runs as:
 4. the schedule's actions *after* op i (swap-out, drop, free), and the binding of the
    variables op i created to their plan ids.
 
-A planned op the plan gives no role (most: ``step_plans.quiet_functions``) is run and recorded.
+A planned op the plan gives no role (most: ``schedule.quiet_functions``) is run and recorded.
 
 Autograd's unpack hook for the node about to run happens *before* that node's first op,
 so unpack runs step 1 early for the next op: nothing else happens in between.
@@ -156,7 +156,7 @@ class Stepper:
 
     def on_op(self, func, args, kwargs) -> Any:
         """Op ``i`` as the module docstring says; of a planned step, one the plan gives no role
-        (most of them: ``scheduler.step_plans.quiet_functions``) is only run and recorded."""
+        (most of them: ``scheduler.schedule.quiet_functions``) is only run and recorded."""
         own_ref = self.saved.own_pack   # other hooks innermost (save_on_cpu inside the step)?
         if own_ref is not None and top_saved_tensors_hooks is not None and torch.is_grad_enabled():
             top = top_saved_tensors_hooks(False)   # only where autograd may save tensors

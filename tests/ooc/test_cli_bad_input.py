@@ -57,6 +57,7 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     }),
     "simulate": (["INPUT", "{plan}"], {
         "INPUT": INPUT, "--hardware": NAME + ["h200"], "--device-memory": SIZE,
+        "--host-us": ["80,-1", "x", "1,2,3", "inf", ""],
         "--allocator": NAME + ["buddy"], "--chunk": SIZE, "--timeline": OUTPUT, "--budget": SIZE,
         "--window": SIZE, "--policy": NAME, "--data-parallel": POSITIVE_INT,
         "--recompute": NAME + ["always"], "--manage": ["weights", ",", "activations,bogus"],

@@ -16,7 +16,8 @@ SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core
                 "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
             "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s",
-            "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s", "recomputed"}
+            "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s", "host_s", "host_wait_s",
+            "recomputed"}
 ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
 HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
 
@@ -110,6 +111,26 @@ def test_simulate_a_plan_json_and_timeline(trace_file, tight, tmp_path, capsys):
     for label in ("a prediction", "step time", "compute", "stall", "lower bound", "relative speed",
                   "peak", "bytes in", "bytes out", "fits"):
         assert label in text
+
+
+def test_simulate_prices_the_hosts_queuing_when_asked(trace_file, tight, tmp_path, capsys):
+    """--host-us OP[,QUIET]: a host that queues ops slower than the device runs them makes the
+    step host-bound; without it the host is not modelled; bad values are refused by name."""
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(trace_file), "--budget", str(tight), "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(plan_file), "--json"]) == 0
+    off = _json(capsys)
+    assert off["host_s"] == off["host_wait_s"] == 0
+    functions = len(Schedule.from_json(plan_file).sequence.functions)
+    slow = off["total_s"] / functions * 1e6 * 4   # four times the mean op, in microseconds
+    assert main(["simulate", str(plan_file), "--json", "--host-us", f"{slow},{slow / 2}"]) == 0
+    on = _json(capsys)
+    assert on["host_s"] > off["total_s"] and on["total_s"] >= on["host_s"] and on["host_wait_s"] > 0
+    assert main(["simulate", str(plan_file), "--host-us", f"{slow}"]) == 0
+    assert "queuing the step's ops" in capsys.readouterr().out
+    assert main(["simulate", str(plan_file), "--host-us", "80,-1"]) == 2
+    assert "--host-us" in capsys.readouterr().err
 
 
 def test_simulate_a_trace_with_budget(trace_file, capsys):

@@ -213,11 +213,59 @@ def test_to_dict_has_the_stable_plain_fields() -> None:
     d = r.to_dict()
     assert set(d) == {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
                       "bytes_out", "recompute_s", "bytes_recomputed", "copy_cpu_s", "hardware", "policy",
-                      "budget", "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s"}
+                      "budget", "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s",
+                      "host_s", "host_wait_s"}
     assert json.loads(json.dumps(d)) == d
     assert d["hardware"] == "v100-16gb-nvlink" and d["policy"] == "hand"
     with pytest.raises(ValueError, match="allocator"):
         simulate(_prefetch(B, 2.0), _hw(), allocator="buddy")
+
+
+def _host_lane_step() -> Schedule:
+    """f0 makes x (1 s), f1 and f2 touch nothing managed (0.5 s each: quiet), f3 reads x (1 s)."""
+    return _schedule([("f0", [(0, "w")], _sec(1.0)), ("f1", [], _sec(0.5)), ("f2", [], _sec(0.5)),
+                      ("f3", [(0, "r")], _sec(1.0))],
+                     [Variable(0, 10, Kind.ACTIVATION)], after={3: [("free", 0)]})
+
+
+def test_the_host_lane_holds_the_compute_stream_back_only_when_it_is_slower() -> None:
+    """A device that runs ops as the host queues them: an op starts no sooner than the host
+    queued it (``host_op_s`` for an op the plan gives a role, ``host_quiet_op_s`` for a quiet
+    one). A fast host changes nothing; a slow one makes the step host-bound, and the lower
+    bound knows it."""
+    s = _host_lane_step()
+    off = simulate(s, _hw())
+    assert (off.total_s, off.host_s, off.host_wait_s) == (3.0, 0.0, 0.0)
+    fast = simulate(s, _hw(host_op_s=0.25, host_quiet_op_s=0.125))
+    assert (fast.total_s, fast.compute_s, fast.host_s, fast.host_wait_s) == (3.25, 3.0, 0.75, 0.25)
+    # f0 waits 0.25 s for its queuing; then the host stays ahead
+    slow = simulate(s, _hw(host_op_s=2.0, host_quiet_op_s=1.0))
+    # host: f0 at 2, f1 at 3, f2 at 4, f3 at 6; device: f0 2-3, f1 3-3.5, f2 4-4.5, f3 6-7
+    assert (slow.total_s, slow.host_s, slow.host_wait_s) == (7.0, 6.0, 4.0)
+    assert slow.lower_bound_s == 6.0 and slow.relative_speed == 3.0 / 7.0
+    assert [e.name for e in slow.timeline if e.track == "wait"] == ["host"] * 3   # f1 was queued in time
+    quiet_like_all = simulate(s, _hw(host_op_s=2.0, host_quiet_op_s=2.0))
+    assert quiet_like_all.host_s == 8.0
+
+
+def test_a_recompute_queues_each_function_it_replays() -> None:
+    """The host queues a replayed chain's functions at ``host_quiet_op_s`` each."""
+    v = [Variable(0, 10, Kind.ACTIVATION), Variable(1, 10, Kind.ACTIVATION)]
+    fns = [("f0", [(0, "w")], _sec(1.0)), ("f1", [(0, "r"), (1, "w")], _sec(1.0), {"replayable": True}),
+           ("f2", [], _sec(1.0)),
+           ("f3", [(0, "r"), (1, "r")], _sec(1.0))]
+    seq = build_sequence(fns, v)
+    n = len(seq.functions)
+    before = [() for _ in range(n)]
+    after = [() for _ in range(n)]
+    before[3] = (Action(Op.RECOMPUTE, 1, (1,)),)
+    after[1] = (Action(Op.DISCARD, 1),)
+    after[3] = (Action(Op.FREE, 0), Action(Op.FREE, 1))
+    s = Schedule(seq, budget=1 << 20, policy="hand", window=0, before=tuple(before), after=tuple(after),
+                 initial_resident=frozenset())
+    r = simulate(s, _hw(host_op_s=0.5, host_quiet_op_s=0.25))
+    # host: f0 0.5, f1 1.0, f2 (quiet) 1.25, the replay of f1 1.5, f3 2.0
+    assert r.host_s == 2.0 and r.recompute_s == 1.0 and r.total_s == 5.5
 
 
 # -- a whole step ----------------------------------------------------------------------------

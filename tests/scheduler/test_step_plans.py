@@ -10,7 +10,8 @@ from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
 from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
                                   hook_forms_allowed, keeps_saved, moves_nothing, plain_candidate, plan_recorded,
-                                  priced_seconds, quiet_functions)
+                                  priced_seconds)
+from scheduler.schedule import quiet_functions
 from tests.scheduler.strategies import training_like_sequence
 
 
@@ -31,6 +32,14 @@ def test_a_recorded_or_diverged_step_is_planned_from_its_recording() -> None:
         assert d.plan.peak_resident_bytes <= TIGHT.budget and not moves_nothing(d.plan)
     never = plan_recorded(SEQ, dataclasses.replace(TIGHT, recompute="never"))
     assert never.bytes_recomputed == 0
+
+
+def test_a_step_that_diverged_after_quiet_ops_drops_its_plan_and_the_next_records() -> None:
+    """Its recording misses who read what it made (quiet ops note nothing): no plan from it."""
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+    d = after_step(StepFacts("diverged", False, 1.0, sequence=None), state, TIGHT)
+    assert d.drop and d.plan is None
+    assert after_step(StepFacts("diverged", False, 1.0, sequence=SEQ), state, TIGHT).plan is not None
 
 
 def test_a_hook_driven_step_is_timed_if_it_kept_its_plan_else_its_plan_goes() -> None:
