@@ -66,8 +66,7 @@ class Settings:
 class StepFacts:
     """What a completed step showed, as data: its ``form`` (``FORMS``), whether it kept to
     its plan to the end (``kept``; a per-op step: ``ran_whole_plan``, it ran all the plan's
-    ops), its recording (``sequence``, recorded and diverged steps; None for a step that
-    diverged after quiet ops: who read what they made is not in it) and measured op times
+    ops), its recording (``sequence``, recorded and diverged steps) and measured op times
     (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
     the gap of the update, None if it ran none; a hook-driven step: that of the trace it ran
     against), whether it saved what a plain form compares (``signature``), whether it ran an
@@ -125,8 +124,6 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
-        if facts.sequence is None:   # diverged after quiet ops, which it did not record whole
-            return Decision(drop=state is not None)   # the next step records
         return Decision(plan=plan_recorded(facts.sequence, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()

@@ -94,11 +94,8 @@ class PlanCache:
         self.ran = getattr(st, "anchored", None)
         if st is None:
             runs = self._plan_runs.get(id(self.schedule), 0) if self.schedule is not None else 0
-            # a plan's first run looks at every op: it often meets what its recording step
-            # could not see (the optimizer's new state), and the step that diverges is the
-            # recording the next plan is made from; a later one that diverges records again
             st = self._new_stepper(key, self.schedule, self.binding, self.plain_candidate(), runs,
-                                   self.quiet_ops() if runs else frozenset())
+                                   self.quiet_ops())
         return st
 
     def quiet_ops(self) -> frozenset[int]:

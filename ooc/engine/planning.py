@@ -92,11 +92,7 @@ class Planner:
                              update=st.trace.update)
         mem = self._mem
         seq = None
-        # Quiet ops that ran before the step diverged noted no reads or in-place writes of
-        # what the step made (a chain's needs, Recording.promote): no plan from it, the next
-        # step records (a plan's first run has no quiet op: PlanCache.step_for).
-        quiet = st.ctx.quiet_ops
-        if not report.kept_plan and not (quiet and st.diverged_at is not None and min(quiet) < st.diverged_at):
+        if not report.kept_plan:
             seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
         trace = st.hook_trace if st.planned and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)

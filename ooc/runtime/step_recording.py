@@ -25,7 +25,7 @@ from ooc.runtime.devices import cuda_runtime
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
-from scheduler.ir import Kind
+from scheduler.ir import Access, Kind
 
 
 class StepRecording:
@@ -63,10 +63,12 @@ class StepRecording:
             self.gpu_events.append((i, *timing))
 
     def quiet_op(self, info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-        """The next op, one the plan gives no role (``StepContext.quiet_ops``): run, with its
-        name, time and timeline event recorded and the storages it makes born in the step (a
-        chain may read one: ``recompute.Made``), as for any planned op; none of the per-op
-        path's look at what it uses (``Stepper._take``), which costs the most."""
+        """The next op, one the plan gives no role (``StepContext.quiet_ops``): run and recorded
+        as any planned op is (its name, time and timeline event; its reads and in-place writes
+        of storages born in the step, which a chain's ``needs`` and ``Recording.promote`` come
+        from when a later op leaves the plan and the step is planned from; the storages it
+        makes, which a chain may read: ``recompute.Made``), with none of the per-op path's
+        residency checks, rollback copies, bindings and actions (``Stepper._take``/``_give``)."""
         rec = self.rec
         self.course.i = i = rec.begin_op(info.name)
         t0 = time.perf_counter()
@@ -74,15 +76,35 @@ class StepRecording:
         t1 = time.perf_counter()
         rec.seconds[i] = t1 - t0
         self.book.events.append(("compute", info.name, t0, t1))
-        min_bytes, ins = self.ctx.min_bytes, None
-        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else tensors(out)):
-            s = storage_of(t)   # None: sparse, left to PyTorch
-            if s is None or s.nbytes() < min_bytes or t.is_meta or t._is_zerotensor():
+        births, in_ids, written = rec.births, set(), None
+        for x in info.inputs(args, kwargs):   # as Stepper._take, its storage calls inline
+            try:
+                s = x.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse: PyTorch's
                 continue
-            if ins is None:   # a result in an input's storage (a view, an in-place op) is no birth
-                ins = {id(storage_of(x)) for x in info.inputs(args, kwargs)}
-            if id(s) not in ins:
-                rec.birth(s, i, k, s.nbytes())
+            in_ids.add(id(s))
+            if s._cdata in births and (b := rec.live_birth(s)) is not None:
+                if b.var is not None:   # managed, though the plan had no use here: noted
+                    rec.use(i, b.var, Access.READ)
+                    continue
+                b.reads.append(i)
+                rec.anonymous_reads.append((i, b))
+                if info.writes:
+                    if written is None:
+                        written = {id(s) for t in info.written(args, kwargs) if (s := storage_of(t)) is not None}
+                    if id(s) in written:
+                        b.writes.append(i)
+        min_bytes = self.ctx.min_bytes
+        for k, t in enumerate((out,) if isinstance(out, torch.Tensor) else tensors(out)):
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # a sparse result: left to PyTorch
+                continue
+            if id(s) in in_ids:   # a view, an in-place op: no birth
+                continue
+            nbytes = s.nbytes()
+            if nbytes >= min_bytes and not (t.is_meta or t._is_zerotensor()):
+                rec.birth(s, i, k, nbytes)
         return out
 
     def left_plan(self, i: int) -> None:

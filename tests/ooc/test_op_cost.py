@@ -235,6 +235,60 @@ def test_a_planned_step_only_runs_the_ops_its_plan_gives_no_role(monkeypatch, re
     assert runs[True][0] < runs[False][0], runs
 
 
+def _tiny_gpt() -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    from ooc.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(depth=2, width=64, heads=4, seq_len=64, vocab=128, dropout=0.1)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 128, (4, 65), generator=g)
+
+    def step(engine) -> None:
+        with engine.step():
+            out = model(idx[:, :-1])
+            F.cross_entropy(out.reshape(-1, 128), idx[:, 1:].reshape(-1)).backward()
+            engine.optimizer_step()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), step
+
+
+@pytest.mark.parametrize("name", ["net", "gpt"])
+def test_a_step_that_leaves_its_plan_after_quiet_ops_records_what_the_per_op_path_would(monkeypatch, name) -> None:
+    """A step that diverges is the recording its next plan is made from: its quiet ops record
+    the reads and in-place writes of storages born in the step (a chain's ``needs``: the
+    scores a softmax reads, scaled and masked by ops nobody saves; ``Recording.promote``) as
+    the per-op path does, so the plan made after a divergence at the forward's end is the same
+    with quiet ops as without (a re-plan that missed them, in an earlier version, kept
+    diverging: Hugging Face GPT-2's cached causal mask)."""
+    from ooc.engine import plan_cache
+
+    sequences = {}
+    for quiet in (True, False):
+        if not quiet:
+            monkeypatch.setattr(plan_cache, "quiet_functions", lambda schedule, made=(): frozenset())
+        if name == "net":
+            model, opt = _fresh()
+            last, step = model.fc, lambda e, k: _step(model, opt, e, k)
+        else:
+            model, opt, gpt_step = _tiny_gpt()
+            last, step = model.lm_head, lambda e, k: gpt_step(e)
+        extra = [False]
+        last.register_forward_hook(lambda m, a, out: out * 1.0 if extra[0] else out)   # one op more
+        engine = OutOfCore(model, opt, budget="600KiB" if name == "net" else "2MiB", recompute="prefer",
+                           options=Options(chunk="8KiB", min_bytes="4KiB", hook_steps=False))
+        for k in range(4):
+            step(engine, k)
+        assert engine.stats()["plan.bytes_recomputed"] > 0
+        extra[0] = True
+        torch.manual_seed(7)
+        step(engine, 4)
+        stats = engine.stats()
+        assert stats["last_diverged_at"] > 0, stats
+        seq = engine._plans.schedule.sequence
+        sequences[quiet] = [(f.name, f.uses, f.needs, f.replayable) for f in seq.functions]
+        engine.close()
+    assert sequences[True] == sequences[False]
+
+
 class _Capture(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

@@ -34,14 +34,6 @@ def test_a_recorded_or_diverged_step_is_planned_from_its_recording() -> None:
     assert never.bytes_recomputed == 0
 
 
-def test_a_step_that_diverged_after_quiet_ops_drops_its_plan_and_the_next_records() -> None:
-    """Its recording misses who read what it made (quiet ops note nothing): no plan from it."""
-    state = PlanState(plan_recorded(SEQ, TIGHT))
-    d = after_step(StepFacts("diverged", False, 1.0, sequence=None), state, TIGHT)
-    assert d.drop and d.plan is None
-    assert after_step(StepFacts("diverged", False, 1.0, sequence=SEQ), state, TIGHT).plan is not None
-
-
 def test_a_hook_driven_step_is_timed_if_it_kept_its_plan_else_its_plan_goes() -> None:
     state = PlanState(plan_recorded(SEQ, TIGHT))
     assert after_step(StepFacts("anchored", True, 1.0), state, TIGHT).trial == "hook"
