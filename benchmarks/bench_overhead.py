@@ -265,7 +265,7 @@ def table(setting: Setting, rows: list[Row], peak: int) -> tuple[list[str], floa
               f"{calls if calls is not None else '-'} ({(calls or 0) / ops:.2f} per op), per-op path "
               f"{per_op_calls if per_op_calls is not None else '-'} ({(per_op_calls or 0) / ops:.1f} per op)"
               if ops else "- Python calls per op: not measured",
-              f"- quiet ops (the per-op path runs the ops its plan gives no role without looking at them): "
+              f"- quiet ops (the per-op path runs the ops its plan gives no role with none of its checks): "
               f"the engine {per_op_us:+.1f} us per op above the mode with them, {looked_us:+.1f} us with "
               f"every op looked at (CPU time, medians); Python calls into ooc {per_op_calls} against "
               f"{looked_calls}" if ops else "- quiet ops: not measured",
@@ -391,13 +391,15 @@ ANALYSIS = [
     "steps (no cap of half the budget): 0 large blocks faulted in per step, where the per-op "
     "row, capped, faults the weight gradients in again.",
     "- Quiet ops (issue 38, for the GPU's host): a planned per-op step runs the ops its plan gives no "
-    "role (no action around them, no variable used or made, in no recompute chain) without looking at "
-    "their inputs and outputs. In the run above (commit 2eed09d, one torch thread, a load average of "
-    "2-3 at its start): at 32 px the engine's own work on its per-op path fell from +28.4 to +15.9 us "
-    "per op above the mode (CPU time), 1.46x to 1.34x in-core in wall time, and its Python calls from "
-    "7,808 to 6,213 a step; at 224 px the calls from 7,772 to 5,988 (the times there are within the "
-    "noise). On the GPU profiles 60-79% of the ops are quiet; on this model's 'nothing moves' plan "
-    "(30 managed tensors) about half.",
+    "role (no action around them, no variable used or made, in no recompute chain) without the per-op "
+    "path's residency checks, rollback copies, bindings and actions, only recorded. They cut ooc's "
+    "Python calls by about a fifth (the quiet-ops line: 6,109 against 7,808 a step at 32 px, 6,025 "
+    "against 7,772 at 224 px). Their time is within this machine's noise: a first run (commit "
+    "2eed09d, before quiet ops recorded their reads of what the step made) gave +15.9 against +28.4 "
+    "us per op at 32 px, this one +38.8 against +31.9; in one process, the two engines' steps "
+    "interleaved (ResNet-18 32 px b8, one thread, median CPU time of 50 steps each, three runs): 83.6 "
+    "vs 86.0, 76.6 vs 76.2, 83.6 vs 83.8 ms, 0-3% less. Most of a planned op's cost is PyTorch's "
+    "dispatch and what every op still needs.",
     "- The ratio falls as the step grows: at 224 px the ops are long and a fixed cost per op "
     "weighs little; at 32 px the same ops are short, and PyTorch's dispatch alone adds 7% "
     "(one thread) to 11-14% (two) to the step: more than the 1.05x target leaves.",

@@ -165,9 +165,9 @@ def quiet_functions(schedule: Schedule, made: AbstractSet[int] = frozenset()) ->
     """The functions a planned per-op step may run with no bookkeeping of its own: no action
     before or after them, no variable of the plan used or made (``made``: the functions the
     runtime binds a variable at), in no recompute chain. On the GPU profiles 60-79% of a
-    step's ops (ResNet-50 b256, GPT-2, the Llama at 1/2 and 1/4): each skips the engine's
-    look at its inputs and outputs, the per-op path's cost that a GPU's host pays for every
-    op (``ooc/runtime/stepper.py``)."""
+    step's ops (ResNet-50 b256, GPT-2, the Llama at 1/2 and 1/4): each skips the per-op
+    path's residency checks, rollback copies, bindings and actions, and is only recorded
+    (``ooc/runtime/step_recording.py``)."""
     chained = {w for actions in schedule.before for a in actions for w in a.chain}
     before, after = schedule.before, schedule.after
     return frozenset(i for i, f in enumerate(schedule.sequence.functions)

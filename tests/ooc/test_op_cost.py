@@ -198,7 +198,7 @@ def test_a_plain_step_makes_a_python_call_per_saved_tensor_only() -> None:
 @pytest.mark.parametrize("recompute", ["never", "prefer"])
 def test_a_planned_step_only_runs_the_ops_its_plan_gives_no_role(monkeypatch, recompute: str) -> None:
     """Ops with no action around them, no variable used or made, in no chain
-    (``scheduler.schedule.quiet_functions``) skip the per-op look at their inputs and
+    (``scheduler.schedule.quiet_functions``) skip the per-op checks of their inputs and
     outputs: a planned step that swaps (and recomputes) makes fewer Python calls with them
     than with every op looked at, runs its plan the same (bytes moved and recomputed) and
     trains bitwise as in core, BatchNorm statistics included (copied at the step's start,
