@@ -91,7 +91,7 @@ class StepRecording:
                 rec.anonymous_reads.append((i, b))
                 if info.writes:
                     if written is None:
-                        written = {id(s) for t in info.written(args, kwargs) if (s := storage_of(t)) is not None}
+                        written = {id(w) for t in info.written(args, kwargs) if (w := storage_of(t)) is not None}
                     if id(s) in written:
                         b.writes.append(i)
         min_bytes = self.ctx.min_bytes

@@ -289,6 +289,38 @@ def test_a_step_that_leaves_its_plan_after_quiet_ops_records_what_the_per_op_pat
     assert sequences[True] == sequences[False]
 
 
+def test_quiet_ops_record_the_reads_and_writes_the_per_op_path_records(monkeypatch) -> None:
+    """Temporaries the plan does not manage, made and written in place by quiet ops (``u.add_(t)``
+    reads ``t``, writes ``u``): each birth's reads and writes, and the step's reads of them,
+    are what the per-op path records, op for op."""
+    from ooc.engine import plan_cache, planning
+
+    def temporaries(module, args, out):   # ops with no role in the plan, on storages born here
+        t = torch.ones_like(out) * 2.0
+        u = torch.full_like(out, 3.0)
+        u.add_(t)
+        return out + u * 0.0
+
+    recorded = {}
+    facts = planning.Planner._facts
+    for quiet in (True, False):
+        if not quiet:
+            monkeypatch.setattr(plan_cache, "quiet_functions", lambda schedule, made=(): frozenset())
+        steps = []
+        monkeypatch.setattr(planning.Planner, "_facts", lambda self, st, report: steps.append(st) or facts(self, st, report))
+        model, opt = _fresh()
+        model.conv2.register_forward_hook(temporaries)
+        engine = OutOfCore(model, opt, budget="64MiB", options=Options(chunk="8KiB", min_bytes="4KiB", hook_steps=False))
+        for step in range(4):
+            _step(model, opt, engine, step)
+        engine.close()
+        rec = steps[-1].rec
+        assert steps[-1].planned and steps[-1].diverged_at is None
+        recorded[quiet] = ({(b.op, b.out): (list(b.reads), list(b.writes)) for b in rec.births.values() if b.var is None},
+                           [(i, b.op, b.out) for i, b in rec.anonymous_reads])
+    assert recorded[True][0] and recorded[True] == recorded[False]
+
+
 class _Capture(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
