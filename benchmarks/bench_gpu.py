@@ -21,12 +21,14 @@ still leaves the most important figures; the report is rewritten after every row
    and 1/4 of the in-core step's own peak, and ooc swap-only at 1/4 (``gpu_methods.py``).
    Per row: step, samples/s, peak device memory (PyTorch's peak + ooc's VMM pool), bytes
    moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
-3. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
+3. **nnabla's headline** (``gpu_headline.py``): ResNet-50 at 4x the largest batch that fits
+   a 16 GiB cap, against the best in-core images/s (unless ``--no-headline``).
+4. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
    same loop in core (recompute with dropout, swap only, bf16, fp16 + GradScaler, every kind
    managed, a budget with nothing to move).
-4. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
-5. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
-6. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
+5. ``--pytest``: the real-GPU tests (``pytest -m gpu``).
+6. ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25 (unless ``--no-compile``).
+7. compute-sanitizer memcheck (unless ``--no-sanitizer``), VMM call costs (``--vmm``).
 
 cuDNN and cuBLAS run deterministically in every run. Writes benchmarks/results/gpu.md and
 gpu.json (``--quick``: gpu-quick.*). Without CUDA it writes a report saying that nothing was
@@ -72,6 +74,7 @@ def main() -> int:
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of the per-case methods (in-core always runs)")
     p.add_argument("--no-forms", action="store_true", help="skip the step-form checks")
+    p.add_argument("--no-headline", action="store_true", help="skip the 16 GiB headline (gpu_headline.py)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
     p.add_argument("--vmm", action="store_true", help="also time the driver's VMM calls")
@@ -156,6 +159,15 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
+    if not args.no_headline and "resnet50" in [c.name for c in cases]:
+        if clock.left() < 120:
+            report.skipped("the 16 GiB headline: not run, the run's time limit")
+        else:
+            from gpu_headline import headline
+
+            got = _guarded(headline, hw, steps, args.quick, clock.left)
+            lines, report.extra["headline"] = got if isinstance(got, tuple) else (got, [])
+            report.section("nnabla's headline: ResNet-50 at 4x the largest batch under a 16 GiB cap", lines)
     for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
             report.skipped(f"step form {case.label} {engine_kw}: not run, the run's time limit")

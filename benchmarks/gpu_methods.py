@@ -58,6 +58,7 @@ class Row:
     label: str = ""
     budget_bytes: int | None = None
     torch_peak_bytes: int | None = None
+    torch_reserved_peak_bytes: int | None = None   # PyTorch's reserved: what a cap bounds
     pool_peak_bytes: int | None = None
     steps_ms: list[float] = field(default_factory=list)
     forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
@@ -87,13 +88,14 @@ class Setup:
 
 def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int = WARMUP,
         engine_kw: dict[str, Any] | None = None, recordings: Path | None = None,
-        steps: int | None = None) -> Row:
+        steps: int | None = None, budget_bytes: int | None = None) -> Row:
     """Train ``setup.steps`` timed steps (after ``warmup``) by ``method``; never raises: a
     failure is a row with ``error`` set (one broken method must not hide the others).
     ``fraction``: the budget, of the in-core activation peak (of the whole in-core peak when
     ``engine_kw`` manages more than activations); ``engine_kw``: more ``OutOfCore`` options;
     ``recordings``: a directory for the engine's own recorded step (what it planned on);
-    ``steps``: timed steps, if not ``setup.steps``."""
+    ``steps``: timed steps, if not ``setup.steps``; ``budget_bytes``: the budget itself,
+    instead of a fraction."""
     case = setup.case
     engine_kw = dict(engine_kw or {})
     row = Row(case.name, method, fraction, label=case.label)
@@ -102,6 +104,8 @@ def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int
     if fraction is not None:
         whole = set(engine_kw.get("manage", ("activations",))) != {"activations"}
         row.budget_bytes = int((setup.total_peak if whole else setup.activation_peak) * fraction)
+    if budget_bytes is not None:
+        row.budget_bytes = budget_bytes
     try:
         _train(setup, method, row, warmup, engine_kw, recordings, steps or setup.steps)
     except Exception as exc:   # the row says what broke; the log has the traceback
@@ -144,30 +148,20 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()   # else the first step reads the last run's peak
     torch.manual_seed(1)
-    times, per_step, rises, peak = [], [], [], 0
-    for i in range(warmup + steps):
-        before = _counters(engine)
-        moved[0] = 0
-        torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated())
-        torch.cuda.reset_peak_memory_stats()
-        at_start = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        _one_step(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        if i >= warmup:
-            times.append(t1 - t0)
-            rises.append(torch.cuda.max_memory_allocated() - at_start)
-            after = _counters(engine)
-            step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
-            if engine is not None:   # did this step run its plan (not on demand)?
-                step["planned"] = engine.stats()["last_planned"]
-            per_step.append(step)
+    times, per_step, rises = [], [], []
+    try:
+        peak, reserved = _steps(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler, moved,
+                                warmup + steps, warmup, times, per_step, rises)
+    except BaseException:   # an engine that failed mid-step gives its pool back all the same
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close()
+        raise
     row.steps_ms = [round(t * 1e3, 2) for t in times]
     row.step_ms = statistics.median(times) * 1e3
     row.samples_per_s = case.batch / (row.step_ms / 1e3)
-    row.torch_peak_bytes = max(peak, torch.cuda.max_memory_allocated())
+    row.torch_peak_bytes = peak
+    row.torch_reserved_peak_bytes = reserved
     row.peak_bytes = row.torch_peak_bytes
     if method == "in-core":   # the budgets' base: what a steady step allocates above its start
         setup.activation_peak = max(rises)
@@ -189,6 +183,37 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
             engine.last_recording.to_json(recordings / f"{case.name}-{method}-{row.budget_fraction:g}.json")
         engine.close()
     del model, opt, runner
+
+
+def _steps(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,
+           hooks: Any, scaler: Any, moved: list[int], n: int, warmup: int, times: list[float],
+           per_step: list[dict[str, int]], rises: list[int]) -> tuple[int, int]:
+    """``n`` steps, each between two synchronizations; the timed ones (after ``warmup``) fill
+    ``times``, ``per_step`` (bytes moved and recomputed) and ``rises`` (peak allocated above
+    the step's start). Returns PyTorch's peak allocated and reserved bytes over them."""
+    peak = reserved = 0
+    for i in range(n):
+        before = _counters(engine)
+        moved[0] = 0
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated())
+        reserved = max(reserved, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        at_start = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        _one_step(case, runner, opt, x, y, loss_fn, engine, hooks, scaler)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append(t1 - t0)
+            rises.append(torch.cuda.max_memory_allocated() - at_start)
+            after = _counters(engine)
+            step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
+            if engine is not None:   # did this step run its plan (not on demand)?
+                step["planned"] = engine.stats()["last_planned"]
+            per_step.append(step)
+    return (max(peak, torch.cuda.max_memory_allocated()),
+            max(reserved, torch.cuda.max_memory_reserved()))
 
 
 def _one_step(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,

@@ -28,6 +28,7 @@ class Report:
         self.notes: list[str] = []
         self.link: dict[str, float] = {}
         self.profiles: list[str] = []
+        self.extra: dict[str, list[dict]] = {}   # gpu.json's other sections' rows (headline)
         self._header = common.header("ooc on a GPU", quick=quick, notes=_gpu_notes())
 
     def add(self, row: Row, *, form: bool = False) -> None:
@@ -78,7 +79,7 @@ class Report:
             "torch": info.get("torch"), "link_bytes_per_s": self.link,
             "rows": [r.to_dict() for r in self.rows],
             "step_forms": [r.to_dict() for r in self.forms],
-            "profiles": self.profiles, "not_run": self.notes}, indent=1) + "\n")
+            "profiles": self.profiles, "not_run": self.notes, **self.extra}, indent=1) + "\n")
 
 
 def _table(rows: list[Row]) -> list[str]:

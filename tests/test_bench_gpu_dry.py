@@ -50,6 +50,9 @@ def dry_gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 40 * MiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 48 * MiB)
+    caps = []   # the headline's caps, each released after (1.0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: caps.append(f))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
         name="FAKE (dry run)", total_memory=16 << 30, multi_processor_count=0))
@@ -60,8 +63,10 @@ def dry_gpu(monkeypatch: pytest.MonkeyPatch):
     from ooc.testing import fake_cuda
 
     with fake_cuda(memory_bytes=2 << 30, granularity=2 * MiB) as driver:
+        driver.caps = caps
         yield driver
     assert driver.violations == []
+    assert caps[-1:] in ([], [1.0]) and caps.count(1.0) * 2 == len(caps), caps
 
 
 @pytest.mark.timeout(600)
@@ -114,3 +119,27 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
                 "| ooc |", "`on_op`"):
         assert run in host, (run, host)
     assert "| ooc per op |" in host and "plain" in host.split("| ooc |", 1)[1].split("\n", 1)[0], host
+    # the headline: the largest batch found by bisection, in core under the cap, the
+    # uncapped reference at 4x, and an ooc try at 4x bitwise against it
+    head = text.split("## nnabla's headline", 1)[1].split("\n## ", 1)[0]
+    assert "FAILED" not in head and "Largest in-core batch under a 0.5 GiB cap: **4**" in head, head
+    tries = [r for r in data["headline"] if r["method"] == "ooc"]
+    assert tries and tries[0]["label"] == "ResNet-50 b16" and tries[0]["bitwise"] is True, data["headline"]
+    assert dry_gpu.caps and all(0 < f <= 1 for f in dry_gpu.caps)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
+def test_the_largest_batch_that_fits_is_found_by_bisection(limit: int) -> None:
+    """The headline's search: the largest multiple of 8 up to 512 that fits, in few tries."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_headline import largest_batch
+
+    tried = []
+
+    def fits(b: int) -> bool:
+        tried.append(b)
+        return b <= limit
+
+    got = largest_batch(fits, 8, 512)
+    assert got == (0 if limit < 8 else min(512, limit // 8 * 8))
+    assert len(tried) <= 8 and all(b % 8 == 0 for b in tried)
