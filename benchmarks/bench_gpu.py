@@ -75,6 +75,9 @@ def main() -> int:
                    help="comma-separated subset of the per-case methods (in-core always runs)")
     p.add_argument("--no-forms", action="store_true", help="skip the step-form checks")
     p.add_argument("--no-headline", action="store_true", help="skip the 16 GiB headline (gpu_headline.py)")
+    p.add_argument("--headline-last", action="store_true", help="the headline after the compile rows")
+    p.add_argument("--no-host-cost", action="store_true", help="skip the host-cost section")
+    p.add_argument("--no-profiles", action="store_true", help="record no GPU profile")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
     p.add_argument("--vmm", action="store_true", help="also time the driver's VMM calls")
@@ -96,7 +99,7 @@ def main() -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     clock = _Clock(args.deadline)
     report = gpu_report.Report(out, args.quick)
-    profiles = args.profiles or (None if args.quick else HERE.parent / "profiles")
+    profiles = args.profiles or (None if args.quick or args.no_profiles else HERE.parent / "profiles")
     # cuDNN's flags through its context manager: assigning them raises once something has
     # called torch.backends.disable_global_flags() (torch.testing._internal does, on import)
     with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True):
@@ -126,12 +129,14 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
     report.section("Pinned host memory bandwidth", table)
     report.link = rates
     hw = scheduler.hardware("h100-80gb-pcie5", h2d_bandwidth=rates["h2d"], d2h_bandwidth=rates["d2h"])
-    if clock.left() > 60:   # the host's time per op: the simulator's host lane for every 'sim' below
+    hook_host_s = 0.0
+    if clock.left() > 60 and not args.no_host_cost:   # the host's time per op: the simulator's host lane for every 'sim' below
         from gpu_host_cost import host_cost
 
         got = _guarded(host_cost, args.quick)
         lines, host = got if isinstance(got, tuple) else (got, {})
         report.section("Host cost per op", lines)
+        hook_host_s = host.pop("hook_host_s", 0.0)
         hw = scheduler.hardware(hw, **host)
     steps = args.steps or (2 if args.quick else 5)
     cases = QUICK if args.quick else FULL
@@ -143,7 +148,7 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             report.skipped(f"{case.label}: not run, the run's time limit")
             continue
         model, x, y, loss_fn = case.build()
-        setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
+        setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw, hook_host_s=hook_host_s)
         for method in BEFORE_OOC:
             if method != "in-core" and not _chosen(args, method):
                 continue
@@ -159,20 +164,13 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
-    if not args.no_headline and "resnet50" in [c.name for c in cases]:
-        if clock.left() < 120:
-            report.skipped("the 16 GiB headline: not run, the run's time limit")
-        else:
-            from gpu_headline import headline
-
-            got = _guarded(headline, hw, steps, args.quick, clock.left)
-            lines, report.extra["headline"] = got if isinstance(got, tuple) else (got, [])
-            report.section("nnabla's headline: ResNet-50 at 4x the largest batch under a 16 GiB cap", lines)
+    if not args.headline_last:
+        _headline(args, report, clock, hw, steps, cases)
     for case, engine_kw, fraction in [] if args.no_forms else QUICK_FORMS if args.quick else FORMS:
         if clock.left() < 30:
             report.skipped(f"step form {case.label} {engine_kw}: not run, the run's time limit")
             continue
-        setup = Setup(case, *case.build(), steps=2, hardware=hw)
+        setup = Setup(case, *case.build(), steps=2, hardware=hw, hook_host_s=hook_host_s)
         report.add(run(setup, "in-core"), form=True)
         report.add(run(setup, "ooc", fraction=fraction, engine_kw=engine_kw), form=True)
     if args.pytest:
@@ -186,12 +184,28 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             setup = Setup(case, model, x, y, loss_fn, steps, hardware=hw)
             setup.reference, setup.reference_steps = references.get(case.name, (None, 0))
             report.add(run(setup, f"compile-budget-{budget}"))
+    if args.headline_last:
+        _headline(args, report, clock, hw, steps, cases)
     if not args.no_sanitizer and clock.left() > 60:
         from gpu_sanitizer import sanitizer
 
         report.section("compute-sanitizer memcheck", _guarded(sanitizer, args.quick, str(HERE)))
     if args.vmm and clock.left() > 60:
         report.section("VMM cost per chunk", _guarded(vmm_costs, args.quick))
+
+
+def _headline(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock, hw, steps: int,
+              cases: list) -> None:
+    if args.no_headline or "resnet50" not in [c.name for c in cases]:
+        return
+    if clock.left() < 120:
+        report.skipped("the 16 GiB headline: not run, the run's time limit")
+        return
+    from gpu_headline import headline
+
+    got = _guarded(headline, hw, steps, args.quick, clock.left)
+    lines, report.extra["headline"] = got if isinstance(got, tuple) else (got, [])
+    report.section("nnabla's headline: ResNet-50 at 4x the largest batch under a 16 GiB cap", lines)
 
 
 def _chosen(args: argparse.Namespace, method: str) -> bool:

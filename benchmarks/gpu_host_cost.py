@@ -126,7 +126,8 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
     queue_s = {label: statistics.median(q for _, q in times) for label, times, _ in rows}
     looked = queue_s["ooc per op, every op looked at"] / max(ops, 1)
     quiet_s = (queue_s["ooc per op"] - (ops - quiet) * looked) / quiet if quiet else looked
-    host = {"host_op_s": max(looked, 0.0), "host_quiet_op_s": max(quiet_s, 0.0)}
+    host = {"host_op_s": max(looked, 0.0), "host_quiet_op_s": max(quiet_s, 0.0),
+            "hook_host_s": queue_s["ooc"] / max(ops, 1)}   # not the simulator's: a hook-driven step's
     base = step_s["in-core"]
     lines = [f"{case.label}, {ops} ops a step; budget {budget / 2**30:.2f} GiB (the plan moves nothing). "
              f"Median of {STEPS} steps after {WARMUP}, each between two synchronizations; 'queued' is the "
@@ -140,7 +141,9 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
                      f"| {over} | {note} |")
     lines += ["", f"The simulator's host lane, from these: {host['host_op_s'] * 1e6:.1f} us to queue an op the "
               f"engine looks at, {host['host_quiet_op_s'] * 1e6:.1f} us a quiet one (`Hardware.host_op_s`, "
-              "`host_quiet_op_s`; the 'sim' column of the cases above and below uses them)."]
+              "`host_quiet_op_s`; the 'sim' column of the cases above and below uses them); "
+              f"{host['hook_host_s'] * 1e6:.1f} us an op of a hook-driven step (the `ooc` row: "
+              "the host lane of a row whose timed steps ran a plain or anchored form)."]
     if profile is not None:
         lines += ["", f"One `ooc per op` step under cProfile (its own overhead included): the {TOP} functions "
                   "with the most own time.", "", "| function | where | calls | own ms | with callees ms |",
