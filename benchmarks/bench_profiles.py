@@ -1,6 +1,6 @@
 """The planner on the GPU profiles: predicted GPU step and planning time, on any machine.
 
-    python benchmarks/bench_profiles.py [--quick] [--out PATH]
+    python benchmarks/bench_profiles.py [--quick] [--out PATH] [--profiles DIR]
 
 Each profile in benchmarks/profiles/ is one training step recorded on a real GPU with
 CUDA-event op times (benchmarks/gpu_profiles.py). It is planned as the engine plans it
@@ -10,7 +10,9 @@ simulated: the predicted step against the in-core step (the sum of the recorded 
 the bytes moved and recomputed, the peak, and how long planning took here (median of 3 fresh
 plans: wall and CPU seconds; issue 38 asks for <= 0.3 s, so that a re-plan does not cost tens
 of GPU steps). Swap only and ``recompute="prefer"`` beside the default at 1/4.
-Writes benchmarks/results/profiles.md (``--quick``: one plan each, profiles-quick.md).
+Writes benchmarks/results/profiles.md (``--quick``: one plan each, profiles-quick.md);
+``--profiles benchmarks/profiles/h100`` plans the H100's profiles instead (write them elsewhere
+with ``--out``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ GiB = 1 << 30
 
 
 def main() -> int:
-    args = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+    p = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--profiles", type=Path, default=PROFILES, metavar="DIR",
+                   help="the profiles to plan (default benchmarks/profiles: the H200's)")
+    args = p.parse_args()
     runs = 1 if args.quick else 3
     rows, verdicts, notes = [], [], []
-    for path in sorted(PROFILES.glob("*.json")):
+    for path in sorted(args.profiles.glob("*.json")):
         full = VariableSequence.from_json(path)
         meta = full.meta
         notes.append(f"`{path.name}`: {meta.get('label', meta.get('model'))}, {len(full.functions):,} "

@@ -61,6 +61,7 @@ class Row:
     torch_reserved_peak_bytes: int | None = None   # PyTorch's reserved: what a cap bounds
     pool_peak_bytes: int | None = None
     steps_ms: list[float] = field(default_factory=list)
+    step_peaks: list[int] = field(default_factory=list)   # PyTorch's peak allocated, each step (warm-up too)
     forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
     note: str = ""
     error: str = ""
@@ -152,7 +153,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     times, per_step, rises = [], [], []
     try:
         peak, reserved = _steps(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler, moved,
-                                warmup + steps, warmup, times, per_step, rises)
+                                warmup + steps, warmup, times, per_step, rises, row.step_peaks)
     except BaseException:   # an engine that failed mid-step gives its pool back all the same
         if engine is not None:
             with contextlib.suppress(Exception):
@@ -188,10 +189,12 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
 
 def _steps(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,
            hooks: Any, scaler: Any, moved: list[int], n: int, warmup: int, times: list[float],
-           per_step: list[dict[str, int]], rises: list[int]) -> tuple[int, int]:
+           per_step: list[dict[str, int]], rises: list[int], peaks: list[int]) -> tuple[int, int]:
     """``n`` steps, each between two synchronizations; the timed ones (after ``warmup``) fill
     ``times``, ``per_step`` (bytes moved and recomputed) and ``rises`` (peak allocated above
-    the step's start). Returns PyTorch's peak allocated and reserved bytes over them."""
+    the step's start), every one ``peaks`` (its peak allocated: the first steps of ooc record
+    and try forms, and may hold more than the later ones). Returns PyTorch's peak allocated
+    and reserved bytes over them."""
     peak = reserved = 0
     for i in range(n):
         before = _counters(engine)
@@ -205,6 +208,7 @@ def _steps(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, e
         _one_step(case, runner, opt, x, y, loss_fn, engine, hooks, scaler)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        peaks.append(torch.cuda.max_memory_allocated())
         if i >= warmup:
             times.append(t1 - t0)
             rises.append(torch.cuda.max_memory_allocated() - at_start)
