@@ -162,6 +162,8 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             if not _chosen(args, method):
                 continue
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
+        if _chosen(args, "ooc-matched") and clock.left() > 60:
+            _matched(setup, report, [r for r in report.rows if r.case == case.name])
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
     if not args.headline_last:
@@ -206,6 +208,39 @@ def _headline(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
     got = _guarded(headline, hw, steps, args.quick, clock.left)
     lines, report.extra["headline"] = got if isinstance(got, tuple) else (got, [])
     report.section("nnabla's headline: ResNet-50 at 4x the largest batch under a 16 GiB cap", lines)
+
+
+def matched_budget(points: list[tuple[int, int]], peak: int) -> int | None:
+    """The budget at which ooc's peak should be ``peak``, on the line through the two
+    (budget, measured peak) ``points`` with the largest budgets; None where that line gives no
+    positive budget (ooc's fixed part alone is over ``peak``) or the points cannot tell."""
+    if len(points) < 2:
+        return None
+    (b1, p1), (b2, p2) = sorted(points)[-2:]
+    if b2 == b1 or p2 <= p1:
+        return None
+    budget = b1 + (peak - p1) * (b2 - b1) / (p2 - p1)
+    return int(budget) if budget > 0 else None
+
+
+def _matched(setup, report: gpu_report.Report, rows: list) -> None:
+    """ooc at each alternative's peak (issue 38: ooc at no more peak memory than each
+    alternative is faster than it): the budget read off the ooc rows' own budgets and peaks,
+    aimed 3% under the alternative's peak."""
+    from gpu_methods import run
+
+    points = [(r.budget_bytes, r.peak_bytes) for r in rows
+              if r.method == "ooc" and not r.error and r.budget_bytes and r.peak_bytes]
+    for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
+        budget = matched_budget(points, int(alt.peak_bytes * 0.97))
+        if budget is None:
+            report.skipped(f"{setup.case.label} ooc matched to {alt.method}'s peak "
+                           f"({alt.peak_bytes / 2**30:.2f} GiB): no budget reaches it on the line "
+                           "through the ooc rows' budgets and peaks")
+            continue
+        row = run(setup, "ooc-matched", fraction=budget / setup.activation_peak, budget_bytes=budget)
+        row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak", row.note) if x)
+        report.add(row)
 
 
 def _chosen(args: argparse.Namespace, method: str) -> bool:

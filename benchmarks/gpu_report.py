@@ -128,6 +128,14 @@ def _verdicts(rows: list[Row]) -> list[str]:
                       else f"NO (slower than {', '.join(beaten)})")
                    + f"; simulator within 15%: {'yes' if sim_ok else 'NO'}"
                    + f"; bitwise: {r.bitwise}")
+    ours = [r for r in rows if r.method.startswith("ooc") and not r.error and r.step_ms and r.peak_bytes]
+    for a in [a for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error and a.peak_bytes]:
+        within = [r for r in ours if r.peak_bytes <= a.peak_bytes]
+        best = min(within, key=lambda r: r.step_ms, default=None)
+        out.append(f"- against {a.method} ({a.step_ms:.1f} ms, {_gib(a.peak_bytes)}): "
+                   + ("no ooc row at no more peak" if best is None else
+                      f"fastest ooc at no more peak {best.step_ms:.1f} ms at {_gib(best.peak_bytes)}: "
+                      + ("faster (met)" if best.step_ms < a.step_ms else "slower (NOT met)")))
     return out
 
 

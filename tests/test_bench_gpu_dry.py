@@ -80,7 +80,7 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     out = tmp_path / "gpu-quick.md"
     # every method's code once (checkpointing every 2nd block and swap only are the same code
     # with another argument): the suite's time is shared
-    methods = "in-core-repeat,checkpoint-every-block,save_on_cpu,ooc"
+    methods = "in-core-repeat,checkpoint-every-block,save_on_cpu,ooc,ooc-matched"
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
                                       "--methods", methods, "--cases", "resnet50,llama",
                                       "--no-sanitizer", "--profiles", str(tmp_path / "profiles"),
@@ -94,6 +94,9 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     ran = {(r["case"], r["method"]) for r in data["rows"]}
     for case in ("resnet50", "llama"):   # GPT-2's code is the zoo's, as ResNet-50's
         for method in ("in-core", *methods.split(",")):
+            if method == "ooc-matched":   # a row, or a line saying why no budget reaches the peak
+                assert (case, method) in ran or any("ooc matched to" in n for n in data["not_run"]), data["not_run"]
+                continue
             assert (case, method) in ran
     keys = {"case", "method", "budget_fraction", "step_ms", "samples_per_s", "peak_bytes",
             "bytes_moved", "bytes_recomputed", "bitwise", "predicted_step_ms"}
@@ -169,3 +172,19 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     assert m["sum"] == m["torch"] + m["pool"]
     assert max(m["torch"], m["pool"]) <= m["one_arena"] <= m["sum"]
     assert m["pool"] > 0 and m["torch"] > seq.in_core_peak_bytes // 4   # swaps happen; PyTorch holds more than the budget
+
+
+@pytest.mark.parametrize("points, peak, budget", [
+    ([(5, 10), (10, 16)], 13, 7.5),          # on the line through the two
+    ([(5, 10), (10, 16)], 22, 15),           # beyond them
+    ([(5, 10), (10, 16)], 4, None),          # under ooc's fixed part: no budget
+    ([(5, 10)], 9, None),                    # one point cannot tell
+    ([(5, 10), (10, 10)], 9, None),          # a flat line cannot tell
+    ([(1, 3), (5, 10), (10, 16)], 13, 7.5),  # the two largest budgets
+])
+def test_the_budget_matched_to_an_alternatives_peak(points, peak, budget) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_gpu import matched_budget
+
+    assert matched_budget([(b << 30, p << 30) for b, p in points], peak << 30) == (
+        None if budget is None else int(budget * 2**30))

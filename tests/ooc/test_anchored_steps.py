@@ -130,9 +130,17 @@ def test_anchored_steps_intercept_no_op_and_are_bitwise(counted_ops, name, opt) 
     assert_same(ref, model, ref_losses, losses)
 
 
-def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(counted_ops) -> None:
+def test_the_default_engine_tries_the_anchored_form_of_a_plan_that_recomputes(counted_ops, monkeypatch) -> None:
     """The per-op plan recomputes; its anchored form swaps only (a chain needs the per-op
-    path). With the trial kept, the engine runs the swap-only form, and says so in stats."""
+    path). With the trial kept, the engine runs the swap-only form, and says so in stats.
+    The swap file is priced at 50 MB/s, so that the plan recomputes whatever the machine's
+    load: priced at what the file measured, a busy CI machine once planned swap only."""
+    import ooc.engine.planning as planning
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+
+    monkeypatch.setattr(planning, "priced_hardware",
+                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
     sizes = [8] * 10
     ref, ref_opt = fresh("gpt2", "sgd")
     ref_losses, _ = train("gpt2", ref, ref_opt, None, sizes)
