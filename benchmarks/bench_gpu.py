@@ -229,6 +229,8 @@ def _matched(setup, report: gpu_report.Report, rows: list) -> None:
     aimed 3% under the alternative's peak."""
     from gpu_methods import run
 
+    if not setup.activation_peak:   # in core failed: nothing to take fractions of
+        return
     points = [(r.budget_bytes, r.peak_bytes) for r in rows
               if r.method == "ooc" and not r.error and r.budget_bytes and r.peak_bytes]
     for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
