@@ -7,6 +7,12 @@ actions there). Two decisions follow, both made here from plain data:
   made again for a budget lowered by what its anchored form went over (and a chunk more, the
   runtime's rounding), ``ANCHOR_TRIES`` times at most, until ``check`` proves the anchored
   form within the real budget; swap only (a recompute chain needs the per-op path).
+- ``worth_a_trial``: on a GPU (plans priced once, on the device's own op times), a form
+  the simulator predicts ``TRIAL_SLOWER`` slower than its per-op plan is not tried. On the
+  H100 (benchmarks/results/gpu.md) every swap-only form of a recomputing plan of ResNet-50
+  and GPT-2 lost its trial (predicted 1.4-3.2x the per-op plan's step), after two trial steps
+  each and with its pool, which brings more bytes back at once, left mapped; the Llama's won
+  (its per-op steps host-bound at ~0.6 s, its anchored form predicted at 0.22-0.33 s).
 - ``judge``: the trial. Anchored and per-op steps take turns until each ran ``TRIAL_RUNS``
   times (each side's first steps run on colder memory), and the faster of their fastest is
   kept. An anchored plan that moves more bytes than the per-op plan (it swaps what that one
@@ -28,6 +34,7 @@ from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
 
 TRIAL_RUNS = 2   # anchored steps timed against the per-op plan before one of them is kept
+TRIAL_SLOWER = 1.25   # a GPU's anchored form predicted this much slower is not tried
 MARGIN = 0.03
 ANCHOR_TRIES = 4   # plans tried at lower budgets for an anchored form within the budget
 
@@ -60,6 +67,16 @@ def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int,
             if lowered <= 0:   # the anchored form holds more than the whole budget: none
                 return None
     return None
+
+
+def worth_a_trial(moved: Schedule, plan: Schedule, per_op_s: float, hw: "scheduler.Hardware") -> bool:
+    """Whether a GPU plan's anchored form ``moved`` may beat its per-op ``plan``: its predicted
+    step (no op intercepted: no host lane) against the per-op plan's, the slower of its
+    predicted step and ``per_op_s``, the time its planned run took (a per-op step bound by the
+    host, which the simulator does not see unless told, shows there)."""
+    anchored = scheduler.simulate(moved, hw, timeline=False).total_s
+    per_op = max(per_op_s, scheduler.simulate(plan, hw, timeline=False).total_s)
+    return anchored <= per_op * TRIAL_SLOWER
 
 
 def judge(anchored_s: Sequence[float], per_op_s: Sequence[float], *, moved: int, planned: int) -> bool | None:

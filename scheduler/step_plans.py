@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Set
 
 import scheduler
-from scheduler.anchoring import anchor_within_budget
+from scheduler.anchoring import anchor_within_budget, worth_a_trial
 from scheduler.errors import BudgetTooSmall
 from scheduler.hardware import Hardware
 from scheduler.ir import Kind, Variable, VariableSequence
@@ -198,7 +198,8 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     """The fields of a ``Decision`` that give a kept plan its anchored form (or time the
     per-op side of its trial): a plan that moves bytes, swap-only priced (its prices
     settled), of a step that ran it whole (a micro-batch that ended before its plan's update
-    proved part of it: an anchored step would not see the ops it missed)."""
+    proved part of it: an anchored step would not see the ops it missed). On a GPU a form
+    the simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
     if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
             or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
         return {}
@@ -208,6 +209,9 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
         return {}   # the plan may still change with its prices (on a GPU it is priced once: settled)
     moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
                                  chunk=settings.chunk, window=settings.window, policy=settings.policy)
+    if (moved is not None and not settings.reprice and settings.hardware is not None
+            and not worth_a_trial(moved, state.plan, facts.step_s, settings.hardware(state.plan.sequence))):
+        moved = None   # a GPU's form predicted far slower: no trial steps, no pool for them
     return {"anchored": True, "moved": moved}
 
 

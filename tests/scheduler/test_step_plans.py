@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import scheduler
 from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
 from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
@@ -146,3 +147,39 @@ def test_the_trial_and_the_spill_rule() -> None:
     assert judge([1.0 - 2 * MARGIN] * runs, [1.0] * runs, moved=2, planned=1) is True
     assert keeps_saved(60, 40, 100) and not keeps_saved(61, 40, 100)
     assert plan(SEQ, budget=SEQ.in_core_peak_bytes * 2).bytes_out == 0
+
+
+def test_a_gpu_plan_gets_no_anchored_form_predicted_far_slower_than_its_per_op_steps() -> None:
+    """On a GPU the anchored form is tried only if the simulator does not predict it
+    TRIAL_SLOWER slower than the per-op plan, whose time is the slower of its prediction and
+    its measured run: a host-bound per-op step (measured far above its prediction) still gets
+    its trial. ResNet-50's H100 profile at half its managed peak: the per-op plan recomputes,
+    its anchored form swaps only (on the H100 every such trial of ResNet-50 lost)."""
+    from pathlib import Path
+
+    from scheduler.anchoring import TRIAL_SLOWER
+    from scheduler.ir import VariableSequence
+    from scheduler.managed import managed_view
+    from scheduler.recompute import default_hardware
+
+    profile = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "h100" / "resnet50.json"
+    seq = managed_view(VariableSequence.from_json(profile))
+    gpu = Settings(budget=seq.in_core_peak_bytes // 2, chunk=2 << 20, window=None, reprice=False,
+                   hardware=default_hardware)
+    state = PlanState(plan_recorded(seq, gpu))
+    assert state.plan.bytes_recomputed > 0
+    hw = default_hardware(seq)
+    per_op = scheduler.simulate(state.plan, hw, timeline=False).total_s
+    gaps = set(range(len(seq.functions) + 1))
+
+    def decided(step_s: float, settings: Settings = gpu) -> Decision:
+        facts = StepFacts("planned", True, step_s, seconds=[f.cost.seconds for f in seq.functions],
+                          ran_whole_plan=True, gaps=gaps, first={})
+        return after_step(facts, state, settings)
+
+    measured = decided(per_op)   # the per-op step ran as predicted: its swap-only form would lose
+    assert measured.anchored and measured.moved is None
+    host_bound = decided(10 * per_op).moved   # per-op steps bound by the host: the form is tried
+    assert host_bound is not None and host_bound.bytes_recomputed == 0
+    assert scheduler.simulate(host_bound, hw, timeline=False).total_s > per_op * TRIAL_SLOWER
+    assert decided(per_op, dataclasses.replace(gpu, hardware=None)).moved is not None   # no prices: tried
