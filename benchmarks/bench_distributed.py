@@ -90,6 +90,10 @@ def _child(spec: dict) -> None:
     print("OOC-RESULT " + json.dumps({
         "rank": rank, "step_s": median(steady), "rise": peak - baseline, "digest": h.hexdigest(),
         "bytes_out": stats.get("bytes_out", 0), "planned": stats.get("last_planned")}), flush=True)
+    # every rank done before any tears gloo down: a rank that destroyed its group while its
+    # peer was still closing pairs once died at exit ("terminate called without an active
+    # exception", CI's command here, in-core with 2 ranks)
+    dist.barrier()
     dist.destroy_process_group()
 
 
