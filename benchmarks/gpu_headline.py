@@ -101,7 +101,10 @@ def headline(hw: Any, steps: int, quick: bool,
         if batch >= lo:
             with capped(cap):
                 rows.append(_labelled(run(setup_at(batch), "in-core"), "in-core under the cap"))
-    best_rate = max(r.samples_per_s or 0 for r in rows)
+    best_rate = max((r.samples_per_s or 0 for r in rows), default=0)
+    if not best_rate:   # in core fitted two steps but not the timed ones: nothing to compare with
+        return [f"in core at batch {best} under {cap / GiB:g} GiB did not run its timed steps: "
+                + "; ".join(r.error for r in rows if r.error)], [asdict(r) for r in rows]
     big = setup_at(FACTOR * best)
     rows.append(_labelled(run(big, "in-core"), "in-core, no cap (the bitwise reference)"))
     budget, pool_guess, won = (FIRST_BUDGET, FIRST_POOL, None) if not quick else (cap // 4, cap // 8, None)
