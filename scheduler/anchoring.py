@@ -10,9 +10,10 @@ actions there). Two decisions follow, both made here from plain data:
 - ``worth_a_trial``: on a GPU (plans priced once, on the device's own op times), a form
   the simulator predicts ``TRIAL_SLOWER`` slower than its per-op plan is not tried. On the
   H100 (benchmarks/results/gpu.md) every swap-only form of a recomputing plan of ResNet-50
-  and GPT-2 lost its trial (predicted 1.4-3.2x the per-op plan's step), after two trial steps
-  each and with its pool, which brings more bytes back at once, left mapped; the Llama's won
-  (its per-op steps host-bound at ~0.6 s, its anchored form predicted at 0.22-0.33 s).
+  and GPT-2 lost its trial (swap-only plans of their profiles: 1.4-3.2x the per-op step),
+  after two trial steps each and with its pool, which brings more bytes back at once, left
+  mapped; the Llama's won (its per-op steps host-bound at ~0.6 s, its anchored form predicted
+  at 0.22-0.33 s).
 - ``judge``: the trial. Anchored and per-op steps take turns until each ran ``TRIAL_RUNS``
   times (each side's first steps run on colder memory), and the faster of their fastest is
   kept. An anchored plan that moves more bytes than the per-op plan (it swaps what that one
