@@ -67,12 +67,7 @@ def arenas(full: VariableSequence, schedule: Schedule) -> dict[str, int]:
             in_pool, nbytes = held.pop(e.key, (False, e.nbytes))
             t_now, p_now = t_now - (0 if in_pool else nbytes), p_now - (nbytes if in_pool else 0)
         torch_side[i], pool[i] = max(torch_side[i], t_now), max(pool[i], p_now)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for f in full.functions:
-        for u in f.uses:
-            first.setdefault(u.var, f.index)
-            last[u.var] = f.index
+    first, last = full.first_use, full.last_use
     other = [0] * (n + 2)   # not managed: a difference array over each one's life
     for v, var in full.variables.items():
         if v in schedule.sequence.variables or v not in first:

@@ -150,15 +150,38 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()   # else the first step reads the last run's peak
     torch.manual_seed(1)
-    times, per_step, rises = [], [], []
+    times, per_step, rises, peak, reserved = [], [], [], 0, 0
     try:
-        peak, reserved = _steps(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler, moved,
-                                warmup + steps, warmup, times, per_step, rises, row.step_peaks)
+        for i in range(warmup + steps):
+            before = _counters(engine)
+            moved[0] = 0
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated())
+            reserved = max(reserved, torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            at_start = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            _one_step(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            # each step's peak, warm-up too: ooc's first steps record and try forms, and may
+            # hold more than the later ones
+            row.step_peaks.append(torch.cuda.max_memory_allocated())
+            if i >= warmup:
+                times.append(t1 - t0)
+                rises.append(torch.cuda.max_memory_allocated() - at_start)
+                after = _counters(engine)
+                step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
+                if engine is not None:   # did this step run its plan (not on demand)?
+                    step["planned"] = engine.stats()["last_planned"]
+                per_step.append(step)
     except BaseException:   # an engine that failed mid-step gives its pool back all the same
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.close()
         raise
+    peak = max(peak, torch.cuda.max_memory_allocated())
+    reserved = max(reserved, torch.cuda.max_memory_reserved())
     row.steps_ms = [round(t * 1e3, 2) for t in times]
     row.step_ms = statistics.median(times) * 1e3
     row.samples_per_s = case.batch / (row.step_ms / 1e3)
@@ -185,40 +208,6 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
             engine.last_recording.to_json(recordings / f"{case.name}-{method}-{row.budget_fraction:g}.json")
         engine.close()
     del model, opt, runner
-
-
-def _steps(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,
-           hooks: Any, scaler: Any, moved: list[int], n: int, warmup: int, times: list[float],
-           per_step: list[dict[str, int]], rises: list[int], peaks: list[int]) -> tuple[int, int]:
-    """``n`` steps, each between two synchronizations; the timed ones (after ``warmup``) fill
-    ``times``, ``per_step`` (bytes moved and recomputed) and ``rises`` (peak allocated above
-    the step's start), every one ``peaks`` (its peak allocated: the first steps of ooc record
-    and try forms, and may hold more than the later ones). Returns PyTorch's peak allocated
-    and reserved bytes over them."""
-    peak = reserved = 0
-    for i in range(n):
-        before = _counters(engine)
-        moved[0] = 0
-        torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated())
-        reserved = max(reserved, torch.cuda.max_memory_reserved())
-        torch.cuda.reset_peak_memory_stats()
-        at_start = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        _one_step(case, runner, opt, x, y, loss_fn, engine, hooks, scaler)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        peaks.append(torch.cuda.max_memory_allocated())
-        if i >= warmup:
-            times.append(t1 - t0)
-            rises.append(torch.cuda.max_memory_allocated() - at_start)
-            after = _counters(engine)
-            step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
-            if engine is not None:   # did this step run its plan (not on demand)?
-                step["planned"] = engine.stats()["last_planned"]
-            per_step.append(step)
-    return (max(peak, torch.cuda.max_memory_allocated()),
-            max(reserved, torch.cuda.max_memory_reserved()))
 
 
 def _one_step(case: GpuCase, runner: Any, opt: Any, x: Any, y: Any, loss_fn: Any, engine: Any,

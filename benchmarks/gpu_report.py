@@ -110,11 +110,11 @@ def _what(rows: list[Row], r: Row) -> str:
 def _verdicts(rows: list[Row]) -> list[str]:
     """Issue 38's targets for this case's ooc rows."""
     base = next((r for r in rows if r.method == "in-core" and r.step_ms), None)
+    others = [a for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error]
     out = []
     for r in rows:
         if not r.method.startswith("ooc") or r.error or not r.step_ms or base is None:
             continue
-        others = [a for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error]
         beaten = [a.method for a in others
                   if a.peak_bytes and a.peak_bytes >= (r.peak_bytes or 0) and a.step_ms < r.step_ms]
         speed = base.step_ms / r.step_ms
@@ -129,7 +129,7 @@ def _verdicts(rows: list[Row]) -> list[str]:
                    + f"; simulator within 15%: {'yes' if sim_ok else 'NO'}"
                    + f"; bitwise: {r.bitwise}")
     ours = [r for r in rows if r.method.startswith("ooc") and not r.error and r.step_ms and r.peak_bytes]
-    for a in [a for a in rows if not a.method.startswith(("ooc", "in-core")) and not a.error and a.peak_bytes]:
+    for a in [a for a in others if a.peak_bytes]:
         within = [r for r in ours if r.peak_bytes <= a.peak_bytes]
         best = min(within, key=lambda r: r.step_ms, default=None)
         out.append(f"- against {a.method} ({a.step_ms:.1f} ms, {_gib(a.peak_bytes)}): "
