@@ -18,9 +18,11 @@ still leaves the most important figures; the report is rewritten after every row
    bf16; ``gpu_cases.py``): in-core, in-core again (are the kernels deterministic?), a GPU
    profile (``gpu_profiles.py``: the step recorded with CUDA-event op times, written to
    ``--profiles``), checkpoint every block and every 2nd block, ``save_on_cpu``, ooc at 1/2
-   and 1/4 of the in-core step's own peak, and ooc swap-only at 1/4 (``gpu_methods.py``).
-   Per row: step, samples/s, peak device memory (PyTorch's peak + ooc's VMM pool), bytes
-   moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
+   and 1/4 of the in-core step's own peak, the same with one arena (``ooc-one-arena``: the
+   swap-ins in PyTorch's allocator, ``Options(arena="pytorch")``), ooc swap-only at 1/4, and
+   ooc matched to each alternative's peak, per arena (``gpu_methods.py``). Per row: step,
+   samples/s, peak device memory (PyTorch's peak + ooc's VMM pool; PyTorch's alone with one
+   arena), bytes moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
 3. **nnabla's headline** (``gpu_headline.py``): ResNet-50 at 4x the largest batch that fits
    a 16 GiB cap, against the best in-core images/s (unless ``--no-headline``).
 4. **Step forms**: each way the engine runs a step, on a small model, bitwise against the
@@ -56,7 +58,9 @@ import common  # noqa: E402
 import gpu_report  # noqa: E402
 
 HERE = Path(__file__).resolve()
-OOC_FRACTIONS = ((0.5, "ooc"), (0.25, "ooc"), (0.25, "ooc-swap-only"))
+# "ooc-one-arena": the same engine with its swap-ins in PyTorch's allocator (Options(arena="pytorch"))
+OOC_FRACTIONS = ((0.5, "ooc"), (0.25, "ooc"), (0.5, "ooc-one-arena"), (0.25, "ooc-one-arena"),
+                 (0.25, "ooc-swap-only"))
 BEFORE_OOC = ("in-core", "in-core-repeat", "checkpoint-every-block", "checkpoint-every-2nd",
               "save_on_cpu")
 
@@ -226,23 +230,26 @@ def matched_budget(points: list[tuple[int, int]], peak: int) -> int | None:
 def _matched(setup, report: gpu_report.Report, rows: list) -> None:
     """ooc at each alternative's peak (issue 38: ooc at no more peak memory than each
     alternative is faster than it): the budget read off the ooc rows' own budgets and peaks,
-    aimed 3% under the alternative's peak."""
+    aimed 3% under the alternative's peak; for each arena whose rows ran."""
     from gpu_methods import run
 
     if not setup.activation_peak:   # in core failed: nothing to take fractions of
         return
-    points = [(r.budget_bytes, r.peak_bytes) for r in rows
-              if r.method == "ooc" and not r.error and r.budget_bytes and r.peak_bytes]
-    for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
-        budget = matched_budget(points, int(alt.peak_bytes * 0.97))
-        if budget is None:
-            report.skipped(f"{setup.case.label} ooc matched to {alt.method}'s peak "
-                           f"({alt.peak_bytes / 2**30:.2f} GiB): no budget reaches it on the line "
-                           "through the ooc rows' budgets and peaks")
+    for source, method in (("ooc", "ooc-matched"), ("ooc-one-arena", "ooc-matched-one-arena")):
+        points = [(r.budget_bytes, r.peak_bytes) for r in rows
+                  if r.method == source and not r.error and r.budget_bytes and r.peak_bytes]
+        if not points:
             continue
-        row = run(setup, "ooc-matched", fraction=budget / setup.activation_peak, budget_bytes=budget)
-        row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak", row.note) if x)
-        report.add(row)
+        for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
+            budget = matched_budget(points, int(alt.peak_bytes * 0.97))
+            if budget is None:
+                report.skipped(f"{setup.case.label} {method} to {alt.method}'s peak "
+                               f"({alt.peak_bytes / 2**30:.2f} GiB): no budget reaches it on the line "
+                               f"through the {source} rows' budgets and peaks")
+                continue
+            row = run(setup, method, fraction=budget / setup.activation_peak, budget_bytes=budget)
+            row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak", row.note) if x)
+            report.add(row)
 
 
 def _chosen(args: argparse.Namespace, method: str) -> bool:

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ooc.engine import Options
+
 BLOCKS = ("Bottleneck", "Block", "LlamaDecoderLayer")
 #: Where the cases train: "cuda", except in the dry run over ooc's fake driver
 #: (tests/test_bench_gpu_dry.py), which sets "cpu".
@@ -108,6 +110,11 @@ FORMS = [
              foreach=False), {"manage": _ALL}, 0.25),
     (GpuCase("resnet50", "ResNet-50 b32", 32, "sgd"), {"recompute": "prefer"}, 0.25),
     (GpuCase("resnet50", "ResNet-50 b32", 32, "sgd"), {"recompute": "prefer"}, 2.0),
+    # one arena (the swap-ins in PyTorch's allocator): recomputing, and anchored (swap only)
+    (GpuCase("resnet50", "ResNet-50 b32, one arena", 32, "sgd"),
+     {"recompute": "prefer", "options": Options(arena="pytorch")}, 0.25),
+    (GpuCase("gpt2", "GPT 4 x 512 b8 bf16, one arena", 8, "adamw", torch.bfloat16, _SMALL_GPT),
+     {"recompute": "never", "options": Options(arena="pytorch")}, 0.25),
     (GpuCase("llama", "Llama 4 x 512 b2 x 512 bf16, math attention", 2, "adamw", torch.bfloat16,
              dict(layers=4, width=512, seq_len=512), sdpa="math"), {}, 0.25),
 ]

@@ -64,6 +64,7 @@ class Row:
     step_peaks: list[int] = field(default_factory=list)   # PyTorch's peak allocated, each step (warm-up too)
     forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
     note: str = ""
+    wall_s: float | None = None   # the whole run: building, warm-up, timed steps (to plan a GPU session's time)
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +109,7 @@ def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int
         row.budget_bytes = int((setup.total_peak if whole else setup.activation_peak) * fraction)
     if budget_bytes is not None:
         row.budget_bytes = budget_bytes
+    t0 = time.perf_counter()
     try:
         _train(setup, method, row, warmup, engine_kw, recordings, steps or setup.steps)
     except Exception as exc:   # the row says what broke; the log has the traceback
@@ -116,6 +118,7 @@ def run(setup: Setup, method: str, *, fraction: float | None = None, warmup: int
     finally:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        row.wall_s = time.perf_counter() - t0
     return row
 
 
@@ -140,9 +143,11 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
         warmup = max(warmup, 2)
     engine = None
     if method.startswith("ooc"):
-        from ooc.engine import OutOfCore
+        from ooc.engine import OutOfCore, Options
 
         engine_kw.setdefault("recompute", "never" if method == "ooc-swap-only" else "auto")
+        if method.endswith("one-arena"):
+            engine_kw["options"] = Options(arena="pytorch")
         engine = OutOfCore(model, opt, budget=row.budget_bytes, device="cuda", **engine_kw)
     scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
     moved = [0]
@@ -231,6 +236,10 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
 
     st = engine.stats()
     row.pool_peak_bytes = int(st["pool_peak_mapped_bytes"] or 0)
+    if engine._mem.arena == "pytorch":   # the swap-ins are among PyTorch's allocations: no pool of its own
+        row.note += ("; " if row.note else "") + (f"swap-ins peaked at {row.pool_peak_bytes / 2**30:.2f} GiB "
+                                                  "in PyTorch's allocator")
+        row.pool_peak_bytes = 0
     row.peak_bytes = (row.torch_peak_bytes or 0) + row.pool_peak_bytes
     row.bytes_moved = int(statistics.median(s["bytes_in"] + s["bytes_out"] for s in per_step))
     row.bytes_recomputed = int(statistics.median(s["bytes_recomputed"] for s in per_step))

@@ -80,7 +80,7 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     out = tmp_path / "gpu-quick.md"
     # every method's code once (checkpointing every 2nd block and swap only are the same code
     # with another argument): the suite's time is shared
-    methods = "in-core-repeat,checkpoint-every-block,save_on_cpu,ooc,ooc-matched"
+    methods = "in-core-repeat,checkpoint-every-block,save_on_cpu,ooc,ooc-one-arena,ooc-matched,ooc-matched-one-arena"
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
                                       "--methods", methods, "--cases", "resnet50,llama",
                                       "--no-sanitizer", "--profiles", str(tmp_path / "profiles"),
@@ -94,13 +94,14 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     ran = {(r["case"], r["method"]) for r in data["rows"]}
     for case in ("resnet50", "llama"):   # GPT-2's code is the zoo's, as ResNet-50's
         for method in ("in-core", *methods.split(",")):
-            if method == "ooc-matched":   # a row, or a line saying why no budget reaches the peak
-                assert (case, method) in ran or any("ooc matched to" in n for n in data["not_run"]), data["not_run"]
+            if method.startswith("ooc-matched"):   # a row, or a line saying why no budget reaches the peak
+                assert (case, method) in ran or any(f"{method} to" in n for n in data["not_run"]), data["not_run"]
                 continue
             assert (case, method) in ran
     keys = {"case", "method", "budget_fraction", "step_ms", "samples_per_s", "peak_bytes",
             "bytes_moved", "bytes_recomputed", "bitwise", "predicted_step_ms"}
     assert keys <= set(data["rows"][0])
+    assert all(r["wall_s"] > 0 for r in rows), "each row's wall time: what plans a GPU session's minutes"
     assert all(r["bitwise"] for r in rows if r["method"] != "in-core"), \
         [(r["label"], r["method"]) for r in rows if r["method"] != "in-core" and not r["bitwise"]]
     ooc_rows = [r for r in data["rows"] if r["method"].startswith("ooc")]
@@ -126,8 +127,12 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     # uncapped reference at 4x, and an ooc try at 4x bitwise against it
     head = text.split("## nnabla's headline", 1)[1].split("\n## ", 1)[0]
     assert "FAILED" not in head and "Largest in-core batch under a 0.5 GiB cap: **4**" in head, head
-    tries = [r for r in data["headline"] if r["method"] == "ooc"]
-    assert tries and tries[0]["label"] == "ResNet-50 b16" and tries[0]["bitwise"] is True, data["headline"]
+    for arena in ("ooc", "ooc-one-arena"):   # a try in each arena, bitwise against the uncapped in core
+        tries = [r for r in data["headline"] if r["method"] == arena]
+        assert tries and tries[0]["label"] == "ResNet-50 b16" and tries[0]["bitwise"] is True, data["headline"]
+    one = [r for r in data["rows"] if r["method"] == "ooc-one-arena"]
+    assert one and all(r["pool_peak_bytes"] == 0 and "in PyTorch's allocator" in r["note"] for r in one), one
+    assert any(r["bytes_moved"] for r in one), "one arena moved nothing: its budgets were not binding"
     assert dry_gpu.caps and all(0 < f <= 1 for f in dry_gpu.caps)
 
 
@@ -161,8 +166,15 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     out = tmp_path / "gpu-memory.md"
     monkeypatch.setattr(sys, "argv", ["gpu_memory.py", "--out", str(out)])
     assert gpu_memory.main() == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith(("| ResNet", "| GPT"))]
+    text = out.read_text()
+    rows = [line for line in text.split("\n## ")[0].splitlines() if line.startswith(("| ResNet", "| GPT"))]
     assert len(rows) == 4, rows
+    matched = text.split("## At each alternative's peak, one arena predicted", 1)[1].split("\n## ", 1)[0]
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in matched.splitlines() if line.startswith(("| ResNet", "| GPT"))]
+    assert len(verdicts) == 4 and set(verdicts) <= {"faster", "slower", "none fits"}, matched
+    head = text.split("## nnabla's headline, predicted: ResNet-50 b576", 1)[1]
+    predicted = [line for line in head.splitlines() if line.startswith("| ") and "GiB |" in line]
+    assert len(predicted) == 8 and any("(over)" in line for line in predicted), predicted
     full = VariableSequence.from_json(BENCHMARKS / "profiles" / "h100" / "resnet50.json")
     seq = managed_view(full)
     import scheduler
@@ -188,3 +200,19 @@ def test_the_budget_matched_to_an_alternatives_peak(points, peak, budget) -> Non
 
     assert matched_budget([(b << 30, p << 30) for b, p in points], peak << 30) == (
         None if budget is None else int(budget * 2**30))
+
+
+def test_a_profile_scaled_to_a_larger_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_memory.scaled: what grows with the batch grows in proportion, the rest does not."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_memory
+    from scheduler.ir import VariableSequence
+
+    full = VariableSequence.from_json(BENCHMARKS / "profiles" / "h100" / "resnet50.json")
+    big = gpu_memory.scaled(full, 2.25)
+    opt = full.meta["optimizer_start"]
+    for v, w in zip(full.variables.values(), big.variables.values()):
+        assert w.nbytes == (v.nbytes if v.kind.value in ("param", "grad", "optimizer_state") else int(v.nbytes * 2.25))
+    for i, (f, g) in enumerate(zip(full.functions, big.functions)):
+        assert g.cost.seconds == pytest.approx(f.cost.seconds * (2.25 if i < opt else 1.0))
+    assert 2.0 * full.in_core_peak_bytes < big.in_core_peak_bytes < 2.25 * full.in_core_peak_bytes

@@ -34,6 +34,7 @@ class EngineMemory:
     tier: SlowerTier             # where swapped-out bytes live
     pool: DevicePool             # the budget's device memory
     held: Held                   # what a collected engine lets go of (follows the pool)
+    arena: str = "pool"          # where swap-ins live on a GPU (ooc.Options.arena), for each new pool
     counters: Counter = field(default_factory=Counter)
     on_cpu: bool = field(init=False)   # the device is the CPU (an attribute: read several times a step)
 

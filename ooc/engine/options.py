@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ooc.errors import OOCError
+from ooc.runtime.torch_arena import ARENAS
 from vmm.units import parse_size
 
 RECOMPUTE = ("auto", "never", "prefer")   # OutOfCore(recompute=...): the scheduler's words
@@ -43,6 +44,13 @@ class Options:
             ops, at autograd's saved-tensor hooks (``steps.plain``, ``steps.anchored`` in
             ``stats()``). False: every planned step runs per op (to measure that path).
         max_plans: plans kept, per start state and step shape, least recently used out.
+        arena: where swapped-in tensors live on a GPU. ``"pool"`` (default): ooc's own VMM
+            pool, chunks sized to the budget, free of fragmentation, beside PyTorch's caching
+            allocator (their peaks add up). ``"pytorch"``: PyTorch's caching allocator, where
+            the blocks the forward's swapped-out activations left serve the backward's
+            swap-ins (one arena, one peak; fragmentation is PyTorch's, see its
+            ``expandable_segments``). The budget bounds ooc's bytes either way. CUDA only
+            (``ooc/runtime/torch_arena.py`` says why).
 
     Example::
 
@@ -56,8 +64,11 @@ class Options:
     verify: bool = False
     hook_steps: bool = True
     max_plans: int = MAX_PLANS
+    arena: str = "pool"
 
     def __post_init__(self) -> None:
+        if self.arena not in ARENAS:
+            raise OOCError(f"Options.arena must be one of {list(ARENAS)}, got {self.arena!r}")
         for name in ("chunk", "min_bytes", "window"):
             value = getattr(self, name)
             if value is not None:

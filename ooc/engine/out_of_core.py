@@ -157,10 +157,13 @@ class OutOfCore:
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
         # or when the engine is collected (ooc/host/process_effects.py).
         self._effects = ProcessEffects(device.type, optimizer, per_parameter)
-        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool. The pool
+        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool (or
+        # PyTorch's allocator: Options.arena). The pool
         # checks the chunk against the backend's granularity before anything else is made.
-        tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify)
-        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool))
+        tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify,
+                                        arena=options.arena)
+        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool),
+                                       arena=options.arena)
         self._store = store = PersistentStore(model, optimizer, mem)
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
                                 activations="activations" in self._manage, hook_steps=options.hook_steps,

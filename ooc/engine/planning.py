@@ -193,7 +193,7 @@ class Planner:
         mem = self._mem
         mem.chunk, mem.min_bytes = chunk, min_bytes
         mem.pool.trim()   # the old pool's idle chunks: nothing will reuse them
-        old, mem.pool = mem.pool, make_pool(mem.device, mem.budget, chunk)
+        old, mem.pool = mem.pool, make_pool(mem.device, mem.budget, chunk, mem.arena)
         mem.held.pool = mem.pool
         close_pool(old)
         self._cache.clear()

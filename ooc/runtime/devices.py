@@ -13,6 +13,10 @@ cuda    ``PinnedTier`` / ``CudaDevicePool``  a ``DevicePtr`` (device address and
                                              memcpy on its own streams
 ======  ==================================  ===========================================
 
+On CUDA, ``arena="pytorch"`` (``ooc.Options(arena=...)``) takes the swap-ins from PyTorch's
+caching allocator instead (:class:`~ooc.runtime.torch_arena.TorchArenaPool`: one arena, why
+there); the tier is the same.
+
 :func:`make_tier_and_pool` (and :func:`make_pool` when the chunk changes) and
 :func:`~ooc.storage.device_bytes.byte_view_for` are the calls the engine makes; the rest of the
 runtime does not look at the device. CUDA outside the driver goes through one seam,
@@ -43,8 +47,12 @@ from ooc.runtime.cuda_pool import CudaDevicePool
 from ooc.runtime.cuda_seam import CudaRuntime, DevicePtr, cuda_runtime, set_cuda_runtime
 from ooc.storage.cuda_tier import PinnedTier
 from ooc.runtime.pool import DevicePool
+from ooc.runtime.torch_arena import ARENAS, TorchArenaPool
 from ooc.storage import FileTier
 from ooc.storage.tier import SlowerTier
+from vmm.cuda_driver import CudaDriver
+from vmm.pool import ChunkSizeError
+from vmm.units import format_size
 
 __all__ = ["CudaRuntime", "DevicePtr", "byte_view_for", "cuda_runtime", "make_pool",
            "make_tier_and_pool", "set_cuda_runtime"]
@@ -55,7 +63,7 @@ _pool_ids = itertools.count(1)   # names each CPU pool to the allocator's bound
 def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
                        storage: str | None = None, threads: int = 2, verify: bool = False, *,
                        driver: Any = None, pinned_capacity: int | str | None = None,
-                       compute_stream: Any = None) -> tuple[SlowerTier, DevicePool]:
+                       compute_stream: Any = None, arena: str = "pool") -> tuple[SlowerTier, DevicePool]:
     """The slower tier and the budgeted device pool for ``device``: ``(tier, pool)``.
 
     - ``cpu``: ``(FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk),
@@ -69,6 +77,9 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
       stream on that device at each transfer, or the driver's default stream 0 when
       ``driver`` is given.
 
+    ``arena="pytorch"`` (CUDA only): a :class:`~ooc.runtime.torch_arena.TorchArenaPool` instead
+    of the VMM pool, with the VMM granularity the pool would have had.
+
     ``driver`` replaces ``cuda.bindings.driver`` (tests pass a fake; the pool then hands out
     :class:`DevicePtr`). Without it, the driver, the device index, the compute stream and the
     pool's tensors come from :func:`cuda_runtime` (the real CUDA: cuda-python, cupy and a CUDA
@@ -76,6 +87,7 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     ``pip install 'ooc[cuda]'``; or the fake one of :func:`ooc.testing.fake_cuda`).
     """
     dev = torch.device(device)
+    _check_arena(dev, arena)
     if dev.type == "cpu":
         pool = make_pool(dev, budget, chunk)
         return FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk), pool
@@ -95,8 +107,11 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
         compute_stream = rt.compute_stream(index) if real else 0
     # On a GPU the engine needs pool ranges as torch tensors (cupy bridges them): refuse
     # clearly here rather than hand it DevicePtrs. A fake driver gets DevicePtrs.
-    pool = CudaDevicePool(budget, chunk, driver=driver, device=index,
-                          as_tensor=True if real else False, fence_stream=compute_stream)
+    if arena == "pytorch":
+        pool = _arena(budget, chunk, index, driver)
+    else:
+        pool = CudaDevicePool(budget, chunk, driver=driver, device=index,
+                              as_tensor=True if real else False, fence_stream=compute_stream)
     try:
         tier = PinnedTier(driver=driver, device=index, capacity_bytes=pinned_capacity,
                           verify=verify, compute_stream=compute_stream)
@@ -106,14 +121,39 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     return tier, pool
 
 
-def make_pool(device: "str | torch.device", budget: int, chunk: int) -> DevicePool:
+def make_pool(device: "str | torch.device", budget: int, chunk: int, arena: str = "pool") -> DevicePool:
     """A fresh budgeted pool for ``device`` (``set_budget`` swaps pools between steps)."""
     dev = torch.device(device)
+    _check_arena(dev, arena)
     if dev.type == "cpu":
         # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
         hear = functools.partial(cpu_allocator.external, source=next(_pool_ids))
         return CpuDevicePool(budget, chunk, on_physical=hear, share_pages=True)
     rt = cuda_runtime()
     index = dev.index if dev.index is not None else rt.current_device()
+    if arena == "pytorch":
+        return _arena(budget, chunk, index, rt.driver(f"device {dev}"))
     return CudaDevicePool(budget, chunk, driver=rt.driver(f"device {dev}"), device=index,
                           as_tensor=True, fence_stream=rt.compute_stream(index))
+
+
+def _check_arena(dev: torch.device, arena: str) -> None:
+    if arena not in ARENAS:
+        raise OOCError(f"arena must be one of {list(ARENAS)}, got {arena!r}")
+    if arena == "pytorch" and dev.type != "cuda":
+        raise OOCError(f"arena='pytorch' is for CUDA devices, not {dev}: on the CPU the pool's chunks "
+                       "already take their pages from the allocator PyTorch's tensors use")
+
+
+def _arena(budget: int, chunk: int, index: int, driver: Any) -> TorchArenaPool:
+    """The one-arena pool, on the device where the engine's tensors live, with the VMM pool's
+    granularity (the same chunk, the same managed tensors, the same plans) and its check of
+    the chunk against it."""
+    cu = CudaDriver(driver, label="arena='pytorch'", device=index, what="arena='pytorch'")
+    cu.call("cuInit", 0)   # no context: the granularity needs none, and none is retained here
+    granularity = int(cu.call("cuMemGetAllocationGranularity", cu.allocation_prop(), cu.granularity_minimum()))
+    if chunk % granularity:
+        raise ChunkSizeError(f"chunk size {chunk} B ({format_size(chunk)}) is not a multiple of the "
+                             f"cuda backend's granularity {granularity} B ({format_size(granularity)})")
+    device = cuda_runtime().tensor_device(torch.device("cuda", index))
+    return TorchArenaPool(budget, device, granularity=granularity)

@@ -206,7 +206,9 @@ class TierResources:
                 err, prev = cu.raw("cuCtxGetCurrent")
             except DriverCallError:  # teardown must go on
                 err = None
-            if err != cu.ok:
+            if err != cu.ok or (prev is not None and int(prev) == int(self.ctx)):
+                # None current, or ours already (as own_context does): switching back after the
+                # release would name a context this release may have destroyed, if it was the last
                 prev = None
             step("cuCtxSetCurrent", self.ctx)
         # No copy may still read or write the pinned slabs when they are freed (close() has

@@ -108,18 +108,20 @@ def _assert_same(step: int, ref: tuple, got: tuple) -> None:
 
 def _host_syncs(engine: ooc.OutOfCore) -> int:
     """Host synchronizations so far: the tier's, plus the pool backend's synchronize calls."""
-    calls = engine._mem.pool.backend.calls
+    backend = getattr(engine._mem.pool, "backend", None)   # PyTorch's arena has no VMM backend
+    calls = backend.calls if backend is not None else {}
     return engine.stats()["tier.host_syncs"] + sum(calls.get(c, 0) for c in SYNC_CALLS)
 
 
-def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
+def _train(case: str, arena: str = "pool") -> tuple[ooc.OutOfCore, list[dict]]:
     """Train with and without the engine in lockstep, compare after every step."""
     peak = _peak(case)
     budget = max(CHUNK, peak // 2 // CHUNK * CHUNK)
     model, opt = _fresh(case)
     ref_model, ref_opt = copy.deepcopy(model), _fresh(case)[1]
     ref_opt = CASES[case][1](ref_model)
-    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=CASES[case][2])
+    e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, manage=CASES[case][2],
+                      options=ooc.Options(chunk=CHUNK, min_bytes=4096, arena=arena))
     assert e.device == torch.device("cuda", 0)
     assert isinstance(e._mem.tier, cuda_tier.PinnedTier)
     log = []
@@ -146,14 +148,20 @@ def _train(case: str) -> tuple[ooc.OutOfCore, list[dict]]:
     return e, log
 
 
+@pytest.mark.parametrize("arena", ["pool", "pytorch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_path_over_the_fake_driver_is_bitwise_in_core(case: str) -> None:
+def test_cuda_path_over_the_fake_driver_is_bitwise_in_core(case: str, arena: str) -> None:
+    """Both arenas: ooc's VMM pool, and PyTorch's allocator (``Options(arena="pytorch")``),
+    whose swap-ins are ordinary tensors the fake checks each copy against while it runs."""
     with ooc.testing.fake_cuda() as driver:
-        e, log = _train(case)
+        e, log = _train(case, arena)
+        pools = (type(e._mem.pool).__name__, e.stats()["pool_peak_mapped_bytes"])
         stats = e.stats()
         e.close()
         assert driver.violations == []
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    assert pools[0] == {"pool": "CudaDevicePool", "pytorch": "TorchArenaPool"}[arena]
+    assert 0 < pools[1] <= e._mem.budget, "the swap-ins were counted, within the budget"
     # bytes really moved, through the fake's copies
     assert stats["bytes_out"] > 0 and stats["bytes_in"] > 0
     assert stats["tier.bytes_written"] > 0 and driver.copies_run > 0
@@ -218,8 +226,10 @@ HOOK_CASES = {"plain": (4.0, "auto", "plain"), "anchored": (0.5, "never", "ancho
               "recomputing": (0.5, "prefer", "planned")}
 
 
-@pytest.mark.parametrize("case", list(HOOK_CASES))
-def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case,arena", [(c, "pool") for c in HOOK_CASES]
+                         + [("anchored", "pytorch"), ("recomputing", "pytorch")])
+def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain and anchored steps (no op intercepted) on the CUDA path over the FAKE driver:
     every step bitwise against the same loop without the engine; an anchored plan's trial
     times each side on the device (one host synchronization at its end), then the kept form
@@ -241,7 +251,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, monkeypatch: p
         ref_model = copy.deepcopy(model)
         ref_opt = CASES["cnn_sgd_activations"][1](ref_model)
         e = ooc.OutOfCore(model, opt, device="cuda", budget=max(CHUNK, int(peak * fraction) // CHUNK * CHUNK),
-                          recompute=recompute, options=ooc.Options(chunk=CHUNK, min_bytes=4096))
+                          recompute=recompute, options=ooc.Options(chunk=CHUNK, min_bytes=4096, arena=arena))
         forms, syncs, waits = [], [], []
         for step in range(10):
             x, y = _batch("cnn_sgd_activations", step, 16)

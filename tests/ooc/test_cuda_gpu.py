@@ -148,17 +148,19 @@ def _mlp():
                          nn.Dropout(0.1), nn.Linear(2048, 10))
 
 
-@pytest.mark.parametrize("kind", ["bn_cnn_sgd_activations", "mlp_adam_all_managed"])
+@pytest.mark.parametrize("kind", ["bn_cnn_sgd_activations", "mlp_adam_all_managed",
+                                  "bn_cnn_sgd_activations_one_arena", "mlp_adam_all_managed_one_arena"])
 def test_gpu_engine_scenario_bitwise(kind: str) -> None:
     """REAL GPU: planned steps, a changed batch shape (on demand, re-planned), set_budget and
-    close, bitwise equal to the same training without the engine after every step."""
+    close, bitwise equal to the same training without the engine after every step; in ooc's
+    VMM pool and, ``_one_arena``, with the swap-ins in PyTorch's allocator."""
     pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python: pip install 'ooc[cuda]'")
     pytest.importorskip("cupy", reason="needs cupy: pip install 'ooc[cuda]'")
     import copy
 
     import torch.nn as nn
 
-    from ooc.engine import OutOfCore
+    from ooc.engine import OutOfCore, Options
 
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -177,7 +179,9 @@ def test_gpu_engine_scenario_bitwise(kind: str) -> None:
         manage = ("activations", "params", "grads", "optimizer_state")
     ref = copy.deepcopy(model)
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
-    engine = OutOfCore(model, opt, budget=budgets[0], device="cuda", manage=manage)
+    arena = "pytorch" if kind.endswith("one_arena") else "pool"
+    engine = OutOfCore(model, opt, budget=budgets[0], device="cuda", manage=manage,
+                       options=Options(arena=arena))
     planned = []
     for step, shape in enumerate(shapes + shapes[:2]):
         if step == len(shapes):

@@ -452,6 +452,20 @@ def test_verify_detects_corrupted_pinned_bytes(fake, pool) -> None:
             t.read_async(4, dst)
 
 
+def test_a_tier_holding_the_last_reference_to_the_current_context_closes_cleanly(fake: FakeCopyDriver) -> None:
+    """FAKE driver: a tier whose primary context is the thread's current one and which holds
+    its last reference (nothing else retained it: no VMM pool beside it, as with
+    ``Options(arena="pytorch")`` over the fake) releases it without switching back to it
+    afterwards (that context is gone: CUDA_ERROR_INVALID_CONTEXT)."""
+    tier = PinnedTier(driver=fake, capacity_bytes=4 * MiB)
+    err, dev = fake.cuDeviceGet(0)
+    err, ctx = fake.cuDevicePrimaryCtxRetain(dev)
+    fake.cuCtxSetCurrent(ctx)                            # the tier's context is current ...
+    fake.cuDevicePrimaryCtxRelease(dev)                  # ... and the tier holds its last reference
+    tier.close()                                         # raised StorageError before the fix
+    assert fake.violations == [] and fake.outstanding()["retained_contexts"] == 0
+
+
 def test_close_releases_every_driver_object(fake: FakeCopyDriver) -> None:
     """FAKE driver: close() waits for copies in flight (their futures resolve), then destroys
     streams and events, frees the pinned slabs and releases the context: the fake's live

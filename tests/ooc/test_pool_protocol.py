@@ -5,6 +5,9 @@ out ``DevicePtr`` (what tests pass a driver for), and the CUDA pool as the engin
 under ``ooc.testing.fake_cuda()`` (ranges wrapped as tensors through the CUDA seam). The CUDA
 cases say "fake-driver" in their ids: they check the pool's logic against the driver's
 documented contract, not a GPU (``tests/ooc/test_cuda_gpu.py`` does that, with ``-m gpu``).
+PyTorch's arena (:class:`~ooc.runtime.torch_arena.TorchArenaPool`, ``Options(arena="pytorch")``)
+runs the protocol's part of the suite; what is about chunks (sharing, trimming whole ones) is
+for the VMM pools only (fixture ``vh``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import ooc.testing
 from ooc.errors import OOCError, OutOfBudget
 from ooc.runtime.cpu_pool import CpuDevicePool
 from ooc.runtime.cuda_pool import CudaDevicePool
+from ooc.runtime.devices import make_pool
 from ooc.runtime.pool import STATS_KEYS, DevicePool, RangeSource
+from ooc.runtime.torch_arena import BLOCK, TorchArenaPool
 from ooc.testing.fake_cuda_copies import FakeCopyDriver
 from vmm.errors import VMMError
 
@@ -76,18 +81,44 @@ def _cuda_seam() -> contextlib.AbstractContextManager[Harness]:
     return make()
 
 
-CASES = {"cpu": _cpu, "cuda-ptr-fake-driver": _cuda_ptr, "cuda-tensor-fake-driver": _cuda_seam}
+def _arena() -> contextlib.AbstractContextManager[Harness]:
+    @contextlib.contextmanager
+    def make():
+        with ooc.testing.fake_cuda(granularity=64 * KiB) as fake:
+            pool = make_pool("cuda", BUDGET, CHUNK, arena="pytorch")
+            assert isinstance(pool, TorchArenaPool) and pool.granularity == 64 * KiB
+
+            def fill(t: torch.Tensor, data: bytes) -> None:
+                t[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+            yield Harness(pool, fill, lambda t, n: t[:n].numpy().tobytes(),
+                          lambda t: t.data_ptr(), fake)
+    return make()
 
 
-@pytest.fixture(params=list(CASES))
-def h(request):
-    with CASES[request.param]() as harness:
+VMM_CASES = {"cpu": _cpu, "cuda-ptr-fake-driver": _cuda_ptr, "cuda-tensor-fake-driver": _cuda_seam}
+CASES = {**VMM_CASES, "cuda-pytorch-arena-fake-driver": _arena}
+
+
+def _harness(cases: dict, name: str):
+    with cases[name]() as harness:
         yield harness
         gc.collect()
         harness.pool.close()
         if harness.driver is not None:
             assert harness.driver.violations == []
             assert not any(harness.driver.outstanding().values()), harness.driver.outstanding()
+
+
+@pytest.fixture(params=list(CASES))
+def h(request):
+    yield from _harness(CASES, request.param)
+
+
+@pytest.fixture(params=list(VMM_CASES))
+def vh(request):
+    """The pools over ooc's VMM allocator: chunks, shared by small ranges, trimmed whole."""
+    yield from _harness(VMM_CASES, request.param)
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -137,17 +168,17 @@ def test_a_range_goes_back_when_its_last_user_is_gone_at_the_next_reap(h: Harnes
     assert h.pool.take(BUDGET) is not None, "the whole budget is free again"
 
 
-def test_trim_gives_back_whole_unused_chunks(h: Harness) -> None:
-    ranges = [h.pool.take(CHUNK) for _ in range(3)]
-    keep = h.pool.take(CHUNK)
+def test_trim_gives_back_whole_unused_chunks(vh: Harness) -> None:
+    ranges = [vh.pool.take(CHUNK) for _ in range(3)]
+    keep = vh.pool.take(CHUNK)
     del ranges
     gc.collect()
-    assert h.pool.trim(1) == CHUNK, "a limit takes whole chunks covering it"
-    assert h.pool.trim() == 2 * CHUNK
-    assert h.pool.trim() == 0
-    assert h.pool.stats()["physical_bytes"] == CHUNK, "the live range keeps its chunk"
-    h.fill(keep, pattern(CHUNK, 4))
-    assert h.read(keep, CHUNK) == pattern(CHUNK, 4)
+    assert vh.pool.trim(1) == CHUNK, "a limit takes whole chunks covering it"
+    assert vh.pool.trim() == 2 * CHUNK
+    assert vh.pool.trim() == 0
+    assert vh.pool.stats()["physical_bytes"] == CHUNK, "the live range keeps its chunk"
+    vh.fill(keep, pattern(CHUNK, 4))
+    assert vh.read(keep, CHUNK) == pattern(CHUNK, 4)
 
 
 def test_stats_have_the_stable_keys(h: Harness) -> None:
@@ -192,11 +223,11 @@ def _fill_and_check(h: Harness, ranges: list, sizes: list[int]) -> None:
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
 
 
-def test_small_ranges_share_chunks_and_keep_their_bytes(h: Harness) -> None:
+def test_small_ranges_share_chunks_and_keep_their_bytes(vh: Harness) -> None:
     sizes = [1, 100, 4096, 5000, 64 * KiB, 300 * KiB, CHUNK // 2, CHUNK - 8192]
-    ranges = [h.pool.take(n) for n in sizes]
-    _fill_and_check(h, ranges, sizes)
-    st = h.pool.stats()
+    ranges = [vh.pool.take(n) for n in sizes]
+    _fill_and_check(vh, ranges, sizes)
+    st = vh.pool.stats()
     assert st["allocations"] == len(sizes)
     # Far fewer chunks than ranges (pure chunks would map one each): every one but the last
     # two fills a chunk with the others.
@@ -205,44 +236,44 @@ def test_small_ranges_share_chunks_and_keep_their_bytes(h: Harness) -> None:
     assert st["small_blocks"] == len(sizes) - st["mapped_bytes"] // CHUNK
 
 
-def test_small_ranges_go_back_and_their_chunk_with_the_last(h: Harness) -> None:
-    small = [h.pool.take(20 * KiB) for _ in range(10)]
-    assert h.pool.stats()["mapped_bytes"] == CHUNK, "ten 20 KiB ranges in one chunk"
+def test_small_ranges_go_back_and_their_chunk_with_the_last(vh: Harness) -> None:
+    small = [vh.pool.take(20 * KiB) for _ in range(10)]
+    assert vh.pool.stats()["mapped_bytes"] == CHUNK, "ten 20 KiB ranges in one chunk"
     del small[:9]
     gc.collect()
-    h.pool.reap()
-    st = h.pool.stats()
+    vh.pool.reap()
+    st = vh.pool.stats()
     assert (st["allocations"], st["mapped_bytes"]) == (1, CHUNK), "the chunk stays for the last"
     del small
     gc.collect()
-    h.pool.reap()
-    st = h.pool.stats()
+    vh.pool.reap()
+    st = vh.pool.stats()
     assert (st["allocations"], st["mapped_bytes"], st["small_chunks"]) == (0, 0, 0)
-    assert h.pool.take(BUDGET) is not None, "the whole budget is free again"
+    assert vh.pool.take(BUDGET) is not None, "the whole budget is free again"
 
 
-def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(h: Harness) -> None:
+def test_small_ranges_in_the_tail_of_a_large_one_outlive_it(vh: Harness) -> None:
     # Four chunks, the last half unused (rounding wastes under a quarter: a range of its own,
     # not a medium block).
-    big = h.pool.take(3 * CHUNK + MiB)
-    tail = [h.pool.take(100 * KiB) for _ in range(3)]  # packed into that unused tail
-    assert h.pool.stats()["mapped_bytes"] == 4 * CHUNK
-    _fill_and_check(h, [big, *tail], [3 * CHUNK + MiB] + [100 * KiB] * 3)
+    big = vh.pool.take(3 * CHUNK + MiB)
+    tail = [vh.pool.take(100 * KiB) for _ in range(3)]  # packed into that unused tail
+    assert vh.pool.stats()["mapped_bytes"] == 4 * CHUNK
+    _fill_and_check(vh, [big, *tail], [3 * CHUNK + MiB] + [100 * KiB] * 3)
     del big
     gc.collect()
-    h.pool.reap()
-    st = h.pool.stats()
+    vh.pool.reap()
+    st = vh.pool.stats()
     assert (st["allocations"], st["mapped_bytes"]) == (3, CHUNK), "only the tail chunk stays"
     for i, r in enumerate(tail):
-        assert h.read(r, 100 * KiB) == pattern(100 * KiB, i + 1), "the tail kept its bytes"
-    more = h.pool.take(7 * CHUNK)                     # the first three went back to the budget
+        assert vh.read(r, 100 * KiB) == pattern(100 * KiB, i + 1), "the tail kept its bytes"
+    more = vh.pool.take(7 * CHUNK)                     # the first three went back to the budget
     del tail, more, r
     gc.collect()
-    h.pool.reap()
-    assert h.pool.stats()["mapped_bytes"] == 0
+    vh.pool.reap()
+    assert vh.pool.stats()["mapped_bytes"] == 0
 
 
-def test_a_pool_never_maps_more_than_whole_chunks_per_range(h: Harness) -> None:
+def test_a_pool_never_maps_more_than_whole_chunks_per_range(vh: Harness) -> None:
     # What lets a plan made with sizes rounded up to whole chunks fit the pool: a medium block
     # (1-4 chunks that round badly) uses only the chunks it touches, never more than its own
     # whole chunks would (a 5-chunk slab mapped whole kept 5 chunks for one 2.25 MiB range).
@@ -253,23 +284,50 @@ def test_a_pool_never_maps_more_than_whole_chunks_per_range(h: Harness) -> None:
         if live and (rng.random() < 0.45 or len(live) > 6):
             live.pop(rng.randrange(len(live)))
             gc.collect()
-            h.pool.reap()
+            vh.pool.reap()
         else:
             n = rng.choice(sizes)
             with contextlib.suppress(OutOfBudget):
-                live.append((h.pool.take(n), n))
+                live.append((vh.pool.take(n), n))
         whole = sum(-(-n // CHUNK) * CHUNK for _, n in live)
-        assert h.pool.stats()["mapped_bytes"] <= whole
+        assert vh.pool.stats()["mapped_bytes"] <= whole
     del live
     gc.collect()
-    h.pool.reap()
+    vh.pool.reap()
 
 
-def test_small_ranges_past_the_budget_are_out_of_budget(h: Harness) -> None:
-    keep = [h.pool.take(CHUNK - 8192) for _ in range(BUDGET // CHUNK)]
+def test_small_ranges_past_the_budget_are_out_of_budget(vh: Harness) -> None:
+    keep = [vh.pool.take(CHUNK - 8192) for _ in range(BUDGET // CHUNK)]
     with pytest.raises(OutOfBudget):
-        h.pool.take(16 * KiB)
-    r = h.pool.take(4096)                             # what is left in the chunks still fits
-    h.fill(r, pattern(4096, 9))
-    assert h.read(r, 4096) == pattern(4096, 9)
+        vh.pool.take(16 * KiB)
+    r = vh.pool.take(4096)                             # what is left in the chunks still fits
+    vh.fill(r, pattern(4096, 9))
+    assert vh.read(r, 4096) == pattern(4096, 9)
     del keep, r
+
+
+# -- PyTorch's arena ------------------------------------------------------------------------
+
+
+def test_the_arena_counts_blocks_as_pytorch_rounds_them_and_trims_nothing() -> None:
+    """FAKE driver: each range counts as PyTorch's allocator rounds it (512-byte blocks), so
+    ranges that fit the budget one by one are refused together when their blocks do not;
+    ``trim`` leaves freed blocks to PyTorch's cache (0 bytes given back)."""
+    with _arena() as a:
+        keep = [a.pool.take(BLOCK + 1) for _ in range(BUDGET // (2 * BLOCK))]
+        assert a.pool.stats()["mapped_bytes"] == BUDGET
+        with pytest.raises(OutOfBudget, match="PyTorch"):
+            a.pool.take(1)
+        del keep
+        gc.collect()
+        assert a.pool.trim() == 0 and a.pool.stats()["mapped_bytes"] == 0
+        assert a.pool.stats()["peak_mapped_bytes"] == BUDGET
+        a.pool.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_the_arena_is_refused_off_cuda(device: str) -> None:
+    with pytest.raises(OOCError, match="CUDA"):
+        make_pool(device, BUDGET, CHUNK, arena="pytorch")
+    with pytest.raises(OOCError, match="arena"):
+        make_pool("cpu", BUDGET, CHUNK, arena="vmm")

@@ -896,6 +896,8 @@ def test_budget_units_are_distinct_and_both_valid(tmp_path):
     ({"budget": "1GiB", "window": -1}, "window: must be"), ({"budget": "1GiB", "min_bytes": "lots"}, "not a size"),
     ({"budget": "1GiB", "threads": 0}, "threads must be"),
     ({"budget": "1GiB", "manage": "everything"}, "unknown kind"),
+    ({"budget": "1GiB", "arena": "gpu"}, "arena must be"),
+    ({"budget": "1GiB", "arena": "pytorch"}, "for CUDA devices"),   # on the CPU: one arena already
 ])
 def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     """Extends test_engine.py's list: one clear OOCError, and nothing done — no directory, no
@@ -903,7 +905,7 @@ def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     model, opt = fresh()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     threads = set(threading.enumerate())
-    options = {k: bad.pop(k) for k in ("chunk", "window", "min_bytes", "threads") if k in bad}
+    options = {k: bad.pop(k) for k in ("chunk", "window", "min_bytes", "threads", "arena") if k in bad}
     with pytest.raises(OOCError, match=words):
         OutOfCore(model, opt, storage=str(tmp_path), manage=bad.pop("manage", ALL), options=Options(**options), **bad)
     assert os.listdir(tmp_path) == [] and set(threading.enumerate()) <= threads
