@@ -166,8 +166,9 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             if not _chosen(args, method):
                 continue
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
-        if _chosen(args, "ooc-matched") and clock.left() > 60:
-            _matched(setup, report, [r for r in report.rows if r.case == case.name])
+        matched = [m for m in ("ooc-matched", "ooc-matched-one-arena") if _chosen(args, m)]
+        if matched and clock.left() > 60:
+            _matched(setup, report, [r for r in report.rows if r.case == case.name], matched)
         references[case.name] = setup.reference, setup.reference_steps
         del model, x, y, setup
     if not args.headline_last:
@@ -227,7 +228,7 @@ def matched_budget(points: list[tuple[int, int]], peak: int) -> int | None:
     return int(budget) if budget > 0 else None
 
 
-def _matched(setup, report: gpu_report.Report, rows: list) -> None:
+def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -> None:
     """ooc at each alternative's peak (issue 38: ooc at no more peak memory than each
     alternative is faster than it): the budget read off the ooc rows' own budgets and peaks,
     aimed 3% under the alternative's peak; for each arena whose rows ran."""
@@ -236,6 +237,8 @@ def _matched(setup, report: gpu_report.Report, rows: list) -> None:
     if not setup.activation_peak:   # in core failed: nothing to take fractions of
         return
     for source, method in (("ooc", "ooc-matched"), ("ooc-one-arena", "ooc-matched-one-arena")):
+        if method not in methods:
+            continue
         points = [(r.budget_bytes, r.peak_bytes) for r in rows
                   if r.method == source and not r.error and r.budget_bytes and r.peak_bytes]
         if not points:

@@ -136,6 +136,28 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     assert dry_gpu.caps and all(0 < f <= 1 for f in dry_gpu.caps)
 
 
+@pytest.mark.timeout(600)
+def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE DRIVER: the command docs/guide/gpu.md gives for the next GPU run (one arena beside
+    the pool, at each checkpointing peak), on the quick ResNet-50: the chosen methods run,
+    bitwise, and no other (the matched rows of the pool's arena were not asked for)."""
+    import bench_gpu
+
+    out = tmp_path / "gpu-quick.md"
+    methods = "checkpoint-every-block,checkpoint-every-2nd,ooc,ooc-one-arena,ooc-matched-one-arena"
+    doc = (BENCHMARKS.parent / "docs" / "guide" / "gpu.md").read_text()
+    assert f"--no-profiles --no-compile --methods {methods}`" in doc, "the test runs what the guide says"
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
+                                      "--no-profiles", "--methods", methods, "--cases", "resnet50",
+                                      "--no-sanitizer", "--no-forms", "--no-headline", "--no-host-cost"])
+    assert bench_gpu.main() == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    ran = {r["method"] for r in data["rows"]}
+    assert {"in-core", *methods.split(",")} - {"ooc-matched-one-arena"} <= ran <= {"in-core", *methods.split(",")}
+    assert "ooc-matched-one-arena" in ran or any("ooc-matched-one-arena to" in n for n in data["not_run"])
+    assert all(r["bitwise"] for r in data["rows"] if r["method"] != "in-core"), data["rows"]
+
+
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
 def test_the_largest_batch_that_fits_is_found_by_bisection(limit: int) -> None:
     """The headline's search: the largest multiple of 8 up to 512 that fits, in few tries."""

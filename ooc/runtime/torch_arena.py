@@ -74,7 +74,13 @@ class TorchArenaPool:
             raise OutOfBudget(f"{format_size(nbytes)} does not fit: {format_size(self._live)} of the "
                               f"{format_size(self.budget)} budget are taken by {self._count} swapped-in "
                               "tensors in PyTorch's allocator")
-        out = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        try:
+            out = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as exc:   # the device, not the budget: PyTorch's own error, told why
+            raise torch.OutOfMemoryError(
+                f"a swap-in of {format_size(nbytes)} ({nbytes} B) in PyTorch's allocator, within the "
+                f"{format_size(self.budget)} budget ({format_size(self._live)} taken), found the device full: "
+                f"lower the budget (arena='pytorch' shares the device with PyTorch's own tensors). {exc}") from exc
         # On the storage: the slot keeps the storage, not this tensor, and every view shares it.
         weakref.finalize(out.untyped_storage(), self._dead.append, counted)
         self._live += counted

@@ -331,3 +331,23 @@ def test_the_arena_is_refused_off_cuda(device: str) -> None:
         make_pool(device, BUDGET, CHUNK, arena="pytorch")
     with pytest.raises(OOCError, match="arena"):
         make_pool("cpu", BUDGET, CHUNK, arena="vmm")
+
+
+def test_a_full_device_under_the_arena_is_pytorchs_error_naming_the_swap_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE driver: PyTorch's allocator refusing a swap-in within the budget (the device is
+    full) raises PyTorch's OutOfMemoryError, saying so with the bytes, and the pool stays as
+    it was."""
+    with _arena() as a:
+        keep = a.pool.take(CHUNK)
+
+        def full(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+        monkeypatch.setattr(torch, "empty", full)
+        with pytest.raises(torch.OutOfMemoryError, match=r"swap-in of 2 MiB .* device full.*Tried to allocate"):
+            a.pool.take(CHUNK)
+        monkeypatch.undo()
+        assert a.pool.stats()["allocations"] == 1 and a.pool.stats()["mapped_bytes"] == CHUNK
+        del keep
+        gc.collect()
+        a.pool.close()
