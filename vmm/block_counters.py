@@ -1,28 +1,32 @@
 """The counters the two replays of PyTorch's allocator keep per block handed out and back.
 
 :class:`~vmm.caching.CachingAllocator` and :class:`~vmm.expandable.ExpandableAllocator` model
-different segment policies, but count the same way, so that their ``stats()`` compare.
+different segment policies but count the same way, so that their ``stats()`` compare: each
+owns one :class:`BlockCounters` (a part with its own state, not a base class) and reads it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["BlockCounters"]
+
 
 class BlockCounters:
-    """Live and peak bytes and allocations, for allocators that hand out blocks with
-    ``allocated``, ``requested`` and ``size``."""
+    """Live and peak bytes and allocations of the blocks an allocator handed out (blocks with
+    ``allocated``, ``requested``, ``size`` and ``segment``). Plain attributes: the replay
+    reads them per event."""
 
-    requested_bytes: int
-    allocated_bytes: int
-    live_allocations: int
-    alloc_count: int
-    free_count: int
-    peak_requested_bytes: int
-    peak_allocated_bytes: int
-    peak_live_allocations: int
+    __slots__ = ("requested_bytes", "allocated_bytes", "live_allocations", "alloc_count",
+                 "free_count", "peak_requested_bytes", "peak_allocated_bytes",
+                 "peak_live_allocations")
 
-    def _hand_out(self, block: Any, nbytes: int) -> None:
+    def __init__(self) -> None:
+        self.requested_bytes = self.allocated_bytes = self.live_allocations = 0
+        self.alloc_count = self.free_count = 0
+        self.peak_requested_bytes = self.peak_allocated_bytes = self.peak_live_allocations = 0
+
+    def hand_out(self, block: Any, nbytes: int) -> None:
         """``block`` (of ``block.size`` bytes) now serves a request of ``nbytes``."""
         block.allocated = True
         block.requested = nbytes
@@ -37,7 +41,7 @@ class BlockCounters:
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes = self.allocated_bytes
 
-    def _take_back(self, block: Any) -> None:
+    def take_back(self, block: Any) -> None:
         """``block`` is free again (a zero-byte block, with no segment, counts no bytes)."""
         block.allocated = False
         self.free_count += 1

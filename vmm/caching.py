@@ -48,7 +48,7 @@ from vmm.block_counters import BlockCounters
 from vmm.block_sizes import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,
                              K_SMALL_BUFFER, K_SMALL_SIZE, allocation_size, block_size,
                              round_size)
-from vmm.caching_segments import Block, SegmentSource, _Segment
+from vmm.caching_segments import Block, Segments
 from vmm.errors import CachingAllocatorError
 from vmm.gc_threshold import check_threshold, segments_to_release
 from vmm.pool import BudgetExceeded
@@ -62,7 +62,7 @@ __all__ = ["CachingAllocator", "Block", "CachingAllocatorError", "K_MIN_BLOCK_SI
 _SHIFT = 64  # free-list key = size << 64 | address: one int compares faster than a tuple
 
 
-class CachingAllocator(SegmentSource, BlockCounters):
+class CachingAllocator:
     """PyTorch's best-fit caching allocator over a backend (see the module docstring).
 
     Args:
@@ -85,35 +85,48 @@ class CachingAllocator(SegmentSource, BlockCounters):
                  gc_threshold: float | None = None) -> None:
         self.backend = backend
         self.capacity_bytes = capacity_bytes
+        self.segs = Segments(backend, capacity_bytes)   # the segments and their counters
+        self.counts = BlockCounters()                   # the blocks handed out: bytes, peaks
         self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
         self.roundup_divisions = check_divisions(roundup_divisions)
         self.gc_threshold = check_threshold(gc_threshold) if gc_threshold is not None else None
         self._gc = self.gc_threshold is not None and capacity_bytes is not None
         self._gc_searches = 0  # large-pool block searches so far (the clock of block ages)
         self.gc_released = 0   # segments the garbage collection released
-        self._granularity = backend.granularity
         self._free_small: list[int] = []   # keys (size << 64 | address), sorted
         self._free_large: list[int] = []
         self._free_blocks: dict[int, Block] = {}  # address -> free block
-        self._segments: dict[int, _Segment] = {}
-        # Counters (plain attributes: replay reads them per event).
-        self.requested_bytes = 0
-        self.allocated_bytes = 0
-        self.mapped_bytes = 0          # = reserved segment bytes
-        self.small_pool_bytes = 0
         self.active_segments = 0       # segments holding at least one allocated block
-        self.live_allocations = 0
-        self.peak_requested_bytes = 0
-        self.peak_allocated_bytes = 0
-        self.peak_mapped_bytes = 0
-        self.peak_segments = 0
-        self.peak_live_allocations = 0
-        self.map_calls = 0
-        self.unmap_calls = 0
-        self.alloc_count = 0
-        self.free_count = 0
-        self.num_alloc_retries = 0
+        self.num_alloc_retries = 0     # segment requests that needed the retry after empty_cache
         self.ooms = 0
+
+    # The counters the replay reads per event (``ooc.frag``), as every vmm allocator has them.
+    @property
+    def requested_bytes(self) -> int:
+        return self.counts.requested_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.counts.allocated_bytes
+
+    @property
+    def live_allocations(self) -> int:
+        return self.counts.live_allocations
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of all reserved segments (PyTorch's "reserved")."""
+        return self.segs.mapped_bytes
+
+    @property
+    def map_calls(self) -> int:
+        """Segments allocated so far (``cudaMalloc`` in PyTorch)."""
+        return self.segs.map_calls
+
+    @property
+    def unmap_calls(self) -> int:
+        """Segments released so far (``cudaFree``)."""
+        return self.segs.unmap_calls
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Block:
@@ -122,7 +135,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
         if nbytes <= 0:
             if nbytes == 0:  # PyTorch hands out a null pointer and allocates nothing
                 block = Block(0, 0, None)
-                self._hand_out(block, 0)
+                self.counts.hand_out(block, 0)
                 return block
             raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
         size = block_size(nbytes, self.roundup_divisions)
@@ -164,7 +177,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
         if not seg.active:
             self.active_segments += 1
         seg.active += 1
-        self._hand_out(block, nbytes)
+        self.counts.hand_out(block, nbytes)
         return block
 
     malloc = alloc
@@ -175,9 +188,9 @@ class CachingAllocator(SegmentSource, BlockCounters):
             raise CachingAllocatorError(f"double free (or free of a block never handed out): "
                                         f"{block!r}")
         seg = block.segment
-        if seg is not None and self._segments.get(seg.address) is not seg:
+        if seg is not None and self.segs.by_address.get(seg.address) is not seg:
             raise CachingAllocatorError(f"free of {block!r}, whose segment is not this allocator's")
-        self._take_back(block)
+        self.counts.take_back(block)
         if seg is None:  # zero-byte block
             return
         seg.active -= 1
@@ -219,7 +232,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
                 block = self._free_blocks[key & _MASK]
                 if block.prev is None and block.next is None:
                     del self._free_blocks[block.address]
-                    freed += self._release_segment(block.segment)
+                    freed += self.segs.release(block.segment)
                 else:
                     keep.append(key)
             free[:] = keep
@@ -265,37 +278,38 @@ class CachingAllocator(SegmentSource, BlockCounters):
         - ``allocations``, ``alloc_count``, ``free_count``, ``num_alloc_retries`` (segment
           requests that needed the free-cached-segments retry), ``ooms``.
         """
-        mapped = self.mapped_bytes
-        cached_segments = len(self._segments) - self.active_segments
-        whole_free = sum(s.size for s in self._segments.values() if not s.active)
+        segs, counts = self.segs, self.counts
+        mapped = segs.mapped_bytes
+        cached_segments = len(segs) - self.active_segments
+        whole_free = sum(s.size for s in segs.by_address.values() if not s.active)
         return {
-            "requested_bytes": self.requested_bytes,
+            "requested_bytes": counts.requested_bytes,
             "mapped_bytes": mapped,
             "reserved_bytes": mapped,
             "physical_bytes": mapped,
             "chunks_in_use": self.active_segments,
             "chunks_cached": cached_segments,
-            "internal_fragmentation_bytes": mapped - self.requested_bytes,
-            "peak_requested_bytes": self.peak_requested_bytes,
-            "peak_mapped_bytes": self.peak_mapped_bytes,
-            "peak_reserved_bytes": self.peak_mapped_bytes,
-            "peak_physical_bytes": self.peak_mapped_bytes,
-            "peak_allocations": self.peak_live_allocations,
-            "map_calls": self.map_calls,
-            "unmap_calls": self.unmap_calls,
-            "allocated_bytes": self.allocated_bytes,
-            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "internal_fragmentation_bytes": mapped - counts.requested_bytes,
+            "peak_requested_bytes": counts.peak_requested_bytes,
+            "peak_mapped_bytes": segs.peak_mapped_bytes,
+            "peak_reserved_bytes": segs.peak_mapped_bytes,
+            "peak_physical_bytes": segs.peak_mapped_bytes,
+            "peak_allocations": counts.peak_live_allocations,
+            "map_calls": segs.map_calls,
+            "unmap_calls": segs.unmap_calls,
+            "allocated_bytes": counts.allocated_bytes,
+            "peak_allocated_bytes": counts.peak_allocated_bytes,
             "reserved_segment_bytes": mapped,
-            "segments": len(self._segments),
-            "peak_segments": self.peak_segments,
-            "small_pool_bytes": self.small_pool_bytes,
-            "large_pool_bytes": mapped - self.small_pool_bytes,
+            "segments": len(segs),
+            "peak_segments": segs.peak_segments,
+            "small_pool_bytes": segs.small_pool_bytes,
+            "large_pool_bytes": mapped - segs.small_pool_bytes,
             "largest_free_block": self.largest_free_block(),
-            "inactive_split_bytes": mapped - self.allocated_bytes - whole_free,
+            "inactive_split_bytes": mapped - counts.allocated_bytes - whole_free,
             "capacity_bytes": self.capacity_bytes or 0,
-            "allocations": self.live_allocations,
-            "alloc_count": self.alloc_count,
-            "free_count": self.free_count,
+            "allocations": counts.live_allocations,
+            "alloc_count": counts.alloc_count,
+            "free_count": counts.free_count,
             "num_alloc_retries": self.num_alloc_retries,
             "ooms": self.ooms,
         }
@@ -305,7 +319,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
         ``address``, ``total_size``, ``pool`` ("small"/"large") and ``blocks`` (each
         ``address``, ``size``, ``requested``, ``state``), in address order."""
         out = []
-        for seg in sorted(self._segments.values(), key=lambda s: s.address):
+        for seg in sorted(self.segs.by_address.values(), key=lambda s: s.address):
             blocks = []
             b = seg.first
             while b is not None:
@@ -325,7 +339,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
     def __repr__(self) -> str:
         return (f"<CachingAllocator {self.live_allocations} live, "
                 f"{format_size(self.requested_bytes)} requested, "
-                f"{format_size(self.mapped_bytes)} reserved in {len(self._segments)} segments>")
+                f"{format_size(self.mapped_bytes)} reserved in {len(self.segs)} segments>")
 
     # -- internals ---------------------------------------------------------------------
     def _collect_garbage(self) -> None:
@@ -345,8 +359,24 @@ class CachingAllocator(SegmentSource, BlockCounters):
             key = whole[i]
             del free[bisect_left(free, key)]
             block = self._free_blocks.pop(key & _MASK)
-            self._release_segment(block.segment)
+            self.segs.release(block.segment)
             self.gc_released += 1
+
+    def _alloc_block(self, size: int, small: bool, nbytes: int) -> Block:
+        """A new segment for the request; when there is no room, empty the cache and retry
+        once (as PyTorch does before it reports out of memory)."""
+        seg_size = self.segs.size_for(size)
+        seg = self.segs.new(seg_size, small)
+        if seg is None:
+            self.num_alloc_retries += 1
+            self.empty_cache()
+            seg = self.segs.new(seg_size, small)
+            if seg is None:
+                self.ooms += 1
+                raise self._oom(nbytes, size, seg_size)
+        block = Block(seg.address, seg.size, seg)
+        seg.first = block
+        return block
 
     def _oom(self, nbytes: int, size: int, seg_size: int) -> BudgetExceeded:
         cap = self.capacity_bytes
@@ -359,7 +389,7 @@ class CachingAllocator(SegmentSource, BlockCounters):
             f"caching allocator out of memory: tried to allocate {format_size(nbytes)} "
             f"({nbytes} B, rounded to {size} B, needs a new {format_size(seg_size)} segment); "
             f"device capacity {cap_text}; {format_size(reserved)} reserved in "
-            f"{len(self._segments)} segments, of which {format_size(self.allocated_bytes)} "
+            f"{len(self.segs)} segments, of which {format_size(self.allocated_bytes)} "
             f"allocated ({format_size(self.requested_bytes)} requested) and "
             f"{format_size(reserved - self.allocated_bytes)} reserved but unallocated "
             f"(fragmentation); largest free block {format_size(largest)}; the largest request "

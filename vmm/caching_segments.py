@@ -5,10 +5,10 @@ Each segment is one ``cudaMalloc`` in PyTorch; here it is one chunk of the segme
 mapped onto its own reserved range of the backend. A segment's blocks form a doubly linked
 list in address order (split and coalesced by :class:`vmm.caching.CachingAllocator`). Kept
 apart from :mod:`vmm.caching` (the best-fit search, splitting, coalescing and the statistics)
-because getting device memory, with the retry after emptying the cache that PyTorch makes
-before it reports out of memory, is a separate concern from arranging blocks inside it.
-:class:`SegmentSource` is a mixin of the allocator: the segment counters it updates are the
-allocator's ``stats()``.
+because getting device memory from the backend is a separate concern from arranging blocks
+inside it. :class:`Segments` is a part the allocator owns, with its own state (the segments
+and their counters); the retry after emptying the cache, which PyTorch makes before it
+reports out of memory, is the allocator's (it empties its own cache).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vmm.backend import Backend
 from vmm.block_sizes import allocation_size
 from vmm.errors import OutOfBudget
 
-__all__ = ["Block", "SegmentSource"]
+__all__ = ["Block", "Segments"]
 
 
 class _Segment:
@@ -62,36 +62,34 @@ class Block:
         return f"<Block 0x{self.address:x} size={self.size} requested={self.requested} {state}>"
 
 
-class SegmentSource:
-    """The segment half of :class:`vmm.caching.CachingAllocator` (see the module docstring):
-    a new segment for a request, the retry after emptying the cache (the allocator's
-    ``empty_cache``), the release of one; the error when even the retry fails is the
-    allocator's ``_oom``."""
+class Segments:
+    """The segments of one :class:`vmm.caching.CachingAllocator` (module docstring): each is a
+    chunk of the backend mapped onto a reserved range of its own. Owns them and their counters
+    (the allocator's ``stats()`` reads them); the allocator arranges blocks inside and decides
+    when to ask for one (with its retry after emptying its cache) or give one back."""
 
-    backend: Backend
-    capacity_bytes: int | None
-    _granularity: int
-    _segments: dict[int, _Segment]
+    __slots__ = ("backend", "capacity_bytes", "by_address", "mapped_bytes", "small_pool_bytes",
+                 "peak_mapped_bytes", "peak_segments", "map_calls", "unmap_calls")
 
-    def _alloc_block(self, size: int, small: bool, nbytes: int) -> Block:
-        """A new segment for the request; on failure free cached segments, retry once."""
-        seg_size = allocation_size(size)
-        g = self._granularity
-        if seg_size % g:
-            seg_size = -(-seg_size // g) * g
-        seg = self._new_segment(seg_size, small)
-        if seg is None:
-            self.num_alloc_retries += 1
-            self.empty_cache()
-            seg = self._new_segment(seg_size, small)
-            if seg is None:
-                self.ooms += 1
-                raise self._oom(nbytes, size, seg_size)
-        block = Block(seg.address, seg.size, seg)
-        seg.first = block
-        return block
+    def __init__(self, backend: Backend, capacity_bytes: int | None) -> None:
+        self.backend, self.capacity_bytes = backend, capacity_bytes
+        self.by_address: dict[int, _Segment] = {}
+        self.mapped_bytes = self.small_pool_bytes = 0   # = reserved segment bytes; of the small pool
+        self.peak_mapped_bytes = self.peak_segments = 0
+        self.map_calls = self.unmap_calls = 0
 
-    def _new_segment(self, seg_size: int, small: bool) -> _Segment | None:
+    def __len__(self) -> int:
+        return len(self.by_address)
+
+    def size_for(self, size: int) -> int:
+        """The segment a block of ``size`` bytes comes in: PyTorch's ``allocation_size``,
+        rounded up to the backend's granularity."""
+        seg_size, g = allocation_size(size), self.backend.granularity
+        return -(-seg_size // g) * g
+
+    def new(self, seg_size: int, small: bool) -> _Segment | None:
+        """A new segment of ``seg_size`` bytes; None if the capacity or the backend is full
+        (whatever was made of it given back)."""
         cap = self.capacity_bytes
         if cap is not None and self.mapped_bytes + seg_size > cap:
             return None
@@ -109,26 +107,26 @@ class SegmentSource:
                 backend.free_range(address, seg_size)
             return None
         seg = _Segment(address, seg_size, handle, small)
-        self._segments[address] = seg
+        self.by_address[address] = seg
         self.map_calls += 1
         self.mapped_bytes += seg_size
         if small:
             self.small_pool_bytes += seg_size
         if self.mapped_bytes > self.peak_mapped_bytes:
             self.peak_mapped_bytes = self.mapped_bytes
-        if len(self._segments) > self.peak_segments:
-            self.peak_segments = len(self._segments)
+        if len(self.by_address) > self.peak_segments:
+            self.peak_segments = len(self.by_address)
         return seg
 
-    def _release_segment(self, seg: _Segment) -> int:
+    def release(self, seg: _Segment) -> int:
+        """Give ``seg`` back to the backend; its bytes."""
         backend = self.backend
         backend.unmap(seg.address, seg.size)
         backend.release_chunk(seg.handle)
         backend.free_range(seg.address, seg.size)
-        del self._segments[seg.address]
+        del self.by_address[seg.address]
         self.unmap_calls += 1
         self.mapped_bytes -= seg.size
         if seg.small:
             self.small_pool_bytes -= seg.size
         return seg.size
-

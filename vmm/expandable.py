@@ -58,7 +58,7 @@ __all__ = ["ExpandableAllocator", "ExpandableBlock"]
 _UNLIMITED_SPACE = 1 << 46  # the virtual range of a segment when no device size is given
 
 
-class ExpandableAllocator(BlockCounters):
+class ExpandableAllocator:
     """PyTorch's caching allocator under ``expandable_segments:True`` (module docstring).
 
     Args:
@@ -79,21 +79,27 @@ class ExpandableAllocator(BlockCounters):
         self._pools = {True: _Pool(True), False: _Pool(False)}
         self._segments: list[_Segment] = []
         self._next_base = 1 << 40
-        self.requested_bytes = 0
-        self.allocated_bytes = 0
-        self.mapped_bytes = 0
+        self.counts = BlockCounters()   # the blocks handed out: bytes, peaks (as CachingAllocator's)
+        self.mapped_bytes = 0           # pages mapped (plain attributes: the replay reads them per event)
         self.small_pool_bytes = 0
-        self.live_allocations = 0
-        self.peak_requested_bytes = 0
-        self.peak_allocated_bytes = 0
         self.peak_mapped_bytes = 0
-        self.peak_live_allocations = 0
         self.map_calls = 0
         self.unmap_calls = 0
-        self.alloc_count = 0
-        self.free_count = 0
         self.num_alloc_retries = 0
         self.ooms = 0
+
+    # The block counters the replay reads per event (``ooc.frag``), as every vmm allocator has them.
+    @property
+    def requested_bytes(self) -> int:
+        return self.counts.requested_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.counts.allocated_bytes
+
+    @property
+    def live_allocations(self) -> int:
+        return self.counts.live_allocations
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> ExpandableBlock:
@@ -102,7 +108,7 @@ class ExpandableAllocator(BlockCounters):
         if nbytes <= 0:
             if nbytes == 0:
                 block = ExpandableBlock(0, 0, None, True)
-                self._hand_out(block, 0)
+                self.counts.hand_out(block, 0)
                 return block
             raise CachingAllocatorError(f"alloc of a negative size ({nbytes} bytes)")
         size = block_size(nbytes, self.roundup_divisions)
@@ -124,7 +130,7 @@ class ExpandableAllocator(BlockCounters):
             self._splice_after(block, rest)
             block.size = size
             pool.add_free(rest)
-        self._hand_out(block, nbytes)
+        self.counts.hand_out(block, nbytes)
         return block
 
     malloc = alloc
@@ -134,7 +140,7 @@ class ExpandableAllocator(BlockCounters):
         if not block.allocated:
             raise CachingAllocatorError(f"double free (or free of a block never handed out): "
                                         f"{block!r}")
-        self._take_back(block)
+        self.counts.take_back(block)
         seg = block.segment
         if seg is None:
             return
@@ -158,26 +164,26 @@ class ExpandableAllocator(BlockCounters):
     def stats(self) -> dict[str, int]:
         """The keys :meth:`vmm.CachingAllocator.stats` documents that mean something here
         (``mapped_bytes`` = reserved = pages mapped), plus ``segments`` (virtual ranges)."""
-        mapped = self.mapped_bytes
+        mapped, counts = self.mapped_bytes, self.counts
         return {
-            "requested_bytes": self.requested_bytes, "mapped_bytes": mapped,
+            "requested_bytes": counts.requested_bytes, "mapped_bytes": mapped,
             "reserved_bytes": mapped, "physical_bytes": mapped,
-            "internal_fragmentation_bytes": mapped - self.requested_bytes,
-            "peak_requested_bytes": self.peak_requested_bytes,
+            "internal_fragmentation_bytes": mapped - counts.requested_bytes,
+            "peak_requested_bytes": counts.peak_requested_bytes,
             "peak_mapped_bytes": self.peak_mapped_bytes,
             "peak_reserved_bytes": self.peak_mapped_bytes,
             "peak_physical_bytes": self.peak_mapped_bytes,
-            "peak_allocations": self.peak_live_allocations,
+            "peak_allocations": counts.peak_live_allocations,
             "map_calls": self.map_calls, "unmap_calls": self.unmap_calls,
-            "allocated_bytes": self.allocated_bytes,
-            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "allocated_bytes": counts.allocated_bytes,
+            "peak_allocated_bytes": counts.peak_allocated_bytes,
             "segments": len(self._segments),
             "small_pool_bytes": self.small_pool_bytes,
             "large_pool_bytes": mapped - self.small_pool_bytes,
             "largest_free_block": self.largest_free_block(),
             "capacity_bytes": self.capacity_bytes or 0,
-            "allocations": self.live_allocations, "alloc_count": self.alloc_count,
-            "free_count": self.free_count, "num_alloc_retries": self.num_alloc_retries,
+            "allocations": counts.live_allocations, "alloc_count": counts.alloc_count,
+            "free_count": counts.free_count, "num_alloc_retries": self.num_alloc_retries,
             "ooms": self.ooms,
         }
 
