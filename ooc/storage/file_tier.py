@@ -51,7 +51,7 @@ class _Record:
     write: Future | None = None
 
 
-class FileTier(TransferTasks):
+class FileTier:
     """A swap file on local storage, with ``threads`` background I/O threads.
 
     ``write_async(key, src, nbytes)`` copies the first ``nbytes`` of ``src`` into the tier and
@@ -131,6 +131,7 @@ class FileTier(TransferTasks):
             raise StorageError(
                 f"direct=True but O_DIRECT does not work in {self.directory!r} ({reason}); "
                 "pass direct=None to fall back to buffered I/O")
+        self._tasks = TransferTasks(self._file, self.chunk_bytes, self._flush)   # what the I/O threads run
         # Reentrant: an engine collected without close() closes its tier from its finalizer,
         # which the collector may run in an I/O thread inside ``_done``'s locked section.
         self._lock = threading.RLock()
@@ -179,7 +180,7 @@ class FileTier(TransferTasks):
             self._records[key] = rec
             self._live_bytes += nbytes
             self._peak_live_bytes = max(self._peak_live_bytes, self._live_bytes)
-            rec.write = self._submit(self._run_write, key, rec, base, view, direct)
+            rec.write = self._submit(self._tasks.write, key, rec, base, view, direct)
             return rec.write
 
     def read_async(self, key: int, dst) -> Future:
@@ -197,7 +198,7 @@ class FileTier(TransferTasks):
             view = view[:rec.nbytes]
             direct = self.direct_io and buffer_address(view) % ALIGN == 0
             rec.refs += 1
-            return self._submit(self._run_read, key, rec, base, view, direct)
+            return self._submit(self._tasks.read, key, rec, base, view, direct)
 
     def discard(self, key: int) -> None:
         """Forget ``key``; its space is reused once no transfer of it is in flight.
@@ -308,7 +309,7 @@ class FileTier(TransferTasks):
     def _submit(self, fn, key: int, rec: _Record, base: memoryview, view: memoryview,
                 direct: bool) -> Future:
         try:
-            future = self._pool.submit(fn, key, rec, base, view, direct)
+            future = self._pool.submit(fn, key, rec, base, view, direct, self._done, self._error)
         except RuntimeError as e:  # the pool is shutting down (interpreter exit)
             rec.refs -= 1
             view.release()

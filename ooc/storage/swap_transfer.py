@@ -15,26 +15,33 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 from ooc.errors import StorageError
 from ooc.storage.swapfile import ALIGN, SwapFile
 
 __all__ = ["TransferTasks", "transfer_key", "forget_buffers"]
 
+#: The tier's bookkeeping of a finished task: (record, "write"/"read", bytes, seconds, ok, direct).
+Done = Callable[[Any, str, int, float, bool, bool], None]
+#: The tier's wording of a failed one: (op, key, bytes, the OSError) -> the StorageError to raise.
+Worded = Callable[[str, int, int, OSError], StorageError]
+
 
 class TransferTasks:
     """The tasks :class:`~ooc.storage.FileTier` submits to its I/O threads: one write or read
     of a key, timed, its errors turned into :class:`~ooc.errors.StorageError`, the caller's
-    views released before the future resolves. A mixin of the tier: the outcome goes to the
-    tier's bookkeeping (``_done``, under its lock) and its error wording (``_error``)."""
+    views released before the future resolves. A part the tier holds: it knows the file and
+    how to flush. Each task gets the tier's bookkeeping (``done``, which takes the tier's lock)
+    and error wording (``error``) with its arguments, not at construction: holding them would
+    tie the tier to itself in a cycle, and its finalizer (descriptors closed, directory
+    removed) must run as soon as the last reference goes."""
 
-    _file: SwapFile
-    chunk_bytes: int
-    _flush: str
+    def __init__(self, file: SwapFile, chunk_bytes: int, flush: str) -> None:
+        self._file, self.chunk_bytes, self._flush = file, chunk_bytes, flush
 
-    def _run_write(self, key: int, rec: Any, base: memoryview, view: memoryview,
-                   direct: bool) -> None:
+    def write(self, key: int, rec: Any, base: memoryview, view: memoryview, direct: bool,
+              done: Done, error: Worded) -> None:
         t0 = time.perf_counter()
         ok = False
         try:
@@ -43,16 +50,16 @@ class TransferTasks:
             ok = True
         except OSError as e:
             forget_buffers(e)
-            raise self._error("write", key, rec.nbytes, e) from e
+            raise error("write", key, rec.nbytes, e) from e
         finally:
             # Release our views of the caller's buffer before the future resolves, so the
             # caller may free or resize it the moment it sees the result.
             view.release()
             base.release()
-            self._done(rec, "write", rec.nbytes, time.perf_counter() - t0, ok, direct)
+            done(rec, "write", rec.nbytes, time.perf_counter() - t0, ok, direct)
 
-    def _run_read(self, key: int, rec: Any, base: memoryview, view: memoryview,
-                  direct: bool) -> None:
+    def read(self, key: int, rec: Any, base: memoryview, view: memoryview, direct: bool,
+             done: Done, error: Worded) -> None:
         t0 = None
         ok = False
         try:
@@ -71,12 +78,12 @@ class TransferTasks:
             forget_buffers(e)
             if isinstance(e, StorageError):
                 raise
-            raise self._error("read", key, rec.nbytes, e) from e
+            raise error("read", key, rec.nbytes, e) from e
         finally:
             view.release()
             base.release()
             seconds = 0.0 if t0 is None else time.perf_counter() - t0
-            self._done(rec, "read", rec.nbytes, seconds, ok, direct)
+            done(rec, "read", rec.nbytes, seconds, ok, direct)
 
 
 def transfer_key(file: SwapFile, op: str, key: int, rec: Any, view: memoryview, direct: bool,

@@ -100,12 +100,12 @@ def train(cfg: dict, rank: int, use_ooc: bool) -> tuple[list[torch.Tensor], dict
                                pin={torch.ops.aten.native_batch_norm.default: "must_recompute"}
                                if cfg.get("pin_bn") else None)
         if cfg.get("slow_writes") and DEVICE.type == "cpu":   # a loaded disk: races show only when writes are slow
-            write = engine._mem.tier._run_write
+            write = engine._mem.tier._tasks.write
 
             def slow(*a, **kw):
                 time.sleep(cfg["slow_writes"])
                 return write(*a, **kw)
-            engine._mem.tier._run_write = slow
+            engine._mem.tier._tasks.write = slow
     torch.manual_seed(100 + rank)   # dropout: the same stream per rank with and without ooc
     accum = cfg.get("accum", 1)
     bad_grads: list[str] = []
