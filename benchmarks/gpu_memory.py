@@ -11,8 +11,9 @@ of both peaks.
 
 For each measured ooc row of ResNet-50 and GPT-2 this plans the H100 profile of the case
 (benchmarks/profiles/h100/, recorded in the same run) at the row's budget as the engine plans
-(``managed_view``, activations from 1 MiB, the profile's link), then walks the plan's
-allocations (``scheduler.memory_events.allocation_events``) and puts each in its arena:
+(``managed_view``, activations from 1 MiB, the profile's link), then places the plan's
+allocations in their arenas (``scheduler.arenas.device_peaks``, the model ``ooc simulate``
+prints too):
 
 - **PyTorch's**: the managed activations born or recomputed on the device, plus what the engine
   does not manage (weights, gradients, optimizer state, the backward's gradients of
@@ -50,47 +51,19 @@ import common  # noqa: E402
 import scheduler  # noqa: E402
 from scheduler.ir import VariableSequence  # noqa: E402
 from scheduler.managed import managed_view  # noqa: E402
-from scheduler.memory_events import allocation_events  # noqa: E402
+from scheduler.arenas import device_peaks  # noqa: E402
 from scheduler.recompute import default_hardware  # noqa: E402
-from scheduler.schedule import Op, Schedule  # noqa: E402
+from scheduler.schedule import Schedule  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 
 
 def arenas(full: VariableSequence, schedule: Schedule) -> dict[str, int]:
-    """The modelled peaks (bytes) of PyTorch's arena, of the pool, their sum, and one arena,
-    for ``schedule`` (a plan of ``managed_view(full)``) over the whole step ``full``."""
-    n = len(full.functions)
-    torch_side, pool = [0] * (n + 1), [0] * (n + 1)
-    swapped_in = [{a.var for acts in (schedule.before[i], schedule.after[i]) for a in acts
-                   if a.op is Op.SWAP_IN} for i in range(n)]
-    held: dict[int | str, tuple[bool, int]] = {}   # key -> (in the pool, bytes)
-    t_now = p_now = 0
-    for e in allocation_events(schedule):
-        i = min(int(e.time), n)
-        if e.action == "alloc":
-            in_pool = i < n and e.key in swapped_in[i]
-            held[e.key] = (in_pool, e.nbytes)
-            t_now, p_now = t_now + (0 if in_pool else e.nbytes), p_now + (e.nbytes if in_pool else 0)
-        else:
-            in_pool, nbytes = held.pop(e.key, (False, e.nbytes))
-            t_now, p_now = t_now - (0 if in_pool else nbytes), p_now - (nbytes if in_pool else 0)
-        torch_side[i], pool[i] = max(torch_side[i], t_now), max(pool[i], p_now)
-    first, last = full.first_use, full.last_use
-    other = [0] * (n + 2)   # not managed: a difference array over each one's life
-    for v, var in full.variables.items():
-        if v in schedule.sequence.variables or v not in first:
-            continue
-        other[0 if var.live_in else first[v]] += var.nbytes
-        other[(n if var.live_out else last[v]) + 1] -= var.nbytes
-    running, unmanaged = 0, []
-    for i in range(n + 1):
-        running += other[i]
-        unmanaged.append(running)
-    t_peak = max(t + u for t, u in zip(torch_side, unmanaged))
-    return {"torch": t_peak, "pool": max(pool), "sum": t_peak + max(pool),
-            "one_arena": max(t + p + u for t, p, u in zip(torch_side, pool, unmanaged))}
+    """``scheduler.arenas.device_peaks`` as this report's columns: ``torch``, ``pool``,
+    ``sum`` (two arenas) and ``one_arena``, in bytes."""
+    m = device_peaks(full, schedule)
+    return {"torch": m.torch, "pool": m.pool, "sum": m.two_arenas, "one_arena": m.one_arena}
 
 
 def scaled(full: VariableSequence, factor: float) -> VariableSequence:

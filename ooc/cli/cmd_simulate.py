@@ -15,9 +15,12 @@ this hardware (``ooc.cli.recomputed``: the seconds ``scheduler.simulate`` charge
 gradients' all-reduce runs beside the transfers, over the preset's interconnect or, on the
 PCIe presets, over the same host link as the swaps (``scheduler/data_parallel.py``).
 
-``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()`` and
+``--json`` prints one JSON object with exactly the keys of ``SimResult.to_dict()``,
 ``recomputed`` (every recompute action: ``{"var", "name", "bytes", "before", "functions",
-"seconds"}``, its seconds on this hardware; empty when the plan only swaps);
+"seconds"}``, its seconds on this hardware; empty when the plan only swaps) and
+``device_peaks`` (``scheduler.arenas.DevicePeaks``: the whole step's device peak on a GPU
+with one arena and with ooc's pool beside PyTorch's allocator, and each arena's; the
+``device`` line of the table);
 ``--timeline FILE`` writes the predicted timeline as a Chrome/Perfetto trace, with one track
 per kind of work: compute, wait, swap-in, swap-out, and recompute (one span per chain).
 
@@ -78,6 +81,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from scheduler.arenas import device_peaks
     from scheduler.hardware import hardware
     from scheduler.schedule import Schedule
     from scheduler.simulate import simulate
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
         bar.stage(f"loading {args.input}")
         obj = load(args.input)
-        seq = obj.sequence if isinstance(obj, Schedule) else obj
+        seq = obj.sequence if isinstance(obj, Schedule) else obj   # the whole step (--manage plans part of it)
         if args.hardware is not None:
             hw = hardware(args.hardware, **overrides)
         elif "link_bytes_per_s" in seq.meta:   # a GPU profile: its own link
@@ -142,14 +148,15 @@ def run(args: argparse.Namespace) -> int:
             write_chrome_trace(result.timeline, args.timeline,
                                process_name=f"ooc simulate ({hw.name}, {schedule.policy})")
     rc = recomputed(schedule, hw)
+    peaks = device_peaks(seq, schedule)
     if args.json:
-        print(json.dumps({**result.to_dict(), "recomputed": as_json(rc)}))
+        print(json.dumps({**result.to_dict(), "recomputed": as_json(rc), "device_peaks": asdict(peaks)}))
     else:
-        print(_table(result, schedule, args.timeline, rc))
+        print(_table(result, schedule, args.timeline, rc, peaks))
     return 0
 
 
-def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any]) -> str:
+def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any], peaks: Any) -> str:
     from vmm.units import format_size as fs
 
     from ooc.cli.recomputed import table
@@ -170,6 +177,9 @@ def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any]) -> str:
         f"{'lower bound':<16}{ms(r.lower_bound_s)}  (perfect overlap of these transfers)",
         f"{'relative speed':<16}{r.relative_speed:.3f}  (compute / step time)",
         f"{'peak':<16}{fs(r.peak_bytes)}  ({r.peak_bytes} B, at function {r.peak_function})",
+        f"{'device, GPU':<16}{fs(peaks.two_arenas)} with ooc's pool (PyTorch's {fs(peaks.torch)} + pool "
+        f"{fs(peaks.pool)}), {fs(peaks.one_arena)} in one arena (arena='pytorch')",
+        f"{'':<16}(the whole step's tensors, modelled: no allocator rounding, no workspaces)",
         f"{'bytes in':<16}{fs(r.bytes_in)}  in {r.transfers_in:,} copies, "
         f"link busy {ms(r.h2d_busy_s)}",
         f"{'bytes out':<16}{fs(r.bytes_out)}  in {r.transfers_out:,} copies, "

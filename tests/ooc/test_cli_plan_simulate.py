@@ -17,7 +17,7 @@ SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
             "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s",
             "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s", "host_s", "host_wait_s",
-            "recomputed"}
+            "recomputed", "device_peaks"}
 ALLOCATOR_KEYS = {"allocator", "chunk_bytes", "reserved_peak_bytes", "fits"}
 HUGE = str(1 << 40)  # 1 TiB: everything fits, nothing moves
 

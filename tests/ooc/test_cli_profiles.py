@@ -29,6 +29,18 @@ def test_simulate_a_profile_as_the_engine_plans_it_on_its_own_link() -> None:
     assert whole.returncode == 2 and "too small" in whole.stderr
     # the in-core step it compares with is the profile's own op times: ~ the measured step
     assert abs(r["compute_s"] * 1e3 / meta["in_core_step_ms"] - 1) < 0.05
+    # the device holds the whole step's tensors, beyond the budget: weights, Adam's state,
+    # the backward's temporaries; with ooc's pool beside PyTorch's allocator, both peaks
+    d = r["device_peaks"]
+    assert d["two_arenas"] == d["torch"] + d["pool"] and d["pool"] > 0
+    assert 4 << 30 < max(d["torch"], d["pool"]) <= d["one_arena"] <= d["two_arenas"]
+
+
+def test_simulate_prints_the_device_peak_by_arena() -> None:
+    p = _ooc("simulate", str(PROFILE), "--budget", "4GiB", "--manage", "activations", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    line = next(x for x in p.stdout.splitlines() if x.startswith("device, GPU"))
+    assert "with ooc's pool (PyTorch's" in line and "in one arena (arena='pytorch')" in line
 
 
 def test_plan_takes_manage_and_refuses_an_unknown_kind() -> None:
