@@ -1,6 +1,6 @@
 """Where ooc's device memory goes on a GPU: the measured peaks against a model of two arenas.
 
-    python benchmarks/gpu_memory.py [--out PATH]
+    python benchmarks/gpu_memory.py [--quick] [--out PATH]   (--quick: budgets in whole GiB)
 
 On the H100 (benchmarks/results/gpu.json) ooc's peak was far above its budget: ResNet-50 b256
 held 10.6 GiB at a 5.1 GiB budget. On a GPU ooc's step uses two allocators: PyTorch's caching
@@ -147,7 +147,7 @@ def matched_prediction(full: VariableSequence, peak: int, unmodelled: int, step:
     return best
 
 
-def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int]) -> list[str]:
+def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int], step: int) -> list[str]:
     table = []
     for case, unmodelled in missed.items():
         rows = [r for r in measured["rows"] if r["case"] == case and r.get("step_ms") and not r.get("error")]
@@ -156,7 +156,7 @@ def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int]) -> li
             continue
         full = VariableSequence.from_json(profiles / f"{case}.json")
         for alt in [r for r in rows if r["method"].startswith(("checkpoint", "save_on_cpu"))]:
-            got = matched_prediction(full, alt["peak_bytes"], unmodelled)
+            got = matched_prediction(full, alt["peak_bytes"], unmodelled, step)
             ours = "no budget fits" if got is None else (
                 f"{base['step_ms'] / (got[1] * 1e3):.2f}x at {got[0] / GiB:.2f} GiB ({got[2] / GiB:.1f} GiB)")
             verdict = "none fits" if got is None else ("faster" if got[1] * 1e3 < alt["step_ms"] else "slower")
@@ -168,7 +168,7 @@ def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int]) -> li
     return ["", "## At each alternative's peak, one arena predicted", "",
             "Each alternative measured; ooc's fastest plan of the case's profile whose one-arena peak, plus "
             "what the model missed on that case's measured two-arena rows, stays within the "
-            "alternative's peak (budgets in steps of 0.25 GiB), simulated against in core measured. "
+            f"alternative's peak (budgets in steps of {step / GiB:g} GiB), simulated against in core measured. "
             "The simulator was 4-10% optimistic on these rows.", "",
             *common.md_table(["case", "alternative", "measured", "unmodelled",
                               "ooc, one arena, predicted: speed at budget (peak)", "ooc is"], table)]
@@ -204,10 +204,10 @@ def main() -> int:
              *common.md_table(["case", "method", "budget", "PyTorch measured", "PyTorch modelled", "pool measured",
                                "pool modelled", "total measured", "total modelled", "one arena, modelled"],
                               rows)]
-    lines += _matched_lines(measured, args.profiles, missed)
+    lines += _matched_lines(measured, args.profiles, missed, GiB if args.quick else GiB // 4)
     lines += _headline_lines(measured, args.profiles, max(missed.values(), default=0))
-    common.write_report(common.result_path("gpu-memory", False, out=args.out),
-                        common.header("ooc's device memory on a GPU, by arena", quick=False) + [""] + lines)
+    common.write_report(common.result_path("gpu-memory", args.quick, out=args.out),
+                        common.header("ooc's device memory on a GPU, by arena", quick=args.quick) + [""] + lines)
     return 0
 
 
