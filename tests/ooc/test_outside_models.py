@@ -216,8 +216,10 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
     scaler = torch.amp.GradScaler("cpu", **SKIP_FIRST) if case.precision == "fp16" else None
     autocast = (torch.autocast("cpu", dtype=torch.float16 if case.precision == "fp16" else torch.bfloat16)
                 if case.precision != "fp32" else contextlib.nullcontext())
-    engine = (OutOfCore(model, opt, options=Options(chunk=CHUNK, min_bytes=4096), **engine_kw)
-              if engine_kw is not None else None)
+    if engine_kw is not None:
+        engine_kw = dict(engine_kw)
+        options = Options(chunk=CHUNK, min_bytes=4096, **engine_kw.pop("options", {}))
+    engine = OutOfCore(model, opt, options=options, **engine_kw) if engine_kw is not None else None
     if case.in_backward:   # after the engine, as a user adds it to a loop that has one
         update_in_backward(model, opt)
     out: dict[str, Any] = {"loss": [], "scale": [], "lr": [], "planned": []}
@@ -322,6 +324,31 @@ def test_outside_model_trains_bitwise_at_a_quarter_of_its_peak(name: str, manage
     if case.precision == "fp16":
         first = ref["scale"][case.accumulate - 1]
         assert first < SKIP_FIRST["init_scale"], "the scaler must skip the first update"
+
+
+@pytest.mark.parametrize("arena", ["pool", "pytorch"])
+@pytest.mark.parametrize("name", ["transformers-gpt2", "transformers-llama", "transformers-llama-update-in-backward"])
+def test_outside_model_on_the_cuda_path_over_the_fake_driver(name: str, arena: str) -> None:
+    """FAKE driver (``ooc.testing.fake_cuda``: the model on the CPU, the CUDA path above it):
+    Hugging Face's GPT-2 (fp16 with a GradScaler, clipping, a schedule) and Llama (bf16,
+    accumulation, clipping; and with the update inside the backward) at a quarter of their
+    peak, swap-ins in ooc's VMM pool or in PyTorch's allocator (``Options(arena=...)``):
+    bitwise as in core, the driver's contract kept."""
+    import ooc.testing
+
+    case = CASES[name]
+    _, why = _library(case.library)
+    if why is not None:
+        pytest.skip(why)
+    ref = _reference(name)
+    budget = _managed_peak(name, MANAGE["default"]) // 4
+    with ooc.testing.fake_cuda(granularity=CHUNK) as driver:
+        got = _train(case, _model(name), {"budget": budget, "device": "cuda", "options": {"arena": arena}})
+        assert driver.violations == []
+        assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    _assert_bitwise(ref, got, name)
+    assert got["stats"]["bytes_out"] > 0 and got["stats"]["tier.bytes_written"] > 0
+    assert any(got["planned"]), "no step ran its plan"
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "transformers"])
