@@ -294,6 +294,15 @@ def _managed_peak(name: str, manage: tuple[str, ...]) -> int:
     return run["stats"]["plan.in_core_peak_bytes"]
 
 
+def _runnable(name: str) -> Case:
+    """The case, or a skip naming why its library does not import here."""
+    case = CASES[name]
+    _, why = _library(case.library)
+    if why is not None:
+        pytest.skip(why)
+    return case
+
+
 def _assert_bitwise(ref: dict, got: dict, name: str) -> None:
     for i, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
         assert torch.equal(a, b), f"{name}: loss of micro-batch {i} differs: {a.item()} vs {b.item()}"
@@ -309,10 +318,7 @@ def _assert_bitwise(ref: dict, got: dict, name: str) -> None:
 @pytest.mark.parametrize("manage", list(MANAGE))
 @pytest.mark.parametrize("name", list(CASES))
 def test_outside_model_trains_bitwise_at_a_quarter_of_its_peak(name: str, manage: str) -> None:
-    case = CASES[name]
-    _, why = _library(case.library)
-    if why is not None:
-        pytest.skip(why)
+    case = _runnable(name)
     ref = _reference(name)
     budget = _managed_peak(name, MANAGE[manage]) // dict(case.fraction).get(manage, 4)
     got = _train(case, _model(name), {"budget": budget, "manage": MANAGE[manage]})
@@ -336,10 +342,7 @@ def test_outside_model_on_the_cuda_path_over_the_fake_driver(name: str, arena: s
     bitwise as in core, the driver's contract kept."""
     import ooc.testing
 
-    case = CASES[name]
-    _, why = _library(case.library)
-    if why is not None:
-        pytest.skip(why)
+    case = _runnable(name)
     ref = _reference(name)
     budget = _managed_peak(name, MANAGE["default"]) // 4
     with ooc.testing.fake_cuda(granularity=CHUNK) as driver:
@@ -356,10 +359,7 @@ def test_outside_model_recomputes_bitwise(name: str) -> None:
     """recompute="prefer": every activation the budget forces out that a chain can re-create
     is discarded and recomputed (dropout's generator state replayed, autocast off for the
     replay of ops already cast, GradScaler, clipping, accumulation around it): bitwise."""
-    case = CASES[name]
-    _, why = _library(case.library)
-    if why is not None:
-        pytest.skip(why)
+    case = _runnable(name)
     ref = _reference(name)
     budget = _managed_peak(name, MANAGE["default"]) // 4
     got = _train(case, _model(name), {"budget": budget, "recompute": "prefer"})
@@ -373,10 +373,7 @@ def test_outside_model_runs_plain_steps_bitwise_when_nothing_moves(name: str) ->
     """A budget far above the peak: the plan moves nothing, and once a step has kept to it the
     next ones run plain (no op through the engine, ooc/runtime/plain_step.py), with the
     clipping, accumulation, autocast and GradScaler of each case around them: bitwise."""
-    case = CASES[name]
-    _, why = _library(case.library)
-    if why is not None:
-        pytest.skip(why)
+    case = _runnable(name)
     updates = UPDATES + 2   # GPT-2's GradScaler and scheduler make the first plans diverge twice
     ref = _train(case, _model(name), None, updates=updates)
     got = _train(case, _model(name), {"budget": "4GiB"}, updates=updates)
