@@ -40,6 +40,7 @@ each with the most the model missed on the case's measured two-arena rows added 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -53,17 +54,15 @@ from scheduler.ir import VariableSequence  # noqa: E402
 from scheduler.managed import managed_view  # noqa: E402
 from scheduler.arenas import device_peaks  # noqa: E402
 from scheduler.recompute import default_hardware  # noqa: E402
-from scheduler.schedule import Schedule  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 
 
-def arenas(full: VariableSequence, schedule: Schedule) -> dict[str, int]:
-    """``scheduler.arenas.device_peaks`` as this report's columns: ``torch``, ``pool``,
-    ``sum`` (two arenas) and ``one_arena``, in bytes."""
-    m = device_peaks(full, schedule)
-    return {"torch": m.torch, "pool": m.pool, "sum": m.two_arenas, "one_arena": m.one_arena}
+@functools.lru_cache(maxsize=None)
+def _profile(path: Path) -> VariableSequence:
+    """A profile, read once (each measured row, prediction and the headline reads its case's)."""
+    return VariableSequence.from_json(path)
 
 
 def scaled(full: VariableSequence, factor: float) -> VariableSequence:
@@ -96,11 +95,10 @@ def headline_prediction(full: VariableSequence, batch: int, best_rate: float, ca
     for budget in budgets:
         plan = scheduler.plan(seq, budget=budget, hardware=hw, recompute="auto")
         step_s = scheduler.simulate(plan, hw, timeline=False).total_s
-        m = arenas(big, plan)
-        fits = {k: m[k] + unmodelled <= cap for k in ("sum", "one_arena")}
+        m = device_peaks(big, plan)
         rows.append([f"{budget / GiB:.1f} GiB", f"{step_s * 1e3:.0f} ms", f"{batch / step_s / best_rate:.2f}",
-                     f"{(m['sum'] + unmodelled) / GiB:.1f} GiB" + ("" if fits["sum"] else " (over)"),
-                     f"{(m['one_arena'] + unmodelled) / GiB:.1f} GiB" + ("" if fits["one_arena"] else " (over)")])
+                     *(f"{(peak + unmodelled) / GiB:.1f} GiB" + ("" if peak + unmodelled <= cap else " (over)")
+                       for peak in (m.two_arenas, m.one_arena))])
     return rows
 
 
@@ -111,7 +109,7 @@ def _headline_lines(measured: dict, profiles: Path, unmodelled: int) -> list[str
         return []
     best = max(under, key=lambda r: r["samples_per_s"] or 0)
     batch = 4 * int(best["label"].rsplit("b", 1)[1])
-    full = VariableSequence.from_json(profiles / "resnet50.json")
+    full = _profile(profiles / "resnet50.json")
     cap = 16 * GiB
     table = headline_prediction(full, batch, best["samples_per_s"], cap, unmodelled,
                                 [int(b * GiB) for b in (4, 5, 6, 7, 8, 9, 10, 11)])
@@ -138,12 +136,12 @@ def matched_prediction(full: VariableSequence, peak: int, unmodelled: int, step:
             plan = scheduler.plan(seq, budget=budget, hardware=hw, recompute="auto")
         except scheduler.BudgetTooSmall:
             continue
-        m = arenas(full, plan)
-        if m["one_arena"] + unmodelled > peak:
+        held = device_peaks(full, plan).one_arena + unmodelled
+        if held > peak:
             continue
         step_s = scheduler.simulate(plan, hw, timeline=False).total_s
         if best is None or step_s < best[1]:
-            best = (budget, step_s, m["one_arena"] + unmodelled)
+            best = (budget, step_s, held)
     return best
 
 
@@ -154,7 +152,7 @@ def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int], step:
         base = next((r for r in rows if r["method"] == "in-core"), None)
         if base is None:
             continue
-        full = VariableSequence.from_json(profiles / f"{case}.json")
+        full = _profile(profiles / f"{case}.json")
         for alt in [r for r in rows if r["method"].startswith(("checkpoint", "save_on_cpu"))]:
             got = matched_prediction(full, alt["peak_bytes"], unmodelled, step)
             ours = "no budget fits" if got is None else (
@@ -186,18 +184,18 @@ def main() -> int:
                 or not r.get("step_ms"):
             continue
         one = r["method"] == "ooc-one-arena"   # its measured peak is PyTorch's alone: compare with one arena
-        full = VariableSequence.from_json(args.profiles / f"{r['case']}.json")
+        full = _profile(args.profiles / f"{r['case']}.json")
         seq = managed_view(full)
         plan = scheduler.plan(seq, budget=r["budget_bytes"], hardware=default_hardware(seq), recompute="auto")
-        m = arenas(full, plan)
+        m = device_peaks(full, plan)
         if not one:
-            missed[r["case"]] = max(missed.get(r["case"], 0), r["peak_bytes"] - m["sum"])
+            missed[r["case"]] = max(missed.get(r["case"], 0), r["peak_bytes"] - m.two_arenas)
         rows.append([r["label"], r["method"], f"{r['budget_fraction']:g} ({r['budget_bytes'] / GiB:.2f} GiB)",
-                     f"{r['torch_peak_bytes'] / GiB:.2f} GiB", "" if one else f"{m['torch'] / GiB:.2f} GiB",
+                     f"{r['torch_peak_bytes'] / GiB:.2f} GiB", "" if one else f"{m.torch / GiB:.2f} GiB",
                      "" if one else f"{r['pool_peak_bytes'] / GiB:.2f} GiB",
-                     "" if one else f"{m['pool'] / GiB:.2f} GiB",
-                     f"{r['peak_bytes'] / GiB:.2f} GiB", "" if one else f"{m['sum'] / GiB:.2f} GiB",
-                     f"{m['one_arena'] / GiB:.2f} GiB"])
+                     "" if one else f"{m.pool / GiB:.2f} GiB",
+                     f"{r['peak_bytes'] / GiB:.2f} GiB", "" if one else f"{m.two_arenas / GiB:.2f} GiB",
+                     f"{m.one_arena / GiB:.2f} GiB"])
     lines = [f"Measured: {args.results.relative_to(HERE.parent)} ({measured.get('gpu')}, commit "
              f"{measured.get('commit')}); modelled: the plan of {args.profiles.relative_to(HERE.parent)}'s "
              "profile at the row's budget. See the module docstring for what each column counts.", "",

@@ -182,6 +182,7 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     added, and one arena never holds more than that sum nor less than either arena."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import gpu_memory
+    from scheduler.arenas import device_peaks
     from scheduler.ir import VariableSequence
     from scheduler.managed import managed_view
     from scheduler.recompute import default_hardware
@@ -202,11 +203,10 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     seq = managed_view(full)
     import scheduler
 
-    m = gpu_memory.arenas(full, scheduler.plan(seq, budget=seq.in_core_peak_bytes // 4,
-                                               hardware=default_hardware(seq)))
-    assert m["sum"] == m["torch"] + m["pool"]
-    assert max(m["torch"], m["pool"]) <= m["one_arena"] <= m["sum"]
-    assert m["pool"] > 0 and m["torch"] > seq.in_core_peak_bytes // 4   # swaps happen; PyTorch holds more than the budget
+    m = device_peaks(full, scheduler.plan(seq, budget=seq.in_core_peak_bytes // 4, hardware=default_hardware(seq)))
+    assert m.two_arenas == m.torch + m.pool
+    assert max(m.torch, m.pool) <= m.one_arena <= m.two_arenas
+    assert m.pool > 0 and m.torch > seq.in_core_peak_bytes // 4   # swaps happen; PyTorch holds more than the budget
 
 
 @pytest.mark.parametrize("points, peak, budget", [

@@ -27,7 +27,6 @@ pages from the allocator PyTorch's tensors use (``ooc.host.cpu_allocator``).
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -112,12 +111,12 @@ class TorchArenaPool:
         under ``ooc.testing.fake_cuda``, at a multiple of 64: the arena is for CUDA)."""
         return BLOCK if self.device.type == "cuda" else 64
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         """The ranges and their counted bytes, live and at their peak (``mapped_bytes``: the
         same key as the VMM pools', here bytes PyTorch's allocator holds for ooc), as of the
         last ``take`` or ``reap``."""
         return {"allocations": self._count, "peak_allocations": self._peak_count,
-                "mapped_bytes": self._live, "peak_mapped_bytes": self._peak, "arena": "pytorch"}
+                "mapped_bytes": self._live, "peak_mapped_bytes": self._peak}
 
     def close(self) -> None:
         """Refuse further takes. Refuses (``AllocationError``) while ranges are in use, as the
