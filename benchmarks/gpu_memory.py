@@ -93,7 +93,12 @@ def headline_prediction(full: VariableSequence, batch: int, best_rate: float, ca
     hw = default_hardware(seq)
     rows = []
     for budget in budgets:
-        plan = scheduler.plan(seq, budget=budget, hardware=hw, recompute="auto")
+        try:
+            plan = scheduler.plan(seq, budget=budget, hardware=hw, recompute="auto")
+        except scheduler.BudgetTooSmall as e:   # an op's working set alone is over it at this batch
+            rows.append([f"{budget / GiB:.1f} GiB", f"too small: an op needs {e.working_set / GiB:.2f} GiB",
+                         "", "", ""])
+            continue
         step_s = scheduler.simulate(plan, hw, timeline=False).total_s
         m = device_peaks(big, plan)
         rows.append([f"{budget / GiB:.1f} GiB", f"{step_s * 1e3:.0f} ms", f"{batch / step_s / best_rate:.2f}",
@@ -196,8 +201,8 @@ def main() -> int:
                      "" if one else f"{m.pool / GiB:.2f} GiB",
                      f"{r['peak_bytes'] / GiB:.2f} GiB", "" if one else f"{m.two_arenas / GiB:.2f} GiB",
                      f"{m.one_arena / GiB:.2f} GiB"])
-    lines = [f"Measured: {args.results.relative_to(HERE.parent)} ({measured.get('gpu')}, commit "
-             f"{measured.get('commit')}); modelled: the plan of {args.profiles.relative_to(HERE.parent)}'s "
+    lines = [f"Measured: {args.results.resolve().relative_to(HERE.parent)} ({measured.get('gpu')}, commit "
+             f"{measured.get('commit')}); modelled: the plan of {args.profiles.resolve().relative_to(HERE.parent)}'s "
              "profile at the row's budget. See the module docstring for what each column counts.", "",
              *common.md_table(["case", "method", "budget", "PyTorch measured", "PyTorch modelled", "pool measured",
                                "pool modelled", "total measured", "total modelled", "one arena, modelled"],

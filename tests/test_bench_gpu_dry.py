@@ -215,7 +215,9 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     ([(5, 10), (10, 16)], 4, None),          # under ooc's fixed part: no budget
     ([(5, 10)], 9, None),                    # one point cannot tell
     ([(5, 10), (10, 10)], 9, None),          # a flat line cannot tell
-    ([(1, 3), (5, 10), (10, 16)], 13, 7.5),  # the two largest budgets
+    ([(1, 3), (5, 10), (10, 16)], 13, 7.5),  # the pair that brackets the peak
+    ([(5, 8), (10, 11), (15, 17)], 14, 12.5),  # bracketing, not the two largest: the bend past 10
+    ([(5, 8), (10, 11), (15, 17)], 20, 17.5),  # all under: the two largest budgets
 ])
 def test_the_budget_matched_to_an_alternatives_peak(points, peak, budget) -> None:
     sys.path.insert(0, str(BENCHMARKS))
