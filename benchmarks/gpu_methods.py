@@ -148,6 +148,8 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
         engine_kw.setdefault("recompute", "never" if method == "ooc-swap-only" else "auto")
         if method.endswith("one-arena"):
             engine_kw["options"] = Options(arena="pytorch")
+        else:   # the VMM pool, asked for by name since one arena became the default on CUDA
+            engine_kw.setdefault("options", Options(arena="pool"))
         engine = OutOfCore(model, opt, budget=row.budget_bytes, device="cuda", **engine_kw)
     scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
     moved = [0]

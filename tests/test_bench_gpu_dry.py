@@ -136,13 +136,13 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
 
 @pytest.mark.timeout(600)
 def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FAKE DRIVER: the command docs/guide/gpu.md gives for the next GPU run (one arena beside
-    the pool, at each checkpointing peak), on the quick ResNet-50: the chosen methods run,
-    bitwise, and no other (the matched rows of the pool's arena were not asked for)."""
+    """FAKE DRIVER: the command docs/guide/gpu.md gives for the next GPU run (both arenas, each
+    matched to each checkpointing peak), on the quick ResNet-50: the chosen methods run,
+    bitwise, and no other; the "ooc" rows are the VMM pool's, one arena's are PyTorch's."""
     import bench_gpu
 
     out = tmp_path / "gpu-quick.md"
-    methods = "checkpoint-every-block,checkpoint-every-2nd,ooc,ooc-one-arena,ooc-matched-one-arena"
+    methods = "checkpoint-every-block,checkpoint-every-2nd,ooc,ooc-matched,ooc-one-arena,ooc-matched-one-arena"
     doc = (BENCHMARKS.parent / "docs" / "guide" / "gpu.md").read_text()
     assert f"--no-profiles --no-compile --methods {methods}`" in doc, "the test runs what the guide says"
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
@@ -151,12 +151,15 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     assert bench_gpu.main() == 0
     data = json.loads(out.with_suffix(".json").read_text())
     ran = {r["method"] for r in data["rows"]}
-    assert {"in-core", *methods.split(",")} - {"ooc-matched-one-arena"} <= ran <= {"in-core", *methods.split(",")}
-    assert "ooc-matched-one-arena" in ran or any("ooc-matched-one-arena to" in n for n in data["not_run"])
+    matched = {"ooc-matched", "ooc-matched-one-arena"}
+    assert {"in-core", *methods.split(",")} - matched <= ran <= {"in-core", *methods.split(",")}
+    assert all(m in ran or any(f"{m} to" in n for n in data["not_run"]) for m in matched), data["not_run"]
     assert all(r["bitwise"] for r in data["rows"] if r["method"] != "in-core"), data["rows"]
     one = [r for r in data["rows"] if r["method"] == "ooc-one-arena"]
     assert len(one) == 2 and all(r["pool_peak_bytes"] == 0 and "in PyTorch's allocator" in r["note"] for r in one), one
     assert any(r["bytes_moved"] for r in one), "one arena moved nothing: its budgets were not binding"
+    pool = [r for r in data["rows"] if r["method"] == "ooc"]
+    assert len(pool) == 2 and all(r["pool_peak_bytes"] > 0 for r in pool if r["bytes_moved"]), pool
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])

@@ -44,13 +44,15 @@ class Options:
             ops, at autograd's saved-tensor hooks (``steps.plain``, ``steps.anchored`` in
             ``stats()``). False: every planned step runs per op (to measure that path).
         max_plans: plans kept, per start state and step shape, least recently used out.
-        arena: where swapped-in tensors live on a GPU. ``"pool"`` (default): ooc's own VMM
-            pool, chunks sized to the budget, free of fragmentation, beside PyTorch's caching
-            allocator (their peaks add up). ``"pytorch"``: PyTorch's caching allocator, where
-            the blocks the forward's swapped-out activations left serve the backward's
+        arena: where swapped-in tensors live. ``"auto"`` (default): ``"pytorch"`` on CUDA,
+            ``"pool"`` on the CPU. ``"pytorch"`` (CUDA only): PyTorch's caching allocator,
+            where the blocks the forward's swapped-out activations left serve the backward's
             swap-ins (one arena, one peak; fragmentation is PyTorch's, see its
-            ``expandable_segments``). The budget bounds ooc's bytes either way. CUDA only
-            (``ooc/runtime/torch_arena.py`` says why).
+            ``expandable_segments``): measured on an H100 1.2-3.2 GiB under the pool at the
+            same budget and speed. ``"pool"``: ooc's own VMM pool, chunks sized to the
+            budget, free of fragmentation, beside PyTorch's caching allocator (their peaks add
+            up). The budget bounds ooc's bytes either way (``ooc/runtime/torch_arena.py``
+            says why).
 
     Example::
 
@@ -64,7 +66,7 @@ class Options:
     verify: bool = False
     hook_steps: bool = True
     max_plans: int = MAX_PLANS
-    arena: str = "pool"
+    arena: str = "auto"
 
     def __post_init__(self) -> None:
         if self.arena not in ARENAS:

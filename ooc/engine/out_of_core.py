@@ -46,6 +46,7 @@ from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.stepper import Stepper
+from ooc.runtime.torch_arena import resolve_arena
 from scheduler.ir import Kind
 from vmm.units import format_size, parse_size
 
@@ -157,13 +158,14 @@ class OutOfCore:
         # threshold, the optimizer's foreach flag): made at the first step, undone by close()
         # or when the engine is collected (ooc/host/process_effects.py).
         self._effects = ProcessEffects(device.type, optimizer, per_parameter)
-        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and a VMM pool (or
-        # PyTorch's allocator: Options.arena). The pool
+        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and PyTorch's
+        # allocator for the swap-ins (or a VMM pool: Options.arena). The pool
         # checks the chunk against the backend's granularity before anything else is made.
+        arena = resolve_arena(device, options.arena)
         tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify,
-                                        arena=options.arena)
+                                        arena=arena)
         self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool),
-                                       arena=options.arena)
+                                       arena=arena)
         self._store = store = PersistentStore(model, optimizer, mem)
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
                                 activations="activations" in self._manage, hook_steps=options.hook_steps,

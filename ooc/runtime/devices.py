@@ -47,7 +47,7 @@ from ooc.runtime.cuda_pool import CudaDevicePool
 from ooc.runtime.cuda_seam import CudaRuntime, DevicePtr, cuda_runtime, set_cuda_runtime
 from ooc.storage.cuda_tier import PinnedTier
 from ooc.runtime.pool import DevicePool
-from ooc.runtime.torch_arena import ARENAS, TorchArenaPool
+from ooc.runtime.torch_arena import TorchArenaPool, resolve_arena
 from ooc.storage import FileTier
 from ooc.storage.tier import SlowerTier
 from vmm.cuda_driver import CudaDriver
@@ -87,7 +87,7 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
     ``pip install 'ooc[cuda]'``; or the fake one of :func:`ooc.testing.fake_cuda`).
     """
     dev = torch.device(device)
-    _check_arena(dev, arena)
+    arena = resolve_arena(dev, arena)
     if dev.type == "cpu":
         pool = make_pool(dev, budget, chunk)
         return FileTier(storage, threads=threads, verify=verify, chunk_bytes=chunk), pool
@@ -124,7 +124,7 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
 def make_pool(device: "str | torch.device", budget: int, chunk: int, arena: str = "pool") -> DevicePool:
     """A fresh budgeted pool for ``device`` (``set_budget`` swaps pools between steps)."""
     dev = torch.device(device)
-    _check_arena(dev, arena)
+    arena = resolve_arena(dev, arena)
     if dev.type == "cpu":
         # the recycling allocator hears the pool's size: it bounds the idle chunks with its cache
         hear = functools.partial(cpu_allocator.external, source=next(_pool_ids))
@@ -135,14 +135,6 @@ def make_pool(device: "str | torch.device", budget: int, chunk: int, arena: str 
         return _arena(budget, chunk, index, rt.driver(f"device {dev}"))
     return CudaDevicePool(budget, chunk, driver=rt.driver(f"device {dev}"), device=index,
                           as_tensor=True, fence_stream=rt.compute_stream(index))
-
-
-def _check_arena(dev: torch.device, arena: str) -> None:
-    if arena not in ARENAS:
-        raise OOCError(f"arena must be one of {list(ARENAS)}, got {arena!r}")
-    if arena == "pytorch" and dev.type != "cuda":
-        raise OOCError(f"arena='pytorch' is for CUDA devices, not {dev}: on the CPU the pool's chunks "
-                       "already take their pages from the allocator PyTorch's tensors use")
 
 
 def _arena(budget: int, chunk: int, index: int, driver: Any) -> TorchArenaPool:

@@ -20,7 +20,8 @@ for the work queued on the compute stream (``PinnedTier.read_async``), and a ran
 only after the compute stream waited for any copy out of it (``Slot.finish_swap_out``): the
 rules PyTorch's own activations already follow under ooc.
 
-Only on CUDA (``Options(arena="pytorch")``): on the CPU the pool's chunks already take their
+The default on CUDA (``Options(arena="auto")``; ``"pool"`` asks for the VMM pool). Only on
+CUDA: on the CPU the pool's chunks already take their
 pages from the allocator PyTorch's tensors use (``ooc.host.cpu_allocator``).
 """
 
@@ -35,14 +36,32 @@ from vmm.allocation import AllocationError
 from vmm.errors import OutOfBudget
 from vmm.units import format_size
 
-__all__ = ["ARENAS", "BLOCK", "TorchArenaPool"]
+__all__ = ["ARENAS", "BLOCK", "TorchArenaPool", "resolve_arena"]
 
-#: Where swapped-in tensors live (``ooc.Options(arena=...)``): ooc's VMM pool, or PyTorch's allocator.
-ARENAS = ("pool", "pytorch")
+#: Where swapped-in tensors live (``ooc.Options(arena=...)``): ``"auto"`` (PyTorch's allocator
+#: on CUDA, ooc's pool on the CPU), ooc's VMM pool, or PyTorch's allocator.
+ARENAS = ("auto", "pool", "pytorch")
 
 #: PyTorch's CUDA caching allocator rounds every block to this (kMinBlockSize), so a range's
 #: bytes are counted rounded to it: what the budget bounds is what the allocator hands out.
 BLOCK = 512
+
+
+def resolve_arena(device: "torch.device | str", arena: str) -> str:
+    """``"pool"`` or ``"pytorch"`` for ``arena`` on ``device``. ``"auto"`` is one arena on CUDA:
+    on the H100 (``benchmarks/results/gpu-one-arena*.md``, two runs) it held 1.2-3.2 GiB less
+    than the VMM pool at the same budget on ResNet-50 and GPT-2, at the same speed within the
+    runs' spread (its step 0.94-1.10x the pool's), and only it fitted nnabla's 16 GiB headline.
+    On the CPU the pool's chunks already come from the allocator PyTorch's tensors use."""
+    if arena not in ARENAS:
+        raise OOCError(f"arena must be one of {list(ARENAS)}, got {arena!r}")
+    dev = torch.device(device)
+    if arena == "auto":
+        return "pytorch" if dev.type == "cuda" else "pool"
+    if arena == "pytorch" and dev.type != "cuda":
+        raise OOCError(f"arena='pytorch' is for CUDA devices, not {dev}: on the CPU the pool's chunks "
+                       "already take their pages from the allocator PyTorch's tensors use")
+    return arena
 
 
 class TorchArenaPool:

@@ -69,10 +69,11 @@ def _peak(precision: str) -> int:
     return peak
 
 
-@pytest.mark.parametrize("recompute", ["prefer", "never"])
+@pytest.mark.parametrize("recompute,arena", [("prefer", "pool"), ("never", "pool"), ("prefer", "auto")])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_amp_on_the_cuda_path_is_bitwise_in_core(precision: str, recompute: str,
+def test_amp_on_the_cuda_path_is_bitwise_in_core(precision: str, recompute: str, arena: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VMM pool (its sparse blocks hold AMP's small tensors) and the default, one arena."""
     counts = {"sparse": 0, "rng": 0}
     alloc_medium, set_rng = vmm.small_blocks.alloc_medium, recompute_module._set_rng_state
 
@@ -96,7 +97,8 @@ def test_amp_on_the_cuda_path_is_bitwise_in_core(precision: str, recompute: str,
         opt, ref_opt = _optimizer(model), _optimizer(ref)
         scaler, ref_scaler = torch.amp.GradScaler("cpu", enabled=fp16), torch.amp.GradScaler("cpu", enabled=fp16)
         e = ooc.OutOfCore(model, opt, device="cuda", budget=budget, recompute=recompute,
-                          options=ooc.Options(chunk=CHUNK, min_bytes=4096))
+                          options=ooc.Options(chunk=CHUNK, min_bytes=4096, arena=arena))
+        assert type(e._mem.pool).__name__ == {"pool": "CudaDevicePool", "auto": "TorchArenaPool"}[arena]
         forms = []
         for step in range(STEPS):
             want = _step(ref, ref_opt, ref_scaler, precision, step)
@@ -113,7 +115,7 @@ def test_amp_on_the_cuda_path_is_bitwise_in_core(precision: str, recompute: str,
         e.close()
         assert driver.violations == []
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
-    assert stats["bytes_out"] > 0 and counts["sparse"] > 0, (stats["bytes_out"], counts)
+    assert stats["bytes_out"] > 0 and (counts["sparse"] > 0) == (arena == "pool"), (stats["bytes_out"], counts)
     if recompute == "prefer":   # chains with dropout rerun from the generator state it drew from
         assert stats["bytes_recomputed"] > 0 and counts["rng"] > 0 and forms[-3:] == ["planned"] * 3, (forms, counts)
     else:

@@ -912,6 +912,22 @@ def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
 
 
+@pytest.mark.parametrize("device, arena, resolved", [
+    ("cpu", "auto", "pool"), ("cpu", "pool", "pool"), ("cuda", "auto", "pytorch"),
+    ("cuda:1", "auto", "pytorch"), ("cuda", "pool", "pool"), ("cuda", "pytorch", "pytorch"),
+])
+def test_the_default_arena_is_one_arena_on_cuda_and_the_pool_on_the_cpu(tmp_path, device, arena, resolved):
+    """Options(arena="auto"), the default: PyTorch's allocator on CUDA (measured on the H100:
+    less peak at the same speed), ooc's pool on the CPU; and on the CPU the engine gets it."""
+    from ooc.runtime.torch_arena import resolve_arena
+
+    assert Options().arena == "auto" and resolve_arena(device, arena) == resolved
+    if device == "cpu":
+        model, opt = fresh()
+        with OutOfCore(model, opt, budget="1MiB", storage=str(tmp_path), options=Options(chunk=CHUNK, arena=arena)) as e:
+            assert e._mem.arena == "pool" and type(e._mem.pool).__name__ == "CpuDevicePool"
+
+
 def test_bad_budget_in_set_budget_keeps_the_old_one(tmp_path):
     model, opt = fresh()
     with OutOfCore(model, opt, budget="1MiB", options=Options(chunk=CHUNK), storage=str(tmp_path)) as e:
