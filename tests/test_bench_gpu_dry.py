@@ -244,3 +244,26 @@ def test_a_profile_scaled_to_a_larger_batch(monkeypatch: pytest.MonkeyPatch) -> 
     for i, (f, g) in enumerate(zip(full.functions, big.functions)):
         assert g.cost.seconds == pytest.approx(f.cost.seconds * (2.25 if i < opt else 1.0))
     assert 2.0 * full.in_core_peak_bytes < big.in_core_peak_bytes < 2.25 * full.in_core_peak_bytes
+
+
+def test_a_plan_made_from_noisy_op_times_is_priced_on_the_true_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_plan_noise: the noise changes only op times (sigma 0 changes nothing), and a plan
+    simulated on the true sequence is the plan's own simulation when its times are the true ones."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import random
+
+    import bench_plan_noise as pn
+    import scheduler
+    from scheduler.ir import VariableSequence
+    from scheduler.managed import managed_view
+    from scheduler.recompute import default_hardware
+
+    seq = managed_view(VariableSequence.from_json(BENCHMARKS / "profiles" / "h100" / "resnet50.json"))
+    hw = default_hardware(seq)
+    same, other = pn.noisy(seq, 0.0, random.Random(1)), pn.noisy(seq, 0.1, random.Random(1))
+    assert [f.cost for f in same.functions] == [f.cost for f in seq.functions]
+    changed = [a.cost.seconds != b.cost.seconds for a, b in zip(seq.functions, other.functions) if a.cost.seconds]
+    assert all(changed) and [f.uses for f in other.functions] == [f.uses for f in seq.functions]
+    plan = scheduler.plan(other, budget=seq.in_core_peak_bytes // 4, hardware=hw)
+    assert pn.step_on(plan, other, hw) == scheduler.simulate(plan, hw, timeline=False).total_s
+    assert pn.step_on(plan, seq, hw) != pn.step_on(plan, other, hw)   # priced on the other times
