@@ -77,8 +77,11 @@ def make_tier_and_pool(device: "str | torch.device", budget: int, chunk: int,
       stream on that device at each transfer, or the driver's default stream 0 when
       ``driver`` is given.
 
-    ``arena="pytorch"`` (CUDA only): a :class:`~ooc.runtime.torch_arena.TorchArenaPool` instead
-    of the VMM pool, with the VMM granularity the pool would have had.
+    ``arena="pytorch"`` (CUDA only; what ``"auto"`` is on CUDA, see
+    :func:`~ooc.runtime.torch_arena.resolve_arena`): a
+    :class:`~ooc.runtime.torch_arena.TorchArenaPool` instead of the VMM pool, with the VMM
+    granularity the pool would have had. The default here stays ``"pool"``: the engine passes
+    its resolved ``Options.arena``.
 
     ``driver`` replaces ``cuda.bindings.driver`` (tests pass a fake; the pool then hands out
     :class:`DevicePtr`). Without it, the driver, the device index, the compute stream and the
