@@ -87,12 +87,17 @@ def main() -> int:
     p.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
     p.add_argument("--vmm", action="store_true", help="also time the driver's VMM calls")
     p.add_argument("--pytest", action="store_true", help="also run the real-GPU tests (pytest -m gpu)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every row (in core too)")
     p.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.sanitize_child:
         from gpu_sanitizer import sanitize_child
 
         return sanitize_child()
+    if args.expandable_segments:   # read when PyTorch's allocator starts: before any CUDA work
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
     import torch
 
     out = common.result_path("gpu", args.quick, out=args.out)

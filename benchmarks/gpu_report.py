@@ -9,6 +9,7 @@ peak memory than an alternative is faster than it; ResNet-50 and GPT-2 at >= 0.8
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import common
@@ -182,5 +183,6 @@ def _gpu_notes() -> list[str]:
     return [f"GPU: {props.name}, {props.total_memory / GiB:.1f} GiB, {props.multi_processor_count} SMs; "
             f"torch {torch.__version__} (CUDA {torch.version.cuda}); {', '.join(versions)}",
             "cuDNN deterministic, cuBLAS workspace :4096:8, deterministic algorithms (warn only), "
-            "in every run"]
+            "in every run; PYTORCH_CUDA_ALLOC_CONF "
+            + repr(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "unset (PyTorch's defaults)"))]
 

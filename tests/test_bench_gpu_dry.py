@@ -12,6 +12,7 @@ ran, bitwise, and what the report says.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import types
@@ -267,3 +268,20 @@ def test_a_plan_made_from_noisy_op_times_is_priced_on_the_true_ones(monkeypatch:
     plan = scheduler.plan(other, budget=seq.in_core_peak_bytes // 4, hardware=hw)
     assert pn.step_on(plan, other, hw) == scheduler.simulate(plan, hw, timeline=False).total_s
     assert pn.step_on(plan, seq, hw) != pn.step_on(plan, other, hw)   # priced on the other times
+
+
+def test_expandable_segments_are_set_for_the_whole_run_and_said(dry_gpu, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE DRIVER: ``--expandable-segments`` sets PyTorch's allocator setting before any CUDA
+    work, keeping what the environment had, and the report's header says which setting ran."""
+    import bench_gpu
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    out = tmp_path / "gpu-quick.md"
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
+                                      "--no-profiles", "--methods", "ooc-one-arena", "--cases", "resnet50",
+                                      "--no-sanitizer", "--no-forms", "--no-headline", "--no-host-cost",
+                                      "--expandable-segments"])
+    assert bench_gpu.main() == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF 'max_split_size_mb:512,expandable_segments:True'" in out.read_text()
