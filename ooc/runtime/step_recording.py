@@ -55,12 +55,15 @@ class StepRecording:
 
     def op_ran(self, i: int, info: Any, args: tuple, kwargs: dict, out: Any, seconds: float,
                timing: tuple[Any, Any] | None) -> None:
-        """Op ``i`` ran: recorded whole (a step not planned), its CUDA events kept."""
-        if self.full is not None and not info.skip:
-            self.full.op(info, args, kwargs, out, info.name, seconds)
+        """Op ``i`` ran: its CUDA end event queued first, then recorded whole (a step not
+        planned). In that order because the end event runs on the device when the host queues
+        it: recording the op first (tens of microseconds of Python an op, more on a slow host)
+        would leave the device idle between the op's last kernel and the event, and time it."""
         if timing is not None:
             timing[1].record()
             self.gpu_events.append((i, *timing))
+        if self.full is not None and not info.skip:
+            self.full.op(info, args, kwargs, out, info.name, seconds)
 
     def quiet_op(self, info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         """The next op, one the plan gives no role (``StepContext.quiet_ops``): run and recorded

@@ -284,3 +284,33 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
         assert stats["bytes_out"] > 0 and stats["tier.bytes_written"] > 0
     if case == "recomputing":
         assert stats["bytes_recomputed"] > 0 and stats["steps.plain"] == stats["steps.anchored"] == 0
+
+
+def test_an_ops_end_event_is_queued_before_the_step_records_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE DRIVER: on a GPU the end event runs when the host queues it, so the recording step
+    queues it right after the op and records the op after (else the device idles while Python
+    records, and that idling is timed as the op's). Checked where the full recorder is called:
+    the op's end event (the newest made) was recorded already."""
+    from ooc.record.recorder import StepRecorder
+
+    made, checked = [], []
+    timing_event, op = ooc.testing.FakeCudaRuntime.timing_event, StepRecorder.op
+
+    def event(self):
+        made.append(timing_event(self))
+        return made[-1]
+
+    def recorded(self, *args, **kwargs):
+        checked.append(made[-1].t is not None)
+        return op(self, *args, **kwargs)
+
+    monkeypatch.setattr(ooc.testing.FakeCudaRuntime, "timing_event", event)
+    monkeypatch.setattr(StepRecorder, "op", recorded)
+    with ooc.testing.fake_cuda():
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ooc.OutOfCore(model, opt, device="cuda", budget="1GiB", options=ooc.Options(chunk=CHUNK)) as e:
+            with e.step():
+                F.mse_loss(model(torch.randn(64, 256)), torch.randn(64, 10)).backward()
+                opt.step()
+    assert checked and all(checked), f"{checked.count(False)} of {len(checked)} ops recorded before their end event"
