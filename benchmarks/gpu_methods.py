@@ -65,6 +65,7 @@ class Row:
     forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
     note: str = ""
     wall_s: float | None = None   # the whole run: building, warm-up, timed steps (to plan a GPU session's time)
+    recorded_op_ms: float | None = None   # ooc: the op times its plan was made from, added up (vs in core's step)
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +256,10 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
         if schedule is not engine._plans.schedule:
             row.note += ("; " if row.note else "") + "sim: the hook-driven form the timed steps ran"
         plan = engine._plans.schedule.summary()
+        # the op times the engine measured and planned on; over in core's step, they overstate
+        # the ops (a slow host or a cold allocator timed with them) and the plan pays for it
+        row.recorded_op_ms = sum(f.cost.seconds or 0.0 for f in engine._plans.schedule.sequence.functions) * 1e3
+        row.note += ("; " if row.note else "") + f"its ops recorded at {row.recorded_op_ms:.1f} ms in all"
         row.note += ("; " if row.note else "") + (f"plan: {plan.get('bytes_in', 0) + plan.get('bytes_out', 0)} B moved, "
                     f"{plan.get('bytes_recomputed', 0)} B recomputed per step")
 
