@@ -172,7 +172,8 @@ def _matched_lines(measured: dict, profiles: Path, missed: dict[str, int], step:
             "Each alternative measured; ooc's fastest plan of the case's profile whose one-arena peak, plus "
             "what the model missed on that case's measured two-arena rows, stays within the "
             f"alternative's peak (budgets in steps of {step / GiB:g} GiB), simulated against in core measured. "
-            "The simulator was 4-10% optimistic on these rows.", "",
+            "Predictions from these profiles were 3-7% faster than the fifth session's measured rows "
+            "(profiles-h100.md); on the op times the engine recorded, 2-13% slower.", "",
             *common.md_table(["case", "alternative", "measured", "unmodelled",
                               "ooc, one arena, predicted: speed at budget (peak)", "ooc is"], table)]
 
