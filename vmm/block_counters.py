@@ -7,9 +7,17 @@ owns one :class:`BlockCounters` (a part with its own state, not a base class) an
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
-__all__ = ["BlockCounters"]
+__all__ = ["BlockCounters", "part_attribute"]
+
+
+def part_attribute(path: str, doc: str | None = None) -> property:
+    """A read-only property of an allocator that reads an attribute of one of its parts
+    (``"counts.allocated_bytes"``): the counters the replay reads per event (``ooc.frag``)
+    stay the allocator's attributes while a part owns them, read by ``attrgetter`` in C."""
+    return property(attrgetter(path), doc=doc)
 
 
 class BlockCounters:

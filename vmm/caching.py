@@ -44,7 +44,7 @@ from bisect import bisect_left, insort
 from typing import Any
 
 from vmm.backend import Backend
-from vmm.block_counters import BlockCounters
+from vmm.block_counters import BlockCounters, part_attribute
 from vmm.block_sizes import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE,
                              K_SMALL_BUFFER, K_SMALL_SIZE, allocation_size, block_size,
                              round_size)
@@ -101,32 +101,12 @@ class CachingAllocator:
         self.ooms = 0
 
     # The counters the replay reads per event (``ooc.frag``), as every vmm allocator has them.
-    @property
-    def requested_bytes(self) -> int:
-        return self.counts.requested_bytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self.counts.allocated_bytes
-
-    @property
-    def live_allocations(self) -> int:
-        return self.counts.live_allocations
-
-    @property
-    def mapped_bytes(self) -> int:
-        """Bytes of all reserved segments (PyTorch's "reserved")."""
-        return self.segs.mapped_bytes
-
-    @property
-    def map_calls(self) -> int:
-        """Segments allocated so far (``cudaMalloc`` in PyTorch)."""
-        return self.segs.map_calls
-
-    @property
-    def unmap_calls(self) -> int:
-        """Segments released so far (``cudaFree``)."""
-        return self.segs.unmap_calls
+    requested_bytes = part_attribute("counts.requested_bytes")
+    allocated_bytes = part_attribute("counts.allocated_bytes")
+    live_allocations = part_attribute("counts.live_allocations")
+    mapped_bytes = part_attribute("segs.mapped_bytes", 'Bytes of all reserved segments (PyTorch\'s "reserved").')
+    map_calls = part_attribute("segs.map_calls", "Segments allocated so far (``cudaMalloc`` in PyTorch).")
+    unmap_calls = part_attribute("segs.unmap_calls", "Segments released so far (``cudaFree``).")
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Block:

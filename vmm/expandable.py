@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from vmm.block_counters import BlockCounters
+from vmm.block_counters import BlockCounters, part_attribute
 from vmm.block_sizes import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_SIZE, block_size
 from vmm.errors import CachingAllocatorError
 from vmm.expandable_blocks import _MASK, _SHIFT, ExpandableBlock, _Pool, _Segment
@@ -89,17 +89,9 @@ class ExpandableAllocator:
         self.ooms = 0
 
     # The block counters the replay reads per event (``ooc.frag``), as every vmm allocator has them.
-    @property
-    def requested_bytes(self) -> int:
-        return self.counts.requested_bytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self.counts.allocated_bytes
-
-    @property
-    def live_allocations(self) -> int:
-        return self.counts.live_allocations
+    requested_bytes = part_attribute("counts.requested_bytes")
+    allocated_bytes = part_attribute("counts.allocated_bytes")
+    live_allocations = part_attribute("counts.live_allocations")
 
     # -- public API --------------------------------------------------------------------
     def alloc(self, nbytes: int) -> ExpandableBlock:
