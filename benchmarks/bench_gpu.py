@@ -19,8 +19,10 @@ still leaves the most important figures; the report is rewritten after every row
    profile (``gpu_profiles.py``: the step recorded with CUDA-event op times, written to
    ``--profiles``), checkpoint every block and every 2nd block, ``save_on_cpu``, ooc at 1/2
    and 1/4 of the in-core step's own peak, the same with one arena (``ooc-one-arena``: the
-   swap-ins in PyTorch's allocator, ``Options(arena="pytorch")``), ooc swap-only at 1/4, and
-   ooc matched to each alternative's peak, per arena (``gpu_methods.py``). Per row: step,
+   swap-ins in PyTorch's allocator, ``Options(arena="pytorch")``), ooc swap-only at 1/4,
+   ooc matched to each alternative's peak, per arena (``gpu_methods.py``), and where
+   ``--methods`` names it, one arena with its plans priced on the recording step alone
+   (``ooc-one-arena-priced-once``: what pricing again on warm runs buys). Per row: step,
    samples/s, peak device memory (PyTorch's peak + ooc's VMM pool; PyTorch's alone with one
    arena), bytes moved and recomputed per step, bitwise vs in-core, the simulator's prediction.
 3. **nnabla's headline** (``gpu_headline.py``): ResNet-50 at 4x the largest batch that fits
@@ -59,9 +61,13 @@ import common  # noqa: E402
 import gpu_report  # noqa: E402
 
 HERE = Path(__file__).resolve()
-# "ooc-one-arena": the same engine with its swap-ins in PyTorch's allocator (Options(arena="pytorch"))
+# "ooc-one-arena": the same engine with its swap-ins in PyTorch's allocator (Options(arena="pytorch"));
+# "ooc-one-arena-priced-once": and its plans priced on the recording step's op times alone, as
+# before a GPU's plans were priced again on warm runs (an A/B of that change in one run)
 OOC_FRACTIONS = ((0.5, "ooc"), (0.25, "ooc"), (0.5, "ooc-one-arena"), (0.25, "ooc-one-arena"),
+                 (0.5, "ooc-one-arena-priced-once"), (0.25, "ooc-one-arena-priced-once"),
                  (0.25, "ooc-swap-only"))
+OPT_IN = frozenset({"ooc-one-arena-priced-once"})   # run only where --methods names them
 BEFORE_OOC = ("in-core", "in-core-repeat", "checkpoint-every-block", "checkpoint-every-2nd",
               "save_on_cpu")
 
@@ -288,7 +294,9 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
 
 
 def _chosen(args: argparse.Namespace, method: str) -> bool:
-    return args.methods is None or method in args.methods.split(",")
+    if args.methods is None:
+        return method not in OPT_IN
+    return method in args.methods.split(",")
 
 
 def _profile(case, profiles: Path, report: gpu_report.Report, rates: dict[str, float]) -> None:

@@ -7,7 +7,8 @@ non-reentrant, RNG state preserved), ``save_on_cpu`` (``torch.autograd.graph.sav
 pin_memory=True)``: every saved tensor to pinned host memory and back, no prefetch),
 ``compile-budget-<f>`` (``torch.compile`` with ``activation_memory_budget = f``), ``ooc`` and
 ``ooc-swap-only`` (``OutOfCore(device="cuda")`` under a budget, with and without
-recomputation).
+recomputation), ``ooc-one-arena`` (swap-ins in PyTorch's allocator) and
+``ooc-one-arena-priced-once`` (its plans priced on the recording step's op times alone).
 
 Every run starts from the same CPU copy of the weights, seeds the global generator the same
 way (dropout draws the same masks), times each step between two ``torch.cuda.synchronize()``
@@ -32,13 +33,15 @@ import torch
 import gpu_cases
 from gpu_cases import GpuCase, checkpoint_every
 from scheduler.anchoring import TRIAL_RUNS
+from scheduler.step_plans import REPRICED_RUNS
 
 
 # Warm-up steps before the timed ones, the same for every method (their parameters compare
-# bitwise after the same steps): ooc records, meets the optimizer's state, runs its plan once,
+# bitwise after the same steps): ooc records, meets the optimizer's state, runs its plan
+# REPRICED_RUNS times timing each op (its prices, on a warm allocator) and once more untimed,
 # then tries the plan's anchored form against it, two steps each in turn; the timed steps
 # begin with the form it kept.
-WARMUP = 3 + 2 * TRIAL_RUNS
+WARMUP = 3 + REPRICED_RUNS + 2 * TRIAL_RUNS
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Row:
     forms: dict[str, int] = field(default_factory=dict)   # ooc: steps of each form
     note: str = ""
     wall_s: float | None = None   # the whole run: building, warm-up, timed steps (to plan a GPU session's time)
-    recorded_op_ms: float | None = None   # ooc: the op times its plan was made from, added up (vs in core's step)
+    priced_op_ms: float | None = None   # ooc: the op times its plan was priced on, added up (vs in core's step)
+    priced_runs: int | None = None   # ooc: the planned runs that timed their ops and priced the plan again
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,11 +151,13 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
         from ooc.engine import OutOfCore, Options
 
         engine_kw.setdefault("recompute", "never" if method == "ooc-swap-only" else "auto")
-        if method.endswith("one-arena"):
+        if "one-arena" in method:
             engine_kw["options"] = Options(arena="pytorch")
         else:   # the VMM pool, asked for by name since one arena became the default on CUDA
             engine_kw.setdefault("options", Options(arena="pool"))
         engine = OutOfCore(model, opt, budget=row.budget_bytes, device="cuda", **engine_kw)
+        if method.endswith("priced-once"):   # the recording step's op times alone (no warm runs)
+            engine._planner.reprice = False
     scaler = torch.amp.GradScaler(gpu_cases.DEVICE) if case.scaler else None
     moved = [0]
     hooks = _counted_save_on_cpu(moved) if method == "save_on_cpu" else contextlib.nullcontext()
@@ -256,10 +262,15 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
         if schedule is not engine._plans.schedule:
             row.note += ("; " if row.note else "") + "sim: the hook-driven form the timed steps ran"
         plan = engine._plans.schedule.summary()
-        # the op times the engine measured and planned on; over in core's step, they overstate
-        # the ops (a slow host or a cold allocator timed with them) and the plan pays for it
-        row.recorded_op_ms = sum(f.cost.seconds or 0.0 for f in engine._plans.schedule.sequence.functions) * 1e3
-        row.note += ("; " if row.note else "") + f"its ops recorded at {row.recorded_op_ms:.1f} ms in all"
+        # the op times the engine priced its plan on (each op's fastest of the recording and the
+        # re-priced runs); over in core's step, they overstate the ops (a slow host or a cold
+        # allocator timed with them) and the plan pays for it
+        cache = engine._plans
+        row.priced_runs, fastest = cache.repriced.get(cache.guess(engine._store.start_key()), (0, None))
+        priced = (fastest or cache.schedule.sequence).functions
+        row.priced_op_ms = sum(f.cost.seconds or 0.0 for f in priced) * 1e3
+        row.note += ("; " if row.note else "") + (f"its ops priced at {row.priced_op_ms:.1f} ms in all "
+                                                  f"(recording + {row.priced_runs} timed runs)")
         row.note += ("; " if row.note else "") + (f"plan: {plan.get('bytes_in', 0) + plan.get('bytes_out', 0)} B moved, "
                     f"{plan.get('bytes_recomputed', 0)} B recomputed per step")
 

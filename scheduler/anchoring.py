@@ -7,8 +7,8 @@ actions there). Two decisions follow, both made here from plain data:
   made again for a budget lowered by what its anchored form went over (and a chunk more, the
   runtime's rounding), ``ANCHOR_TRIES`` times at most, until ``check`` proves the anchored
   form within the real budget; swap only (a recompute chain needs the per-op path).
-- ``worth_a_trial``: on a GPU (plans priced once, on the device's own op times), a form
-  the simulator predicts ``TRIAL_SLOWER`` slower than its per-op plan is not tried. On the
+- ``worth_a_trial``: on a GPU (plans priced on the device's own op times, CUDA events), a
+  form the simulator predicts ``TRIAL_SLOWER`` slower than its per-op plan is not tried. On the
   H100 (benchmarks/results/gpu.md) every swap-only form of a recomputing plan of ResNet-50
   and GPT-2 lost its trial (swap-only plans of their profiles: 1.4-3.2x the per-op step),
   after two trial steps each and with its pool, which brings more bytes back at once, left

@@ -11,7 +11,12 @@ engine executes it (``ooc/engine/planning.py``):
   on its op times (``reprice``): the recording step ran on cold memory, and its op times are
   too high to price recompute on; each op at the fastest of its recorded and first
   ``REPRICED_RUNS`` planned runs (an op's time only grows by what ran beside it). A plan that
-  moves and recomputes the same bytes keeps the plan that runs;
+  moves and recomputes the same bytes keeps the plan that runs. On a GPU as on a CPU: the
+  recording step's ops, timed with CUDA events, still reach ``cudaMalloc`` where PyTorch's
+  caching allocator has no block of their size yet, and the device waits for the launch
+  meanwhile; so the GPU's planned per-op steps time their ops too while the plan's prices
+  are open (``prices_open``), and the step that times them, slowed by the timing, is not
+  the per-op side of a trial (``StepFacts.device_timed``);
 - such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
   plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
   the trial between forms is ``anchoring.judge``'s;
@@ -40,7 +45,7 @@ from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
 from vmm.units import format_size
 
-REPRICED_RUNS = 2   # a CPU plan is re-priced on the fastest op times of this many planned runs
+REPRICED_RUNS = 2   # a plan is re-priced on the fastest op times of this many planned runs
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class Settings:
     """How the engine plans: its budget, chunk, window, policy and recompute mode ("auto",
     "never", "prefer"); ``pins`` (a sequence -> the user's pin per activation) and
     ``hardware`` (a sequence -> what it is priced on), None where not given; whether plans
-    are re-priced on planned runs (``reprice``, a CPU's) and may take a hook-driven form
-    (``hook_forms``: ``hook_forms_allowed``)."""
+    are re-priced on planned runs (``reprice``) and may take a hook-driven form
+    (``hook_forms``: ``hook_forms_allowed``); ``gpu``: the plan runs on a GPU, whose per-op
+    steps may be bound by the host (``anchoring.worth_a_trial``)."""
 
     budget: int
     chunk: int
@@ -60,6 +66,7 @@ class Settings:
     hardware: Callable[[VariableSequence], Hardware] | None = None
     reprice: bool = True
     hook_forms: bool = True
+    gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,9 @@ class StepFacts:
     (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
     the gap of the update, None if it ran none; a hook-driven step: that of the trace it ran
     against), whether it saved what a plain form compares (``signature``), whether it ran an
-    update (``updated``) and its wall time (``step_s``)."""
+    update (``updated``) and its wall time (``step_s``; ``device_timed``: its ops were timed
+    with CUDA events, each behind a sleep queued to keep the device busy, so its wall time is
+    not what an untimed step takes)."""
 
     form: str
     kept: bool
@@ -83,6 +92,7 @@ class StepFacts:
     update: int | None = None
     signature: bool = False
     updated: bool = False
+    device_timed: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,10 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
         return Decision()
     if facts.signature and moves_nothing(state.plan):
         return Decision(plain=True)
-    priced = reprice(state, facts.seconds, settings)
+    # a GPU's per-op step times its ops on the device only while the prices are open: the
+    # host's launch times of another step price nothing (no times: the prices settle)
+    seconds = facts.seconds if facts.device_timed or not settings.gpu else ()
+    priced = reprice(state, seconds, settings)
     if priced is not None and priced.plan is not None:   # a new plan: its form comes after its runs
         return priced
     hook = hook_form(facts, dataclasses.replace(state, **_priced(priced)), settings)
@@ -177,8 +190,7 @@ def reprice(state: PlanState, seconds: Sequence[float], settings: Settings) -> D
     priced at the fastest of its runs so far (``priced_seconds``). None: nothing to do (not
     re-priced: swap only, another policy, a plan that moves nothing, prices settled)."""
     schedule = state.plan
-    if (not settings.reprice or settings.policy not in ("window", "milp") or settings.recompute == "never"
-            or state.priced_runs >= REPRICED_RUNS or moves_nothing(schedule)):
+    if not prices_open(schedule, state.priced_runs, settings):
         return None
     fastest = state.fastest or schedule.sequence
     seq = priced_seconds(fastest, seconds)
@@ -194,22 +206,33 @@ def reprice(state: PlanState, seconds: Sequence[float], settings: Settings) -> D
     return Decision(plan=new, repriced=True, priced_runs=runs, fastest=seq)
 
 
+def prices_open(schedule: Schedule, priced_runs: int, settings: Settings) -> bool:
+    """Whether the next planned run of ``schedule`` prices it again (``reprice``), after
+    ``priced_runs`` such runs: a plan that moves bytes and may recompute, under a policy that
+    prices, for ``REPRICED_RUNS`` runs. On a GPU those runs time their ops (CUDA events)."""
+    return (settings.reprice and settings.policy in ("window", "milp") and settings.recompute != "never"
+            and priced_runs < REPRICED_RUNS and not moves_nothing(schedule))
+
+
 def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     """The fields of a ``Decision`` that give a kept plan its anchored form (or time the
     per-op side of its trial): a plan that moves bytes, swap-only priced (its prices
     settled), of a step that ran it whole (a micro-batch that ended before its plan's update
-    proved part of it: an anchored step would not see the ops it missed). On a GPU a form
-    the simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
+    proved part of it: an anchored step would not see the ops it missed) and did not time its
+    ops on the device (its wall time would stand for the per-op side). On a GPU a form the
+    simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
     if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
             or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
         return {}
     if state.hook is not None:
         return {"trial": "per_op"}
-    if settings.recompute != "never" and settings.reprice and state.priced_runs < REPRICED_RUNS:
-        return {}   # the plan may still change with its prices (on a GPU it is priced once: settled)
+    if prices_open(state.plan, state.priced_runs, settings):
+        return {}   # the plan may still change with its prices
+    if facts.device_timed:
+        return {}   # the next, untimed, step decides: its wall time is the per-op side's
     moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
                                  chunk=settings.chunk, window=settings.window, policy=settings.policy)
-    if (moved is not None and not settings.reprice and settings.hardware is not None
+    if (moved is not None and settings.gpu and settings.hardware is not None
             and not worth_a_trial(moved, state.plan, facts.step_s, settings.hardware(state.plan.sequence))):
         moved = None   # a GPU's form predicted far slower: no trial steps, no pool for them
     return {"anchored": True, "moved": moved}

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scheduler.step_plans import REPRICED_RUNS
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 MiB = 1 << 20
 
@@ -143,7 +145,7 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     import bench_gpu
 
     out = tmp_path / "gpu-quick.md"
-    methods = "checkpoint-every-block,checkpoint-every-2nd,ooc,ooc-matched,ooc-one-arena,ooc-matched-one-arena"
+    methods = "checkpoint-every-block,checkpoint-every-2nd,ooc,ooc-matched,ooc-one-arena,ooc-matched-one-arena,ooc-one-arena-priced-once"
     doc = (BENCHMARKS.parent / "docs" / "guide" / "gpu.md").read_text()
     assert f"--no-profiles --no-compile --methods {methods}`" in doc, "the test runs what the guide says"
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--steps", "1", "--out", str(out), "--no-compile",
@@ -157,12 +159,16 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     assert all(m in ran or any(f"{m} to" in n for n in data["not_run"]) for m in matched), data["not_run"]
     assert all(r["bitwise"] for r in data["rows"] if r["method"] != "in-core"), data["rows"]
     # the op times each ooc row planned on, added up: what tells an overstated recording
-    assert all(r["recorded_op_ms"] > 0 for r in data["rows"] if r["method"].startswith("ooc")), data["rows"]
+    assert all(r["priced_op_ms"] > 0 for r in data["rows"] if r["method"].startswith("ooc")), data["rows"]
     one = [r for r in data["rows"] if r["method"] == "ooc-one-arena"]
     assert len(one) == 2 and all(r["pool_peak_bytes"] == 0 and "in PyTorch's allocator" in r["note"] for r in one), one
     assert any(r["bytes_moved"] for r in one), "one arena moved nothing: its budgets were not binding"
     pool = [r for r in data["rows"] if r["method"] == "ooc"]
     assert len(pool) == 2 and all(r["pool_peak_bytes"] > 0 for r in pool if r["bytes_moved"]), pool
+    # the A/B of pricing again on warm runs: the same engine, its plans priced on its recording alone
+    once = [r for r in data["rows"] if r["method"] == "ooc-one-arena-priced-once"]
+    assert len(once) == 2 and all(r["priced_runs"] == 0 and r["bitwise"] for r in once), once
+    assert any(r["priced_runs"] == REPRICED_RUNS for r in one), one
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])

@@ -349,7 +349,8 @@ class OutOfCore:
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
                           counters=mem.counters, model=self.model, optimizer=self.optimizer,
                           persistent=tuple(self._store.slots.values()), plan_runs=plan_runs, start_key=key,
-                          plain_candidate=plain_candidate, quiet_ops=quiet_ops)
+                          plain_candidate=plain_candidate, quiet_ops=quiet_ops,
+                          time_ops=self._planner.times_ops(key, schedule))
         return Stepper(ctx, schedule, binding, observe_small=self._planner.adapt_pending)
 
     def _adopt_params(self) -> None:

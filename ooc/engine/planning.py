@@ -29,7 +29,7 @@ from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.step_protocol import StepReport
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
-from scheduler.step_plans import Decision, PlanState, Settings, StepFacts, after_step
+from scheduler.step_plans import Decision, PlanState, Settings, StepFacts, after_step, prices_open
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class Planner:
         self.window, self.policy, self.recompute, self.pin = window, policy, recompute, pin
         self.adaptive = self.adapt_pending = adaptive
         self._adopt_params = adopt_params
+        # plans priced again on their first planned runs (step_plans.reprice); benchmarks turn
+        # it off on a live engine to measure what it buys (bench_gpu's "priced-once" rows)
+        self.reprice = True
 
     def settings(self) -> Settings:
         """What the scheduler plans with, now (the budget and chunk change between steps)."""
@@ -59,15 +62,24 @@ class Planner:
                         recompute=self.recompute,
                         pins=None if pin is None else (lambda seq: pins_of(seq, pin)),
                         hardware=lambda seq: priced_hardware(seq, tier.stats()),   # this machine's swap file
-                        reprice=mem.on_cpu, hook_forms=self._cache.hook_forms)
+                        reprice=self.reprice, hook_forms=self._cache.hook_forms, gpu=not mem.on_cpu)
+
+    def times_ops(self, key: object, schedule: scheduler.Schedule | None) -> bool:
+        """Whether a GPU's planned per-op step of ``schedule`` (plan key ``key``) times its ops
+        with CUDA events: while the plan's prices are open (``scheduler.step_plans.prices_open``;
+        the recording step's ops ran on a cold allocator). A CPU's steps time every op anyway."""
+        if self._mem.on_cpu or schedule is None:
+            return False
+        return prices_open(schedule, self._cache.repriced.get(key, (0, None))[0], self.settings())
 
     def after_step(self, st: Stepper | AnchoredStep, report: StepReport) -> None:
         """Ask the scheduler what follows from a step that completed (``scheduler.step_plans.
         after_step``), and do it. Only the chunk is chosen here first: a recording step under
         the default chunk may choose another (``adapt_chunk``), and then the next step records
         again instead."""
+        if isinstance(st, Stepper):
+            st.book_device_times()   # the ops' run times on a GPU, where the step timed them
         if isinstance(st, Stepper) and (st.schedule is None or st.diverged_at is not None):
-            st.book_device_times()
             if self.adapt_chunk(st):
                 overflow = st.forgive_overflow()
                 if overflow is not None:   # the next step records again, in the new chunks
@@ -102,7 +114,8 @@ class Planner:
                          sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
                          gaps=None if trace is None else trace.gaps(),
                          first=None if trace is None else trace.first_saved(),
-                         update=None if trace is None else trace.update)
+                         update=None if trace is None else trace.update,
+                         device_timed=st.ctx.time_ops)
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
         """Execute the scheduler's decision for ``st``'s plan key."""

@@ -45,3 +45,4 @@ class StepContext:
     start_key: Any = None           # the state the step starts in (the engine's plan key)
     plain_candidate: bool = False   # the plan moves nothing: note what the step saves (plain_step.py)
     quiet_ops: frozenset[int] = frozenset()   # ops the plan gives no role: run them as they come (stepper.py)
+    time_ops: bool = False          # a GPU's planned step times its ops (CUDA events): its plan's prices are open

@@ -33,12 +33,13 @@ class StepRecording:
     the whole step (``full``, with the recorder ``ooc.trace`` uses: ``engine.last_recording``
     is the step as ``ooc plan`` would plan it; a planned step does not pay for it) and, on a
     GPU, times its ops with CUDA events (``gpu_timing``, ``gpu_events``: an op's host time is
-    its launch, not its run)."""
+    its launch, not its run): a step not planned, and a planned one whose plan's prices are
+    open (``StepContext.time_ops``), quiet ops included."""
 
     def __init__(self, ctx: StepContext, rec: Recording, course: Course, book: StepBook) -> None:
         self.ctx, self.rec, self.course, self.book = ctx, rec, course, book
         planned = course.planned
-        self.gpu_timing = ctx.device.type == "cuda" and not planned
+        self.gpu_timing = ctx.device.type == "cuda" and (not planned or ctx.time_ops)
         self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
         self.full: StepRecorder | None = None
         if not planned:
@@ -53,6 +54,11 @@ class StepRecording:
         start.record()
         return start, end
 
+    def end_timing(self, i: int, timing: tuple[Any, Any]) -> None:
+        """Op ``i`` was queued: its end event now, read at the step's end (``book_device_times``)."""
+        timing[1].record()
+        self.gpu_events.append((i, *timing))
+
     def op_ran(self, i: int, info: Any, args: tuple, kwargs: dict, out: Any, seconds: float,
                timing: tuple[Any, Any] | None) -> None:
         """Op ``i`` ran: its CUDA end event queued first, then recorded whole (a step not
@@ -60,8 +66,7 @@ class StepRecording:
         it: recording the op first (tens of microseconds of Python an op, more on a slow host)
         would leave the device idle between the op's last kernel and the event, and time it."""
         if timing is not None:
-            timing[1].record()
-            self.gpu_events.append((i, *timing))
+            self.end_timing(i, timing)
         if self.full is not None and not info.skip:
             self.full.op(info, args, kwargs, out, info.name, seconds)
 
@@ -74,9 +79,12 @@ class StepRecording:
         residency checks, rollback copies, bindings and actions (``Stepper._take``/``_give``)."""
         rec = self.rec
         self.course.i = i = rec.begin_op(info.name)
+        timing = self.start_timing() if self.gpu_timing else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = time.perf_counter()
+        if timing is not None:   # as op_ran: the end event right after the op
+            self.end_timing(i, timing)
         rec.seconds[i] = t1 - t0
         self.book.events.append(("compute", info.name, t0, t1))
         births, in_ids, written = rec.births, set(), None

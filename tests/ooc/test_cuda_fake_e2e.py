@@ -218,9 +218,9 @@ def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
 
 
 # hook-driven forms on CUDA: (budget as a fraction of the in-core peak, recompute, the form the
-# settled steps take). Under "auto" the plan is tried against its swap-only anchored form after
-# its first run (a GPU's plan is priced once); under "prefer" it keeps the per-op path (its
-# chains rerun ops).
+# settled steps take). Under "auto" the plan is tried against its swap-only anchored form once
+# its prices settled (its first two runs time their ops and price it again); under "prefer"
+# it keeps the per-op path (its chains rerun ops).
 HOOK_CASES = {"plain": (4.0, "auto", "plain"), "anchored": (0.5, "never", "anchored"),
               "auto": (0.5, "auto", "anchored"),
               "recomputing": (0.5, "prefer", "planned")}
@@ -253,7 +253,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
         e = ooc.OutOfCore(model, opt, device="cuda", budget=max(CHUNK, int(peak * fraction) // CHUNK * CHUNK),
                           recompute=recompute, options=ooc.Options(chunk=CHUNK, min_bytes=4096, arena=arena))
         forms, syncs, waits = [], [], []
-        for step in range(10):
+        for step in range(12):
             x, y = _batch("cnn_sgd_activations", step, 16)
             torch.manual_seed(1000 + step)
             loss = F.cross_entropy(ref_model(x), y)
@@ -276,10 +276,16 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
     assert forms[-3:] == [settled] * 3, forms
     assert max(syncs[-3:]) <= MAX_PLANNED_SYNCS, (forms, syncs)
+    start = 3   # the plan's first planned run makes its anchored form ...
+    if case == "auto":   # ... after its prices settled: its first runs timed each op on the device
+        assert forms[2:5] == ["planned"] * 3 and min(waits[2:4]) >= waits[0] > 100 and waits[4] == 0, (forms, waits)
+        start = 5
+    elif case == "anchored":   # swap only: nothing to price, no op timed
+        assert forms[2] == "planned" and waits[2] == 0, (forms, waits)
     if case in ("anchored", "auto"):   # it moves bytes through the pinned tier, at the hooks
-        assert stats["steps.anchored"] >= 3 and "planned" in forms[3:7], forms
+        assert stats["steps.anchored"] >= 3 and "planned" in forms[start:start + 4], forms
         # the trial's steps, either side, wait for the device once (an event); the kept form never
-        trial = [w for f, w in zip(forms[3:], waits[3:]) if f in ("anchored", "planned")]
+        trial = [w for f, w in zip(forms[start:], waits[start:]) if f in ("anchored", "planned")]
         assert trial[:4] == [1, 1, 1, 1] and waits[-2:] == [0, 0], (forms, waits)
         assert stats["bytes_out"] > 0 and stats["tier.bytes_written"] > 0
     if case == "recomputing":

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ooc
+import ooc.testing
 from ooc.engine.planning import Planner
 from ooc.runtime.stepper import Stepper
 from scheduler.step_plans import priced_seconds
@@ -44,6 +45,15 @@ def _model() -> nn.Module:
 
 
 def _train(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
+    if engine_kw.get("device") == "cuda":   # over the FAKE driver: CPU tensors stand for the device's
+        with ooc.testing.fake_cuda() as driver:
+            out = _train_on(steps, **engine_kw)
+            assert driver.violations == []
+        return out
+    return _train_on(steps, **engine_kw)
+
+
+def _train_on(steps: int, **engine_kw) -> tuple[dict, ooc.OutOfCore | None, list]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(1)   # dropout
@@ -75,31 +85,41 @@ def _slow_recordings(monkeypatch) -> None:
     monkeypatch.setattr(Planner, "_facts", cold)
 
 
-def _planned_runs(monkeypatch, scale) -> None:
+def _planned_runs(monkeypatch, scale) -> list[bool]:
     """The k-th planned run's op times, as re-pricing reads them, are ``scale(k)`` times what
     they measured: the host's load during the suite must not decide what the plan recomputes
-    (on a loaded host the real times made no chain pay, and re-pricing rightly kept the plan)."""
+    (on a loaded host the real times made no chain pay, and re-pricing rightly kept the plan).
+    Returns, per planned run, whether it timed its ops on the device (a GPU's, while the
+    plan's prices are open)."""
     real = Planner._facts
     runs = []
 
     def scaled(self, st, report):
         if isinstance(st, Stepper) and report.kept_plan:   # what the scheduler prices again on
             st.rec.seconds[:] = [t * scale(len(runs)) for t in st.rec.seconds]
-            runs.append(st)
+            runs.append(st.ctx.time_ops)
         return real(self, st, report)
 
     monkeypatch.setattr(Planner, "_facts", scaled)
+    return runs
 
 
-def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_plan_priced_on_a_slow_recording_is_priced_again_and_stays_bitwise(monkeypatch, device) -> None:
     """A recording step whose ops look 1000x slower than they run: its plan recomputes nothing
     (every chain looks dear); after the plan's first run the engine prices it on that run's
     times, and the plan it keeps recomputes (the next runs price the same bytes: kept).
-    Training stays bitwise in-core."""
+    Training stays bitwise in-core. On CUDA (the FAKE driver: its events time the host) the
+    same, with the op times of the planned runs that priced the plan taken by CUDA events
+    (on a GPU the recording step's, timed so too, ran on a cold allocator), and no later
+    run timed."""
     _slow_recordings(monkeypatch)
-    _planned_runs(monkeypatch, lambda k: 0.01)
+    timed = _planned_runs(monkeypatch, lambda k: 0.01)
     ref, _, _ = _train(6)
-    got, engine, plans = _train(6, budget="8MiB")
+    got, engine, plans = _train(6, budget="8MiB", device=device)
+    on_gpu = device == "cuda"
+    assert timed[:2] == [on_gpu] * 2 and not any(timed[2:]), timed
+    assert len(timed) >= (3 if on_gpu else 2), timed   # a GPU's form waits for an untimed run
     for k, v in ref.items():   # parameters, running statistics, num_batches_tracked
         assert torch.equal(v, got[k]), f"{k} differs"
     recorded, repriced = plans[1], plans[-1]   # step 2 records the steady state's plan, step 3 runs it

@@ -11,7 +11,7 @@ from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
 from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
                                   hook_forms_allowed, keeps_saved, moves_nothing, plain_candidate, plan_recorded,
-                                  priced_seconds)
+                                  prices_open, priced_seconds)
 from scheduler.schedule import quiet_functions
 from tests.scheduler.strategies import training_like_sequence
 
@@ -98,17 +98,45 @@ def test_prices_settle_after_the_repriced_runs_then_the_anchored_form_is_made() 
 
 
 def test_a_plan_never_re_priced_gets_its_anchored_form_after_its_first_run() -> None:
-    """On a GPU plans are priced once, on the CUDA-event times of their recording: settled from
-    the start, so the first planned run that kept to the plan makes the anchored form (waiting
-    for re-priced runs that never come, no GPU plan under "auto" ever had one)."""
-    gpu = dataclasses.replace(TIGHT, reprice=False)
-    state = PlanState(plan_recorded(SEQ, gpu))
+    """Prices off (``reprice=False``): settled from the start, so the first planned run that
+    kept to the plan makes the anchored form (waiting for re-priced runs that never come, no
+    such plan under "auto" would ever have one)."""
+    fixed = dataclasses.replace(TIGHT, reprice=False, gpu=True)
+    state = PlanState(plan_recorded(SEQ, fixed))
     facts = StepFacts("planned", True, 1.0, seconds=[1e-3] * len(SEQ.functions), ran_whole_plan=True,
                       gaps=set(range(len(SEQ.functions) + 1)), first={})
-    d = after_step(facts, state, gpu)
+    d = after_step(facts, state, fixed)
     assert d.anchored and d.priced_runs is None and d.moved is not None
-    assert not after_step(facts, state, TIGHT).anchored   # a CPU's plan waits for its prices
-    assert not after_step(facts, state, dataclasses.replace(gpu, recompute="prefer")).anchored
+    assert not after_step(facts, state, TIGHT).anchored   # prices on: the plan waits for them
+    assert not after_step(facts, state, dataclasses.replace(fixed, recompute="prefer")).anchored
+
+
+def test_a_gpu_plan_is_priced_on_its_timed_runs_and_gets_its_form_at_an_untimed_one() -> None:
+    """On a GPU the recording step's CUDA-event times ran on a cold allocator: the plan's first
+    REPRICED_RUNS planned runs time their ops (``device_timed``) and price it again, as a
+    CPU's do; the form is made at the first untimed run (a timed run's wall time, slowed by
+    the timing, would stand for the per-op side). An untimed run's times are the host's
+    launches: they price nothing, and the prices settle."""
+    gpu = dataclasses.replace(TIGHT, gpu=True)
+    state = PlanState(plan_recorded(SEQ, gpu))
+    assert prices_open(state.plan, 0, gpu) and not prices_open(state.plan, REPRICED_RUNS, gpu)
+    assert not prices_open(state.plan, 0, dataclasses.replace(gpu, recompute="never"))
+    gaps = set(range(len(SEQ.functions) + 1))
+    timed = StepFacts("planned", True, 9.0, seconds=[1e-3] * len(SEQ.functions), ran_whole_plan=True,
+                      gaps=gaps, first={}, device_timed=True)
+    for run in range(1, REPRICED_RUNS + 1):
+        d = after_step(timed, state, gpu)
+        assert d.priced_runs == run and not d.anchored, "no form on a timed run"
+        state = dataclasses.replace(state, priced_runs=d.priced_runs, fastest=d.fastest, plan=d.plan or state.plan)
+    untimed = dataclasses.replace(timed, device_timed=False, step_s=1.0)
+    d = after_step(untimed, state, gpu)
+    assert d.priced_runs is None and d.anchored and d.moved is not None
+    # an untimed run while the prices are open (launch times, far below the ops' run times)
+    launches = dataclasses.replace(untimed, seconds=[1e-9] * len(SEQ.functions))
+    d = after_step(launches, PlanState(plan_recorded(SEQ, gpu)), gpu)
+    assert d.plan is None and d.priced_runs == REPRICED_RUNS and d.anchored
+    cpu = after_step(launches, PlanState(plan_recorded(SEQ, TIGHT)), TIGHT)   # a CPU's are its ops'
+    assert cpu.priced_runs == 1
 
 
 def test_quiet_functions_have_no_role_in_the_plan() -> None:
@@ -165,7 +193,7 @@ def test_a_gpu_plan_gets_no_anchored_form_predicted_far_slower_than_its_per_op_s
     profile = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "h100" / "resnet50.json"
     seq = managed_view(VariableSequence.from_json(profile))
     gpu = Settings(budget=seq.in_core_peak_bytes // 2, chunk=2 << 20, window=None, reprice=False,
-                   hardware=default_hardware)
+                   hardware=default_hardware, gpu=True)
     state = PlanState(plan_recorded(seq, gpu))
     assert state.plan.bytes_recomputed > 0
     hw = default_hardware(seq)
