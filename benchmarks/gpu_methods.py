@@ -70,6 +70,9 @@ class Row:
     wall_s: float | None = None   # the whole run: building, warm-up, timed steps (to plan a GPU session's time)
     priced_op_ms: float | None = None   # ooc: the op times its plan was priced on, added up (vs in core's step)
     priced_runs: int | None = None   # ooc: the planned runs that timed their ops and priced the plan again
+    # the host's time to queue a step (until its code returned, before the synchronize), median
+    # of the timed steps: over a step's ops, the host's time per op (a host-bound step's bound)
+    queued_ms: float | None = None
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,7 +167,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()   # else the first step reads the last run's peak
     torch.manual_seed(1)
-    times, per_step, rises, peak, reserved = [], [], [], 0, 0
+    times, queued, per_step, rises, peak, reserved = [], [], [], [], 0, 0
     try:
         for i in range(warmup + steps):
             before = _counters(engine)
@@ -176,6 +179,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
             at_start = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             _one_step(case, runner, opt, x, y, setup.loss_fn, engine, hooks, scaler)
+            tq = time.perf_counter()
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             # each step's peak, warm-up too: ooc's first steps record and try forms, and may
@@ -183,6 +187,7 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
             row.step_peaks.append(torch.cuda.max_memory_allocated())
             if i >= warmup:
                 times.append(t1 - t0)
+                queued.append(tq - t0)
                 rises.append(torch.cuda.max_memory_allocated() - at_start)
                 after = _counters(engine)
                 step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
@@ -198,6 +203,8 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
     reserved = max(reserved, torch.cuda.max_memory_reserved())
     row.steps_ms = [round(t * 1e3, 2) for t in times]
     row.step_ms = statistics.median(times) * 1e3
+    row.queued_ms = statistics.median(queued) * 1e3
+    row.note += ("; " if row.note else "") + f"host queued {row.queued_ms:.1f} ms"
     row.samples_per_s = case.batch / (row.step_ms / 1e3)
     row.torch_peak_bytes = peak
     row.torch_reserved_peak_bytes = reserved

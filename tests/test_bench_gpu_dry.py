@@ -158,6 +158,8 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     assert {"in-core", *methods.split(",")} - matched <= ran <= {"in-core", *methods.split(",")}
     assert all(m in ran or any(f"{m} to" in n for n in data["not_run"]) for m in matched), data["not_run"]
     assert all(r["bitwise"] for r in data["rows"] if r["method"] != "in-core"), data["rows"]
+    # the host's time to queue each step (the Llama's in-core row gives bench_hook_bound's h0)
+    assert all(r["queued_ms"] is not None for r in data["rows"]), data["rows"]
     # the op times each ooc row planned on, added up: what tells an overstated recording
     assert all(r["priced_op_ms"] > 0 for r in data["rows"] if r["method"].startswith("ooc")), data["rows"]
     one = [r for r in data["rows"] if r["method"] == "ooc-one-arena"]
