@@ -208,6 +208,62 @@ def test_gpu_engine_scenario_bitwise(kind: str) -> None:
         assert torch.equal(a, b)
 
 
+def test_gpu_plan_is_priced_on_two_timed_runs_with_device_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REAL GPU: a plan that recomputes is priced again on its first two planned runs, which
+    time each op with CUDA events (the recording step's ran on a cold caching allocator), and
+    no later run is timed; training bitwise as in core after every step, timed or not."""
+    pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python: pip install 'ooc[cuda]'")
+    import copy
+    import time
+
+    import torch.nn as nn
+
+    from ooc.engine import OutOfCore
+    from ooc.engine.planning import Planner
+    from ooc.runtime.stepper import Stepper
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(0)
+    model = _bn_cnn().cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    runs: list[tuple[bool, float]] = []   # per planned per-op run: timed?, its ops' seconds added up
+    real = Planner._facts
+
+    def noted(self, st, report):
+        if isinstance(st, Stepper) and report.kept_plan:
+            runs.append((st.ctx.time_ops, sum(st.rec.seconds)))
+        return real(self, st, report)
+
+    monkeypatch.setattr(Planner, "_facts", noted)
+    engine = OutOfCore(model, opt, budget="48MiB", device="cuda", recompute="prefer")
+    walls = []
+    for step in range(7):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        x = torch.randn(32, 3, 64, 64, device="cuda", generator=g)
+        y = torch.randint(0, 10, (32,), device="cuda", generator=g)
+        torch.manual_seed(100 + step)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with engine.step():
+            nn.functional.cross_entropy(model(x), y).backward()
+            engine.optimizer_step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        torch.manual_seed(100 + step)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), f"step {step}: {name} differs"
+    assert engine.stats()["bytes_recomputed"] > 0, "the plan recomputes nothing: nothing to price"
+    engine.close()
+    assert [t for t, _ in runs][:3] == [True, True, False], runs
+    assert all(0 < ops_s < max(walls) for _, ops_s in runs[:2]), (runs, walls)   # read from the events
+
+
 def test_gpu_validation_command_runs_quick(tmp_path) -> None:
     """REAL GPU: benchmarks/bench_gpu.py --quick (the validation command) exits 0 and reports
     bitwise identical training."""
