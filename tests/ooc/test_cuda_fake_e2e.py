@@ -278,7 +278,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
     assert max(syncs[-3:]) <= MAX_PLANNED_SYNCS, (forms, syncs)
     start = 3   # the plan's first planned run makes its anchored form ...
     if case == "auto":   # ... after its prices settled: its first runs timed each op on the device
-        assert forms[2:5] == ["planned"] * 3 and min(waits[2:4]) >= waits[0] > 100 and waits[4] == 0, (forms, waits)
+        assert forms[2:5] == ["planned"] * 3 and min(waits[2:4]) > 100 and waits[4] == 0, (forms, waits)
         start = 5
     elif case == "anchored":   # swap only: nothing to price, no op timed
         assert forms[2] == "planned" and waits[2] == 0, (forms, waits)
