@@ -136,6 +136,9 @@ def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
     for arena in ("ooc", "ooc-one-arena"):   # a try in each arena, bitwise against the uncapped in core
         tries = [r for r in data["headline"] if r["method"] == arena]
         assert tries and tries[0]["label"] == "ResNet-50 b16" and tries[0]["bitwise"] is True, data["headline"]
+    # one arena's first try fits (nothing is short under the dry cap): the next tries a larger budget
+    one = [r for r in data["headline"] if r["method"] == "ooc-one-arena"]
+    assert len(one) >= 2 and not one[0]["error"] and one[1]["budget_bytes"] > one[0]["budget_bytes"], one
     assert dry_gpu.caps and all(0 < f <= 1 for f in dry_gpu.caps)
 
 
