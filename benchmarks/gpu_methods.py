@@ -272,9 +272,8 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
         # the op times the engine priced its plan on (each op's fastest of the recording and the
         # re-priced runs); over in core's step, they overstate the ops (a slow host or a cold
         # allocator timed with them) and the plan pays for it
-        cache = engine._plans
-        row.priced_runs, fastest = cache.repriced.get(cache.guess(engine._store.start_key()), (0, None))
-        priced = (fastest or cache.schedule.sequence).functions
+        row.priced_runs, fastest = _prices(engine)
+        priced = (fastest or engine._plans.schedule.sequence).functions
         row.priced_op_ms = sum(f.cost.seconds or 0.0 for f in priced) * 1e3
         row.note += ("; " if row.note else "") + (f"its ops priced at {row.priced_op_ms:.1f} ms in all "
                                                   f"(recording + {row.priced_runs} timed runs)")
@@ -288,13 +287,22 @@ def _timed_form(engine: Any, per_step: list[dict[str, int]], setup: Setup) -> tu
     the kept form's plan (an anchored plan is another plan: swap only, moved to the hooks)
     with the host's time per op of a hook-driven step (``Setup.hook_host_s``)."""
     import scheduler
+    from scheduler.step_plans import PlanState, at_settled_prices
 
     plan = engine._plans.schedule
-    if 2 * sum(s["hooked"] for s in per_step) <= len(per_step):
-        return plan, setup.hardware
+    if 2 * sum(s["hooked"] for s in per_step) <= len(per_step):   # at the prices it settled on
+        runs, fastest = _prices(engine)
+        return at_settled_prices(PlanState(plan, runs, fastest)), setup.hardware
     entry = next((e for e in engine._plans.hooked._entries.values() if e.plan is plan and e.moved is not None), None)
     hw = scheduler.hardware(setup.hardware, host_op_s=setup.hook_host_s, host_quiet_op_s=setup.hook_host_s)
     return (plan if entry is None else entry.moved), hw
+
+
+def _prices(engine: Any) -> tuple[int, Any]:
+    """The planned runs that priced the running plan again, and the sequence at the fastest op
+    times they measured (None: priced on its recording alone)."""
+    cache = engine._plans
+    return cache.repriced.get(cache.guess(engine._store.start_key()), (0, None))
 
 
 def _counters(engine: Any) -> dict[str, int]:

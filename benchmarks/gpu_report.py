@@ -62,7 +62,8 @@ class Report:
                   "PyTorch's peak allocated bytes over the run, plus ooc's VMM pool (mapped "
                   "outside PyTorch). `sim`: scheduler.simulate on the h100-80gb-pcie5 preset with "
                   "the measured link and the host lane measured in 'Host cost per op', on the op "
-                  "times the engine recorded (CUDA events).", ""]
+                  "times the engine priced its plan on (CUDA events: each op's fastest of the "
+                  "recording step and the planned runs that timed it).", ""]
         for case in dict.fromkeys(r.case for r in self.rows):
             rows = [r for r in self.rows if r.case == case]
             lines += [f"### {rows[0].label}", "", *_table(rows), "", *_verdicts(rows), ""]

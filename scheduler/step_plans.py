@@ -214,6 +214,15 @@ def prices_open(schedule: Schedule, priced_runs: int, settings: Settings) -> boo
             and priced_runs < REPRICED_RUNS and not moves_nothing(schedule))
 
 
+def at_settled_prices(state: PlanState) -> Schedule:
+    """The plan with each op at the fastest time its runs measured (``PlanState.fastest``): a
+    plan kept through re-pricing (the same bytes) still carries its recording's times, too high
+    to anchor it on or to predict its step with."""
+    if state.fastest is None or state.fastest is state.plan.sequence:
+        return state.plan
+    return dataclasses.replace(state.plan, sequence=state.fastest)
+
+
 def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     """The fields of a ``Decision`` that give a kept plan its anchored form (or time the
     per-op side of its trial): a plan that moves bytes, swap-only priced (its prices
@@ -230,10 +239,11 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
         return {}   # the plan may still change with its prices
     if facts.device_timed:
         return {}   # the next, untimed, step decides: its wall time is the per-op side's
-    moved = anchor_within_budget(state.plan, facts.gaps, facts.first or {}, budget=settings.budget,
+    priced = at_settled_prices(state)
+    moved = anchor_within_budget(priced, facts.gaps, facts.first or {}, budget=settings.budget,
                                  chunk=settings.chunk, window=settings.window, policy=settings.policy)
     if (moved is not None and settings.gpu and settings.hardware is not None
-            and not worth_a_trial(moved, state.plan, facts.step_s, settings.hardware(state.plan.sequence))):
+            and not worth_a_trial(moved, priced, facts.step_s, settings.hardware(priced.sequence))):
         moved = None   # a GPU's form predicted far slower: no trial steps, no pool for them
     return {"anchored": True, "moved": moved}
 

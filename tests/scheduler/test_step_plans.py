@@ -11,7 +11,7 @@ from scheduler import plan
 from scheduler.anchoring import MARGIN, TRIAL_RUNS, judge
 from scheduler.step_plans import (REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step,
                                   hook_forms_allowed, keeps_saved, moves_nothing, plain_candidate, plan_recorded,
-                                  prices_open, priced_seconds)
+                                  prices_open, priced_seconds, at_settled_prices)
 from scheduler.schedule import quiet_functions
 from tests.scheduler.strategies import training_like_sequence
 
@@ -109,6 +109,21 @@ def test_a_plan_never_re_priced_gets_its_anchored_form_after_its_first_run() -> 
     assert d.anchored and d.priced_runs is None and d.moved is not None
     assert not after_step(facts, state, TIGHT).anchored   # prices on: the plan waits for them
     assert not after_step(facts, state, dataclasses.replace(fixed, recompute="prefer")).anchored
+
+
+def test_the_anchored_form_is_made_at_the_settled_prices_of_a_plan_kept_through_them() -> None:
+    """A plan that re-pricing kept (the same bytes) still carries its recording's op times: its
+    anchored form is planned, and on a GPU judged, at the fastest times its runs measured."""
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+    fastest = priced_seconds(state.plan.sequence, [1e-6] * len(SEQ.functions))
+    settled = dataclasses.replace(state, priced_runs=REPRICED_RUNS, fastest=fastest)
+    assert at_settled_prices(state) is state.plan
+    assert at_settled_prices(settled).sequence is fastest and at_settled_prices(settled).before == state.plan.before
+    facts = StepFacts("planned", True, 1.0, seconds=[1e-6] * len(SEQ.functions), ran_whole_plan=True,
+                      gaps=set(range(len(SEQ.functions) + 1)), first={})
+    d = after_step(facts, settled, TIGHT)
+    assert d.anchored and d.moved is not None
+    assert [f.cost.seconds for f in d.moved.sequence.functions] == [1e-6] * len(SEQ.functions)
 
 
 def test_a_gpu_plan_is_priced_on_its_timed_runs_and_gets_its_form_at_an_untimed_one() -> None:
