@@ -266,7 +266,7 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
         schedule, hw = _timed_form(engine, per_step, setup)
         r = scheduler.simulate(schedule, hw, timeline=False)
         row.predicted_step_ms = r.total_s * 1e3
-        if schedule is not engine._plans.schedule:
+        if _hooked(per_step) and schedule is not engine._plans.schedule:
             row.note += ("; " if row.note else "") + "sim: the hook-driven form the timed steps ran"
         plan = engine._plans.schedule.summary()
         # the op times the engine priced its plan on (each op's fastest of the recording and the
@@ -290,12 +290,17 @@ def _timed_form(engine: Any, per_step: list[dict[str, int]], setup: Setup) -> tu
     from scheduler.step_plans import PlanState, at_settled_prices
 
     plan = engine._plans.schedule
-    if 2 * sum(s["hooked"] for s in per_step) <= len(per_step):   # at the prices it settled on
+    if not _hooked(per_step):   # the per-op plan, at the prices it settled on
         runs, fastest = _prices(engine)
         return at_settled_prices(PlanState(plan, runs, fastest)), setup.hardware
     entry = next((e for e in engine._plans.hooked._entries.values() if e.plan is plan and e.moved is not None), None)
     hw = scheduler.hardware(setup.hardware, host_op_s=setup.hook_host_s, host_quiet_op_s=setup.hook_host_s)
     return (plan if entry is None else entry.moved), hw
+
+
+def _hooked(per_step: list[dict[str, int]]) -> bool:
+    """Whether most timed steps ran a hook-driven form (plain or anchored)."""
+    return 2 * sum(s["hooked"] for s in per_step) > len(per_step)
 
 
 def _prices(engine: Any) -> tuple[int, Any]:
