@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,21 +47,23 @@ SIGMAS = (0.02, 0.05, 0.10)   # CUDA-event op times: a few percent per op is typ
 COLD_US = (20, 50, 100)   # cudaMalloc's cost inside an op that makes a tensor, cold allocator
 
 
+def retimed(seq: VariableSequence, time_of: Callable[[int, float], float]) -> VariableSequence:
+    """``seq`` with each measured op time ``t`` of function ``i`` made ``time_of(i, t)``; all else kept."""
+    fns = tuple(dataclasses.replace(f, cost=dataclasses.replace(f.cost, seconds=time_of(i, f.cost.seconds)))
+                if f.cost.seconds is not None else f for i, f in enumerate(seq.functions))
+    return VariableSequence(fns, seq.variables, dict(seq.meta))
+
+
 def noisy(seq: VariableSequence, sigma: float, rng: random.Random) -> VariableSequence:
     """``seq`` with each measured op time multiplied by ``exp(N(0, sigma))``; all else kept."""
-    fns = tuple(dataclasses.replace(f, cost=dataclasses.replace(f.cost, seconds=f.cost.seconds * rng.lognormvariate(0, sigma)))
-                if f.cost.seconds is not None else f for f in seq.functions)
-    return VariableSequence(fns, seq.variables, dict(seq.meta))
+    return retimed(seq, lambda i, t: t * rng.lognormvariate(0, sigma))
 
 
 def biased(seq: VariableSequence, *, cold_s: float = 0.0, scale: float = 1.0) -> VariableSequence:
     """``seq`` with each measured op time multiplied by ``scale``, and ``cold_s`` more on each
     op that makes a tensor (its first write of a variable)."""
     makers = set(seq.producer.values())
-    fns = tuple(dataclasses.replace(f, cost=dataclasses.replace(
-        f.cost, seconds=f.cost.seconds * scale + (cold_s if i in makers else 0.0)))
-        if f.cost.seconds is not None else f for i, f in enumerate(seq.functions))
-    return VariableSequence(fns, seq.variables, dict(seq.meta))
+    return retimed(seq, lambda i, t: t * scale + (cold_s if i in makers else 0.0))
 
 
 def bias_rows(path: Path) -> list[list[str]]:

@@ -307,7 +307,7 @@ def _prices(engine: Any) -> tuple[int, Any]:
     """The planned runs that priced the running plan again, and the sequence at the fastest op
     times they measured (None: priced on its recording alone)."""
     cache = engine._plans
-    return cache.repriced.get(cache.guess(engine._store.start_key()), (0, None))
+    return cache.prices(cache.guess(engine._store.start_key()))
 
 
 def _counters(engine: Any) -> dict[str, int]:

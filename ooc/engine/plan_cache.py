@@ -211,6 +211,11 @@ class PlanCache:
         while len(self.plans) > max(1, self.max_plans):   # the least recently used go
             self.drop(next(iter(self.plans)))
 
+    def prices(self, key: Hashable) -> tuple[int, Any]:
+        """``key``'s planned runs priced so far and the sequence at their fastest op times
+        (``(0, None)``: priced on its recording alone)."""
+        return self.repriced.get(key, (0, None))
+
     def replace(self, key: Hashable, schedule: Schedule) -> None:
         """``key``'s plan re-priced: ``schedule`` instead, same binding, same prices so far."""
         self.plans[key] = (schedule, self.plans[key][1])

@@ -70,7 +70,7 @@ class Planner:
         the recording step's ops ran on a cold allocator). A CPU's steps time every op anyway."""
         if self._mem.on_cpu or schedule is None:
             return False
-        return prices_open(schedule, self._cache.repriced.get(key, (0, None))[0], self.settings())
+        return prices_open(schedule, self._cache.prices(key)[0], self.settings())
 
     def after_step(self, st: Stepper | AnchoredStep, report: StepReport) -> None:
         """Ask the scheduler what follows from a step that completed (``scheduler.step_plans.
@@ -89,7 +89,7 @@ class Planner:
         cache, key = self._cache, st.start_key
         state = None
         if st.schedule is not None and cache.plan_of(key) is st.schedule:
-            runs, fastest = cache.repriced.get(key, (0, None))
+            runs, fastest = cache.prices(key)
             hooked = cache.hooked.get(key)
             state = PlanState(st.schedule, runs, fastest,
                               None if hooked is None or hooked.plan is not st.schedule else "kept")
