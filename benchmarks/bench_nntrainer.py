@@ -34,8 +34,8 @@ caller's environment, untouched (``ooc.measure.child_env``): no swap as PyTorch 
 default, ooc with what the engine sets up itself.
 
 ``run_steady`` (the measuring child) is shared with bench_model_size.py.
-``--quick``: batch 4, one round of 3 steps, no 1/2 and 1/4 rows. Writes benchmarks/results/nntrainer.md
-(``--quick``: nntrainer-quick.md).
+``--quick``: batch 4, one round of 3 steps, no 1/2 and 1/4 rows, one window row at on-demand's
+peak. Writes benchmarks/results/nntrainer.md (``--quick``: nntrainer-quick.md).
 """
 
 from __future__ import annotations
@@ -271,7 +271,9 @@ def main() -> None:
                     od = common.plan_stats(res.stats).get("peak_resident_bytes")
                     if od:
                         same = -(-od // base.chunk) * base.chunk
-                        for mode, tag in ((True, ""), (False, ", swap-only"), ("prefer", ", recompute=prefer")):
+                        modes = ((True, ""),) if args.quick else (
+                            (True, ""), (False, ", swap-only"), ("prefer", ", recompute=prefer"))
+                        for mode, tag in modes:
                             rows.append(Row(f"window at on-demand's peak ({format_size(same)}{tag})",
                                             replace(ooc_case, budget=same, recompute=mode,
                                                     params_out=str(Path(tmp) / f"w0{tag[2:6]}.pt"))))
