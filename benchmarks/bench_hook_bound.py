@@ -23,7 +23,9 @@ forms of the plan the engine would make (``scheduler.plan`` on the profile's pri
 - ``hook-driven, templates`` (not built): the hooks alone in the forward; each chain rerun
   from a template that a per-op step captured once (each argument a parameter, a saved tensor
   the hooks see, or a result of the chain: ``templatable`` checks it on the profile), each
-  replayed op at in core's cost plus the template's (``TEMPLATE_US``).
+  replayed op at in core's cost plus the template's (``template_us``). Its device lane is the
+  plan's anchored form with its chains (``anchor_within_budget(recompute=True)`` at the hooks
+  ``estimated_anchors`` places on the profile), proven within the budget.
 
 Each form's bound is in core's step over the slower of its two lanes: the device's (its
 predicted step with no host lane, ``scheduler.simulate``: op times, link) and the host's (every
@@ -58,6 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
 import scheduler  # noqa: E402
+from scheduler.anchoring import anchor_within_budget  # noqa: E402
+from scheduler.anchors import estimated_anchors  # noqa: E402
 from scheduler.errors import BudgetTooSmall  # noqa: E402
 from scheduler.ir import Access, Kind, VariableSequence  # noqa: E402
 from scheduler.managed import managed_view  # noqa: E402
@@ -73,6 +77,7 @@ TARGETS = {0.5: 0.85, 0.25: 0.75}
 MEASURED = {"gpu.md": (75.8 - 29.5, 89.2 - 29.5, 4.7), "gpu-one-arena.md": (46.9 - 31.2, 125.3 - 31.2, 4.2)}
 HOST_COST_OPS = 709   # ResNet-50 b32's ops a step in those runs
 H0_US = (29.5 + 31.2) / 2   # in core's host time per op on the H100, measured (ResNet-50 b32, two runs)
+CHUNK = 2 << 20   # the engine's chunk on a GPU, as ``managed_view`` rounds
 # Each case's model as bench_gpu builds it, made small enough to run here: the saved tensors a
 # step packs depend on its layers, not on their width, the batch or the sequence length.
 SMALL = {"resnet50": dict(batch=2, image_size=64), "gpt2": dict(batch=1, model_kw=dict(seq_len=64)),
@@ -232,6 +237,7 @@ def main() -> int:
         raw = VariableSequence.from_json(path)
         seq = managed_view(raw)
         hw = default_hardware(seq)
+        anchors = estimated_anchors(seq)
         in_core_s = sum(f.cost.seconds or 0.0 for f in seq.functions)
         h0_worst = in_core_s / len(seq.functions) * 1e6
         notes.append(f"`{path.name}`: {len(seq.functions):,} ops, {saved[path.stem]:,} saved tensors a step, "
@@ -245,6 +251,12 @@ def main() -> int:
                 except BudgetTooSmall:
                     rows.append([path.stem, f"{fraction:g}", form, "does not plan", *[""] * 4])
                     continue
+                if form == "hook-driven, templates":   # its actions at the hooks, within the budget
+                    schedule = anchor_within_budget(schedule, *anchors, budget=budget, chunk=CHUNK, window=None,
+                                                    policy="window", hardware=hw, recompute=True)
+                    if schedule is None:
+                        rows.append([path.stem, f"{fraction:g}", form, "no anchored form", *[""] * 4])
+                        continue
                 device_s = scheduler.simulate(schedule, hw, timeline=False).total_s
                 counts = lanes(schedule, form, raw, saved[path.stem])
                 h0 = min(h0_worst, H0_US)

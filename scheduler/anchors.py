@@ -18,8 +18,15 @@ that keeps it safe:
   none runs before ``first[v]``, the anchor where the runtime first sees the variable.
 
 Holding bytes longer may take the step over its budget: ``scheduler.check`` on the result is
-the proof, as for any plan. Recomputation cannot move (a chain is rerun from the ops' own
-arguments, which only the per-op path sees): a schedule with ``recompute`` has no anchored form.
+the proof, as for any plan.
+
+Recomputation moves only for a runtime that can rerun a chain at a hook (``recompute=True``:
+chains rerun from templates, docs/guide/gpu.md's "The template form", whose runtime is not
+built yet): a ``discard`` moves *later* (the bytes go after the uses, as a ``drop``), a
+``recompute`` *earlier* (the bytes are back sooner), and not before the anchor where its
+chain's inputs got their last action so far (a ``wait_in`` that brings one back). Without it
+(today's per-op path reruns a chain from the ops' own arguments, which only it sees), a
+schedule with ``discard`` or ``recompute`` has no anchored form.
 
 Gaps number the places between functions: gap ``g`` is after function ``g - 1`` and before
 function ``g`` (gap 0 is the step's start, gap ``n`` its end; both are always anchors). An
@@ -33,33 +40,40 @@ from bisect import bisect_left, bisect_right
 from typing import Iterable, Mapping
 
 from scheduler.actions import Op
+from scheduler.ir import Access, Kind, VariableSequence
 from scheduler.schedule import Action, Schedule
 
-__all__ = ["anchor", "EARLIER", "LATER"]
+__all__ = ["anchor", "estimated_anchors", "EARLIER", "LATER"]
 
 EARLIER = frozenset({Op.SWAP_IN, Op.WAIT_IN, Op.WAIT_OUT})   # wait sooner: move earlier
 LATER = frozenset({Op.SWAP_OUT, Op.DROP, Op.FREE})           # let go after the uses: move later
 
 
-def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | None = None) -> Schedule | None:
+def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | None = None, *,
+           recompute: bool = False) -> Schedule | None:
     """``schedule`` with every action moved to one of ``gaps`` (see the module docstring), or
-    None when it recomputes or discards (no anchored form). Not checked: call ``check``."""
+    None when it recomputes or discards and ``recompute`` is False (no anchored form). Not
+    checked: call ``check``."""
     n = len(schedule.sequence.functions)
     points = sorted({0, n, *(g for g in gaps if 0 <= g <= n)})
     first = first or {}
+    earlier = EARLIER | {Op.RECOMPUTE} if recompute else EARLIER
+    later = LATER | {Op.DISCARD} if recompute else LATER
     moved: list[tuple[int, int, Action]] = []   # (gap, original order, action)
     last: dict[int, int] = {}                    # var -> gap of its latest action so far
     order = 0
     for i in range(n):
         for phase, g in ((schedule.before[i], i), (schedule.after[i], i + 1)):
             for a in phase:
-                if a.op in EARLIER:
+                if a.op in earlier:
                     to = points[bisect_right(points, g) - 1]
-                elif a.op in LATER:
+                elif a.op in later:
                     to = points[bisect_left(points, g)]
                 else:   # discard, recompute: only the per-op path can rerun a chain
                     return None
                 to = max(to, last.get(a.var, 0), first.get(a.var, 0))
+                if a.op is Op.RECOMPUTE:   # after what brought its inputs back
+                    to = max([to, *(last.get(x, 0) for x in _chain_inputs(schedule, a.chain))])
                 last[a.var] = to
                 moved.append((to, order, a))
                 order += 1
@@ -70,3 +84,30 @@ def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | N
         (before[g] if g < n else after[n - 1]).append(a)
     return Schedule(schedule.sequence, schedule.budget, schedule.policy, schedule.window,
                     tuple(map(tuple, before)), tuple(map(tuple, after)), schedule.initial_resident)
+
+
+def _chain_inputs(schedule: Schedule, chain: tuple[int, ...]) -> set[int]:
+    """The variables a chain reads and does not make itself."""
+    functions = schedule.sequence.functions
+    made = {u.var for w in chain for u in functions[w].uses if u.access is Access.WRITE}
+    return {u.var for w in chain for u in functions[w].uses if u.access is Access.READ} - made
+
+
+def estimated_anchors(seq: VariableSequence) -> tuple[set[int], dict[int, int]]:
+    """Where a step's hooks would fire, for a sequence recorded without its hooks (a GPU
+    profile; the engine has the real ones, ``HookTrace``): after each forward op that touches a
+    managed activation (an op saves what it reads or makes), before each backward op that does
+    (a node unpacks before it computes); and each activation's first such anchor. The backward
+    starts at ``meta["backward_start"]`` (else nothing is backward)."""
+    backward = int(seq.meta.get("backward_start", len(seq.functions)))
+    acts = {v for v, x in seq.variables.items() if x.kind is Kind.ACTIVATION}
+    gaps: set[int] = set()
+    first: dict[int, int] = {}
+    for f in seq.functions:
+        touched = [u.var for u in f.uses if u.var in acts]
+        if touched:
+            g = f.index + 1 if f.index < backward else f.index
+            gaps.add(g)
+            for v in touched:
+                first.setdefault(v, g)
+    return gaps, first
