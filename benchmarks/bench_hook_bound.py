@@ -226,6 +226,7 @@ def main() -> int:
     p = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     args = p.parse_args()
     rows, notes = [], []
+    host_bound: dict[str, float] = {}   # profile -> in core's step over its ops, where under H0_US
     paths = sorted(PROFILES.glob("*.json"))
     paths = paths[:1] if args.quick else paths
     saved = {path.stem: saved_per_step(path.stem) for path in paths}
@@ -240,6 +241,8 @@ def main() -> int:
         anchors = estimated_anchors(seq)
         in_core_s = sum(f.cost.seconds or 0.0 for f in seq.functions)
         h0_worst = in_core_s / len(seq.functions) * 1e6
+        if h0_worst < H0_US:
+            host_bound[path.stem] = h0_worst
         notes.append(f"`{path.name}`: {len(seq.functions):,} ops, {saved[path.stem]:,} saved tensors a step, "
                      f"in core {in_core_s * 1e3:.1f} ms of ops (in core host-bound at {h0_worst:.1f} us an op)")
         for fraction, target in TARGETS.items():
@@ -276,7 +279,8 @@ def main() -> int:
                               "largest h0 that meets it"], rows)
     lines += ["", f"h0: in core's host time per op, here the H100's measured for ResNet-50 b32 ({H0_US:.1f} "
               "us, the mean of two runs: 29.5 and 31.2) or, where that is more than in core's step "
-              "allows, in core exactly host-bound (its step over its ops: the Llama's 20.2 us). The "
+              "allows, in core exactly host-bound (its step over its ops"
+              + "".join(f"; {k}: {v:.1f} us" for k, v in host_bound.items()) + "). The "
               "Llama's own was never measured (bench_gpu's `queued_ms` of its in-core row tells it). "
               "Host costs added per op: quiet / looked at "
               + "; ".join(f"{k}: +{q:.1f} / +{lk:.1f} us" for k, (q, lk, _) in MEASURED.items())
