@@ -132,7 +132,8 @@ def template_us(rounds: int = 7, calls: int = 2000) -> float:
                  (aten.silu.default, (("made", 2),), {})]
 
     def eager() -> None:
-        torch.nn.functional.silu(torch.mm(a, w)), torch.mul(a, b).to(torch.bfloat16)
+        torch.mul(a, b).to(torch.bfloat16)
+        torch.nn.functional.silu(torch.mm(a, w))
 
     def replay() -> None:
         made: list[torch.Tensor] = []
