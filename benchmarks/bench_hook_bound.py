@@ -63,9 +63,10 @@ import scheduler  # noqa: E402
 from scheduler.anchoring import anchor_within_budget  # noqa: E402
 from scheduler.anchors import estimated_anchors  # noqa: E402
 from scheduler.errors import BudgetTooSmall  # noqa: E402
-from scheduler.ir import Access, Kind, VariableSequence  # noqa: E402
+from scheduler.ir import Kind, VariableSequence  # noqa: E402
 from scheduler.managed import managed_view  # noqa: E402
 from scheduler.recompute import default_hardware  # noqa: E402
+from scheduler.replay import chain_inputs  # noqa: E402
 from scheduler.schedule import Op, quiet_functions  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles" / "h100"
@@ -157,16 +158,9 @@ def scope(name: str) -> str:
 def templatable(raw: VariableSequence, chain: tuple[int, ...]) -> bool:
     """Whether a chain could rerun from a template: every variable it reads and does not make
     is one the hooks see (an activation autograd saved), a parameter or the step's input."""
-    made: set[int] = set()
-    for w in chain:
-        uses = raw.functions[w].uses
-        for u in uses:
-            var = raw.variables[u.var]
-            if (u.access is Access.READ and u.var not in made and not var.live_in
-                    and var.kind not in (Kind.ACTIVATION, Kind.PARAM, Kind.INPUT)):
-                return False
-        made.update(u.var for u in uses if u.access is Access.WRITE)
-    return True
+    variables = raw.variables
+    return all(variables[x].live_in or variables[x].kind in (Kind.ACTIVATION, Kind.PARAM, Kind.INPUT)
+               for x in chain_inputs(raw, chain))
 
 
 def lanes(schedule: scheduler.Schedule, form: str, raw: VariableSequence, saved: int) -> dict[str, int]:
@@ -184,9 +178,9 @@ def lanes(schedule: scheduler.Schedule, form: str, raw: VariableSequence, saved:
     if form == "anchored, swap only":
         return counts
     if form == "hook-driven, templates":
-        templated = [c for c in chains if templatable(raw, c)]
-        chains = [c for c in chains if not templatable(raw, c)]   # these keep the mode in their scopes
-        counts["templated"] = sum(len(c) for c in templated)
+        kept = [templatable(raw, c) for c in chains]
+        counts["templated"] = sum(len(c) for c, k in zip(chains, kept) if k)
+        chains = [c for c, k in zip(chains, kept) if not k]   # these keep the mode in their scopes
         counts["replayed"] -= counts["templated"]
     chained = {w for chain in chains for w in chain}
     end = int(seq.meta.get("loss_start", len(functions)))

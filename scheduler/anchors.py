@@ -40,7 +40,8 @@ from bisect import bisect_left, bisect_right
 from typing import Iterable, Mapping
 
 from scheduler.actions import Op
-from scheduler.ir import Access, Kind, VariableSequence
+from scheduler.ir import Kind, VariableSequence
+from scheduler.replay import chain_inputs
 from scheduler.schedule import Action, Schedule
 
 __all__ = ["anchor", "estimated_anchors", "EARLIER", "LATER"]
@@ -73,7 +74,7 @@ def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | N
                     return None
                 to = max(to, last.get(a.var, 0), first.get(a.var, 0))
                 if a.op is Op.RECOMPUTE:   # after what brought its inputs back
-                    to = max([to, *(last.get(x, 0) for x in _chain_inputs(schedule, a.chain))])
+                    to = max([to, *(last.get(x, 0) for x in chain_inputs(schedule.sequence, a.chain))])
                 last[a.var] = to
                 moved.append((to, order, a))
                 order += 1
@@ -84,13 +85,6 @@ def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | N
         (before[g] if g < n else after[n - 1]).append(a)
     return Schedule(schedule.sequence, schedule.budget, schedule.policy, schedule.window,
                     tuple(map(tuple, before)), tuple(map(tuple, after)), schedule.initial_resident)
-
-
-def _chain_inputs(schedule: Schedule, chain: tuple[int, ...]) -> set[int]:
-    """The variables a chain reads and does not make itself."""
-    functions = schedule.sequence.functions
-    made = {u.var for w in chain for u in functions[w].uses if u.access is Access.WRITE}
-    return {u.var for w in chain for u in functions[w].uses if u.access is Access.READ} - made
 
 
 def estimated_anchors(seq: VariableSequence) -> tuple[set[int], dict[int, int]]:

@@ -39,7 +39,8 @@ from typing import Callable
 
 from scheduler.ir import Access, Function, VariableSequence
 
-__all__ = ["MAX_CHAIN", "Chain", "chain_for", "chain_through", "mark_replayable", "recompute_candidates"]
+__all__ = ["MAX_CHAIN", "Chain", "chain_for", "chain_inputs", "chain_through", "mark_replayable",
+           "recompute_candidates"]
 
 #: The most functions one chain reruns (``Function.needs`` can reach back several ops).
 MAX_CHAIN = 32
@@ -66,6 +67,19 @@ def chain_for(seq: VariableSequence, v: int, at: int) -> Chain | None:
     if key not in cache:
         cache[key] = _chain(seq, v, at)
     return cache[key]
+
+
+def chain_inputs(seq: VariableSequence, functions: tuple[int, ...]) -> tuple[int, ...]:
+    """The variables ``functions`` (a chain, in order) read before any of them writes them:
+    what must be there when the chain reruns, in first-read order (a ``Chain`` of
+    ``chain_for`` has them as ``inputs``; this is for chains a plan names by their functions)."""
+    made: set[int] = set()
+    inputs: dict[int, None] = {}
+    for w in functions:
+        uses = seq.functions[w].uses
+        inputs.update((u.var, None) for u in uses if u.access is Access.READ and u.var not in made)
+        made.update(u.var for u in uses if u.access is Access.WRITE)
+    return tuple(inputs)
 
 
 def recompute_candidates(seq: VariableSequence) -> bool:

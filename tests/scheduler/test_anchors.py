@@ -14,6 +14,7 @@ from scheduler.anchors import EARLIER, LATER, anchor, estimated_anchors
 from scheduler.ir import Access, VariableSequence
 from scheduler.managed import managed_view
 from scheduler.recompute import default_hardware
+from scheduler.replay import chain_inputs
 from tests.scheduler.strategies import training_like_sequence
 
 
@@ -139,9 +140,6 @@ def test_a_chain_reruns_after_the_wait_that_brings_its_input_back() -> None:
     seen: dict[int, int] = {}   # var -> position of its last action so far
     for k, (_, a) in enumerate(placed):
         if a.op is Op.RECOMPUTE:
-            functions = s.sequence.functions
-            made = {u.var for w in a.chain for u in functions[w].uses if u.access is Access.WRITE}
-            reads = {u.var for w in a.chain for u in functions[w].uses if u.access is Access.READ} - made
-            assert all(seen.get(x, -1) < k for x in reads)
+            assert all(seen.get(x, -1) < k for x in chain_inputs(s.sequence, a.chain))
         seen[a.var] = k
     assert any(a.op is Op.RECOMPUTE for _, a in placed)
