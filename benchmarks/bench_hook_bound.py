@@ -4,9 +4,10 @@
 
 The Llama (5,872 ops a step, 113 ms in core on the H100) is host-bound under ooc's per-op
 path: every op through a dispatch mode costs the host tens of microseconds. A hook-driven form
-that recomputes (not built) would run the step as an anchored step does, watched by autograd's
-saved-tensor hooks alone, and rerun the plan's chains at the hooks. This script bounds what such
-a form could reach, before anyone builds it.
+that recomputes runs the step as an anchored step does, watched by autograd's saved-tensor hooks
+alone, and reruns the plan's chains at the hooks. This script bounds what such forms can reach
+on the H100's host (it was written before the template form was built, to choose which to
+build; the template form's replay cost is now its runtime's own, measured on this CPU).
 
 For each H100 profile (``benchmarks/profiles/h100``) at 1/2 and 1/4 of its managed peak, four
 forms of the plan the engine would make (``scheduler.plan`` on the profile's prices):
@@ -20,10 +21,11 @@ forms of the plan the engine would make (``scheduler.plan`` on the profile's pri
   inside a chain's *scope* (the module the op ran in, from the profile's function names: where
   the chains' recipes would be captured; quiet cost, the chain ops looked at) and the replays
   (looked at);
-- ``hook-driven, templates`` (not built): the hooks alone in the forward; each chain rerun
-  from a template that a per-op step captured once (each argument a parameter, a saved tensor
-  the hooks see, or a result of the chain: ``templatable`` checks it on the profile), each
-  replayed op at in core's cost plus the template's (``template_us``). Its device lane is the
+- ``hook-driven, templates`` (built: ``ooc/runtime/templates.py``): the hooks alone in the
+  forward; each chain rerun from a template that a per-op step captured once (each argument a
+  parameter, a saved tensor the hooks see, or a result of the chain: ``templatable`` checks it
+  on the profile), each replayed op at in core's cost plus the runtime's replay cost
+  (``template_us``). Its device lane is the
   plan's anchored form with its chains (``anchor_within_budget(recompute=True)`` at the hooks
   ``estimated_anchors`` places on the profile), proven within the budget.
 
@@ -114,38 +116,51 @@ def saved_per_step(case: str) -> int:
     return packs
 
 
-def template_us(rounds: int = 7, calls: int = 2000) -> float:
+def template_us(rounds: int = 7, calls: int = 500) -> float:
     """What rerunning an op from a template adds to calling it in eager code, on this CPU (us):
-    a stand-in for the replay loop (not built), the aten overloads of an RMSNorm-and-MLP chain
-    called from a list of (overload, argument slots), tiny tensors so that only the host's
-    cost is timed; the median of ``rounds``."""
+    the runtime's own replay (``ooc.runtime.templates.BoundTemplates.replay``: each argument
+    rebuilt from its slot, the chain below autograd with autocast off) of an RMSNorm-and-MLP
+    chain against the same aten calls made eagerly, tiny tensors so that only the host's cost
+    is timed; the median of ``rounds``."""
     import statistics
     import time
+    from types import SimpleNamespace
 
     import torch
 
+    from ooc.runtime.recipes import Made
+    from ooc.runtime.templates import BoundTemplates, PackArg, Template, Templates, View
+
     aten = torch.ops.aten
     a, b, w = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
-    saved = [a, b, w]
-    templates = [(aten.mul.Tensor, (("saved", 0), ("saved", 1)), {}),
-                 (aten._to_copy.default, (("made", 0),), {"dtype": torch.bfloat16}),
-                 (aten.mm.default, (("saved", 0), ("saved", 2)), {}),
-                 (aten.silu.default, (("made", 2),), {})]
+
+    def saved(k: int, t: torch.Tensor) -> PackArg:
+        return PackArg(k, t.untyped_storage().nbytes(), "leaf", 0, View.of(t))
+
+    def made(op: int, like: torch.Tensor) -> Made:
+        return Made(op, 0, like.dtype, like.size(), like.stride(), 0)
+
+    by_op = {0: Template.make(aten.mul.Tensor, (saved(0, a), saved(1, b)), {}),
+             1: Template.make(aten._to_copy.default, (made(0, a),), {"dtype": torch.bfloat16}),
+             2: Template.make(aten.mm.default, (saved(0, a), saved(2, w)), {}),
+             3: Template.make(aten.silu.default, (made(2, a),), {})}
+    bound = BoundTemplates(Templates(by_op, {0: (3, 0)}, {}, {}, ()))
+    bound.packs = {k: (t, t._version) for k, t in enumerate((a, b, w))}
+    slot = SimpleNamespace(var=0, nbytes=a.untyped_storage().nbytes(), name="silu")
+    chain = (0, 1, 2, 3)
 
     def eager() -> None:
         torch.mul(a, b).to(torch.bfloat16)
         torch.nn.functional.silu(torch.mm(a, w))
 
     def replay() -> None:
-        made: list[torch.Tensor] = []
-        for op, slots, kw in templates:
-            made.append(op(*[saved[i] if where == "saved" else made[i] for where, i in slots], **kw))
+        bound.replay(slot, chain, {}, None, lambda s: None)
 
     def per_op(fn: Callable[[], None]) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) / calls / len(templates) * 1e6
+        return (time.perf_counter() - t0) / calls / len(chain) * 1e6
 
     return statistics.median(per_op(replay) - per_op(eager) for _ in range(rounds))
 
@@ -282,7 +297,7 @@ def main() -> int:
               + "; the hooks per saved tensor " + " / ".join(f"{ps:.1f} us" for ps in per_saved)
               + f" (a plain step's +{' / +'.join(f'{pl}' for _, _, pl in MEASURED.values())} us per op of "
               f"ResNet-50 b32's {HOST_COST_OPS} over its {resnet_saved} saved tensors); a replayed op "
-              f"from a template +{tmpl_us:.1f} us (this CPU's stand-in loop over eager calls).",
+              f"from a template +{tmpl_us:.1f} us (the runtime's replay over eager calls, on this CPU).",
               "", *[f"- {m}" for m in MEASURED_FORMS]]
     common.write_report(common.result_path("hook-bound", args.quick, out=args.out), lines)
     return 0

@@ -6,8 +6,8 @@ actions there). Two decisions follow, both made here from plain data:
 - ``anchor_within_budget``: anchoring holds bytes longer than the plan did, so the plan is
   made again for a budget lowered by what its anchored form went over (and a chunk more, the
   runtime's rounding), ``ANCHOR_TRIES`` times at most, until ``check`` proves the anchored
-  form within the real budget; swap only (a recompute chain needs the per-op path), or with
-  its chains for a runtime that reruns them at hooks (``recompute=True``, not built yet).
+  form within the real budget; swap only, or with the chains a runtime can rerun at hooks
+  (``recompute=True``: those its templates rerun, ``ooc/runtime/templates.py``).
 - ``worth_a_trial``: on a GPU (plans priced on the device's own op times, CUDA events), a
   form the simulator predicts ``TRIAL_SLOWER`` slower than its per-op plan is not tried. On the
   H100 (benchmarks/results/gpu.md) every swap-only form of a recomputing plan of ResNet-50
@@ -44,11 +44,12 @@ ANCHOR_TRIES = 4   # plans tried at lower budgets for an anchored form within th
 def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int, int], *,
                          budget: int, chunk: int, window: int | None, policy: str,
                          hardware: "scheduler.Hardware | None" = None,
-                         recompute: bool = False) -> Schedule | None:
+                         recompute: bool = False, ready: Mapping[int, int] | None = None) -> Schedule | None:
     """The swap-only plan of ``schedule``'s sequence, anchored at ``gaps`` (``first``: each
     variable's first anchor), that ``check`` proves within ``budget``, or None. With
     ``recompute`` (a runtime that reruns chains at hooks: ``anchors``' docstring), the plan
-    keeps its chains, priced on ``hardware``."""
+    keeps the chains its sequence marks replayable, priced on ``hardware`` (``ready``: see
+    ``anchor``)."""
     # without templates a chain needs the per-op path
     seq = schedule.sequence if recompute else mark_replayable(schedule.sequence, lambda f: {})
     priced = {"hardware": hardware} if recompute and hardware is not None else {}
@@ -58,7 +59,7 @@ def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int,
             planned = scheduler.plan(seq, budget=lowered, window=window, policy=policy, **priced)
         except BudgetTooSmall:
             return None
-        moved = anchor(dataclasses.replace(planned, budget=budget), gaps, first, recompute=recompute)
+        moved = anchor(dataclasses.replace(planned, budget=budget), gaps, first, recompute=recompute, ready=ready)
         if moved is None:
             return None
         try:

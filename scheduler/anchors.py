@@ -21,8 +21,8 @@ Holding bytes longer may take the step over its budget: ``scheduler.check`` on t
 the proof, as for any plan.
 
 Recomputation moves only for a runtime that can rerun a chain at a hook (``recompute=True``:
-chains rerun from templates, docs/guide/gpu.md's "The template form", whose runtime is not
-built yet): a ``discard`` moves *later* (the bytes go after the uses, as a ``drop``), a
+chains rerun from templates, ``ooc/runtime/templates.py``): a ``discard`` moves *later* (the
+bytes go after the uses, as a ``drop``, and after the saves its template reads), a
 ``recompute`` *earlier* (the bytes are back sooner), and not before the anchor where its
 chain's inputs got their last action so far (a ``wait_in`` that brings one back). Without it
 (today's per-op path reruns a chain from the ops' own arguments, which only it sees), a
@@ -51,16 +51,22 @@ LATER = frozenset({Op.SWAP_OUT, Op.DROP, Op.FREE})           # let go after the 
 
 
 def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | None = None, *,
-           recompute: bool = False) -> Schedule | None:
+           recompute: bool = False, ready: Mapping[int, int] | None = None) -> Schedule | None:
     """``schedule`` with every action moved to one of ``gaps`` (see the module docstring), or
-    None when it recomputes or discards and ``recompute`` is False (no anchored form). Not
-    checked: call ``check``."""
+    None when it recomputes or discards and ``recompute`` is False (no anchored form);
+    ``ready``: function -> the gap from which the runtime holds what its template reads (a
+    ``discard`` for a chain of it waits until then). Not checked: call ``check``."""
     n = len(schedule.sequence.functions)
     points = sorted({0, n, *(g for g in gaps if 0 <= g <= n)})
     first = first or {}
     earlier = EARLIER | {Op.RECOMPUTE} if recompute else EARLIER
     later = LATER | {Op.DISCARD} if recompute else LATER
     moved: list[tuple[int, int, Action]] = []   # (gap, original order, action)
+    rebuilt: dict[int, list[tuple[int, tuple[int, ...]]]] = {}   # var -> (gap, chain) of its recomputes
+    for i, actions in enumerate(schedule.before):
+        for a in actions:
+            if a.op is Op.RECOMPUTE:
+                rebuilt.setdefault(a.var, []).append((i, a.chain))
     last: dict[int, int] = {}                    # var -> gap of its latest action so far
     order = 0
     for i in range(n):
@@ -73,6 +79,9 @@ def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | N
                 else:   # discard, recompute: only the per-op path can rerun a chain
                     return None
                 to = max(to, last.get(a.var, 0), first.get(a.var, 0))
+                if a.op is Op.DISCARD and ready:   # after the template saw what it reads
+                    chain = next((c for at, c in rebuilt.get(a.var, ()) if at >= g), ())
+                    to = points[bisect_left(points, max([to, *(ready.get(w, 0) for w in chain)]))]
                 if a.op is Op.RECOMPUTE:   # after what brought its inputs back
                     to = max([to, *(last.get(x, 0) for x in chain_inputs(schedule.sequence, a.chain))])
                 last[a.var] = to

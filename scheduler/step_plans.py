@@ -79,7 +79,9 @@ class StepFacts:
     against), whether it saved what a plain form compares (``signature``), whether it ran an
     update (``updated``) and its wall time (``step_s``; ``device_timed``: its ops were timed
     with CUDA events, each behind a sleep queued to keep the device busy, so its wall time is
-    not what an untimed step takes)."""
+    not what an untimed step takes); ``ready``: the functions a hook-driven step can rerun
+    from templates the step captured (``ooc/runtime/templates.py``), each with the gap from
+    which it holds what the template reads (None: no templates)."""
 
     form: str
     kept: bool
@@ -93,6 +95,7 @@ class StepFacts:
     signature: bool = False
     updated: bool = False
     device_timed: bool = False
+    ready: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,9 @@ def at_settled_prices(state: PlanState) -> Schedule:
 
 def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     """The fields of a ``Decision`` that give a kept plan its anchored form (or time the
-    per-op side of its trial): a plan that moves bytes, swap-only priced (its prices
-    settled), of a step that ran it whole (a micro-batch that ended before its plan's update
+    per-op side of its trial): a plan that moves bytes, planned again with the chains the
+    step's templates rerun (``facts.ready``) or swap only where it has none or that does not
+    fit (its prices settled), of a step that ran it whole (a micro-batch that ended before its plan's update
     proved part of it: an anchored step would not see the ops it missed) and did not time its
     ops on the device (its wall time would stand for the per-op side). On a GPU a form the
     simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
@@ -240,8 +244,16 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     if facts.device_timed:
         return {}   # the next, untimed, step decides: its wall time is the per-op side's
     priced = at_settled_prices(state)
-    moved = anchor_within_budget(priced, facts.gaps, facts.first or {}, budget=settings.budget,
-                                 chunk=settings.chunk, window=settings.window, policy=settings.policy)
+    moved = None
+    if facts.ready and state.plan.bytes_recomputed:   # the chains its templates rerun, at hooks
+        seq = mark_replayable(priced.sequence, lambda f: None if f.index in facts.ready else {})
+        hw = settings.hardware(priced.sequence) if settings.hardware is not None else None
+        moved = anchor_within_budget(dataclasses.replace(priced, sequence=seq), facts.gaps, facts.first or {},
+                                     budget=settings.budget, chunk=settings.chunk, window=settings.window,
+                                     policy=settings.policy, hardware=hw, recompute=True, ready=facts.ready)
+    if moved is None:   # swap only
+        moved = anchor_within_budget(priced, facts.gaps, facts.first or {}, budget=settings.budget,
+                                     chunk=settings.chunk, window=settings.window, policy=settings.policy)
     if (moved is not None and settings.gpu and settings.hardware is not None
             and not worth_a_trial(moved, priced, facts.step_s, settings.hardware(priced.sequence))):
         moved = None   # a GPU's form predicted far slower: no trial steps, no pool for them

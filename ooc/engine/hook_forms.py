@@ -11,9 +11,10 @@ per-op step kept to it and showed where its hooks ran:
   verified step noted what autograd saved (``Stepper.signature``), and the later steps compare
   their saves with it (``plain`` in the stats). On small models PyTorch's Python dispatch by
   itself cost more than the 5% an engine that moves nothing may add;
-- a plan that swaps (and does not recompute) is moved to the anchors its step's hook trace
-  gives (``scheduler.anchors.anchor``), for a budget the scheduler lowers until ``check``
-  proves the moved plan within the real one (``scheduler.anchoring.anchor_within_budget``);
+- a plan that swaps or recomputes is moved to the anchors its step's hook trace gives
+  (``scheduler.anchors.anchor``; its chains rerun from the templates that step captured,
+  ``ooc/runtime/templates.py``, else swapped), for a budget the scheduler lowers until
+  ``check`` proves the moved plan within the real one (``scheduler.anchoring.anchor_within_budget``);
   then anchored and per-op steps take turns on trial, and the scheduler's rule keeps the
   faster (``scheduler.anchoring.judge``). On a GPU each step on trial waits for the device at
   its end: its host time alone would be its launches.
@@ -30,6 +31,7 @@ from typing import Callable, Hashable
 
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.hook_trace import HookTrace
+from ooc.runtime.templates import Templates
 from scheduler.anchoring import judge
 from scheduler.schedule import Schedule
 from vmm.units import format_size
@@ -40,13 +42,15 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(eq=False)
 class HookPlan:
     """A plan's hook-driven form: ``moved``, the plan its steps run (the plan itself when it
-    moves nothing; None: it has none within the budget), the hook trace it was made from, and
+    moves nothing; None: it has none within the budget), the hook trace it was made from, the
+    templates its chains rerun from (None: it swaps only), and
     its trial (step times of the anchored form and of the per-op plan, taken in turn, then
     ``kept`` or ``rejected``). A plan that moves nothing has no trial: it is kept."""
 
     plan: Schedule
     moved: Schedule | None
     trace: HookTrace
+    templates: Templates | None = None
     trial: list[float] = dataclasses.field(default_factory=list)
     per_op: list[float] = dataclasses.field(default_factory=list)
     kept: bool = False
@@ -99,7 +103,7 @@ class HookForms:
             return None
         if not entry.kept and len(entry.trial) > len(entry.per_op):
             return None   # on trial: the per-op plan's turn
-        return make(entry.plan, entry.moved, entry.trace)
+        return make(entry.plan, entry.moved, entry.trace, entry.templates)
 
     def on_trial(self, key: Hashable, schedule: Schedule | None) -> bool:
         """Whether a step of ``key``'s plan ``schedule``, of either form, is timed for its trial."""

@@ -127,12 +127,12 @@ class PlanCache:
         if not self.hook_forms:
             return None
 
-        def make(plan: Schedule, moved: Schedule, trace: Any) -> AnchoredStep:
+        def make(plan: Schedule, moved: Schedule, trace: Any, templates: Any) -> AnchoredStep:
             if moved is plan:   # it moves nothing: no action, and the pool's idle chunks go back
                 mem.pool.trim()
                 moved = None
             return AnchoredStep(plan, moved, trace, budget=mem.budget, min_bytes=mem.min_bytes, tier=mem.tier,
-                                pool=mem.pool, model=self._model, start_key=key)
+                                pool=mem.pool, model=self._model, start_key=key, templates=templates)
         return self.hooked.step(key, self.schedule, make)
 
     def _use_plan(self, key: tuple) -> tuple[Schedule | None, dict]:

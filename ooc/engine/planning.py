@@ -108,6 +108,7 @@ class Planner:
             seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
         trace = st.hook_trace if st.planned and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
+        templates = st.templates() if trace is not None else None
         if trace is not None:
             trace.update = st.rec.optimizer_start
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
@@ -115,7 +116,7 @@ class Planner:
                          gaps=None if trace is None else trace.gaps(),
                          first=None if trace is None else trace.first_saved(),
                          update=None if trace is None else trace.update,
-                         device_timed=st.ctx.time_ops)
+                         device_timed=st.ctx.time_ops, ready=None if templates is None else templates.ready())
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
         """Execute the scheduler's decision for ``st``'s plan key."""
@@ -149,8 +150,10 @@ class Planner:
         if d.trial == "per_op":
             cache.hooked.per_op_ran(key, st.schedule, seconds)
         if d.anchored:   # on a GPU this step's time is its launches: its trial begins next step
+            recomputes = d.moved is not None and d.moved.bytes_recomputed > 0
             cache.hooked.add(key, HookPlan(st.schedule, d.moved, st.hook_trace,
-                                           per_op=[seconds] if mem.on_cpu else []))
+                                           per_op=[seconds] if mem.on_cpu else [],
+                                           templates=st.templates() if recomputes else None))
 
     def check_feasible(self, seq: scheduler.VariableSequence) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget."""

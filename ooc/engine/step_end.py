@@ -107,6 +107,9 @@ class StepEnd:
                     exc.add_note(note)
             self._mem.counters["bytes_out"] += st.spilled_bytes
             self._mem.counters["bytes_in"] += st.read_bytes
+            if st.bound is not None:
+                self._mem.counters["bytes_recomputed"] += st.bound.recomputed
+                self._mem.counters["recompute_s"] += st.bound.recompute_s
         return None
 
     def _settle_per_op(self, st: Stepper, exc: BaseException | None) -> BaseException | None:

@@ -17,8 +17,10 @@ to its plan (``HookTrace``): the k-th saved tensor of at least ``min_bytes``, it
 update starts. The step compares each save and unpack with the trace. The first that differs
 ends the plan: the rest of the step brings back what its nodes unpack synchronously, writes
 what it saves beyond the budget to the tier at once (``hook_step.py``), and the engine records
-the next step and plans again. Recomputation needs the per-op path (a chain reruns the ops'
-own arguments), so only plans that swap, or move nothing, have a hook-driven form.
+the next step and plans again. A plan that recomputes reruns its chains from the templates
+the per-op step captured (``templates.py``): a discard checks that what its chain reads was
+saved and not written since, a recompute replays it below autograd, and a step that leaves its
+plan after a discard recomputes at the unpack.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import torch
 from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
+from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
 from ooc.runtime.slots import Slot, State, in_flight, raise_failed
+from ooc.runtime.templates import BoundTemplates, Templates
 from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
@@ -49,7 +53,7 @@ class AnchoredStep(HookStep):
 
     def __init__(self, schedule: Schedule, anchored: Schedule | None, trace: HookTrace, *, budget: int,
                  min_bytes: int, tier: SlowerTier, pool: DevicePool, model: torch.nn.Module,
-                 start_key: Any = None) -> None:
+                 start_key: Any = None, templates: Templates | None = None) -> None:
         super().__init__(model, budget, tier)
         self.schedule, self.start_key = schedule, start_key   # the engine's plan, for its bookkeeping
         self.anchored = anchored   # the plan this step runs (None: the plan moves nothing, no action)
@@ -68,6 +72,11 @@ class AnchoredStep(HookStep):
         self.resident = self.peak = 0             # managed bytes held now, and their peak
         self.unbound = 0   # bytes saved after the plan ended, kept (counted at each save: an upper bound)
         self.updated = False                      # the optimizer step ran in this step
+        # A plan that recomputes reruns its chains from templates (``templates.py``).
+        self.chains = chains_of(anchored)
+        self.bound = (BoundTemplates(templates, [c for each in self.chains.values() for _, c in each])
+                      if templates is not None and self.actions else None)
+        self.discarded_for: dict[int, tuple[int, ...]] = {}   # var -> the chain it was discarded for
 
     @property
     def planned(self) -> bool:
@@ -81,10 +90,13 @@ class AnchoredStep(HookStep):
     # -- autograd's hooks --------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        try:
-            s = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):   # sparse: PyTorch's, as the planned step left it
+        if t.layout is not torch.strided:   # sparse: PyTorch's, as the planned step left it
             return t
+        s = t.untyped_storage()
+        if self.bound is not None and self.diverged_at is None:   # every save, of any size
+            why = self.bound.saved(t, s)
+            if why is not None:
+                self._diverge(self._next_gap(), why, saves=self.k)
         nbytes = s.nbytes()
         if nbytes < self.min_bytes:
             return t
@@ -104,6 +116,9 @@ class AnchoredStep(HookStep):
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
             if slot is None or slot.state is State.ABSENT:   # first seen: bound to its variable
+                if self.bound is not None and (why := self.bound.node_differs(var, t)) is not None:
+                    self._diverge(gap, why, saves=k)
+                    return self._after_plan(t, nbytes)
                 v = self.variables[var]
                 slot = Slot(var, Kind.ACTIVATION, nbytes, v.name, in_place=False,
                             state=State.RESIDENT, storage=s)
@@ -130,7 +145,9 @@ class AnchoredStep(HookStep):
                               f"{'none' if var is None else self.variables[var].name}")
             else:
                 self._reach(gap)
-        if slot.state is not State.RESIDENT:
+        if slot.state is State.DISCARDED:   # a step that left its plan after the discard
+            self._recompute(slot, self.discarded_for[slot.var], gap=None)
+        elif slot.state is not State.RESIDENT:
             self._bring_back(slot)
         return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
             slot.storage, p.offset, p.size, p.stride)
@@ -155,19 +172,25 @@ class AnchoredStep(HookStep):
             slot = slots.get(a.var)
             if slot is None:
                 break
-            self._apply(a.op, slot, g)
+            if (a.op is Op.DISCARD and self.bound is not None
+                    and self.bound.unsaved(next_chain(self.chains, a.var, g - 1))):
+                break   # what its chain reads is saved later at this gap: the next anchor
+            self._apply(a, slot, g)
             self.cursor += 1
         self.pool.reap()
 
-    def _apply(self, op: Op, slot: Slot, gap: int) -> None:
-        """``op`` on ``slot`` as the transition table says (``PlanExecutor.apply`` for the
+    def _apply(self, a: Action, slot: Slot, gap: int) -> None:
+        """``a`` on ``slot`` as the transition table says (``PlanExecutor.apply`` for the
         swapping rows); a refused action ends the plan for this step."""
+        op = a.op
         state = slot.state.residency
         why = refusal(op, state, slot.host_current)
         if why is not None:
             self._diverge(gap, f"{op.value} {slot.name}: {why}")
             return
         device = TRANSITIONS[op, state].device   # the row's change of device bytes
+        if op in (Op.DISCARD, Op.RECOMPUTE) and self.bound is None:
+            raise RuntimeError(f"ooc: an anchored plan without templates cannot {op.value} {slot.name}")
         if op is Op.SWAP_IN:
             slot.start_swap_in(self.tier, self.pool)
             self.read_bytes += slot.nbytes
@@ -183,9 +206,43 @@ class AnchoredStep(HookStep):
             slot.drop(self.tier)
         elif op is Op.FREE:
             slot.free(self.tier)
-        else:   # a swap-only plan has no other action (recompute needs the per-op path)
-            raise RuntimeError(f"ooc: an anchored plan cannot {op.value} {slot.name}")
+        elif op is Op.DISCARD:
+            chain = next_chain(self.chains, slot.var, gap - 1)
+            why = self.bound.why_not(chain)
+            if why is not None:
+                self._diverge(gap, f"cannot discard {slot.name}: {why}")
+                return
+            slot.discard(self.tier)
+            self.discarded_for[slot.var] = chain
+        else:   # recompute
+            self._recompute(slot, a.chain, gap)
+            return   # _recompute counts the bytes
         self._account(device * slot.nbytes)
+
+    def _recompute(self, slot: Slot, chain: tuple[int, ...], gap: int | None) -> None:
+        """Rerun ``chain`` from the templates (its managed inputs brought back first, where
+        the step left its plan) and bind the result to ``slot``."""
+        bound = self.bound
+        for var in bound.inputs(chain, slot.var):
+            src = self.slots.get(var)
+            if src is None:
+                raise RuntimeError(f"ooc: recomputing {slot.name} reads {self.variables[var].name}, "
+                                   "which the step never saved")
+            if src.state is State.DISCARDED:
+                self._recompute(src, self.discarded_for[var], gap)
+            elif src.state is not State.RESIDENT:
+                if self.diverged_at is None:   # the plan brings inputs back first: not this step's plan
+                    self._diverge(gap, f"recompute {slot.name}: its input {src.name} is not resident")
+                self._bring_back(src)
+
+        def born(s: torch.UntypedStorage) -> None:
+            slot.made_again(s)
+            self.by_storage[id(s)] = slot
+            self._account(slot.nbytes)
+
+        t0 = time.perf_counter()
+        bound.replay(slot, chain, self.slots, None, born)
+        self.events.append(("recompute", f"recompute {slot.name}", t0, time.perf_counter()))
 
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
@@ -200,6 +257,11 @@ class AnchoredStep(HookStep):
     def _account(self, delta: int) -> None:
         self.resident += delta
         self.peak = max(self.peak, self.resident)
+
+    def _next_gap(self) -> int | None:
+        """The gap of the next save the trace expects (None past its last)."""
+        packs = self.trace.packs
+        return packs[self.k][0] if self.k < len(packs) else None
 
     def _diverge(self, gap: int | None, why: str, saves: int | None = None) -> None:
         """The step leaves its plan at ``gap``; ``saves``: the saves that matched it so far,
@@ -256,6 +318,8 @@ class AnchoredStep(HookStep):
             error = slot.settle(self.tier) or error
             slot.forget(self.tier)
         self._forget_spilled()
+        if self.bound is not None:
+            self.bound.close()
         if self.actions:
             self.pool.reap()
         self.events.insert(0, ("compute", f"{self.form} step (no op intercepted)", self.t0, time.perf_counter()))

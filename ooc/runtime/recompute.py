@@ -17,110 +17,31 @@ Swapping copies bytes; so must this: the replay gives the same bytes, or it does
   since; otherwise the step diverges and the activation is written out as on demand: nothing
   is lost.
 - ``recompute`` replays the chain with its inputs usable (the plan made them resident; on
-  demand they are brought back), below autograd (nothing of the replay is recorded for a
-  backward) but with the grad mode each op ran under: kernels read it, and the CPU's LSTM
-  (``mkldnn_rnn_layer``) returns no workspace under ``no_grad``, so its outputs were not
-  what ran. With autocast off (the dispatch mode saw each op after autocast had cast its
-  inputs: replaying the aten op as recorded is exactly what ran) and with the generator
-  state restored around random ops. BatchNorm in training
-  mode gets copies of its running statistics, so the replay does not update them twice
-  (torch.utils.checkpoint does: pytorch#96136); its output does not depend on them.
+  demand they are brought back), below autograd, as ``recipes.rerun`` says.
+
+The capture's data (``Ref``, ``Made``, ``Recipe``) and the replay are ``recipes.py``'s; the
+templates a hook-driven step reruns are ``templates.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.errors import OOCError
 from ooc.record.managed import NOT_REPLAYABLE, Recording
-from ooc.record.op_schema import tensors
 from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.cuda_seam import cuda_runtime
+from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler.schedule import Op, Schedule
-from vmm.units import format_size
-
-
-@dataclass(frozen=True, slots=True)
-class Ref:
-    """A managed tensor among a recipe's arguments: rebuilt on its slot's storage at replay."""
-
-    slot: Slot
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-    def tensor(self, storage: torch.UntypedStorage | None = None) -> torch.Tensor:
-        """The view on the slot's storage, or on ``storage`` (the same bytes, made by a replay)."""
-        s = self.slot.storage if storage is None else storage
-        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
-
-
-@dataclass(frozen=True, slots=True)
-class Made:
-    """An unmanaged result of this step among a recipe's arguments: output ``out`` of chain
-    function ``op``, rebuilt at replay from what that function's replay returned."""
-
-    op: int
-    out: int
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-    def tensor(self, made: dict[tuple[int, int], torch.UntypedStorage]) -> torch.Tensor:
-        s = made[(self.op, self.out)]
-        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
-
-
-@dataclass(slots=True)
-class Recipe:
-    """One captured call of a chain function: ``func(*args, **kwargs)`` with ``Ref``s for
-    managed tensors; ``held`` the other tensors and their versions then; ``rng`` the generator
-    state before it ran (random ops only); ``stats``: the positions of BatchNorm's running
-    statistics, copied for the replay (None if the call does not update them); ``grad``: the
-    grad mode it ran under; ``outputs``: how many tensors it returned."""
-
-    func: Any
-    args: tuple
-    kwargs: dict
-    held: list[tuple[torch.Tensor, int]]
-    rng: torch.Tensor | None
-    stats: tuple[int, int] | None
-    grad: bool
-    outputs: int
-
-    def changed(self) -> torch.Tensor | None:
-        """A held tensor written since the capture (its bytes are not what the op read)."""
-        for t, version in self.held:
-            if t._version != version:
-                return t
-        return None
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
 
 
 def chains_of(schedule: Schedule | None) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
@@ -161,6 +82,19 @@ class Recomputation:
         # The generator a random op draws from: its tensors' device's (the CPU's under
         # ooc.testing.fake_cuda, whose "device" tensors are CPU tensors).
         self.rng_device = cuda_runtime().tensor_device(ctx.device) if ctx.device.type == "cuda" else ctx.device
+        # A step whose plan's anchored form may rerun its chains turns its recipes into
+        # templates too (``templates.TemplateCapture``; ``SavedTensors`` sets it).
+        self.templates: Any = None
+        self._built: Any = None
+
+    def built_templates(self) -> Any:
+        """The ``templates.Templates`` of this step's chains, if it captured them and kept to
+        its plan (None else); built once."""
+        if self.templates is None or self.course.diverged_at is not None:
+            return None
+        if self._built is None:
+            self._built = self.templates.build(self.recipes, self.rec.born_at)
+        return self._built
 
     def rng_before(self, info: Any) -> torch.Tensor | None:
         """The generator state a chain function is about to draw from (random ops only)."""
@@ -189,8 +123,11 @@ class Recomputation:
         if rule.updates_stats(args, kwargs):
             pos = rule.running_mean[0]
             stats = (pos, pos + 1)   # running_mean, running_var: adjacent in every BatchNorm schema
-        self.recipes[i] = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
-                                 torch.is_grad_enabled(), outputs)
+        recipe = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
+                        torch.is_grad_enabled(), outputs)
+        self.recipes[i] = recipe
+        if self.templates is not None:
+            self.templates.captured(i, recipe)
 
     def replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
         """The recorder's flags for this call (``ooc.record.replay``; the call rules of
@@ -241,58 +178,24 @@ class Recomputation:
                     f"tensor its chain read ({tuple(changed.shape)}, {changed.dtype}) was written "
                     f"in place since; pass recompute=\"never\" to OutOfCore to swap instead")
         producer, out_index = self.rec.born_at[slot.var]   # (op, output) the plan bound it at
-        device = self.rng_device
-        made: dict[tuple[int, int], torch.UntypedStorage] = {}   # results of the chain's makers
-        materialize = lambda x: _materialize(x, made, inside)  # noqa: E731
-        with _disable_current_modes(), torch._C._AutoDispatchBelowAutograd(), _no_autocast():
-            for w, r in zip(chain, recipes):
-                args = tree_map(materialize, r.args)
-                kwargs = tree_map(materialize, r.kwargs)
-                if r.stats is not None:
-                    args = list(args)
-                    for pos in r.stats:
-                        if pos < len(args) and isinstance(args[pos], torch.Tensor):
-                            args[pos] = args[pos].clone()
-                    args = tuple(args)
-                with torch.set_grad_enabled(r.grad):
-                    if r.rng is not None:
-                        saved = _rng_state(device)
-                        _set_rng_state(device, r.rng)
-                        try:
-                            out = r.func(*args, **kwargs)
-                        finally:
-                            _set_rng_state(device, saved)
-                    else:
-                        out = r.func(*args, **kwargs)
-                outs = (out,) if isinstance(out, torch.Tensor) else tensors(out)
-                if len(outs) != r.outputs:   # its outputs are counted as on_op counted them
-                    raise OOCError(
-                        f"recomputing {slot.name}: {self.course.name(w)} returned {len(outs)} tensors "
-                        f"where it returned {r.outputs} when it ran; pass recompute=\"never\" to swap")
-                if w != producer:
-                    for k, t in enumerate(outs):
-                        if (s := storage_of(t)) is not None:   # a sparse result is no Made
-                            made[(w, k)] = s
-                else:
-                    s = outs[out_index].untyped_storage()
-                    if s.nbytes() != slot.nbytes:
-                        raise OOCError(
-                            f"recomputing {slot.name}: its producer {self.course.name(w)} gave "
-                            f"{format_size(s.nbytes())} ({s.nbytes()} B), not {slot.nbytes} B")
-                    slot.made_again(s)   # discarded: the tier holds no copy to forget
-                    self.book.register(slot)
-                del out, outs
+
+        def born(s: torch.UntypedStorage) -> None:
+            slot.made_again(s)   # discarded: the tier holds no copy to forget
+            self.book.register(slot)
+
+        rerun(list(zip(chain, recipes)), lambda x, made: _materialize(x, made, inside), slot=slot,
+              producer=producer, out_index=out_index, born=born, rng_device=self.rng_device,
+              name_of=self.course.name)
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
         self.ctx.counters["recompute_s"] += t1 - t0
         self.book.events.append(("recompute", f"recompute {slot.name}", t0, t1))
 
 
-def _materialize(x: Any, made: dict[tuple[int, int], torch.UntypedStorage],
-                 inside: dict[int, tuple[int, int]]) -> Any:
+def _materialize(x: Any, made: dict[tuple[int, int], torch.Tensor], inside: dict[int, tuple[int, int]]) -> Any:
     if isinstance(x, Ref):
         at = inside.get(x.slot.var)
-        return x.tensor(None if at is None else made[at])
+        return x.tensor(None if at is None else made[at].untyped_storage())
     return x.tensor(made) if isinstance(x, Made) else x
 
 
@@ -302,11 +205,3 @@ def _made(r: Recipe) -> list[Made]:
 
 def _refs(r: Recipe) -> list[Ref]:
     return [x for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, Ref)]
-
-
-def _no_autocast() -> contextlib.ExitStack:
-    """Autocast off for every device type while a chain replays (see the module docstring)."""
-    stack = contextlib.ExitStack()
-    for d in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-        stack.enter_context(torch.autocast(d, enabled=False))
-    return stack

@@ -30,6 +30,7 @@ from ooc.runtime.on_demand_room import OnDemandRoom
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
+from ooc.runtime.templates import TemplateCapture
 from scheduler.ir import Access, Kind
 
 
@@ -88,6 +89,10 @@ class SavedTensors:
         # its next steps may run the plan at those hooks alone (``anchored_step.py``).
         self.hook_trace: HookTrace | None = (
             HookTrace() if planned and not ctx.plain_candidate and ctx.manage == {"activations"} else None)
+        # With it, the templates of its chains, if its plan recomputes (its anchored form reruns them).
+        self.templates: TemplateCapture | None = None
+        if self.hook_trace is not None and room.recompute.recipe_ops:
+            self.templates = room.recompute.templates = TemplateCapture(ctx.model)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:
@@ -95,9 +100,13 @@ class SavedTensors:
         p = self._pack_saved(t)
         trace = self.hook_trace
         if trace is not None:
-            n = t.untyped_storage().nbytes()
+            s = t.untyped_storage()
+            n = s.nbytes()
+            var = p.slot.var if isinstance(p, Packed) else None
             if n >= self.ctx.min_bytes:
-                trace.packs.append((len(self.rec.names), n, p.slot.var if isinstance(p, Packed) else None))
+                trace.packs.append((len(self.rec.names), n, var))
+            if self.templates is not None:   # every save, of any size: a template may read it
+                self.templates.saved(t, s, var, len(self.rec.names))
         return p
 
     def _pack_saved(self, t: torch.Tensor) -> Any:

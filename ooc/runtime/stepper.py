@@ -27,9 +27,9 @@ Where each part lives, in the order a step meets them:
 - ``step_book.py``: what every part shares: ``Course`` (on its plan or not) and ``StepBook``;
 - this module: the per-op protocol above (``Stepper.on_op``) and divergence;
 - ``saved_tensors.py``: autograd's pack and unpack hooks (``Packed``);
-- ``executor.py``: the plan's actions (``scheduler.actions``), moved by the slots
-  (``slots.py``); ``recompute.py``: discard and recompute (capture, replay);
-- ``binding.py``: the storages born in the step bound to the plan's variables;
+- ``executor.py``: the plan's actions (``scheduler.actions``), moved by the slots (``slots.py``);
+  ``recompute.py``: discard and recompute (capture, replay), and ``templates.py`` the chains'
+  templates for the anchored form; ``binding.py``: the storages born in the step bound to the plan's variables;
 - ``on_demand_room.py``: on demand, room within the budget (every choice is
   ``scheduler.on_demand``'s); ``fresh_storages.py``: the optimizer's new storages there;
 - ``step_recording.py``: what the engine plans the next steps from;
@@ -88,16 +88,15 @@ class Stepper:
       ``hand_back``, ``mark_live_out``, ``book_device_times``, ``saved_sizes``,
       ``whole_recording``; ``slot_of`` finds the slot of a tensor; when the model's forward
       shows another shape, ``quiet``, ``leave_plan``, ``resume``;
-    - reading it: ``schedule``, ``start_key`` (the plan the step follows, None on demand, and
-      the state it started in: the engine's key for plans, which it alone may set); ``planned`` (still
-      following the plan), ``diverged_at`` (the op where it stopped, None if it did not),
-      ``refused`` (the plan action the transition table refused, if any); ``rec`` (the step's
-      ``Recording``: ops, managed variables, births); ``slots`` (var -> ``Slot``);
-      ``overflow`` (an on-demand need the pool could not meet: the step fails with it);
-      ``peak``, ``stall_s``, ``events`` (resident peak, time blocked on transfers, the
-      timeline's (track, name, start, end) events); ``updating`` (inside
-      ``optimizer.step()``); ``signature``, ``hook_trace`` (what plain and anchored forms of
-      the next steps compare with).
+    - reading it: ``schedule``, ``start_key`` (the plan the step follows, None on demand, and the state
+      it started in: the engine's key for plans, which it alone may set); ``planned`` (still following the
+      plan), ``diverged_at`` (the op where it stopped, None if it did not), ``refused`` (the plan action
+      the transition table refused, if any); ``rec`` (the step's ``Recording``: ops, managed variables,
+      births); ``slots`` (var -> ``Slot``); ``overflow`` (an on-demand need the pool could not meet: the
+      step fails with it); ``peak``, ``stall_s``, ``events`` (resident peak, time blocked on transfers,
+      the timeline's (track, name, start, end) events); ``updating`` (inside ``optimizer.step()``);
+      ``signature``, ``hook_trace``, ``templates()`` (what plain and anchored forms of the next steps
+      compare with, and the chains they rerun: ``templates.py``).
 
     Its parts: ``course``, ``book`` (shared), ``recording``, ``recompute``, ``plan`` (the
     executor), ``fresh``, ``room``, ``binder``, ``saved``, ``rollback``.
@@ -122,6 +121,7 @@ class Stepper:
     mark_live_out = _part("recording", "mark_live_out", "Record what outlives the step.")
     book_device_times = _part("recording", "book_device_times", "Ops' run times on the GPU.")
     whole_recording = _part("recording", "whole_recording", "The step as ooc.trace records it.")
+    templates = _part("recompute", "built_templates", "Its chains' templates (templates.py), or None.")
 
     def __init__(self, ctx: StepContext, schedule: Schedule | None, binding: dict, *,
                  observe_small: bool = False) -> None:

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ooc import FORMS as FORMS_HOOKED
 from ooc.engine import Options, OutOfCore
 from scheduler.errors import BudgetTooSmall
 
@@ -45,6 +46,13 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 CONFIGS = {"swap": ("never", ("activations",)), "prefer": ("prefer", ("activations",)),
            "swap-all": ("never", ALL), "prefer-all": ("prefer", ALL)}
 ENGINE_STEPS = 2
+# The template form (ooc/runtime/templates.py): recompute="auto" with the swap file priced slow
+# (so that plans recompute) and every anchored form's trial kept (its verdict is a timing);
+# enough steps for a plan to settle its prices, capture its templates and run at the hooks.
+# At the smallest budget an anchored form, which holds bytes longer, often does not fit; a
+# chunk above it the whole step often does: each setting -> the chunks above the smallest.
+TEMPLATES = {"templates": 0, "templates+1": 1}
+TEMPLATE_STEPS = 8
 FULL = os.environ.get("OOC_DB_FULL") == "1"   # every sample under every setting (~10 minutes)
 LR = 0.01
 CHUNK = 4096
@@ -139,26 +147,57 @@ def _warm(sample: Sample) -> tuple[nn.Module, dict]:
 
 
 def _train(sample: Sample, warm: dict, engine_kw: dict | None,
-           mode: Callable[[], Any] | None = None) -> tuple[list[dict], dict]:
+           mode: Callable[[], Any] | None = None, n: int = ENGINE_STEPS) -> tuple[list[dict], dict]:
     module = copy.deepcopy(warm["module"])
     opt = _optimizer(module)
     opt.load_state_dict(copy.deepcopy(warm["opt"].state_dict()))   # load_state_dict shares tensors
     engine = OutOfCore(module, opt, options=Options(chunk=CHUNK, min_bytes=1), **engine_kw) if engine_kw else None
     try:
-        steps = [_train_step(sample, module, opt, 11 + k, engine, mode) for k in range(ENGINE_STEPS)]
-        stats = engine.stats() if engine is not None else {}
+        steps, recomputed = [], 0
+        for k in range(n):
+            steps.append(_train_step(sample, module, opt, 11 + k, engine, mode))
+            if engine is not None:   # what the hook-driven steps recomputed (the template form)
+                now = engine.stats()
+                if FORMS_HOOKED[now["last_form"]] == "anchored":
+                    recomputed += now["bytes_recomputed"] - before
+                before = now["bytes_recomputed"]
+            else:
+                before = 0
+        stats = {**engine.stats(), "anchored_recomputed": recomputed} if engine is not None else {}
     finally:
         if engine is not None:
             engine.close()
     return steps, stats
 
 
-def reference(sample: Sample, mode: Callable[[], Any] | None = None) -> tuple[dict, list[dict]]:
-    """The warm state and the in-core steps (each inside ``mode()`` if given); ``Skip`` if
+@contextlib.contextmanager
+def _templates_forced() -> Any:
+    """What ``TEMPLATES`` forces: the swap file priced at 50 MB/s, every trial kept."""
+    from unittest import mock
+
+    import ooc.engine.planning as planning
+    from ooc.engine import hook_forms
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+
+    def judge(self: Any) -> bool:
+        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
+            return False
+        self.kept = True
+        return True
+
+    slow = lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6)  # noqa: E731
+    with mock.patch.object(planning, "priced_hardware", slow), mock.patch.object(hook_forms.HookPlan, "judge", judge):
+        yield
+
+
+def reference(sample: Sample, mode: Callable[[], Any] | None = None,
+              n: int = ENGINE_STEPS) -> tuple[dict, list[dict]]:
+    """The warm state and ``n`` in-core steps (each inside ``mode()`` if given); ``Skip`` if
     the sample fails in core."""
     try:
         _, warm = _warm(sample)
-        steps, _ = _train(sample, warm, None, mode)
+        steps, _ = _train(sample, warm, None, mode, n)
     except Skip:
         raise
     except Exception as exc:  # noqa: BLE001 - what PyTorch itself cannot train is skipped
@@ -166,16 +205,17 @@ def reference(sample: Sample, mode: Callable[[], Any] | None = None) -> tuple[di
     return warm, steps
 
 
-def smallest_budget_run(sample: Sample, warm: dict, engine_kw: dict) -> tuple[int, list[dict], dict]:
-    """The steps under the smallest budget the engine plans this sample under: from one
+def smallest_budget_run(sample: Sample, warm: dict, engine_kw: dict, n: int = ENGINE_STEPS,
+                        slack: int = 0) -> tuple[int, list[dict], dict]:
+    """The ``n`` steps under the smallest budget the engine plans this sample under: from one
     chunk up, each time to the minimum the engine names (a smaller budget records another
-    step, whose minimum may be larger)."""
-    budget = CHUNK
+    step, whose minimum may be larger); ``slack`` chunks above it."""
+    budget = CHUNK * (1 + slack)
     for _ in range(8):
         try:
-            steps, stats = _train(sample, warm, {**engine_kw, "budget": budget})
+            steps, stats = _train(sample, warm, {**engine_kw, "budget": budget}, n=n)
         except BudgetTooSmall as err:
-            budget = max(err.minimum, budget + CHUNK)
+            budget = max(err.minimum + slack * CHUNK, budget + CHUNK)
             continue
         return budget, steps, stats
     raise AssertionError(f"{sample.name}: no budget up to {budget} B plans")
@@ -194,14 +234,17 @@ def compare(sample: Sample, config: str) -> dict:
     engine's stats, and ``"under_a_mode"``: 1 if the engine matched in-core training run
     under a no-op dispatch mode instead (GUARANTEES.md: PyTorch computes a few ops another way
     whenever any ``TorchDispatchMode`` is active, and the engine's steps run under one)."""
-    warm, ref = reference(sample)
-    recompute, manage = CONFIGS[config]
-    budget, got, stats = smallest_budget_run(sample, warm, {"recompute": recompute, "manage": manage})
+    n = TEMPLATE_STEPS if config in TEMPLATES else ENGINE_STEPS
+    warm, ref = reference(sample, n=n)
+    recompute, manage = CONFIGS.get(config, ("auto", ("activations",)))
+    with _templates_forced() if config in TEMPLATES else contextlib.nullcontext():
+        budget, got, stats = smallest_budget_run(sample, warm, {"recompute": recompute, "manage": manage}, n,
+                                                 slack=TEMPLATES.get(config, 0))
     where = f"{sample.name} [{config}, budget {budget} B]"
     gap = _difference(ref, got, where)
     if gap is None:
         return {**stats, "under_a_mode": 0}
-    _, moded = reference(sample, _NoOp)
+    _, moded = reference(sample, _NoOp, n)
     if _difference(ref, moded, where) is None:   # PyTorch gives the same under a mode: ooc's gap
         raise AssertionError(gap)
     also = _difference(moded, got, where + " (against in core under a no-op dispatch mode)")
@@ -209,10 +252,11 @@ def compare(sample: Sample, config: str) -> dict:
     return {**stats, "under_a_mode": 1}
 
 
-def run_chosen(pairs: list[tuple[Sample, str]]) -> None:
+def run_chosen(pairs: list[tuple[Sample, str]]) -> list[dict]:
     """Compare each pair; every difference and crash is collected and reported together, a
-    sample that fails in core is skipped (all of them skipped: the test is, with why)."""
-    problems, skipped, ran = [], [], 0
+    sample that fails in core is skipped (all of them skipped: the test is, with why).
+    Returns the stats of each pair that ran."""
+    problems, skipped, ran = [], [], []
     for sample, setting in pairs:
         try:
             stats = compare(sample, setting)
@@ -225,12 +269,13 @@ def run_chosen(pairs: list[tuple[Sample, str]]) -> None:
         except Exception as e:  # noqa: BLE001 - a crash under the engine is a finding too
             problems.append(f"{sample.name} [{setting}]: {type(e).__name__}: {e}")
             continue
-        ran += 1
-        if stats["last_planned"] != 1:   # the second step must run the plan: the path is forced
-            problems.append(f"{sample.name} [{setting}]: the second step did not run its plan")
+        ran.append({**stats, "sample": sample.name.split("#")[0]})
+        if stats["last_planned"] != 1:   # the last step must run the plan: the path is forced
+            problems.append(f"{sample.name} [{setting}]: the last step did not run its plan")
     assert not problems, "\n".join(problems)
     if not ran:
         pytest.skip("; ".join(skipped))
+    return ran
 
 
 def _difference(ref: list[dict], got: list[dict], where: str) -> str | None:

@@ -22,7 +22,7 @@ import ooc
 import ooc.testing
 import vmm.small_blocks
 from ooc.engine import hook_forms
-from ooc.runtime import recompute as recompute_module
+from ooc.runtime import recipes as recompute_module
 from test_anchored_steps import _decided
 from test_engine import TinyGPT, _data, _loss
 

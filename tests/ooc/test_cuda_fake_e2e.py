@@ -218,11 +218,13 @@ def test_stats_have_the_same_keys_on_the_cpu_and_on_cuda() -> None:
 
 
 # hook-driven forms on CUDA: (budget as a fraction of the in-core peak, recompute, the form the
-# settled steps take). Under "auto" the plan is tried against its swap-only anchored form once
-# its prices settled (its first two runs time their ops and price it again); under "prefer"
-# it keeps the per-op path (its chains rerun ops).
+# settled steps take). Under "auto" the plan is tried against its anchored form once its prices
+# settled (its first two runs time their ops and price it again); "templates" is "auto" with
+# the link priced slow (1 GB/s), so that the plan recomputes and its anchored form reruns the
+# chains from templates (``ooc/runtime/templates.py``); under "prefer" it keeps the per-op
+# path.
 HOOK_CASES = {"plain": (4.0, "auto", "plain"), "anchored": (0.5, "never", "anchored"),
-              "auto": (0.5, "auto", "anchored"),
+              "auto": (0.5, "auto", "anchored"), "templates": (0.5, "auto", "anchored"),
               "recomputing": (0.5, "prefer", "planned")}
 
 
@@ -242,6 +244,12 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
     # the trial's verdict on the host's clock would depend on the machine's load: fixed here
     monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True, runs=2))
     fraction, recompute, settled = HOOK_CASES[case]
+    if case == "templates":
+        import ooc.engine.planning as planning
+        from scheduler.hardware import hardware
+        from scheduler.recompute import default_hardware
+        monkeypatch.setattr(planning, "priced_hardware", lambda seq, stats: hardware(
+            default_hardware(seq), h2d_bandwidth=1e9, d2h_bandwidth=1e9))
     with ooc.testing.fake_cuda() as driver:
         peak = _peak("cnn_sgd_activations")
         runtime, events = devices.cuda_runtime(), []
@@ -252,7 +260,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
         ref_opt = CASES["cnn_sgd_activations"][1](ref_model)
         e = ooc.OutOfCore(model, opt, device="cuda", budget=max(CHUNK, int(peak * fraction) // CHUNK * CHUNK),
                           recompute=recompute, options=ooc.Options(chunk=CHUNK, min_bytes=4096, arena=arena))
-        forms, syncs, waits = [], [], []
+        forms, syncs, waits, recomputed = [], [], [], []
         for step in range(12):
             x, y = _batch("cnn_sgd_activations", step, 16)
             torch.manual_seed(1000 + step)
@@ -269,6 +277,7 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
             syncs.append(_host_syncs(e) - before)
             waits.append(len(events) - events_before)   # timing events: per op when recording
             forms.append(ooc.FORMS[e.stats()["last_form"]])
+            recomputed.append(e.stats()["bytes_recomputed"])
             _assert_same(step, (loss.detach(), ref_model, ref_opt), (got.detach(), model, opt))
         stats = e.stats()
         e.close()
@@ -277,12 +286,12 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
     assert forms[-3:] == [settled] * 3, forms
     assert max(syncs[-3:]) <= MAX_PLANNED_SYNCS, (forms, syncs)
     start = 3   # the plan's first planned run makes its anchored form ...
-    if case == "auto":   # ... after its prices settled: its first runs timed each op on the device
+    if case in ("auto", "templates"):   # ... after its prices settled: its first runs timed each op on the device
         assert forms[2:5] == ["planned"] * 3 and min(waits[2:4]) > 100 and waits[4] == 0, (forms, waits)
         start = 5
     elif case == "anchored":   # swap only: nothing to price, no op timed
         assert forms[2] == "planned" and waits[2] == 0, (forms, waits)
-    if case in ("anchored", "auto"):   # it moves bytes through the pinned tier, at the hooks
+    if case in ("anchored", "auto", "templates"):   # it moves bytes through the pinned tier, at the hooks
         assert stats["steps.anchored"] >= 3 and "planned" in forms[start:start + 4], forms
         # the trial's steps, either side, wait for the device once (an event); the kept form never
         trial = [w for f, w in zip(forms[start:], waits[start:]) if f in ("anchored", "planned")]
@@ -290,6 +299,9 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
         assert stats["bytes_out"] > 0 and stats["tier.bytes_written"] > 0
     if case == "recomputing":
         assert stats["bytes_recomputed"] > 0 and stats["steps.plain"] == stats["steps.anchored"] == 0
+    if case == "templates":   # the anchored steps rerun chains, from templates, on the CUDA path
+        hooked = [b - a for f, a, b in zip(forms[1:], recomputed, recomputed[1:]) if f == "anchored"]
+        assert hooked and min(hooked) > 0, (forms, recomputed)
 
 
 def test_an_ops_end_event_is_queued_before_the_step_records_it(monkeypatch: pytest.MonkeyPatch) -> None:

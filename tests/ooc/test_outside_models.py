@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ooc import FORMS
 from ooc.engine import Options, OutOfCore
 from ooc.measure import update_in_backward
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
@@ -222,7 +223,7 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
     engine = OutOfCore(model, opt, options=options, **engine_kw) if engine_kw is not None else None
     if case.in_backward:   # after the engine, as a user adds it to a loop that has one
         update_in_backward(model, opt)
-    out: dict[str, Any] = {"loss": [], "scale": [], "lr": [], "planned": []}
+    out: dict[str, Any] = {"loss": [], "scale": [], "lr": [], "planned": [], "steps": []}
     try:
         for micro in range(updates * case.accumulate):
             b = case.batch(micro)
@@ -255,7 +256,9 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
             out["scale"].append(scaler.get_scale() if scaler is not None else None)
             out["lr"].append(opt.param_groups[0]["lr"])
             if engine is not None:
-                out["planned"].append(engine.stats()["last_planned"])
+                stats = engine.stats()
+                out["planned"].append(stats["last_planned"])
+                out["steps"].append((stats["last_form"], stats["bytes_recomputed"]))
         if engine is not None:
             out["stats"] = engine.stats()
             out["budget"] = engine._mem.budget
@@ -366,6 +369,33 @@ def test_outside_model_recomputes_bitwise(name: str) -> None:
     _assert_bitwise(ref, got, name)
     assert got["stats"]["bytes_recomputed"] > 0, "nothing was recomputed"
     assert any(got["planned"]), "no step ran its plan"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_outside_model_recomputes_at_the_hooks_from_templates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recompute="auto" with the swap file priced slow (50 MB/s), so that plans recompute,
+    and every anchored form's trial kept (its verdict is a timing): the settled steps run
+    without the per-op path and rerun their chains from the templates a per-op step
+    captured (``ooc/runtime/templates.py``), in the users' loops around them (autocast,
+    GradScaler, clipping, accumulation): bitwise."""
+    import ooc.engine.planning as planning
+    from ooc.engine import hook_forms
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+    from test_anchored_steps import _decided
+
+    case = _runnable(name)
+    monkeypatch.setattr(planning, "priced_hardware",
+                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
+    updates = 8
+    ref = _train(case, _model(name), None, updates=updates)
+    budget = _managed_peak(name, MANAGE["default"]) // dict(case.fraction).get("default", 4)
+    got = _train(case, _model(name), {"budget": budget}, updates=updates)
+    _assert_bitwise(ref, got, name)
+    steps = got["steps"]
+    hooked = [b[1] - a[1] for a, b in zip(steps, steps[1:]) if FORMS[b[0]] == "anchored"]
+    assert hooked and max(hooked) > 0, f"no anchored step recomputed: {[(FORMS[f], r) for f, r in steps]}"
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "transformers"])

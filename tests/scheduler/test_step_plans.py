@@ -226,3 +226,48 @@ def test_a_gpu_plan_gets_no_anchored_form_predicted_far_slower_than_its_per_op_s
     assert host_bound is not None and host_bound.bytes_recomputed == 0
     assert scheduler.simulate(host_bound, hw, timeline=False).total_s > per_op * TRIAL_SLOWER
     assert decided(per_op, dataclasses.replace(gpu, hardware=None)).moved is not None   # no prices: tried
+
+
+def test_with_templates_the_anchored_form_keeps_the_chains_they_rerun() -> None:
+    """A step that captured templates (``StepFacts.ready``: the functions a hook-driven step can
+    rerun, each with the gap from which it holds what it reads) gives its plan an anchored form
+    that recomputes with those functions alone, on the device's prices, and discards no earlier
+    than that gap; without templates the form swaps only. ResNet-50's H100 profile at half its
+    managed peak, every op a hook: its per-op plan recomputes, and so does its anchored form,
+    predicted within TRIAL_SLOWER of the per-op plan (the swap-only form is not:
+    ``test_a_gpu_plan_gets_no_anchored_form_predicted_far_slower_than_its_per_op_steps``)."""
+    from pathlib import Path
+
+    from scheduler.anchoring import TRIAL_SLOWER
+    from scheduler.ir import VariableSequence
+    from scheduler.managed import managed_view
+    from scheduler.actions import Op
+    from scheduler.recompute import default_hardware
+    from scheduler.schedule import Schedule
+
+    profile = Path(__file__).resolve().parents[2] / "benchmarks" / "profiles" / "h100" / "resnet50.json"
+    seq = managed_view(VariableSequence.from_json(profile))
+    gpu = Settings(budget=seq.in_core_peak_bytes // 2, chunk=2 << 20, window=None, reprice=False,
+                   hardware=default_hardware, gpu=True)
+    state = PlanState(plan_recorded(seq, gpu))
+    chained = {w for actions in state.plan.before for a in actions for w in a.chain}
+    assert chained
+    n = len(seq.functions)
+
+    def decided(ready: dict[int, int] | None) -> Schedule | None:
+        facts = StepFacts("planned", True, 1.0, seconds=[f.cost.seconds for f in seq.functions],
+                          ran_whole_plan=True, gaps=set(range(n + 1)), first={}, ready=ready)
+        return after_step(facts, state, gpu).moved
+
+    moved = decided({w: w + 1 for w in chained})   # each template's reads saved by its own op
+    assert moved is not None and moved.bytes_recomputed > 0
+    scheduler.check(moved)
+    assert {w for actions in moved.before for a in actions for w in a.chain} <= chained
+    per_op = scheduler.simulate(state.plan, default_hardware(seq), timeline=False).total_s
+    assert scheduler.simulate(moved, default_hardware(seq), timeline=False).total_s <= per_op * TRIAL_SLOWER
+    late = n // 2   # every template holds what it reads only from the middle of the step on
+    held = decided({w: late for w in chained})
+    assert held is not None
+    discards = [g for g in range(n) for a in held.before[g] if a.op is Op.DISCARD]
+    assert discards and min(discards) >= late
+    assert decided(None) is None or decided(None).bytes_recomputed == 0   # no templates: swap only

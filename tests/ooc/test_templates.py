@@ -1,0 +1,176 @@
+"""Templates (``ooc/runtime/templates.py``): what a per-op step's recipes become, and what a
+hook-driven step checks before it discards on their word.
+
+The capture binds each tensor a recipe read to a parameter or buffer, or to the save of the
+same storage at the same version (before or after the op), and gives no template where one
+is left unbound or the op draws random numbers; a bound step refuses a save of another size
+or node, a saved tensor or parameter written since, and a step whose op changed at the same
+sizes (a model that swaps ``sigmoid`` for ``tanh``) leaves its plan and stays bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ooc import FORMS, OutOfCore
+from ooc.runtime.recipes import Recipe
+from ooc.runtime.templates import BoundTemplates, PackArg, Persistent, TemplateCapture
+
+pytestmark = pytest.mark.timeout(300)
+
+aten = torch.ops.aten
+
+
+def _recipe(func, args, rng=None, stats=None) -> Recipe:
+    held = [(x, x._version) for x in args if isinstance(x, torch.Tensor)]
+    return Recipe(func, tuple(args), {}, held, rng, stats, True, 1)
+
+
+def test_a_recipe_binds_to_saves_before_and_after_it_and_to_parameters() -> None:
+    model = nn.Linear(4, 4)
+    cap = TemplateCapture(model)
+    early, late = torch.randn(8).requires_grad_(), torch.randn(8)
+    e = early * 2   # has a node: MulBackward0
+    cap.saved(e, e.untyped_storage(), None, gap=1)                  # save 0, before the op
+    cap.captured(3, _recipe(aten.add.Tensor, [e, late]))
+    cap.captured(4, _recipe(aten.mul.Tensor, [model.weight, e]))
+    cap.saved(late, late.untyped_storage(), None, gap=5)            # save 1, after the op
+    t = cap.build({3: _recipe(aten.add.Tensor, [e, late]), 4: _recipe(aten.mul.Tensor, [model.weight, e])}, {})
+    assert t.functions == {3, 4}
+    first, second = t.calls[3].args
+    assert isinstance(first, PackArg) and (first.k, first.gap, first.node) == (0, 1, "MulBackward0")
+    assert isinstance(second, PackArg) and (second.k, second.gap, second.node) == (1, 5, "leaf")
+    weight = t.calls[4].args[0]
+    assert isinstance(weight, Persistent) and weight.tensor is model.weight and weight.checked
+    assert t.ready() == {3: 5, 4: 1}
+
+
+def test_no_template_for_an_unsaved_tensor_a_written_save_or_a_random_op() -> None:
+    cap = TemplateCapture(nn.Linear(2, 2))
+    unsaved, written = torch.randn(8), torch.randn(8)
+    cap.saved(written, written.untyped_storage(), None, gap=0)
+    written.add_(1)   # the op reads other bytes than were saved
+    recipes = {1: _recipe(aten.neg.default, [unsaved]), 2: _recipe(aten.neg.default, [written]),
+               3: _recipe(aten.bernoulli.p, [torch.randn(2)], rng=torch.get_rng_state())}
+    for i, r in recipes.items():
+        cap.captured(i, r)
+    assert cap.build(recipes, {}).functions == frozenset()
+
+
+def test_batchnorms_running_statistics_are_bound_unchecked() -> None:
+    bn = nn.BatchNorm1d(3)
+    cap = TemplateCapture(bn)
+    x = torch.randn(4, 3)
+    cap.saved(x, x.untyped_storage(), None, gap=0)
+    args = [x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5]
+    r = _recipe(aten.native_batch_norm.default, args, stats=(3, 4))
+    cap.captured(0, r)
+    t = cap.build({0: r}, {})
+    bound = t.calls[0].args
+    assert [a.checked for a in bound[1:5]] == [True, True, False, False]
+    assert {id(p) for p in t.persistent} == {id(bn.weight), id(bn.bias)}
+
+
+def _bound_one() -> tuple[BoundTemplates, torch.nn.Linear]:
+    model = nn.Linear(2, 2)
+    cap = TemplateCapture(model)
+    x = torch.randn(16)
+    cap.saved(x, x.untyped_storage(), None, gap=2)
+    r = _recipe(aten.mul.Tensor, [x, model.weight])
+    cap.captured(3, r)
+    bound = BoundTemplates(cap.build({3: r}, {}), chains=[(3,), (3,)])
+    assert bound.readers == {0: 2}   # two recomputes read save 0: held until the second ran
+    return bound, model
+
+
+def test_a_bound_step_refuses_another_size_a_written_save_and_a_written_parameter() -> None:
+    bound, _ = _bound_one()
+    y = torch.randn(8)
+    assert "64 B" in bound.saved(y, y.untyped_storage()) and bound.why_not((3,)) is not None
+
+    bound, _ = _bound_one()
+    y = torch.randn(16)
+    assert bound.unsaved((3,))
+    assert bound.saved(y, y.untyped_storage()) is None and not bound.unsaved((3,))
+    assert bound.why_not((3,)) is None
+    y.mul_(2)
+    assert "written since" in bound.why_not((3,))
+
+    bound, model = _bound_one()
+    y = torch.randn(16)
+    bound.saved(y, y.untyped_storage())
+    with torch.no_grad():
+        model.weight.add_(1)
+    assert "parameter" in bound.why_not((3,))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 512)
+        self.hidden = nn.ModuleList(nn.Linear(512, 512) for _ in range(5))
+        self.last = nn.Linear(512, 10)
+        self.act = torch.sigmoid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.first(x))
+        for layer in self.hidden:
+            x = self.act(layer(x))
+        return self.last(x)
+
+
+def _steps(model: nn.Module, budget: int | None, acts: list) -> tuple[list, list]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine = OutOfCore(model, opt, budget=budget) if budget is not None else None
+    losses, forms = [], []
+    for i, act in enumerate(acts):
+        model.act = act
+        torch.manual_seed(i)
+        x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+        with engine.step() if engine is not None else torch.enable_grad():
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach())
+        if engine is not None:
+            s = engine.stats()
+            forms.append((FORMS[s["last_form"]], s["last_diverged_at"], s["bytes_recomputed"]))
+    if engine is not None:
+        engine.close()
+    return losses, forms
+
+
+def test_a_step_whose_op_changed_at_the_same_sizes_leaves_its_plan_and_stays_bitwise(monkeypatch, caplog) -> None:
+    """After the template form settled, the model swaps ``sigmoid`` for ``tanh`` (the same
+    sizes saved at the same places): the templates would rerun ``sigmoid``. The step sees the
+    discarded activation saved from another node, leaves its plan before discarding it, and
+    every step stays bitwise with in-core training under the same swap."""
+    import ooc.engine.planning as planning
+    from ooc.engine import hook_forms
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+    from test_anchored_steps import _decided
+
+    monkeypatch.setattr(planning, "priced_hardware",
+                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
+    acts = [torch.sigmoid] * 9 + [torch.tanh, torch.sigmoid]
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _steps(ref, None, acts)
+    with caplog.at_level(logging.WARNING, logger="ooc.engine.step_end"):
+        losses, forms = _steps(model, 6 << 20, acts)
+    before = forms[8]
+    assert before[0] == "anchored" and before[1] == -1 and before[2] > forms[7][2], forms
+    assert forms[9][1] != -1, forms   # the changed step left its plan, where it saw the node
+    assert "TanhBackward0, the templates' from SigmoidBackward0" in caplog.text, caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
