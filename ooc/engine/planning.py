@@ -94,11 +94,13 @@ class Planner:
             state = PlanState(st.schedule, runs, fastest,
                               None if hooked is None or hooked.plan is not st.schedule else "kept")
         t0 = time.perf_counter()
-        decision = after_step(self._facts(st, report), state, self.settings())
+        decision = after_step(self._facts(st, report, unformed=state is not None and state.hook is None), state,
+                              self.settings())
         self._do(st, decision, report.seconds, time.perf_counter() - t0)
 
-    def _facts(self, st: Stepper | AnchoredStep, report: StepReport) -> StepFacts:
-        """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks."""
+    def _facts(self, st: Stepper | AnchoredStep, report: StepReport, unformed: bool = False) -> StepFacts:
+        """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks,
+        and, for a plan with no hook-driven form yet (``unformed``), its chains' templates."""
         if isinstance(st, AnchoredStep):
             return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated,
                              update=st.trace.update)
@@ -108,7 +110,7 @@ class Planner:
             seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
         trace = st.hook_trace if st.planned and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
-        templates = st.templates() if trace is not None else None
+        templates = st.templates() if trace is not None and unformed else None
         if trace is not None:
             trace.update = st.rec.optimizer_start
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
