@@ -469,8 +469,8 @@ def main() -> None:
         "optimizer and data are built (reset through /proc/self/clear_refs), and the whole "
         "process's peak; MiB moved/step = swap-in + swap-out bytes of the plan, and counted by the "
         "engine (median over the same steps, last round): a settled plan may run anchored, at "
-        "autograd's saved-tensor hooks, swapping what its per-op form recomputes, where the engine "
-        "times that form faster; recomputed likewise",
+        "autograd's saved-tensor hooks (its chains rerun from templates, or swapped where none "
+        "reruns them), where the engine times that form faster; recomputed likewise",
         "ooc: activations managed, policy window, 2 I/O threads, swap file in $TMPDIR; the budget "
         "bounds the managed tensors only (PyTorch's other allocations are not in it)",
         f"load average (1 min) before/after: {load0:.2f} / {load1:.2f} on {os.cpu_count()} cores; "

@@ -284,7 +284,8 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
 def _timed_form(engine: Any, per_step: list[dict[str, int]], setup: Setup) -> tuple[Any, Any]:
     """The schedule the timed steps ran and the hardware to simulate it on: the per-op plan
     with the host lane measured for per-op steps, or, when most timed steps were hook-driven,
-    the kept form's plan (an anchored plan is another plan: swap only, moved to the hooks)
+    the kept form's plan (an anchored plan is another plan, moved to the hooks: swap only, or
+    with the chains its templates rerun)
     with the host's time per op of a hook-driven step (``Setup.hook_host_s``)."""
     import scheduler
     from scheduler.step_plans import PlanState, at_settled_prices

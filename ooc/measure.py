@@ -44,6 +44,7 @@ class Case:
     policy: str = "window"
     recompute: str = "auto"   # OutOfCore's: "never" swaps only
     update_in_backward: bool = False   # each parameter's update in its grad hook (``update_in_backward``)
+    hook_steps: bool = True   # ``Options.hook_steps``: False keeps every planned step per op
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class CaseResult:
     losses: tuple[float, ...]
     stats: dict[str, Any] | None   # ooc engine stats, for method "ooc"
     # What the engine counted in each step (``COUNTED``), for method "ooc": a settled plan may
-    # run anchored and swap what its per-op form recomputes, so the plan's bytes (``stats``'
-    # ``plan.*``) need not be what the steps moved.
+    # run anchored (swapping what its per-op form recomputes where no template reruns it), so
+    # the plan's bytes (``stats``' ``plan.*``) need not be what the steps moved.
     counted: tuple[dict[str, int], ...] = ()
 
     @property
@@ -229,6 +230,8 @@ def engine_for(case: Case, model, optimizer, **extra: Any):
         options = {k: extra.pop(k) for k in list(extra) if k in ooc.Options.__dataclass_fields__}
         if VERIFY:
             options["verify"] = True
+        if not case.hook_steps:
+            options["hook_steps"] = False
         engine = ooc.OutOfCore(model, optimizer, budget=case.budget, manage=case.manage,
                                storage=case.storage, recompute=case.recompute,
                                options=ooc.Options(chunk=case.chunk, threads=case.threads, **options), **extra)

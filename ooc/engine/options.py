@@ -40,9 +40,11 @@ class Options:
         threads: I/O threads of the CPU swap file (default 2: on a 2-core host more threads
             take compute from the ops).
         verify: checksum swapped bytes and raise ``StorageError`` on corruption.
-        hook_steps: let a plan that moves nothing, or only swaps, run without intercepting
-            ops, at autograd's saved-tensor hooks (``steps.plain``, ``steps.anchored`` in
-            ``stats()``). False: every planned step runs per op (to measure that path).
+        hook_steps: let a settled plan run without intercepting ops, at autograd's
+            saved-tensor hooks (``steps.plain``, ``steps.anchored`` in ``stats()``): one that
+            moves nothing, swaps, or recomputes the chains its templates rerun
+            (docs/guide/gpu.md, "The template form"). False: every planned step runs per op
+            (to measure that path).
         max_plans: plans kept, per start state and step shape, least recently used out.
         arena: where swapped-in tensors live. ``"auto"`` (default): ``"pytorch"`` on CUDA,
             ``"pool"`` on the CPU. ``"pytorch"`` (CUDA only): PyTorch's caching allocator,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import scheduler
 from ooc.engine.hook_forms import HookPlan
@@ -47,6 +47,9 @@ class Planner:
                  recompute: str, pin: PinFn | None, adaptive: bool,
                  adopt_params: Callable[[], None]) -> None:
         self._mem, self._cache = mem, cache
+        # plan key -> the templates its last per-op step captured (a re-priced plan runs the same
+        # ops): a function whose numbers changed since is not rerun at the hooks (``Templates.ready``)
+        self._templates: dict[Any, Any] = {}
         self.window, self.policy, self.recompute, self.pin = window, policy, recompute, pin
         self.adaptive = self.adapt_pending = adaptive
         self._adopt_params = adopt_params
@@ -110,7 +113,13 @@ class Planner:
             seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
         trace = st.hook_trace if st.planned and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
-        templates = st.templates() if trace is not None and unformed else None
+        templates = ready = None
+        if trace is not None and unformed:   # its chains' templates, each number the same as last step's
+            templates = st.templates()
+            if templates is not None:
+                before = self._templates.get(st.start_key)
+                ready = templates.ready(before) if before is not None else None
+                self._templates[st.start_key] = templates
         if trace is not None:
             trace.update = st.rec.optimizer_start
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
@@ -118,7 +127,7 @@ class Planner:
                          gaps=None if trace is None else trace.gaps(),
                          first=None if trace is None else trace.first_saved(),
                          update=None if trace is None else trace.update,
-                         device_timed=st.ctx.time_ops, ready=None if templates is None else templates.ready())
+                         device_timed=st.ctx.time_ops, ready=ready)
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
         """Execute the scheduler's decision for ``st``'s plan key."""

@@ -77,6 +77,7 @@ class AnchoredStep(HookStep):
         self.bound = (BoundTemplates(templates, [c for each in self.chains.values() for _, c in each])
                       if templates is not None and self.actions else None)
         self.discarded_for: dict[int, tuple[int, ...]] = {}   # var -> the chain it was discarded for
+        self.discards = {a.var for _, a in self.actions if a.op is Op.DISCARD}
 
     @property
     def planned(self) -> bool:
@@ -116,7 +117,7 @@ class AnchoredStep(HookStep):
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
             if slot is None or slot.state is State.ABSENT:   # first seen: bound to its variable
-                if self.bound is not None and (why := self.bound.node_differs(var, t)) is not None:
+                if var in self.discards and (why := self.bound.node_differs(var, t)) is not None:
                     self._diverge(gap, why, saves=k)
                     return self._after_plan(t, nbytes)
                 v = self.variables[var]

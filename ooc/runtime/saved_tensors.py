@@ -92,7 +92,8 @@ class SavedTensors:
         # With it, the templates of its chains, if its plan recomputes (its anchored form reruns them).
         self.templates: TemplateCapture | None = None
         if self.hook_trace is not None and room.recompute.recipe_ops:
-            self.templates = room.recompute.templates = TemplateCapture(ctx.model)
+            depth = max(len(c) for each in room.recompute.chains.values() for _, c in each)
+            self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:

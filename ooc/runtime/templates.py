@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.runtime.recipes import Made, Recipe, Ref, as_view, rerun
+from ooc.runtime.made_by import node_of, said, signature
 from ooc.runtime.slots import Slot
 
 
@@ -127,37 +128,41 @@ class Template:
 _SLOTS = (VarArg, PackArg, Persistent, Made)
 
 
-def _node(t: torch.Tensor) -> str:
-    """The type of the autograd node that made ``t``'s bytes: "view" for a view (its bytes are
-    its base's, and which view node makes it depends on the dispatch: ``reshape`` gives
-    ``ReshapeAliasBackward0`` without a Python mode and ``ViewBackward0`` under the per-op
-    path's), "leaf" for none."""
-    if t._is_view():
-        return "view"
-    fn = t.grad_fn
-    return "leaf" if fn is None else type(fn).__name__
+def _numbers(t: Template) -> list:
+    """A template's arguments that are no tensor (what it replays as captured)."""
+    return [x for x in tree_leaves((t.args, t.kwargs)) if not isinstance(x, _SLOTS)]
 
 
 @dataclass(frozen=True)
 class Templates:
     """What a plan's anchored form replays: ``calls`` (function -> template), ``born_at`` (var
     -> (function, output) that makes it), ``wanted`` (pack index -> ``PackArg``), ``nodes`` (var
-    -> its node's type where the step first saved it), ``persistent`` (those checked)."""
+    -> its ``signature`` where the step first saved it, ``depth`` nodes deep), ``persistent``
+    (those checked)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
     wanted: Mapping[int, PackArg]
-    nodes: Mapping[int, str]
+    nodes: Mapping[int, tuple]
     persistent: tuple[torch.Tensor, ...]
+    depth: int = 1
 
     @property
     def functions(self) -> frozenset[int]:
         return frozenset(self.calls)
 
-    def ready(self) -> dict[int, int]:
+    def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
-        its chain reruns for waits until then (``scheduler.anchors.anchor``)."""
-        return {i: max((a.gap for a in c.saves), default=0) for i, c in self.calls.items()}
+        its chain reruns for waits until then (``scheduler.anchors.anchor``). With ``before``
+        (the templates of an earlier step that started in the same state, with the same shapes),
+        only the functions that ran the same op with the same numbers and flags then: a template replays them as captured, and no hook sees
+        them (``x / tau`` reaches the op as a Python number, and autograd saves it unhooked), so
+        a number that changed between steps (a temperature schedule) rules the function out."""
+        same = None if before is None else {
+            i for i, c in self.calls.items()
+            if i in before.calls and before.calls[i].func == c.func and _numbers(before.calls[i]) == _numbers(c)}
+        return {i: max((a.gap for a in c.saves), default=0) for i, c in self.calls.items()
+                if same is None or i in same}
 
 
 class TemplateCapture:
@@ -166,7 +171,8 @@ class TemplateCapture:
     A saved tensor is held weakly (autograd holds it through the forward); a recipe's tensor
     is held by the recipe, so its storage, and the storage's address, stay its own."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, depth: int = 1) -> None:
+        self.depth = depth   # how far back a managed activation's signature looks: the longest chain
         self.persistent: dict[int, torch.Tensor] = {}
         for t in (*model.parameters(), *model.buffers()):
             if t.layout is torch.strided and not t.is_meta:
@@ -175,7 +181,7 @@ class TemplateCapture:
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
         self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # cdata -> (function, tensor, version)
         self.found: dict[int, dict[int, PackArg | Persistent]] = {}       # function -> id(tensor) -> slot
-        self.nodes: dict[int, str] = {}
+        self.nodes: dict[int, tuple] = {}
         self.random: set[int] = set()
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
@@ -184,14 +190,15 @@ class TemplateCapture:
         k = self.n
         self.n = k + 1
         if var is not None:
-            self.nodes.setdefault(var, _node(t))
+            if var not in self.nodes:
+                self.nodes[var] = signature(t, self.depth)
             return
         c, version = s._cdata, t._version
         waiting = self.pending.get(c)
         if waiting:
             for w, x, v in waiting:
                 if v == version and x.untyped_storage()._cdata == c:
-                    self.found[w].setdefault(id(x), PackArg(k, s.nbytes(), _node(t), gap, View.of(x)))
+                    self.found[w].setdefault(id(x), PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)))
             waiting[:] = [p for p in waiting if id(p[1]) not in self.found[p[0]]]
         self.packed.setdefault(c, []).append((k, weakref.ref(t), version, gap))
 
@@ -215,7 +222,7 @@ class TemplateCapture:
             for k, ref, v, gap in self.packed.get(c, ()):
                 t = ref()
                 if t is not None and v == version and t.untyped_storage()._cdata == c:
-                    found[id(x)] = PackArg(k, s.nbytes(), _node(t), gap, View.of(x))
+                    found[id(x)] = PackArg(k, s.nbytes(), node_of(t), gap, View.of(x))
                     break
             else:
                 self.pending.setdefault(c, []).append((i, x, version))
@@ -242,7 +249,7 @@ class TemplateCapture:
         persistent = {id(x.tensor): x.tensor for x in args if isinstance(x, Persistent) and x.checked}
         self.packed.clear()
         self.pending.clear()
-        return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()))
+        return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth)
 
 
 @dataclass
@@ -279,18 +286,24 @@ class BoundTemplates:
         want = self.templates.wanted.get(k)
         if want is None:
             return None
-        if s.nbytes() != want.nbytes or _node(t) != want.node:
-            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {_node(t)}, the templates' "
+        if s.nbytes() != want.nbytes or node_of(t) != want.node:
+            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, the templates' "
                     f"was {want.nbytes} B from {want.node}")
         self.packs[k] = (t, t._version)
         return None
 
     def node_differs(self, var: int, t: torch.Tensor) -> str | None:
-        """Why the first save of managed ``var`` is not the one captured (another op made it)."""
+        """Why the first save of managed ``var`` is not the one captured: another op made it,
+        or one with another number (``signature``)."""
         want = self.templates.nodes.get(var)
-        if want is None or _node(t) == want:
+        if want is None:
             return None
-        return f"variable {var} was saved from {_node(t)}, the templates' from {want}"
+        got = signature(t, self.templates.depth)
+        if got == want:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
+                f"{said(want, at)}")
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
