@@ -24,6 +24,7 @@ Parameters after the run are compared bit for bit with in-core's.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -73,6 +74,7 @@ def main() -> None:
     steps = max(WARM + timed, args.steps or (WARM + timed if args.quick else WARM + timed + 4))
     batch, kwargs, chunk = (4, GPT_QUICK, 256 << 10) if args.quick else (8, GPT, 2 << 20)
     results: dict[str, list[CaseResult]] = {}
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-forms-") as tmp:
         plan = cases(batch, kwargs, chunk, steps, Path(tmp), args.quick)
         for k in range(rounds):
@@ -81,6 +83,7 @@ def main() -> None:
                 results.setdefault(label, []).append(r)
                 print(f"round {k + 1}: {label}: {settled(r, timed=timed):.3f} s", flush=True)
         same = {label: same_parameters(plan[0][1].params_out, case.params_out) for label, case in plan}
+    load1 = os.getloadavg()[0]
     incore = results["in-core"]
     rows = []
     for label, rs in results.items():
@@ -103,7 +106,8 @@ def main() -> None:
         "ratios the median over rounds of case / in-core of the same round",
         "memory: VmHWM of a fresh process per case, rise above the footprint after model, optimizer "
         "and data are built, and the whole process's peak; moved / recomputed: counted by the engine "
-        f"over the last {timed} steps (median per step), last round"])
+        f"over the last {timed} steps (median per step), last round",
+        f"load average (1 min) before/after: {load0:.2f} / {load1:.2f} on {os.cpu_count()} cores"])
     lines += common.md_table(["method", "step s", "vs in-core", "peak rise", "peak total", "moved / step",
                               "recomputed / step", "anchored steps", "bitwise"], rows)
     common.write_report(common.result_path("forms", args.quick, out=args.out), lines)
