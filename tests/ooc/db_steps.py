@@ -46,8 +46,8 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 CONFIGS = {"swap": ("never", ("activations",)), "prefer": ("prefer", ("activations",)),
            "swap-all": ("never", ALL), "prefer-all": ("prefer", ALL)}
 ENGINE_STEPS = 2
-# The template form (ooc/runtime/templates.py): recompute="auto" with the swap file priced slow
-# (so that plans recompute) and every anchored form's trial kept (its verdict is a timing);
+# The template form (ooc/runtime/templates.py): recompute="auto" with plans that recompute
+# whatever the machine's load and every anchored form's trial kept (its verdict is a timing);
 # enough steps for a plan to settle its prices, capture its templates and run at the hooks.
 # At the smallest budget an anchored form, which holds bytes longer, often does not fit; a
 # chunk above it the whole step often does: each setting -> the chunks above the smallest.
@@ -172,22 +172,14 @@ def _train(sample: Sample, warm: dict, engine_kw: dict | None,
 
 @contextlib.contextmanager
 def _templates_forced() -> Any:
-    """What ``TEMPLATES`` forces: the swap file priced at 50 MB/s, every trial kept."""
+    """What ``TEMPLATES`` forces (``test_anchored_steps.templates_forced``): plans that
+    recompute whatever the machine's load, every trial kept."""
     from unittest import mock
 
-    import ooc.engine.planning as planning
-    from ooc.engine import hook_forms
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
+    from test_anchored_steps import templates_forced
 
-    def judge(self: Any) -> bool:
-        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < 1:
-            return False
-        self.kept = True
-        return True
-
-    slow = lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6)  # noqa: E731
-    with mock.patch.object(planning, "priced_hardware", slow), mock.patch.object(hook_forms.HookPlan, "judge", judge):
+    with contextlib.ExitStack() as stack:
+        templates_forced(lambda obj, name, value: stack.enter_context(mock.patch.object(obj, name, value)))
         yield
 
 

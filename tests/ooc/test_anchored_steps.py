@@ -106,6 +106,33 @@ def _decided(keep: bool, runs: int = 1):
     return judge
 
 
+CHEAP_OP_S = 1e-6
+
+
+def templates_forced(patch, storage_bandwidth: float = 50e6, **link: float) -> None:
+    """Plans that recompute whatever the machine's load, and every trial kept: the swap file
+    priced at ``storage_bandwidth`` (or a GPU preset's ``link`` bandwidths), every step's op
+    times reported to the planner at ``CHEAP_OP_S`` (measured times on a loaded machine made
+    chains dear: the module database's form count fell from 20 to 13 beside a CI run), and the
+    trial's verdict fixed (it is a timing). ``patch(obj, name, value)``: ``monkeypatch.setattr``
+    or an equivalent."""
+    import ooc.engine.planning as planning
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+
+    real = planning.Planner._facts
+
+    def cheap(self, st, report, *args, **kwargs):
+        if isinstance(st, stepper_module.Stepper):
+            st.rec.seconds[:] = [CHEAP_OP_S] * len(st.rec.seconds)
+        return real(self, st, report, *args, **kwargs)
+
+    priced = {"storage_bandwidth": storage_bandwidth} if not link else link
+    patch(planning.Planner, "_facts", cheap)
+    patch(planning, "priced_hardware", lambda seq, stats: hardware(default_hardware(seq), **priced))
+    patch(hook_forms.HookPlan, "judge", _decided(keep=True))
+
+
 def engine_for(name: str, model, opt, fraction: float, **kw) -> OutOfCore:
     peak = managed_peak(name, 8, model_kwargs=CASES[name])
     return OutOfCore(model, opt, budget=int(peak * fraction), **kw)
@@ -134,15 +161,10 @@ def test_the_default_engine_runs_a_plan_that_recomputes_at_the_hooks_from_templa
     """The per-op plan recomputes; its anchored form reruns the chains from the templates a
     per-op step captured (``ooc/runtime/templates.py``; the dropout's chains, random, swap):
     with the trial kept, the engine's steps intercept no op, recompute, keep to their plan and
-    give in-core's parameters and losses bitwise. The swap file is priced at 50 MB/s, so that
-    the plan recomputes whatever the machine's load: priced at what the file measured, a busy
-    CI machine once planned swap only."""
-    import ooc.engine.planning as planning
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
-
-    monkeypatch.setattr(planning, "priced_hardware",
-                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
+    give in-core's parameters and losses bitwise. Plans recompute whatever the machine's load
+    (``templates_forced``: priced at what the file measured, a busy CI machine once planned
+    swap only)."""
+    templates_forced(monkeypatch.setattr)
     sizes = [8] * 10
     ref, ref_opt = fresh("gpt2", "sgd")
     ref_losses, _ = train("gpt2", ref, ref_opt, None, sizes)

@@ -245,11 +245,9 @@ def test_hook_driven_forms_on_cuda_are_bitwise_in_core(case: str, arena: str,
     monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True, runs=2))
     fraction, recompute, settled = HOOK_CASES[case]
     if case == "templates":
-        import ooc.engine.planning as planning
-        from scheduler.hardware import hardware
-        from scheduler.recompute import default_hardware
-        monkeypatch.setattr(planning, "priced_hardware", lambda seq, stats: hardware(
-            default_hardware(seq), h2d_bandwidth=1e9, d2h_bandwidth=1e9))
+        from test_anchored_steps import templates_forced
+        templates_forced(monkeypatch.setattr, h2d_bandwidth=1e9, d2h_bandwidth=1e9)
+        monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True, runs=2))
     with ooc.testing.fake_cuda() as driver:
         peak = _peak("cnn_sgd_activations")
         runtime, events = devices.cuda_runtime(), []

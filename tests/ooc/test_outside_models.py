@@ -373,21 +373,15 @@ def test_outside_model_recomputes_bitwise(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_outside_model_recomputes_at_the_hooks_from_templates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """recompute="auto" with the swap file priced slow (50 MB/s), so that plans recompute,
-    and every anchored form's trial kept (its verdict is a timing): the settled steps run
+    """recompute="auto" with plans that recompute whatever the machine's load, and every
+    anchored form's trial kept (``templates_forced``): the settled steps run
     without the per-op path and rerun their chains from the templates a per-op step
     captured (``ooc/runtime/templates.py``), in the users' loops around them (autocast,
     GradScaler, clipping, accumulation): bitwise."""
-    import ooc.engine.planning as planning
-    from ooc.engine import hook_forms
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
-    from test_anchored_steps import _decided
+    from test_anchored_steps import templates_forced
 
     case = _runnable(name)
-    monkeypatch.setattr(planning, "priced_hardware",
-                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
-    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
+    templates_forced(monkeypatch.setattr)
     updates = 8
     ref = _train(case, _model(name), None, updates=updates)
     budget = _managed_peak(name, MANAGE["default"]) // dict(case.fraction).get("default", 4)

@@ -198,15 +198,9 @@ def test_a_step_whose_op_changed_at_the_same_sizes_leaves_its_plan_and_stays_bit
     saved numbers, ``templates.signature``), leaves its plan before discarding it, and every
     step stays bitwise with in-core training under the same change. A number no hook sees that
     changes every step keeps its function out of the templates."""
-    import ooc.engine.planning as planning
-    from ooc.engine import hook_forms
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
-    from test_anchored_steps import _decided
+    from test_anchored_steps import templates_forced
 
-    monkeypatch.setattr(planning, "priced_hardware",
-                        lambda seq, stats: hardware(default_hardware(seq), storage_bandwidth=50e6))
-    monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
+    templates_forced(monkeypatch.setattr)
     acts, said = CHANGES[change]
     torch.manual_seed(0)
     ref = Net()
