@@ -232,10 +232,10 @@ def test_gpu_plan_is_priced_on_two_timed_runs_with_device_times(monkeypatch: pyt
     runs: list[tuple[bool, float]] = []   # per planned per-op run: timed?, its ops' seconds added up
     real = Planner._facts
 
-    def noted(self, st, report):
+    def noted(self, st, report, **kw):
         if isinstance(st, Stepper) and report.kept_plan:
             runs.append((st.ctx.time_ops, sum(st.rec.seconds)))
-        return real(self, st, report)
+        return real(self, st, report, **kw)
 
     monkeypatch.setattr(Planner, "_facts", noted)
     engine = OutOfCore(model, opt, budget="48MiB", device="cuda", recompute="prefer")

@@ -307,7 +307,8 @@ def test_quiet_ops_record_the_reads_and_writes_the_per_op_path_records(monkeypat
         if not quiet:
             monkeypatch.setattr(plan_cache, "quiet_functions", lambda schedule, made=(): frozenset())
         steps = []
-        monkeypatch.setattr(planning.Planner, "_facts", lambda self, st, report: steps.append(st) or facts(self, st, report))
+        monkeypatch.setattr(planning.Planner, "_facts",
+                            lambda self, st, report, **kw: steps.append(st) or facts(self, st, report, **kw))
         model, opt = _fresh()
         model.conv2.register_forward_hook(temporaries)
         engine = OutOfCore(model, opt, budget="64MiB", options=Options(chunk="8KiB", min_bytes="4KiB", hook_steps=False))

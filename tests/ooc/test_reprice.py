@@ -77,10 +77,10 @@ def _slow_recordings(monkeypatch) -> None:
     """Every recording step's ops look 1000x slower than they ran when its plan is made."""
     real = Planner._facts
 
-    def cold(self, st, report):
+    def cold(self, st, report, **kw):
         if isinstance(st, Stepper) and not report.kept_plan:   # what the scheduler plans from
             st.rec.seconds[:] = [t * 1000 for t in st.rec.seconds]
-        return real(self, st, report)
+        return real(self, st, report, **kw)
 
     monkeypatch.setattr(Planner, "_facts", cold)
 
@@ -98,11 +98,11 @@ def _planned_runs(monkeypatch, seconds) -> list[bool]:
     real = Planner._facts
     runs = []
 
-    def scaled(self, st, report):
+    def scaled(self, st, report, **kw):
         if isinstance(st, Stepper) and report.kept_plan:   # what the scheduler prices again on
             st.rec.seconds[:] = seconds(len(runs), list(st.rec.seconds))
             runs.append(st.ctx.time_ops)
-        return real(self, st, report)
+        return real(self, st, report, **kw)
 
     monkeypatch.setattr(Planner, "_facts", scaled)
     return runs
