@@ -244,9 +244,8 @@ class TemplateCapture:
 
             calls[i] = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
                                      r.outputs)
-        args = [x for c in calls.values() for x in tree_leaves((c.args, c.kwargs))]
-        wanted = {x.k: x for x in args if isinstance(x, PackArg)}
-        persistent = {id(x.tensor): x.tensor for x in args if isinstance(x, Persistent) and x.checked}
+        wanted = {a.k: a for c in calls.values() for a in c.saves}
+        persistent = {id(t): t for c in calls.values() for t in c.checked}
         self.packed.clear()
         self.pending.clear()
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth)
