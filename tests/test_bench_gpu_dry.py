@@ -177,6 +177,23 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     assert any(r["priced_runs"] == REPRICED_RUNS for r in one), one
 
 
+@pytest.mark.timeout(300)
+def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture) -> None:
+    """FAKE DRIVER: benchmarks/gpu_probe.py (what found the signature bug on an H200) on the
+    quick ResNet-50: each row trains bitwise, also past the signature check ("relaxed"), and
+    each row's last step is profiled."""
+    import gpu_probe
+
+    assert gpu_probe.main(["--quick", "--steps", "1", "--cases", "resnet50", "--fractions", "0.25",
+                           "--relaxed", "0.25"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "ooc-one-arena 0.25" in line]
+    assert len(rows) == 2 and "relaxed" in rows[1], rows
+    assert all("bitwise True error ''" in r for r in rows), rows
+    assert out.count("function calls") == 2, "each row's last step under cProfile"
+    assert "MISMATCH" not in out
+
+
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
 def test_the_largest_batch_that_fits_is_found_by_bisection(limit: int) -> None:
     """The headline's search: the largest multiple of 8 up to 512 that fits, in few tries."""

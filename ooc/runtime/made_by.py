@@ -42,14 +42,17 @@ def signature(t: torch.Tensor, depth: int) -> tuple:
     template replays as captured). View nodes are "view" (which one depends on the dispatch:
     see ``node_of``). A schedule that changes such a number between steps changes this."""
     out: list[Any] = []
-    seen: set[int] = set()
+    # Each node visited is held to the walk's end: a node's Python object may be made for this
+    # walk and die with its level, and a later node's new one could take its address (its
+    # ``id``) and be skipped as seen. A first walk differed from the next ones so on an H200.
+    seen: dict[int, Any] = {}
     frontier = [t.grad_fn]
     for _ in range(depth):
         nxt = []
         for node in frontier:
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             name = type(node).__name__
             if name == "AccumulateGrad":
                 continue

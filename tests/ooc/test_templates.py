@@ -219,3 +219,45 @@ def test_a_step_whose_op_changed_at_the_same_sizes_leaves_its_plan_and_stays_bit
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_a_signature_is_the_same_however_the_graphs_python_objects_come_and_go() -> None:
+    """Autograd may make a node's Python object for the walk that reads it and free it with
+    its level (torch 2.11 did, on an H200: a hook-driven step's first walk of a graph nobody
+    had read from Python skipped nodes, and every ResNet-50 and Llama step with a discard left
+    its plan). Here a graph whose objects are made on each read and live only while something
+    holds them, as PyTorch's: ``signature`` must see every node once, in breadth order."""
+    import weakref
+    from types import SimpleNamespace
+
+    from ooc.runtime.made_by import signature
+
+    names = ("MulBackward0", "AddBackward0", "SinBackward0")
+    edges = {0: (1, 2), 1: (3,), 2: (3, 4), 3: (5,), 4: (5, 6), 5: (7,), 6: (7,)}
+    edges.update({k: (k + 1,) for k in range(7, 40)})   # a long tail: levels made and freed in turn
+    edges[40] = ()
+    live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    class Node:
+        def __init__(self, key: int) -> None:
+            self.key = key
+
+        @property
+        def next_functions(self) -> tuple:
+            return tuple((made(c), 0) for c in edges[self.key])
+
+    kinds = {name: type(name, (Node,), {}) for name in names}
+
+    def made(k: int) -> Node:   # the live object of node k, else a new one (PyTorch's weak cache)
+        obj = live.get(k)
+        if obj is None:
+            obj = live[k] = kinds[names[k % 3]](k)
+        return obj
+
+    order, seen, level = [], {0}, [0]
+    while level:   # the reference: breadth order over the nodes themselves
+        order.extend(level)
+        level = [c for k in level for c in edges[k] if not (c in seen or seen.add(c))]
+    want = tuple((names[k % 3], ()) for k in order)
+    for _ in range(3):
+        assert signature(SimpleNamespace(grad_fn=made(0)), depth=60) == want
