@@ -3,6 +3,7 @@ failed (each mismatch printed in full: the tensor now and at the capture, both s
 and where an anchored step's host time goes (cProfile of each ooc row's last timed step).
 
     python benchmarks/gpu_probe.py [--quick] [--cases llama,resnet50] [--fractions 0.5,0.25]
+                                   [--relaxed 0.5] [--profiles DIR]
 
 Prints only; the figures that count are bench_gpu.py's. ``--quick``: the quick cases (the dry
 run, tests/test_bench_gpu_dry.py, runs it over the fake driver).
@@ -63,8 +64,10 @@ def _watch_signatures() -> tuple[list[bool], Any]:
     return relaxed, undo
 
 
-def _profile_last_step(one: Any, total: int) -> None:
-    """Profile the last of every ``total`` steps of gpu_methods' loop (``one``: its step)."""
+def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
+    """Profile the last of every ``total`` steps of gpu_methods' loop (``one``: its step):
+    the 25 functions with the most own time printed; with ``to``, written there in full too,
+    by own and by cumulative time (what the H200 run's 25 lines could not attribute)."""
     import gpu_methods
 
     n = [0]
@@ -82,6 +85,13 @@ def _profile_last_step(one: Any, total: int) -> None:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
             print(out.getvalue()[:6000], flush=True)
+            if to is not None:
+                out = io.StringIO()
+                stats = pstats.Stats(prof, stream=out)
+                stats.sort_stats("tottime").print_stats(60)
+                stats.sort_stats("cumulative").print_stats(80)
+                stats.print_callers("anchored_step.py|cuda_tier.py|templates.py")
+                to.write_text(out.getvalue())
 
     gpu_methods._one_step = step
 
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default="0.5,0.25")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--relaxed", default="", help="fractions to run again past every mismatch")
+    ap.add_argument("--profiles", type=Path, default=None,
+                    help="a folder for each row's last step's whole profile (<case>-<fraction>.txt)")
     args = ap.parse_args(argv)
     import gpu_methods
 
@@ -130,7 +142,11 @@ def _probe(args: argparse.Namespace, relaxed: list[bool], one: Any) -> None:
         runs = [(float(x), False) for x in args.fractions.split(",")]
         runs += [(float(x), True) for x in args.relaxed.split(",") if x]
         for f, relaxed[0] in runs:
-            _profile_last_step(one, WARMUP + args.steps)
+            to = None
+            if args.profiles is not None:
+                args.profiles.mkdir(parents=True, exist_ok=True)
+                to = args.profiles / f"{name}-{f:g}{'-relaxed' if relaxed[0] else ''}.txt"
+            _profile_last_step(one, WARMUP + args.steps, to)
             row = run(setup, "ooc-one-arena", fraction=f)
             print(f"{case.label} ooc-one-arena {f}{' relaxed' if relaxed[0] else ''}: {row.step_ms:.1f} ms "
                   f"queued {row.queued_ms:.1f} ms "

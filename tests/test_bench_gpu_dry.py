@@ -178,19 +178,22 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
 
 
 @pytest.mark.timeout(300)
-def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture) -> None:
+def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """FAKE DRIVER: benchmarks/gpu_probe.py (what found the signature bug on an H200) on the
     quick ResNet-50: each row trains bitwise, also past the signature check ("relaxed"), and
     each row's last step is profiled."""
     import gpu_probe
 
     assert gpu_probe.main(["--quick", "--steps", "1", "--cases", "resnet50", "--fractions", "0.25",
-                           "--relaxed", "0.25"]) == 0
+                           "--relaxed", "0.25", "--profiles", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "ooc-one-arena 0.25" in line]
     assert len(rows) == 2 and "relaxed" in rows[1], rows
     assert all("bitwise True error ''" in r for r in rows), rows
     assert out.count("function calls") == 2, "each row's last step under cProfile"
+    whole = sorted(p.name for p in tmp_path.iterdir())
+    assert whole == ["resnet50-0.25-relaxed.txt", "resnet50-0.25.txt"], whole
+    assert "cumulative" in (tmp_path / "resnet50-0.25.txt").read_text()
     assert "MISMATCH" not in out
 
 
