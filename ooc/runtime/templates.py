@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -150,6 +151,16 @@ class Templates:
     @property
     def functions(self) -> frozenset[int]:
         return frozenset(self.calls)
+
+    @cached_property
+    def born_in(self) -> dict[int, tuple[tuple[int, tuple[int, int]], ...]]:
+        """Function -> the variables it makes, each with its ``born_at``: what a chain makes
+        itself, found per function of the chain (a replay looked through every variable the
+        step saves: ~50 us of a Llama's replay on this CPU)."""
+        out: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+        for var, at in self.born_at.items():
+            out.setdefault(at[0], []).append((var, at))
+        return {i: tuple(made) for i, made in out.items()}
 
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
@@ -329,8 +340,8 @@ class BoundTemplates:
 
     def inputs(self, chain: tuple[int, ...], var: int) -> list[int]:
         """The managed variables ``chain`` reads that it does not make itself."""
-        ops = set(chain)
-        made = {v for v, at in self.templates.born_at.items() if at[0] in ops}
+        born_in = self.templates.born_in
+        made = {v for w in set(chain) for v, _ in born_in.get(w, ())}
         return sorted({a.var for w in chain for a in self.templates.calls[w].variables
                        if a.var != var and a.var not in made})
 
@@ -338,9 +349,8 @@ class BoundTemplates:
                born: Callable[[torch.UntypedStorage], None]) -> None:
         """Rerun ``chain`` to re-create ``slot`` (its inputs resident: the caller made them)."""
         t0 = time.perf_counter()
-        ops = set(chain)
-        born_at = self.templates.born_at
-        inside = {var: at for var, at in born_at.items() if at[0] in ops and var != slot.var}
+        born_at, born_in = self.templates.born_at, self.templates.born_in
+        inside = {var: at for w in set(chain) for var, at in born_in.get(w, ()) if var != slot.var}
 
         def materialize(x: Any, made: dict) -> Any:
             if isinstance(x, VarArg):

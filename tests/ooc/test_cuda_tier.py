@@ -237,6 +237,30 @@ def test_read_right_after_write_waits_on_the_device(fake, pool, tier) -> None:
     assert w.done() and tier.stats()["in_flight"] == 0
 
 
+def test_a_poll_asks_each_stream_only_up_to_its_first_copy_not_done(fake, pool, tier) -> None:
+    """FAKE driver, paused GPU: with writes and reads queued, each tier call polls its copies
+    in flight; a stream completes them in order, so the poll asks one event a stream (not one a
+    copy: a Llama's step made 2,077 such queries), and once the GPU runs, books them all."""
+    fake.paused = True
+    srcs = [pool.take(MiB) for _ in range(4)]
+    for i, src in enumerate(srcs):
+        fake.write_device(src.address, pattern(MiB, 20 + i))
+    futures = [tier.write_async(i, src, MiB) for i, src in enumerate(srcs[:3])]
+    futures.append(tier.read_async(0, srcs[3]))
+    assert tier.stats()["in_flight"] == 4
+    before = fake.calls.count("cuEventQuery")
+    tier.write_async(9, srcs[0], MiB)   # polls the 4 in flight first
+    assert fake.calls.count("cuEventQuery") - before == 2, "one query a stream, not one a copy"
+    fake.paused = False
+    before = fake.calls.count("cuEventQuery")
+    tier.stats()
+    tier.write_async(10, srcs[1], MiB)
+    assert all(f.done() for f in futures)
+    assert fake.calls.count("cuEventQuery") - before >= 5   # each booked in turn
+    futures[-1].result()
+    assert fake.read_device(srcs[3].address, MiB) == pattern(MiB, 20)
+
+
 def test_tier_and_pool_leave_the_callers_context_current() -> None:
     """FAKE driver with per-thread contexts, as the real one: a thread that drives device 1
     uses a tier and a pool of device 0. Their copies run (the bytes round-trip), and after

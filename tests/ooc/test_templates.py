@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from ooc import FORMS, OutOfCore
 from ooc.runtime.recipes import Recipe
-from ooc.runtime.templates import BoundTemplates, PackArg, Persistent, TemplateCapture
+from ooc.runtime.templates import (BoundTemplates, PackArg, Persistent, Template, TemplateCapture, Templates,
+                                   VarArg, View)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -261,3 +262,16 @@ def test_a_signature_is_the_same_however_the_graphs_python_objects_come_and_go()
     want = tuple((names[k % 3], ()) for k in order)
     for _ in range(3):
         assert signature(SimpleNamespace(grad_fn=made(0)), depth=60) == want
+
+
+def test_what_a_chain_makes_is_found_per_function() -> None:
+    """``Templates.born_in``: function -> the variables it makes (a replay finds what its chain
+    makes itself from its functions, not from every variable of the step), and a chain's
+    ``inputs`` are the managed variables it reads and does not make."""
+    view = View.of(torch.zeros(2))
+    read = {3: (VarArg(7, view),), 4: (VarArg(1, view), VarArg(8, view))}
+    calls = {w: Template.make(torch.add, args, {}) for w, args in read.items()}
+    t = Templates(calls, {1: (3, 0), 2: (3, 1), 5: (4, 0), 7: (0, 0), 8: (2, 0)}, {}, {}, ())
+    assert t.born_in == {3: ((1, (3, 0)), (2, (3, 1))), 4: ((5, (4, 0)),), 0: ((7, (0, 0)),),
+                         2: ((8, (2, 0)),)}
+    assert BoundTemplates(t).inputs((3, 4), var=5) == [7, 8]   # 1 is made by function 3
