@@ -17,6 +17,9 @@ from ooc import OutOfCore, models
 from ooc.engine import hook_forms
 from ooc.measure import managed_peak, update_in_backward
 from ooc.runtime import stepper as stepper_module
+# shared with the template tests, the module database's forms and bench_hook_host.py
+from ooc.testing.forced_forms import CHEAP_OP_S, templates_forced  # noqa: F401
+from ooc.testing.forced_forms import decided as _decided
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,43 +97,6 @@ def counted_ops(monkeypatch):
     monkeypatch.setattr(stepper_module.Stepper, "on_op", counting)
     monkeypatch.setattr(hook_forms.HookPlan, "judge", _decided(keep=True))
     return ops
-
-
-def _decided(keep: bool, runs: int = 1):
-    """``HookPlan.judge`` deciding ``keep`` once each side ran ``runs`` steps, whatever the times."""
-    def judge(self) -> bool:
-        if self.kept or self.rejected or min(len(self.trial), len(self.per_op)) < runs:
-            return False
-        self.kept, self.rejected = keep, not keep
-        return True
-    return judge
-
-
-CHEAP_OP_S = 1e-6
-
-
-def templates_forced(patch, storage_bandwidth: float = 50e6, **link: float) -> None:
-    """Plans that recompute whatever the machine's load, and every trial kept: the swap file
-    priced at ``storage_bandwidth`` (or a GPU preset's ``link`` bandwidths), every step's op
-    times reported to the planner at ``CHEAP_OP_S`` (measured times on a loaded machine made
-    chains dear: the module database's form count fell from 20 to 13 beside a CI run), and the
-    trial's verdict fixed (it is a timing). ``patch(obj, name, value)``: ``monkeypatch.setattr``
-    or an equivalent."""
-    import ooc.engine.planning as planning
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
-
-    real = planning.Planner._facts
-
-    def cheap(self, st, report, *args, **kwargs):
-        if isinstance(st, stepper_module.Stepper):
-            st.rec.seconds[:] = [CHEAP_OP_S] * len(st.rec.seconds)
-        return real(self, st, report, *args, **kwargs)
-
-    priced = {"storage_bandwidth": storage_bandwidth} if not link else link
-    patch(planning.Planner, "_facts", cheap)
-    patch(planning, "priced_hardware", lambda seq, stats: hardware(default_hardware(seq), **priced))
-    patch(hook_forms.HookPlan, "judge", _decided(keep=True))
 
 
 def engine_for(name: str, model, opt, fraction: float, **kw) -> OutOfCore:

@@ -1,0 +1,209 @@
+"""The host's cost of a hook-driven step that recomputes, on this CPU: the Llama's, in miniature.
+
+    python benchmarks/bench_hook_host.py [--quick] [--rounds N] [--out PATH]
+
+On an H200 the Llama's anchored steps (chains rerun from templates at autograd's hooks) queued
+100-170 ms more than in core's 86-118 ms, and the GPU waited for the host
+(benchmarks/results/gpu-probe-h200.md). That excess is Python on the host, so a CPU can measure
+it: the same decoder (Hugging Face's LlamaForCausalLM, 20 layers: 773 saved tensors a step, as
+the H200's), narrow (64 wide, batch 2 x 256) so that its ops cost little, trained in core and
+by ooc over the FAKE CUDA driver (``ooc.testing.fake_cuda``: the CUDA path's tier, copy streams
+and one arena, with host bytes for device memory). The plan is the GPU's in shape: chains
+recomputed and the rest swapped over a link priced at 2 GB/s, the template form kept
+(``ooc.testing.forced_forms.templates_forced``: this CPU's own prices would swap less and
+recompute nothing). What it measures: each settled step's wall time, in core and ooc, in the
+same process, interleaved over rounds; the excess per step and per saved tensor; the driver
+calls a step makes; where the excess goes (cProfile of one step, ooc's functions). The fake
+driver's own work (its copies are host memcpy) counts in ooc's time where a GPU's would not:
+the excess here is an upper bound of what the same Python costs beside a GPU, on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import gpu_cases  # noqa: E402
+
+FULL = dict(layers=20, width=64, seq_len=256, vocab=1024)
+QUICK = dict(layers=2, width=64, seq_len=256, vocab=1024)
+FRACTION = 0.3     # of the bytes a step saves
+WARM = 12          # recording, re-recording, priced runs, the form and its trial
+LINK = 2e9         # bytes/s each way: a link dear enough that the plan recomputes as the GPU's
+
+
+def _case(quick: bool) -> Any:
+    return gpu_cases.GpuCase("llama", "Llama proxy", 2, "adamw", None, QUICK if quick else FULL, sdpa="math")
+
+
+def _saved(model: torch.nn.Module, x: Any, y: Any, loss_fn: Any) -> tuple[int, int]:
+    """(tensors, bytes) one step saves."""
+    n, total = [0], [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        n[0] += 1
+        total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return n[0], total[0]
+
+
+class Trainer:
+    """One model and optimizer, stepped in core or by an engine."""
+
+    def __init__(self, case: Any, model: torch.nn.Module, x: Any, y: Any, loss_fn: Any,
+                 engine_budget: int | None = None) -> None:
+        from ooc.engine import OutOfCore, Options
+
+        self.case, self.x, self.y, self.loss_fn = case, x, y, loss_fn
+        self.model = copy.deepcopy(model)
+        self.opt = case.optimizer_for(self.model.parameters())
+        self.engine = None if engine_budget is None else OutOfCore(
+            self.model, self.opt, budget=engine_budget, device="cuda", recompute="auto",
+            options=Options(arena="pytorch"))
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        with self.case.attention(), self.engine.step() if self.engine is not None else contextlib.nullcontext():
+            self.loss_fn(self.model(self.x), self.y).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def _driver_calls() -> dict[str, int]:
+    from vmm.cuda_driver import CudaDriver
+
+    out: dict[str, int] = {}
+    for d in (o for o in gc.get_objects() if isinstance(o, CudaDriver)):
+        for k, v in d.calls.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _profile(trainer: Trainer, top: int) -> tuple[list[str], dict[str, float]]:
+    """One step under cProfile: ooc's functions by cumulative time, and the step's own time
+    split by where it ran: the fake driver (ooc/testing: a GPU's driver would do this work
+    elsewhere), ooc's Python (ooc/, vmm/), the rest (the model, PyTorch, autograd's engine)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    trainer.step()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    split = {"fake driver": 0.0, "ooc": 0.0, "the rest": 0.0}
+    for (path, _, _), row in stats.stats.items():   # type: ignore[attr-defined]
+        where = ("fake driver" if "ooc/testing/" in path else
+                 "ooc" if "/ooc/" in path or "/vmm/" in path else "the rest")
+        split[where] += row[2]
+    stats.sort_stats("cumulative").print_stats(r"ooc/(runtime|storage|engine)|vmm/", top)
+    return [line for line in out.getvalue().splitlines() if line.strip()], split
+
+
+def _range(seconds: list[float]) -> str:
+    return f"{min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}"
+
+
+def _split(split: dict[str, float]) -> str:
+    return ", ".join(f"{where} {s * 1e3:.0f} ms" for where, s in split.items())
+
+
+def main() -> None:
+    ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    ap.add_argument("--rounds", type=int, help="rounds of interleaved in-core / ooc runs (default 5; quick 1)")
+    args = ap.parse_args()
+    from ooc.testing import fake_cuda
+    from ooc.testing.forced_forms import templates_forced
+
+    rounds = max(1, args.rounds or (1 if args.quick else 5))
+    timed = 3 if args.quick else 8
+    case = _case(args.quick)
+    model, x, y, loss_fn = case.build()
+    saves, nbytes = _saved(model, x, y, loss_fn)
+    templates_forced(setattr, h2d_bandwidth=LINK, d2h_bandwidth=LINK)   # a process of its own
+    incore_s: list[float] = []
+    ooc_s: list[float] = []
+    counted: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    profile: list[str] = []
+    split: dict[str, float] = {}
+    incore_split: dict[str, float] = {}
+    bitwise = True
+    with fake_cuda(memory_bytes=4 << 30, granularity=64 << 10) as driver:
+        for k in range(rounds):
+            ref = Trainer(case, model, x, y, loss_fn)
+            ooc = Trainer(case, model, x, y, loss_fn, engine_budget=int(nbytes * FRACTION))
+            for _ in range(WARM):
+                ref.step()
+                ooc.step()
+            before, stats0 = _driver_calls(), ooc.engine.stats()
+            r = [ref.step() for _ in range(timed)]
+            o = [ooc.step() for _ in range(timed)]
+            after, stats1 = _driver_calls(), ooc.engine.stats()
+            incore_s.append(statistics.median(r))
+            ooc_s.append(statistics.median(o))
+            calls = {name: (after[name] - before.get(name, 0)) // timed for name in after
+                     if after[name] - before.get(name, 0)}
+            counted = {key: (stats1[key] - stats0[key]) / timed for key in
+                       ("bytes_in", "bytes_out", "bytes_recomputed", "steps.anchored")}
+            bitwise = bitwise and all(torch.equal(a, b) for a, b in
+                                      zip(ref.model.parameters(), ooc.model.parameters()))
+            print(f"round {k + 1}: in core {incore_s[-1]:.3f} s, ooc {ooc_s[-1]:.3f} s, "
+                  f"anchored {counted['steps.anchored']:.0%} of timed steps", flush=True)
+            if k == rounds - 1:
+                profile, split = _profile(ooc, 30)
+                incore_split = _profile(ref, 1)[1]
+            ooc.engine.close()
+        assert driver.violations == [], driver.violations
+    inc, oc = statistics.median(incore_s), statistics.median(ooc_s)
+    excess = oc - inc
+    kw = QUICK if args.quick else FULL
+    lines = common.header("The host's cost of a hook-driven step that recomputes (CPU, fake CUDA driver)",
+                          quick=args.quick, notes=[
+        f"command: `python benchmarks/bench_hook_host.py{' --quick' if args.quick else ''}`; Llama "
+        f"{kw['layers']} x {kw['width']}, batch 2 x {kw['seq_len']}, fp32, math attention; budget "
+        f"{FRACTION} of the {nbytes / 2**20:.1f} MiB a step saves; link priced at {LINK / 1e9:.0f} GB/s; "
+        f"{rounds} round(s), each {WARM} warm steps then {timed} timed, in core and ooc interleaved "
+        "by round; step time the median of the timed steps, the median over rounds",
+        f"load average (1 min): {common.load_average()}"])
+    rows = [["in core", f"{inc * 1e3:.1f} ({_range(incore_s)})", "", "", "", "", "", ""],
+            ["ooc, anchored from templates", f"{oc * 1e3:.1f} ({_range(ooc_s)})", f"{excess * 1e3:+.1f}",
+             f"{excess / saves * 1e6:.1f}", f"{sum(calls.values())}",
+             f"{(counted['bytes_in'] + counted['bytes_out']) / 2**20:.1f}",
+             f"{counted['bytes_recomputed'] / 2**20:.1f}", f"{counted['steps.anchored']:.0%}"]]
+    lines += common.md_table(["run", "step ms (rounds' range)", "excess ms", "excess us a saved tensor",
+                              "driver calls a step", "MiB moved a step", "MiB recomputed a step",
+                              "timed steps anchored"], rows)
+    lines += ["", f"- saved tensors a step: {saves}; parameters bitwise in core and ooc after every round: "
+              f"{'yes' if bitwise else 'NO'}",
+              "- driver calls a step: " + ", ".join(f"{k} {v}" for k, v in
+                                                    sorted(calls.items(), key=lambda kv: -kv[1])),
+              "- one step under cProfile (its own overhead included), its own time by where it ran: "
+              f"in core {sum(incore_split.values()) * 1e3:.0f} ms ({_split(incore_split)}); ooc "
+              f"{sum(split.values()) * 1e3:.0f} ms ({_split(split)})",
+              "", "The ooc step under cProfile, ooc's functions by cumulative time:", "", "```", *profile, "```"]
+    common.write_report(common.result_path("hook-host", args.quick, out=args.out), lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
