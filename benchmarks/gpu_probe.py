@@ -82,6 +82,10 @@ def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
             one(*args, **kw)
         finally:
             prof.disable()
+            engine = args[6] if len(args) > 6 else None   # gpu_methods._one_step's
+            if engine is not None:   # the host's waits in the step (the commit point's drain among them)
+                print(f"profiled step: the host waited {engine.stats()['last_stall_s'] * 1e3:.1f} ms",
+                      flush=True)
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
             print(out.getvalue()[:6000], flush=True)
@@ -151,7 +155,8 @@ def _probe(args: argparse.Namespace, relaxed: list[bool], one: Any) -> None:
             print(f"{case.label} ooc-one-arena {f}{' relaxed' if relaxed[0] else ''}: {row.step_ms:.1f} ms "
                   f"queued {row.queued_ms:.1f} ms "
                   f"steps {row.steps_ms} forms {row.forms} recomputed {row.bytes_recomputed} "
-                  f"moved {row.bytes_moved} bitwise {row.bitwise} error {row.error!r}", flush=True)
+                  f"moved {row.bytes_moved} peak {(row.peak_bytes or 0) / 2**30:.2f} GiB bitwise {row.bitwise} "
+                  f"error {row.error!r}", flush=True)
             gpu_methods._one_step = one
 
 

@@ -189,7 +189,8 @@ def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture, tmp_path
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "ooc-one-arena 0.25" in line]
     assert len(rows) == 2 and "relaxed" in rows[1], rows
-    assert all("bitwise True error ''" in r for r in rows), rows
+    assert all("bitwise True error ''" in r and " GiB " in r for r in rows), rows
+    assert out.count("profiled step: the host waited") == 2
     assert out.count("function calls") == 2, "each row's last step under cProfile"
     whole = sorted(p.name for p in tmp_path.iterdir())
     assert whole == ["resnet50-0.25-relaxed.txt", "resnet50-0.25.txt"], whole
