@@ -73,6 +73,10 @@ class Row:
     # the host's time to queue a step (until its code returned, before the synchronize), median
     # of the timed steps: over a step's ops, the host's time per op (a host-bound step's bound)
     queued_ms: float | None = None
+    # ooc: the host's waits inside a step (the commit point's drain, a swap a node needed at
+    # once), median of the timed steps: queued_ms holds them, so a step whose queued_ms is its
+    # step time is host-bound only where this is small
+    stall_ms: float | None = None
     error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,8 +195,9 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
                 rises.append(torch.cuda.max_memory_allocated() - at_start)
                 after = _counters(engine)
                 step = {k: after[k] - before[k] for k in after} if engine else {"bytes_moved": 2 * moved[0]}
-                if engine is not None:   # did this step run its plan (not on demand)?
-                    step["planned"] = engine.stats()["last_planned"]
+                if engine is not None:   # did this step run its plan (not on demand)? how long did the host wait?
+                    st = engine.stats()
+                    step["planned"], step["stall_s"] = st["last_planned"], st["last_stall_s"]
                 per_step.append(step)
     except BaseException:   # an engine that failed mid-step gives its pool back all the same
         if engine is not None:
@@ -259,6 +264,8 @@ def _engine_figures(setup: Setup, engine: Any, row: Row, per_step: list[dict[str
     row.peak_bytes = (row.torch_peak_bytes or 0) + row.pool_peak_bytes
     row.bytes_moved = int(statistics.median(s["bytes_in"] + s["bytes_out"] for s in per_step))
     row.bytes_recomputed = int(statistics.median(s["bytes_recomputed"] for s in per_step))
+    row.stall_ms = statistics.median(s["stall_s"] for s in per_step) * 1e3
+    row.note += ("; " if row.note else "") + f"the host's waits in a step {row.stall_ms:.1f} ms"
     row.forms = {"steps": st["steps"], "plans": st["plans"], "plain": st["steps.plain"],
                  "anchored": st["steps.anchored"],
                  "planned_timed": sum(s["planned"] for s in per_step)}

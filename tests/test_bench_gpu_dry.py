@@ -166,6 +166,9 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
     assert all(r["bitwise"] for r in data["rows"] if r["method"] != "in-core"), data["rows"]
     # the host's time to queue each step (the Llama's in-core row gives bench_hook_bound's h0)
     assert all(r["queued_ms"] is not None for r in data["rows"]), data["rows"]
+    # the host's waits inside each ooc step: what tells a host-bound step from one that waits
+    assert all(r["stall_ms"] is not None and r["stall_ms"] >= 0 for r in data["rows"]
+               if r["method"].startswith("ooc")), data["rows"]
     # the op times each ooc row planned on, added up: what tells an overstated recording
     assert all(r["priced_op_ms"] > 0 for r in data["rows"] if r["method"].startswith("ooc")), data["rows"]
     one = [r for r in data["rows"] if r["method"] == "ooc-one-arena"]
