@@ -24,11 +24,11 @@ import argparse
 import contextlib
 import copy
 import cProfile
-import gc
 import io
 import pstats
 import statistics
 import sys
+from collections import Counter
 import time
 from pathlib import Path
 from typing import Any
@@ -90,16 +90,6 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def _driver_calls() -> dict[str, int]:
-    from vmm.cuda_driver import CudaDriver
-
-    out: dict[str, int] = {}
-    for d in (o for o in gc.get_objects() if isinstance(o, CudaDriver)):
-        for k, v in d.calls.items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
 def _profile(trainer: Trainer, top: int) -> tuple[list[str], dict[str, float]]:
     """One step under cProfile: ooc's functions by cumulative time, and the step's own time
     split by where it ran: the fake driver (ooc/testing: a GPU's driver would do this work
@@ -155,14 +145,13 @@ def main() -> None:
             for _ in range(WARM):
                 ref.step()
                 ooc.step()
-            before, stats0 = _driver_calls(), ooc.engine.stats()
             r = [ref.step() for _ in range(timed)]
+            first, stats0 = len(driver.calls), ooc.engine.stats()   # the fake lists every call
             o = [ooc.step() for _ in range(timed)]
-            after, stats1 = _driver_calls(), ooc.engine.stats()
+            stats1 = ooc.engine.stats()
             incore_s.append(statistics.median(r))
             ooc_s.append(statistics.median(o))
-            calls = {name: (after[name] - before.get(name, 0)) // timed for name in after
-                     if after[name] - before.get(name, 0)}
+            calls = {name: n // timed for name, n in Counter(driver.calls[first:]).items()}
             counted = {key: (stats1[key] - stats0[key]) / timed for key in
                        ("bytes_in", "bytes_out", "bytes_recomputed", "steps.anchored")}
             bitwise = bitwise and all(torch.equal(a, b) for a, b in
