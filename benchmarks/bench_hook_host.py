@@ -13,9 +13,11 @@ recomputed and the rest swapped over a link priced at 2 GB/s, the template form 
 (``ooc.testing.forced_forms.templates_forced``: this CPU's own prices would swap less and
 recompute nothing). What it measures: each settled step's wall time, in core and ooc, in the
 same process, interleaved over rounds; the excess per step and per saved tensor; the driver
-calls a step makes; where the excess goes (cProfile of one step, ooc's functions). The fake
-driver's own work (its copies are host memcpy) counts in ooc's time where a GPU's would not:
-the excess here is an upper bound of what the same Python costs beside a GPU, on this host.
+calls a step makes; where the excess goes, by clocks in the step (``Meter``: inside ooc's hooks
+and calls, the replays and the driver calls within, the collector's pauses; a profiler's own
+cost per call inflated ooc's share threefold), and cProfile's view of what calls what. The
+fake driver's work (its copies are host memcpy) and the replays' compute count in the excess
+where a GPU's would run apart: ooc's own Python and PyTorch calls are the part a GPU's host pays.
 """
 
 from __future__ import annotations
@@ -90,31 +92,140 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def _profile(trainer: Trainer, top: int) -> tuple[list[str], dict[str, float]]:
-    """One step under cProfile: ooc's functions by cumulative time, and the step's own time
-    split by where it ran: the fake driver (ooc/testing: a GPU's driver would do this work
-    elsewhere), ooc's Python (ooc/, vmm/), the rest (the model, PyTorch, autograd's engine)."""
+class Meter:
+    """Where an ooc step's host time goes, measured in the step itself (no profiler, whose own
+    cost per Python call inflated ooc's share three times over): the wall time inside the
+    hooks and the engine's calls (pack, unpack, the update's and the step's bounds), inside
+    that the replays (their ops' Python and compute) and the driver calls (the fake's work),
+    and the garbage collector's pauses anywhere in the step. Each by wrapping the function
+    with a clock: ~0.5 us a call, ~2,000 calls a step."""
+
+    ENTRIES = ("pack", "unpack", "update_starts", "wait_for_transfers", "finish")
+
+    def __init__(self) -> None:
+        self.s = Counter()   # what -> seconds
+        self._depth = 0
+        self._gc_t0 = 0.0
+
+    def _timed(self, fn: Any, what: str, outer: bool) -> Any:
+        meter = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if outer and meter._depth:   # an entry inside another (none expected): counted once
+                return fn(*args, **kwargs)
+            meter._depth += outer
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                meter.s[what] += time.perf_counter() - t0
+                meter._depth -= outer
+        return wrapper
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.s["gc"] += time.perf_counter() - self._gc_t0
+
+    @contextlib.contextmanager
+    def on(self) -> Any:
+        """The wrappers in place (class attributes: every engine of the process)."""
+        import gc
+
+        from ooc.engine import OutOfCore
+        from ooc.runtime.anchored_step import AnchoredStep
+        from ooc.runtime.templates import BoundTemplates
+        from vmm.cuda_driver import CudaDriver
+
+        patched = [(AnchoredStep, name, "ooc", True) for name in self.ENTRIES]
+        patched += [(OutOfCore, "step", "ooc", False), (BoundTemplates, "replay", "replays", False),
+                    (CudaDriver, "raw", "driver", False)]
+        saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in patched]
+        for cls, name, what, outer in patched:
+            fn = cls.__dict__[name]
+            if name == "step":   # a context manager: its entry and exit, not the user's block
+                setattr(cls, name, self._bounds(fn))
+            else:
+                setattr(cls, name, self._timed(fn, what, outer))
+        gc.callbacks.append(self._gc)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._gc)
+            for cls, name, fn in saved:
+                setattr(cls, name, fn)
+
+    def _bounds(self, step: Any) -> Any:
+        meter = self
+
+        @contextlib.contextmanager
+        def timed_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            cm = step(engine, *args, **kwargs)
+            meter.bound(cm.__enter__)
+            try:
+                yield
+            except BaseException as e:
+                if not cm.__exit__(type(e), e, e.__traceback__):
+                    raise
+            else:
+                meter.bound(lambda: cm.__exit__(None, None, None))
+        return timed_step
+
+    def bound(self, fn: Any) -> None:
+        """The step's entry or exit, timed as ooc's (the entries it calls counted in it)."""
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self.s["ooc"] += time.perf_counter() - t0
+            self._depth -= 1
+
+
+def _metered(trainer: Trainer, steps: int) -> tuple[dict[str, float], float]:
+    """Per step: ms inside ooc (hooks and bounds), of which replays and driver calls, and the
+    collector's pauses; and the mean step time of these steps (the collector's full passes
+    come every ~10-30 steps: a median hides them)."""
+    meter = Meter()
+    with meter.on():
+        wall = [trainer.step() for _ in range(steps)]
+    return {k: v / steps for k, v in meter.s.items()}, statistics.mean(wall)
+
+
+def _profile(trainer: Trainer, top: int) -> list[str]:
+    """One step under cProfile: ooc's functions by cumulative time (what calls what; its own
+    cost per Python call inflates them: ``Meter`` says how long they take)."""
     prof = cProfile.Profile()
     prof.enable()
     trainer.step()
     prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
-    split = {"fake driver": 0.0, "ooc": 0.0, "the rest": 0.0}
-    for (path, _, _), row in stats.stats.items():   # type: ignore[attr-defined]
-        where = ("fake driver" if "ooc/testing/" in path else
-                 "ooc" if "/ooc/" in path or "/vmm/" in path else "the rest")
-        split[where] += row[2]
     stats.sort_stats("cumulative").print_stats(r"ooc/(runtime|storage|engine)|vmm/", top)
-    return [line for line in out.getvalue().splitlines() if line.strip()], split
+    return [line for line in out.getvalue().splitlines() if line.strip()]
 
 
 def _range(seconds: list[float]) -> str:
     return f"{min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}"
 
 
-def _split(split: dict[str, float]) -> str:
-    return ", ".join(f"{where} {s * 1e3:.0f} ms" for where, s in split.items())
+def _where_lines(where: dict[str, float], means: dict[str, float], excess: float) -> list[str]:
+    """What ``Meter`` measured over the last round's extra steps, in words."""
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    inside = where.get("ooc", 0.0)
+    own = inside - where.get("replays", 0.0) - where.get("driver", 0.0)
+    return [f"- where the excess goes (the last round, {ms(excess)} at the median; clocks in the step, "
+            f"not a profiler): inside ooc's hooks and the engine's calls {ms(inside)} a step, of which the "
+            f"replays {ms(where.get('replays', 0.0))} (their ops' Python and compute; a GPU's kernels run "
+            f"apart), the driver calls {ms(where.get('driver', 0.0))} (the fake's work: a GPU's driver "
+            f"does this elsewhere), ooc's own Python and PyTorch calls {ms(own)}; outside ooc "
+            f"{ms(excess - inside)} (autograd calling the hooks, the model's ops, which run slower beside "
+            "ooc's work on this CPU)",
+            f"- the garbage collector's pauses, a step on average: in core {ms(means.get('gc in core', 0.0))}, "
+            f"ooc {ms(where.get('gc', 0.0))} (its full passes come every ~10-30 steps: the mean step time "
+            f"holds them, the median does not; mean in core {ms(means.get('in core', 0.0))}, ooc "
+            f"{ms(means.get('ooc', 0.0))})"]
 
 
 def main() -> None:
@@ -135,8 +246,8 @@ def main() -> None:
     counted: dict[str, float] = {}
     calls: dict[str, int] = {}
     profile: list[str] = []
-    split: dict[str, float] = {}
-    incore_split: dict[str, float] = {}
+    where: dict[str, float] = {}
+    means: dict[str, float] = {}
     bitwise = True
     with fake_cuda(memory_bytes=4 << 30, granularity=64 << 10) as driver:
         for k in range(rounds):
@@ -158,9 +269,11 @@ def main() -> None:
                                       zip(ref.model.parameters(), ooc.model.parameters()))
             print(f"round {k + 1}: in core {incore_s[-1]:.3f} s, ooc {ooc_s[-1]:.3f} s, "
                   f"anchored {counted['steps.anchored']:.0%} of timed steps", flush=True)
-            if k == rounds - 1:
-                profile, split = _profile(ooc, 30)
-                incore_split = _profile(ref, 1)[1]
+            if k == rounds - 1:   # after the timed steps: the clocks and the profiler cost a little
+                where, means["ooc"] = _metered(ooc, timed)
+                means["gc in core"] = _metered(ref, timed)[0].get("gc", 0.0)
+                means["in core"] = statistics.mean(ref.step() for _ in range(timed))
+                profile = _profile(ooc, 30)
             ooc.engine.close()
         assert driver.violations == [], driver.violations
     inc, oc = statistics.median(incore_s), statistics.median(ooc_s)
@@ -186,10 +299,10 @@ def main() -> None:
               f"{'yes' if bitwise else 'NO'}",
               "- driver calls a step: " + ", ".join(f"{k} {v}" for k, v in
                                                     sorted(calls.items(), key=lambda kv: -kv[1])),
-              "- one step under cProfile (its own overhead included), its own time by where it ran: "
-              f"in core {sum(incore_split.values()) * 1e3:.0f} ms ({_split(incore_split)}); ooc "
-              f"{sum(split.values()) * 1e3:.0f} ms ({_split(split)})",
-              "", "The ooc step under cProfile, ooc's functions by cumulative time:", "", "```", *profile, "```"]
+              *_where_lines(where, means, excess),
+              "", "The ooc step under cProfile, ooc's functions by cumulative time (the profiler's own cost per "
+              "call inflates them about three times: the lines above are the step's own clocks):", "", "```",
+              *profile, "```"]
     common.write_report(common.result_path("hook-host", args.quick, out=args.out), lines)
     print("\n".join(lines))
 

@@ -96,6 +96,32 @@ class Schedule:
         as ``check`` replays it; a schedule the table refuses raises ``Refused``)."""
         return replay(self).peak
 
+    @cached_property
+    def in_step_order(self) -> tuple[tuple[int, Action], ...]:
+        """Every action with the gap it runs at, in step order: gap ``g`` is before function
+        ``g`` and after function ``g - 1`` (``scheduler.anchors``: an anchored plan has all its
+        actions before functions, but the last's after). What a hook-driven step runs, made
+        once per plan, not once per step."""
+        return tuple((g + k, a) for g in range(len(self.sequence.functions))
+                     for k, actions in ((0, self.before[g]), (1, self.after[g])) for a in actions)
+
+    @cached_property
+    def recomputes(self) -> dict[int, tuple[tuple[int, tuple[int, ...]], ...]]:
+        """var -> (function, chain) of each of its ``recompute`` actions, in step order: a variable
+        pinned "must_recompute" is re-created more than once a step, each time with the writers
+        it had by then (before its ``relu_``, the producer alone; before the backward, all)."""
+        out: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for i, actions in enumerate(self.before):
+            for a in actions:
+                if a.op is Op.RECOMPUTE:
+                    out.setdefault(a.var, []).append((i, a.chain))
+        return {var: tuple(each) for var, each in out.items()}
+
+    @cached_property
+    def discarded(self) -> frozenset[int]:
+        """The variables some ``discard`` action drops."""
+        return frozenset(a.var for _, a in self.in_step_order if a.op is Op.DISCARD)
+
     def summary(self) -> dict[str, Any]:
         """The fields ``ooc plan --json`` prints: plain data, stable keys."""
         return {

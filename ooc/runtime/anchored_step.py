@@ -59,11 +59,7 @@ class AnchoredStep(HookStep):
         self.anchored = anchored   # the plan this step runs (None: the plan moves nothing, no action)
         self.trace, self.min_bytes, self.pool = trace, min_bytes, pool
         self.variables = schedule.sequence.variables
-        self.actions: list[tuple[int, Action]] = []
-        if anchored is not None:
-            n = len(anchored.sequence.functions)
-            self.actions = [(g, a) for g in range(n) for a in anchored.before[g]]
-            self.actions += [(n, a) for a in anchored.after[n - 1]] if n else []
+        self.actions: tuple[tuple[int, Action], ...] = () if anchored is None else anchored.in_step_order
         self.form = "anchored" if self.actions else "plain"
         self.cursor = 0
         self.k = self.m = 0                       # saves and unpacks seen so far
@@ -77,7 +73,7 @@ class AnchoredStep(HookStep):
         self.bound = (BoundTemplates(templates, [c for each in self.chains.values() for _, c in each])
                       if templates is not None and self.actions else None)
         self.discarded_for: dict[int, tuple[int, ...]] = {}   # var -> the chain it was discarded for
-        self.discards = {a.var for _, a in self.actions if a.op is Op.DISCARD}
+        self.discards = frozenset() if anchored is None else anchored.discarded
 
     @property
     def planned(self) -> bool:
@@ -166,6 +162,8 @@ class AnchoredStep(HookStep):
         """Run the actions anchored at or before ``gap``. One whose variable the step has not
         seen yet (saved later at the same gap) waits for the next anchor."""
         actions, slots = self.actions, self.slots
+        if self.cursor >= len(actions) or (gap is not None and actions[self.cursor][0] > gap):
+            return   # nothing anchored here (most hooks): the pool reaps at the next action
         while self.cursor < len(actions) and self.diverged_at is None:
             g, a = actions[self.cursor]
             if gap is not None and g > gap:
@@ -326,3 +324,4 @@ class AnchoredStep(HookStep):
         self.events.insert(0, ("compute", f"{self.form} step (no op intercepted)", self.t0, time.perf_counter()))
         if error is not None and not failed:
             raise error
+

@@ -26,7 +26,7 @@ templates a hook-driven step reruns are ``templates.py``'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,20 +44,13 @@ from ooc.runtime.step_context import StepContext
 from scheduler.schedule import Op, Schedule
 
 
-def chains_of(schedule: Schedule | None) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
-    """var -> (function, chain) of each of its ``recompute`` actions, in step order: a variable
-    pinned "must_recompute" is re-created more than once a step, each time with the writers
-    it had by then (before its ``relu_``, the producer alone; before the backward, all)."""
-    chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    if schedule is not None:
-        for i, actions in enumerate(schedule.before):
-            for a in actions:
-                if a.op is Op.RECOMPUTE:
-                    chains.setdefault(a.var, []).append((i, a.chain))
-    return chains
+def chains_of(schedule: Schedule | None) -> Mapping[int, tuple[tuple[int, tuple[int, ...]], ...]]:
+    """var -> (function, chain) of each of its ``recompute`` actions (``Schedule.recomputes``,
+    made once per plan: read only), none without a plan."""
+    return {} if schedule is None else schedule.recomputes
 
 
-def next_chain(chains: dict[int, list[tuple[int, tuple[int, ...]]]], var: int, after: int) -> tuple[int, ...]:
+def next_chain(chains: Mapping[int, tuple[tuple[int, tuple[int, ...]], ...]], var: int, after: int) -> tuple[int, ...]:
     """The chain of ``var``'s first recompute after function ``after`` (empty if none)."""
     return next((chain for at, chain in chains.get(var, ()) if at > after), ())
 

@@ -129,13 +129,24 @@ class HostBackedFakeDriver(copies.FakeCopyDriver):
             r = self._res_starts[i]
             if r + self.reservations[r] > start:
                 return None   # inside (or across) a reserved range: the VMM checks apply
-        for address in (start, *self._storages):   # the storage starting here, else any
+        def live(address: int) -> Any:
             entry = self._storages.get(address)
             if entry is None or not address <= start or start + size > address + entry[0]:
-                continue
+                return None
             s = torch.UntypedStorage._new_with_weak_ptr(entry[1].cdata)
             if s is not None and s.data_ptr() == address and s.nbytes() >= start + size - address:
                 return s
+            return None
+
+        # The storage starting here, else any: the first is a copy's usual case, and the walk
+        # over every registered storage (up to 4,096) cost ~10 ms a step of a 20-layer model.
+        found = live(start)
+        if found is not None:
+            return found
+        for address in list(self._storages):
+            found = live(address)
+            if found is not None:
+                return found
         return None
 
     def _device_guard(self, start: int, size: int) -> Any:

@@ -233,3 +233,22 @@ def test_save_on_cpu_inside_a_plain_step_is_refused_at_the_next_step() -> None:
         else:
             pytest.fail("save_on_cpu inside the step was never refused")
         assert engine.stats()["steps.plain"] >= 2   # the first of the two ran plain
+
+
+def test_a_saved_parameter_is_told_from_an_activation_as_isinstance_tells_it() -> None:
+    """The hook-driven steps ask at every save whether the tensor is a parameter or a view of
+    one (its bytes are never swapped); the quick answer is the metaclass's own, in each case."""
+    from ooc.runtime.saved_tensors import _of_parameter
+
+    p = nn.Parameter(torch.randn(4, 4))
+    flagged = torch.randn(4, 4)
+    flagged._is_param = True   # what Parameter's metaclass counts as one (FSDP's unsharded views)
+
+    class Sub(torch.Tensor):
+        pass
+
+    cases = [p, p.t(), p[1:], p.detach(), torch.randn(4, 4), torch.randn(4, 4)[1:], flagged, flagged[1:],
+             torch.randn(2).as_subclass(Sub), p.detach().as_subclass(Sub), torch.empty(3, device="meta")]
+    want = [isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) for t in cases]
+    assert [_of_parameter(t) for t in cases] == want
+    assert want[:4] == [True, True, True, False] and want[6:8] == [True, True] and not any(want[4:6])

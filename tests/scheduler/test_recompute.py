@@ -191,6 +191,21 @@ def test_the_window_planner_recomputes_what_the_rule_chooses() -> None:
             simulate(plan_window(seq, budget), hw).total_s
 
 
+def test_a_plan_lists_its_actions_in_step_order_and_its_recomputes_by_variable() -> None:
+    """What a hook-driven step reads of its plan once per plan: every action at its gap in the
+    order the step runs them, each variable's recomputes with their chains, the discarded."""
+    seq = _seq()
+    s = plan_window(seq, seq.in_core_peak_bytes - 3 * MiB, recompute=lambda v, at: chain_for(seq, v, at))
+    n = len(seq.functions)
+    walked = [(g + k, a) for g in range(n) for k, acts in ((0, s.before[g]), (1, s.after[g])) for a in acts]
+    assert walked[-1][0] == n and any(k for g in range(n - 1) for k in s.after[g])   # after some function
+    assert list(s.in_step_order) == walked and s.in_step_order is s.in_step_order
+    assert s.recomputes and s.recomputes == {
+        a.var: tuple((g, b.chain) for g, b in walked if b.op is Op.RECOMPUTE and b.var == a.var)
+        for _, a in walked if a.op is Op.RECOMPUTE}
+    assert s.discarded == {a.var for _, a in walked if a.op is Op.DISCARD} and s.discarded
+
+
 def test_a_replay_its_use_cannot_hold_is_swapped_instead() -> None:
     """At a budget equal to the largest working set (bn's 10 MiB), re-creating bn's statistics
     right before back_bn reruns bn, which makes b again (4 MiB) beside back_bn's own 7 MiB:
