@@ -129,7 +129,8 @@ def template_us(rounds: int = 7, calls: int = 500) -> float:
     import torch
 
     from ooc.runtime.recipes import Made
-    from ooc.runtime.templates import BoundTemplates, PackArg, Template, Templates, View
+    from ooc.runtime.bound_templates import BoundTemplates
+    from ooc.runtime.templates import PackArg, Template, Templates, View
 
     aten = torch.ops.aten
     a, b, w = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
@@ -154,7 +155,7 @@ def template_us(rounds: int = 7, calls: int = 500) -> float:
         torch.nn.functional.silu(torch.mm(a, w))
 
     def replay() -> None:
-        bound.replay(slot, chain, {}, None, lambda s: None)
+        bound.replay(slot, chain, {}, lambda s: None)
 
     def per_op(fn: Callable[[], None]) -> float:
         t0 = time.perf_counter()

@@ -127,6 +127,7 @@ class Meter:
             self._gc_t0 = time.perf_counter()
         else:
             self.s["gc"] += time.perf_counter() - self._gc_t0
+            self.s["full passes"] += info["generation"] == 2
 
     @contextlib.contextmanager
     def on(self) -> Any:
@@ -135,12 +136,15 @@ class Meter:
 
         from ooc.engine import OutOfCore
         from ooc.runtime.anchored_step import AnchoredStep
-        from ooc.runtime.templates import BoundTemplates
+        from ooc.runtime.bound_templates import BoundTemplates
+        from ooc.testing.fake_cuda_contexts import FakeContexts
         from vmm.cuda_driver import CudaDriver
 
         patched = [(AnchoredStep, name, "ooc", True) for name in self.ENTRIES]
         patched += [(OutOfCore, "step", "ooc", False), (BoundTemplates, "replay", "replays", False),
                     (CudaDriver, "raw", "driver", False)]
+        # the context calls go to the driver's module directly, not through ``CudaDriver.raw``
+        patched += [(FakeContexts, name, "driver", False) for name in ("cuCtxGetCurrent", "cuCtxSetCurrent")]
         saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in patched]
         for cls, name, what, outer in patched:
             fn = cls.__dict__[name]
@@ -210,22 +214,23 @@ def _range(seconds: list[float]) -> str:
     return f"{min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}"
 
 
-def _where_lines(where: dict[str, float], means: dict[str, float], excess: float) -> list[str]:
+def _where_lines(where: dict[str, float], means: dict[str, float], excess: float, len_steps: int) -> list[str]:
     """What ``Meter`` measured over the last round's extra steps, in words."""
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     inside = where.get("ooc", 0.0)
     own = inside - where.get("replays", 0.0) - where.get("driver", 0.0)
-    return [f"- where the excess goes (the last round, {ms(excess)} at the median; clocks in the step, "
-            f"not a profiler): inside ooc's hooks and the engine's calls {ms(inside)} a step, of which the "
+    return [f"- where the excess goes ({ms(excess)}, the median over rounds; clocks in the step, not a "
+            f"profiler, over the last round's extra steps): inside ooc's hooks and the engine's calls {ms(inside)} a step, of which the "
             f"replays {ms(where.get('replays', 0.0))} (their ops' Python and compute; a GPU's kernels run "
             f"apart), the driver calls {ms(where.get('driver', 0.0))} (the fake's work: a GPU's driver "
             f"does this elsewhere), ooc's own Python and PyTorch calls {ms(own)}; outside ooc "
             f"{ms(excess - inside)} (autograd calling the hooks, the model's ops, which run slower beside "
             "ooc's work on this CPU)",
-            f"- the garbage collector's pauses, a step on average: in core {ms(means.get('gc in core', 0.0))}, "
-            f"ooc {ms(where.get('gc', 0.0))} (its full passes come every ~10-30 steps: the mean step time "
-            f"holds them, the median does not; mean in core {ms(means.get('in core', 0.0))}, ooc "
-            f"{ms(means.get('ooc', 0.0))})"]
+            f"- the garbage collector's pauses, a step on average over those steps: in core "
+            f"{ms(means.get('gc in core', 0.0))}, ooc {ms(where.get('gc', 0.0))}, with "
+            f"{where.get('full passes', 0.0) * len_steps:.0f} full pass(es) of the whole heap among them "
+            f"(rare and long: the mean step time holds them, the median does not; mean in core "
+            f"{ms(means.get('in core', 0.0))}, ooc {ms(means.get('ooc', 0.0))})"]
 
 
 def main() -> None:
@@ -299,7 +304,7 @@ def main() -> None:
               f"{'yes' if bitwise else 'NO'}",
               "- driver calls a step: " + ", ".join(f"{k} {v}" for k, v in
                                                     sorted(calls.items(), key=lambda kv: -kv[1])),
-              *_where_lines(where, means, excess),
+              *_where_lines(where, means, excess, timed),
               "", "The ooc step under cProfile, ooc's functions by cumulative time (the profiler's own cost per "
               "call inflates them about three times: the lines above are the step's own clocks):", "", "```",
               *profile, "```"]

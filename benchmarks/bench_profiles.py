@@ -73,6 +73,17 @@ def main() -> int:
     lines += common.md_table(["profile", "budget", "recompute", "predicted step", "vs in-core",
                               "moved (in + out)", "recomputed", "peak", "plan wall", "plan CPU", "stall"],
                              rows) + [""] + verdicts
+    lines += ["", "## The hook-driven form's plan", "",
+              "What a settled step that intercepts no op would run (`scheduler.step_plans.hook_form`): the "
+              "plan made again with the functions its templates replay, anchored at the hooks "
+              "`scheduler.anchors.estimated_anchors` places on the profile, proven within the budget. "
+              "Random ops (dropout) replay from the generator's state at the last save before them "
+              "(`ooc/runtime/bound_templates.py`); before, they had no template, and a chain through one "
+              "was swapped. Speed as a fraction of in core, predicted.", ""]
+    lines += common.md_table(["profile", "budget", "random functions", "per op", "anchored, random ops replayed",
+                              "anchored, random ops swapped (before)", "anchored, swap only"],
+                             [_forms(path, fraction) for path in sorted(args.profiles.glob("*.json"))
+                              for fraction in TARGETS])
     common.write_report(common.result_path("profiles", args.quick, out=args.out), lines)
     return 0
 
@@ -100,6 +111,34 @@ def _row(path: Path, fraction: float, mode: str, runs: int):
              f"{speed:.2f}x", f"{(r.bytes_in + r.bytes_out) / GiB:.2f} GiB",
              f"{r.bytes_recomputed / GiB:.2f} GiB", f"{r.peak_bytes / GiB:.2f} GiB",
              f"{wall:.3f} s", f"{statistics.median(cpus):.3f} s", f"{r.stall_s * 1e3:.1f} ms"], speed, wall)
+
+
+def _forms(path: Path, fraction: float) -> list[str]:
+    """One row of the hook-driven form's table: the per-op plan and its anchored forms."""
+    from scheduler.anchoring import anchor_within_budget
+    from scheduler.anchors import estimated_anchors
+    from scheduler.replay import mark_replayable
+
+    seq = managed_view(VariableSequence.from_json(path))
+    hw = default_hardware(seq)
+    budget = int(seq.in_core_peak_bytes * fraction)
+    gaps = estimated_anchors(seq)
+
+    def speed(schedule: "scheduler.Schedule | None") -> str:
+        if schedule is None:
+            return "does not fit"
+        r = scheduler.simulate(schedule, hw, timeline=False)
+        return f"{r.compute_s / r.total_s:.2f}x"
+
+    def anchored(s: "scheduler.Schedule", **chains: object) -> "scheduler.Schedule | None":
+        return anchor_within_budget(s, *gaps, budget=budget, chunk=2 << 20, window=None, policy="window",
+                                    **chains)
+
+    per_op = scheduler.plan(seq, budget=budget, hardware=hw)
+    unrandom = scheduler.plan(mark_replayable(seq, lambda f: {} if f.rng else None), budget=budget, hardware=hw)
+    return [path.stem, f"{fraction:g}", str(sum(f.rng for f in seq.functions)), speed(per_op),
+            speed(anchored(per_op, hardware=hw, recompute=True)),
+            speed(anchored(unrandom, hardware=hw, recompute=True)), speed(anchored(per_op))]
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
 from ooc.runtime.slots import Slot, State, in_flight, raise_failed
-from ooc.runtime.templates import BoundTemplates, Templates
+from ooc.runtime.bound_templates import BoundTemplates
+from ooc.runtime.templates import Templates
 from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
@@ -240,7 +241,7 @@ class AnchoredStep(HookStep):
             self._account(slot.nbytes)
 
         t0 = time.perf_counter()
-        bound.replay(slot, chain, self.slots, None, born)
+        bound.replay(slot, chain, self.slots, born)
         self.events.append(("recompute", f"recompute {slot.name}", t0, time.perf_counter()))
 
     def _bring_back(self, slot: Slot) -> None:

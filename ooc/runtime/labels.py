@@ -19,11 +19,22 @@ except ImportError:  # pragma: no cover - depends on the environment
     _nvtx = None
 
 
+_NONE = contextlib.nullcontext()
+
+
+def label(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named ``name`` around the block, when a profiler is recording (none:
+    a shared empty context, no generator; the tier labels each of its calls)."""
+    profiling = torch.autograd.profiler._is_profiler_enabled
+    if not profiling and _nvtx is None:
+        return _NONE
+    return _ranges(name, profiling)
+
+
 @contextlib.contextmanager
-def label(name: str) -> Iterator[None]:
-    """A profiler range named ``name`` around the block, when a profiler is recording."""
+def _ranges(name: str, profiling: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        if torch.autograd.profiler._is_profiler_enabled:
+        if profiling:
             stack.enter_context(torch.profiler.record_function(name))
         if _nvtx is not None:
             stack.enter_context(_nvtx.annotate(name, domain="ooc"))

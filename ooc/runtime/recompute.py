@@ -41,7 +41,7 @@ from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
-from scheduler.schedule import Op, Schedule
+from scheduler.schedule import Schedule
 
 
 def chains_of(schedule: Schedule | None) -> Mapping[int, tuple[tuple[int, tuple[int, ...]], ...]]:

@@ -103,7 +103,8 @@ class SavedTensors:
         self.templates: TemplateCapture | None = None
         if self.hook_trace is not None and room.recompute.recipe_ops:
             depth = max(len(c) for each in room.recompute.chains.values() for _, c in each)
-            self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth)
+            self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth,
+                                                                        room.recompute.rng_device)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:

@@ -16,9 +16,13 @@ tensor arguments are slots a later step fills from what its hooks see
   the hook-driven step refuses to discard under);
 - ``Made``: a result of the chain, as in ``recompute.py``.
 
-A recipe with anything else (a tensor no hook sees, a random op: the generator's state before
-it is not visible at a hook) gives no template, and the plan made for the hook-driven form
-does not replay that function (``scheduler.step_plans.hook_form``). What guards a template
+A random op (dropout) draws from the generator's state before it, which no hook sees; but the
+state at the last save before it is the same where no random number is drawn in between.
+The capturing step proves that (the state at that save equals the recipe's), and the template
+keeps which save (``Template.rng_at``): a hook-driven step takes the generator's state at that
+save's hook and replays the op from it. A recipe with anything else (a tensor no hook sees, a
+random op after another one with no save between) gives no template, and the plan made for
+the hook-driven form does not replay that function (``scheduler.step_plans.hook_form``). What guards a template
 against a step that differs from the one captured: every tensor it reads is saved at its
 index with its bytes, unwritten since, and each discarded activation's and each saved input's
 autograd node has the captured node's type (the hook trace guards the rest, as for swaps).
@@ -26,19 +30,18 @@ autograd node has the captured node's type (the hook trace guards the rest, as f
 
 from __future__ import annotations
 
-import time
+import dataclasses
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.recipes import Made, Recipe, Ref, as_view, rerun
-from ooc.runtime.made_by import node_of, said, signature
-from ooc.runtime.slots import Slot
+from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, as_view
+from ooc.runtime.made_by import node_of, signature
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,9 @@ class Template:
     ``saves`` and ``variables``, its ``PackArg`` and ``VarArg`` slots, ``checked``, the
     parameters and buffers a write to refuses it, and ``spots``, (position, slot) of each slot
     when all are positional arguments (else None): ``make`` finds them once, as walking the
-    arguments at each replay cost more than the replay."""
+    arguments at each replay cost more than the replay. ``rng_at``: a random op's (save index,
+    its gap), the save at whose hook the generator's state is the one the op drew from;
+    ``rng``, that state, set for one replay (``BoundTemplates``)."""
 
     func: Any
     args: tuple
@@ -111,11 +116,12 @@ class Template:
     variables: tuple[VarArg, ...] = ()
     checked: tuple[torch.Tensor, ...] = ()
     spots: tuple[tuple[int, Any], ...] | None = None
-    rng: None = None
+    rng_at: tuple[int, int] | None = None
+    rng: torch.Tensor | None = None
 
     @staticmethod
     def make(func: Any, args: tuple, kwargs: dict, stats: tuple[int, int] | None = None, grad: bool = True,
-             outputs: int = 1) -> Template:
+             outputs: int = 1, rng_at: tuple[int, int] | None = None) -> Template:
         leaves = tree_leaves((args, kwargs))
         slots = [x for x in leaves if isinstance(x, _SLOTS)]
         spots = tuple((i, x) for i, x in enumerate(args) if isinstance(x, _SLOTS))
@@ -123,7 +129,7 @@ class Template:
                         tuple(x for x in slots if isinstance(x, PackArg)),
                         tuple(x for x in slots if isinstance(x, VarArg)),
                         tuple(x.tensor for x in slots if isinstance(x, Persistent) and x.checked),
-                        spots if len(spots) == len(slots) else None)
+                        spots if len(spots) == len(slots) else None, rng_at)
 
 
 _SLOTS = (VarArg, PackArg, Persistent, Made)
@@ -139,7 +145,9 @@ class Templates:
     """What a plan's anchored form replays: ``calls`` (function -> template), ``born_at`` (var
     -> (function, output) that makes it), ``wanted`` (pack index -> ``PackArg``), ``nodes`` (var
     -> its ``signature`` where the step first saved it, ``depth`` nodes deep), ``persistent``
-    (those checked)."""
+    (those checked), ``rng_device`` (whose generator the random ops draw from), ``draws``
+    (save index -> its storage's bytes and node type, for each save whose hook holds a random
+    op's generator state: a step whose save there differs leaves its plan)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -147,6 +155,8 @@ class Templates:
     nodes: Mapping[int, tuple]
     persistent: tuple[torch.Tensor, ...]
     depth: int = 1
+    rng_device: torch.device | None = None
+    draws: Mapping[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def functions(self) -> frozenset[int]:
@@ -172,8 +182,8 @@ class Templates:
         same = None if before is None else {
             i for i, c in self.calls.items()
             if i in before.calls and before.calls[i].func == c.func and _numbers(before.calls[i]) == _numbers(c)}
-        return {i: max((a.gap for a in c.saves), default=0) for i, c in self.calls.items()
-                if same is None or i in same}
+        return {i: max([a.gap for a in c.saves] + ([c.rng_at[1]] if c.rng_at else []), default=0)
+                for i, c in self.calls.items() if same is None or i in same}
 
 
 class TemplateCapture:
@@ -182,8 +192,9 @@ class TemplateCapture:
     A saved tensor is held weakly (autograd holds it through the forward); a recipe's tensor
     is held by the recipe, so its storage, and the storage's address, stay its own."""
 
-    def __init__(self, model: torch.nn.Module, depth: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, depth: int = 1, rng_device: torch.device | None = None) -> None:
         self.depth = depth   # how far back a managed activation's signature looks: the longest chain
+        self.rng_device = rng_device   # None: random ops get no template
         self.persistent: dict[int, torch.Tensor] = {}
         for t in (*model.parameters(), *model.buffers()):
             if t.layout is torch.strided and not t.is_meta:
@@ -193,13 +204,18 @@ class TemplateCapture:
         self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # cdata -> (function, tensor, version)
         self.found: dict[int, dict[int, PackArg | Persistent]] = {}       # function -> id(tensor) -> slot
         self.nodes: dict[int, tuple] = {}
-        self.random: set[int] = set()
+        self.random: set[int] = set()                 # random functions with no template
+        self.rng_at: dict[int, tuple[int, int]] = {}  # random function -> (save, gap) its state is taken at
+        self.last: tuple | None = None   # the last save: k, gap, generator state, bytes, node type
+        self.draws: dict[int, tuple[int, str]] = {}
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
         ``gap``."""
         k = self.n
         self.n = k + 1
+        if self.rng_device is not None:
+            self.last = (k, gap, _rng_state(self.rng_device), s.nbytes(), node_of(t))
         if var is not None:
             if var not in self.nodes:
                 self.nodes[var] = signature(t, self.depth)
@@ -217,9 +233,13 @@ class TemplateCapture:
         """Function ``i``'s recipe: each tensor it holds bound to a parameter or buffer, to a
         tensor saved already, or left waiting for a save to come."""
         found = self.found.setdefault(i, {})
-        if recipe.rng is not None:
-            self.random.add(i)
-            return
+        if recipe.rng is not None:   # drawn from the state at the last save, if nothing drew since
+            last = self.last
+            if last is None or not torch.equal(last[2], recipe.rng):
+                self.random.add(i)
+                return
+            self.rng_at[i] = last[:2]
+            self.draws[last[0]] = last[3:]
         stats = {id(recipe.args[p]) for p in recipe.stats or () if p < len(recipe.args)}
         for x, version in recipe.held:
             if x.layout is not torch.strided:
@@ -254,124 +274,12 @@ class TemplateCapture:
                 return x   # a Made, or no tensor
 
             calls[i] = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
-                                     r.outputs)
+                                     r.outputs, self.rng_at.get(i))
         wanted = {a.k: a for c in calls.values() for a in c.saves}
         persistent = {id(t): t for c in calls.values() for t in c.checked}
         self.packed.clear()
         self.pending.clear()
-        return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth)
-
-
-@dataclass
-class BoundTemplates:
-    """One hook-driven step's templates: what its saves gave them (``packs``: index ->
-    (tensor, version at the save)), and the persistent tensors' versions when it began.
-    ``readers``: pack index -> the plan's recomputes still to run that read it (``chains``,
-    one per recompute action); a saved tensor is let go after the last (autocast's low-precision
-    copies of the weights, which a matmul saves, would otherwise live to the step's end)."""
-
-    templates: Templates
-    chains: Iterable[tuple[int, ...]] = ()
-    n: int = 0
-    packs: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
-    versions: dict[int, int] = field(default_factory=dict)   # id(parameter) -> its version at the start
-    readers: dict[int, int] = field(default_factory=dict)
-    recomputed: int = 0
-    recompute_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.versions = {id(t): t._version for t in self.templates.persistent}
-        for chain in self.chains:
-            for k in self._reads(chain):
-                self.readers[k] = self.readers.get(k, 0) + 1
-
-    def _reads(self, chain: tuple[int, ...]) -> set[int]:
-        calls = self.templates.calls
-        return {a.k for w in chain if w in calls for a in calls[w].saves}
-
-    def saved(self, t: torch.Tensor, s: torch.UntypedStorage) -> str | None:
-        """The step's next save (every size counts); why it is not what the templates read."""
-        k = self.n
-        self.n = k + 1
-        want = self.templates.wanted.get(k)
-        if want is None:
-            return None
-        if s.nbytes() != want.nbytes or node_of(t) != want.node:
-            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, the templates' "
-                    f"was {want.nbytes} B from {want.node}")
-        self.packs[k] = (t, t._version)
-        return None
-
-    def node_differs(self, var: int, t: torch.Tensor) -> str | None:
-        """Why the first save of managed ``var`` is not the one captured: another op made it,
-        or one with another number (``signature``)."""
-        want = self.templates.nodes.get(var)
-        if want is None:
-            return None
-        got = signature(t, self.templates.depth)
-        if got == want:
-            return None
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
-                f"{said(want, at)}")
-
-    def why_not(self, chain: tuple[int, ...]) -> str | None:
-        """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
-        calls = self.templates.calls
-        for w in chain:
-            c = calls.get(w)
-            if c is None:
-                return f"function {w} has no template"
-            for a in c.saves:
-                got = self.packs.get(a.k)
-                if got is None:
-                    return f"saved tensor {a.k}, which its chain reads, was not saved"
-                if got[0]._version != got[1]:
-                    return f"saved tensor {a.k}, which its chain reads, was written since"
-            for t in c.checked:
-                if t._version != self.versions[id(t)]:
-                    return f"a parameter or buffer {tuple(t.shape)} its chain reads was written in the step"
-        return None
-
-    def unsaved(self, chain: tuple[int, ...]) -> bool:
-        """Whether a tensor ``chain`` reads is still to be saved (a discard waits for it)."""
-        calls = self.templates.calls
-        return any(a.k not in self.packs for w in chain if w in calls for a in calls[w].saves)
-
-    def inputs(self, chain: tuple[int, ...], var: int) -> list[int]:
-        """The managed variables ``chain`` reads that it does not make itself."""
-        born_in = self.templates.born_in
-        made = {v for w in set(chain) for v, _ in born_in.get(w, ())}
-        return sorted({a.var for w in chain for a in self.templates.calls[w].variables
-                       if a.var != var and a.var not in made})
-
-    def replay(self, slot: Slot, chain: tuple[int, ...], slots: Mapping[int, Slot], rng_device: torch.device,
-               born: Callable[[torch.UntypedStorage], None]) -> None:
-        """Rerun ``chain`` to re-create ``slot`` (its inputs resident: the caller made them)."""
-        t0 = time.perf_counter()
-        born_at, born_in = self.templates.born_at, self.templates.born_in
-        inside = {var: at for w in set(chain) for var, at in born_in.get(w, ()) if var != slot.var}
-
-        def materialize(x: Any, made: dict) -> Any:
-            if isinstance(x, VarArg):
-                at = inside.get(x.var)
-                return x.view.on(slots[x.var].storage) if at is None else x.view.of_tensor(made[at])
-            if isinstance(x, PackArg):
-                return x.view.of_tensor(self.packs[x.k][0])
-            if isinstance(x, Persistent):
-                return x.view.of_tensor(x.tensor)
-            return x.tensor(made) if isinstance(x, Made) else x
-
-        producer, out_index = born_at[slot.var]
-        rerun([(w, self.templates.calls[w]) for w in chain], materialize, slot=slot, producer=producer,
-              out_index=out_index, born=born, rng_device=rng_device, name_of=lambda w: f"function {w}")
-        for k in self._reads(chain):   # let go of what no recompute of the plan reads any more
-            left = self.readers.get(k, 0) - 1
-            self.readers[k] = left
-            if left == 0:
-                del self.packs[k]
-        self.recomputed += slot.nbytes
-        self.recompute_s += time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.packs.clear()
+        self.last = None
+        draws = {c.rng_at[0]: self.draws[c.rng_at[0]] for c in calls.values() if c.rng_at is not None}
+        return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
+                         self.rng_device, draws)

@@ -17,9 +17,11 @@ import torch
 import torch.nn as nn
 
 from ooc import FORMS, OutOfCore
+from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.recipes import Recipe
-from ooc.runtime.templates import (BoundTemplates, PackArg, Persistent, Template, TemplateCapture, Templates,
-                                   VarArg, View)
+from ooc.runtime.slots import Slot
+from ooc.runtime.templates import PackArg, Persistent, Template, TemplateCapture, Templates, VarArg, View
+from scheduler.ir import Kind
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,6 +62,43 @@ def test_no_template_for_an_unsaved_tensor_a_written_save_or_a_random_op() -> No
     for i, r in recipes.items():
         cap.captured(i, r)
     assert cap.build(recipes, {}).functions == frozenset()
+
+
+def test_a_random_op_draws_from_the_state_at_the_last_save_if_nothing_drew_since() -> None:
+    """A random op's template keeps which save's hook holds the generator state it drew from:
+    the last save before it, proven by the state there being the recipe's. A draw between the
+    save and the op (another random op, no save between) leaves the op with no template."""
+    cap = TemplateCapture(nn.Linear(2, 2), rng_device=torch.device("cpu"))
+    x, y = torch.randn(8), torch.randn(8)
+    cap.saved(x, x.untyped_storage(), None, gap=3)
+    r1 = _recipe(aten.bernoulli.p, [x, 0.5], rng=torch.get_rng_state())
+    cap.captured(4, r1)
+    torch.rand(1)   # an op no chain has draws
+    cap.saved(y, y.untyped_storage(), None, gap=5)
+    torch.rand(1)
+    r2 = _recipe(aten.bernoulli.p, [y, 0.5], rng=torch.get_rng_state())
+    cap.captured(6, r2)
+    t = cap.build({4: r1, 6: r2}, {9: (4, 0)})
+    assert t.functions == {4} and t.calls[4].rng_at == (0, 3) and t.rng_device == torch.device("cpu")
+    assert t.ready() == {4: 3}   # a discard for it waits for that save's hook
+
+    bound = BoundTemplates(t, [(4,)])
+    assert bound.why_not((4,)) is not None and bound.unsaved((4,))
+    torch.manual_seed(7)
+    z = torch.randn(8)
+    bound.saved(z, z.untyped_storage())   # save 0 of this step: its state is taken
+    assert bound.why_not((4,)) is None and not bound.unsaved((4,))
+    want = torch.bernoulli(z, 0.5)   # what the op draws right after save 0, as it did in the capture
+    torch.rand(3)   # the step goes on drawing: the replay draws from the state at save 0
+    slot = Slot(9, Kind.ACTIVATION, 32, "v", in_place=False)
+    made = []
+    after = torch.get_rng_state()
+    bound.replay(slot, (4,), {}, made.append)
+    assert torch.equal(torch.empty(0).set_(made[0], 0, (8,), (1,)), want)
+    assert torch.equal(torch.get_rng_state(), after)   # the step's generator is left as it was
+    other = BoundTemplates(t, [(4,)])   # a step whose save there is another tensor: no state taken
+    w = torch.randn(16)
+    assert "the generator's state" in other.saved(w, w.untyped_storage()) and not other.states
 
 
 def test_batchnorms_running_statistics_are_bound_unchecked() -> None:
@@ -123,9 +162,9 @@ def test_a_save_is_held_until_the_last_recompute_that_reads_it() -> None:
     bound.saved(y, y.untyped_storage())
     slot = SimpleNamespace(var=7, nbytes=16, name="product")
     made = []
-    bound.replay(slot, (3,), {}, None, made.append)
+    bound.replay(slot, (3,), {}, made.append)
     assert 0 in bound.packs   # a second recompute reads it
-    bound.replay(slot, (3,), {}, None, made.append)
+    bound.replay(slot, (3,), {}, made.append)
     assert bound.packs == {} and bound.recomputed == 32
     expected = (y * model.weight).detach()
     assert all(torch.equal(torch.empty(0).set_(s, 0, (2, 2), (2, 1)), expected) for s in made)
@@ -275,3 +314,43 @@ def test_what_a_chain_makes_is_found_per_function() -> None:
     assert t.born_in == {3: ((1, (3, 0)), (2, (3, 1))), 4: ((5, (4, 0)),), 0: ((7, (0, 0)),),
                          2: ((8, (2, 0)),)}
     assert BoundTemplates(t).inputs((3, 4), var=5) == [7, 8]   # 1 is made by function 3
+
+
+def _dropped(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.dropout(torch.sigmoid(x), 0.1, training=True)
+
+
+def test_dropout_in_a_chain_reruns_at_the_hooks_bitwise(monkeypatch) -> None:
+    """Dropout after each layer: its output and mask are saved, and the chains that make them
+    again draw random numbers. The template form replays them from the generator's state at the
+    last save before the dropout (``Template.rng_at``), and every step stays bitwise with in-core
+    training. Without that state (random ops untemplated, as before), the anchored steps
+    recompute less: their plan swaps what the dropouts make."""
+    from test_anchored_steps import templates_forced
+
+    import ooc.runtime.saved_tensors as saved_tensors
+
+    templates_forced(monkeypatch.setattr)
+    acts = [_dropped] * 10
+    torch.manual_seed(0)
+    ref = Net()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses, _ = _steps(ref, None, acts)
+
+    def run() -> tuple[list, list, Net]:
+        model = Net()
+        model.load_state_dict(state)
+        losses, forms = _steps(model, 6 << 20, acts)
+        return losses, forms, model
+
+    losses, forms, model = run()
+    assert all(f[0] == "anchored" and f[1] == -1 for f in forms[7:]), forms
+    with_rng = forms[-1][2] - forms[-2][2]   # bytes recomputed by the last (anchored) step
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+    real = saved_tensors.TemplateCapture
+    monkeypatch.setattr(saved_tensors, "TemplateCapture", lambda model, depth, rng_device: real(model, depth))
+    _, forms, _ = run()
+    assert forms[-1][0] == "anchored" and with_rng > forms[-1][2] - forms[-2][2] >= 0, (with_rng, forms)

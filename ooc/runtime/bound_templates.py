@@ -1,0 +1,159 @@
+"""A hook-driven step's templates: what its saves give them, and the replays they run.
+
+The capture and what a template is are ``templates.py``'s; this is the run side, one per
+anchored step that recomputes (``anchored_step.py``): each save of the step is counted and the
+ones a template reads are kept (until the last recompute that reads them), the generator's
+state is taken at the saves a random op's replay draws from, a discard first asks whether its
+chain can rerun later from what the step saw, and a recompute replays the chain below autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ooc.runtime.made_by import node_of, said, signature
+from ooc.runtime.recipes import Made, _rng_state, rerun
+from ooc.runtime.slots import Slot
+from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
+
+
+@dataclass
+class BoundTemplates:
+    """One hook-driven step's templates: what its saves gave them (``packs``: index ->
+    (tensor, version at the save)), and the persistent tensors' versions when it began.
+    ``readers``: pack index -> the plan's recomputes still to run that read it (``chains``,
+    one per recompute action); a saved tensor is let go after the last (autocast's low-precision
+    copies of the weights, which a matmul saves, would otherwise live to the step's end).
+    ``states``: save index -> the generator's state at its hook, for the random ops the chains
+    replay (``Template.rng_at``)."""
+
+    templates: Templates
+    chains: Iterable[tuple[int, ...]] = ()
+    n: int = 0
+    packs: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)   # id(parameter) -> its version at the start
+    readers: dict[int, int] = field(default_factory=dict)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    recomputed: int = 0
+    recompute_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.versions = {id(t): t._version for t in self.templates.persistent}
+        calls = self.templates.calls
+        self.chains = list(self.chains)
+        self.draws = frozenset(calls[w].rng_at[0] for chain in self.chains for w in chain
+                               if w in calls and calls[w].rng_at is not None)   # saves whose state a replay takes
+        for chain in self.chains:
+            for k in self._reads(chain):
+                self.readers[k] = self.readers.get(k, 0) + 1
+
+    def _reads(self, chain: tuple[int, ...]) -> set[int]:
+        calls = self.templates.calls
+        return {a.k for w in chain if w in calls for a in calls[w].saves}
+
+    def saved(self, t: torch.Tensor, s: torch.UntypedStorage) -> str | None:
+        """The step's next save (every size counts); why it is not what the templates read."""
+        k = self.n
+        self.n = k + 1
+        if k in self.draws:
+            nbytes, node = self.templates.draws[k]
+            if s.nbytes() != nbytes or node_of(t) != node:
+                return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, where the "
+                        f"templates' was {nbytes} B from {node}, the generator's state a random op replays from")
+            self.states[k] = _rng_state(self.templates.rng_device)
+        want = self.templates.wanted.get(k)
+        if want is None:
+            return None
+        if s.nbytes() != want.nbytes or node_of(t) != want.node:
+            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, the templates' "
+                    f"was {want.nbytes} B from {want.node}")
+        self.packs[k] = (t, t._version)
+        return None
+
+    def node_differs(self, var: int, t: torch.Tensor) -> str | None:
+        """Why the first save of managed ``var`` is not the one captured: another op made it,
+        or one with another number (``signature``)."""
+        want = self.templates.nodes.get(var)
+        if want is None:
+            return None
+        got = signature(t, self.templates.depth)
+        if got == want:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
+                f"{said(want, at)}")
+
+    def why_not(self, chain: tuple[int, ...]) -> str | None:
+        """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
+        calls = self.templates.calls
+        for w in chain:
+            c = calls.get(w)
+            if c is None:
+                return f"function {w} has no template"
+            for a in c.saves:
+                got = self.packs.get(a.k)
+                if got is None:
+                    return f"saved tensor {a.k}, which its chain reads, was not saved"
+                if got[0]._version != got[1]:
+                    return f"saved tensor {a.k}, which its chain reads, was written since"
+            for t in c.checked:
+                if t._version != self.versions[id(t)]:
+                    return f"a parameter or buffer {tuple(t.shape)} its chain reads was written in the step"
+            if c.rng_at is not None and c.rng_at[0] not in self.states:
+                return f"the generator's state function {w} draws from (at saved tensor {c.rng_at[0]}) was not seen"
+        return None
+
+    def unsaved(self, chain: tuple[int, ...]) -> bool:
+        """Whether a tensor ``chain`` reads is still to be saved (a discard waits for it)."""
+        calls = self.templates.calls
+        return any(a.k not in self.packs for w in chain if w in calls for a in calls[w].saves) or any(
+            calls[w].rng_at[0] not in self.states for w in chain if w in calls and calls[w].rng_at is not None)
+
+    def inputs(self, chain: tuple[int, ...], var: int) -> list[int]:
+        """The managed variables ``chain`` reads that it does not make itself."""
+        born_in = self.templates.born_in
+        made = {v for w in set(chain) for v, _ in born_in.get(w, ())}
+        return sorted({a.var for w in chain for a in self.templates.calls[w].variables
+                       if a.var != var and a.var not in made})
+
+    def replay(self, slot: Slot, chain: tuple[int, ...], slots: Mapping[int, Slot],
+               born: Callable[[torch.UntypedStorage], None]) -> None:
+        """Rerun ``chain`` to re-create ``slot`` (its inputs resident: the caller made them)."""
+        t0 = time.perf_counter()
+        born_at, born_in = self.templates.born_at, self.templates.born_in
+        inside = {var: at for w in set(chain) for var, at in born_in.get(w, ()) if var != slot.var}
+
+        def materialize(x: Any, made: dict) -> Any:
+            if isinstance(x, VarArg):
+                at = inside.get(x.var)
+                return x.view.on(slots[x.var].storage) if at is None else x.view.of_tensor(made[at])
+            if isinstance(x, PackArg):
+                return x.view.of_tensor(self.packs[x.k][0])
+            if isinstance(x, Persistent):
+                return x.view.of_tensor(x.tensor)
+            return x.tensor(made) if isinstance(x, Made) else x
+
+        producer, out_index = born_at[slot.var]
+        rerun([(w, self._drawn(self.templates.calls[w])) for w in chain], materialize, slot=slot, producer=producer,
+              out_index=out_index, born=born, rng_device=self.templates.rng_device, name_of=lambda w: f"function {w}")
+        for k in self._reads(chain):   # let go of what no recompute of the plan reads any more
+            left = self.readers.get(k, 0) - 1
+            self.readers[k] = left
+            if left == 0:
+                del self.packs[k]
+        self.recomputed += slot.nbytes
+        self.recompute_s += time.perf_counter() - t0
+
+    def _drawn(self, c: Template) -> Template:
+        """``c`` with the generator's state it draws from in this step (a random op's)."""
+        return c if c.rng_at is None else dataclasses.replace(c, rng=self.states[c.rng_at[0]])
+
+    def close(self) -> None:
+        self.packs.clear()
+        self.states.clear()
