@@ -118,7 +118,7 @@ def saved_per_step(case: str) -> int:
 
 def template_us(rounds: int = 7, calls: int = 500) -> float:
     """What rerunning an op from a template adds to calling it in eager code, on this CPU (us):
-    the runtime's own replay (``ooc.runtime.templates.BoundTemplates.replay``: each argument
+    the runtime's own replay (``ooc.runtime.bound_templates.BoundTemplates.replay``: each argument
     rebuilt from its slot, the chain below autograd with autocast off) of an RMSNorm-and-MLP
     chain against the same aten calls made eagerly, tiny tensors so that only the host's cost
     is timed; the median of ``rounds``."""

@@ -31,11 +31,12 @@ def _watch_signatures() -> tuple[list[bool], Any]:
     switch (``[True]`` lets a step go on past a mismatch: is it a false alarm? bitwise tells)
     and what undoes the patch."""
     from ooc.runtime import templates as T
+    from ooc.runtime.bound_templates import BoundTemplates
     from ooc.runtime.made_by import signature
 
     first: dict[int, tuple] = {}
     relaxed = [False]
-    saved, differs = T.TemplateCapture.saved, T.BoundTemplates.node_differs
+    saved, differs = T.TemplateCapture.saved, BoundTemplates.node_differs
 
     def describe(t: Any) -> tuple:
         return (tuple(t.shape), str(t.dtype), type(t.grad_fn).__name__ if t.grad_fn is not None else None,
@@ -56,10 +57,10 @@ def _watch_signatures() -> tuple[list[bool], Any]:
                   flush=True)
         return None if relaxed[0] else why
 
-    T.TemplateCapture.saved, T.BoundTemplates.node_differs = capture_saved, checked
+    T.TemplateCapture.saved, BoundTemplates.node_differs = capture_saved, checked
 
     def undo() -> None:
-        T.TemplateCapture.saved, T.BoundTemplates.node_differs = saved, differs
+        T.TemplateCapture.saved, BoundTemplates.node_differs = saved, differs
 
     return relaxed, undo
 

@@ -122,6 +122,12 @@ class Schedule:
         """The variables some ``discard`` action drops."""
         return frozenset(a.var for _, a in self.in_step_order if a.op is Op.DISCARD)
 
+    @cached_property
+    def leaving(self) -> frozenset[int]:
+        """The variables whose bytes leave the device at some point of the step before their
+        death: swapped out or discarded."""
+        return frozenset(a.var for _, a in self.in_step_order if a.op in (Op.SWAP_OUT, Op.DISCARD))
+
     def summary(self) -> dict[str, Any]:
         """The fields ``ooc plan --json`` prints: plain data, stable keys."""
         return {

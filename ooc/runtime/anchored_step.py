@@ -75,6 +75,7 @@ class AnchoredStep(HookStep):
                       if templates is not None and self.actions else None)
         self.discarded_for: dict[int, tuple[int, ...]] = {}   # var -> the chain it was discarded for
         self.discards = frozenset() if anchored is None else anchored.discarded
+        self.leaving = frozenset() if anchored is None else anchored.leaving   # their bytes go before the unpack
 
     @property
     def planned(self) -> bool:
@@ -125,7 +126,7 @@ class AnchoredStep(HookStep):
             self.by_storage[id(s)] = slot
         if self.actions:
             self._reach(gap)
-        return Packed(slot, t) if slot is not None and var == slot.var else t
+        return Packed(slot, t, var not in self.leaving) if slot is not None and var == slot.var else t
 
     def unpack(self, p: Any) -> torch.Tensor:
         if isinstance(p, Spilled):
@@ -143,6 +144,8 @@ class AnchoredStep(HookStep):
                               f"{'none' if var is None else self.variables[var].name}")
             else:
                 self._reach(gap)
+        if p.tensor is not None and slot.state is State.RESIDENT:   # never left: the saved tensor itself
+            return p.tensor
         if slot.state is State.DISCARDED:   # a step that left its plan after the discard
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
         elif slot.state is not State.RESIDENT:
@@ -325,4 +328,3 @@ class AnchoredStep(HookStep):
         self.events.insert(0, ("compute", f"{self.form} step (no op intercepted)", self.t0, time.perf_counter()))
         if error is not None and not failed:
             raise error
-

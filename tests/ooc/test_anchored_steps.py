@@ -125,7 +125,8 @@ def test_anchored_steps_intercept_no_op_and_are_bitwise(counted_ops, name, opt) 
 
 def test_the_default_engine_runs_a_plan_that_recomputes_at_the_hooks_from_templates(counted_ops, monkeypatch) -> None:
     """The per-op plan recomputes; its anchored form reruns the chains from the templates a
-    per-op step captured (``ooc/runtime/templates.py``; the dropout's chains, random, swap):
+    per-op step captured (``ooc/runtime/templates.py``; the dropout's chains draw from the
+    generator's state at the save before them, ``ooc/runtime/bound_templates.py``):
     with the trial kept, the engine's steps intercept no op, recompute, keep to their plan and
     give in-core's parameters and losses bitwise. Plans recompute whatever the machine's load
     (``templates_forced``: priced at what the file measured, a busy CI machine once planned
@@ -144,6 +145,40 @@ def test_the_default_engine_runs_a_plan_that_recomputes_at_the_hooks_from_templa
     assert all(b["last_diverged_at"] == -1 and b["plan.bytes_recomputed"] > 0 for _, b in hooked)
     assert all(b["bytes_recomputed"] > a["bytes_recomputed"] for a, b in hooked)   # each step recomputed
     assert_same(ref, model, ref_losses, losses)
+
+
+def test_an_anchored_step_keeps_the_saved_tensor_only_where_its_bytes_never_leave(counted_ops, monkeypatch) -> None:
+    """Autograd's record of a saved activation holds the tensor itself (its unpack returns it,
+    no new view) only where the plan neither swaps nor discards it: holding a swapped one would
+    keep its bytes in memory after the swap-out."""
+    from ooc.runtime.anchored_step import AnchoredStep
+    from ooc.runtime.saved_tensors import Packed
+
+    seen, unpacked = [], []
+    pack, unpack = AnchoredStep.pack, AnchoredStep.unpack
+
+    def packing(self, t):   # notes no tensor: holding one would hold its bytes
+        p = pack(self, t)
+        if isinstance(p, Packed) and self.actions:
+            seen.append((p.slot.var in self.leaving, p.tensor is t, p.tensor is None))
+        return p
+
+    def unpacking(self, p):
+        out = unpack(self, p)
+        if isinstance(p, Packed) and self.actions:
+            unpacked.append((p.tensor is not None, out is p.tensor))
+        return out
+
+    monkeypatch.setattr(AnchoredStep, "pack", packing)
+    monkeypatch.setattr(AnchoredStep, "unpack", unpacking)
+    model, o = fresh("small_cnn", "sgd")
+    with engine_for("small_cnn", model, o, 0.4, recompute="never") as engine:
+        _, stats = train("small_cnn", model, o, engine, [8] * 8, ops=counted_ops)
+    assert stats[-1]["steps.anchored"] >= 3
+    kept = [itself for leaving, itself, _ in seen if not leaving]
+    gone = [none for leaving, _, none in seen if leaving]
+    assert kept and gone and all(kept) and all(gone), (len(kept), len(gone))
+    assert any(held for held, _ in unpacked) and all(same for held, same in unpacked if held)
 
 
 def test_recompute_prefer_keeps_the_per_op_plan_that_recomputes(counted_ops) -> None:

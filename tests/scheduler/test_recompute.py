@@ -204,6 +204,7 @@ def test_a_plan_lists_its_actions_in_step_order_and_its_recomputes_by_variable()
         a.var: tuple((g, b.chain) for g, b in walked if b.op is Op.RECOMPUTE and b.var == a.var)
         for _, a in walked if a.op is Op.RECOMPUTE}
     assert s.discarded == {a.var for _, a in walked if a.op is Op.DISCARD} and s.discarded
+    assert s.leaving == {a.var for _, a in walked if a.op in (Op.SWAP_OUT, Op.DISCARD)} >= s.discarded
 
 
 def test_a_replay_its_use_cannot_hold_is_swapped_instead() -> None:
