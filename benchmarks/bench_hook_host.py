@@ -104,6 +104,7 @@ class Meter:
 
     def __init__(self) -> None:
         self.s = Counter()   # what -> seconds
+        self.who = "ooc"     # whose step runs: the collector's pauses are counted per trainer
         self._depth = 0
         self._gc_t0 = 0.0
 
@@ -126,8 +127,8 @@ class Meter:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
         else:
-            self.s["gc"] += time.perf_counter() - self._gc_t0
-            self.s["full passes"] += info["generation"] == 2
+            self.s[f"gc {self.who}"] += time.perf_counter() - self._gc_t0
+            self.s[f"full passes {self.who}"] += info["generation"] == 2
 
     @contextlib.contextmanager
     def on(self) -> Any:
@@ -187,14 +188,20 @@ class Meter:
             self._depth -= 1
 
 
-def _metered(trainer: Trainer, steps: int) -> tuple[dict[str, float], float]:
-    """Per step: ms inside ooc (hooks and bounds), of which replays and driver calls, and the
-    collector's pauses; and the mean step time of these steps (the collector's full passes
-    come every ~10-30 steps: a median hides them)."""
+def _metered(ref: Trainer, ooc: Trainer, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """In core and ooc stepped in turn under the clocks: per step, ms inside ooc (hooks and
+    bounds), of which replays and driver calls, and the collector's pauses of each; and each
+    side's mean step time (a full pass of the collector comes every ~100 steps: a median hides
+    it). The same steps give the excess the split is of: the machine's speed drifts between
+    rounds."""
     meter = Meter()
+    walls: dict[str, list[float]] = {"in core": [], "ooc": []}
     with meter.on():
-        wall = [trainer.step() for _ in range(steps)]
-    return {k: v / steps for k, v in meter.s.items()}, statistics.mean(wall)
+        for _ in range(steps):
+            for who, trainer in (("in core", ref), ("ooc", ooc)):
+                meter.who = who
+                walls[who].append(trainer.step())
+    return {k: v / steps for k, v in meter.s.items()}, {k: statistics.mean(v) for k, v in walls.items()}
 
 
 def _profile(trainer: Trainer, top: int) -> list[str]:
@@ -214,23 +221,24 @@ def _range(seconds: list[float]) -> str:
     return f"{min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}"
 
 
-def _where_lines(where: dict[str, float], means: dict[str, float], excess: float, len_steps: int) -> list[str]:
+def _where_lines(where: dict[str, float], means: dict[str, float], steps: int) -> list[str]:
     """What ``Meter`` measured over the last round's extra steps, in words."""
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    excess = means["ooc"] - means["in core"]
     inside = where.get("ooc", 0.0)
     own = inside - where.get("replays", 0.0) - where.get("driver", 0.0)
-    return [f"- where the excess goes ({ms(excess)}, the median over rounds; clocks in the step, not a "
-            f"profiler, over the last round's extra steps): inside ooc's hooks and the engine's calls {ms(inside)} a step, of which the "
-            f"replays {ms(where.get('replays', 0.0))} (their ops' Python and compute; a GPU's kernels run "
-            f"apart), the driver calls {ms(where.get('driver', 0.0))} (the fake's work: a GPU's driver "
-            f"does this elsewhere), ooc's own Python and PyTorch calls {ms(own)}; outside ooc "
-            f"{ms(excess - inside)} (autograd calling the hooks, the model's ops, which run slower beside "
-            "ooc's work on this CPU)",
+    return [f"- where the excess goes (clocks in the step, not a profiler; {steps} more steps of each, in "
+            f"turn: in core {ms(means['in core'])}, ooc {ms(means['ooc'])} on average, {ms(excess)} apart): "
+            f"inside ooc's hooks and the engine's calls {ms(inside)} a step, of which the replays "
+            f"{ms(where.get('replays', 0.0))} (their ops' Python and compute; a GPU's kernels run apart), the "
+            f"driver calls {ms(where.get('driver', 0.0))} (the fake's work: a GPU's driver does this "
+            f"elsewhere), ooc's own Python and PyTorch calls {ms(own)}; outside ooc {ms(excess - inside)} "
+            "(autograd calling the hooks, the model's ops, which run slower beside ooc's work on this CPU)",
             f"- the garbage collector's pauses, a step on average over those steps: in core "
-            f"{ms(means.get('gc in core', 0.0))}, ooc {ms(where.get('gc', 0.0))}, with "
-            f"{where.get('full passes', 0.0) * len_steps:.0f} full pass(es) of the whole heap among them "
-            f"(rare and long: the mean step time holds them, the median does not; mean in core "
-            f"{ms(means.get('in core', 0.0))}, ooc {ms(means.get('ooc', 0.0))})"]
+            f"{ms(where.get('gc in core', 0.0))}, ooc {ms(where.get('gc ooc', 0.0))}, with "
+            f"{where.get('full passes in core', 0.0) * steps:.0f} and "
+            f"{where.get('full passes ooc', 0.0) * steps:.0f} full pass(es) of the whole heap among them "
+            "(rare and long: the mean step time holds them, the median does not)"]
 
 
 def main() -> None:
@@ -275,9 +283,7 @@ def main() -> None:
             print(f"round {k + 1}: in core {incore_s[-1]:.3f} s, ooc {ooc_s[-1]:.3f} s, "
                   f"anchored {counted['steps.anchored']:.0%} of timed steps", flush=True)
             if k == rounds - 1:   # after the timed steps: the clocks and the profiler cost a little
-                where, means["ooc"] = _metered(ooc, timed)
-                means["gc in core"] = _metered(ref, timed)[0].get("gc", 0.0)
-                means["in core"] = statistics.mean(ref.step() for _ in range(timed))
+                where, means = _metered(ref, ooc, timed)
                 profile = _profile(ooc, 30)
             ooc.engine.close()
         assert driver.violations == [], driver.violations
@@ -304,7 +310,7 @@ def main() -> None:
               f"{'yes' if bitwise else 'NO'}",
               "- driver calls a step: " + ", ".join(f"{k} {v}" for k, v in
                                                     sorted(calls.items(), key=lambda kv: -kv[1])),
-              *_where_lines(where, means, excess, timed),
+              *_where_lines(where, means, timed),
               "", "The ooc step under cProfile, ooc's functions by cumulative time (the profiler's own cost per "
               "call inflates them about three times: the lines above are the step's own clocks):", "", "```",
               *profile, "```"]
