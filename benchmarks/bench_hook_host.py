@@ -4,8 +4,8 @@
 
 On an H200 the Llama's anchored steps (chains rerun from templates at autograd's hooks) queued
 100-170 ms more than in core's 86-118 ms, and the GPU waited for the host
-(benchmarks/results/gpu-probe-h200.md). That excess is Python on the host, so a CPU can measure
-it: the same decoder (Hugging Face's LlamaForCausalLM, 20 layers: 773 saved tensors a step, as
+(benchmarks/results/gpu-probe-h200.md). What of that excess is ooc's Python on the host, a CPU can
+measure: the same decoder (Hugging Face's LlamaForCausalLM, 20 layers: 773 saved tensors a step, as
 the H200's), narrow (64 wide, batch 2 x 256) so that its ops cost little, trained in core and
 by ooc over the FAKE CUDA driver (``ooc.testing.fake_cuda``: the CUDA path's tier, copy streams
 and one arena, with host bytes for device memory). The plan is the GPU's in shape: chains
@@ -167,25 +167,15 @@ class Meter:
         @contextlib.contextmanager
         def timed_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
             cm = step(engine, *args, **kwargs)
-            meter.bound(cm.__enter__)
+            meter._timed(cm.__enter__, "ooc", True)()   # the entries it calls counted in it
             try:
                 yield
             except BaseException as e:
                 if not cm.__exit__(type(e), e, e.__traceback__):
                     raise
             else:
-                meter.bound(lambda: cm.__exit__(None, None, None))
+                meter._timed(cm.__exit__, "ooc", True)(None, None, None)
         return timed_step
-
-    def bound(self, fn: Any) -> None:
-        """The step's entry or exit, timed as ooc's (the entries it calls counted in it)."""
-        self._depth += 1
-        t0 = time.perf_counter()
-        try:
-            fn()
-        finally:
-            self.s["ooc"] += time.perf_counter() - t0
-            self._depth -= 1
 
 
 def _metered(ref: Trainer, ooc: Trainer, steps: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -47,7 +47,7 @@ class BoundTemplates:
         self.versions = {id(t): t._version for t in self.templates.persistent}
         calls = self.templates.calls
         self.chains = list(self.chains)
-        self.draws = frozenset(calls[w].rng_at[0] for chain in self.chains for w in chain
+        self.draws = frozenset(calls[w].rng_at.k for chain in self.chains for w in chain
                                if w in calls and calls[w].rng_at is not None)   # saves whose state a replay takes
         for chain in self.chains:
             for k in self._reads(chain):
@@ -61,19 +61,18 @@ class BoundTemplates:
         """The step's next save (every size counts); why it is not what the templates read."""
         k = self.n
         self.n = k + 1
-        if k in self.draws:
-            nbytes, node = self.templates.draws[k]
-            if s.nbytes() != nbytes or node_of(t) != node:
-                return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, where the "
-                        f"templates' was {nbytes} B from {node}, the generator's state a random op replays from")
-            self.states[k] = _rng_state(self.templates.rng_device)
-        want = self.templates.wanted.get(k)
-        if want is None:
+        want, draw = self.templates.wanted.get(k), k in self.draws
+        if want is None and not draw:
             return None
-        if s.nbytes() != want.nbytes or node_of(t) != want.node:
+        expected = want if want is not None else self.templates.draws[k]
+        if s.nbytes() != expected.nbytes or node_of(t) != expected.node:
             return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, the templates' "
-                    f"was {want.nbytes} B from {want.node}")
-        self.packs[k] = (t, t._version)
+                    f"was {expected.nbytes} B from {expected.node}"
+                    + (", the generator's state a random op replays from" if draw else ""))
+        if draw:
+            self.states[k] = _rng_state(self.templates.rng_device)
+        if want is not None:
+            self.packs[k] = (t, t._version)
         return None
 
     def node_differs(self, var: int, t: torch.Tensor) -> str | None:
@@ -105,15 +104,15 @@ class BoundTemplates:
             for t in c.checked:
                 if t._version != self.versions[id(t)]:
                     return f"a parameter or buffer {tuple(t.shape)} its chain reads was written in the step"
-            if c.rng_at is not None and c.rng_at[0] not in self.states:
-                return f"the generator's state function {w} draws from (at saved tensor {c.rng_at[0]}) was not seen"
+            if c.rng_at is not None and c.rng_at.k not in self.states:
+                return f"the generator's state function {w} draws from (at saved tensor {c.rng_at.k}) was not seen"
         return None
 
     def unsaved(self, chain: tuple[int, ...]) -> bool:
         """Whether a tensor ``chain`` reads is still to be saved (a discard waits for it)."""
         calls = self.templates.calls
         return any(a.k not in self.packs for w in chain if w in calls for a in calls[w].saves) or any(
-            calls[w].rng_at[0] not in self.states for w in chain if w in calls and calls[w].rng_at is not None)
+            calls[w].rng_at.k not in self.states for w in chain if w in calls and calls[w].rng_at is not None)
 
     def inputs(self, chain: tuple[int, ...], var: int) -> list[int]:
         """The managed variables ``chain`` reads that it does not make itself."""
@@ -152,7 +151,7 @@ class BoundTemplates:
 
     def _drawn(self, c: Template) -> Template:
         """``c`` with the generator's state it draws from in this step (a random op's)."""
-        return c if c.rng_at is None else dataclasses.replace(c, rng=self.states[c.rng_at[0]])
+        return c if c.rng_at is None else dataclasses.replace(c, rng=self.states[c.rng_at.k])
 
     def close(self) -> None:
         self.packs.clear()

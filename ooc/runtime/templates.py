@@ -30,7 +30,6 @@ autograd node has the captured node's type (the hook trace guards the rest, as f
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,9 +101,9 @@ class Template:
     ``saves`` and ``variables``, its ``PackArg`` and ``VarArg`` slots, ``checked``, the
     parameters and buffers a write to refuses it, and ``spots``, (position, slot) of each slot
     when all are positional arguments (else None): ``make`` finds them once, as walking the
-    arguments at each replay cost more than the replay. ``rng_at``: a random op's (save index,
-    its gap), the save at whose hook the generator's state is the one the op drew from;
-    ``rng``, that state, set for one replay (``BoundTemplates``)."""
+    arguments at each replay cost more than the replay. ``rng_at``: a random op's save at whose
+    hook the generator's state is the one the op drew from (its index, size, node type and gap,
+    as a ``PackArg``'s); ``rng``, that state, set for one replay (``BoundTemplates``)."""
 
     func: Any
     args: tuple
@@ -116,12 +115,12 @@ class Template:
     variables: tuple[VarArg, ...] = ()
     checked: tuple[torch.Tensor, ...] = ()
     spots: tuple[tuple[int, Any], ...] | None = None
-    rng_at: tuple[int, int] | None = None
+    rng_at: PackArg | None = None
     rng: torch.Tensor | None = None
 
     @staticmethod
     def make(func: Any, args: tuple, kwargs: dict, stats: tuple[int, int] | None = None, grad: bool = True,
-             outputs: int = 1, rng_at: tuple[int, int] | None = None) -> Template:
+             outputs: int = 1, rng_at: PackArg | None = None) -> Template:
         leaves = tree_leaves((args, kwargs))
         slots = [x for x in leaves if isinstance(x, _SLOTS)]
         spots = tuple((i, x) for i, x in enumerate(args) if isinstance(x, _SLOTS))
@@ -145,9 +144,7 @@ class Templates:
     """What a plan's anchored form replays: ``calls`` (function -> template), ``born_at`` (var
     -> (function, output) that makes it), ``wanted`` (pack index -> ``PackArg``), ``nodes`` (var
     -> its ``signature`` where the step first saved it, ``depth`` nodes deep), ``persistent``
-    (those checked), ``rng_device`` (whose generator the random ops draw from), ``draws``
-    (save index -> its storage's bytes and node type, for each save whose hook holds a random
-    op's generator state: a step whose save there differs leaves its plan)."""
+    (those checked), ``rng_device`` (whose generator the random ops draw from)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -156,11 +153,16 @@ class Templates:
     persistent: tuple[torch.Tensor, ...]
     depth: int = 1
     rng_device: torch.device | None = None
-    draws: Mapping[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def functions(self) -> frozenset[int]:
         return frozenset(self.calls)
+
+    @cached_property
+    def draws(self) -> dict[int, PackArg]:
+        """Save index -> the save at whose hook a random op's generator state is taken (a step
+        whose save there differs leaves its plan)."""
+        return {c.rng_at.k: c.rng_at for c in self.calls.values() if c.rng_at is not None}
 
     @cached_property
     def born_in(self) -> dict[int, tuple[tuple[int, tuple[int, int]], ...]]:
@@ -182,7 +184,7 @@ class Templates:
         same = None if before is None else {
             i for i, c in self.calls.items()
             if i in before.calls and before.calls[i].func == c.func and _numbers(before.calls[i]) == _numbers(c)}
-        return {i: max([a.gap for a in c.saves] + ([c.rng_at[1]] if c.rng_at else []), default=0)
+        return {i: max([a.gap for a in c.saves] + ([c.rng_at.gap] if c.rng_at else []), default=0)
                 for i, c in self.calls.items() if same is None or i in same}
 
 
@@ -205,9 +207,8 @@ class TemplateCapture:
         self.found: dict[int, dict[int, PackArg | Persistent]] = {}       # function -> id(tensor) -> slot
         self.nodes: dict[int, tuple] = {}
         self.random: set[int] = set()                 # random functions with no template
-        self.rng_at: dict[int, tuple[int, int]] = {}  # random function -> (save, gap) its state is taken at
-        self.last: tuple | None = None   # the last save: k, gap, generator state, bytes, node type
-        self.draws: dict[int, tuple[int, str]] = {}
+        self.rng_at: dict[int, PackArg] = {}          # random function -> the save its state is taken at
+        self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
@@ -215,7 +216,7 @@ class TemplateCapture:
         k = self.n
         self.n = k + 1
         if self.rng_device is not None:
-            self.last = (k, gap, _rng_state(self.rng_device), s.nbytes(), node_of(t))
+            self.last = (_rng_state(self.rng_device), PackArg(k, s.nbytes(), node_of(t), gap, View.of(t)))
         if var is not None:
             if var not in self.nodes:
                 self.nodes[var] = signature(t, self.depth)
@@ -235,11 +236,10 @@ class TemplateCapture:
         found = self.found.setdefault(i, {})
         if recipe.rng is not None:   # drawn from the state at the last save, if nothing drew since
             last = self.last
-            if last is None or not torch.equal(last[2], recipe.rng):
+            if last is None or not torch.equal(last[0], recipe.rng):
                 self.random.add(i)
                 return
-            self.rng_at[i] = last[:2]
-            self.draws[last[0]] = last[3:]
+            self.rng_at[i] = last[1]
         stats = {id(recipe.args[p]) for p in recipe.stats or () if p < len(recipe.args)}
         for x, version in recipe.held:
             if x.layout is not torch.strided:
@@ -280,6 +280,5 @@ class TemplateCapture:
         self.packed.clear()
         self.pending.clear()
         self.last = None
-        draws = {c.rng_at[0]: self.draws[c.rng_at[0]] for c in calls.values() if c.rng_at is not None}
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
-                         self.rng_device, draws)
+                         self.rng_device)
