@@ -1,9 +1,17 @@
 """A diagnostic run of the template form on a GPU: why a hook-driven step's signature check
 failed (each mismatch printed in full: the tensor now and at the capture, both signatures),
-and where an anchored step's host time goes (cProfile of each ooc row's last timed step).
+where an anchored step's host time goes (cProfile of each row's last timed step, in core's
+too, and in core under saved-tensor hooks that do nothing: what the hooks alone cost), and
+what holds the device's memory at a step's peak (``--memory``).
 
     python benchmarks/gpu_probe.py [--quick] [--cases llama,resnet50] [--fractions 0.5,0.25]
-                                   [--relaxed 0.5] [--profiles DIR]
+                                   [--relaxed 0.5] [--profiles DIR] [--methods M,...] [--memory]
+
+``--memory``: the last timed step of each ooc row under PyTorch's allocator history
+(``torch.cuda.memory._record_memory_history``, Python frames): the blocks live at the step's
+peak of allocated bytes, summed by the innermost frame of ooc, the benchmark or the model that
+allocated them (the H200 run at 6915be1: ResNet-50's anchored steps at 1/4 peaked 2.5 GiB over
+the per-op steps at the same budget, every step, which no model of the plan shows).
 
 Prints only; the figures that count are bench_gpu.py's. ``--quick``: the quick cases (the dry
 run, tests/test_bench_gpu_dry.py, runs it over the fake driver).
@@ -101,6 +109,119 @@ def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
     gpu_methods._one_step = step
 
 
+def _memory_at_last_step(one: Any, total: int, label: str) -> None:
+    """Run the last of every ``total`` steps under the allocator's history and print what is
+    live at its peak, by the frame that allocated it (``--memory``)."""
+    import gpu_methods
+    import torch
+
+    n = [0]
+
+    def step(*args: Any, **kw: Any) -> None:
+        n[0] += 1
+        if n[0] % total:
+            return one(*args, **kw)
+        from ooc.runtime.slots import Slot
+
+        names: dict[int, str] = {}   # a block's address -> the slot whose bytes it held
+        made_again, swap_in = Slot.made_again, Slot.start_swap_in
+
+        def made(self, storage, *a, **k):
+            names[storage.data_ptr()] = f"recomputed {self.name}"
+            return made_again(self, storage, *a, **k)
+
+        def swapped(self, *a, **k):
+            swap_in(self, *a, **k)
+            if self.pending:
+                names[self.pending[0].data_ptr()] = f"swapped in {self.name}"
+
+        start = torch.cuda.memory_allocated()
+        Slot.made_again, Slot.start_swap_in = made, swapped
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        try:
+            one(*args, **kw)
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            Slot.made_again, Slot.start_swap_in = made_again, swap_in
+        print(peak_lines(snap["device_traces"][torch.cuda.current_device()], start, label, names=names), flush=True)
+
+    gpu_methods._one_step = step
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frame of ooc, the benchmarks or a model's library (else the innermost)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in ("/ooc/", "/benchmarks/", "transformers/", "torchvision/")):
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    f = frames[0] if frames else {}
+    return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+
+
+def peak_lines(events: list[dict], start: int, label: str, top: int = 15,
+               names: dict[int, str] | None = None) -> str:
+    """The blocks live at the peak of allocated bytes over ``events`` (an allocator trace that
+    began with ``start`` bytes allocated), summed by where they were allocated; then, where
+    ``names`` (address -> the slot whose bytes a block held, in the step) is given, the live
+    blocks of each place split into a slot's (each named, the largest first) and the rest
+    (a replayed chain's intermediate results, autograd's own). The frame of the allocation
+    that made the peak closes the list."""
+    live: dict[int, tuple[int, str]] = {}
+    cur = peak = start
+    at = -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], "")
+            cur += e["size"]
+        elif e["action"] == "free_completed":
+            cur -= e["size"]
+            live.pop(e["addr"], None)
+        if cur > peak:
+            peak, at = cur, i
+    live.clear()
+    before = start
+    names = names or {}
+    for e in events[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames") or []))
+        elif e["action"] == "free_completed":
+            if live.pop(e["addr"], None) is None:
+                before -= e["size"]   # a block from before the step
+    groups: dict[str, int] = {"(allocated before the step, still live)": before}
+    for size, where in live.values():
+        groups[where] = groups.get(where, 0) + size
+    lines = [f"MEMORY {label}: peak {peak / 2**30:.2f} GiB allocated (event {at} of {len(events)}; "
+             f"{start / 2**30:.2f} GiB at the step's start)"]
+    for where, size in sorted(groups.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {size / 2**30:7.3f} GiB  {where}")
+    if names:
+        held = sorted(((size, names[a]) for a, (size, _) in live.items() if a in names), reverse=True)
+        rest = sum(size for a, (size, _) in live.items() if a not in names)
+        lines.append(f"  of which a slot's bytes: {sum(s for s, _ in held) / 2**30:.3f} GiB in {len(held)} blocks; "
+                     f"the rest: {rest / 2**30:.3f} GiB")
+        lines += [f"    {size / 2**30:7.3f} GiB  {name}" for size, name in held[:top]]
+    if at >= 0:
+        lines.append(f"  the peak's allocation: {events[at]['size'] / 2**20:.1f} MiB at "
+                     f"{_where(events[at].get('frames') or [])}")
+    return "\n".join(lines)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _hooked(one: Any) -> Any:
+    """``one`` under saved-tensor hooks that do nothing: what a hook call alone costs."""
+    import torch
+
+    def step(*args: Any, **kw: Any) -> None:
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            return one(*args, **kw)
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -109,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--relaxed", default="", help="fractions to run again past every mismatch")
     ap.add_argument("--profiles", type=Path, default=None,
-                    help="a folder for each row's last step's whole profile (<case>-<fraction>.txt)")
+                    help="a folder for each row's last step's whole profile "
+                         "(<case>-<method>-<fraction>.txt; in core's: <case>-in-core.txt)")
+    ap.add_argument("--methods", default="ooc-one-arena", help="the ooc methods to run (gpu_methods')")
+    ap.add_argument("--memory", action="store_true", help="what is live at each ooc row's last step's peak")
     args = ap.parse_args(argv)
     import gpu_methods
 
@@ -142,18 +266,27 @@ def _probe(args: argparse.Namespace, relaxed: list[bool], one: Any) -> None:
     for name in args.cases.split(","):
         case = cases[name]
         setup = Setup(case, *case.build(), steps=args.steps, hardware=hw)
-        row = run(setup, "in-core")
-        print(f"{case.label} in-core {row.step_ms:.1f} ms queued {row.queued_ms:.1f} ms", flush=True)
-        runs = [(float(x), False) for x in args.fractions.split(",")]
-        runs += [(float(x), True) for x in args.relaxed.split(",") if x]
-        for f, relaxed[0] in runs:
+        if args.profiles is not None:
+            args.profiles.mkdir(parents=True, exist_ok=True)
+        for label, base in (("in-core", one), ("in-core, saved-tensor hooks that do nothing", _hooked(one))):
+            gpu_methods._one_step = base
+            if args.profiles is not None and base is one:
+                _profile_last_step(one, WARMUP + args.steps, args.profiles / f"{name}-in-core.txt")
+            row = run(setup, "in-core")
+            print(f"{case.label} {label} {row.step_ms:.1f} ms queued {row.queued_ms:.1f} ms", flush=True)
+            gpu_methods._one_step = one
+        runs = [(float(x), False, m) for m in args.methods.split(",") for x in args.fractions.split(",")]
+        runs += [(float(x), True, "ooc-one-arena") for x in args.relaxed.split(",") if x]
+        for f, relaxed[0], method in runs:
             to = None
             if args.profiles is not None:
-                args.profiles.mkdir(parents=True, exist_ok=True)
-                to = args.profiles / f"{name}-{f:g}{'-relaxed' if relaxed[0] else ''}.txt"
-            _profile_last_step(one, WARMUP + args.steps, to)
-            row = run(setup, "ooc-one-arena", fraction=f)
-            print(f"{case.label} ooc-one-arena {f}{' relaxed' if relaxed[0] else ''}: {row.step_ms:.1f} ms "
+                to = args.profiles / f"{name}-{method}-{f:g}{'-relaxed' if relaxed[0] else ''}.txt"
+            if args.memory:
+                _memory_at_last_step(one, WARMUP + args.steps, f"{case.label} {method} {f}")
+            else:
+                _profile_last_step(one, WARMUP + args.steps, to)
+            row = run(setup, method, fraction=f)
+            print(f"{case.label} {method} {f}{' relaxed' if relaxed[0] else ''}: {row.step_ms:.1f} ms "
                   f"queued {row.queued_ms:.1f} ms "
                   f"steps {row.steps_ms} forms {row.forms} recomputed {row.bytes_recomputed} "
                   f"moved {row.bytes_moved} peak {(row.peak_bytes or 0) / 2**30:.2f} GiB bitwise {row.bitwise} "

@@ -184,7 +184,8 @@ def test_the_next_gpu_runs_command_runs_dry(dry_gpu, tmp_path: Path, monkeypatch
 def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """FAKE DRIVER: benchmarks/gpu_probe.py (what found the signature bug on an H200) on the
     quick ResNet-50: each row trains bitwise, also past the signature check ("relaxed"), and
-    each row's last step is profiled."""
+    each row's last step is profiled, in core's too, and in core runs again under saved-tensor
+    hooks that do nothing."""
     import gpu_probe
 
     assert gpu_probe.main(["--quick", "--steps", "1", "--cases", "resnet50", "--fractions", "0.25",
@@ -193,12 +194,46 @@ def test_the_gpu_probe_runs_dry(dry_gpu, capsys: pytest.CaptureFixture, tmp_path
     rows = [line for line in out.splitlines() if "ooc-one-arena 0.25" in line]
     assert len(rows) == 2 and "relaxed" in rows[1], rows
     assert all("bitwise True error ''" in r and " GiB " in r for r in rows), rows
+    assert "in-core, saved-tensor hooks that do nothing" in out
     assert out.count("profiled step: the host waited") == 2
-    assert out.count("function calls") == 2, "each row's last step under cProfile"
+    assert out.count("function calls") == 3, "each row's last step under cProfile, in core's too"
     whole = sorted(p.name for p in tmp_path.iterdir())
-    assert whole == ["resnet50-0.25-relaxed.txt", "resnet50-0.25.txt"], whole
-    assert "cumulative" in (tmp_path / "resnet50-0.25.txt").read_text()
+    assert whole == ["resnet50-in-core.txt", "resnet50-ooc-one-arena-0.25-relaxed.txt",
+                     "resnet50-ooc-one-arena-0.25.txt"], whole
+    assert "cumulative" in (tmp_path / "resnet50-ooc-one-arena-0.25.txt").read_text()
     assert "MISMATCH" not in out
+
+
+def test_what_is_live_at_a_steps_peak_is_summed_by_where_it_was_allocated() -> None:
+    """gpu_probe.peak_lines on an allocator trace: the peak is of allocated bytes (a block
+    counts until its free completes), and each block live then is summed by the innermost frame
+    of ooc or the model; what the step frees of the blocks it began with is taken off them."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_probe import peak_lines
+
+    swap = [{"filename": "/x/torch/autograd/graph.py", "line": 1, "name": "run_backward"},
+            {"filename": "/work/ooc/runtime/slots.py", "line": 155, "name": "start_swap_in"}]
+    model = [{"filename": "/v/site-packages/transformers/models/llama/modeling_llama.py", "line": 62,
+              "name": "forward"}]
+    G = 2**30
+    events = [{"action": "alloc", "addr": 1, "size": 2 * G, "frames": model},
+              {"action": "free_requested", "addr": 9, "size": G},   # a block from before the step
+              {"action": "free_completed", "addr": 9, "size": G},
+              {"action": "alloc", "addr": 2, "size": 3 * G, "frames": swap},
+              {"action": "alloc", "addr": 3, "size": G, "frames": swap},
+              {"action": "free_requested", "addr": 2, "size": 3 * G},
+              {"action": "free_completed", "addr": 2, "size": 3 * G},
+              {"action": "alloc", "addr": 4, "size": G, "frames": model}]
+    text = peak_lines(events, 4 * G, "case")
+    assert text.splitlines()[0].startswith("MEMORY case: peak 9.00 GiB allocated (event 4 of 8; 4.00 GiB")
+    body = {line.split("GiB", 1)[1].strip(): float(line.split("GiB", 1)[0])
+            for line in text.splitlines()[1:-1]}
+    assert body == {"runtime/slots.py:155 start_swap_in": 4.0, "llama/modeling_llama.py:62 forward": 2.0,
+                    "(allocated before the step, still live)": 3.0}, body
+    assert text.splitlines()[-1] == "  the peak's allocation: 1024.0 MiB at runtime/slots.py:155 start_swap_in"
+    named = peak_lines(events, 4 * G, "case", names={3: "swapped in layer1.0.relu", 4: "recomputed x"})
+    assert "  of which a slot's bytes: 1.000 GiB in 1 blocks; the rest: 5.000 GiB" in named.splitlines()
+    assert "      1.000 GiB  swapped in layer1.0.relu" in named.splitlines()
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
@@ -260,6 +295,8 @@ def test_gpu_memory_models_each_measured_row_in_two_arenas(tmp_path: Path, monke
     ([(1, 3), (5, 10), (10, 16)], 13, 7.5),  # the pair that brackets the peak
     ([(5, 8), (10, 11), (15, 17)], 14, 12.5),  # bracketing, not the two largest: the bend past 10
     ([(5, 8), (10, 11), (15, 17)], 20, 17.5),  # all under: the two largest budgets
+    ([(5, 10), (10, 16), (20, 40)], 7, 2.5),   # all over: the two smallest budgets
+    ([(5, 10), (10, 11), (20, 21)], 14, 13),   # flat ooc rows, in core's point above them
 ])
 def test_the_budget_matched_to_an_alternatives_peak(points, peak, budget) -> None:
     sys.path.insert(0, str(BENCHMARKS))
