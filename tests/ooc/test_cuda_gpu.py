@@ -281,3 +281,17 @@ def test_gpu_validation_command_runs_quick(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "**NO**" not in text and "FAILED" not in text, text
+
+
+def test_gpu_the_seams_compute_stream_is_pytorchs_current_one() -> None:
+    """REAL GPU: the handle the tier orders its copies after (``CudaRuntime.compute_stream``,
+    PyTorch's raw handle where the build has one) is the current stream's, on the default
+    stream and inside ``torch.cuda.stream(...)``."""
+    from ooc.runtime.cuda_seam import CudaRuntime
+
+    current = CudaRuntime().compute_stream(torch.cuda.current_device())
+    assert current() == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current() == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+    assert current() == torch.cuda.current_stream().cuda_stream

@@ -845,3 +845,22 @@ def test_byte_view_for() -> None:
     assert byte_view_for(CudaStorage()) == DevicePtr(0x7F00_0000_0000, 4096)
     with pytest.raises(ValueError):
         DevicePtr(-1, 4)
+
+
+def test_the_seam_asks_pytorch_for_the_raw_stream_handle_where_it_can(monkeypatch) -> None:
+    """``CudaRuntime.compute_stream`` calls PyTorch's raw current-stream handle for the device
+    it was made for (no ``Stream`` object a transfer), and falls back to
+    ``torch.cuda.current_stream`` on a build without it (this CPU build: not called here)."""
+    from ooc.runtime.cuda_seam import CudaRuntime
+
+    asked = []
+
+    def raw(index: int) -> int:
+        asked.append(index)
+        return 0x7000 + index
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw, raising=False)
+    current = CudaRuntime().compute_stream(2)
+    assert (current(), current(), asked) == (0x7002, 0x7002, [2, 2])
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    assert callable(CudaRuntime().compute_stream(0)) and asked == [2, 2]
