@@ -123,19 +123,20 @@ def _memory_at_last_step(one: Any, total: int, label: str) -> None:
             return one(*args, **kw)
         from ooc.runtime.slots import Slot
 
-        names: dict[int, str] = {}   # a block's address -> the slot whose bytes it held
+        names: list[tuple[int, int, str]] = []   # (address, allocations so far, the slot's name)
         made_again, swap_in = Slot.made_again, Slot.start_swap_in
+        allocs = lambda: torch.cuda.memory_stats()["allocation.all.allocated"]  # noqa: E731
 
         def made(self, storage, *a, **k):
-            names[storage.data_ptr()] = f"recomputed {self.name}"
+            names.append((storage.data_ptr(), allocs() - first, f"recomputed {self.name}"))
             return made_again(self, storage, *a, **k)
 
         def swapped(self, *a, **k):
             swap_in(self, *a, **k)
             if self.pending:
-                names[self.pending[0].data_ptr()] = f"swapped in {self.name}"
+                names.append((self.pending[0].data_ptr(), allocs() - first, f"swapped in {self.name}"))
 
-        start = torch.cuda.memory_allocated()
+        start, first = torch.cuda.memory_allocated(), allocs()
         Slot.made_again, Slot.start_swap_in = made, swapped
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         try:
@@ -161,44 +162,54 @@ def _where(frames: list[dict]) -> str:
 
 
 def peak_lines(events: list[dict], start: int, label: str, top: int = 15,
-               names: dict[int, str] | None = None) -> str:
+               names: list[tuple[int, int, str]] = ()) -> str:
     """The blocks live at the peak of allocated bytes over ``events`` (an allocator trace that
     began with ``start`` bytes allocated), summed by where they were allocated; then, where
-    ``names`` (address -> the slot whose bytes a block held, in the step) is given, the live
-    blocks of each place split into a slot's (each named, the largest first) and the rest
-    (a replayed chain's intermediate results, autograd's own). The frame of the allocation
-    that made the peak closes the list."""
-    live: dict[int, tuple[int, str]] = {}
+    ``names`` is given (the slots whose bytes a block held: address, the allocations the step
+    had made by then, name; each names the last block allocated at that address by then),
+    the live blocks split into a slot's (each named, the largest first) and the rest (a
+    replayed chain's intermediate results, autograd's own). The frame of the allocation that
+    made the peak closes the list."""
     cur = peak = start
     at = -1
+    ordinal: list[int] = []   # per event: the allocations up to it
+    n = 0
     for i, e in enumerate(events):
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], "")
+            n += 1
             cur += e["size"]
         elif e["action"] == "free_completed":
             cur -= e["size"]
-            live.pop(e["addr"], None)
+        ordinal.append(n)
         if cur > peak:
             peak, at = cur, i
-    live.clear()
-    before = start
-    names = names or {}
-    for e in events[:at + 1]:
+    named: dict[int, str] = {}   # event index of an alloc -> the slot its block held
+    last_at: dict[int, list[int]] = {}
+    for i, e in enumerate(events):
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], _where(e.get("frames") or []))
+            last_at.setdefault(e["addr"], []).append(i)
+    for addr, count, name in names:
+        hits = [i for i in last_at.get(addr, ()) if ordinal[i] <= count]
+        if hits:
+            named[hits[-1]] = name
+    live: dict[int, tuple[int, str, int]] = {}   # address -> (bytes, where, alloc event)
+    before = start
+    for i, e in enumerate(events[:at + 1]):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames") or []), i)
         elif e["action"] == "free_completed":
             if live.pop(e["addr"], None) is None:
                 before -= e["size"]   # a block from before the step
     groups: dict[str, int] = {"(allocated before the step, still live)": before}
-    for size, where in live.values():
+    for size, where, _ in live.values():
         groups[where] = groups.get(where, 0) + size
     lines = [f"MEMORY {label}: peak {peak / 2**30:.2f} GiB allocated (event {at} of {len(events)}; "
              f"{start / 2**30:.2f} GiB at the step's start)"]
     for where, size in sorted(groups.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {size / 2**30:7.3f} GiB  {where}")
     if names:
-        held = sorted(((size, names[a]) for a, (size, _) in live.items() if a in names), reverse=True)
-        rest = sum(size for a, (size, _) in live.items() if a not in names)
+        held = sorted(((size, named[i]) for size, _, i in live.values() if i in named), reverse=True)
+        rest = sum(size for size, _, i in live.values() if i not in named)
         lines.append(f"  of which a slot's bytes: {sum(s for s, _ in held) / 2**30:.3f} GiB in {len(held)} blocks; "
                      f"the rest: {rest / 2**30:.3f} GiB")
         lines += [f"    {size / 2**30:7.3f} GiB  {name}" for size, name in held[:top]]

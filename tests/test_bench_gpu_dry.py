@@ -231,9 +231,17 @@ def test_what_is_live_at_a_steps_peak_is_summed_by_where_it_was_allocated() -> N
     assert body == {"runtime/slots.py:155 start_swap_in": 4.0, "llama/modeling_llama.py:62 forward": 2.0,
                     "(allocated before the step, still live)": 3.0}, body
     assert text.splitlines()[-1] == "  the peak's allocation: 1024.0 MiB at runtime/slots.py:155 start_swap_in"
-    named = peak_lines(events, 4 * G, "case", names={3: "swapped in layer1.0.relu", 4: "recomputed x"})
-    assert "  of which a slot's bytes: 1.000 GiB in 1 blocks; the rest: 5.000 GiB" in named.splitlines()
-    assert "      1.000 GiB  swapped in layer1.0.relu" in named.splitlines()
+    # a name belongs to the last block allocated at its address by then: block 4 is named
+    # after the peak; the name given block 3 after the step's 3rd allocation is block 3's
+    named = peak_lines(events, 4 * G, "case", names=[(3, 3, "swapped in layer1.0.relu"), (4, 4, "recomputed x"),
+                                                     (1, 3, "recomputed y")])
+    lines = named.splitlines()
+    assert "  of which a slot's bytes: 3.000 GiB in 2 blocks; the rest: 3.000 GiB" in lines, lines
+    assert lines.index("      2.000 GiB  recomputed y") < lines.index("      1.000 GiB  swapped in layer1.0.relu")
+    reused = events + [{"action": "free_completed", "addr": 3, "size": G},
+                       {"action": "alloc", "addr": 3, "size": G, "frames": swap}]
+    later = peak_lines(reused, 4 * G, "case", names=[(3, 5, "recomputed z")])   # block 3's second life
+    assert "  of which a slot's bytes: 0.000 GiB in 0 blocks; the rest: 6.000 GiB" in later.splitlines()
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
