@@ -48,6 +48,8 @@ class State(enum.Enum):
     HOST = "host"          # only the slower tier holds the bytes
     DISCARDED = "discarded"  # nowhere: its chain re-creates it (ooc/runtime/recompute.py)
 
+    __hash__ = object.__hash__   # identity, in C: scheduler.actions.Residency says why
+
     @property
     def residency(self) -> Residency:
         """This state in the transition table's words."""
