@@ -25,6 +25,7 @@ import io
 import os
 import pstats
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,9 @@ def _watch_signatures() -> tuple[list[bool], Any]:
     return relaxed, undo
 
 
-def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
-    """Profile the last of every ``total`` steps of gpu_methods' loop (``one``: its step):
-    the 25 functions with the most own time printed; with ``to``, written there in full too,
-    by own and by cumulative time (what the H200 run's 25 lines could not attribute)."""
+def _on_last_step(one: Any, total: int, measured: Callable[[Callable[[], None], tuple], None]) -> None:
+    """Make gpu_methods' loop run ``one`` (its step), and the last of every ``total`` steps as
+    ``measured(run, args)`` (``run`` runs that step; ``args``, the step's arguments)."""
     import gpu_methods
 
     n = [0]
@@ -85,10 +85,21 @@ def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
         n[0] += 1
         if n[0] % total:
             return one(*args, **kw)
+        measured(lambda: one(*args, **kw), args)
+
+    gpu_methods._one_step = step
+
+
+def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
+    """Profile the last of every ``total`` steps of gpu_methods' loop (``one``: its step):
+    the 25 functions with the most own time printed; with ``to``, written there in full too,
+    by own and by cumulative time (what the H200 run's 25 lines could not attribute)."""
+
+    def profiled(run: Callable[[], None], args: tuple) -> None:
         prof = cProfile.Profile()
         prof.enable()
         try:
-            one(*args, **kw)
+            run()
         finally:
             prof.disable()
             engine = args[6] if len(args) > 6 else None   # gpu_methods._one_step's
@@ -106,23 +117,17 @@ def _profile_last_step(one: Any, total: int, to: Path | None = None) -> None:
                 stats.print_callers("anchored_step.py|cuda_tier.py|templates.py")
                 to.write_text(out.getvalue())
 
-    gpu_methods._one_step = step
+    _on_last_step(one, total, profiled)
 
 
 def _memory_at_last_step(one: Any, total: int, label: str) -> None:
     """Run the last of every ``total`` steps under the allocator's history and print what is
     live at its peak, by the frame that allocated it (``--memory``)."""
-    import gpu_methods
     import torch
 
-    n = [0]
+    from ooc.runtime.slots import Slot
 
-    def step(*args: Any, **kw: Any) -> None:
-        n[0] += 1
-        if n[0] % total:
-            return one(*args, **kw)
-        from ooc.runtime.slots import Slot
-
+    def recorded(run: Callable[[], None], args: tuple) -> None:
         names: list[tuple[int, int, str]] = []   # (address, allocations so far, the slot's name)
         made_again, swap_in = Slot.made_again, Slot.start_swap_in
         allocs = lambda: torch.cuda.memory_stats()["allocation.all.allocated"]  # noqa: E731
@@ -140,7 +145,7 @@ def _memory_at_last_step(one: Any, total: int, label: str) -> None:
         Slot.made_again, Slot.start_swap_in = made, swapped
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         try:
-            one(*args, **kw)
+            run()
             torch.cuda.synchronize()
             snap = torch.cuda.memory._snapshot()
         finally:
@@ -148,7 +153,7 @@ def _memory_at_last_step(one: Any, total: int, label: str) -> None:
             Slot.made_again, Slot.start_swap_in = made_again, swap_in
         print(peak_lines(snap["device_traces"][torch.cuda.current_device()], start, label, names=names), flush=True)
 
-    gpu_methods._one_step = step
+    _on_last_step(one, total, recorded)
 
 
 def _where(frames: list[dict]) -> str:
@@ -173,23 +178,21 @@ def peak_lines(events: list[dict], start: int, label: str, top: int = 15,
     cur = peak = start
     at = -1
     ordinal: list[int] = []   # per event: the allocations up to it
+    allocated_at: dict[int, list[int]] = {}   # address -> the events that allocated there
     n = 0
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             n += 1
             cur += e["size"]
+            allocated_at.setdefault(e["addr"], []).append(i)
         elif e["action"] == "free_completed":
             cur -= e["size"]
         ordinal.append(n)
         if cur > peak:
             peak, at = cur, i
     named: dict[int, str] = {}   # event index of an alloc -> the slot its block held
-    last_at: dict[int, list[int]] = {}
-    for i, e in enumerate(events):
-        if e["action"] == "alloc":
-            last_at.setdefault(e["addr"], []).append(i)
     for addr, count, name in names:
-        hits = [i for i in last_at.get(addr, ()) if ordinal[i] <= count]
+        hits = [i for i in allocated_at.get(addr, ()) if ordinal[i] <= count]
         if hits:
             named[hits[-1]] = name
     live: dict[int, tuple[int, str, int]] = {}   # address -> (bytes, where, alloc event)
