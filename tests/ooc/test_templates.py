@@ -303,6 +303,27 @@ def test_a_signature_is_the_same_however_the_graphs_python_objects_come_and_go()
         assert signature(SimpleNamespace(grad_fn=made(0)), depth=60) == want
 
 
+def test_walks_that_share_a_memo_read_what_walks_alone_read() -> None:
+    """One step's walks share what they read of the graph (``signature``'s ``memo``): walked
+    from each saved tensor of a real block, in any order, with one memo, each signature is
+    the one a walk alone gives; an entry whose ``id`` now names another node is not trusted."""
+    from ooc.runtime.made_by import signature
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    h = torch.nn.functional.leaky_relu(x @ w, 0.2)
+    outs = [h, h.pow(3), (h * 2).clamp(-1, 1), torch.nn.functional.gelu(h).sum(0), h.t().tanh()]
+    alone = [signature(t, 12) for t in outs]
+    memo: dict[int, tuple] = {}
+    for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0]):
+        assert [signature(outs[i], 12, memo) for i in order] == [alone[i] for i in order]
+    node = outs[1].grad_fn
+    memo[id(node)] = (object(), ("SomethingElse", ()), [])   # a dead node's id, reused
+    assert signature(outs[1], 12, memo) == alone[1]
+    assert len({a for sig in alone for a in sig}) > 5   # the walks read different nodes
+
+
 def test_what_a_chain_makes_is_found_per_function() -> None:
     """``Templates.born_in``: function -> the variables it makes (a replay finds what its chain
     makes itself from its functions, not from every variable of the step), and a chain's
