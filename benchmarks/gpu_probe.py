@@ -5,13 +5,18 @@ too, and in core under saved-tensor hooks that do nothing: what the hooks alone 
 what holds the device's memory at a step's peak (``--memory``).
 
     python benchmarks/gpu_probe.py [--quick] [--cases llama,resnet50] [--fractions 0.5,0.25]
-                                   [--relaxed 0.5] [--profiles DIR] [--methods M,...] [--memory]
+                                   [--relaxed 0.5] [--profiles DIR] [--methods M,...] [--memory | --clocks]
 
 ``--memory``: the last timed step of each ooc row under PyTorch's allocator history
 (``torch.cuda.memory._record_memory_history``, Python frames): the blocks live at the step's
 peak of allocated bytes, summed by the innermost frame of ooc, the benchmark or the model that
 allocated them (the H200 run at 6915be1: ResNet-50's anchored steps at 1/4 peaked 2.5 GiB over
 the per-op steps at the same budget, every step, which no model of the plan shows).
+
+``--clocks``: the last timed step of each ooc row under clocks (no profiler): the host's time
+inside ooc, in its replays and driver calls, and per kind of plan action, each action's calls
+and mean host time (what a host lane per action would charge; the Llama at 6915be1 was
+host-bound, and the simulator's host lane per op missed its rows by +31% to +64%).
 
 Prints only; the figures that count are bench_gpu.py's. ``--quick``: the quick cases (the dry
 run, tests/test_bench_gpu_dry.py, runs it over the fake driver).
@@ -156,6 +161,61 @@ def _memory_at_last_step(one: Any, total: int, label: str) -> None:
     _on_last_step(one, total, recorded)
 
 
+def _clocked_last_step(one: Any, total: int, label: str) -> None:
+    """Clock the last of every ``total`` steps where its host time goes (``--clocks``): inside
+    ooc's hooks and the engine's calls, the replays and the driver calls in them, the
+    collector's pauses (bench_hook_host.py's ``Meter``: a clock around each, no profiler, whose
+    own cost per call inflated the Python two to three times), and each kind of plan action's
+    calls and host time (its transfers started, waits, frees, discards, recomputes). What the
+    simulator's host lane would charge per action, measured on the GPU's host."""
+    import time
+    from collections import Counter
+
+    from bench_hook_host import Meter
+    from ooc.runtime.anchored_step import AnchoredStep
+
+    def clocked(run: Callable[[], None], args: tuple) -> None:
+        spent: Counter = Counter()
+        calls: Counter = Counter()
+        apply = AnchoredStep._apply
+
+        def timed_apply(self, a, slot, gap):
+            t0 = time.perf_counter()
+            try:
+                return apply(self, a, slot, gap)
+            finally:
+                spent[a.op.value] += time.perf_counter() - t0
+                calls[a.op.value] += 1
+
+        meter = Meter()
+        with meter.on():
+            pack, unpack = AnchoredStep.pack, AnchoredStep.unpack   # the meter's, counted too
+
+            def counted_pack(self, t):
+                calls["pack"] += 1
+                return pack(self, t)
+
+            def counted_unpack(self, p):
+                calls["unpack"] += 1
+                return unpack(self, p)
+
+            AnchoredStep.pack, AnchoredStep.unpack, AnchoredStep._apply = counted_pack, counted_unpack, timed_apply
+            t0 = time.perf_counter()
+            try:
+                run()
+            finally:
+                wall = time.perf_counter() - t0
+                AnchoredStep._apply, AnchoredStep.pack, AnchoredStep.unpack = apply, pack, unpack
+        ms = {k: v * 1e3 for k, v in meter.s.items()}
+        per = ", ".join(f"{op} {calls[op]} x {spent[op] / calls[op] * 1e6:.1f} us" for op in sorted(spent))
+        print(f"clocked step ({label}): {wall * 1e3:.1f} ms until its code returned; inside ooc "
+              f"{ms.get('ooc', 0.0):.1f} ms ({calls['pack']} packs, {calls['unpack']} unpacks), of which "
+              f"replays {ms.get('replays', 0.0):.1f} ms and driver calls {ms.get('driver', 0.0):.1f} ms; "
+              f"collector {ms.get('gc ooc', 0.0):.1f} ms; per action: {per or 'none'}", flush=True)
+
+    _on_last_step(one, total, clocked)
+
+
 def _where(frames: list[dict]) -> str:
     """The innermost frame of ooc, the benchmarks or a model's library (else the innermost)."""
     for f in frames:
@@ -248,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(<case>-<method>-<fraction>.txt; in core's: <case>-in-core.txt)")
     ap.add_argument("--methods", default="ooc-one-arena", help="the ooc methods to run (gpu_methods')")
     ap.add_argument("--memory", action="store_true", help="what is live at each ooc row's last step's peak")
+    ap.add_argument("--clocks", action="store_true",
+                    help="where each ooc row's last step's host time goes, by clocks, per plan action")
     args = ap.parse_args(argv)
     import gpu_methods
 
@@ -295,7 +357,9 @@ def _probe(args: argparse.Namespace, relaxed: list[bool], one: Any) -> None:
             to = None
             if args.profiles is not None:
                 to = args.profiles / f"{name}-{method}-{f:g}{'-relaxed' if relaxed[0] else ''}.txt"
-            if args.memory:
+            if args.clocks:
+                _clocked_last_step(one, WARMUP + args.steps, f"{case.label} {method} {f}")
+            elif args.memory:
                 _memory_at_last_step(one, WARMUP + args.steps, f"{case.label} {method} {f}")
             else:
                 _profile_last_step(one, WARMUP + args.steps, to)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import types
@@ -368,3 +369,23 @@ def test_expandable_segments_are_set_for_the_whole_run_and_said(dry_gpu, tmp_pat
     assert bench_gpu.main() == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
     assert "PYTORCH_CUDA_ALLOC_CONF 'max_split_size_mb:512,expandable_segments:True'" in out.read_text()
+
+
+def test_the_gpu_probe_clocks_each_plan_action_dry(dry_gpu, capsys: pytest.CaptureFixture) -> None:
+    """FAKE DRIVER: ``gpu_probe.py --clocks`` on the quick ResNet-50 at 1/4 (a plan that swaps
+    and recomputes): its last step's host time inside ooc, with the hooks' calls counted and
+    each kind of action's calls and mean time, and the row still bitwise."""
+    import gpu_probe
+
+    assert gpu_probe.main(["--quick", "--steps", "1", "--cases", "resnet50", "--fractions", "0.25",
+                           "--clocks"]) == 0
+    out = capsys.readouterr().out
+    clocked = [line for line in out.splitlines() if line.startswith("clocked step (")]
+    assert len(clocked) == 1, out
+    m = re.search(r"inside ooc ([\d.]+) ms \((\d+) packs, (\d+) unpacks\), of which replays ([\d.]+) ms", clocked[0])
+    assert m and float(m[1]) > 0 and int(m[2]) > 0 and int(m[3]) > 0, clocked
+    actions = dict((op, int(n)) for op, n in re.findall(r"(\w+) (\d+) x [\d.]+ us", clocked[0]))
+    assert actions.get("free", 0) > 0 and (actions.get("swap_out", 0) > 0 or actions.get("discard", 0) > 0), actions
+    assert "function calls" not in out, "clocks, not the profiler"
+    row = [line for line in out.splitlines() if "ooc-one-arena 0.25" in line and "bitwise" in line]
+    assert row and "bitwise True error ''" in row[0], row
