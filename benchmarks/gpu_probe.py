@@ -307,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a folder for each row's last step's whole profile "
                          "(<case>-<method>-<fraction>.txt; in core's: <case>-in-core.txt)")
     ap.add_argument("--methods", default="ooc-one-arena", help="the ooc methods to run (gpu_methods')")
-    ap.add_argument("--memory", action="store_true", help="what is live at each ooc row's last step's peak")
-    ap.add_argument("--clocks", action="store_true",
-                    help="where each ooc row's last step's host time goes, by clocks, per plan action")
+    last_step = ap.add_mutually_exclusive_group()   # each wraps the same last step
+    last_step.add_argument("--memory", action="store_true", help="what is live at each ooc row's last step's peak")
+    last_step.add_argument("--clocks", action="store_true",
+                           help="where each ooc row's last step's host time goes, by clocks, per plan action")
     args = ap.parse_args(argv)
     import gpu_methods
 

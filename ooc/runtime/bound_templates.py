@@ -42,7 +42,7 @@ class BoundTemplates:
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     recomputed: int = 0
     recompute_s: float = 0.0
-    nodes: dict[int, tuple] = field(default_factory=dict)   # the graph's nodes as the step's walks read them
+    walked: dict[int, tuple] = field(default_factory=dict)   # signature's memo: the nodes the walks read
 
     def __post_init__(self) -> None:
         self.versions = {id(t): t._version for t in self.templates.persistent}
@@ -82,7 +82,7 @@ class BoundTemplates:
         want = self.templates.nodes.get(var)
         if want is None:
             return None
-        got = signature(t, self.templates.depth, self.nodes)
+        got = signature(t, self.templates.depth, self.walked)
         if got == want:
             return None
         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -156,5 +156,5 @@ class BoundTemplates:
 
     def close(self) -> None:
         self.packs.clear()
-        self.nodes.clear()
+        self.walked.clear()
         self.states.clear()
