@@ -1,6 +1,7 @@
-"""Runs the documentation's examples for tests/test_docs.py: imports torch and ooc once, then
-forks a fresh child per example, so that no example pays the imports (~2.5 s each on a
-2-core machine) and none sees what another left in the process.
+"""Runs the documentation's examples for tests/test_docs.py: imports torch, ooc and what the
+first optimizer imports (torch._dynamo, through tests/fork_server.py) once, then forks a fresh
+child per example, so that no example pays the imports (~5 s each on a 2-core machine) and
+none sees what another left in the process.
 
 Requests on stdin, one JSON object a line, read until stdin closes: ``{"id": str, "code":
 str | None, "ooc": [[arg, ...], ...], "cwd": str, "timeout": seconds, "ranks": int}``, run
@@ -28,11 +29,11 @@ import socket
 import sys
 import tempfile
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ooc
 
 import torch  # noqa: E402,F401  (imported once, for every child)
+from fork_server import exit_status  # noqa: E402  (and torch._dynamo, which a first optimizer imports)
 
 import ooc  # noqa: E402
 import ooc.cli  # noqa: E402
@@ -47,7 +48,8 @@ def _child(request: dict, rank: int | None, env: dict[str, str]) -> int:
     os.dup2(out, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # the zygote's requests are not the child's
     signal.alarm(int(request["timeout"]))          # SIGALRM's default action ends the child
-    try:
+
+    def run() -> int:
         if request.get("code"):
             exec(compile(request["code"], "example.py", "exec"), {"__name__": "__main__"})
         for argv in request.get("ooc") or ():
@@ -56,14 +58,8 @@ def _child(request: dict, rank: int | None, env: dict[str, str]) -> int:
             if status:
                 return status
         return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+    return exit_status(run)
 
 
 def _rank_env(rank: int, ranks: int, port: int) -> dict[str, str]:

@@ -12,12 +12,11 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from forked import run_python
 
 import vmm
 
@@ -48,8 +47,7 @@ def _step():
 
 
 def _child(code: str, env: dict[str, str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **env})
+    done = run_python(["-c", textwrap.dedent(code)], timeout=300, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -15,7 +15,6 @@ import contextlib
 import gc
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -109,8 +108,9 @@ def _child(storage: str) -> None:
 @pytest.mark.timeout(240)
 def test_a_thousand_steps_leak_no_memory_descriptor_thread_or_swap_space(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
-                         cwd=root, timeout=230)
+    from forked import run_python   # tests/ (the child, this file run as a script, lacks it)
+
+    out = run_python([__file__, str(tmp_path)], cwd=root, timeout=230)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     first, last = r["marks"]["50"], r["marks"][str(STEPS)]

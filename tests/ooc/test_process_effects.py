@@ -2,19 +2,18 @@
 steps changed when it closes or is collected (issue 14, item 6); stats() is flat numbers with
 stable keys.
 
-Each case runs in a fresh interpreter: the CPU allocator and glibc's threshold are
-process-wide, and another test's engine would hold them."""
+Each case runs in a process of its own (forked by tests/fork_server.py): the CPU allocator and
+glibc's threshold are process-wide, and another test's engine would hold them."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from forked import run_python
 
 import ooc
 from ooc.host import cpu_allocator, malloc
@@ -23,9 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _child(code: str, env: dict[str, str] | None = None) -> dict:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    done = run_python(["-c", textwrap.dedent(code)], timeout=300, cwd=ROOT,
+                      env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

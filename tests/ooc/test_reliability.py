@@ -782,9 +782,10 @@ _SIGINT_CHILD = textwrap.dedent("""
 
 
 def _sigint_child(tmp_path, where: str) -> dict:
-    child = subprocess.run(
-        [sys.executable, "-c", _SIGINT_CHILD.format(tests=str(Path(__file__).parent)), str(tmp_path), where],
-        capture_output=True, text=True, cwd=ROOT, timeout=100)
+    from forked import run_python   # tests/ (the children, which import this file, lack it)
+
+    child = run_python(["-c", _SIGINT_CHILD.format(tests=str(Path(__file__).parent)), str(tmp_path), where],
+                       cwd=ROOT, timeout=100)
     assert child.returncode == 0, child.stderr[-3000:]
     r = json.loads(child.stdout.strip().splitlines()[-1])
     assert os.listdir(tmp_path) == []
