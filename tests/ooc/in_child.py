@@ -1,4 +1,4 @@
-"""Run a function of a test module in a fresh interpreter, so that a crash fails the test.
+"""Run a function of a test module in a process of its own, so that a crash fails the test.
 
 A read of a released storage is garbage or a segfault (issue 40), which would take pytest down
 with it: tests of reads between steps and of updates outside a step run their scenario in a
