@@ -15,8 +15,7 @@ Requests on stdin, one JSON object a line: ``{"argv": [...], "env": {...}, "cwd"
 "timeout": seconds, "stdout": path, "stderr": path}``, where ``argv`` is what follows
 ``python`` on a command line (``["-c", code, *args]`` or ``[script, *args]``). One child at a
 time; as it ends, one line on stdout: ``{"pid": int, "status": int}`` (the exit code, or minus
-the signal that ended it: -14, SIGALRM, when it ran past ``timeout``). Before the child runs,
-``{"started": pid}`` so that a caller can signal it.
+the signal that ended it: -14, SIGALRM, when it ran past ``timeout``).
 """
 
 from __future__ import annotations
@@ -95,7 +94,6 @@ def main() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)   # ...but not the server's buffers, nor its exit, a second time
-        print(json.dumps({"started": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"pid": pid, "status": os.waitstatus_to_exitcode(status)}), flush=True)
 

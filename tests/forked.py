@@ -47,8 +47,8 @@ def run_python(args: list[str], *, env: dict[str, str] | None = None, cwd: str |
         assert server.stdin is not None and server.stdout is not None
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
-        started, ended = server.stdout.readline(), server.stdout.readline()
-        if not started or not ended:
+        ended = server.stdout.readline()
+        if not ended:
             raise RuntimeError(f"tests/fork_server.py ended (exit {server.wait()}) before answering")
         status = json.loads(ended)["status"]
         stdout = Path(out).read_text(errors="replace") if os.path.exists(out) else ""
