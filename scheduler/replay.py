@@ -40,7 +40,7 @@ from typing import Callable
 from scheduler.ir import Access, Function, VariableSequence
 
 __all__ = ["MAX_CHAIN", "Chain", "chain_for", "chain_inputs", "chain_through", "mark_replayable",
-           "recompute_candidates"]
+           "recompute_candidates", "temporaries_bytes"]
 
 #: The most functions one chain reruns (``Function.needs`` can reach back several ops).
 MAX_CHAIN = 32
@@ -182,9 +182,20 @@ def chain_through(seq: VariableSequence, chain: Chain, absent: Callable[[int], b
             elif y not in inputs:
                 inputs.append(y)
     ordered = tuple(sorted(functions))
-    made = {x for w in ordered for x in seq.functions[w].var_ids if seq.producer.get(x) == w and x != chain.var}
+    made = _made(seq, chain.var, ordered)
     return Chain(var=chain.var, at=chain.at, functions=ordered, inputs=tuple(x for x in inputs if x not in made),
                  temporaries_bytes=_temporaries_peak(seq, chain.var, ordered, made))
+
+
+def temporaries_bytes(seq: VariableSequence, v: int, functions: tuple[int, ...]) -> int:
+    """The peak bytes of the temporaries of a replay of ``functions`` that makes ``v`` again
+    (``Chain.temporaries_bytes``): what the runtime may hold beside ``v`` while it runs."""
+    return _temporaries_peak(seq, v, functions, _made(seq, v, functions))
+
+
+def _made(seq: VariableSequence, v: int, functions: tuple[int, ...]) -> set[int]:
+    """The variables ``functions`` create besides ``v``: the replay's temporaries."""
+    return {x for w in functions for x in seq.functions[w].var_ids if seq.producer.get(x) == w and x != v}
 
 
 def _with_needs(seq: VariableSequence, writes: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ooc.runtime.made_by import node_of, said, signature
-from ooc.runtime.recipes import Made, _rng_state, rerun
+from ooc.runtime.recipes import Made, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
 
@@ -139,9 +139,18 @@ class BoundTemplates:
                 return x.view.of_tensor(x.tensor)
             return x.tensor(made) if isinstance(x, Made) else x
 
+        def key(x: Any) -> tuple[int, int] | None:   # the result of the chain's that materialize reads
+            if isinstance(x, VarArg):
+                return inside.get(x.var)
+            return (x.op, x.out) if isinstance(x, Made) else None
+
         producer, out_index = born_at[slot.var]
-        rerun([(w, self._drawn(self.templates.calls[w])) for w in chain], materialize, slot=slot, producer=producer,
-              out_index=out_index, born=born, rng_device=self.templates.rng_device, name_of=lambda w: f"function {w}")
+        calls = [(w, self._drawn(self.templates.calls[w])) for w in chain]
+        lives = self.templates.lifetimes.get((slot.var, chain))
+        if lives is None:   # the same for each step of the plan: found at its first replay
+            lives = self.templates.lifetimes[(slot.var, chain)] = lifetimes(calls, key)
+        rerun(calls, materialize, slot=slot, producer=producer, out_index=out_index, born=born,
+              rng_device=self.templates.rng_device, name_of=lambda w: f"function {w}", lives=lives)
         for k in self._reads(chain):   # let go of what no recompute of the plan reads any more
             left = self.readers.get(k, 0) - 1
             self.readers[k] = left

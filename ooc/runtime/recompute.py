@@ -37,7 +37,7 @@ from ooc.record.managed import NOT_REPLAYABLE, Recording
 from ooc.record.storages import storage_of
 from ooc.runtime.composition import has_sharded_params
 from ooc.runtime.cuda_seam import cuda_runtime
-from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, rerun
+from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
@@ -176,9 +176,10 @@ class Recomputation:
             slot.made_again(s)   # discarded: the tier holds no copy to forget
             self.book.register(slot)
 
-        rerun(list(zip(chain, recipes)), lambda x, made: _materialize(x, made, inside), slot=slot,
+        calls = list(zip(chain, recipes))
+        rerun(calls, lambda x, made: _materialize(x, made, inside), slot=slot,
               producer=producer, out_index=out_index, born=born, rng_device=self.rng_device,
-              name_of=self.course.name)
+              name_of=self.course.name, lives=lifetimes(calls, lambda x: _key(x, inside)))
         t1 = time.perf_counter()
         self.ctx.counters["bytes_recomputed"] += slot.nbytes
         self.ctx.counters["recompute_s"] += t1 - t0
@@ -190,6 +191,13 @@ def _materialize(x: Any, made: dict[tuple[int, int], torch.Tensor], inside: dict
         at = inside.get(x.slot.var)
         return x.tensor(None if at is None else made[at].untyped_storage())
     return x.tensor(made) if isinstance(x, Made) else x
+
+
+def _key(x: Any, inside: dict[int, tuple[int, int]]) -> tuple[int, int] | None:
+    """The replay's result that ``_materialize`` rebuilds ``x`` from (None: none of the chain's)."""
+    if isinstance(x, Ref):
+        return inside.get(x.slot.var)
+    return (x.op, x.out) if isinstance(x, Made) else None
 
 
 def _made(r: Recipe) -> list[Made]:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, as_view
+from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state, as_view
 from ooc.runtime.made_by import node_of, signature
 
 
@@ -173,6 +173,12 @@ class Templates:
         for var, at in self.born_at.items():
             out.setdefault(at[0], []).append((var, at))
         return {i: tuple(made) for i, made in out.items()}
+
+    @cached_property
+    def lifetimes(self) -> dict[tuple[int, tuple[int, ...]], Lifetimes]:
+        """(var, chain) -> how long its replay holds each result of its own
+        (``recipes.lifetimes``): the same at every step of the plan, so found once."""
+        return {}
 
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard

@@ -228,3 +228,67 @@ def test_shared_replays_the_gpu_planner_makes_run_bitwise(monkeypatch, budget: s
     runtime._assert_bitwise(ref, got)
     assert max(moved) > 0, "no recompute was moved before its use: nothing shared was tested"
     assert got["stats"]["last_planned"] == 1 and got["stats"]["last_diverged_at"] == -1
+
+
+class _Watched:
+    """A chain's call whose ``func`` first notes the bytes of the replay's own results held
+    while it runs (distinct storages of ``made``: an in-place op's result is its input's)."""
+
+    def __init__(self, call, made: dict, most: list[int]) -> None:
+        self._call, self._made, self._most = call, made, most
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+    def func(self, *args, **kwargs):
+        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._made.values()}
+        self._most[0] = max(self._most[0], sum(live.values()))
+        return self._call.func(*args, **kwargs)
+
+
+def test_a_replay_holds_its_own_results_only_as_long_as_the_plan_counted(monkeypatch) -> None:
+    """With transfers priced dear and a tight budget, ResNet-50's chains run through whole
+    bottlenecks (up to 32 functions), making several activations again; the plan counts each as
+    a temporary from the call that makes it to the last call that reads it
+    (``Chain.temporaries_bytes``), and a replay, per op or from templates, must hold them no
+    longer (held to the chain's end: 2.4 MB here where the plan counted 0.8 MB; on an H200,
+    7.2 GiB at a step's peak). Bitwise as in core, as ever."""
+    import dataclasses
+
+    import scheduler
+    from ooc.runtime import recipes
+    from scheduler.hardware import hardware
+    from scheduler.pins import Pins, pinned_rule
+    from scheduler.recompute import swap_or_recompute
+    from scheduler.replay import temporaries_bytes
+    from scheduler.window import plan_window
+
+    dear = dataclasses.replace(hardware("cpu-edge"), h2d_bandwidth=1e6, d2h_bandwidth=1e6)
+
+    def plan(seq, budget, window=None, policy="window", **options):
+        return plan_window(seq, budget, window, pinned_rule(seq, Pins(), swap_or_recompute(seq, dear, 1.0, True)))
+
+    replays = []   # (var, chain, most bytes of its own results held at one of its calls, kind of call)
+    rerun = recipes._rerun
+
+    def watched(calls, fill, made, slot, *rest):
+        most = [0]
+        rerun([(w, _Watched(r, made, most)) for w, r in calls], fill, made, slot, *rest)
+        replays.append((slot.var, tuple(w for w, _ in calls), most[0], type(calls[0][1]).__name__))
+
+    def make():
+        torch.manual_seed(0)
+        return ooc.models.resnet50(num_classes=10)
+
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    data = (x, torch.arange(4) % 10)
+    ref = runtime._train("sgd", 10, make=make, data=data, chunk="64KiB")
+    monkeypatch.setattr(scheduler, "plan", plan)
+    monkeypatch.setattr(recipes, "_rerun", watched)
+    got = runtime._train("sgd", 10, make=make, data=data, chunk="64KiB", budget="2MiB")
+    runtime._assert_bitwise(ref, got)
+    seq = got["schedule"].sequence
+    counted = [(held, temporaries_bytes(seq, var, chain), len(chain), kind) for var, chain, held, kind in replays]
+    assert {kind for *_, kind in counted} == {"Recipe", "Template"}, "both forms of replay ran"
+    assert any(n >= 20 and held > 0 for held, _, n, _ in counted), counted   # through whole blocks
+    assert all(held <= plan for held, plan, _, _ in counted), [c for c in counted if c[0] > c[1]]
