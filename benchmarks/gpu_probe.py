@@ -217,12 +217,16 @@ def _clocked_last_step(one: Any, total: int, label: str) -> None:
 
 
 def _where(frames: list[dict]) -> str:
-    """The innermost frame of ooc, the benchmarks or a model's library (else the innermost)."""
+    """The innermost frame of ooc, the benchmarks or a model's library (else the innermost;
+    none where no Python frame made the block: the autograd engine's thread, the backward's
+    gradients)."""
+    if not frames:
+        return "(no Python frame: the autograd engine's)"
     for f in frames:
         name = f.get("filename", "")
         if any(k in name for k in ("/ooc/", "/benchmarks/", "transformers/", "torchvision/")):
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
-    f = frames[0] if frames else {}
+    f = frames[0]
     return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
 
 

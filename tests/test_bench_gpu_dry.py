@@ -243,6 +243,8 @@ def test_what_is_live_at_a_steps_peak_is_summed_by_where_it_was_allocated() -> N
                        {"action": "alloc", "addr": 3, "size": G, "frames": swap}]
     later = peak_lines(reused, 4 * G, "case", names=[(3, 5, "recomputed z")])   # block 3's second life
     assert "  of which a slot's bytes: 0.000 GiB in 0 blocks; the rest: 6.000 GiB" in later.splitlines()
+    engine = peak_lines([{"action": "alloc", "addr": 7, "size": G, "frames": []}], 0, "case")
+    assert "    1.000 GiB  (no Python frame: the autograd engine's)" in engine.splitlines(), engine
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 8, 9, 100, 255, 256, 511, 512, 600])
