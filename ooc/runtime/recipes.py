@@ -16,7 +16,7 @@ live only until the last call that reads them (``lifetimes``), as the plan count
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,27 +142,17 @@ def lifetimes(calls: list[tuple[int, Any]], key_of: Callable[[Any], Key | None])
     return Lifetimes(frozenset(last), {i: tuple(keys) for i, keys in by_call.items()})
 
 
-def _arguments(r: Any) -> Iterator[Any]:
-    """The leaves of a call's arguments that ``_rerun`` fills (a template's spots where it has them)."""
+def _arguments(r: Any) -> list[Any]:
+    """The leaves of a call's arguments that ``_rerun`` fills (a template's spots where it has
+    them), found by the same walk (``_fill``)."""
     spots = getattr(r, "spots", None)
     if spots is not None:
-        yield from (x for _, x in spots)
-        return
-    yield from _leaves(r.args)
+        return [x for _, x in spots]
+    leaves: list[Any] = []
+    _fill(r.args, leaves.append)
     if r.kwargs:
-        yield from _leaves(r.kwargs)
-
-
-def _leaves(x: Any) -> Iterator[Any]:
-    t = type(x)
-    if t is tuple or t is list:
-        for v in x:
-            yield from _leaves(v)
-    elif t is dict:
-        for v in x.values():
-            yield from _leaves(v)
-    else:
-        yield x
+        _fill(r.kwargs, leaves.append)
+    return leaves
 
 
 def rerun(calls: list[tuple[int, Any]], materialize: Callable[[Any, dict], Any], *, slot: Slot, producer: int,
