@@ -40,7 +40,7 @@ from bench_hook_bound import H0_US  # noqa: E402
 from scheduler.ir import VariableSequence  # noqa: E402
 from scheduler.managed import managed_view  # noqa: E402
 from scheduler.pins import Pins  # noqa: E402
-from scheduler.recompute import GPU_EXPOSURES, GPU_THROUGH_EXPOSURES, SHARED, _candidate, default_hardware  # noqa: E402
+from scheduler.recompute import _candidate, candidate_grid, default_hardware  # noqa: E402
 from scheduler.schedule import Op  # noqa: E402
 from scheduler.window import default_window  # noqa: E402
 
@@ -64,10 +64,9 @@ def host_actions_us(schedule: scheduler.Schedule) -> tuple[float, Counter]:
 
 
 def candidates(seq: VariableSequence, budget: int, hw: scheduler.Hardware) -> list[tuple[str, scheduler.Schedule]]:
-    """The plans ``plan_swap_or_recompute`` weighs at the default window, by name."""
-    grid = [(None, False), *((e, SHARED) for e in GPU_EXPOSURES), *((e, True) for e in GPU_THROUGH_EXPOSURES)]
+    """The plans ``plan_swap_or_recompute`` weighs on a GPU at the default window, by name."""
     out = []
-    for exposure, through in grid:
+    for exposure, through in candidate_grid(beside=True):
         plan = _candidate(seq, budget, default_window(budget), Pins(), hw, exposure, through)
         if plan is not None:
             name = "swap only" if exposure is None else f"exposure {exposure:g}{', through' if through is True else ''}"
@@ -75,7 +74,8 @@ def candidates(seq: VariableSequence, budget: int, hw: scheduler.Hardware) -> li
     return out
 
 
-def rows_for(path: Path, fraction: float, saved: int) -> list[list[str]]:
+def rows_for(path: Path, fraction: float, saved: int) -> list[tuple[list[str], float]]:
+    """Each plan's table row and its step (the slower lane, ms): the planner's choice first."""
     seq = managed_view(VariableSequence.from_json(path))
     hw = default_hardware(seq)
     ops = len(seq.functions)
@@ -83,15 +83,15 @@ def rows_for(path: Path, fraction: float, saved: int) -> list[list[str]]:
     h0 = min(H0_US, in_core_s / ops * 1e6)
     budget = int(seq.in_core_peak_bytes * fraction)
     chosen = scheduler.plan(seq, budget=budget, hardware=hw)
+    hooks = 2 * saved * HOOK_US
     rows = []
     for name, plan in [("chosen", chosen), *candidates(seq, budget, hw)]:
         device = scheduler.simulate(plan, hw, timeline=False).total_s * 1e3
         actions, n = host_actions_us(plan)
-        hooks = 2 * saved * HOOK_US
         host = (ops * h0 + actions + hooks) / 1e3
-        rows.append([path.stem, f"{fraction:g}", name, f"{device:.1f} ms", f"{host:.1f} ms",
-                     f"{(actions + hooks) / 1e3:.1f} ms", f"{n[Op.SWAP_OUT]} / {n[Op.RECOMPUTE]}",
-                     f"{max(device, host):.1f} ms"])
+        rows.append(([path.stem, f"{fraction:g}", name, f"{device:.1f} ms", f"{host:.1f} ms",
+                      f"{(actions + hooks) / 1e3:.1f} ms", f"{n[Op.SWAP_OUT]} / {n[Op.RECOMPUTE]}",
+                      f"{max(device, host):.1f} ms"], max(device, host)))
     return rows
 
 
@@ -108,8 +108,8 @@ def main() -> int:
         saved = saved_per_step(name)
         for fraction in fractions:
             got = rows_for(PROFILES / f"{name}.json", fraction, saved)
-            rows += got
-            step = {r[2]: float(r[-1].split()[0]) for r in got}
+            rows += [row for row, _ in got]
+            step = {row[2]: ms for row, ms in got}
             best = min(step, key=step.get)
             verdicts.append(f"- {name} at {fraction:g}: the planner's choice {step['chosen']:.1f} ms with the host "
                             f"priced; the fastest candidate so priced ({best}) {step[best]:.1f} ms "

@@ -78,7 +78,7 @@ from scheduler.window import Recompute, plan_window
 from scheduler.working_sets import INF, Infeasible, default_window
 
 __all__ = ["EXPOSURES", "GPU_EXPOSURES", "GPU_THROUGH_EXPOSURES", "RECOMPUTE_MODES", "SHARED", "WIDE_TRIES", "WIDE_WINDOW",
-           "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
+           "candidate_grid", "chain_seconds", "default_hardware", "plan_swap_or_recompute", "swap_or_recompute"]
 
 log = logging.getLogger(__name__)
 
@@ -204,11 +204,9 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             return INF
 
     beside = not hw.moved_byte_s   # the link runs beside compute: a GPU
-    grid = ([(e, SHARED) for e in GPU_EXPOSURES] + [(e, True) for e in GPU_THROUGH_EXPOSURES] if beside
-            else [(e, t) for e in EXPOSURES for t in (False, True)])
     tried = []   # (predicted seconds, exposure, through), in the order tried
     best, best_s, best_how, best_stall = None, INF, (window, None, False), 0.0
-    for exposure, through in [(None, False)] + grid:
+    for exposure, through in candidate_grid(beside):
         baseline = exposure is None and not (pins.prefer or pins.must)
         candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through)
         t = predicted(candidate)
@@ -230,6 +228,16 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     at_window, exposure, through = best_how
     return _sooner(seq, best, best_s, hw,
                    lambda release: _candidate(seq, budget, at_window, pins, hw, exposure, through, release))
+
+
+def candidate_grid(beside: bool) -> list[tuple[float | None, bool | str]]:
+    """The (exposure, through) pairs ``plan_swap_or_recompute`` plans at, in the order it tries
+    them: first the baseline (None: swap only), then, where the link runs beside compute (a
+    GPU), shared replays at ``GPU_EXPOSURES`` and chains through at ``GPU_THROUGH_EXPOSURES``,
+    else each of ``EXPOSURES`` with chains through and without."""
+    grid = ([(e, SHARED) for e in GPU_EXPOSURES] + [(e, True) for e in GPU_THROUGH_EXPOSURES] if beside
+            else [(e, t) for e in EXPOSURES for t in (False, True)])
+    return [(None, False), *grid]
 
 
 def _sooner(seq: VariableSequence, best: Schedule, best_s: float, hw: Hardware,
