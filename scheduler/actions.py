@@ -32,7 +32,9 @@ with no copy anywhere (after its last use before a gap), ``recompute`` re-create
 its next use by rerunning the action's ``chain`` (function indices, in order). Its
 precondition is the chain's: the chain must be the one ``scheduler.replay.chain_for`` finds
 for that variable and that use (or that chain through its inputs discarded at that point,
-``chain_through``), and every input of the chain must be resident. Its effect:
+``chain_through``, or through those and the inputs the chain itself makes again: a planner
+fixes a chain where it discards the variable, and an input gone then may be back by the
+use), and every input of the chain must be resident. Its effect:
 the variable's bytes are taken, and while the chain runs its temporaries too (the peak
 counts them); the compute stream spends the chain's seconds (``simulate``).
 
@@ -358,6 +360,15 @@ class Ledger:
                             f"(see scheduler.replay for the rules)")
         if tuple(chain) != found.functions:   # through inputs discarded now (chain_through)?
             through = chain_through(self.seq, found, lambda x: self.state[x] is DISCARDED)
+            if through is None or tuple(chain) != through.functions:
+                # or through inputs it makes again that are resident now: the planner chose
+                # the chain where it discarded the variable, when they were gone; a recompute
+                # for their own use brought them back since (a second backward over the same
+                # tensors: retain_graph, a gradient penalty). Making one again is a replay
+                # like any other (``chain_for`` proved it), its bytes a temporary counted.
+                again, producer = set(chain), self.seq.producer
+                through = chain_through(self.seq, found, lambda x: self.state[x] is DISCARDED
+                                        or producer.get(x) in again)
             if through is None or tuple(chain) != through.functions:
                 raise n.refused(op, v, i, phase, st,
                                 f"the action's chain {list(chain)} is not the functions that wrote it, "

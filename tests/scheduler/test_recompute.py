@@ -120,6 +120,48 @@ def test_a_chain_through_reaches_back_through_discarded_inputs_of_discarded_inpu
     assert chain_through(seq, plain, lambda x: x in (0, 1, 2, 3)) is None   # x is gone: nothing to start from
 
 
+def _two_blocks() -> VariableSequence:
+    """x -> conv1 -> c1 -> bn1 -> b1, relu1_(b1) -> conv2 -> c2 -> bn2 -> b2, relu2_(b2) -> head,
+    then a backward that reads them all."""
+    fns = [("conv1", [(0, "r"), (1, "w")], Cost(seconds=1.0), R),
+           ("bn1", [(1, "r"), (2, "w")], Cost(seconds=1e-4), R),
+           ("relu1_", [(2, "r"), (2, "w")], Cost(seconds=1e-4), R),
+           ("conv2", [(2, "r"), (3, "w")], Cost(seconds=1.0), R),
+           ("bn2", [(3, "r"), (4, "w")], Cost(seconds=1e-4), R),
+           ("relu2_", [(4, "r"), (4, "w")], Cost(seconds=1e-4), R),
+           ("head", [(4, "r"), (5, "w")], Cost(seconds=1.0)),
+           ("back", [(5, "r"), (4, "r"), (3, "r"), (2, "r"), (1, "r"), (0, "r")], Cost(seconds=1.0))]
+    vs = [Variable(0, MiB, Kind.INPUT, "x", live_in=True)] + [
+        Variable(v, MiB, Kind.ACTIVATION, n) for v, n in ((1, "c1"), (2, "b1"), (3, "c2"), (4, "b2"), (5, "h"))]
+    return build_sequence(fns, vs, {"device": "meta"})
+
+
+def test_a_chain_through_an_input_that_is_back_by_its_use_is_proven_too() -> None:
+    """The planner fixes a chain where it discards the variable: b2's, through c2, chosen when
+    c2 was discarded too. Where c2's own recompute has brought it back by b2's use (a second
+    backward over the same tensors: retain_graph, a gradient penalty), ``check`` proves the
+    chain through c2 as it is, c2 made again as a temporary; it refused it before, and every
+    plan of a residual network trained with ``retain_graph=True`` that did so was lost."""
+    seq = _two_blocks()
+    n = len(seq.functions)
+    before, after = [()] * n, [()] * n
+    after[4] = (Action(Op.DISCARD, 3),)
+    after[6] = (Action(Op.DISCARD, 4),)
+
+    def schedule(chain: tuple[int, ...]) -> Schedule:
+        before[7] = (Action(Op.RECOMPUTE, 3, (3,)), Action(Op.RECOMPUTE, 4, chain))
+        after[7] = tuple(Action(Op.FREE, v) for v in range(6))
+        return Schedule(sequence=seq, budget=1 << 40, policy="hand", window=0, before=tuple(before),
+                        after=tuple(after), initial_resident=frozenset({0}))
+
+    plain, through = check(schedule((4, 5))), check(schedule((3, 4, 5)))
+    assert through.peak_bytes == plain.peak_bytes + MiB   # c2 made again beside the resident one
+    with pytest.raises(Refused, match="not the functions that wrote it"):
+        check(schedule((2, 3, 4, 5)))   # b1 made again without bn1 before relu1_: no chain of it
+    assert simulate(schedule((3, 4, 5)), "v100-16gb-nvlink").total_s > simulate(schedule((4, 5)),
+                                                                                "v100-16gb-nvlink").total_s
+
+
 def _recompute_schedule(seq: VariableSequence, chain=(1, 2), budget=1 << 40) -> Schedule:
     n = len(seq.functions)
     before = [()] * n
