@@ -95,3 +95,23 @@ def test_two_backward_passes_over_one_graph_train_bitwise_with_every_plan_proven
     for a, b in zip(ref_opt.state.values(), opt.state.values()):
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_a_gradient_penalty_on_the_cuda_path_over_the_fake_driver_is_bitwise() -> None:
+    """FAKE DRIVER: the same loop with ``device="cuda"`` (``ooc.testing.fake_cuda``, the
+    default arena), every driver call within the real driver's contract."""
+    import ooc.testing
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = OPTIMIZERS["adam"](ref.parameters()), OPTIMIZERS["adam"](model.parameters())
+    _train(ref, ref_opt, _gradient_penalty, None)
+    with ooc.testing.fake_cuda() as driver:
+        engine = ooc.OutOfCore(model, opt, device="cuda", budget=BUDGET)
+        _train(model, opt, _gradient_penalty, engine)
+        stats = engine.stats()
+        engine.close()
+        assert driver.violations == [], driver.violations
+    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] > 0
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
