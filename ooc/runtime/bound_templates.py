@@ -102,9 +102,10 @@ class BoundTemplates:
                     return f"saved tensor {a.k}, which its chain reads, was not saved"
                 if got[0]._version != got[1]:
                     return f"saved tensor {a.k}, which its chain reads, was written since"
-            for t in c.checked:
-                if t._version != self.versions[id(t)]:
-                    return f"a parameter or buffer {tuple(t.shape)} its chain reads was written in the step"
+            for t, writes in c.checked:
+                if t._version != self.versions[id(t)] + writes:
+                    return (f"a parameter or buffer {tuple(t.shape)} its chain reads was written since the "
+                            "chain read it")
             if c.rng_at is not None and c.rng_at.k not in self.states:
                 return f"the generator's state function {w} draws from (at saved tensor {c.rng_at.k}) was not seen"
         return None

@@ -87,19 +87,23 @@ class PackArg:
 @dataclass(frozen=True, slots=True)
 class Persistent:
     """A parameter or buffer (``tensor``), read as ``view``; ``checked``: a write to it since
-    the step began refuses a discard (BatchNorm's running statistics are not checked: the
-    replay reads copies, and its output does not depend on them)."""
+    the op read it refuses a discard (BatchNorm's running statistics are not checked: the
+    replay reads copies, and its output does not depend on them). ``writes``: the writes to it
+    in the step before the op read it (its version counter's steps since the step began): a
+    GAN's generator pass reads the discriminator's weights after the discriminator's update,
+    and a replay then reads what the op read."""
 
     tensor: torch.Tensor
     view: View
     checked: bool
+    writes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Template:
     """A ``Recipe`` with its tensors as slots (the attributes ``recompute.rerun`` reads);
     ``saves`` and ``variables``, its ``PackArg`` and ``VarArg`` slots, ``checked``, the
-    parameters and buffers a write to refuses it, and ``spots``, (position, slot) of each slot
+    parameters and buffers a write to refuses it (each with its ``Persistent.writes``), and ``spots``, (position, slot) of each slot
     when all are positional arguments (else None): ``make`` finds them once, as walking the
     arguments at each replay cost more than the replay. ``rng_at``: a random op's save at whose
     hook the generator's state is the one the op drew from (its index, size, node type and gap,
@@ -113,7 +117,7 @@ class Template:
     outputs: int
     saves: tuple[PackArg, ...] = ()
     variables: tuple[VarArg, ...] = ()
-    checked: tuple[torch.Tensor, ...] = ()
+    checked: tuple[tuple[torch.Tensor, int], ...] = ()
     spots: tuple[tuple[int, Any], ...] | None = None
     rng_at: PackArg | None = None
     rng: torch.Tensor | None = None
@@ -127,7 +131,7 @@ class Template:
         return Template(func, args, kwargs, stats, grad, outputs,
                         tuple(x for x in slots if isinstance(x, PackArg)),
                         tuple(x for x in slots if isinstance(x, VarArg)),
-                        tuple(x.tensor for x in slots if isinstance(x, Persistent) and x.checked),
+                        tuple((x.tensor, x.writes) for x in slots if isinstance(x, Persistent) and x.checked),
                         spots if len(spots) == len(slots) else None, rng_at)
 
 
@@ -207,6 +211,7 @@ class TemplateCapture:
         for t in (*model.parameters(), *model.buffers()):
             if t.layout is torch.strided and not t.is_meta:
                 self.persistent.setdefault(t.untyped_storage()._cdata, t)
+        self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
         self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # cdata -> (function, tensor, version)
@@ -254,7 +259,8 @@ class TemplateCapture:
             c = s._cdata
             base = self.persistent.get(c)
             if base is not None:
-                found[id(x)] = Persistent(base, View.of(x), checked=id(x) not in stats)
+                found[id(x)] = Persistent(base, View.of(x), checked=id(x) not in stats,
+                                          writes=base._version - self.start[id(base)])
                 continue
             for k, ref, v, gap in self.packed.get(c, ()):
                 t = ref()
@@ -282,7 +288,7 @@ class TemplateCapture:
             calls[i] = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
                                      r.outputs, self.rng_at.get(i))
         wanted = {a.k: a for c in calls.values() for a in c.saves}
-        persistent = {id(t): t for c in calls.values() for t in c.checked}
+        persistent = {id(t): t for c in calls.values() for t, _ in c.checked}
         self.packed.clear()
         self.pending.clear()
         self.last = None

@@ -148,6 +148,35 @@ def test_a_bound_step_refuses_another_size_a_written_save_and_a_written_paramete
     assert "parameter" in bound.why_not((3,))
 
 
+def test_a_parameter_written_before_its_op_read_it_is_checked_from_there() -> None:
+    """A GAN's generator pass reads the discriminator's weights after their update: the
+    template keeps the writes before its op read the weight, and a bound step refuses a
+    discard only where the weight's writes since the step began are not that many."""
+    model = nn.Linear(2, 2)
+    cap = TemplateCapture(model)   # the step begins
+    with torch.no_grad():
+        model.weight.add_(1)       # the update, before the op
+    x = torch.randn(16)
+    cap.saved(x, x.untyped_storage(), None, gap=2)
+    r = _recipe(aten.mul.Tensor, [x, model.weight])
+    cap.captured(3, r)
+    templates = cap.build({3: r}, {})
+    assert templates.calls[3].checked == ((model.weight, 1),)
+
+    def bound_after(writes: int) -> BoundTemplates:
+        bound = BoundTemplates(templates, chains=[(3,)])
+        with torch.no_grad():
+            for _ in range(writes):
+                model.weight.add_(1)
+        y = torch.randn(16)
+        bound.saved(y, y.untyped_storage())
+        return bound
+
+    assert bound_after(1).why_not((3,)) is None
+    assert "parameter" in bound_after(0).why_not((3,))   # not updated yet: not the bytes the op read
+    assert "parameter" in bound_after(2).why_not((3,))   # written after the op read it
+
+
 def test_a_save_is_held_until_the_last_recompute_that_reads_it() -> None:
     from types import SimpleNamespace
 
