@@ -53,6 +53,7 @@ class Planner:
         self.window, self.policy, self.recompute, self.pin = window, policy, recompute, pin
         self.adaptive = self.adapt_pending = adaptive
         self._adopt_params = adopt_params
+        self._told_held = False   # said once: what the backward reads that no hook saw
         # plans priced again on their first planned runs (step_plans.reprice); benchmarks turn
         # it off on a live engine to measure what it buys (bench_gpu's "priced-once" rows)
         self.reprice = True
@@ -82,6 +83,8 @@ class Planner:
         again instead."""
         if isinstance(st, Stepper):
             st.book_device_times()   # the ops' run times on a GPU, where the step timed them
+            if st.schedule is None and not self._told_held:
+                self._tell_held(st)
         if isinstance(st, Stepper) and (st.schedule is None or st.diverged_at is not None):
             if self.adapt_chunk(st):
                 overflow = st.forgive_overflow()
@@ -100,6 +103,24 @@ class Planner:
         decision = after_step(self._facts(st, report, unformed=state is not None and state.hook is None), state,
                               self.settings())
         self._do(st, decision, report.seconds, time.perf_counter() - t0)
+
+    def _tell_held(self, st: Stepper) -> None:
+        """Once, after a recording step: the tensors its backward read that no saved-tensor
+        hook saw (``Recording.held_by_nodes``), which no plan can move; a warning where they
+        are more than an eighth of the budget."""
+        held = st.rec.held_by_nodes()
+        if not held:
+            return
+        self._told_held = True
+        total = sum(n for _, n, _ in held)
+        name, nbytes, node = max(held, key=lambda h: h[1])
+        budget = self._mem.budget
+        (log.warning if total > budget // UNMANAGED_SHARE else log.info)(
+            "%d tensor(s), %s in all, that the backward reads are held outside autograd's saved tensors "
+            "(the largest: %s, %s, read by %s): a custom autograd.Function keeping it on ctx instead of "
+            "ctx.save_for_backward(), or a tensor hook's closure. No plan can move them: they stay in "
+            "memory beside the %s budget", len(held), format_size(total), name, format_size(nbytes), node,
+            format_size(budget))
 
     def _facts(self, st: Stepper | AnchoredStep, report: StepReport, unformed: bool = False) -> StepFacts:
         """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks,

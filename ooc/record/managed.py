@@ -70,8 +70,14 @@ class Recording:
     # noted inside ``optimizer.step()`` (the caller's rule): its writes to the parameters
     # come after every replay of the step, and none of its ops is replayed.
     outside_reads: dict[int, tuple[StorageWeakRef, list[int]]] = field(default_factory=dict)
+    # Per op, the type of the autograd node it ran inside (a backward's op), else None; and the
+    # births a node read that autograd never saved, kept past their storage (``held_by_nodes``).
+    nodes: list[str | None] = field(default_factory=list)
+    gone: list[Birth] = field(default_factory=list)
 
     def begin_op(self, name: str) -> int:
+        node = torch._C._current_autograd_node()
+        self.nodes.append(None if node is None else type(node).__name__)
         self.names.append(name)
         self.uses.append([])
         self.seconds.append(0.0)
@@ -103,6 +109,9 @@ class Recording:
             entry[1].append(op)
 
     def birth(self, s: torch.UntypedStorage, op: int, out: int, nbytes: int) -> Birth:
+        old = self.births.get(s._cdata)
+        if old is not None:   # a dead storage's address, taken again
+            self.gone.append(old)
         b = self.births[s._cdata] = Birth(StorageWeakRef(s), op, out, nbytes)
         return b
 
@@ -111,9 +120,25 @@ class Recording:
         key = s._cdata
         b = self.births.get(key)
         if b is not None and b.ref.expired():
-            del self.births[key]
+            self.gone.append(self.births.pop(key))
             return None
         return b
+
+    def held_by_nodes(self) -> list[tuple[str, int, str]]:
+        """What the backward read that autograd never saved: (name, bytes, the first node that
+        read it) of each storage born in the forward (outside any node), never managed, and
+        read by an op inside a backward node. A custom ``autograd.Function`` that keeps a
+        tensor on ``ctx`` instead of ``save_for_backward``, or a tensor hook's closure, holds
+        it: no saved-tensor hook sees it, so no plan can move it, and it stays in memory
+        beside the budget."""
+        nodes, names, found = self.nodes, self.names, []
+        for b in (*self.gone, *self.births.values()):
+            if b.var is not None or nodes[b.op] is not None:
+                continue
+            reader = next((nodes[r] for r in b.reads if nodes[r] is not None), None)
+            if reader is not None:
+                found.append((f"{names[b.op]}#{b.op}", b.nbytes, reader))
+        return found
 
     def promote(self, birth: Birth, var: int, kind: Kind, name: str) -> None:
         """The born storage becomes managed variable ``var``: replay its creation and reads."""
