@@ -41,7 +41,8 @@ from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError, StorageError
 from ooc.host import cpu_allocator
-from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
+from ooc.runtime.composition import (check_sharded_params, check_step_entry, refuse_compiled, refused_hooks,
+                                     state_dict_owner)
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
@@ -255,6 +256,9 @@ class OutOfCore:
                 self._guard.interrupts.release()
             if committed and isinstance(exc, StorageError):
                 raise partial_update_error(exc, during_step=st.updating) from exc
+            refused = refused_hooks(exc)
+            if refused is not None:
+                raise refused from exc
             raise
         st = self._end_step(form)
         if not mem.on_cpu and self._plans.hooked.on_trial(st.start_key, st.schedule):

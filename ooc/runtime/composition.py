@@ -21,6 +21,12 @@ takes the saved activations away from ooc, silently: measured before these check
 The first two are refused with an ``OOCError`` that names what was found; checkpointing's
 hooks are told apart by the module that defines them, ``torch.utils.checkpoint``.
 
+``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``hessian`` refuse saved-tensor hooks
+themselves: called inside the step (per-sample gradients for DP-SGD, a meta-learning inner
+loop) they raised PyTorch's "don't yet support saved tensor hooks. Please open an issue",
+which names neither ooc nor a way out. The step rolls back as for any exception, and
+``refused_hooks`` gives the error that says why and what to do instead.
+
 ``torch.compile`` does not compose yet, and is refused too: dynamo skips every frame while a
 ``TorchDispatchMode`` is active, so a compiled model called inside the step ran eagerly,
 silently (its parameters came out bitwise equal to eager in-core training, not to compiled
@@ -121,6 +127,24 @@ _COMPILED = ("{what} inside engine.step(): the engine sees every op of the step 
              "eagerly, so the parameters would match eager training, not compiled training). "
              "Train the uncompiled model under the engine (OutOfCore(model, ...) and call model, "
              "not torch.compile(model)), or compile without the engine")
+
+
+# torch._functorch.vmap.doesnt_support_saved_tensors_hooks's words, which grad, vjp, jacrev and
+# hessian raise on entry while any saved-tensor hooks are active
+_FUNC_REFUSAL = "don't yet support saved tensor hooks"
+
+
+def refused_hooks(exc: BaseException) -> OOCError | None:
+    """The error to raise instead of ``exc`` where a ``torch.func`` transform refused the
+    step's saved-tensor hooks; None for any other exception."""
+    if isinstance(exc, OOCError) or not isinstance(exc, RuntimeError) or _FUNC_REFUSAL not in str(exc):
+        return None
+    return OOCError(
+        "torch.func's grad, vjp, jacrev and hessian refuse autograd's saved-tensor hooks, through which "
+        "ooc manages the step's activations (PyTorch's own save_on_cpu meets the same refusal). "
+        "Call the transform outside `with engine.step()` (what it saves is then PyTorch's alone, outside "
+        "the budget), or compute those gradients with torch.autograd inside the step. The step was rolled "
+        f"back. PyTorch said: {exc}")
 
 
 def refuse_compiled(model: torch.nn.Module, in_step: Callable[[], bool]) -> list[Any]:

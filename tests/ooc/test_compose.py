@@ -113,6 +113,46 @@ def test_saved_tensor_hooks_inside_the_step_are_refused_and_the_step_rolled_back
     engine.close()
 
 
+def test_torch_func_grad_inside_the_step_says_why_and_the_step_rolls_back() -> None:
+    """Per-sample gradients by ``torch.func`` (DP-SGD's way): grad refuses any saved-tensor
+    hooks, ooc's included. The user gets an ``OOCError`` that names the refusal and what to do
+    (PyTorch's own error chained to it), the step is rolled back, and the same gradients
+    computed outside the step then train as in core."""
+    from torch.func import functional_call, grad, vmap
+
+    def per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Clipped per-sample gradients of the first block (no BatchNorm: vmap over single
+        samples), averaged into ``.grad``; the rest of the model gets none."""
+        params = {k: v.detach() for k, v in model.a.named_parameters()}
+
+        def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(functional_call(model.a, p, (xi[None],))[:, :10], yi[None])
+
+        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x[:16], y[:16])
+        for k, p in model.a.named_parameters():
+            p.grad = g[k].clamp(-1, 1).mean(0)
+
+    model, opt = _fresh()
+    ref, ref_opt = _fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK))
+    x, y = _batch(0)
+    with pytest.raises(OOCError, match=r"torch.func's grad.*saved-tensor hooks.*outside `with engine.step\(\)`") as info:
+        with engine.step():
+            per_sample(model, x, y)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by the refused step"
+    for m, o in ((ref, ref_opt), (model, opt)):   # outside the step: PyTorch's alone
+        per_sample(m, x, y)
+        o.step()
+        o.zero_grad(set_to_none=True)
+    _engine_step(engine, model, 1)
+    _in_core_step(ref, ref_opt, 1)
+    _assert_same(ref, model)
+    engine.close()
+
+
 def test_saved_tensor_hooks_around_the_step_are_refused() -> None:
     """Around the step, the engine's hooks would replace them for the step's duration."""
     model, opt = _fresh()
