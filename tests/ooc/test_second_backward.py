@@ -115,3 +115,30 @@ def test_a_gradient_penalty_on_the_cuda_path_over_the_fake_driver_is_bitwise() -
     assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] > 0
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop,optimizer", [("retain_graph", "sgd"), ("gradient_penalty", "adam")])
+def test_gpu_two_backward_passes_train_bitwise(loop: str, optimizer: str) -> None:
+    """REAL GPU (skips without one): the same loops on CUDA, cuDNN deterministic, the default
+    arena, bitwise against the same loop without the engine."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    ref = _model().cuda()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    engine = ooc.OutOfCore(model, opt, budget=BUDGET, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8, 3, 32, 32, device="cuda", generator=g)
+    y = torch.randint(0, 10, (8,), device="cuda", generator=g)
+    for step in range(STEPS):
+        for m, o, e in ((ref, ref_opt, None), (model, opt, engine)):
+            torch.manual_seed(step)
+            with e.step() if e is not None else contextlib.nullcontext():
+                LOOPS[loop](m, x, y)
+                o.step()
+                o.zero_grad()
+    stats = engine.stats()
+    engine.close()
+    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
