@@ -2,7 +2,8 @@
 
 A plan holds for the state a step starts in (``PersistentStore.start_key``: managed persistent
 tensors, which parameters have a gradient, the caller's kind) and the shape it has
-(``step_forms.shape_of``: the shapes and dtypes the model's forward is called with). Gradient
+(``step_forms.shape_of``: the shapes and dtypes the model's forward is called with, its
+training mode and autograd's). Gradient
 accumulation alternates two such states, and dynamic padding varies the shape: plans are kept
 per (start, shape), at most ``max_plans``, the least recently used evicted first, with what
 was made of each (its prices, ``repriced``; its hook-driven form, ``hook_forms.py``).
@@ -151,7 +152,7 @@ class PlanCache:
         form = self.form
         if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
             return None
-        form.shape = shape = shape_of(args, kwargs)
+        form.shape = shape = shape_of(self._model, args, kwargs)
         self._shapes[form.start] = shape
         self._shapes.move_to_end(form.start)
         while len(self._shapes) > self.max_plans:

@@ -45,11 +45,16 @@ class OpMode(TorchDispatchMode):
         return self.stepper.on_op(func, args, kwargs or {})
 
 
-def shape_of(args: tuple, kwargs: dict) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+def shape_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """A step's shape: the shape and dtype of each tensor the model's forward is called with,
-    in order (positional, then keyword arguments, nested containers flattened)."""
+    in order (positional, then keyword arguments, nested containers flattened), and whether
+    the model is in training mode and autograd records. An evaluation step inside
+    ``engine.step()`` (``model.eval()``, ``torch.no_grad()``) runs other ops on the same batch:
+    keyed by the batch alone, training and evaluation steps in turn replaced each other's plan
+    at every step, and every step ran on demand."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return tuple([(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)])
+    return (tuple([(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)]),
+            model.training, torch.is_grad_enabled())
 
 
 class StepForm:

@@ -171,3 +171,47 @@ def test_shapes_compose_with_the_start_state() -> None:
     got, planned = run(True)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert all(planned[8:]), planned
+
+
+@pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all-managed"])
+def test_training_and_evaluation_steps_in_turn_each_keep_a_plan(manage: tuple[str, ...]) -> None:
+    """A training step, then an evaluation step (``model.eval()`` and ``torch.no_grad()``
+    inside ``engine.step()``) on a batch of the same shape, in turn: each kind keeps its own
+    plan (the shape includes the model's training mode and autograd's), and after each was
+    seen once every step runs planned. Keyed by the batch alone they replaced each other's
+    plan: every step diverged and ran on demand. Losses, evaluation outputs and parameters
+    bitwise as the same loop in core."""
+    def run(engine_kw: dict | None) -> tuple[list, list]:
+        model, opt = _model()
+        engine = OutOfCore(model, opt, options=Options(chunk="16KiB", min_bytes=4096), **engine_kw) if engine_kw else None
+        outs, planned = [], []
+        for step in range(12):
+            x = _batch(step, 32)
+            torch.manual_seed(step)   # dropout
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                if step % 2 == 0:
+                    model.train()
+                    loss = ooc.models.lm_loss(model(x), x.roll(-1, 1))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    outs.append(loss.detach().clone())
+                else:
+                    model.eval()
+                    with torch.no_grad():
+                        outs.append(model(x))
+                    model.train()
+            if engine is not None:
+                planned.append(engine.stats()["last_planned"])
+        if engine is not None:
+            with engine.resident():
+                outs += [p.detach().clone() for p in model.parameters()]
+            assert engine.stats()["steps.diverged"] == 0
+            engine.close()
+        return outs, planned
+
+    ref, _ = run(None)
+    got, planned = run({"budget": "1MiB", "manage": manage})
+    for k, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"output {k} differs"
+    assert all(planned[4:]), planned
