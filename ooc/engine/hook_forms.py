@@ -89,9 +89,10 @@ class HookForms:
         self._entries[key] = entry
         if entry.moved is not None and entry.moved is not entry.plan:
             plan, moved, trace = entry.plan, entry.moved, entry.trace
-            log.info("anchored plan: %d anchors, %s in, %s out per step, peak %s (per-op plan: %s in, %s out, "
-                     "%s recomputed); on trial", len(trace.gaps()), format_size(moved.bytes_in),
-                     format_size(moved.bytes_out), format_size(moved.peak_resident_bytes),
+            log.info("anchored plan: %d anchors, %s in, %s out, %s recomputed per step, peak %s (per-op plan: "
+                     "%s in, %s out, %s recomputed); on trial", len(trace.gaps()), format_size(moved.bytes_in),
+                     format_size(moved.bytes_out), format_size(moved.bytes_recomputed),
+                     format_size(moved.peak_resident_bytes),
                      format_size(plan.bytes_in), format_size(plan.bytes_out), format_size(plan.bytes_recomputed))
 
     def step(self, key: Hashable, schedule: Schedule | None, make: Callable[..., AnchoredStep]) -> AnchoredStep | None:
