@@ -317,6 +317,20 @@ def test_the_budget_matched_to_an_alternatives_peak(points, peak, budget) -> Non
         None if budget is None else int(budget * 2**30))
 
 
+@pytest.mark.parametrize("peak, step, again", [
+    (9.5, 150.0, True),     # over the alternative's peak: between
+    (8.73, 163.1, True),    # ResNet-50 at db63edf: slower, 0.6 GiB unused: nearer
+    (8.73, 150.0, False),   # faster already, at less memory: done
+    (9.10, 163.1, False),   # slower but at the aim: done, a tie or a loss as measured
+    (8.73, None, False),    # no time (a failed row): nothing to compare
+])
+def test_a_matched_try_is_tried_again_over_the_peak_or_slower_well_under_it(peak, step, again) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_gpu import tries_again
+
+    assert tries_again(int(peak * 2**30), step, int(9.32 * 2**30), 159.2) is again
+
+
 def test_a_profile_scaled_to_a_larger_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """gpu_memory.scaled: what grows with the batch grows in proportion, the rest does not."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
