@@ -6,7 +6,9 @@ engine executes it (``ooc/engine/planning.py``):
 
 - a step that ran no plan (recorded) or left it (diverged) is planned from its recording
   (``plan_recorded``: activations rounded to whole chunks, swap only where asked, then
-  ``plan`` and ``check``);
+  ``plan`` and ``check``), unless the steps of its plan key have left or lacked a plan too
+  many times in a row (``plans_again``: a model whose ops change at random, LayerDrop, made a
+  plan at every step that the next step left);
 - a planned per-op step that kept to a plan with something to move prices the plan again
   on its op times (``reprice``): the recording step ran on cold memory, and its op times are
   too high to price recompute on; each op at the fastest of its recorded and first
@@ -46,6 +48,22 @@ from scheduler.schedule import Schedule
 from vmm.units import format_size
 
 REPRICED_RUNS = 2   # a plan is re-priced on the fastest op times of this many planned runs
+# Steps of one plan key in a row that kept no plan, after which a step that left its plan is
+# planned from only at doubling intervals (``plans_again``).
+REPLAN_STREAK = 3
+
+
+def plans_again(unkept: int) -> bool:
+    """Whether a step that kept no plan is planned from, after ``unkept`` steps of its plan key
+    in a row that kept none: always for the first ``REPLAN_STREAK``, then at the 3rd, 4th,
+    6th, 10th, 18th, ... such step. A model whose ops change from step to step at random
+    (LayerDrop: each layer skipped with a probability, as wav2vec2's configuration does by
+    default) left every plan at the next step, and a plan was made at every step: on a GPU,
+    planning takes longer than a step (issue 38: up to 0.3 s). The steps in between run
+    their key's last plan to where they leave it, or on demand; a plan that holds resets
+    the count."""
+    k = unkept - REPLAN_STREAK
+    return k < 0 or k & (k + 1) == 0
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,8 @@ class StepFacts:
     with CUDA events, each behind a sleep queued to keep the device busy, so its wall time is
     not what an untimed step takes); ``ready``: the functions a hook-driven step can rerun
     from templates the step captured (``ooc/runtime/templates.py``), each with the gap from
-    which it holds what the template reads (None: no templates)."""
+    which it holds what the template reads (None: no templates); ``unkept``: the steps of its
+    plan key right before it that kept no plan (``plans_again``)."""
 
     form: str
     kept: bool
@@ -96,6 +115,7 @@ class StepFacts:
     updated: bool = False
     device_timed: bool = False
     ready: Mapping[int, int] | None = None
+    unkept: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,7 +157,7 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
-        return Decision(plan=plan_recorded(facts.sequence, settings))
+        return Decision(plan=plan_recorded(facts.sequence, settings)) if plans_again(facts.unkept) else Decision()
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()
     if facts.signature and moves_nothing(state.plan):

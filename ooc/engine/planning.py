@@ -11,6 +11,7 @@ engine decides nothing about plans itself; the one choice made here is the chunk
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import time
@@ -29,12 +30,15 @@ from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.step_protocol import StepReport
 from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
-from scheduler.step_plans import Decision, PlanState, Settings, StepFacts, after_step, prices_open
+from scheduler.step_plans import (Decision, PlanState, Settings, StepFacts, after_step, plans_again,
+                                  prices_open)
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
+FIRST_SKIP = next(n for n in range(64) if not plans_again(n))   # the first step not planned from
+UNKEPT_KEYS = 256   # plan keys whose steps in a row that kept no plan are counted (shapes never seen again go)
 
 
 class Planner:
@@ -54,6 +58,7 @@ class Planner:
         self.adaptive = self.adapt_pending = adaptive
         self._adopt_params = adopt_params
         self._told_held = False   # said once: what the backward reads that no hook saw
+        self._unkept: dict[Any, int] = {}   # plan key -> its steps in a row that kept no plan
         # plans priced again on their first planned runs (step_plans.reprice); benchmarks turn
         # it off on a live engine to measure what it buys (bench_gpu's "priced-once" rows)
         self.reprice = True
@@ -99,9 +104,18 @@ class Planner:
             hooked = cache.hooked.get(key)
             state = PlanState(st.schedule, runs, fastest,
                               None if hooked is None or hooked.plan is not st.schedule else "kept")
+        unkept = self._unkept.pop(key, 0)   # re-inserted last: the oldest key goes first
         t0 = time.perf_counter()
-        decision = after_step(self._facts(st, report, unformed=state is not None and state.hook is None), state,
-                              self.settings())
+        facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None),
+                                    unkept=unkept)
+        decision = after_step(facts, state, self.settings())
+        if not report.kept_plan:
+            self._unkept[key] = unkept + 1
+            while len(self._unkept) > UNKEPT_KEYS:
+                del self._unkept[next(iter(self._unkept))]
+            if decision.plan is None and facts.form in ("recorded", "diverged") and unkept == FIRST_SKIP:
+                log.info("%d steps in a row kept no plan (their ops change from step to step): plans are "
+                         "made from them at doubling intervals now, until one holds", unkept + 1)
         self._do(st, decision, report.seconds, time.perf_counter() - t0)
 
     def _tell_held(self, st: Stepper) -> None:

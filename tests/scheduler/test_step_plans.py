@@ -271,3 +271,13 @@ def test_with_templates_the_anchored_form_keeps_the_chains_they_rerun() -> None:
     discards = [g for g in range(n) for a in held.before[g] if a.op is Op.DISCARD]
     assert discards and min(discards) >= late
     assert decided(None) is None or decided(None).bytes_recomputed == 0   # no templates: swap only
+
+
+def test_steps_that_keep_no_plan_are_planned_from_at_doubling_intervals() -> None:
+    """``plans_again``: the first ``REPLAN_STREAK`` + 2 unkept steps in a row are planned from
+    (a plan diverging once or twice before it holds is the usual warm-up), then the 7th,
+    11th, 19th, 35th: a model whose ops change at random stops costing a plan per step."""
+    from scheduler.step_plans import REPLAN_STREAK, plans_again
+
+    assert [n for n in range(40) if plans_again(n)] == [0, 1, 2, 3, 4, 6, 10, 18, 34]
+    assert all(plans_again(n) for n in range(REPLAN_STREAK))
