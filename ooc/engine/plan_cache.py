@@ -3,10 +3,10 @@
 A plan holds for the state a step starts in (``PersistentStore.start_key``: managed persistent
 tensors, which parameters have a gradient, the caller's kind) and the shape it has
 (``step_forms.shape_of``: the shapes and dtypes the model's forward is called with, its
-training mode and autograd's). Gradient
-accumulation alternates two such states, and dynamic padding varies the shape: plans are kept
-per (start, shape), at most ``max_plans``, the least recently used evicted first, with what
-was made of each (its prices, ``repriced``; its hook-driven form, ``hook_forms.py``).
+training mode and autograd's). Gradient accumulation alternates two such states, and dynamic
+padding varies the shape: plans are kept per (start, shape), at most ``max_plans``, the least
+recently used evicted first, with what was made of each (its prices, ``repriced``; its
+hook-driven form, ``hook_forms.py``).
 
 The shape shows only when the forward starts, after the step began: it begins with the plan of
 the shape its start's last step had (the guess), and the model's forward pre-hook

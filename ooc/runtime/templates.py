@@ -103,11 +103,12 @@ class Persistent:
 class Template:
     """A ``Recipe`` with its tensors as slots (the attributes ``recompute.rerun`` reads);
     ``saves`` and ``variables``, its ``PackArg`` and ``VarArg`` slots, ``checked``, the
-    parameters and buffers a write to refuses it (each with its ``Persistent.writes``), and ``spots``, (position, slot) of each slot
-    when all are positional arguments (else None): ``make`` finds them once, as walking the
-    arguments at each replay cost more than the replay. ``rng_at``: a random op's save at whose
-    hook the generator's state is the one the op drew from (its index, size, node type and gap,
-    as a ``PackArg``'s); ``rng``, that state, set for one replay (``BoundTemplates``)."""
+    parameters and buffers a write to refuses it (each with its ``Persistent.writes``), and
+    ``spots``, (position, slot) of each slot when all are positional arguments (else None):
+    ``make`` finds them once, as walking the arguments at each replay cost more than the
+    replay. ``rng_at``: a random op's save at whose hook the generator's state is the one the
+    op drew from (its index, size, node type and gap, as a ``PackArg``'s); ``rng``, that state,
+    set for one replay (``BoundTemplates``)."""
 
     func: Any
     args: tuple
