@@ -96,30 +96,6 @@ def test_a_chain_through_a_discarded_input_makes_that_input_first() -> None:
     assert chain_through(seq, plain, lambda x: x in (0, 2)) is None  # conv's input is gone too
 
 
-def test_a_chain_through_reaches_back_through_discarded_inputs_of_discarded_inputs() -> None:
-    """Two blocks, conv -> bn -> relu_ each: with the second block's conv output c2 and the
-    first block's output b1 (c2's conv input) and c1 all discarded, b2's chain reruns both
-    blocks from x; a level with no chain (an input gone that the step did not make) gives none."""
-    from scheduler.replay import chain_through
-
-    fns = [("conv1", [(0, "r"), (1, "w")], Cost(seconds=1.0), R),
-           ("bn1", [(1, "r"), (2, "w")], Cost(seconds=1e-4), R),
-           ("relu1_", [(2, "r"), (2, "w")], Cost(seconds=1e-4), R),
-           ("conv2", [(2, "r"), (3, "w")], Cost(seconds=1.0), R),
-           ("bn2", [(3, "r"), (4, "w")], Cost(seconds=1e-4), R),
-           ("relu2_", [(4, "r"), (4, "w")], Cost(seconds=1e-4), R),
-           ("head", [(4, "r"), (5, "w")], Cost(seconds=1.0)),
-           ("back", [(5, "r"), (4, "r"), (3, "r"), (2, "r"), (1, "r"), (0, "r")], Cost(seconds=1.0))]
-    vs = [Variable(0, MiB, Kind.INPUT, "x", live_in=True)] + [
-        Variable(v, MiB, Kind.ACTIVATION, n) for v, n in ((1, "c1"), (2, "b1"), (3, "c2"), (4, "b2"), (5, "h"))]
-    seq = build_sequence(fns, vs, {"device": "meta"})
-    plain = chain_for(seq, 4, 7)
-    assert plain.functions == (4, 5) and plain.inputs == (3,)
-    through = chain_through(seq, plain, lambda x: x in (1, 2, 3))
-    assert through.functions == (0, 1, 2, 3, 4, 5) and through.inputs == (0,)
-    assert chain_through(seq, plain, lambda x: x in (0, 1, 2, 3)) is None   # x is gone: nothing to start from
-
-
 def _two_blocks() -> VariableSequence:
     """x -> conv1 -> c1 -> bn1 -> b1, relu1_(b1) -> conv2 -> c2 -> bn2 -> b2, relu2_(b2) -> head,
     then a backward that reads them all."""
@@ -134,6 +110,20 @@ def _two_blocks() -> VariableSequence:
     vs = [Variable(0, MiB, Kind.INPUT, "x", live_in=True)] + [
         Variable(v, MiB, Kind.ACTIVATION, n) for v, n in ((1, "c1"), (2, "b1"), (3, "c2"), (4, "b2"), (5, "h"))]
     return build_sequence(fns, vs, {"device": "meta"})
+
+
+def test_a_chain_through_reaches_back_through_discarded_inputs_of_discarded_inputs() -> None:
+    """Two blocks, conv -> bn -> relu_ each: with the second block's conv output c2 and the
+    first block's output b1 (c2's conv input) and c1 all discarded, b2's chain reruns both
+    blocks from x; a level with no chain (an input gone that the step did not make) gives none."""
+    from scheduler.replay import chain_through
+
+    seq = _two_blocks()
+    plain = chain_for(seq, 4, 7)
+    assert plain.functions == (4, 5) and plain.inputs == (3,)
+    through = chain_through(seq, plain, lambda x: x in (1, 2, 3))
+    assert through.functions == (0, 1, 2, 3, 4, 5) and through.inputs == (0,)
+    assert chain_through(seq, plain, lambda x: x in (0, 1, 2, 3)) is None   # x is gone: nothing to start from
 
 
 def test_a_chain_through_an_input_that_is_back_by_its_use_is_proven_too() -> None:
