@@ -73,7 +73,8 @@ class Packed:
 class SavedTensors:
     """A step's pack hook and what its unpacks note (the ``Stepper`` runs the unpack: it
     brings the bytes back). Its state: ``unpacked``, vars unpacked for the next op;
-    ``node_vars``, vars unpacked by the backward node now running; ``worked``, whether an op of
+    ``node_vars``, vars unpacked by the backward node now running, each with the op it was
+    unpacked for; ``worked``, whether an op of
     the node ran since its last unpack (views not counted: ``op_ran``); ``full_vars``, a
     saved activation's var -> its variable in the whole-step recording; ``small_born`` and
     ``small_saved``, storages under the threshold the step created and those autograd saved
@@ -86,7 +87,7 @@ class SavedTensors:
         self.ctx, self.book, self.course, self.rec, self.full, self.room = ctx, book, course, rec, full, room
         planned = course.planned
         self.unpacked: list[int] = []
-        self.node_vars: list[int] = []
+        self.node_vars: list[tuple[int, int]] = []
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.full_vars: dict[int, int] = {}
         # A recording step that decides the chunk (the engine's default chunk adapts, see
@@ -203,12 +204,17 @@ class SavedTensors:
 
     def close_node(self) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next
-        node unpacks: autograd held those tensors until then, so they count as used up to
-        the last op that ran (the plan must not give their memory back earlier)."""
+        node unpacks: autograd held those tensors until then, so they count as used by every
+        op from their unpack to the last op that ran. Used at the last op alone, a tensor the
+        node read early and again late looked free in between, and the plan gave it back and
+        brought it in again inside the node: the node still held the old bytes, and the
+        swap-in did not fit the pool (``native_group_norm``'s backward, which reruns a
+        dozen ops on its mean and rstd; PyTorch's op database, every kind managed)."""
         last = len(self.rec.names) - 1
-        if last >= 0:
-            for var in self.node_vars:
-                self.rec.use(last, var, Access.READ)
+        use = self.rec.use
+        for var, first in self.node_vars:
+            for i in range(first, last + 1):
+                use(i, var, Access.READ)
         self.node_vars.clear()
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.room.release_held()
@@ -250,7 +256,7 @@ class SavedTensors:
         if self.hook_trace is not None:
             self.hook_trace.unpacks.append((nxt, slot.var))
         self.unpacked.append(slot.var)
-        self.node_vars.append(slot.var)
+        self.node_vars.append((slot.var, nxt))
         self.room.hold(slot)
         if self.full is not None and slot.var in self.full_vars:
             self.full.alias(slot.storage, self.full_vars[slot.var])

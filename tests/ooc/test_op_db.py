@@ -51,3 +51,16 @@ def test_op_samples_train_bitwise_under_the_engine(name: str) -> None:
         kinds = ("", "-all")[k % 2]
         pairs = [(s, ("swap", "prefer")[j] + kinds) for j, s in enumerate(samples)]
     run_chosen(pairs)
+
+
+def test_a_tensor_a_backward_node_reads_early_and_late_stays_in_between() -> None:
+    """``native_group_norm``'s backward unpacks its mean and rstd, reads them, runs a dozen
+    ops, and reads them again. The step counted them used at the node's last op only, and the
+    plan (every kind managed, swap only) gave one back in between and swapped it in again:
+    the node still held the old bytes, and the swap-in did not fit the pool (``OutOfBudget``
+    in a planned step; ``OOC_DB_FULL=1`` found it). They count as used by every op of the
+    node now (``SavedTensors.close_node``)."""
+    _, op = OPS["native_group_norm"]
+    torch.manual_seed(0)
+    sample = next(iter(op.sample_inputs_func(op, "cpu", torch.float32, True)))
+    run_chosen([(op_sample("native_group_norm#0", op, sample), "swap-all")])
