@@ -133,10 +133,13 @@ class Recording:
         read by an op inside a backward node. A custom ``autograd.Function`` that keeps a
         tensor on ``ctx`` instead of ``save_for_backward``, or a tensor hook's closure, holds
         it: no saved-tensor hook sees it, so no plan can move it, and it stays in memory
-        beside the budget."""
+        beside the budget. One made by the last op before a backward began is the gradient
+        it starts from (``loss.backward()``'s ``ones_like``, ``out.backward(g)``'s ``g`` made
+        right before), which flows through the nodes as views of itself: not counted."""
         nodes, names, found = self.nodes, self.names, []
+        n = len(nodes)
         for b in (*self.gone, *self.births.values()):
-            if b.var is not None or nodes[b.op] is not None:
+            if b.var is not None or nodes[b.op] is not None or (b.op + 1 < n and nodes[b.op + 1] is not None):
                 continue
             reader = next((nodes[r] for r in b.reads if nodes[r] is not None), None)
             if reader is not None:
