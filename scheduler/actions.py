@@ -30,13 +30,11 @@ makes the slower tier's copy stale.
 Recomputation (``scheduler.replay``) is two rows: ``discard`` gives a variable's bytes back
 with no copy anywhere (after its last use before a gap), ``recompute`` re-creates it before
 its next use by rerunning the action's ``chain`` (function indices, in order). Its
-precondition is the chain's: the chain must be the one ``scheduler.replay.chain_for`` finds
-for that variable and that use (or that chain through its inputs discarded at that point,
-``chain_through``, or through those and the inputs the chain itself makes again: a planner
-fixes a chain where it discards the variable, and an input gone then may be back by the
-use), and every input of the chain must be resident. Its effect:
-the variable's bytes are taken, and while the chain runs its temporaries too (the peak
-counts them); the compute stream spends the chain's seconds (``simulate``).
+precondition is the chain's: the one ``scheduler.replay.chain_for`` finds for that variable
+and that use (or that chain through its inputs discarded then, ``chain_through``, or through
+those and inputs back by then that it makes again), every input of the chain resident. Its
+effect: the variable's bytes are taken, and while the chain runs its temporaries too (the
+peak counts them); the compute stream spends the chain's seconds (``simulate``).
 
 A new action is one more row of ``TRANSITIONS`` and one more entry of ``NEEDS``; every
 consumer picks it up. The :class:`Ledger` applies actions to
@@ -361,11 +359,8 @@ class Ledger:
         if tuple(chain) != found.functions:   # through inputs discarded now (chain_through)?
             through = chain_through(self.seq, found, lambda x: self.state[x] is DISCARDED)
             if through is None or tuple(chain) != through.functions:
-                # or through inputs it makes again that are resident now: the planner chose
-                # the chain where it discarded the variable, when they were gone; a recompute
-                # for their own use brought them back since (a second backward over the same
-                # tensors: retain_graph, a gradient penalty). Making one again is a replay
-                # like any other (``chain_for`` proved it), its bytes a temporary counted.
+                # and inputs it makes again, gone when the planner chose it, back by now (two
+                # backward passes: retain_graph): a replay like any other, a temporary counted
                 again, producer = set(chain), self.seq.producer
                 through = chain_through(self.seq, found, lambda x: self.state[x] is DISCARDED
                                         or producer.get(x) in again)
