@@ -73,10 +73,9 @@ def _model(how: str) -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
-def _train(model: nn.Module, engine: ooc.OutOfCore | None, steps: int = 4, seed: bool = False) -> None:
+def _train(model: nn.Module, managed: bool, steps: int = 4, seed: bool = False) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if engine is not None:
-        engine = ooc.OutOfCore(model, opt, budget=BUDGET)
+    engine = ooc.OutOfCore(model, opt, budget=BUDGET) if managed else None
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     for _ in range(steps):
@@ -95,7 +94,7 @@ def _train(model: nn.Module, engine: ooc.OutOfCore | None, steps: int = 4, seed:
 def _said(caplog: pytest.LogCaptureFixture, how: str, seed: bool = False) -> list[logging.LogRecord]:
     ref = _model(how)
     model = copy.deepcopy(ref)
-    _train(ref, None, seed=seed)
+    _train(ref, False, seed=seed)
     with caplog.at_level(logging.INFO, logger="ooc"):
         _train(model, True, seed=seed)
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):

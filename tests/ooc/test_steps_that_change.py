@@ -41,10 +41,10 @@ class _LayerDrop(nn.Module):
         return self.head(h)
 
 
-def _train(model: nn.Module, engine: ooc.OutOfCore | None) -> list[bool]:
+def _train(model: nn.Module, managed: bool) -> list[int]:
+    """Train STEPS steps (under an engine where ``managed``); the plans made so far after each."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if engine is not None:
-        engine = ooc.OutOfCore(model, opt, budget=6 << 20)
+    engine = ooc.OutOfCore(model, opt, budget=6 << 20) if managed else None
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     torch.manual_seed(2)   # which blocks each step skips: the same draws in both runs
@@ -64,7 +64,7 @@ def _train(model: nn.Module, engine: ooc.OutOfCore | None) -> list[bool]:
 def test_a_model_whose_ops_change_at_random_is_planned_from_at_doubling_intervals() -> None:
     ref = _LayerDrop()
     model = copy.deepcopy(ref)
-    _train(ref, None)
+    _train(ref, False)
     plans = _train(model, True)
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
