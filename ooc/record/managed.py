@@ -74,7 +74,7 @@ class Recording:
     # come after every replay of the step, and none of its ops is replayed.
     outside_reads: dict[int, tuple[StorageWeakRef, list[int]]] = field(default_factory=dict)
     # Per op, the type of the autograd node it ran inside (a backward's op), else None; and the
-    # births a node read that autograd never saved, kept past their storage (``held_by_nodes``).
+    # births ``live_birth`` found dead, kept for ``held_by_nodes`` (a node may have read them).
     nodes: list[str | None] = field(default_factory=list)
     gone: list[Birth] = field(default_factory=list)
 
@@ -112,9 +112,6 @@ class Recording:
             entry[1].append(op)
 
     def birth(self, s: torch.UntypedStorage, op: int, out: int, nbytes: int) -> Birth:
-        old = self.births.get(s._cdata)
-        if old is not None:   # a dead storage's address, taken again
-            self.gone.append(old)
         b = self.births[s._cdata] = Birth(StorageWeakRef(s), op, out, nbytes)
         return b
 

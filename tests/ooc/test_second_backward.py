@@ -62,9 +62,11 @@ OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
               "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, loop, engine: ooc.OutOfCore | None) -> None:
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+def _train(model: nn.Module, opt: torch.optim.Optimizer, loop, engine: ooc.OutOfCore | None,
+           device: str = "cpu") -> None:
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(8, 3, 32, 32, device=device, generator=g)
+    y = torch.randint(0, 10, (8,), device=device, generator=g)
     torch.manual_seed(123)   # dropout's masks, the same in both runs
     for _ in range(STEPS):
         with engine.step() if engine is not None else contextlib.nullcontext():
@@ -126,17 +128,9 @@ def test_gpu_two_backward_passes_train_bitwise(loop: str, optimizer: str) -> Non
     ref = _model().cuda()
     model = copy.deepcopy(ref)
     ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    _train(ref, ref_opt, LOOPS[loop], None, device="cuda")
     engine = ooc.OutOfCore(model, opt, budget=BUDGET, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(8, 3, 32, 32, device="cuda", generator=g)
-    y = torch.randint(0, 10, (8,), device="cuda", generator=g)
-    for step in range(STEPS):
-        for m, o, e in ((ref, ref_opt, None), (model, opt, engine)):
-            torch.manual_seed(step)
-            with e.step() if e is not None else contextlib.nullcontext():
-                LOOPS[loop](m, x, y)
-                o.step()
-                o.zero_grad()
+    _train(model, opt, LOOPS[loop], engine, device="cuda")
     stats = engine.stats()
     engine.close()
     assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0
