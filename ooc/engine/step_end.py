@@ -142,6 +142,8 @@ class StepEnd:
         st.hand_back(live)
         store.keep(live)
         st.mark_live_out(live)
+        if not st.planned:   # a step planned from: what its backward could have read lives on
+            st.hold_unread()
         for slot in st.slots.values():
             if slot.var not in live:   # activations, dropped grads: nobody reads their copies
                 slot.forget_copy(tier)

@@ -35,7 +35,7 @@ from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
-from ooc.runtime.slots import Slot, State, in_flight, raise_failed
+from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
 from ooc.storage.tier import SlowerTier
@@ -255,7 +255,7 @@ class AnchoredStep(HookStep):
         if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
         if slot.state is not State.RESIDENT:   # freed by a plan that did not expect this use
-            raise RuntimeError(f"ooc: {slot.name} was unpacked after the plan freed it")
+            raise freed_error(slot, "a backward node")
 
     def _account(self, delta: int) -> None:
         self.resident += delta

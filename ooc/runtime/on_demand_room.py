@@ -22,7 +22,7 @@ from ooc.record.managed import Birth, Recording
 from ooc.record.storages import storage_of
 from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.overflow import pool_for
-from ooc.runtime.slots import Slot, State, given_back_error
+from ooc.runtime.slots import Slot, State, freed_error, given_back_error
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler import on_demand
@@ -82,6 +82,8 @@ class OnDemandRoom:
         (``ensure`` makes the chain's inputs usable in turn)."""
         if slot.given_back():
             raise given_back_error(slot, f"op {i} ({self.course.name(i)})")
+        if slot.state is State.ABSENT and slot.storage is None:
+            raise freed_error(slot, f"op {i} ({self.course.name(i)})")
         if slot.state is State.OUT and not slot.in_place:
             return  # the engine still holds the source: reading it while it is written is safe
         self.touch(slot)

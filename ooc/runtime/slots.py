@@ -334,6 +334,17 @@ def given_back_error(slot: Slot, where: str) -> OOCError:
         f"same reads in every step, or leave 'grads' out of manage")
 
 
+def freed_error(slot: Slot, where: str) -> OOCError:
+    """What reading an activation the plan freed raises, where a step left its plan and
+    autograd unpacked it after all (never a read of a storage that is gone)."""
+    return OOCError(
+        f"{where} reads the saved activation {slot.name} ({format_size(slot.nbytes)}, {slot.nbytes} B), "
+        f"whose bytes the plan gave back after its last use in the step it was recorded from, where "
+        f"no backward node read it again. This step's backward did (a second backward over a graph "
+        f"kept with retain_graph=True, which the recorded step did not run?): run the same backward "
+        f"passes in every step, or give such a step an engine.step() of its own")
+
+
 def _result(slot: Slot, direction: str) -> None:
     """The transfer's outcome; a tier failure comes back naming the variable (the tier only
     knows its key). A future that can order the device's compute stream after its copy

@@ -81,13 +81,12 @@ class Stepper:
 
     Its protocol with the engine (``ooc/engine/``, ``step_forms.py``), all it may use:
 
-    - driving it: ``on_op`` (from its dispatch mode), ``saved_tensors_hooks``,
-      ``adopt_grad_of`` (its grad hook), ``close_node``, ``forgive_overflow``,
-      ``wait_for_transfers``, ``update_starts``/``update_done`` (its optimizer hooks); at the
-      step's end ``writes_settled``, ``rollback.roll_back``, ``live_slot``, ``rename``,
-      ``hand_back``, ``mark_live_out``, ``book_device_times``, ``saved_sizes``,
-      ``whole_recording``; ``slot_of`` finds the slot of a tensor; when the model's forward
-      shows another shape, ``quiet``, ``leave_plan``, ``resume``;
+    - driving it: ``on_op`` (from its dispatch mode), ``saved_tensors_hooks``, ``adopt_grad_of`` (its
+      grad hook), ``close_node``, ``forgive_overflow``, ``wait_for_transfers``, ``update_starts``/
+      ``update_done`` (its optimizer hooks); at the step's end ``writes_settled``, ``rollback.roll_back``,
+      ``live_slot``, ``rename``, ``hand_back``, ``mark_live_out``, ``hold_unread``,
+      ``book_device_times``, ``saved_sizes``, ``whole_recording``; ``slot_of`` finds the slot of a
+      tensor; when the model's forward shows another shape, ``quiet``, ``leave_plan``, ``resume``;
     - reading it: ``schedule``, ``start_key`` (the plan the step follows, None on demand, and the state
       it started in: the engine's key for plans, which it alone may set); ``planned`` (still following the
       plan), ``diverged_at`` (the op where it stopped, None if it did not), ``refused`` (the plan action
@@ -114,6 +113,7 @@ class Stepper:
     adopt_grad_of = _part("room", "adopt_grad_of", "Manage a gradient autograd accumulated.")
     writes_settled = _part("room", "writes_settled", "No on-demand write is in flight any more.")
     close_node = _part("saved", "close_node", "The running backward node returned.")
+    hold_unread = _part("saved", "hold_unread", "Saved, never unpacked, held by a backward: live out.")
     saved_sizes = _part("saved", "saved_sizes", "Sizes autograd saved (adaptive chunk).")
     rename = _part("fresh", "rename", "Name a variable adopted before it had one.")
     hand_back = _part("fresh", "hand_back", "Bring back new storages that are not state.")
