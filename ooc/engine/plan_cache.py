@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable
 
 from ooc.engine.hook_forms import HookForms
 from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
+from ooc.runtime.binding import begins_with
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule, quiet_functions
 from scheduler.step_plans import hook_forms_allowed, plain_candidate
@@ -79,8 +80,10 @@ class PlanCache:
         provisional = len([s for s, _ in self.plans if s == start]) > 1
         self.schedule, self.binding = self._use_plan(key)
         self._store.reconcile(self.schedule)
-        self.form = StepForm(start, self.step_for(key, per_op=provisional), activations=self._activations,
-                             provisional=provisional)
+        st = self.step_for(key, per_op=provisional)
+        if provisional and isinstance(st, Stepper) and st.planned:   # its ops bound at the forward
+            st.wait_for_shape()
+        self.form = StepForm(start, st, activations=self._activations, provisional=provisional)
         return self.form
 
     def guess(self, start: Hashable) -> tuple[Hashable, Any]:
@@ -167,9 +170,10 @@ class PlanCache:
             if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
                 st.leave_plan(f"the step's shape {shape} has no plan")
             return None
-        if not (form.quiet() and form.innermost() and (schedule is None or _begins_with(schedule, ran))):
+        if not (form.quiet() and form.innermost() and (schedule is None or begins_with(schedule, ran))):
             log.info("the step's shape has %s plan, but the step touched managed memory before its "
                      "forward: it runs the plan it began with", "no" if schedule is None else "another")
+            _end_wait(st)
             return None
         kept = self.schedule, self.binding, self.ran
         self.schedule, self.binding = schedule, binding
@@ -185,6 +189,7 @@ class PlanCache:
             if new is None:   # it keeps its form and plan (or a transfer failed: the step fails)
                 self.schedule, self.binding, self.ran = kept
         if new is None:
+            _end_wait(st)
             return None
         if key != guessed:
             if kept[0] is not None:
@@ -238,9 +243,7 @@ class PlanCache:
         self.schedule, self.binding = None, {}
 
 
-def _begins_with(schedule: Schedule, names: Sequence[str]) -> bool:
-    """Whether ``schedule``'s first ops are ``names``, with no action before or after any."""
-    functions = schedule.sequence.functions
-    return len(functions) >= len(names) and all(
-        functions[j].name == name and not schedule.before[j] and not schedule.after[j]
-        for j, name in enumerate(names))
+def _end_wait(st: Stepper | AnchoredStep) -> None:
+    """The step runs the plan it has: one that waited for its shape binds what its ops made."""
+    if isinstance(st, Stepper):
+        st.end_wait()

@@ -75,6 +75,7 @@ class StepEnd:
         run as if this one had not."""
         if isinstance(st, Stepper):
             st.close_node()
+            st.end_wait()   # a step that waited for a shape no forward showed
         if self._mem.on_cpu:
             cpu_allocator.end(self._mem)   # the cache stays for the next step, shrinking between
         settle = self._settle_per_op if isinstance(st, Stepper) else self._settle_hooked

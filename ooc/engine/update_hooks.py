@@ -84,6 +84,8 @@ class UpdateGuard:
         # The backward is over: its last node returned, so the activations it unpacked are no
         # longer held by autograd (on demand, their bytes go back before the update needs room).
         st.close_node()
+        if isinstance(st, Stepper):   # a step that waited for a shape no forward showed
+            st.end_wait()
         if st.schedule is None:
             self._check_feasible(st)
             overflow = st.forgive_overflow()

@@ -119,8 +119,21 @@ class Recomputation:
         recipe = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
                         torch.is_grad_enabled(), outputs)
         self.recipes[i] = recipe
-        if self.templates is not None:
+        if self.templates is not None and not self.course.waiting:
             self.templates.captured(i, recipe)
+
+    def adopt(self, recipes: Mapping[int, Recipe], bound: Mapping[tuple[int, int], int]) -> None:
+        """Keep of ``recipes`` (captured before the step knew its plan: a step that waits for
+        its shape captures every op, ``binding.py``) those of this plan's chains, unless one
+        reads as made by the step what the plan binds to a variable (its replay would make
+        again what the plan keeps: the chain is then refused as not captured)."""
+        self.recipes = {}
+        for i, recipe in recipes.items():
+            made = (x for x in tree_leaves((recipe.args, recipe.kwargs)) if isinstance(x, Made))
+            if i in self.recipe_ops and not any((m.op, m.out) in bound for m in made):
+                self.recipes[i] = recipe
+                if self.templates is not None:
+                    self.templates.captured(i, recipe)
 
     def replay_flags(self, info, args, kwargs, written_tensors) -> tuple[bool, bool, bool]:
         """The recorder's flags for this call (``ooc.record.replay``; the call rules of

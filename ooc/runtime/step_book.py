@@ -31,10 +31,12 @@ from vmm.errors import OutOfBudget
 class Course:
     """The step's course: ``schedule`` (None on demand), ``planned`` (still following it),
     ``diverged_at`` (the op where it stopped, None if it did not), ``refused`` (the plan
-    action the transition table refused, if any), ``i`` (the op running or last run), and the
-    plan per op as lists the per-op path indexes (``names``, ``before``, ``after``)."""
+    action the transition table refused, if any), ``i`` (the op running or last run), the
+    plan per op as lists the per-op path indexes (``names``, ``before``, ``after``), and
+    ``waiting``: the step waits for its shape (``Binding.wait_for_shape``)."""
 
-    __slots__ = ("_rec", "after", "before", "diverged_at", "i", "names", "planned", "refused", "schedule")
+    __slots__ = ("_rec", "after", "before", "diverged_at", "i", "names", "planned", "refused", "schedule",
+                 "waiting")
 
     def __init__(self, schedule: Schedule | None, rec: Recording) -> None:
         self.schedule = schedule
@@ -46,6 +48,7 @@ class Course:
         self.names = [f.name for f in functions]
         self.before = schedule.before if schedule is not None else ()
         self.after = schedule.after if schedule is not None else ()
+        self.waiting = False
         self._rec = rec
 
     def name(self, i: int) -> str:

@@ -11,7 +11,6 @@ backward and optimizer alike). Op i runs as:
    variables op i created to their plan ids.
 
 A planned op the plan gives no role (most: ``schedule.quiet_functions``) is run and recorded.
-
 Autograd's unpack hook for the node about to run happens *before* that node's first op,
 so unpack runs step 1 early for the next op: nothing else happens in between.
 
@@ -28,10 +27,10 @@ Where each part lives, in the order a step meets them:
 - this module: the per-op protocol above (``Stepper.on_op``) and divergence;
 - ``saved_tensors.py``: autograd's pack and unpack hooks (``Packed``);
 - ``executor.py``: the plan's actions (``scheduler.actions``), moved by the slots (``slots.py``);
-  ``recompute.py``: discard and recompute (capture, replay), and ``templates.py`` the chains'
-  templates for the anchored form; ``binding.py``: the storages born in the step bound to the plan's variables;
-- ``on_demand_room.py``: on demand, room within the budget (every choice is
-  ``scheduler.on_demand``'s); ``fresh_storages.py``: the optimizer's new storages there;
+  ``recompute.py``: discard and recompute, ``templates.py`` the chains' templates for the
+  anchored form; ``binding.py``: the storages born in the step bound to the plan's variables;
+- ``on_demand_room.py``: on demand, room within the budget (``scheduler.on_demand``'s
+  choices); ``fresh_storages.py``: the optimizer's new storages there;
 - ``step_recording.py``: what the engine plans the next steps from;
 - ``rollback.py``: taking back a step that failed before its update.
 """
@@ -85,17 +84,13 @@ class Stepper:
       grad hook), ``close_node``, ``forgive_overflow``, ``wait_for_transfers``, ``update_starts``/
       ``update_done`` (its optimizer hooks); at the step's end ``writes_settled``, ``rollback.roll_back``,
       ``live_slot``, ``rename``, ``hand_back``, ``mark_live_out``, ``hold_unread``,
-      ``book_device_times``, ``saved_sizes``, ``whole_recording``; ``slot_of`` finds the slot of a
-      tensor; when the model's forward shows another shape, ``quiet``, ``leave_plan``, ``resume``;
-    - reading it: ``schedule``, ``start_key`` (the plan the step follows, None on demand, and the state
-      it started in: the engine's key for plans, which it alone may set); ``planned`` (still following the
-      plan), ``diverged_at`` (the op where it stopped, None if it did not), ``refused`` (the plan action
-      the transition table refused, if any); ``rec`` (the step's ``Recording``: ops, managed variables,
-      births); ``slots`` (var -> ``Slot``); ``overflow`` (an on-demand need the pool could not meet: the
-      step fails with it); ``peak``, ``stall_s``, ``events`` (resident peak, time blocked on transfers,
-      the timeline's (track, name, start, end) events); ``updating`` (inside ``optimizer.step()``);
-      ``signature``, ``hook_trace``, ``templates()`` (what plain and anchored forms of the next steps
-      compare with, and the chains they rerun: ``templates.py``).
+      ``book_device_times``, ``saved_sizes``, ``whole_recording``; ``slot_of``; until the model's
+      forward shows its shape, ``wait_for_shape``, then ``quiet``, ``leave_plan``, ``resume``, ``end_wait``;
+    - reading it: ``schedule``, ``start_key`` (its plan, None on demand; the state it started in, the
+      engine's key for plans); ``planned``, ``diverged_at``, ``refused``; ``rec`` (its ``Recording``);
+      ``slots`` (var -> ``Slot``); ``overflow`` (an on-demand need the pool could not meet: the step
+      fails with it); ``peak``, ``stall_s``, ``events``; ``updating`` (inside ``optimizer.step()``);
+      ``signature``, ``hook_trace``, ``templates()`` (for the plain and anchored forms of the next steps).
 
     Its parts: ``course``, ``book`` (shared), ``recording``, ``recompute``, ``plan`` (the
     executor), ``fresh``, ``room``, ``binder``, ``saved``, ``rollback``.
@@ -113,6 +108,7 @@ class Stepper:
     adopt_grad_of = _part("room", "adopt_grad_of", "Manage a gradient autograd accumulated.")
     writes_settled = _part("room", "writes_settled", "No on-demand write is in flight any more.")
     close_node = _part("saved", "close_node", "The running backward node returned.")
+    wait_for_shape = _part("binder", "wait_for_shape", "No plan checked or bound until end_wait.")
     hold_unread = _part("saved", "hold_unread", "Saved, never unpacked, held by a backward: live out.")
     saved_sizes = _part("saved", "saved_sizes", "Sizes autograd saved (adaptive chunk).")
     rename = _part("fresh", "rename", "Name a variable adopted before it had one.")
@@ -171,14 +167,14 @@ class Stepper:
                 outs = [self.on_op(func, a, k) for a, k in pieces]
                 return None if outs[0] is None else [t for out in outs for t in out]
         i, course, saved = len(self.rec.names), self.course, self.saved
-        if i in self.ctx.quiet_ops and course.planned and course.names[i] == info.name:
+        if i in self.ctx.quiet_ops and course.planned and not course.waiting and course.names[i] == info.name:
             if saved.unpacked or not (info.view or saved.worked):   # as _take does
                 saved.op_ran(i, info.view)
             return self.recording.quiet_op(info, func, args, kwargs)
         i, uses = self._take(info, args, kwargs)     # 1-2. actions before it; what it uses, usable
         recording, recompute = self.recording, self.recompute   # 3. the op itself, timed
         timing = recording.start_timing() if recording.gpu_timing else None
-        recipe = i in recompute.recipe_ops and self.course.planned   # a chain reruns it: capture
+        recipe = course.planned and (course.waiting or i in recompute.recipe_ops)   # capture it for a chain
         rng = recompute.rng_before(info) if recipe else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs) if kwargs else func(*args)
@@ -191,17 +187,14 @@ class Stepper:
         return out
 
     def _take(self, info, args, kwargs) -> tuple[int, tuple]:
-        """Op ``i`` begins: counted, checked against the plan, the plan's actions before it
-        run; the managed storages it uses made usable (the plan did, or the step diverges; on
-        demand, now), activations it writes after the engine let go of them taken back, the
-        buffers it uses copied for a rollback, the tier's copies of what it writes marked stale.
-        Returns ``i`` and its uses: (inputs, their storages' ids, written tensors, their
-        storages' ids, touched slots, what on demand never evicts for it)."""
+        """Op ``i`` begins: checked against the plan, its actions before it run, what it uses made
+        usable, what it writes taken back or marked stale, buffers copied for a rollback. Returns
+        ``i`` and (inputs, their storages' ids, written tensors, theirs, touched slots, kept)."""
         rec, course, book, saved = self.rec, self.course, self.book, self.saved
         course.i = i = rec.begin_op(info.name)
         if saved.unpacked or not (info.view or saved.worked):   # views are no node's work: see op_ran
             saved.op_ran(i, info.view)
-        if course.planned:
+        if course.planned and not course.waiting:   # a step that waits for its shape: binding.py
             expected = course.names[i] if i < len(course.names) else None
             if expected != info.name:
                 self._diverge(i, f"expected {expected}, got {info.name}")
@@ -266,10 +259,9 @@ class Stepper:
         return i, (ins, in_ids, written_tensors, written, touched, keep)
 
     def _give(self, info, func, args, kwargs, out, i: int, uses: tuple, rng) -> None:
-        """Op ``i`` ran: the storages it created are bound to the plan's variables (planned)
-        or counted from birth (the optimizer's, on demand); its replay flags; its capture for
-        a recompute chain (``rng`` is False unless one reruns it); the plan's actions after
-        it, or on demand what it used leaves."""
+        """Op ``i`` ran: what it created bound (planned) or counted from birth (the optimizer's,
+        on demand); its replay flags; its capture for a chain (``rng`` False unless one reruns
+        it); the plan's actions after it, or on demand what it used leaves."""
         rec, course, book = self.rec, self.course, self.book
         ins, in_ids, written_tensors, written, touched, keep = uses
         tracked = set() if not course.planned and self.fresh.tracking(False, self.updating) else None
@@ -307,7 +299,7 @@ class Stepper:
         if rng is not False:
             self.recompute.capture(i, info, func, args, kwargs, rng, len(outs))
         if course.planned:
-            if course.after[i]:
+            if not course.waiting and course.after[i]:
                 self.run_actions(course.after[i], i, "after")
         else:
             self.room.after_op(touched)
@@ -319,21 +311,18 @@ class Stepper:
 
     def before(self, i: int) -> None:
         """Run the plan's actions before op ``i`` once (from an unpack, early)."""
-        course = self.course
         if self.done_before < i:
             self.done_before = i
-            if course.planned and i < len(course.before) and course.before[i]:
-                self.run_actions(course.before[i], i)
+            if self.course.planned and i < len(self.course.before) and self.course.before[i]:
+                self.run_actions(self.course.before[i], i)
 
     def run_actions(self, actions, where: int, phase: str = "before") -> None:
         """The plan's ``actions`` around op ``where``; one the step cannot run makes it diverge."""
-        why = self.plan.run(actions, where, phase, self.ensure)
-        if why is not None:
+        if (why := self.plan.run(actions, where, phase, self.ensure)) is not None:
             self._diverge(where, why)
 
     def ensure(self, slot: Slot, i: int, keep: set | tuple = ()) -> None:
-        """Make ``slot`` usable for op ``i``; if the plan did not, the step has diverged, and
-        the room brings it back on demand, evicting nothing in ``keep`` (the op's other inputs)."""
+        """``slot`` usable for op ``i``: the plan made it so, else on demand, keeping ``keep``."""
         if slot.state is State.RESIDENT:
             if not self.course.planned:
                 self.room.touch(slot)
@@ -347,8 +336,7 @@ class Stepper:
         course = self.course
         if not course.planned:
             return
-        # A fresh plan's first run often meets what its recording step could not see (the
-        # optimizer's new state): routine, said quietly; a plan that ran before warns.
+        # A fresh plan's first run often meets what its recording could not see: said quietly.
         level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)
         log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
                 "re-planning next step", i, course.name(i), why)
@@ -374,27 +362,39 @@ class Stepper:
         self.updating = False
 
     def quiet(self) -> bool:
-        """Whether the ops so far left managed memory alone: no managed tensor used or born,
-        no buffer touched (with quiet ops all were copied at the start, as a hook-driven step
-        does: no module ran before the forward, where this is asked), no plan action run, no
-        update begun. A step of the same ops on another plan can take over (``resume``)."""
+        """Whether the ops so far left managed memory alone: no managed tensor used, none made
+        but while it waits for its shape (``binding.py``), no buffer touched (with quiet ops all
+        were copied at the start), no plan action run, no update begun. A step of the same ops
+        on another plan can take over (``resume``)."""
         rec, course, undo = self.rec, self.course, self.rollback.undo
-        if self.updating or (undo is None if self.ctx.quiet_ops else undo != {}) or rec.births or any(rec.uses):
+        if (self.updating or (undo is None if self.ctx.quiet_ops else undo != {}) or any(rec.uses)
+                or (rec.births and not course.waiting)):
             return False
         ran = range(min(len(rec.names), len(course.after)))   # the plan's ops run so far
         return not course.planned or not any(course.before[j] or course.after[j] for j in ran)
 
     def leave_plan(self, why: str) -> None:
-        """Stop following the plan before the next op, quietly (the engine knows why): the
-        rest of the step runs on demand and is recorded (``_diverge``)."""
+        """Stop following the plan before the next op, quietly (the engine knows why)."""
         self._diverge(len(self.rec.names), why, logging.INFO)
 
     def resume(self, prefix: Stepper) -> None:
-        """Take over after ``prefix``'s quiet ops (``quiet``): they are this step's first ops,
-        run, their plan actions (none) done."""
+        """Take over after ``prefix``'s quiet ops: this step's first ops, run, with no action,
+        and what they made bound to this plan's variables."""
         for name, seconds in zip(prefix.rec.names, prefix.rec.seconds):
             self.rec.begin_op(name)
             self.rec.seconds[-1] = seconds
         self.done_before = len(self.rec.names) - 1
         self.course.i = max(self.done_before, 0)
         self.events[:0] = prefix.events
+        self.rec.births.update(prefix.rec.births)
+        self.end_wait(self.binder.bind_born(), prefix.recompute.recipes)
+
+    def end_wait(self, why: str | None = None, recipes: dict | None = None) -> None:
+        """The step's shape is known and this is its plan: what its ops made is bound, and
+        their captures kept for its chains, if the plan begins with them (``Binding.end_wait``,
+        ``Recomputation.adopt``), else (``why``) the plan is left."""
+        if self.course.waiting or recipes is not None:
+            why = why or (self.binder.end_wait() if self.course.waiting else None)
+            self.recompute.adopt(self.recompute.recipes if recipes is None else recipes, self.binder.vars)
+        if why is not None and self.course.planned:
+            self.leave_plan(why)
