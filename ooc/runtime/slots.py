@@ -342,7 +342,7 @@ def freed_error(slot: Slot, where: str) -> OOCError:
         f"whose bytes the plan gave back after its last use in the step it was recorded from, where "
         f"no backward node read it again. This step's backward did (a second backward over a graph "
         f"kept with retain_graph=True, which the recorded step did not run?): run the same backward "
-        f"passes in every step, or give such a step an engine.step() of its own")
+        f"passes in every step (the step is rolled back: the parameters are as before it)")
 
 
 def _result(slot: Slot, direction: str) -> None:

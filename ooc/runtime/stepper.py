@@ -340,7 +340,7 @@ class Stepper:
         level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)
         log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
                 "re-planning next step", i, course.name(i), why)
-        course.planned = False
+        course.planned = course.waiting = False   # on demand: nothing waits for a plan
         course.diverged_at = i
         self.recording.left_plan(i)
         self.room.leave_plan()   # on demand keeps no activation it need not
