@@ -14,7 +14,7 @@ step, 16 of 24 steps left their plan and were planned from again (``test_variabl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,28 +42,37 @@ class Binding:
         course.waiting, course.before, course.after = True, (), ()
         self._waiting, self.vars = self.vars, {}
 
-    def end_wait(self) -> str | None:
-        """The step runs this plan after all: it must begin with the ops the step ran, with no
-        action among them; then what they made is bound. Returns why not."""
+    def end_wait(self, act: Callable[[int, str], None]) -> str | None:
+        """The step runs this plan after all: it must begin with the ops the step ran; then
+        they are caught up with (``bind_born``). Returns why not."""
         course, names = self.course, self.rec.names
         course.waiting, self.vars = False, self._waiting
         schedule = course.schedule
         course.before, course.after = schedule.before, schedule.after
         if not begins_with(schedule, names):
             return f"the plan does not begin with the {len(names)} op(s) the step ran before its forward"
-        return self.bind_born()
+        return self.bind_born(act)
 
-    def bind_born(self) -> str | None:
-        """Bind the storages the step's ops made so far (unbound: it waited for its shape, or
-        another plan's step ran them: ``Stepper.resume``) to this plan's variables born there.
-        Returns why one cannot be (its size is not the plan's)."""
-        for b in list(self.rec.births.values()):
-            var = self.vars.get((b.op, b.out))
-            if var is None or b.var is not None or b.ref.expired():
-                continue
-            why = self.bind(var, torch.UntypedStorage._new_with_weak_ptr(b.ref.cdata), b.nbytes, b.op)
-            if why is not None:
-                return why
+    def bind_born(self, act: Callable[[int, str], None]) -> str | None:
+        """Catch up with the ops the step ran before it knew this plan (it waited for its
+        shape, or another plan's step ran them: ``Stepper.resume``), in the plan's order: for
+        each, the plan's actions before it (``act(j, "before")``), the storages it made bound
+        to the variables born there, the actions after it. The ops used no managed tensor
+        (``Stepper.quiet``): the actions (the first weights' swap-ins, every kind managed) had
+        nothing to wait for. Returns why a storage cannot be bound (its size is not the plan's)."""
+        born: dict[int, list] = {}
+        for b in self.rec.births.values():
+            if b.var is None and not b.ref.expired():
+                born.setdefault(b.op, []).append(b)
+        for j in range(len(self.rec.names)):
+            act(j, "before")
+            for b in born.get(j, ()):
+                var = self.vars.get((b.op, b.out))
+                why = None if var is None else self.bind(
+                    var, torch.UntypedStorage._new_with_weak_ptr(b.ref.cdata), b.nbytes, b.op)
+                if why is not None:
+                    return why
+            act(j, "after")
         return None
 
     def bind(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> str | None:
@@ -99,8 +108,7 @@ class Binding:
 
 
 def begins_with(schedule: Schedule, names: Sequence[str]) -> bool:
-    """Whether ``schedule``'s first ops are ``names``, with no action before or after any."""
+    """Whether ``schedule``'s first ops are ``names`` (their actions are caught up with:
+    ``Binding.bind_born``)."""
     functions = schedule.sequence.functions
-    return len(functions) >= len(names) and all(
-        functions[j].name == name and not schedule.before[j] and not schedule.after[j]
-        for j, name in enumerate(names))
+    return len(functions) >= len(names) and all(functions[j].name == name for j, name in enumerate(names))

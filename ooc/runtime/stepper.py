@@ -14,9 +14,8 @@ A planned op the plan gives no role (most: ``schedule.quiet_functions``) is run 
 Autograd's unpack hook for the node about to run happens *before* that node's first op,
 so unpack runs step 1 early for the next op: nothing else happens in between.
 
-Two ways to run: ``planned`` executes a checked ``Schedule``; ``on demand`` (the recording
-step, a step with no plan for the state it starts in, and the rest of a diverged step) keeps
-nothing it does not need and comes back synchronously at each use, within the budget.
+Two ways to run: ``planned`` executes a checked ``Schedule``; ``on demand`` (a step with no plan,
+the rest of a diverged one) keeps only what it needs, each use brought back at once.
 
 The ``Stepper`` is composed of parts, each with its own state, given what it needs when it is
 made (never the ``Stepper``: a finished step is garbage at once, with no reference cycle).
@@ -92,8 +91,8 @@ class Stepper:
       fails with it); ``peak``, ``stall_s``, ``events``; ``updating`` (inside ``optimizer.step()``);
       ``signature``, ``hook_trace``, ``templates()`` (for the plain and anchored forms of the next steps).
 
-    Its parts: ``course``, ``book`` (shared), ``recording``, ``recompute``, ``plan`` (the
-    executor), ``fresh``, ``room``, ``binder``, ``saved``, ``rollback``.
+    Its parts: ``course``, ``book``, ``recording``, ``recompute``, ``plan``, ``fresh``, ``room``,
+    ``binder``, ``saved``, ``rollback``.
     """
 
     planned = _part("course", "planned", "Still following the plan.")
@@ -346,8 +345,7 @@ class Stepper:
         self.room.leave_plan()   # on demand keeps no activation it need not
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks through which this step manages saved activations (``SavedTensors.hooks``:
-        an unpack runs ``before`` the next op early and ``ensure``s the bytes for it)."""
+        """The step's saved-tensor hooks (``SavedTensors.hooks``: an unpack runs ``before``, ``ensure``)."""
         return self.saved.hooks(self.before, self.ensure)
 
     # -- the optimizer step, and another step object taking over ------------------------------
@@ -362,10 +360,8 @@ class Stepper:
         self.updating = False
 
     def quiet(self) -> bool:
-        """Whether the ops so far left managed memory alone: no managed tensor used, none made
-        but while it waits for its shape (``binding.py``), no buffer touched (with quiet ops all
-        were copied at the start), no plan action run, no update begun. A step of the same ops
-        on another plan can take over (``resume``)."""
+        """Whether the ops so far left managed memory alone (no managed tensor used, none made but
+        while it waits for its shape, no buffer touched, no action, no update): ``resume`` may."""
         rec, course, undo = self.rec, self.course, self.rollback.undo
         if (self.updating or (undo is None if self.ctx.quiet_ops else undo != {}) or any(rec.uses)
                 or (rec.births and not course.waiting)):
@@ -378,8 +374,7 @@ class Stepper:
         self._diverge(len(self.rec.names), why, logging.INFO)
 
     def resume(self, prefix: Stepper) -> None:
-        """Take over after ``prefix``'s quiet ops: this step's first ops, run, with no action,
-        and what they made bound to this plan's variables."""
+        """Take over after ``prefix``'s quiet ops, caught up with (``Binding.bind_born``)."""
         for name, seconds in zip(prefix.rec.names, prefix.rec.seconds):
             self.rec.begin_op(name)
             self.rec.seconds[-1] = seconds
@@ -387,14 +382,19 @@ class Stepper:
         self.course.i = max(self.done_before, 0)
         self.events[:0] = prefix.events
         self.rec.births.update(prefix.rec.births)
-        self.end_wait(self.binder.bind_born(), prefix.recompute.recipes)
+        self.end_wait(self.binder.bind_born(self._act), prefix.recompute.recipes)
 
     def end_wait(self, why: str | None = None, recipes: dict | None = None) -> None:
-        """The step's shape is known and this is its plan: what its ops made is bound, and
-        their captures kept for its chains, if the plan begins with them (``Binding.end_wait``,
-        ``Recomputation.adopt``), else (``why``) the plan is left."""
+        """The shape is known and this is the plan: its ops so far caught up with, their captures
+        kept for its chains (``Binding.end_wait``, ``Recomputation.adopt``), else (``why``) left."""
         if self.course.waiting or recipes is not None:
-            why = why or (self.binder.end_wait() if self.course.waiting else None)
+            why = why or (self.binder.end_wait(self._act) if self.course.waiting else None)
             self.recompute.adopt(self.recompute.recipes if recipes is None else recipes, self.binder.vars)
         if why is not None and self.course.planned:
             self.leave_plan(why)
+
+    def _act(self, j: int, phase: str) -> None:
+        """The plan's actions ``phase`` op ``j`` (``before``, ``after``), caught up with."""
+        actions = self.course.before if phase == "before" else self.course.after
+        if self.course.planned and j < len(actions) and actions[j]:
+            self.run_actions(actions[j], j, phase)

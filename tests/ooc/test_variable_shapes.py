@@ -73,20 +73,27 @@ def _assert_bitwise(ref: tuple, got: tuple) -> None:
 LENGTHS = [32, 16, 24] * 8   # dynamic padding: 3 shapes in turn
 
 
-@pytest.mark.parametrize("case", ["per-op", "all-forms", "all-managed", "views-before-forward"])
+@pytest.mark.parametrize("case", ["per-op", "all-forms", "all-managed", "views-before-forward", "made-before-forward"])
 def test_each_shape_keeps_its_plan_and_its_steps_run_planned(case: str) -> None:
     """Three sequence lengths in turn at 1 MiB (32 and 24 tokens swap, 16 fits: its plan moves
     nothing): each shape is recorded once, then every step runs its shape's plan and the
     number of plans stops at three; with the default forms the plain and anchored ones are
     taken up per shape too. Ops on the batch inside the step before the forward (a view,
-    ``x[:, 1:]``) touch no managed memory: the step still switches to its shape's plan.
-    Before plans were kept per shape, every step made a plan."""
-    kw = {"budget": "1MiB", "manage": ALL if case == "all-managed" else ("activations",)}
+    ``x[:, 1:]``) touch no managed memory: the step still switches to its shape's plan. So
+    do ops that make the batch (``x.to(torch.int32).long()``), every kind managed at 512 KiB
+    (the weights start on the tier): the step waits for its shape, then catches up with the
+    plan's actions before those ops (the first weights' swap-ins) at the forward; without
+    that, 23 of these 24 steps left their plan (18 plans). Before plans were kept per shape,
+    every step made a plan."""
+    made = case == "made-before-forward"
+    kw = {"budget": "512KiB" if made else "1MiB",
+          "manage": ALL if case == "all-managed" or made else ("activations",)}
 
     def per_op_only(e: OutOfCore) -> None:
         e._plans.hooked.enabled = False
 
-    before = (lambda x: x[:, 1:]) if case == "views-before-forward" else (lambda x: x)
+    before = {"views-before-forward": lambda x: x[:, 1:],
+              "made-before-forward": lambda x: x.to(torch.int32).long()}.get(case, lambda x: x)
     lengths = [n + 1 for n in LENGTHS] if case == "views-before-forward" else LENGTHS
     ref = _train(lengths, None, before=before)
     got = _train(lengths, kw, before=before, setup=per_op_only if case == "per-op" else lambda e: None)
@@ -252,19 +259,22 @@ def _cnn_steps(engine_kw: dict | None) -> tuple[torch.nn.Module, dict]:
     return model, stats
 
 
+@pytest.mark.parametrize("manage", ["activations", "all"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_batches_of_shuffled_sizes_made_inside_the_step_run_planned(device: str) -> None:
+def test_batches_of_shuffled_sizes_made_inside_the_step_run_planned(device: str, manage: str) -> None:
     """Each size is recorded once (and the first Adam update once more), then every step runs
-    its size's plan with the batch it made bound to the plan's variable; before steps waited
-    for their shape, 16 of these 24 steps left their plan and were planned from again. On
-    ``cuda``: FAKE DRIVER (``ooc.testing.fake_cuda``), every call within the real driver's
+    its size's plan with the batch it made bound to the plan's variable; with every kind
+    managed, the plan's first actions (the first weights' swap-ins, before the ops that made
+    the batch) are caught up with at the forward. Before steps waited for their shape, 16 of
+    these 24 steps left their plan (activations) and 15 (every kind), each planned from again.
+    On ``cuda``: FAKE DRIVER (``ooc.testing.fake_cuda``), every call within the real driver's
     contract."""
     import ooc.testing
 
     ref, _ = _cnn_steps(None)
     with ooc.testing.fake_cuda() if device == "cuda" else contextlib.nullcontext() as driver:
-        got, stats = _cnn_steps({"budget": "3MiB", "device": device,
-                                 "options": Options(chunk="64KiB", min_bytes=4096)})
+        got, stats = _cnn_steps({"budget": "3MiB", "device": device, "manage": ALL if manage == "all" else
+                                 ("activations",), "options": Options(chunk="64KiB", min_bytes=4096)})
         assert driver is None or driver.violations == [], driver.violations
     for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         assert torch.equal(a, b), name
