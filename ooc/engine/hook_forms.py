@@ -94,6 +94,9 @@ class HookForms:
                      format_size(moved.bytes_out), format_size(moved.bytes_recomputed),
                      format_size(moved.peak_resident_bytes),
                      format_size(plan.bytes_in), format_size(plan.bytes_out), format_size(plan.bytes_recomputed))
+        elif entry.moved is None:
+            log.info("no anchored form of the plan fits the budget (its actions moved to autograd's hooks were "
+                     "not proven within it in its tries at lower budgets): its steps run per op")
 
     def step(self, key: Hashable, schedule: Schedule | None, make: Callable[..., AnchoredStep]) -> AnchoredStep | None:
         """The hook-driven step for ``key``'s plan ``schedule``, if it has one and its turn

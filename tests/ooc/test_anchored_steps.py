@@ -295,3 +295,31 @@ def test_updates_inside_the_backward_run_anchored_and_bitwise(counted_ops, opt) 
         [(s["ops seen"], s["last_diverged_at"]) for s in stats]
     assert anchored[-1]["plan.bytes_out"] > 0
     assert_same(ref, model, ref_losses, losses)
+
+
+def test_a_plan_with_no_anchored_form_within_the_budget_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Near the smallest budget the step fits, the anchored form (actions held to the next hook
+    of autograd) is not proven within it: the steps run per op, and the log says why there is
+    no trial. A residual CNN that needs 2.5-3 MiB, at 3 MiB (at 4 MiB it has a form)."""
+    import logging
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_second_backward import _model
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine = OutOfCore(model, opt, budget=3 << 20)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    with caplog.at_level(logging.INFO, logger="ooc"):
+        for _ in range(10):
+            with engine.step():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    stats = engine.stats()
+    engine.close()
+    said = [r.getMessage() for r in caplog.records if "no anchored form" in r.getMessage()]
+    assert said and stats["steps.anchored"] == 0 and stats["steps.planned"] >= 5, (said, stats["steps.planned"])
