@@ -56,9 +56,10 @@ REPLAN_STREAK = 3
 def plans_again(unkept: int) -> bool:
     """Whether a step that kept no plan is planned from, after ``unkept`` steps of its plan key
     in a row that kept none: while ``unkept`` < ``REPLAN_STREAK``, then where ``unkept`` is
-    ``REPLAN_STREAK`` less one plus a power of two (3, 4, 6, 10, 18, ...). A model whose ops change from step to step at random
-    (LayerDrop: each layer skipped with a probability, as wav2vec2's configuration does by
-    default) left every plan at the next step, and a plan was made at every step: on a GPU,
+    ``REPLAN_STREAK`` less one plus a power of two (3, 4, 6, 10, 18, ...). A model whose ops
+    change from step to step at random (LayerDrop: each layer skipped with a probability, as
+    wav2vec2's configuration does by default) left every plan at the next step, and a plan was
+    made at every step: on a GPU,
     planning takes longer than a step (issue 38: up to 0.3 s). The steps in between run
     their key's last plan to where they leave it, or on demand; a plan that holds resets
     the count."""

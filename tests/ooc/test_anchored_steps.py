@@ -10,6 +10,8 @@ loses its trial is not run again.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from ooc.runtime import stepper as stepper_module
 # shared with the template tests, the module database's forms and bench_hook_host.py
 from ooc.testing.forced_forms import CHEAP_OP_S, templates_forced  # noqa: F401
 from ooc.testing.forced_forms import decided as _decided
+from test_second_backward import _model as residual_cnn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -301,14 +304,7 @@ def test_a_plan_with_no_anchored_form_within_the_budget_says_so(caplog: pytest.L
     """Near the smallest budget the step fits, the anchored form (actions held to the next hook
     of autograd) is not proven within it: the steps run per op, and the log says why there is
     no trial. A residual CNN that needs 2.5-3 MiB, at 3 MiB (at 4 MiB it has a form)."""
-    import logging
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_second_backward import _model
-
-    model = _model()
+    model = residual_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     engine = OutOfCore(model, opt, budget=3 << 20)
     g = torch.Generator().manual_seed(0)

@@ -12,12 +12,14 @@ loop in core, parameters and losses.
 from __future__ import annotations
 
 import contextlib
+import random
 
 import pytest
 import torch
 
 import ooc
 from ooc.engine import Options, OutOfCore
+from test_second_backward import _model as residual_cnn
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 
@@ -235,10 +237,6 @@ def _cnn_steps(engine_kw: dict | None) -> tuple[torch.nn.Module, dict]:
     """A residual CNN with BatchNorm and dropout under Adam, on batches of 4, 8 or 12 images in
     a shuffled order, each made inside the step from bytes (``raw.float() / 255``, as a loader's
     ``x.to(device)`` and normalization are written inside the loop): the first conv saves it."""
-    import random
-
-    from test_second_backward import _model as residual_cnn
-
     model = residual_cnn()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine = OutOfCore(model, opt, **engine_kw) if engine_kw is not None else None
