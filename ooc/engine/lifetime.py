@@ -14,16 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ooc.host.process_effects import ProcessEffects
+from ooc.runtime.user_hooks import UserHook
 
 
-def weakly(method: Any) -> Any:
-    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+def weakly(method: Any) -> UserHook:
+    """``method`` called through a weak reference to its object (a no-op once it is gone), as
+    a hook on the user's objects (inert in their copies)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         m = ref()
         return None if m is None else m(*args, **kwargs)
-    return call
+    return UserHook(call)
 
 
 @dataclass

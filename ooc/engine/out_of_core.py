@@ -48,6 +48,7 @@ from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.stepper import Stepper
 from ooc.runtime.torch_arena import resolve_arena
+from ooc.runtime.user_hooks import UserHook
 from scheduler.ir import Kind
 from vmm.units import format_size, parse_size
 
@@ -186,15 +187,16 @@ class OutOfCore:
         if "grads" in self._manage:
             for name, p in model.named_parameters():
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(ref, name)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(UserHook(_grad_hook(ref, name))))
         if "optimizer_state" in self._manage and optimizer is not None:
-            self._hooks.append(optimizer.register_load_state_dict_post_hook(self._state_loaded))
+            self._hooks.append(optimizer.register_load_state_dict_post_hook(UserHook(self._state_loaded)))
         if self._manage & {"params", "grads", "optimizer_state"}:
             owner = state_dict_owner(model)   # DDP: its .module, whose hooks cover both
-            self._hooks += [owner.register_state_dict_pre_hook(self._bring_back_hook),
-                            owner.register_load_state_dict_pre_hook(self._bring_back_hook)]
+            bring_back = UserHook(self._bring_back_hook)   # (holds the engine: see below)
+            self._hooks += [owner.register_state_dict_pre_hook(bring_back),
+                            owner.register_load_state_dict_pre_hook(bring_back)]
             if optimizer is not None:
-                self._hooks.append(optimizer.register_state_dict_pre_hook(self._bring_back_hook))
+                self._hooks.append(optimizer.register_state_dict_pre_hook(bring_back))
         # The step's shape, from the model's inputs, picks its plan (plan_cache.py): first, before
         # hooks that run ops (FSDP2's all-gather), so that the step can still switch its plan.
         self._hooks.append(model.register_forward_pre_hook(weakly(self._forward_starts), prepend=True,

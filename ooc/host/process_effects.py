@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ooc.host import cpu_allocator, malloc
+from ooc.runtime.user_hooks import UserHook
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class ProcessEffects:
                 self._foreach.append((k, group["foreach"]))
                 multi_tensor |= group["foreach"] is not False
                 group["foreach"] = False
-        self._saving_hook = optimizer.register_state_dict_post_hook(self._saved_as_the_user_set)
+        self._saving_hook = optimizer.register_state_dict_post_hook(UserHook(self._saved_as_the_user_set))
         if multi_tensor and self.device_type == "cuda":
             # Measured on an H100: Adam's multi-tensor update (PyTorch's default on CUDA)
             # rounds differently from its per-parameter one; SGD's does not.

@@ -68,6 +68,7 @@ import torch
 
 from ooc.errors import OOCError
 from ooc.integrations.held_step import HeldStep
+from ooc.runtime.user_hooks import UserHook
 
 try:
     import lightning.pytorch as pl
@@ -102,7 +103,7 @@ class OutOfCoreCallback(pl.Callback):
             raise OOCError("LBFGS evaluates its closure several times per step, after the update "
                            "began; under OutOfCore the closure runs once, before it: use another optimizer")
         # Registered before the engine's own pre-hook, so it runs first (see _closure_first).
-        self._closure_hook = optimizer.register_step_pre_hook(self._closure_first)
+        self._closure_hook = optimizer.register_step_pre_hook(UserHook(self._closure_first))
         self._held.start(pl_module, optimizer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ooc.errors import OOCError
+from ooc.runtime.user_hooks import UserHook
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
@@ -164,7 +165,7 @@ def refuse_compiled(model: torch.nn.Module, in_step: Callable[[], bool]) -> list
             raise OOCError(_COMPILED.format(what=f"{type(module).__name__} was called through "
                                                  "torch.compile"))
 
-    return [inner.register_forward_pre_hook(check)]
+    return [inner.register_forward_pre_hook(UserHook(check))]
 
 
 def _through_dynamo(depth: int = 12) -> bool:
