@@ -15,6 +15,7 @@ from typing import Any
 
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.user_hooks import UserHook
+from ooc.storage import reaper
 
 
 def weakly(method: Any) -> UserHook:
@@ -38,15 +39,23 @@ class Held:
 
 def collected(hooks: list, effects: ProcessEffects, held: Held) -> None:
     """An engine was garbage-collected without ``close()``: remove its hooks from the model
-    and optimizer, stop its tier's threads, give its pool back, undo its process effects.
-    (After ``close()`` each of these is done already and does nothing.)"""
+    and optimizer, undo its process effects, and have the reaper thread stop its tier's
+    threads and give its pool back (joining threads inside a finalizer can hang:
+    ``ooc/storage/reaper.py``). (After ``close()`` each of these is done already and does
+    nothing.)"""
     for h in hooks:
         h.remove()
     try:
-        held.tier.close()
-        close_pool(held.pool)
+        reaper.later(_let_go, held.tier, held.pool)
     finally:
         effects.undo()
+
+
+def _let_go(tier: Any, pool: Any) -> None:
+    try:
+        tier.close()
+    finally:
+        close_pool(pool)
 
 
 def close_pool(pool: Any) -> None:

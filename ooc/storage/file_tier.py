@@ -27,6 +27,7 @@ from ooc.storage.extents import Extents, room_to_write
 from ooc.storage.byte_views import byte_view
 from ooc.storage.io_errors import filesystem as _filesystem  # noqa: F401 - the old import path
 from ooc.storage.io_errors import io_error
+from ooc.storage import reaper
 from ooc.storage.private_dir import make_private_dir, remove_private_dir
 from ooc.storage.swap_transfer import TransferTasks
 from ooc.storage.swapfile import ALIGN, Fault, SwapFile, buffer_address
@@ -142,12 +143,13 @@ class FileTier:
         self._peak_live_bytes = 0
         self._stats = dict(bytes_written=0, bytes_read=0, writes=0, reads=0, write_s=0.0,
                            read_s=0.0, direct_transfers=0, buffered_transfers=0)
+        reaper.start()   # before any thread of ours: a finalizer queues its cleanup there
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=_THREAD_PREFIX)
         self._inflight: set[Future] = set()   # submitted, not finished (for drain)
-        # Runs at close(), at garbage collection, or at interpreter exit (after the pool's own
-        # exit hook has drained its queue): descriptors closed, private directory removed.
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self._file, self.directory,
-                                           dir_fd)
+        # Runs at garbage collection (on the reaper thread) or at interpreter exit (after the
+        # pool's own exit hook has drained its queue): descriptors closed, directory removed.
+        self._finalizer = weakref.finalize(self, reaper.later, _retire, self._pool, self._file,
+                                           self.directory, dir_fd)
         log.debug("FileTier in %s: O_TMPFILE=%s, O_DIRECT=%s", self.directory,
                   self._file.tmpfile, self.direct_io)
 
@@ -283,7 +285,14 @@ class FileTier:
             if self._closed:
                 return
             self._closed = True
-        self._finalizer()
+        parts = self._finalizer.detach()
+        if parts is None:
+            return
+        _, _, (retire, *args), _ = parts   # (tier, reaper.later, (_retire, ...), {})
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            reaper.later(retire, *args)   # one of its own I/O threads: it cannot join itself
+        else:
+            retire(*args)   # at once, in this thread
 
     @property
     def closed(self) -> bool:
@@ -355,16 +364,18 @@ class FileTier:
         return io_error(op, key, nbytes, e, self.directory, self._extents.end)
 
 
+def _retire(pool: ThreadPoolExecutor, file: SwapFile, directory: str, dir_fd: int) -> None:
+    """A tier's end: at ``close()``, or on the reaper thread for a tier the collector
+    finalized (``ooc/storage/reaper.py``: never inside the finalizer, where a join can hang)."""
+    try:
+        _cleanup(pool, file, directory, dir_fd)
+    finally:
+        reaper.release()
+
+
 def _cleanup(pool: ThreadPoolExecutor | None, file: SwapFile, directory: str, dir_fd: int) -> None:
+    """Join the I/O threads, close the file, remove the directory."""
     if pool is not None:
-        if threading.current_thread().name.startswith(_THREAD_PREFIX):
-            # The tier was garbage-collected inside one of its own I/O threads (its last
-            # reference was a queued task): a thread cannot join itself, so clean up from
-            # a helper thread once the pool has drained.
-            threading.Thread(target=_cleanup, args=(pool, file, directory, dir_fd),
-                             name="ooc-swap-cleanup", daemon=True).start()
-            return
         pool.shutdown(wait=True, cancel_futures=True)
     file.close()
     remove_private_dir(directory, dir_fd)
-

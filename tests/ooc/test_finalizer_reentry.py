@@ -28,6 +28,7 @@ import pytest
 from ooc.host import cpu_allocator
 from ooc.runtime.cpu_pool import CpuDevicePool
 from ooc.storage.file_tier import FileTier
+from in_child import run_in_child
 
 HANG = 120.0   # seconds: far beyond the milliseconds each case takes, even on a busy machine
 
@@ -118,3 +119,49 @@ def test_a_tier_closed_by_a_finalizer_inside_its_own_io_thread_does_not_deadlock
     _finishes(lambda: future.exception())   # the write finishes (done or failed), no hang
     assert tier.closed
     tier.close()
+
+
+def _collect_while_a_thread_registers(what: str, storage: str) -> None:
+    """In the child: drop a tier (or an engine, whose tier has running I/O threads) in a
+    cycle, and let the collector find it while a thread holds threading's
+    ``_shutdown_locks_lock``, as a starting thread does (``_maintain_shutdown_locks``, where
+    an outside-loop probe hung). A join of the dead tier's threads there needs that lock."""
+    import torch
+
+    import ooc
+    from ooc.storage import reaper
+
+    if what == "tier":
+        tier = FileTier(storage, threads=2)
+        tier.write_async(1, bytearray(8192), 8192).result()   # its I/O threads run
+        tier.self_ref = tier
+        del tier
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = ooc.OutOfCore(model, opt, budget="1MiB", storage=storage,
+                               options=ooc.Options(chunk=4096, min_bytes=1))
+        with engine.step():
+            model(torch.randn(16, 64)).sum().backward()
+            opt.step()
+        engine.self_ref = engine
+        del engine, model, opt
+    done = threading.Event()
+
+    def holder() -> None:
+        with threading._shutdown_locks_lock:   # what a thread's start holds while it registers
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=holder, daemon=True).start()
+    assert done.wait(HANG), "deadlock: a finalizer joined threads under threading's lock"
+    assert reaper.settled(HANG), "the reaper did not finish the dead tier's cleanup"
+    import os
+    assert os.listdir(storage) == [], os.listdir(storage)
+
+
+@pytest.mark.parametrize("what", ["tier", "engine"])
+def test_a_tier_collected_while_a_thread_starts_is_cleaned_up_without_a_deadlock(what: str, tmp_path) -> None:
+    """In a child process: a regression leaves threading's lock held for good, which would
+    hang every later thread start of the suite."""
+    run_in_child(__file__, "_collect_while_a_thread_registers", what, str(tmp_path), timeout=2 * HANG + 60)
