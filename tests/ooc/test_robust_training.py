@@ -1,0 +1,82 @@
+"""Steps that run the model several times: sharpness-aware minimization (SAM: a forward and
+backward, the weights moved along the gradient in place, a second forward and backward, the
+weights moved back, then the update) and PGD adversarial training (three forwards, each with
+``torch.autograd.grad`` of the loss by the input's perturbation, then a clean and an
+adversarial loss backward together). Both are how outside users write them (no ooc API); each
+trains a residual CNN with BatchNorm and dropout in core and under the engine, bitwise, with
+activations managed and with every kind, the planner free to recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+from test_second_backward import ALL, BUDGET, OPTIMIZERS, _model
+
+STEPS = 4
+
+
+def _sam(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    F.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        norm = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm()
+        moved = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                moved[p] = p.grad * (0.05 / (norm + 1e-12))
+                p.add_(moved[p])
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        for p, e in moved.items():
+            p.sub_(e)
+
+
+def _pgd(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    delta = torch.zeros_like(x).uniform_(-0.03, 0.03).requires_grad_(True)
+    for _ in range(3):
+        g, = torch.autograd.grad(F.cross_entropy(model(x + delta), y), delta)
+        delta = (delta + 0.01 * g.sign()).clamp(-0.03, 0.03).detach().requires_grad_(True)
+    (F.cross_entropy(model(x + delta.detach()), y) + 0.5 * F.cross_entropy(model(x), y)).backward()
+
+
+LOOPS = {"sam": _sam, "pgd": _pgd}
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, loop, engine: ooc.OutOfCore | None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for i in range(STEPS):
+        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        torch.manual_seed(100 + i)   # dropout's masks and PGD's start, the same in both runs
+        with engine.step() if engine is not None else contextlib.nullcontext():
+            loop(model, opt, x, y)
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all"])
+@pytest.mark.parametrize("loop,optimizer", [("sam", "sgd"), ("pgd", "adam")])
+def test_steps_that_run_the_model_several_times_train_bitwise(loop: str, optimizer: str,
+                                                              manage: tuple[str, ...]) -> None:
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    _train(ref, ref_opt, LOOPS[loop], None)
+    engine = ooc.OutOfCore(model, opt, budget=BUDGET, manage=manage)
+    _train(model, opt, LOOPS[loop], engine)
+    stats = engine.stats()
+    engine.close()
+    assert stats["steps.planned"] >= 1, stats["steps.planned"]
+    assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, "the budget must make the plan act"
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(ref_opt.state.values(), opt.state.values()):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
