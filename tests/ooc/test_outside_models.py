@@ -8,7 +8,10 @@ default options (activations managed) and with all four kinds managed. The loops
 the way their users write them (``opt.step()`` or ``scaler.step(opt)`` inside the step, no
 ``engine.optimizer_step()``), and between them they use gradient clipping, AdamW with an LR
 scheduler, gradient accumulation, bf16 autocast, fp16 autocast with a GradScaler whose
-first update is skipped, and PyTorch's recipe for the update inside the backward.
+first update is skipped, PyTorch's recipe for the update inside the backward, and an EMA of
+the model made after the first update (timm's ``ModelEmaV3``, PyTorch's ``AveragedModel``: deep
+copies of the model the engine holds; with every kind managed both raised ``TypeError: cannot
+pickle '_thread.lock' object`` until the engine's hooks became inert in copies).
 
 A library that does not import here skips its cases, saying why. On this project's CPU
 machines torchvision does not: PyPI's torchvision wheels are CUDA builds whose extension needs
@@ -131,6 +134,7 @@ class Case:
     accumulate: int = 1                  # micro-batches (engine steps) per update
     precision: str = "fp32"              # "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
     in_backward: bool = False            # each parameter's update in its grad hook (PyTorch's recipe)
+    ema: bool = False                    # an EMA copy of the model after each update (see _ema)
     # The budget is 1/4 of the managed peak unless a case says why it cannot be (manage -> n).
     fraction: tuple[tuple[str, int], ...] = ()
 
@@ -149,7 +153,7 @@ CASES: dict[str, Case] = {
     "timm-convnext_atto": Case("timm", _timm("convnext_atto"), _images, _image_loss, schedule=True,
                                precision="bf16"),
     "timm-resnet18d": Case("timm", _timm("resnet18d"), _images, _image_loss, optimizer="sgd",
-                           clip=True, accumulate=2),
+                           clip=True, accumulate=2, ema=True),
     "transformers-gpt2": Case(
         "transformers", _hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=64, n_head=2,
                             n_positions=SEQ, bos_token_id=0, eos_token_id=0, **_HF_SMALL),
@@ -169,7 +173,7 @@ CASES: dict[str, Case] = {
                             intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                             pad_token_id=0, **_HF_SMALL),
-        _tokens, _lm_loss, clip=True, accumulate=2, precision="bf16"),
+        _tokens, _lm_loss, clip=True, accumulate=2, precision="bf16", ema=True),
     # PyTorch's recipe for the optimizer step inside the backward (no clipping, no scaler, no
     # accumulation: each gradient is applied as it is made).
     "transformers-llama-update-in-backward": Case(
@@ -210,6 +214,18 @@ def _optimizer(case: Case, model: nn.Module, updates: int = UPDATES):
     return opt, sched
 
 
+def _ema(case: Case, model: nn.Module, ema: Any) -> Any:
+    """The EMA after an update: made at the first (a deep copy of the model the engine holds,
+    as timm's ``ModelEmaV3`` and PyTorch's ``AveragedModel`` make it), updated at the others."""
+    if ema is None:
+        if case.library == "timm":
+            return importlib.import_module("timm.utils").ModelEmaV3(model, decay=0.9)
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+        return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    (ema.update if case.library == "timm" else ema.update_parameters)(model)
+    return ema
+
+
 def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = UPDATES) -> dict:
     """The user's loop, one ``engine.step()`` per micro-batch; ``engine_kw=None``: in core."""
     model.train()
@@ -224,6 +240,7 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
     if case.in_backward:   # after the engine, as a user adds it to a loop that has one
         update_in_backward(model, opt)
     out: dict[str, Any] = {"loss": [], "scale": [], "lr": [], "planned": [], "steps": []}
+    ema = None
     try:
         for micro in range(updates * case.accumulate):
             b = case.batch(micro)
@@ -252,6 +269,8 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
                         opt.step()
                     if sched is not None:
                         sched.step()
+            if case.ema and last:
+                ema = _ema(case, model, ema)
             out["loss"].append(loss.detach().clone())
             out["scale"].append(scaler.get_scale() if scaler is not None else None)
             out["lr"].append(opt.param_groups[0]["lr"])
@@ -266,6 +285,7 @@ def _train(case: Case, model: nn.Module, engine_kw: dict | None, updates: int = 
         if engine is not None:
             engine.close()
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["ema"] = {} if ema is None else {k: v.detach().clone() for k, v in ema.module.state_dict().items()}
     out["opt"] = opt
     return out
 
@@ -313,6 +333,8 @@ def _assert_bitwise(ref: dict, got: dict, name: str) -> None:
     assert ref["lr"] == got["lr"], f"{name}: the learning rates differ"
     for k, a in ref["state"].items():
         assert torch.equal(a, got["state"][k]), f"{name}: {k} differs after {UPDATES} updates"
+    for k, a in ref["ema"].items():
+        assert torch.equal(a, got["ema"][k]), f"{name}: the EMA's {k} differs"
     for (p, s_ref), s in zip(ref["opt"].state.items(), got["opt"].state.values()):
         for k, v in s_ref.items():
             assert torch.equal(v, s[k]), f"{name}: optimizer state {k} differs"
