@@ -38,9 +38,11 @@ BUDGET = 160 << 10    # of ~1.3 MiB of saved activations (batch 2, 16 x 16 x 16 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: ooc.OutOfCore | None) -> dict:
     """``STEPS`` steps with an EMA teacher made after the first; what the copies hold."""
     g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device   # a real GPU's (the fake driver's model stays here)
     ema, loaded = None, None
     for i in range(STEPS):
         x, y = torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        x, y = x.to(device), y.to(device)
         torch.manual_seed(100 + i)   # dropout's masks, the same in both runs
         with engine.step() if engine is not None else contextlib.nullcontext():
             out = model(x)
@@ -62,30 +64,58 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, engine: ooc.OutOf
             buf.seek(0)
             loaded = torch.load(buf, weights_only=False)
             loaded.eval()
-            probe = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+            probe = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7)).to(device)
             loaded = {"state": copy.deepcopy(loaded.state_dict()), "out": loaded(probe)}
     return {"model": model.state_dict(), "ema": ema.state_dict(), "loaded": loaded}
 
 
-@pytest.mark.parametrize("manage,optimizer", [(("activations",), "sgd"), (ALL, "adam")], ids=["activations", "all"])
-def test_an_ema_copy_and_a_saved_whole_model_train_bitwise(manage: tuple[str, ...], optimizer: str) -> None:
+def _compare(manage: tuple[str, ...], optimizer: str, device: str = "cpu", on_gpu: bool = False,
+             budget: int = BUDGET, chunk: int | None = 16 << 10) -> dict:
+    """In core, then under an engine on ``device``; the engine's stats."""
     ref = _model()
+    ref = ref.cuda() if on_gpu else ref
     model = copy.deepcopy(ref)
     ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
     want = _train(ref, ref_opt, None)
-    engine = ooc.OutOfCore(model, opt, budget=BUDGET, manage=manage, options=Options(chunk=16 << 10, min_bytes=4096))
+    engine = ooc.OutOfCore(model, opt, budget=budget, manage=manage, device=device,
+                           options=Options(chunk=chunk, min_bytes=4096))
     got = _train(model, opt, engine)
     stats = engine.stats()
     engine.close()
-    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0
-    if manage == ALL:
-        assert stats["between_steps.bytes_in"] > 0, "the copies must read tensors the tier held"
     for what in ("model", "ema"):
         for (name, a), b in zip(want[what].items(), got[what].values()):
             assert torch.equal(a, b), f"{what}: {name}"
     for (name, a), b in zip(want["loaded"]["state"].items(), got["loaded"]["state"].values()):
         assert torch.equal(a, b), f"loaded: {name}"
     assert torch.equal(want["loaded"]["out"], got["loaded"]["out"])
+    return stats
+
+
+@pytest.mark.parametrize("manage,optimizer", [(("activations",), "sgd"), (ALL, "adam")], ids=["activations", "all"])
+def test_an_ema_copy_and_a_saved_whole_model_train_bitwise(manage: tuple[str, ...], optimizer: str) -> None:
+    stats = _compare(manage, optimizer)
+    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0
+    if manage == ALL:
+        assert stats["between_steps.bytes_in"] > 0, "the copies must read tensors the tier held"
+
+
+def test_an_ema_copy_on_the_cuda_path_over_the_fake_driver() -> None:
+    """FAKE DRIVER: every kind managed with ``device="cuda"`` (``ooc.testing.fake_cuda``, the
+    default arena), every driver call within the real driver's contract."""
+    import ooc.testing
+
+    with ooc.testing.fake_cuda() as driver:
+        stats = _compare(ALL, "adam", device="cuda", budget=256 << 10, chunk=64 << 10)
+        assert driver.violations == [], driver.violations
+    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_an_ema_copy_and_a_saved_whole_model_train_bitwise() -> None:
+    """REAL GPU (skips without one): every kind managed on CUDA, cuDNN deterministic; SGD, whose
+    multi-tensor update in core rounds as the engine's per-parameter one does (Adam's does not)."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    _compare(ALL, "sgd", device="cuda", on_gpu=True, budget=4 << 20, chunk=None)   # the device's chunk
 
 
 def test_a_copy_of_the_model_carries_none_of_the_engines_hooks() -> None:
