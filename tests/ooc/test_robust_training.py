@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
+from test_reliability import assert_same, state_of
 from test_second_backward import ALL, BUDGET, OPTIMIZERS, _model
 
 STEPS = 4
@@ -75,8 +76,4 @@ def test_steps_that_run_the_model_several_times_train_bitwise(loop: str, optimiz
     engine.close()
     assert stats["steps.planned"] >= 1, stats["steps.planned"]
     assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, "the budget must make the plan act"
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), name
-    for a, b in zip(ref_opt.state.values(), opt.state.values()):
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
+    assert_same(state_of(ref, ref_opt), state_of(model, opt), f"{loop} {'+'.join(manage)}")
