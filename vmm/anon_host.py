@@ -15,11 +15,22 @@ How it maps onto system calls:
 
 - a **chunk** is anonymous memory at its *home* address (the handle): from ``lend(nbytes)``
   or a fresh ``mmap(MAP_PRIVATE | MAP_ANONYMOUS)`` (``MADV_HUGEPAGE``).
-- **mapping** chunk h at address a is ``mremap(h, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, a)``:
-  its pages move into the reservation (no copy, no fault), and a ``PROT_NONE`` placeholder
-  keeps the home address reserved, so the pages have somewhere to return to.
+- **mapping** chunk h at address a is ``mremap(h, n, n, MREMAP_MAYMOVE | MREMAP_FIXED |
+  MREMAP_DONTUNMAP, a)``: its pages move into the reservation (no copy, no fault), and a
+  ``PROT_NONE`` placeholder keeps the home address reserved, so the pages have somewhere to
+  return to.
 - **unmapping** moves each chunk's pages home again the same way and puts ``PROT_NONE``
   reservation back over the span.
+
+Why ``MREMAP_DONTUNMAP`` (Linux 5.7): a plain move leaves a hole where the pages were, and the
+placeholder (``mmap(MAP_FIXED)``) comes one system call later. Any other thread's ``mmap`` in
+between may be given that hole, and ``MAP_FIXED`` then replaces its memory without a word:
+an I/O thread's bounce page (``mmap.mmap(-1, 4096)``) landed in a chunk's home that way, and
+its transfers failed with EFAULT or wrote a tensor's tail into the pool's pages (op_db's
+every sample under the engine, seen with a probe that looked at the hole before the
+placeholder: ``tests/vmm/test_anon_host.py``). With ``MREMAP_DONTUNMAP`` the source stays
+mapped (empty) until the placeholder replaces it: there is never a hole. A kernel without it
+refuses the backend (``VMMError``); the CPU pool then uses :class:`vmm.HostBackend`.
 - **releasing** a chunk hands its pages to ``adopt(home, nbytes)``; where that declines
   (returns False) or is absent, ``munmap``.
 
@@ -32,6 +43,7 @@ driver allows several, and no ooc allocator needs them). Ranges whose size is a 
 from __future__ import annotations
 
 import ctypes
+import mmap as _mmap
 import sys
 import weakref
 from typing import Any, Callable, Sequence
@@ -43,7 +55,8 @@ from vmm.host import (MAP_ANONYMOUS, MAP_PRIVATE, PROT_READ, PROT_WRITE, HostRan
 
 __all__ = ["AnonHostBackend"]
 
-MREMAP_MAYMOVE, MREMAP_FIXED = 0x1, 0x2
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 0x1, 0x2, 0x4
+_MOVE = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
@@ -85,6 +98,10 @@ class AnonHostBackend(HostRanges):
                            f"{sys.platform}: use SimBackend to plan without real memory")
         self._libc = _libc()
         self._sys = _Mremap()
+        if not _moves_without_a_hole(self._libc, self._sys):
+            raise VMMError("the anonymous host backend needs mremap(MREMAP_DONTUNMAP) (Linux "
+                           "5.7 or later): without it another thread's mmap can land in the "
+                           "hole a move leaves; use vmm.HostBackend")
         self._lend, self._adopt = lend, adopt
         self.ledger = Ledger(self.granularity, "anonymous host")
         self.file_kind = "anonymous"
@@ -129,9 +146,11 @@ class AnonHostBackend(HostRanges):
     # -- mappings ----------------------------------------------------------------------
     def _move(self, src: int, nbytes: int, dst: int) -> None:
         self.calls["mremap"] += 1
-        got = self._sys.mremap(src, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, dst)
+        # DONTUNMAP: ``src`` stays mapped (empty) for the placeholder that replaces it next;
+        # a hole there could be handed to another thread's mmap in between (module docstring).
+        got = self._sys.mremap(src, nbytes, nbytes, _MOVE, dst)
         if got != dst:
-            raise _call_error(f"mremap(0x{src:x}, {nbytes}, {nbytes}, MAYMOVE|FIXED, "
+            raise _call_error(f"mremap(0x{src:x}, {nbytes}, {nbytes}, MAYMOVE|FIXED|DONTUNMAP, "
                               f"0x{dst:x})", ctypes.get_errno())
 
     def map(self, address: int, handle: Any, nbytes: int) -> None:
@@ -172,6 +191,25 @@ class AnonHostBackend(HostRanges):
     def __repr__(self) -> str:
         return (f"<AnonHostBackend chunks={len(self.ledger.chunks)} "
                 f"ranges={len(self.ledger.ranges())} page={self.granularity}>")
+
+
+_DONTUNMAP: bool | None = None   # whether the kernel takes MREMAP_DONTUNMAP: asked once
+
+
+def _moves_without_a_hole(libc: _Libc, sys_: _Mremap) -> bool:
+    """Whether this kernel moves anonymous pages with ``MREMAP_DONTUNMAP`` (one page tried,
+    both mappings unmapped again)."""
+    global _DONTUNMAP
+    if _DONTUNMAP is None:
+        page = _mmap.PAGESIZE
+        src = _mmap_checked(libc, None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        dst = _mmap_checked(libc, None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        try:
+            _DONTUNMAP = sys_.mremap(src, page, page, _MOVE, dst) == dst
+        finally:
+            libc.munmap(src, page)
+            libc.munmap(dst, page)
+    return _DONTUNMAP
 
 
 def _teardown(libc: _Libc, ledger: Ledger) -> None:

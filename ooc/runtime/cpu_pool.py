@@ -25,6 +25,7 @@ view and possibly on an I/O thread).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Callable
 
@@ -36,6 +37,20 @@ from ooc.errors import OOCError
 from ooc.host import cpu_allocator
 
 __all__ = ["CpuDevicePool"]
+
+log = logging.getLogger(__name__)
+
+
+def _anonymous(share_pages: bool) -> "vmm.Backend":
+    """Anonymous chunks (their pages shared with the CPU allocator's cache when asked), or
+    memfd chunks on a kernel without ``MREMAP_DONTUNMAP``, where moving anonymous pages is
+    not safe beside other threads (``vmm.anon_host``): same results, more page faults."""
+    try:
+        return (vmm.AnonHostBackend(lend=cpu_allocator.lend, adopt=cpu_allocator.adopt)
+                if share_pages else vmm.AnonHostBackend())
+    except vmm.VMMError as e:
+        log.info("ooc's CPU pool uses memfd chunks: %s", e)
+        return vmm.HostBackend()
 
 
 class CpuDevicePool:
@@ -55,10 +70,10 @@ class CpuDevicePool:
         leaves them unused (``reap``)."""
         if share_pages and backend is not None:
             raise OOCError("CpuDevicePool: share_pages needs the pool's own backend (backend=None)")
-        self._shared = share_pages
         if backend is None:
-            backend = (vmm.AnonHostBackend(lend=cpu_allocator.lend, adopt=cpu_allocator.adopt)
-                       if share_pages else vmm.AnonHostBackend())
+            backend = _anonymous(share_pages)
+            share_pages = share_pages and isinstance(backend, vmm.AnonHostBackend)
+        self._shared = share_pages
         self.backend = backend
         capacity = max(chunk, budget // chunk * chunk)
         self.pool = vmm.ChunkPool(self.backend, chunk_bytes=chunk, capacity_bytes=capacity)

@@ -351,3 +351,24 @@ def test_a_full_device_under_the_arena_is_pytorchs_error_naming_the_swap_in(monk
         del keep
         gc.collect()
         a.pool.close()
+
+
+def test_without_mremap_dontunmap_the_cpu_pool_uses_memfd_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a kernel older than 5.7 anonymous chunks cannot move without a moment's hole that
+    another thread's mmap may take (``vmm.anon_host``): the backend refuses, and the CPU pool
+    the engine makes uses memfd chunks instead, with the same ranges and bytes."""
+    import vmm
+    import vmm.anon_host
+
+    monkeypatch.setattr(vmm.anon_host, "_DONTUNMAP", False)   # what the kernel's refusal leaves
+    with pytest.raises(vmm.VMMError, match="MREMAP_DONTUNMAP"):
+        vmm.AnonHostBackend()
+    pool = CpuDevicePool(1 << 20, 64 << 10, share_pages=True)
+    assert type(pool.backend) is vmm.HostBackend and not pool._shared
+    t = pool.take(100_000)
+    t.copy_(torch.arange(100_000, dtype=torch.uint8))
+    assert torch.equal(t, torch.arange(100_000, dtype=torch.uint8))
+    del t
+    gc.collect()
+    pool.trim()
+    pool.close()
