@@ -39,6 +39,7 @@ from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
 from ooc.storage.tier import SlowerTier
+from ooc.runtime.view_bits import view_on
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
 from scheduler.schedule import Action, Schedule
@@ -150,8 +151,7 @@ class AnchoredStep(HookStep):
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
         elif slot.state is not State.RESIDENT:
             self._bring_back(slot)
-        return torch.empty(0, dtype=p.dtype, device=slot.storage.device).set_(
-            slot.storage, p.offset, p.size, p.stride)
+        return view_on(slot.storage, p.dtype, p.size, p.stride, p.offset, p.bits)
 
     def _held(self) -> int:
         return self.resident + self.unbound

@@ -15,6 +15,7 @@ from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.runtime.slots import Slot, State
 from ooc.storage.tier import SlowerTier
+from ooc.runtime.view_bits import bits_of, view_on
 from scheduler.ir import Kind
 from scheduler.step_plans import keeps_saved
 from vmm.units import format_size
@@ -24,12 +25,12 @@ class Spilled:
     """A saved activation that a diverged step wrote to the tier: its slot (on the tier), and
     its view."""
 
-    __slots__ = ("slot", "device", "dtype", "size", "stride", "offset")
+    __slots__ = ("slot", "device", "dtype", "size", "stride", "offset", "bits")
 
     def __init__(self, slot: Slot, t: torch.Tensor) -> None:
         self.slot, self.device = slot, t.device
         self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset = t.storage_offset()
+        self.offset, self.bits = t.storage_offset(), bits_of(t)
 
 
 class _TorchMemory:
@@ -121,7 +122,7 @@ class HookStep:
         if slot.state is not State.RESIDENT:
             self.read_bytes += slot.bring_back(self.tier, _TorchMemory(p.device),
                                                wait=lambda name, fn: self._wait(f"read back {name}", lambda _: fn()))
-        out = torch.empty(0, dtype=p.dtype, device=p.device).set_(slot.storage, p.offset, p.size, p.stride)
+        out = view_on(slot.storage, p.dtype, p.size, p.stride, p.offset, p.bits)
         slot.drop(self.tier)   # the tensor holds the bytes now; the slot, the tier's copy
         return out
 

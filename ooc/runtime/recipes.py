@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ooc.errors import OOCError
 from ooc.record.op_schema import tensors
 from ooc.runtime.slots import Slot
+from ooc.runtime.view_bits import bits_of, view_on
 from vmm.units import format_size
 
 
@@ -38,11 +39,12 @@ class Ref:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    bits: int = 0   # view_bits: a lazy conjugate or negative view
 
     def tensor(self, storage: torch.UntypedStorage | None = None) -> torch.Tensor:
         """The view on the slot's storage, or on ``storage`` (the same bytes, made by a replay)."""
         s = self.slot.storage if storage is None else storage
-        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
+        return view_on(s, self.dtype, self.size, self.stride, self.offset, self.bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,20 +58,21 @@ class Made:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    bits: int = 0
 
     def tensor(self, made: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         """The view on what the replay of ``op`` returned."""
-        return as_view(made[(self.op, self.out)], self.dtype, self.size, self.stride, self.offset)
+        return as_view(made[(self.op, self.out)], self.dtype, self.size, self.stride, self.offset, self.bits)
 
 
 def as_view(t: torch.Tensor, dtype: torch.dtype, size: torch.Size, stride: tuple[int, ...],
-            offset: int) -> torch.Tensor:
-    """The view (``dtype``, ``size``, ``stride``, ``offset``) of ``t``'s storage: ``t`` itself
-    where it is that view (rebuilding one costs ~5 us, as much as a small op)."""
-    if t.dtype == dtype and t.storage_offset() == offset and t.size() == size and t.stride() == stride:
+            offset: int, bits: int = 0) -> torch.Tensor:
+    """The view (``dtype``, ``size``, ``stride``, ``offset``, ``bits``) of ``t``'s storage:
+    ``t`` itself where it is that view (rebuilding one costs ~5 us, as much as a small op)."""
+    if (t.dtype == dtype and t.storage_offset() == offset and t.size() == size and t.stride() == stride
+            and bits_of(t) == bits):
         return t
-    s = t.untyped_storage()
-    return torch.empty(0, dtype=dtype, device=s.device).set_(s, offset, size, stride)
+    return view_on(t.untyped_storage(), dtype, size, stride, offset, bits)
 
 
 @dataclass(slots=True)

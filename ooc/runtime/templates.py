@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state, as_view
 from ooc.runtime.made_by import node_of, signature
+from ooc.runtime.view_bits import bits_of, view_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +52,18 @@ class View:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    bits: int = 0   # view_bits: a lazy conjugate or negative view
 
     @staticmethod
     def of(t: torch.Tensor) -> View:
-        return View(t.dtype, t.size(), t.stride(), t.storage_offset())
+        return View(t.dtype, t.size(), t.stride(), t.storage_offset(), bits_of(t))
 
     def on(self, s: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=s.device).set_(s, self.offset, self.size, self.stride)
+        return view_on(s, self.dtype, self.size, self.stride, self.offset, self.bits)
 
     def of_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """This view of ``t``'s storage (``t`` itself where it is the view)."""
-        return as_view(t, self.dtype, self.size, self.stride, self.offset)
+        return as_view(t, self.dtype, self.size, self.stride, self.offset, self.bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +283,7 @@ class TemplateCapture:
 
             def slot(x: Any) -> Any:
                 if isinstance(x, Ref):
-                    return VarArg(x.slot.var, View(x.dtype, x.size, x.stride, x.offset))
+                    return VarArg(x.slot.var, View(x.dtype, x.size, x.stride, x.offset, x.bits))
                 if isinstance(x, torch.Tensor):
                     return found[id(x)]
                 return x   # a Made, or no tensor
