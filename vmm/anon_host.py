@@ -21,6 +21,8 @@ How it maps onto system calls:
   return to.
 - **unmapping** moves each chunk's pages home again the same way and puts ``PROT_NONE``
   reservation back over the span.
+- **releasing** a chunk hands its pages to ``adopt(home, nbytes)``; where that declines
+  (returns False) or is absent, ``munmap``.
 
 Why ``MREMAP_DONTUNMAP`` (Linux 5.7): a plain move leaves a hole where the pages were, and the
 placeholder (``mmap(MAP_FIXED)``) comes one system call later. Any other thread's ``mmap`` in
@@ -31,8 +33,6 @@ every sample under the engine, seen with a probe that looked at the hole before 
 placeholder: ``tests/vmm/test_anon_host.py``). With ``MREMAP_DONTUNMAP`` the source stays
 mapped (empty) until the placeholder replaces it: there is never a hole. A kernel without it
 refuses the backend (``VMMError``); the CPU pool then uses :class:`vmm.HostBackend`.
-- **releasing** a chunk hands its pages to ``adopt(home, nbytes)``; where that declines
-  (returns False) or is absent, ``munmap``.
 
 The contract's one difference from :class:`vmm.HostBackend`: pages are in one place, so a
 chunk is mapped at most once at a time (a second map raises ``ContractError``; the CUDA
@@ -43,7 +43,6 @@ driver allows several, and no ooc allocator needs them). Ranges whose size is a 
 from __future__ import annotations
 
 import ctypes
-import mmap as _mmap
 import sys
 import weakref
 from typing import Any, Callable, Sequence
@@ -98,7 +97,7 @@ class AnonHostBackend(HostRanges):
                            f"{sys.platform}: use SimBackend to plan without real memory")
         self._libc = _libc()
         self._sys = _Mremap()
-        if not _moves_without_a_hole(self._libc, self._sys):
+        if not _moves_without_a_hole(self._libc, self._sys, self.granularity):
             raise VMMError("the anonymous host backend needs mremap(MREMAP_DONTUNMAP) (Linux "
                            "5.7 or later): without it another thread's mmap can land in the "
                            "hole a move leaves; use vmm.HostBackend")
@@ -196,12 +195,11 @@ class AnonHostBackend(HostRanges):
 _DONTUNMAP: bool | None = None   # whether the kernel takes MREMAP_DONTUNMAP: asked once
 
 
-def _moves_without_a_hole(libc: _Libc, sys_: _Mremap) -> bool:
-    """Whether this kernel moves anonymous pages with ``MREMAP_DONTUNMAP`` (one page tried,
+def _moves_without_a_hole(libc: _Libc, sys_: _Mremap, page: int) -> bool:
+    """Whether this kernel moves anonymous pages with ``MREMAP_DONTUNMAP`` (one ``page`` tried,
     both mappings unmapped again)."""
     global _DONTUNMAP
     if _DONTUNMAP is None:
-        page = _mmap.PAGESIZE
         src = _mmap_checked(libc, None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         dst = _mmap_checked(libc, None, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         try:

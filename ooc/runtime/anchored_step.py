@@ -38,8 +38,8 @@ from ooc.runtime.saved_tensors import Packed, _of_parameter
 from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
-from ooc.storage.tier import SlowerTier
 from ooc.runtime.view_bits import view_on
+from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
 from scheduler.schedule import Action, Schedule

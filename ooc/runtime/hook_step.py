@@ -14,8 +14,8 @@ import torch
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.runtime.slots import Slot, State
-from ooc.storage.tier import SlowerTier
 from ooc.runtime.view_bits import bits_of, view_on
+from ooc.storage.tier import SlowerTier
 from scheduler.ir import Kind
 from scheduler.step_plans import keeps_saved
 from vmm.units import format_size

@@ -20,7 +20,7 @@ from db_steps import CONFIGS, TEMPLATES, Sample, op_sample, run_chosen
 from test_reliability import _one_torch_thread  # noqa: F401
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (the dev extra)")
-from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from test_op_db import OPS  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -29,7 +29,7 @@ FOUND = ("cov", "masked.var", "masked.std", "linalg.lu_solve", "svd_lowrank", "p
 
 @pytest.mark.parametrize("name", FOUND)
 def test_complex_op_samples_train_bitwise(name: str) -> None:
-    op = next(o for o in op_db if (o.name + (f".{o.variant_test_name}" if o.variant_test_name else "")) == name)
+    op = OPS[name][1]
     torch.manual_seed(0)
     samples = []
     for j, s in enumerate(op.sample_inputs_func(op, "cpu", torch.complex64, True)):

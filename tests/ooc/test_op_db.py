@@ -27,10 +27,10 @@ tensor: ``tests/vmm/test_anon_host.py``).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-
-import os
 
 from db_steps import CONFIGS, FULL, op_sample, run_chosen
 from test_reliability import _one_torch_thread  # noqa: F401
