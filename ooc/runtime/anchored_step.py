@@ -38,7 +38,6 @@ from ooc.runtime.saved_tensors import Packed, _of_parameter
 from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
-from ooc.runtime.view_bits import view_on
 from ooc.storage.tier import SlowerTier
 from scheduler.actions import TRANSITIONS, Op, refusal
 from scheduler.ir import Kind
@@ -151,7 +150,7 @@ class AnchoredStep(HookStep):
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
         elif slot.state is not State.RESIDENT:
             self._bring_back(slot)
-        return view_on(slot.storage, p.dtype, p.size, p.stride, p.offset, p.bits)
+        return p.view.on(slot.storage)
 
     def _held(self) -> int:
         return self.resident + self.unbound

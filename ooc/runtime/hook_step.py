@@ -14,7 +14,7 @@ import torch
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.runtime.slots import Slot, State
-from ooc.runtime.view_bits import bits_of, view_on
+from ooc.runtime.views import View
 from ooc.storage.tier import SlowerTier
 from scheduler.ir import Kind
 from scheduler.step_plans import keeps_saved
@@ -25,12 +25,10 @@ class Spilled:
     """A saved activation that a diverged step wrote to the tier: its slot (on the tier), and
     its view."""
 
-    __slots__ = ("slot", "device", "dtype", "size", "stride", "offset", "bits")
+    __slots__ = ("slot", "device", "view")
 
     def __init__(self, slot: Slot, t: torch.Tensor) -> None:
-        self.slot, self.device = slot, t.device
-        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset, self.bits = t.storage_offset(), bits_of(t)
+        self.slot, self.device, self.view = slot, t.device, View.of(t)
 
 
 class _TorchMemory:
@@ -122,7 +120,7 @@ class HookStep:
         if slot.state is not State.RESIDENT:
             self.read_bytes += slot.bring_back(self.tier, _TorchMemory(p.device),
                                                wait=lambda name, fn: self._wait(f"read back {name}", lambda _: fn()))
-        out = view_on(slot.storage, p.dtype, p.size, p.stride, p.offset, p.bits)
+        out = p.view.on(slot.storage)
         slot.drop(self.tier)   # the tensor holds the bytes now; the slot, the tier's copy
         return out
 

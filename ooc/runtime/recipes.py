@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ooc.errors import OOCError
 from ooc.record.op_schema import tensors
 from ooc.runtime.slots import Slot
-from ooc.runtime.view_bits import bits_of, view_on
+from ooc.runtime.views import View
 from vmm.units import format_size
 
 
@@ -35,16 +35,11 @@ class Ref:
     """A managed tensor among a recipe's arguments: rebuilt on its slot's storage at replay."""
 
     slot: Slot
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    bits: int = 0   # view_bits: a lazy conjugate or negative view
+    view: View
 
     def tensor(self, storage: torch.UntypedStorage | None = None) -> torch.Tensor:
         """The view on the slot's storage, or on ``storage`` (the same bytes, made by a replay)."""
-        s = self.slot.storage if storage is None else storage
-        return view_on(s, self.dtype, self.size, self.stride, self.offset, self.bits)
+        return self.view.on(self.slot.storage if storage is None else storage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,25 +49,11 @@ class Made:
 
     op: int
     out: int
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    bits: int = 0
+    view: View
 
     def tensor(self, made: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         """The view on what the replay of ``op`` returned."""
-        return as_view(made[(self.op, self.out)], self.dtype, self.size, self.stride, self.offset, self.bits)
-
-
-def as_view(t: torch.Tensor, dtype: torch.dtype, size: torch.Size, stride: tuple[int, ...],
-            offset: int, bits: int = 0) -> torch.Tensor:
-    """The view (``dtype``, ``size``, ``stride``, ``offset``, ``bits``) of ``t``'s storage:
-    ``t`` itself where it is that view (rebuilding one costs ~5 us, as much as a small op)."""
-    if (t.dtype == dtype and t.storage_offset() == offset and t.size() == size and t.stride() == stride
-            and bits_of(t) == bits):
-        return t
-    return view_on(t.untyped_storage(), dtype, size, stride, offset, bits)
+        return self.view.of_tensor(made[(self.op, self.out)])
 
 
 @dataclass(slots=True)

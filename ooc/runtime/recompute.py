@@ -41,7 +41,7 @@ from ooc.runtime.recipes import Made, Recipe, Ref, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
-from ooc.runtime.view_bits import bits_of
+from ooc.runtime.views import View
 from scheduler.schedule import Schedule
 
 
@@ -104,11 +104,11 @@ class Recomputation:
                 return x
             slot = self.book.slot_of(x)
             if slot is not None:
-                return Ref(slot, x.dtype, x.size(), x.stride(), x.storage_offset(), bits_of(x))
+                return Ref(slot, View.of(x))
             s = storage_of(x)   # None: sparse, held as it is
             birth = None if s is None else self.rec.live_birth(s)
             if birth is not None and birth.var is None:   # the chain makes it again
-                return Made(birth.op, birth.out, x.dtype, x.size(), x.stride(), x.storage_offset(), bits_of(x))
+                return Made(birth.op, birth.out, View.of(x))
             held.append((x, x._version))
             return x
 

@@ -31,7 +31,7 @@ from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from ooc.runtime.templates import TemplateCapture
-from ooc.runtime.view_bits import bits_of, view_on
+from ooc.runtime.views import View
 from scheduler.ir import Access, Kind
 
 
@@ -62,12 +62,10 @@ class Packed:
     unpack (an anchored plan that neither swaps nor discards it: holding it costs no memory,
     and the unpack needs no new view, ~5 us each)."""
 
-    __slots__ = ("slot", "dtype", "size", "stride", "offset", "bits", "tensor", "__weakref__")
+    __slots__ = ("slot", "view", "tensor", "__weakref__")
 
     def __init__(self, slot: Slot, t: torch.Tensor, keep: bool = False) -> None:
-        self.slot = slot
-        self.dtype, self.size, self.stride = t.dtype, t.size(), t.stride()
-        self.offset, self.bits = t.storage_offset(), bits_of(t)
+        self.slot, self.view = slot, View.of(t)
         self.tensor = t if keep else None
 
 
@@ -291,7 +289,7 @@ class SavedTensors:
         self.room.hold(slot)
         if self.full is not None and slot.var in self.full_vars:
             self.full.alias(slot.storage, self.full_vars[slot.var])
-        return view_on(slot.storage, p.dtype, p.size, p.stride, p.offset, p.bits)
+        return p.view.on(slot.storage)
 
     def saved_sizes(self) -> list[int] | None:
         """Bytes of every distinct storage born in this step that autograd saved, managed or

@@ -39,31 +39,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state, as_view
 from ooc.runtime.made_by import node_of, signature
-from ooc.runtime.view_bits import bits_of, view_on
-
-
-@dataclass(frozen=True, slots=True)
-class View:
-    """How an argument looked at a storage."""
-
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    bits: int = 0   # view_bits: a lazy conjugate or negative view
-
-    @staticmethod
-    def of(t: torch.Tensor) -> View:
-        return View(t.dtype, t.size(), t.stride(), t.storage_offset(), bits_of(t))
-
-    def on(self, s: torch.UntypedStorage) -> torch.Tensor:
-        return view_on(s, self.dtype, self.size, self.stride, self.offset, self.bits)
-
-    def of_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """This view of ``t``'s storage (``t`` itself where it is the view)."""
-        return as_view(t, self.dtype, self.size, self.stride, self.offset, self.bits)
+from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
+from ooc.runtime.views import View
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +261,7 @@ class TemplateCapture:
 
             def slot(x: Any) -> Any:
                 if isinstance(x, Ref):
-                    return VarArg(x.slot.var, View(x.dtype, x.size, x.stride, x.offset, x.bits))
+                    return VarArg(x.slot.var, x.view)
                 if isinstance(x, torch.Tensor):
                     return found[id(x)]
                 return x   # a Made, or no tensor

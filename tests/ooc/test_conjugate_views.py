@@ -5,7 +5,7 @@
 as they are. The engine rebuilt every view it brings back from dtype, size, stride and offset
 alone, so the backward read them unconjugated: op_db's complex64 samples of ``cov``,
 ``masked.var``, ``masked.std``, ``linalg.lu_solve``, ``svd_lowrank`` and ``pca_lowrank`` got
-wrong gradients (gaps up to 70), from the recording step on. ``ooc/runtime/view_bits.py`` keeps
+wrong gradients (gaps up to 70), from the recording step on. ``ooc/runtime/views.py`` keeps
 the bits wherever a view is rebuilt: an unpack (per op and anchored), a spilled activation
 read back, a recompute chain's arguments and results (per op and from templates).
 """

@@ -20,7 +20,8 @@ from ooc import FORMS, OutOfCore
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.recipes import Recipe
 from ooc.runtime.slots import Slot
-from ooc.runtime.templates import PackArg, Persistent, Template, TemplateCapture, Templates, VarArg, View
+from ooc.runtime.templates import PackArg, Persistent, Template, TemplateCapture, Templates, VarArg
+from ooc.runtime.views import View
 from scheduler.ir import Kind
 
 pytestmark = pytest.mark.timeout(300)
