@@ -128,9 +128,10 @@ def template_us(rounds: int = 7, calls: int = 500) -> float:
 
     import torch
 
-    from ooc.runtime.recipes import Made
     from ooc.runtime.bound_templates import BoundTemplates
-    from ooc.runtime.templates import PackArg, Template, Templates, View
+    from ooc.runtime.recipes import Made
+    from ooc.runtime.templates import PackArg, Template, Templates
+    from ooc.runtime.views import View
 
     aten = torch.ops.aten
     a, b, w = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
@@ -139,7 +140,7 @@ def template_us(rounds: int = 7, calls: int = 500) -> float:
         return PackArg(k, t.untyped_storage().nbytes(), "leaf", 0, View.of(t))
 
     def made(op: int, like: torch.Tensor) -> Made:
-        return Made(op, 0, like.dtype, like.size(), like.stride(), 0)
+        return Made(op, 0, View(like.dtype, like.size(), like.stride(), 0))
 
     by_op = {0: Template.make(aten.mul.Tensor, (saved(0, a), saved(1, b)), {}),
              1: Template.make(aten._to_copy.default, (made(0, a),), {"dtype": torch.bfloat16}),
