@@ -6,7 +6,8 @@ engine executes it (``ooc/engine/planning.py``):
 
 - a step that ran no plan (recorded) or left it (diverged) is planned from its recording
   (``plan_recorded``: activations rounded to whole chunks, swap only where asked, then
-  ``plan`` and ``check``), unless the steps of its plan key have left or lacked a plan too
+  ``plan`` and ``check``; a step that left a plan of the same ops, each activation at least
+  as large as that plan's: ``widening.py``, sizes that depend on the data), unless the steps of its plan key have left or lacked a plan too
   many times in a row (``plans_again``: a model whose ops change at random, LayerDrop, made a
   plan at every step that the next step left);
 - a planned per-op step that kept to a plan with something to move prices the plan again
@@ -21,7 +22,8 @@ engine executes it (``ooc/engine/planning.py``):
   the per-op side of a trial (``StepFacts.device_timed``);
 - such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
   plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
-  the trial between forms is ``anchoring.judge``'s;
+  the trial between forms is ``anchoring.judge``'s (none for a plan whose sizes vary:
+  ``widening.sizes_vary``);
 - a hook-driven step that left its plan drops it (the next step records); one that kept to it
   is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
 - which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
@@ -45,6 +47,7 @@ from scheduler.hardware import Hardware
 from scheduler.ir import Kind, Variable, VariableSequence
 from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
+from scheduler.widening import sizes_vary, widened
 from vmm.units import format_size
 
 REPRICED_RUNS = 2   # a plan is re-priced on the fastest op times of this many planned runs
@@ -101,7 +104,9 @@ class StepFacts:
     not what an untimed step takes); ``ready``: the functions a hook-driven step can rerun
     from templates the step captured (``ooc/runtime/templates.py``), each with the gap from
     which it holds what the template reads (None: no templates); ``unkept``: the steps of its
-    plan key right before it that kept no plan (``plans_again``)."""
+    plan key right before it that kept no plan (``plans_again``); ``left``: the plan a diverged
+    step left, where its variables were born and whether a hook-driven step left it for a
+    saved tensor's bytes, with ``born_at``, where the step's were (``widening.widened``)."""
 
     form: str
     kept: bool
@@ -117,6 +122,8 @@ class StepFacts:
     device_timed: bool = False
     ready: Mapping[int, int] | None = None
     unkept: int = 0
+    left: tuple[Schedule, Mapping[tuple[int, int], int], bool] | None = None
+    born_at: Mapping[int, tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -158,10 +165,15 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
-        return Decision(plan=plan_recorded(facts.sequence, settings)) if plans_again(facts.unkept) else Decision()
+        if not plans_again(facts.unkept):
+            return Decision()
+        seq = facts.sequence
+        if facts.left is not None and facts.born_at is not None:
+            seq = widened(seq, facts.born_at, *facts.left)
+        return Decision(plan=plan_recorded(seq, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()
-    if facts.signature and moves_nothing(state.plan):
+    if facts.signature and moves_nothing(state.plan) and not sizes_vary(state.plan.sequence):
         return Decision(plain=True)
     # a GPU's per-op step times its ops on the device only while the prices are open: the
     # host's launch times of another step price nothing (no times: the prices settle)
@@ -256,7 +268,7 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     ops on the device (its wall time would stand for the per-op side). On a GPU a form the
     simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
     if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
-            or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
+            or sizes_vary(state.plan.sequence) or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
         return {}
     if state.hook is not None:
         return {"trial": "per_op"}

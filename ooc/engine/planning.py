@@ -59,6 +59,9 @@ class Planner:
         self._adopt_params = adopt_params
         self._told_held = False   # said once: what the backward reads that no hook saw
         self._unkept: dict[Any, int] = {}   # plan key -> its steps in a row that kept no plan
+        # plan key -> the plan a hook-driven step left (dropped: the next step records) and its
+        # binding: that recording is planned widened against it (``scheduler.widening``)
+        self._left: dict[Any, tuple] = {}
         # plans priced again on their first planned runs (step_plans.reprice); benchmarks turn
         # it off on a live engine to measure what it buys (bench_gpu's "priced-once" rows)
         self.reprice = True
@@ -157,17 +160,26 @@ class Planner:
                 self._templates[st.start_key] = templates
         if trace is not None:
             trace.update = st.rec.optimizer_start
+        left = self._left.pop(st.start_key, None) if st.schedule is None else None   # a hook-driven step's
+        if seq is not None and st.diverged_at is not None:   # the plan it left, if still the key's
+            kept = self._cache.plans.get(st.start_key)
+            left = (*kept, False) if kept is not None and kept[0] is st.schedule else None
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
                          sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
                          gaps=None if trace is None else trace.gaps(),
                          first=None if trace is None else trace.first_saved(),
                          update=None if trace is None else trace.update,
-                         device_timed=st.ctx.time_ops, ready=ready)
+                         device_timed=st.ctx.time_ops, ready=ready, left=left,
+                         born_at=None if left is None else st.rec.born_at)
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
         """Execute the scheduler's decision for ``st``'s plan key."""
         cache, key, mem = self._cache, st.start_key, self._mem
         if d.drop:
+            if isinstance(st, AnchoredStep) and st.sizes_differed and key in cache.plans:   # a save's bytes
+                self._left[key] = (*cache.plans[key], True)
+                while len(self._left) > UNKEPT_KEYS:
+                    del self._left[next(iter(self._left))]
             cache.drop(key)
         if d.trial == "hook":
             cache.hooked.hook_ran(st, seconds)
@@ -259,6 +271,7 @@ class Planner:
         mem.held.pool = mem.pool
         close_pool(old)
         self._cache.clear()
+        self._left.clear()
         self._adopt_params()   # parameters now above the threshold are managed too
 
 

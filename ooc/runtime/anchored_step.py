@@ -109,6 +109,7 @@ class AnchoredStep(HookStep):
         packs = self.trace.packs
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
         if expected != nbytes:
+            self.sizes_differed = expected is not None and self.diverged_at is None
             self._diverge(gap, f"saved tensor {k} has {nbytes} B, the plan's had "
                           f"{'none' if expected is None else f'{expected} B'}", saves=k)
             return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)

@@ -24,6 +24,7 @@ from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler.ir import Kind
 from scheduler.schedule import Schedule
+from scheduler.widening import sizes_vary
 
 
 class Binding:
@@ -59,7 +60,7 @@ class Binding:
         each, the plan's actions before it (``act(j, "before")``), the storages it made bound
         to the variables born there, the actions after it. The ops used no managed tensor
         (``Stepper.quiet``): the actions (the first weights' swap-ins, every kind managed) had
-        nothing to wait for. Returns why a storage cannot be bound (its size is not the plan's)."""
+        nothing to wait for. Returns why a storage cannot be bound (``bind``)."""
         born: dict[int, list] = {}
         for b in self.rec.births.values():
             if b.var is None and not b.ref.expired():
@@ -77,11 +78,16 @@ class Binding:
 
     def bind(self, var: int, s: torch.UntypedStorage, nbytes: int, i: int) -> str | None:
         """Storage ``s``, output of op ``i``, is the plan's ``var``: its slot, resident. Returns
-        why not, if its size is not the plan's (the step diverges)."""
+        why not (the step diverges): its size is not the plan's, unless it is a smaller
+        activation of a plan whose sizes depend on the data (it holds each at the largest its
+        op made, ``scheduler/widening.py``: a smaller one runs in that room; a plan made from
+        one step stays exact, so that a step of another shape leaves it and is planned as
+        it is)."""
         v = self.course.schedule.sequence.variables[var]
         chunk = self.ctx.chunk
         planned_bytes = -(-nbytes // chunk) * chunk if v.kind is Kind.ACTIVATION else nbytes
-        if planned_bytes != v.nbytes:   # same ops, other shapes (a new batch size)
+        if planned_bytes != v.nbytes and not (planned_bytes < v.nbytes and v.kind is Kind.ACTIVATION
+                                              and sizes_vary(self.course.schedule.sequence)):
             return f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B"
         slot = Slot(var, v.kind, nbytes, v.name, in_place=v.kind is not Kind.ACTIVATION,
                     state=State.RESIDENT, storage=s)

@@ -44,7 +44,8 @@ class _TorchMemory:
 
 class HookStep:
     """The state the engine reads at a hook-driven step's end: ``diverged_at`` (None if it kept
-    to its plan) and ``why``, ``spilled_bytes`` and ``read_bytes`` (to and from the tier),
+    to its plan) and ``why`` (``sizes_differed``: a save where the trace has one, of other
+    bytes: ``scheduler/widening.py``), ``spilled_bytes`` and ``read_bytes`` (to and from the tier),
     ``stall_s``, ``events``, ``rollback``; ``updating`` inside ``optimizer.step()``."""
 
     refused = None   # no per-op action runs, so the transition table refuses none here
@@ -54,6 +55,7 @@ class HookStep:
         self.spilled: list[Slot] = []   # what the step spilled (on the tier until the step ends)
         self.diverged_at: int | None = None
         self.why = ""
+        self.sizes_differed = False
         self.spilled_bytes = self.read_bytes = 0
         self.stall_s = 0.0
         self.updating = False

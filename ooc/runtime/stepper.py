@@ -277,11 +277,11 @@ class Stepper:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
-            if nbytes >= min_bytes:
+            var = self.binder.vars.get((i, k)) if course.planned else None
+            if nbytes >= min_bytes or (var is not None and nbytes > 0):   # sizes vary: widening.py
                 if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
                 b = rec.birth(s, i, k, nbytes)
-                var = self.binder.vars.get((i, k)) if course.planned else None
                 if var is not None:
                     why = self.binder.bind(var, s, nbytes, i)
                     if why is not None:

@@ -1,0 +1,71 @@
+"""Plans for steps whose activations' sizes depend on the data: each activation planned at
+the largest size its op has made.
+
+Why: a detection model's region heads (torchvision's Faster R-CNN, Mask R-CNN), a
+mixture-of-experts layer's tokens per expert, ``nonzero`` and ``masked_select`` make tensors
+whose sizes change from step to step with the data and the weights, though every step runs
+the same ops. A plan made from one step holds each activation's bytes as that step made them;
+a step whose op makes more leaves the plan there and is planned from again. Planned from each
+step's own sizes, Faster R-CNN left its plan on 7 of 8 steps (each ran on demand, 1.6-2.9x in
+core's time): the next step was as likely larger somewhere as not. Planned from the largest
+size each op made so far, a plan's sizes only grow, toward the bound the model has (the
+proposals it samples per image), and steps stop leaving it; a step that makes less runs in
+the plan's larger room (the runtime binds an activation no larger than its variable).
+
+Such a plan gets no hook-driven form (``sizes_vary``): its forms compare each saved tensor's
+bytes with what one step saved, and the next step's differ.
+
+A step's activations are matched with the plan it left by where they were born (op and
+output), and only where both ran the same ops and their first activations were the same size:
+a step that took another branch, or whose batch was of another shape (a larger batch through
+``model.forward``, which shows the engine no shape: ``docs/guide/steps.md``), is planned from
+as it ran, and that plan stays exact (``Binding.bind``: a smaller batch leaves it too, and gets
+its own, with its hook-driven form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from scheduler.ir import Kind, VariableSequence
+from scheduler.schedule import Schedule
+
+HEADROOM = 8   # an activation that outgrew its plan is planned an eighth larger than it grew to
+SIZES_VARY = "sizes_vary"   # a sequence's meta: its activations' sizes changed between steps
+
+
+def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left: Schedule,
+            binding: Mapping[tuple[int, int], int], saves_differed: bool = False) -> VariableSequence:
+    """``seq``, a step that left plan ``left`` (``born_at``: op and output where each of its
+    variables was born; ``binding``: the same for ``left``'s), with each activation as large
+    as the one born at the same place in ``left`` where that is larger, and marked
+    ``SIZES_VARY`` if any differed, or if a hook-driven step left ``left`` for a saved
+    tensor's bytes (``saves_differed``: those forms compare exact bytes, the plan holds whole
+    chunks); ``seq`` itself where the two ran other ops or their first activations differ."""
+    old = left.sequence
+    if len(old.functions) != len(seq.functions) or any(
+            a.name != b.name for a, b in zip(old.functions, seq.functions)):
+        return seq
+    chunk = seq.meta.get("chunk") or 1
+    variables, vary, first = dict(seq.variables), sizes_vary(old) or saves_differed, True
+    for var, where in sorted(born_at.items(), key=lambda item: item[1]):
+        v, was = variables.get(var), binding.get(where)
+        w = None if was is None else old.variables.get(was)
+        if v is None or w is None or v.kind is not Kind.ACTIVATION or w.kind is not Kind.ACTIVATION:
+            continue
+        differs = -(-v.nbytes // chunk) * chunk != w.nbytes
+        if first and differs:   # from its first activation on: another shape, not the data's doing
+            return seq
+        first, vary = False, vary or differs
+        nbytes = w.nbytes if w.nbytes >= v.nbytes else v.nbytes + v.nbytes // HEADROOM
+        if nbytes != v.nbytes:
+            variables[var] = dataclasses.replace(v, nbytes=nbytes)
+    if not vary:
+        return seq
+    return dataclasses.replace(seq, variables=variables, meta={**seq.meta, SIZES_VARY: True})
+
+
+def sizes_vary(seq: VariableSequence) -> bool:
+    """Whether ``seq`` was widened: its activations' sizes change from step to step."""
+    return bool(seq.meta.get(SIZES_VARY))
