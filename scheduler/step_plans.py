@@ -47,7 +47,7 @@ from scheduler.hardware import Hardware
 from scheduler.ir import Kind, Variable, VariableSequence
 from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
-from scheduler.widening import sizes_vary, widened
+from scheduler.widening import marked, sizes_vary, widened
 from vmm.units import format_size
 
 REPRICED_RUNS = 2   # a plan is re-priced on the fastest op times of this many planned runs
@@ -169,7 +169,12 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision()
         seq = facts.sequence
         if facts.left is not None and facts.born_at is not None:
-            seq = widened(seq, facts.born_at, *facts.left)
+            wide = widened(seq, facts.born_at, *facts.left)
+            if wide is not seq:
+                try:
+                    return Decision(plan=plan_recorded(wide, settings))
+                except BudgetTooSmall:   # room the step's own sizes do not need: planned at those
+                    seq = marked(seq)
         return Decision(plan=plan_recorded(seq, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()

@@ -10,7 +10,9 @@ step's own sizes, Faster R-CNN left its plan on 7 of 8 steps (each ran on demand
 core's time): the next step was as likely larger somewhere as not. Planned from the largest
 size each op made so far, a plan's sizes only grow, toward the bound the model has (the
 proposals it samples per image), and steps stop leaving it; a step that makes less runs in
-the plan's larger room (the runtime binds an activation no larger than its variable).
+the plan's larger room (the runtime binds an activation no larger than its variable). Where
+the larger sizes do not fit the budget, the step's own sizes are planned (marked all the same):
+a budget the engine accepted never fails later for room a step does not need.
 
 Such a plan gets no hook-driven form (``sizes_vary``): its forms compare each saved tensor's
 bytes with what one step saved, and the next step's differ.
@@ -61,9 +63,13 @@ def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left:
         nbytes = w.nbytes if w.nbytes >= v.nbytes else v.nbytes + v.nbytes // HEADROOM
         if nbytes != v.nbytes:
             variables[var] = dataclasses.replace(v, nbytes=nbytes)
-    if not vary:
-        return seq
-    return dataclasses.replace(seq, variables=variables, meta={**seq.meta, SIZES_VARY: True})
+    return marked(dataclasses.replace(seq, variables=variables)) if vary else seq
+
+
+def marked(seq: VariableSequence) -> VariableSequence:
+    """``seq`` marked ``SIZES_VARY``: planned widened where the budget allows, else at its
+    own sizes (a plan must never fail where the step's own sizes fit: the budget was accepted)."""
+    return dataclasses.replace(seq, meta={**seq.meta, SIZES_VARY: True})
 
 
 def sizes_vary(seq: VariableSequence) -> bool:

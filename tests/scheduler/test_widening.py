@@ -116,3 +116,17 @@ def test_the_engine_widens_a_diverged_step_and_its_plan_gets_no_hook_form() -> N
     marked = plan_recorded(dataclasses.replace(SEQ, meta={**SEQ.meta, "sizes_vary": True}), roomy)
     assert not after_step(facts, PlanState(marked), roomy).plain
     assert after_step(facts, PlanState(plan_recorded(SEQ, roomy)), roomy).plain
+
+
+def test_larger_sizes_that_do_not_fit_the_budget_are_planned_at_the_steps_own() -> None:
+    """A budget the engine accepted never fails later for room a step does not need: where
+    the plan's larger sizes do not fit, the step's own are planned (marked all the same)."""
+    roomy = dataclasses.replace(SETTINGS, budget=SEQ.in_core_peak_bytes)
+    huge = _resized(SEQ, {ACTS[2]: SEQ.in_core_peak_bytes * 4})
+    left = plan_recorded(huge, dataclasses.replace(SETTINGS, budget=huge.in_core_peak_bytes))
+    binding = {where: var for var, where in BORN.items()}
+    d = after_step(StepFacts("diverged", False, 1.0, sequence=SEQ, left=(left, binding, False), born_at=BORN),
+                   None, roomy)
+    assert d.plan is not None and d.plan.peak_resident_bytes <= roomy.budget
+    assert sizes_vary(d.plan.sequence)
+    assert d.plan.sequence.variables[ACTS[2]].nbytes < SEQ.in_core_peak_bytes
