@@ -7,9 +7,10 @@ engine executes it (``ooc/engine/planning.py``):
 - a step that ran no plan (recorded) or left it (diverged) is planned from its recording
   (``plan_recorded``: activations rounded to whole chunks, swap only where asked, then
   ``plan`` and ``check``; a step that left a plan of the same ops, each activation at least
-  as large as that plan's: ``widening.py``, sizes that depend on the data), unless the steps of its plan key have left or lacked a plan too
-  many times in a row (``plans_again``: a model whose ops change at random, LayerDrop, made a
-  plan at every step that the next step left);
+  as large as that plan's: ``widening.py``, sizes that depend on the data), unless the
+  steps of its plan key have left or lacked a plan too many times in a row (``plans_again``:
+  a model whose ops change at random, LayerDrop, made a plan at every step that the next step
+  left);
 - a planned per-op step that kept to a plan with something to move prices the plan again
   on its op times (``reprice``): the recording step ran on cold memory, and its op times are
   too high to price recompute on; each op at the fastest of its recorded and first
@@ -105,8 +106,9 @@ class StepFacts:
     from templates the step captured (``ooc/runtime/templates.py``), each with the gap from
     which it holds what the template reads (None: no templates); ``unkept``: the steps of its
     plan key right before it that kept no plan (``plans_again``); ``left``: the plan a diverged
-    step left, where its variables were born and whether a hook-driven step left it for a
-    saved tensor's bytes, with ``born_at``, where the step's were (``widening.widened``)."""
+    step left (or a new shape's recording guessed), where its variables were born and whether
+    the step differs from it in sizes its chunks may not show, with ``born_at``, where the
+    step's were (``widening.widened``)."""
 
     form: str
     kept: bool
@@ -273,7 +275,8 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     ops on the device (its wall time would stand for the per-op side). On a GPU a form the
     simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
     if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
-            or sizes_vary(state.plan.sequence) or settings.pins is not None or settings.recompute == "prefer" or not facts.ran_whole_plan):
+            or sizes_vary(state.plan.sequence) or settings.pins is not None or settings.recompute == "prefer"
+            or not facts.ran_whole_plan):
         return {}
     if state.hook is not None:
         return {"trial": "per_op"}

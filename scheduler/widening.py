@@ -38,19 +38,21 @@ SIZES_VARY = "sizes_vary"   # a sequence's meta: its activations' sizes changed 
 
 
 def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left: Schedule,
-            binding: Mapping[tuple[int, int], int], saves_differed: bool = False) -> VariableSequence:
+            binding: Mapping[tuple[int, int], int], differed: bool = False) -> VariableSequence:
     """``seq``, a step that left plan ``left`` (``born_at``: op and output where each of its
     variables was born; ``binding``: the same for ``left``'s), with each activation as large
     as the one born at the same place in ``left`` where that is larger, and marked
-    ``SIZES_VARY`` if any differed, or if a hook-driven step left ``left`` for a saved
-    tensor's bytes (``saves_differed``: those forms compare exact bytes, the plan holds whole
-    chunks); ``seq`` itself where the two ran other ops or their first activations differ."""
+    ``SIZES_VARY`` if any differed, or if the step is known to differ from ``left`` in sizes
+    its whole chunks may not show (``differed``: a hook-driven step left it for a saved
+    tensor's bytes, which those forms compare exactly; a step of another shape, whose inputs
+    differ, recorded after guessing it); ``seq`` itself where the two ran other ops or their
+    first activations differ."""
     old = left.sequence
     if len(old.functions) != len(seq.functions) or any(
             a.name != b.name for a, b in zip(old.functions, seq.functions)):
         return seq
     chunk = seq.meta.get("chunk") or 1
-    variables, vary, first = dict(seq.variables), sizes_vary(old) or saves_differed, True
+    variables, vary, first = dict(seq.variables), sizes_vary(old) or differed, True
     for var, where in sorted(born_at.items(), key=lambda item: item[1]):
         v, was = variables.get(var), binding.get(where)
         w = None if was is None else old.variables.get(was)

@@ -13,7 +13,8 @@ the shape its start's last step had (the guess), and the model's forward pre-hoo
 (``forward_starts``) switches it to the plan of the shape it has, if nothing of it touched
 managed memory yet (``step_forms.py``); a shape without a plan is recorded by that step. A
 guess that cannot be switched diverges where its plan differs, and the step is re-planned
-under the shape it had: no other shape's plan is lost.
+under the shape it had: no other shape's plan is lost. Shapes that differ only in what the data
+makes inside the step (a detection model's targets) share one plan (``alias``).
 
 The form (``ooc/runtime/step_protocol.py``) follows from the plan and what the scheduler made
 of it (``step_for``): none, per op on demand (recorded); a hook-driven form whose turn it is,
@@ -35,9 +36,12 @@ from ooc.runtime.binding import begins_with
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule, quiet_functions
 from scheduler.step_plans import hook_forms_allowed, plain_candidate
+from scheduler.widening import sizes_vary
 
 log = logging.getLogger(__name__)
 
+# Shapes that run another shape's plan (``PlanCache.aliases``), least recently used out.
+MAX_ALIASES = 4096
 # Plans kept (start x shape), least recently used out. A plan holds its step's sequence: GPT
 # 6x256 at 256 tokens, 1,858 ops, ~1.3 MiB of Python objects with its anchored form and prices
 # (benchmarks/results/shapes.md).
@@ -62,6 +66,10 @@ class PlanCache:
         # start key -> (planned runs priced, the sequence at the fastest times so far): ``scheduler.step_plans.reprice``
         self.repriced: dict[object, tuple[int, Any]] = {}
         self._shapes: OrderedDict[Hashable, Any] = OrderedDict()   # start -> its last step's shape
+        # (start, shape) -> the key of the plan its steps run: shapes of a start whose sizes vary
+        # with the data run one plan (``alias``)
+        self.aliases: OrderedDict[tuple, tuple] = OrderedDict()
+        self.sibling: tuple | None = None   # the running step records a new shape: the key it guessed
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self._quiet: tuple[Schedule, frozenset[int]] | None = None   # the last plan's quiet ops
         self.schedule: Schedule | None = None   # the running (or last) step's plan and binding
@@ -77,6 +85,7 @@ class PlanCache:
         With plans for several shapes of this start, the step runs per op until then: a
         hook-driven form is taken up at the forward, where the mode can come off."""
         key = self.guess(start)
+        self.sibling = None
         provisional = len([s for s, _ in self.plans if s == start]) > 1
         self.schedule, self.binding = self._use_plan(key)
         self._store.reconcile(self.schedule)
@@ -156,16 +165,22 @@ class PlanCache:
         if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
             return None
         form.shape = shape = shape_of(self._model, args, kwargs)
-        self._shapes[form.start] = shape
+        key, st = self.aliases.get((form.start, shape), (form.start, shape)), form.st
+        self._shapes[form.start] = key[1]
         self._shapes.move_to_end(form.start)
         while len(self._shapes) > self.max_plans:
             self._shapes.popitem(last=False)
-        key, st = (form.start, shape), form.st
         if st.start_key == key and not form.provisional:   # the guess was right
             return None
         guessed, st.start_key = st.start_key, key   # booked under its shape, whatever plan it runs
         schedule, binding = self.plans.get(key, (None, {}))
+        if schedule is None and guessed in self.plans:   # recorded, then maybe planned in the guess's (``alias``)
+            self.sibling = guessed
         ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
+        if schedule is None and isinstance(st, Stepper) and st.planned and sizes_vary(st.schedule.sequence):
+            self._shapes[form.start] = guessed[1]   # a new shape of a start whose sizes vary: tried
+            _end_wait(st)                            # in the guess's plan (``alias``)
+            return None
         if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
             if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
                 st.leave_plan(f"the step's shape {shape} has no plan")
@@ -204,6 +219,25 @@ class PlanCache:
     def plan_of(self, key: Hashable) -> Schedule | None:
         return self.plans.get(key, (None,))[0]
 
+    def key_of(self, schedule: Schedule | None) -> tuple | None:
+        """The key whose plan ``schedule`` is, if it is kept."""
+        return next((key for key, (plan, _) in self.plans.items() if plan is schedule), None)
+
+    def alias(self, key: tuple, to: tuple) -> None:
+        """Steps of ``key`` run ``to``'s plan from now on. Where a start's plan holds sizes that
+        vary with the data (``scheduler/widening.py``), a step of a shape it has no plan for runs
+        that plan, and one that ran it (kept to it, or left it only for sizes the plan then
+        widened for) makes its shape an alias; so does the first step of a new shape, recorded,
+        whose ops and first activation are those of the plan it guessed (``sibling``). Why: a
+        detection model's forward takes the targets, whose box counts per image make a new
+        shape at nearly every step, each recorded once when every shape kept its own plan."""
+        if key != to:
+            self.aliases[key] = to
+            self.aliases.move_to_end(key)
+            self._shapes[key[0]] = to[1]   # its start's next step begins with the family's plan
+            while len(self.aliases) > MAX_ALIASES:
+                self.aliases.popitem(last=False)
+
     def used(self, key: Hashable) -> None:
         """``key``'s plan ran: the most recently used (least recently used out)."""
         if key in self.plans:
@@ -237,6 +271,7 @@ class PlanCache:
     def clear(self) -> None:
         """Every plan goes (a new chunk: the next step records again)."""
         self.plans.clear()
+        self.aliases.clear()
         self._plan_runs.clear()
         self.repriced.clear()
         self.hooked.clear()

@@ -32,6 +32,7 @@ from ooc.runtime.stepper import Stepper
 from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
 from scheduler.step_plans import (Decision, PlanState, Settings, StepFacts, after_step, plans_again,
                                   prices_open)
+from scheduler.widening import sizes_vary
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class Planner:
                                 "records again with %s chunks", overflow, format_size(self._mem.chunk))
                 return
         cache, key = self._cache, st.start_key
+        family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
+        if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
+            cache.alias(key, family)
         state = None
         if st.schedule is not None and cache.plan_of(key) is st.schedule:
             runs, fastest = cache.prices(key)
@@ -161,8 +165,11 @@ class Planner:
         if trace is not None:
             trace.update = st.rec.optimizer_start
         left = self._left.pop(st.start_key, None) if st.schedule is None else None   # a hook-driven step's
-        if seq is not None and st.diverged_at is not None:   # the plan it left, if still the key's
-            kept = self._cache.plans.get(st.start_key)
+        family = self._family(st)
+        if seq is not None and left is None and st.schedule is None and family is not None:
+            left = (*self._cache.plans[family], True)   # a new shape's recording: maybe the guess's kind
+        if seq is not None and st.diverged_at is not None:   # the plan it left, if still kept
+            kept = self._cache.plans.get(self._family(st) or st.start_key)
             left = (*kept, False) if kept is not None and kept[0] is st.schedule else None
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
                          sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
@@ -172,9 +179,24 @@ class Planner:
                          device_timed=st.ctx.time_ops, ready=ready, left=left,
                          born_at=None if left is None else st.rec.born_at)
 
+    def _family(self, st: Stepper | AnchoredStep) -> tuple | None:
+        """The key whose plan a per-op step of a shape without one ran, or guessed before it
+        recorded (``PlanCache.alias``, ``PlanCache.sibling``)."""
+        cache = self._cache
+        if not isinstance(st, Stepper) or cache.plan_of(st.start_key) is st.schedule is not None:
+            return None
+        if st.schedule is None:
+            return cache.sibling if cache.sibling in cache.plans and cache.sibling != st.start_key else None
+        return cache.key_of(st.schedule) if sizes_vary(st.schedule.sequence) else None
+
     def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
-        """Execute the scheduler's decision for ``st``'s plan key."""
+        """Execute the scheduler's decision for ``st``'s plan key (a shape that ran its family's
+        plan and left it for sizes the new plan widens for: the family's, and an alias)."""
         cache, key, mem = self._cache, st.start_key, self._mem
+        family = self._family(st) if d.plan is not None else None
+        if family is not None and d.plan is not None and sizes_vary(d.plan.sequence):
+            cache.alias(key, family)
+            key = family
         if d.drop:
             if isinstance(st, AnchoredStep) and st.sizes_differed and key in cache.plans:   # a save's bytes
                 self._left[key] = (*cache.plans[key], True)

@@ -151,3 +151,58 @@ def test_a_kept_tensor_smaller_than_managed_ones_stays_the_plans(device: str) ->
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
     left = [step for step, s in enumerate(stats) if step >= 4 and not s["last_planned"]]
     assert not left, f"steps {left} left their plan: {[stats[s]['last_diverged_at'] for s in left]}"
+
+
+class PickedRows(nn.Module):
+    """The forward takes the rows to keep (``picks``, as a detection model takes its targets):
+    their count is part of the step's shape, and the kept rows' size follows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        return F.relu(self.b(h[picks])).pow(2).mean() + h.mean()
+
+
+PICKED = [40, 64, 52, 70, 33, 61, 58, 45, 66, 49, 37, 68, 55, 42, 60, 47]   # 16 shapes
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_shapes_that_differ_only_in_what_the_data_makes_share_one_plan(device: str) -> None:
+    """Sixteen steps, each a shape of its own (the count of rows picked), every step the same
+    ops on the same batch: once a new shape's recording matched the plan it guessed (same ops,
+    same first activation), its shape runs that plan (``PlanCache.alias``), and so do the
+    shapes after it: 2 steps recorded and 13 planned on the CPU, 2 and 14 over the fake CUDA
+    driver. Before, each of the 16 shapes was recorded by its first step: none ran planned."""
+    def run(engine_kw: dict | None) -> tuple[list, dict | None]:
+        torch.manual_seed(0)
+        model = PickedRows()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        params, stats = [], None
+        with ooc.testing.fake_cuda() if device == "cuda" and engine_kw else contextlib.nullcontext():
+            engine = None if engine_kw is None else OutOfCore(
+                model, opt, device=device, options=Options(chunk="64KiB" if device == "cuda" else "16KiB",
+                                                           min_bytes=4096), **engine_kw)
+            try:
+                for step, k in enumerate(PICKED):
+                    g = torch.Generator().manual_seed(step)
+                    x, picks = torch.randn(256, 16, generator=g), torch.randperm(256, generator=g)[:k]
+                    with engine.step() if engine is not None else contextlib.nullcontext():
+                        model(x, picks).backward()
+                        opt.step()
+                        opt.zero_grad()
+                    with engine.resident() if engine is not None else contextlib.nullcontext():
+                        params.append([p.detach().clone() for p in model.parameters()])
+                stats = None if engine is None else engine.stats()
+            finally:
+                if engine is not None:
+                    engine.close()
+        return params, stats
+
+    ref, _ = run(None)
+    got, stats = run({"budget": "96KiB" if device == "cpu" else "256KiB"})
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    assert stats["steps.recorded"] <= 3 and stats["steps.planned"] >= 12, stats

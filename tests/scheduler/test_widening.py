@@ -71,7 +71,7 @@ def test_a_step_whose_first_activation_differs_is_another_shape_planned_as_it_ra
     assert widened(larger, BORN, left, binding) is larger
     first = _resized(SEQ, {ACTS[0]: SEQ.variables[ACTS[0]].nbytes * 2})
     assert widened(first, BORN, left, binding) is first
-    assert widened(first, BORN, left, binding, saves_differed=True) is first
+    assert widened(first, BORN, left, binding, differed=True) is first
 
 
 def test_a_plan_a_hook_driven_step_left_for_a_saves_bytes_is_marked_though_its_chunks_match() -> None:
@@ -80,9 +80,10 @@ def test_a_plan_a_hook_driven_step_left_for_a_saves_bytes_is_marked_though_its_c
     (no such form again) though no size in it changes."""
     left = plan_recorded(SEQ, SETTINGS)
     binding = {where: var for var, where in BORN.items()}
-    got = widened(SEQ, BORN, left, binding, saves_differed=True)
-    assert sizes_vary(got) and all(got.variables[v].nbytes == max(SEQ.variables[v].nbytes, left.sequence.variables[v].nbytes)
-                                   for v in SEQ.variables)
+    got = widened(SEQ, BORN, left, binding, differed=True)
+    assert sizes_vary(got)
+    assert all(got.variables[v].nbytes == max(SEQ.variables[v].nbytes, left.sequence.variables[v].nbytes)
+               for v in SEQ.variables)
 
 
 def test_a_step_that_ran_other_ops_is_planned_as_it_ran() -> None:
