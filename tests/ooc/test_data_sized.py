@@ -47,20 +47,23 @@ class RoutedExperts(nn.Module):
         return self.head(F.gelu(out + h))
 
 
-def _train(engine_kw: dict | None, device: str = "cpu") -> tuple[list, list, list[dict]]:
-    """Losses, each step's parameters and (under the engine) stats."""
+def _train(engine_kw: dict | None, device: str = "cpu", tokens: int = 512) -> tuple[list, list, list[dict]]:
+    """Losses, each step's parameters and (under the engine) stats. ``device``: "cpu", "cuda"
+    (the fake driver) or "gpu" (a real one: model, data and engine on CUDA, default options)."""
     torch.manual_seed(0)
-    model = RoutedExperts()
+    model = RoutedExperts().to("cuda" if device == "gpu" else "cpu")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, params, stats = [], [], []
+    options = Options(chunk="64KiB" if device == "cuda" else "16KiB", min_bytes=4096) if device != "gpu" else None
     with ooc.testing.fake_cuda() if device == "cuda" else contextlib.nullcontext():
         engine = None if engine_kw is None else OutOfCore(
-            model, opt, device=device, options=Options(chunk="64KiB" if device == "cuda" else "16KiB",
-                                                       min_bytes=4096), **engine_kw)
+            model, opt, device="cuda" if device == "gpu" else device, options=options, **engine_kw)
         try:
             for step in range(STEPS):
                 g = torch.Generator().manual_seed(step)
-                x, y = torch.randn(512, 16, generator=g), torch.randint(0, 10, (512,), generator=g)
+                x, y = torch.randn(tokens, 16, generator=g), torch.randint(0, 10, (tokens,), generator=g)
+                if device == "gpu":
+                    x, y = x.cuda(), y.cuda()
                 with engine.step() if engine is not None else contextlib.nullcontext():
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
@@ -92,6 +95,23 @@ def test_routed_experts_train_bitwise_and_their_steps_keep_a_plan(device: str, m
     planned = end["steps.planned"] - half["steps.planned"]   # of the last half: 12 (CPU), 15 (fake CUDA)
     assert planned >= STEPS // 2 - 6, f"{STEPS // 2 - planned} of the last {STEPS // 2} steps left their plan: {end}"
     assert end["steps.anchored"] == end["steps.plain"] == 0   # their saves' sizes vary: no such form
+
+
+@pytest.mark.gpu
+def test_gpu_routed_experts_train_bitwise_and_keep_a_plan() -> None:
+    """REAL GPU (skips without one; not yet run on one when written): 32,768 tokens, the
+    default options (2 MiB chunks), at a budget that swaps, bitwise against the same loop in
+    core on the GPU, deterministic algorithms on (``index_add`` accumulates)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        ref = _train(None, "gpu", tokens=32768)
+        got = _train({"budget": "48MiB"}, "gpu", tokens=32768)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for step, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    end = got[2][-1]
+    assert end["bytes_out"] > 0 and end["steps.planned"] >= STEPS // 2, end
 
 
 class KeptRows(nn.Module):
