@@ -10,7 +10,8 @@ engine executes it (``ooc/engine/planning.py``):
   as large as that plan's: ``widening.py``, sizes that depend on the data), unless the
   steps of its plan key have left or lacked a plan too many times in a row (``plans_again``:
   a model whose ops change at random, LayerDrop, made a plan at every step that the next step
-  left);
+  left; a widened plan is made whatever the streak: its sizes only grow, so each such plan is
+  closer to one that holds);
 - a planned per-op step that kept to a plan with something to move prices the plan again
   on its op times (``reprice``): the recording step ran on cold memory, and its op times are
   too high to price recompute on; each op at the fastest of its recorded and first
@@ -167,16 +168,16 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):
-        if not plans_again(facts.unkept):
-            return Decision()
         seq = facts.sequence
         if facts.left is not None and facts.born_at is not None:
             wide = widened(seq, facts.born_at, *facts.left)
-            if wide is not seq:
+            if wide is not seq:   # sizes that only grow, toward a bound: planned whatever the streak
                 try:
                     return Decision(plan=plan_recorded(wide, settings))
                 except BudgetTooSmall:   # room the step's own sizes do not need: planned at those
-                    seq = marked(seq)
+                    return Decision(plan=plan_recorded(marked(seq), settings))
+        if not plans_again(facts.unkept):
+            return Decision()
         return Decision(plan=plan_recorded(seq, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()

@@ -1,0 +1,187 @@
+"""Activations whose sizes depend on the data: tokens routed to experts by a learned router.
+
+    python benchmarks/bench_data_sized.py [--quick] [--steps N] [--warmup N] [--threads N] [--out PATH]
+
+A mixture of experts (``tests/ooc/test_data_sized.py``'s ``RoutedExperts``, larger): each
+token goes to one expert, so each expert's batch is the tokens routed to it, which changes
+with the data and drifts as the router learns; every step runs the same ops. Adam, each case
+in a fresh process:
+
+- ``in-core``: plain PyTorch;
+- ``checkpoint``: each expert's MLP under ``torch.utils.checkpoint`` (non-reentrant);
+- ``ooc``: ``OutOfCore`` at the budget below: plans hold each activation at the largest size
+  its op made (``scheduler/widening.py``);
+- ``ooc, exact plans``: the same with the widening turned off (``scheduler.step_plans.widened``
+  returns the step's own sizes): each plan holds one step's sizes, what every plan did before.
+
+Per case: the median step time after ``--warmup`` steps, the steps that ran planned (all and
+after the warm-up), the peak memory (VmHWM's rise above the footprint once model, optimizer and
+data are built, with the total beside it), and whether the parameters at the end are bitwise
+those of in-core.
+
+``--quick``: a smaller model, 2,048 tokens, 8 steps. Writes benchmarks/results/data-sized.md
+(``--quick``: data-sized-quick.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+from vmm.units import format_size  # noqa: E402
+
+FULL = {"width": 256, "experts": 8, "tokens": 8192, "budget": 48 << 20, "steps": 32, "warmup": 12}
+QUICK = {"width": 64, "experts": 4, "tokens": 2048, "budget": 4 << 20, "steps": 8, "warmup": 4}
+CASES = ("in-core", "checkpoint", "ooc", "ooc, exact plans")
+
+
+def _model(width: int, experts: int, checkpointed: bool) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class RoutedExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(16, width)
+            self.router = nn.Linear(width, experts)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                       nn.Linear(4 * width, width)) for _ in range(experts))
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            weight, choice = self.router(h).softmax(-1).max(-1)
+            out = torch.zeros_like(h)
+            for e, expert in enumerate(self.experts):
+                idx = torch.nonzero(choice == e).squeeze(1)
+                y = checkpoint(expert, h[idx], use_reentrant=False) if checkpointed else expert(h[idx])
+                out = out.index_add(0, idx, y * weight[idx, None])
+            return self.head(F.gelu(out + h))
+
+    return RoutedExperts()
+
+
+def _child(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import ooc
+    from ooc.measure import _reset_peak, _status
+
+    setting, case = spec["setting"], spec["case"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    if case == "ooc, exact plans":
+        import scheduler.step_plans
+        scheduler.step_plans.widened = lambda seq, *a, **k: seq
+    torch.manual_seed(0)
+    model = _model(setting["width"], setting["experts"], case == "checkpoint")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine = ooc.OutOfCore(model, opt, budget=setting["budget"]) if case.startswith("ooc") else None
+    batches = []
+    for step in range(setting["steps"]):
+        g = torch.Generator().manual_seed(step)
+        batches.append((torch.randn(setting["tokens"], 16, generator=g),
+                        torch.randint(0, 10, (setting["tokens"],), generator=g)))
+    baseline = _status()["VmRSS"] if _reset_peak() else _status()["VmHWM"]
+    rows = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        with engine.step() if engine is not None else torch.enable_grad():
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        rows.append({"s": time.perf_counter() - t0,
+                     "planned": bool(engine.stats()["last_planned"]) if engine is not None else None})
+    status = _status()
+    out: dict[str, Any] = {"rows": rows, "rise": status["VmHWM"] - baseline, "total": status["VmHWM"],
+                           "threads": torch.get_num_threads()}
+    if engine is not None:
+        with engine.resident():
+            torch.save({k: v.clone() for k, v in model.state_dict().items()}, spec["params_out"])
+        st = engine.stats()
+        out.update(plans=st["plans"], moved=st["bytes_in"] + st["bytes_out"])
+        engine.close()
+    else:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, spec["params_out"])
+    print("DATA-SIZED-RESULT " + json.dumps(out), flush=True)
+
+
+def report(setting: dict, results: dict[str, dict], identical: dict[str, bool]) -> list[str]:
+    warm = setting["warmup"]
+    base = median(r["s"] for r in results["in-core"]["rows"][warm:])
+    body = []
+    for case in CASES:
+        res = results[case]
+        t = median(r["s"] for r in res["rows"][warm:])
+        planned = [r["planned"] for r in res["rows"]]
+        body.append([case, f"{t:.3f}", f"{base / t:.2f}x",
+                     "-" if case in ("in-core", "checkpoint") else f"{sum(planned)} of {len(planned)}",
+                     "-" if case in ("in-core", "checkpoint") else f"{sum(planned[warm:])} of {len(planned) - warm}",
+                     str(res.get("plans", "-")),
+                     f"{format_size(res['rise'])} (total {format_size(res['total'])})",
+                     "-" if case == "in-core" else ("yes" if identical[case] else "NO")])
+    lines = [f"{setting['experts']} experts of width {setting['width']}, {setting['tokens']} tokens a step, "
+             f"Adam, {setting['steps']} steps; ooc at {format_size(setting['budget'])}; medians over the "
+             f"steps after the first {warm}.", ""]
+    lines += common.md_table(["case", "step s (median)", "speed vs in-core", "planned steps",
+                              "planned after warm-up", "plans made", "peak rise (VmHWM)", "params bitwise = in-core"],
+                             body)
+    return lines
+
+
+def main() -> None:
+    ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    for flag, text in (("--steps", "training steps per case (default 32; quick 8)"),
+                       ("--warmup", "steps left out of the medians (default 12; quick 4)"),
+                       ("--threads", "torch threads in every case (default: torch's default)")):
+        ap.add_argument(flag, type=int, help=text)
+    ap.add_argument("--child", help=argparse.SUPPRESS)   # one case, in a fresh process (run_child)
+    args = ap.parse_args()
+    if args.child:
+        return _child(json.loads(args.child))
+    setting = dict(QUICK if args.quick else FULL)
+    setting["steps"] = max(2, args.steps or setting["steps"])
+    setting["warmup"] = min(setting["steps"] - 1, args.warmup if args.warmup is not None else setting["warmup"])
+    log = functools.partial(print, flush=True)
+    load0, t0 = common.load_average(), time.perf_counter()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-data-sized-") as tmp:
+        params = {case: str(Path(tmp) / f"{k}.pt") for k, case in enumerate(CASES)}
+        for case in CASES:
+            spec = {"setting": setting, "case": case, "threads": args.threads, "params_out": params[case]}
+            results[case] = common.run_child(Path(__file__).resolve(), spec, "DATA-SIZED-RESULT", case, 3600)
+            log(f"{case}: {sum(r['s'] for r in results[case]['rows']):.1f} s in all")
+        identical = {case: common.same_state(params["in-core"], params[case]) for case in CASES[1:]}
+    elapsed = time.perf_counter() - t0
+    lines = common.header("Activations whose sizes depend on the data: routed experts", quick=args.quick, notes=[
+        f"command: `python benchmarks/bench_data_sized.py{' --quick' if args.quick else ''}"
+        f"{f' --threads {args.threads}' if args.threads else ''}`; each case in a fresh process, "
+        f"{results['in-core']['threads']} torch thread(s)",
+        "memory: VmHWM of a fresh process per case, rise above the footprint after model, optimizer "
+        "and data are built (total beside it)",
+        f"load average (1, 5, 15 min) before: {load0}; after: {common.load_average()} on "
+        f"{os.cpu_count()} cores (other jobs share them: read ratios, not seconds); wall time "
+        f"{elapsed / 60:.1f} min",
+    ])
+    lines += report(setting, results, identical)
+    common.write_report(common.result_path("data-sized", args.quick, out=args.out), lines)
+
+
+if __name__ == "__main__":
+    main()
