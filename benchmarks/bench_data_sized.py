@@ -2,10 +2,10 @@
 
     python benchmarks/bench_data_sized.py [--quick] [--steps N] [--warmup N] [--threads N] [--out PATH]
 
-A mixture of experts (``tests/ooc/test_data_sized.py``'s ``RoutedExperts``, larger): each
-token goes to one expert, so each expert's batch is the tokens routed to it, which changes
-with the data and drifts as the router learns; every step runs the same ops. Adam, each case
-in a fresh process:
+A mixture of experts (``ooc.models.routed_experts``, larger than the tests'): each token goes
+to one expert, so each expert's batch is the tokens routed to it, which changes with the data
+and drifts as the router learns; every step runs the same ops. Adam, each case in a fresh
+process:
 
 - ``in-core``: plain PyTorch;
 - ``checkpoint``: each expert's MLP under ``torch.utils.checkpoint`` (non-reentrant);
@@ -48,34 +48,6 @@ QUICK = {"width": 64, "experts": 4, "tokens": 2048, "budget": 4 << 20, "steps": 
 CASES = ("in-core", "checkpoint", "ooc", "ooc, exact plans")
 
 
-def _model(width: int, experts: int, checkpointed: bool) -> Any:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.utils.checkpoint import checkpoint
-
-    class RoutedExperts(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Linear(16, width)
-            self.router = nn.Linear(width, experts)
-            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                                       nn.Linear(4 * width, width)) for _ in range(experts))
-            self.head = nn.Linear(width, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.embed(x)
-            weight, choice = self.router(h).softmax(-1).max(-1)
-            out = torch.zeros_like(h)
-            for e, expert in enumerate(self.experts):
-                idx = torch.nonzero(choice == e).squeeze(1)
-                y = checkpoint(expert, h[idx], use_reentrant=False) if checkpointed else expert(h[idx])
-                out = out.index_add(0, idx, y * weight[idx, None])
-            return self.head(F.gelu(out + h))
-
-    return RoutedExperts()
-
-
 def _child(spec: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
@@ -90,7 +62,7 @@ def _child(spec: dict[str, Any]) -> None:
         import scheduler.step_plans
         scheduler.step_plans.widened = lambda seq, *a, **k: seq
     torch.manual_seed(0)
-    model = _model(setting["width"], setting["experts"], case == "checkpoint")
+    model = ooc.models.routed_experts(setting["width"], setting["experts"], checkpointed=case == "checkpoint")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine = ooc.OutOfCore(model, opt, budget=setting["budget"]) if case.startswith("ooc") else None
     batches = []

@@ -29,12 +29,14 @@ from ooc.errors import OOCError
 from ooc.models.densenet import densenet121
 from ooc.models.gpt import gpt2, tiny_transformer
 from ooc.models.resnet import resnet18, resnet50
+from ooc.models.routed import routed_experts
 from ooc.models.small import small_cnn
 from ooc.models.unet import unet
 from ooc.models.vgg import vgg16
 
 __all__ = ["NAMES", "UnknownModel", "get", "example_batch", "loss_fn", "builder",
-           "resnet18", "resnet50", "vgg16", "densenet121", "unet", "gpt2", "small_cnn", "tiny_transformer"]
+           "resnet18", "resnet50", "vgg16", "densenet121", "unet", "gpt2", "small_cnn", "tiny_transformer",
+           "routed_experts"]
 
 
 class UnknownModel(OOCError, LookupError):

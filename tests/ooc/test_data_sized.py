@@ -1,10 +1,10 @@
 """Activations whose sizes depend on the data, every step the same ops: plans hold each at
 the largest size its op made (``scheduler/widening.py``), and steps stop leaving them.
 
-The model routes each token to one of four experts by a learned router (a mixture of experts,
-as Mixtral's layers do; torchvision's detection heads are the same case with proposals per
-image): each expert's batch is the tokens routed to it, which changes with the data and, as
-the router learns, drifts. Before, each step's plan held its own step's sizes and the next
+The model (``ooc.models.routed_experts``) routes each token to one of four experts by a
+learned router (a mixture of experts, as Mixtral's layers do; torchvision's detection heads
+are the same case with proposals per image): each expert's batch is the tokens routed to
+it, which changes with the data and, as the router learns, drifts. Before, each step's plan held its own step's sizes and the next
 step was as likely larger somewhere as not: of the last 16 of 32 steps none ran planned on the
 CPU, 6 over the fake CUDA driver; now 12 and 15 (over 64 steps: 63 and 29 left their plan
 before, 10 and 5 now, the last ones where the router's drift outgrew the plan's room). Every
@@ -28,33 +28,15 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 STEPS = 32
 
 
-class RoutedExperts(nn.Module):
-    def __init__(self, width: int = 64, experts: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, width)
-        self.router = nn.Linear(width, experts)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                                   nn.Linear(4 * width, width)) for _ in range(experts))
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        weight, choice = self.router(h).softmax(-1).max(-1)
-        out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            idx = torch.nonzero(choice == e).squeeze(1)   # as many rows as tokens routed to e
-            out = out.index_add(0, idx, expert(h[idx]) * weight[idx, None])
-        return self.head(F.gelu(out + h))
-
-
 def _train(engine_kw: dict | None, device: str = "cpu", tokens: int = 512) -> tuple[list, list, list[dict]]:
     """Losses, each step's parameters and (under the engine) stats. ``device``: "cpu", "cuda"
     (the fake driver) or "gpu" (a real one: model, data and engine on CUDA, default options)."""
     torch.manual_seed(0)
-    model = RoutedExperts().to("cuda" if device == "gpu" else "cpu")
+    model = ooc.models.routed_experts().to("cuda" if device == "gpu" else "cpu")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, params, stats = [], [], []
-    options = Options(chunk="64KiB" if device == "cuda" else "16KiB", min_bytes=4096) if device != "gpu" else None
+    options = (Options(chunk="64KiB" if device == "cuda" else "16KiB", min_bytes=4096)
+               if device != "gpu" else None)   # a real GPU: the default options
     with ooc.testing.fake_cuda() if device == "cuda" else contextlib.nullcontext():
         engine = None if engine_kw is None else OutOfCore(
             model, opt, device="cuda" if device == "gpu" else device, options=options, **engine_kw)
@@ -93,7 +75,7 @@ def test_routed_experts_train_bitwise_and_their_steps_keep_a_plan(device: str, m
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
     half, end = got[2][STEPS // 2 - 1], got[2][-1]
     planned = end["steps.planned"] - half["steps.planned"]   # of the last half: 12 (CPU), 15 (fake CUDA)
-    assert planned >= STEPS // 2 - 6, f"{STEPS // 2 - planned} of the last {STEPS // 2} steps left their plan: {end}"
+    assert planned >= STEPS // 2 - 6, f"{STEPS // 2 - planned} of the last {STEPS // 2} left their plan: {end}"
     assert end["steps.anchored"] == end["steps.plain"] == 0   # their saves' sizes vary: no such form
 
 
