@@ -30,7 +30,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -132,14 +131,9 @@ def main() -> None:
     setting["warmup"] = min(setting["steps"] - 1, args.warmup if args.warmup is not None else setting["warmup"])
     log = functools.partial(print, flush=True)
     load0, t0 = common.load_average(), time.perf_counter()
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-data-sized-") as tmp:
-        params = {case: str(Path(tmp) / f"{k}.pt") for k, case in enumerate(CASES)}
-        for case in CASES:
-            spec = {"setting": setting, "case": case, "threads": args.threads, "params_out": params[case]}
-            results[case] = common.run_child(Path(__file__).resolve(), spec, "DATA-SIZED-RESULT", case, 3600)
-            log(f"{case}: {sum(r['s'] for r in results[case]['rows']):.1f} s in all")
-        identical = {case: common.same_state(params["in-core"], params[case]) for case in CASES[1:]}
+    results, identical = common.run_cases(
+        Path(__file__).resolve(), CASES, lambda case: {"setting": setting, "case": case, "threads": args.threads},
+        "DATA-SIZED-RESULT", log)
     elapsed = time.perf_counter() - t0
     lines = common.header("Activations whose sizes depend on the data: routed experts", quick=args.quick, notes=[
         f"command: `python benchmarks/bench_data_sized.py{' --quick' if args.quick else ''}"

@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -195,17 +194,13 @@ def main() -> None:
     warm = min(cycles - 1, args.warmup if args.warmup is not None else (2 if args.quick else 8))
     log = functools.partial(print, flush=True)
     load0, t0 = common.load_average(), time.perf_counter()
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-shapes-") as tmp:
-        params = {case: str(Path(tmp) / f"{k}.pt") for k, case in enumerate(CASES)}
-        for case in CASES:
-            spec = {"setting": setting, "case": case, "cycles": cycles, "threads": args.threads,
-                    "params_out": params[case]}
-            results[case] = common.run_child(Path(__file__).resolve(), spec, "SHAPES-RESULT", case, 3600)
-            log(f"{case}: {sum(r['s'] for r in results[case]['rows']):.1f} s in all")
-        identical = {case: common.same_state(params["in-core"], params[case]) and
-                     [r["loss"] for r in results[case]["rows"]] == [r["loss"] for r in results["in-core"]["rows"]]
-                     for case in CASES[1:]}
+    results, same = common.run_cases(
+        Path(__file__).resolve(), CASES,
+        lambda case: {"setting": setting, "case": case, "cycles": cycles, "threads": args.threads},
+        "SHAPES-RESULT", log)
+    identical = {case: same[case] and
+                 [r["loss"] for r in results[case]["rows"]] == [r["loss"] for r in results["in-core"]["rows"]]
+                 for case in CASES[1:]}
     elapsed = time.perf_counter() - t0
     lines = common.header("Steps of varying shapes: a plan per shape", quick=args.quick, notes=[
         f"command: `python benchmarks/bench_shapes.py{' --quick' if args.quick else ''}"

@@ -187,6 +187,24 @@ def run_child(script: str | Path, spec: dict[str, Any], tag: str, what: str,
     return json.loads(line[len(tag) + 1:])
 
 
+def run_cases(script: str | Path, cases: Sequence[str], spec: Callable[[str], dict[str, Any]], tag: str,
+              log: Callable[[str], Any], timeout: float = 3600) -> tuple[dict[str, dict], dict[str, bool]]:
+    """Each of ``cases`` in a fresh process (``run_child``, its spec ``spec(case)`` plus
+    ``params_out``: where the child saves its model's state dict at the end), each case's
+    time in all logged (its result's ``rows``, each with ``s``). Returns the results by case,
+    and for each case after the first whether its state is bitwise the first case's."""
+    import tempfile
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix=f"bench-{Path(script).stem}-") as tmp:
+        params = {case: str(Path(tmp) / f"{k}.pt") for k, case in enumerate(cases)}
+        for case in cases:
+            results[case] = run_child(script, {**spec(case), "params_out": params[case]}, tag, case, timeout)
+            log(f"{case}: {sum(r['s'] for r in results[case]['rows']):.1f} s in all")
+        same = {case: same_state(params[cases[0]], params[case]) for case in cases[1:]}
+    return results, same
+
+
 def same_state(a: str | Path, b: str | Path) -> bool:
     """Whether two state dicts saved with ``torch.save`` hold bitwise the same tensors."""
     import torch

@@ -14,6 +14,9 @@ step is checked bitwise against the same loop in core, losses and parameters.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,37 +26,42 @@ from torch import nn
 import ooc
 import ooc.testing
 from ooc.engine import Options, OutOfCore
+from test_variable_shapes import _assert_bitwise
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 STEPS = 32
 
 
-def _train(engine_kw: dict | None, device: str = "cpu", tokens: int = 512) -> tuple[list, list, list[dict]]:
-    """Losses, each step's parameters and (under the engine) stats. ``device``: "cpu", "cuda"
-    (the fake driver) or "gpu" (a real one: model, data and engine on CUDA, default options)."""
+def _train(model: Callable[[], nn.Module], optimizer: Callable[[Any], torch.optim.Optimizer], batches: list[tuple],
+           loss: Callable[..., torch.Tensor], engine_kw: dict | None, device: str = "cpu",
+           clip: float | None = None) -> tuple[list, list, list[dict]]:
+    """One step per batch, ``loss(model, *batch)`` backward (its gradients clipped to ``clip``),
+    then the update; in core with ``engine_kw`` None. Returns the losses, each step's
+    parameters and (under the engine) each step's stats. ``device``: "cpu", "cuda" (the fake
+    driver) or "gpu" (a real one: model, data and engine on CUDA, the default options)."""
     torch.manual_seed(0)
-    model = ooc.models.routed_experts().to("cuda" if device == "gpu" else "cpu")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    net = model().to("cuda" if device == "gpu" else "cpu")
+    opt = optimizer(net.parameters())
     losses, params, stats = [], [], []
     options = (Options(chunk="64KiB" if device == "cuda" else "16KiB", min_bytes=4096)
                if device != "gpu" else None)   # a real GPU: the default options
-    with ooc.testing.fake_cuda() if device == "cuda" else contextlib.nullcontext():
+    with ooc.testing.fake_cuda() if device == "cuda" and engine_kw else contextlib.nullcontext():
         engine = None if engine_kw is None else OutOfCore(
-            model, opt, device="cuda" if device == "gpu" else device, options=options, **engine_kw)
+            net, opt, device="cuda" if device == "gpu" else device, options=options, **engine_kw)
         try:
-            for step in range(STEPS):
-                g = torch.Generator().manual_seed(step)
-                x, y = torch.randn(tokens, 16, generator=g), torch.randint(0, 10, (tokens,), generator=g)
+            for batch in batches:
                 if device == "gpu":
-                    x, y = x.cuda(), y.cuda()
+                    batch = tuple(t.cuda() for t in batch)
                 with engine.step() if engine is not None else contextlib.nullcontext():
-                    loss = F.cross_entropy(model(x), y)
-                    loss.backward()
+                    value = loss(net, *batch)
+                    value.backward()
+                    if clip is not None:
+                        nn.utils.clip_grad_norm_(net.parameters(), clip)
                     opt.step()
                     opt.zero_grad()
-                losses.append(loss.detach().clone())
+                losses.append(value.detach().clone())
                 with engine.resident() if engine is not None else contextlib.nullcontext():
-                    params.append([p.detach().clone() for p in model.parameters()])
+                    params.append([p.detach().clone() for p in net.parameters()])
                 if engine is not None:
                     stats.append(engine.stats())
         finally:
@@ -62,17 +70,24 @@ def _train(engine_kw: dict | None, device: str = "cpu", tokens: int = 512) -> tu
     return losses, params, stats
 
 
+def _routed(engine_kw: dict | None, device: str = "cpu", tokens: int = 512) -> tuple[list, list, list[dict]]:
+    """The routed experts, Adam, ``STEPS`` batches of ``tokens`` tokens."""
+    batches = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        batches.append((torch.randn(tokens, 16, generator=g), torch.randint(0, 10, (tokens,), generator=g)))
+    return _train(ooc.models.routed_experts, lambda ps: torch.optim.Adam(ps, lr=1e-2), batches,
+                  lambda m, x, y: F.cross_entropy(m(x), y), engine_kw, device)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("manage", ["activations", "all"])
 def test_routed_experts_train_bitwise_and_their_steps_keep_a_plan(device: str, manage: str) -> None:
     """``cuda``: over the fake driver (``ooc.testing.fake_cuda``), not a GPU."""
     kw = {"budget": "1MiB"} if manage == "activations" else {"budget": "2MiB", "manage": ALL}
-    ref = _train(None)
-    got = _train(kw, device)
-    for step, (a, b) in enumerate(zip(ref[0], got[0])):
-        assert torch.equal(a, b), f"loss of step {step} differs"
-    for step, (a, b) in enumerate(zip(ref[1], got[1])):
-        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    ref = _routed(None)
+    got = _routed(kw, device)
+    _assert_bitwise(ref, got)
     half, end = got[2][STEPS // 2 - 1], got[2][-1]
     planned = end["steps.planned"] - half["steps.planned"]   # of the last half: 12 (CPU), 15 (fake CUDA)
     assert planned >= STEPS // 2 - 6, f"{STEPS // 2 - planned} of the last {STEPS // 2} left their plan: {end}"
@@ -86,8 +101,8 @@ def test_gpu_routed_experts_train_bitwise_and_keep_a_plan() -> None:
     core on the GPU, deterministic algorithms on (``index_add`` accumulates)."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        ref = _train(None, "gpu", tokens=32768)
-        got = _train({"budget": "48MiB"}, "gpu", tokens=32768)
+        ref = _routed(None, "gpu", tokens=32768)
+        got = _routed({"budget": "48MiB"}, "gpu", tokens=32768)
     finally:
         torch.use_deterministic_algorithms(False)
     for step, (a, b) in enumerate(zip(ref[1], got[1])):
@@ -112,6 +127,7 @@ class KeptRows(nn.Module):
 # rows kept per step: grows twice (the plan widens each time), then stays under the plan's
 # room; 2 to 6 rows (0.5-1.5 KiB) are under the engine's 4 KiB threshold for managed tensors
 KEPT = [64, 80, 72, 96, 4, 90, 2, 88, 6, 100, 3, 70]
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -121,36 +137,16 @@ def test_a_kept_tensor_smaller_than_managed_ones_stays_the_plans(device: str) ->
     plan where the plan moved it (step 4: "variable ... of the plan is not bound"), and the
     plan made from that step had no variable there: the kept rows of later steps, up to 25
     KiB, were left to PyTorch too, outside the budget."""
-    def run(engine_kw: dict | None) -> tuple[list, list[dict]]:
-        torch.manual_seed(0)
-        model = KeptRows()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        params, stats = [], []
-        with ooc.testing.fake_cuda() if device == "cuda" and engine_kw else contextlib.nullcontext():
-            engine = None if engine_kw is None else OutOfCore(
-                model, opt, device=device, options=Options(chunk="64KiB" if device == "cuda" else "16KiB",
-                                                           min_bytes=4096), **engine_kw)
-            try:
-                for step, k in enumerate(KEPT):
-                    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
-                    x[:, 0] = (torch.arange(256) < k).float() * 2 - 1
-                    with engine.step() if engine is not None else contextlib.nullcontext():
-                        model(x).backward()
-                        opt.step()
-                        opt.zero_grad()
-                    with engine.resident() if engine is not None else contextlib.nullcontext():
-                        params.append([p.detach().clone() for p in model.parameters()])
-                    if engine is not None:
-                        stats.append(engine.stats())
-            finally:
-                if engine is not None:
-                    engine.close()
-        return params, stats
-
-    ref, _ = run(None)
-    got, stats = run({"budget": "96KiB" if device == "cpu" else "256KiB"})
-    for step, (a, b) in enumerate(zip(ref, got)):
-        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    batches = []
+    for step, k in enumerate(KEPT):
+        x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+        x[:, 0] = (torch.arange(256) < k).float() * 2 - 1
+        batches.append((x,))
+    ref = _train(KeptRows, SGD, batches, lambda m, x: m(x), None)
+    got = _train(KeptRows, SGD, batches, lambda m, x: m(x), {"budget": "96KiB" if device == "cpu" else "256KiB"},
+                 device)
+    _assert_bitwise(ref, got)
+    stats = got[2]
     left = [step for step, s in enumerate(stats) if step >= 4 and not s["last_planned"]]
     assert not left, f"steps {left} left their plan: {[stats[s]['last_diverged_at'] for s in left]}"
 
@@ -178,35 +174,15 @@ def test_shapes_that_differ_only_in_what_the_data_makes_share_one_plan(device: s
     same first activation), its shape runs that plan (``PlanCache.alias``), and so do the
     shapes after it: 2 steps recorded and 13 planned on the CPU, 2 and 14 over the fake CUDA
     driver. Before, each of the 16 shapes was recorded by its first step: none ran planned."""
-    def run(engine_kw: dict | None) -> tuple[list, dict | None]:
-        torch.manual_seed(0)
-        model = PickedRows()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        params, stats = [], None
-        with ooc.testing.fake_cuda() if device == "cuda" and engine_kw else contextlib.nullcontext():
-            engine = None if engine_kw is None else OutOfCore(
-                model, opt, device=device, options=Options(chunk="64KiB" if device == "cuda" else "16KiB",
-                                                           min_bytes=4096), **engine_kw)
-            try:
-                for step, k in enumerate(PICKED):
-                    g = torch.Generator().manual_seed(step)
-                    x, picks = torch.randn(256, 16, generator=g), torch.randperm(256, generator=g)[:k]
-                    with engine.step() if engine is not None else contextlib.nullcontext():
-                        model(x, picks).backward()
-                        opt.step()
-                        opt.zero_grad()
-                    with engine.resident() if engine is not None else contextlib.nullcontext():
-                        params.append([p.detach().clone() for p in model.parameters()])
-                stats = None if engine is None else engine.stats()
-            finally:
-                if engine is not None:
-                    engine.close()
-        return params, stats
-
-    ref, _ = run(None)
-    got, stats = run({"budget": "96KiB" if device == "cpu" else "256KiB"})
-    for step, (a, b) in enumerate(zip(ref, got)):
-        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    batches = []
+    for step, k in enumerate(PICKED):
+        g = torch.Generator().manual_seed(step)
+        batches.append((torch.randn(256, 16, generator=g), torch.randperm(256, generator=g)[:k]))
+    ref = _train(PickedRows, SGD, batches, lambda m, x, picks: m(x, picks), None)
+    got = _train(PickedRows, SGD, batches, lambda m, x, picks: m(x, picks),
+                 {"budget": "96KiB" if device == "cpu" else "256KiB"}, device)
+    _assert_bitwise(ref, got)
+    stats = got[2][-1]
     assert stats["steps.recorded"] <= 3 and stats["steps.planned"] >= 12, stats
 
 
@@ -216,34 +192,22 @@ def test_a_loss_over_the_tokens_a_mask_keeps_runs_planned(device: str) -> None:
     sequence), as users write it instead of ``ignore_index``: the kept logits and their
     gradient change size every step. A small transformer, AdamW, clipping, 24 steps: 21 ran
     planned on the CPU, 1 before (22 left their plan)."""
-    def run(engine_kw: dict | None) -> tuple[list, dict | None]:
-        torch.manual_seed(0)
-        model = ooc.models.tiny_transformer(depth=2, width=64, heads=4, seq_len=64, vocab=256)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        stats = None
-        with ooc.testing.fake_cuda() if device == "cuda" and engine_kw else contextlib.nullcontext():
-            engine = None if engine_kw is None else OutOfCore(
-                model, opt, device=device, options=Options(chunk="64KiB" if device == "cuda" else "16KiB",
-                                                           min_bytes=4096), **engine_kw)
-            try:
-                for step in range(24):
-                    g = torch.Generator().manual_seed(step)
-                    x = torch.randint(0, 256, (8, 64), generator=g)
-                    keep = torch.rand(8, 64, generator=g) < 0.3 + 0.4 * torch.rand(8, 1, generator=g)
-                    with engine.step() if engine is not None else contextlib.nullcontext():
-                        F.cross_entropy(model(x)[keep], x.roll(-1, 1)[keep]).backward()
-                        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                        opt.step()
-                        opt.zero_grad()
-                with engine.resident() if engine is not None else contextlib.nullcontext():
-                    params = [p.detach().clone() for p in model.parameters()]
-                stats = None if engine is None else engine.stats()
-            finally:
-                if engine is not None:
-                    engine.close()
-        return params, stats
+    batches = []
+    for step in range(24):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 256, (8, 64), generator=g)
+        batches.append((x, torch.rand(8, 64, generator=g) < 0.3 + 0.4 * torch.rand(8, 1, generator=g)))
 
-    ref, _ = run(None)
-    got, stats = run({"budget": "2MiB" if device == "cpu" else "4MiB"})
-    assert all(torch.equal(p, q) for p, q in zip(ref, got))
+    def model() -> nn.Module:
+        return ooc.models.tiny_transformer(depth=2, width=64, heads=4, seq_len=64, vocab=256)
+
+    def masked(m: nn.Module, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(x)[keep], x.roll(-1, 1)[keep])
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    ref = _train(model, adamw, batches, masked, None, clip=1.0)
+    got = _train(model, adamw, batches, masked, {"budget": "2MiB" if device == "cpu" else "4MiB"}, device,
+                 clip=1.0)
+    _assert_bitwise(ref, got)
+    stats = got[2][-1]
     assert stats["steps.planned"] >= 16, stats
