@@ -113,7 +113,8 @@ class Planner:
                               None if hooked is None or hooked.plan is not st.schedule else "kept")
         unkept = self._unkept.pop(key, 0)   # re-inserted last: the oldest key goes first
         t0 = time.perf_counter()
-        facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None),
+        facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None,
+                                               family=family),
                                     unkept=unkept)
         decision = after_step(facts, state, self.settings())
         if not report.kept_plan:
@@ -123,7 +124,7 @@ class Planner:
             if decision.plan is None and facts.form in ("recorded", "diverged") and unkept == FIRST_SKIP:
                 log.info("%d steps in a row kept no plan (their ops change from step to step): plans are "
                          "made from them at doubling intervals now, until one holds", unkept + 1)
-        self._do(st, decision, report.seconds, time.perf_counter() - t0)
+        self._do(st, decision, family, report.seconds, time.perf_counter() - t0)
 
     def _tell_held(self, st: Stepper) -> None:
         """Once, after a recording step: the tensors its backward read that no saved-tensor
@@ -143,9 +144,11 @@ class Planner:
             "memory beside the %s budget", len(held), format_size(total), name, format_size(nbytes), node,
             format_size(budget))
 
-    def _facts(self, st: Stepper | AnchoredStep, report: StepReport, unformed: bool = False) -> StepFacts:
+    def _facts(self, st: Stepper | AnchoredStep, report: StepReport, unformed: bool = False,
+               family: tuple | None = None) -> StepFacts:
         """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks,
-        and, for a plan with no hook-driven form yet (``unformed``), its chains' templates."""
+        and, for a plan with no hook-driven form yet (``unformed``), its chains' templates; the
+        plan it left or guessed (``family``: ``_family``'s key) for widening."""
         if isinstance(st, AnchoredStep):
             return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated,
                              update=st.trace.update)
@@ -165,11 +168,10 @@ class Planner:
         if trace is not None:
             trace.update = st.rec.optimizer_start
         left = self._left.pop(st.start_key, None) if st.schedule is None else None   # a hook-driven step's
-        family = self._family(st)
         if seq is not None and left is None and st.schedule is None and family is not None:
             left = (*self._cache.plans[family], True)   # a new shape's recording: maybe the guess's kind
         if seq is not None and st.diverged_at is not None:   # the plan it left, if still kept
-            kept = self._cache.plans.get(self._family(st) or st.start_key)
+            kept = self._cache.plans.get(family or st.start_key)
             left = (*kept, False) if kept is not None and kept[0] is st.schedule else None
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
                          sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
@@ -189,11 +191,11 @@ class Planner:
             return cache.sibling if cache.sibling in cache.plans and cache.sibling != st.start_key else None
         return cache.key_of(st.schedule) if sizes_vary(st.schedule.sequence) else None
 
-    def _do(self, st: Stepper | AnchoredStep, d: Decision, seconds: float, took: float) -> None:
+    def _do(self, st: Stepper | AnchoredStep, d: Decision, family: tuple | None, seconds: float,
+            took: float) -> None:
         """Execute the scheduler's decision for ``st``'s plan key (a shape that ran its family's
         plan and left it for sizes the new plan widens for: the family's, and an alias)."""
         cache, key, mem = self._cache, st.start_key, self._mem
-        family = self._family(st) if d.plan is not None else None
         if family is not None and d.plan is not None and sizes_vary(d.plan.sequence):
             cache.alias(key, family)
             key = family

@@ -264,7 +264,7 @@ class Stepper:
         rec, course, book = self.rec, self.course, self.book
         ins, in_ids, written_tensors, written, touched, keep = uses
         tracked = set() if not course.planned and self.fresh.tracking(False, self.updating) else None
-        min_bytes, small_born = self.ctx.min_bytes, self.saved.small_born
+        min_bytes, small_born, widened = self.ctx.min_bytes, self.saved.small_born, self.binder.widened
         aliased = False   # a result in an input's storage, not written in place (replay.py)
         outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
         for k, t in enumerate(outs):
@@ -277,7 +277,7 @@ class Stepper:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
-            var = self.binder.vars.get((i, k)) if course.planned else None
+            var = self.binder.vars.get((i, k)) if course.planned and (nbytes >= min_bytes or widened) else None
             if nbytes >= min_bytes or (var is not None and nbytes > 0):   # sizes vary: widening.py
                 if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
