@@ -33,6 +33,7 @@ from ooc.runtime.step_context import StepContext
 from ooc.runtime.templates import TemplateCapture
 from ooc.runtime.views import View
 from scheduler.ir import Access, Kind
+from scheduler.widening import sizes_vary
 
 
 def _of_parameter(t: torch.Tensor) -> bool:
@@ -82,9 +83,14 @@ class SavedTensors:
     next steps compare with (None when not noted)."""
 
     def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording,
-                 full: StepRecorder | None, room: OnDemandRoom, observe_small: bool) -> None:
+                 full: StepRecorder | None, room: OnDemandRoom, observe_small: bool,
+                 diverge: Callable[[int, str], None]) -> None:
         self.ctx, self.book, self.course, self.rec, self.full, self.room = ctx, book, course, rec, full, room
         planned = course.planned
+        # A plan whose sizes depend on the data (scheduler/widening.py) knows no variable where
+        # every step it was made from made less than the threshold; a step that saves more
+        # there leaves it (``diverge``), and its recording gives the next plan that variable.
+        self.sizes_vary, self.diverge = course.schedule is not None and sizes_vary(course.schedule.sequence), diverge
         self.unpacked: list[int] = []
         self.node_vars: list[tuple[int, int]] = []
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
@@ -144,8 +150,12 @@ class SavedTensors:
             slot = self.book.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
                 b = self.rec.births.get(s._cdata)
-                if b is None or b.var is None:
+                if b is None or (b.var is None and not self.sizes_vary):
                     return t   # not managed in this step: _pack returns it as it is too
+                if b.var is None:   # on demand from here: it is managed (_pack)
+                    self.diverge(b.op, f"{self.rec.names[b.op]}#{b.op} ({b.nbytes} B) is saved where "
+                                 f"the plan has no variable: it was under {self.ctx.min_bytes} B in "
+                                 "the steps the plan was made from")
             elif slot.kind is not Kind.ACTIVATION or _of_parameter(t) or t.is_meta:
                 return t
             else:

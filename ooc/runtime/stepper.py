@@ -120,9 +120,7 @@ class Stepper:
 
     def __init__(self, ctx: StepContext, schedule: Schedule | None, binding: dict, *,
                  observe_small: bool = False) -> None:
-        self.ctx = ctx
-        self.start_key = ctx.start_key
-        self.schedule = schedule
+        self.ctx, self.start_key, self.schedule = ctx, ctx.start_key, schedule
         self.rec = rec = Recording()
         self.course = course = Course(schedule, rec)
         self.book = book = StepBook(ctx)
@@ -144,7 +142,7 @@ class Stepper:
         self.fresh = FreshStorages(ctx, book, rec)
         self.room = OnDemandRoom(ctx, book, course, rec, self.fresh, self.recompute, persistent)
         self.binder = Binding(ctx, book, course, rec, binding)
-        self.saved = SavedTensors(ctx, book, course, rec, self.recording.full, self.room, observe_small)
+        self.saved = SavedTensors(ctx, book, course, rec, self.recording.full, self.room, observe_small, self._diverge)
         self.signature, self.hook_trace = self.saved.signature, self.saved.hook_trace
 
     # -- the per-op protocol (each op's Python calls are the overhead: test_op_cost.py) -------
@@ -277,12 +275,13 @@ class Stepper:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
-            var = self.binder.vars.get((i, k)) if course.planned and (nbytes >= min_bytes or widened) else None
-            if nbytes >= min_bytes or (var is not None and nbytes > 0):   # sizes vary: widening.py
+            # widening.py: a smaller output bound (planned), recorded on demand (the next plan keeps it)
+            var = self.binder.vars.get((i, k)) if widened or (course.planned and nbytes >= min_bytes) else None
+            if nbytes >= min_bytes or (var is not None and nbytes > 0):
                 if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
                 b = rec.birth(s, i, k, nbytes)
-                if var is not None:
+                if var is not None and course.planned:
                     why = self.binder.bind(var, s, nbytes, i)
                     if why is not None:
                         self._diverge(i, why)

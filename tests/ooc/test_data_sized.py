@@ -151,6 +151,53 @@ def test_a_kept_tensor_smaller_than_managed_ones_stays_the_plans(device: str) ->
     assert not left, f"steps {left} left their plan: {[stats[s]['last_diverged_at'] for s in left]}"
 
 
+class TwoKept(nn.Module):
+    """Two sets of rows a mask keeps, each through a layer of its own: the first as many as
+    ``x[:, 0]`` marks, the second as ``x[:, 1]`` marks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        return (F.relu(self.b(h[x[:, 0] > 0])).pow(2).mean() + F.relu(self.c(h[x[:, 1] > 0])).pow(2).mean()
+                + h.mean())
+
+
+# the first kept rows vary from the start (the plans widen); the second stay under the
+# engine's 4 KiB threshold (2-6 rows) for 8 steps, then grow to 60-90 rows (15-23 KiB)
+FIRST = [64, 80, 72, 96, 70, 90, 66, 88, 76, 100, 73, 70, 95, 81, 77, 92]
+SECOND = [3, 5, 4, 2, 6, 3, 4, 5, 80, 72, 90, 60, 85, 70, 88, 75]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rows_that_grow_past_the_threshold_join_the_plan(device: str) -> None:
+    """A widened plan made while the second kept rows were under ``min_bytes`` has no variable
+    for them; when they grow past it, the step leaves the plan where it saves them, and the
+    plans after hold them. Before, the step kept to its plan and autograd held them outside
+    it: the last plan had 3 variables where one made from the last batch alone has 5, and
+    its in-core peak was 128 KiB where that one's is 192 KiB, at a 96 KiB budget: those rows
+    and their layer's output (64 KiB in 16 KiB chunks) were held beside it. With recomputation
+    a chain that read them could not be rerun ("ops ... of its chain were not captured":
+    the bench's routed experts)."""
+    batches = []
+    for step, (k, j) in enumerate(zip(FIRST, SECOND)):
+        x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+        x[:, 0] = (torch.arange(256) < k).float() * 2 - 1
+        x[:, 1] = (torch.arange(256) >= 256 - j).float() * 2 - 1
+        batches.append((x,))
+    kw = {"budget": "96KiB" if device == "cpu" else "256KiB", "recompute": "prefer"}
+    ref = _train(TwoKept, SGD, batches, lambda m, x: m(x), None)
+    got = _train(TwoKept, SGD, batches, lambda m, x: m(x), kw, device)
+    _assert_bitwise(ref, got)
+    last = _train(TwoKept, SGD, batches[-1:], lambda m, x: m(x), kw, device)[2][-1]   # its own plan
+    end = got[2][-1]
+    assert end["plan.variables"] >= last["plan.variables"], (end, last)
+    assert end["plan.in_core_peak_bytes"] >= last["plan.in_core_peak_bytes"], (end, last)
+    assert end["steps.planned"] >= len(batches) - 4, end
+
+
 class PickedRows(nn.Module):
     """The forward takes the rows to keep (``picks``, as a detection model takes its targets):
     their count is part of the step's shape, and the kept rows' size follows it."""
