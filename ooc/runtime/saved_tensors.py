@@ -90,7 +90,9 @@ class SavedTensors:
         # A plan whose sizes depend on the data (scheduler/widening.py) knows no variable where
         # every step it was made from made less than the threshold; a step that saves more
         # there leaves it (``diverge``), and its recording gives the next plan that variable.
-        self.sizes_vary, self.diverge = course.schedule is not None and sizes_vary(course.schedule.sequence), diverge
+        # The step's method, weakly: held strongly, the step is a reference cycle (``hooks``).
+        self.sizes_vary = course.schedule is not None and sizes_vary(course.schedule.sequence)
+        self.diverge = weakref.WeakMethod(diverge)
         self.unpacked: list[int] = []
         self.node_vars: list[tuple[int, int]] = []
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
@@ -153,7 +155,7 @@ class SavedTensors:
                 if b is None or (b.var is None and not self.sizes_vary):
                     return t   # not managed in this step: _pack returns it as it is too
                 if b.var is None:   # on demand from here: it is managed (_pack)
-                    self.diverge(b.op, f"{self.rec.names[b.op]}#{b.op} ({b.nbytes} B) is saved where "
+                    self.diverge()(b.op, f"{self.rec.names[b.op]}#{b.op} ({b.nbytes} B) is saved where "
                                  f"the plan has no variable: it was under {self.ctx.min_bytes} B in "
                                  "the steps the plan was made from")
             elif slot.kind is not Kind.ACTIVATION or _of_parameter(t) or t.is_meta:

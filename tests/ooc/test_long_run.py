@@ -213,5 +213,47 @@ def test_torch_thread_count_does_not_change_the_result(tmp_path, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", ["mlp", "routed experts"])
+def test_a_step_leaves_no_reference_cycle_of_the_engines_objects(model: str) -> None:
+    """Each step's objects (its recording, slots, plan cursor: thousands on a real model) are
+    freed when the step ends, by reference counting. In a cycle they wait for the cyclic
+    collector: a full collection paused a step for 0.13 s about one step in ten (GPT 6x256),
+    and the 1,000-step run's memory grew by 2.2% (a step's part held its step's method, the
+    twenty-third session's first try). Recorded, planned and (routed experts: sizes that
+    depend on the data) widened plans' steps, with the collector off."""
+    import ooc.models
+    from ooc.engine import Options, OutOfCore
+
+    torch.manual_seed(0)
+    net = MLP() if model == "mlp" else ooc.models.routed_experts()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    engine = OutOfCore(net, opt, budget="32KiB" if model == "mlp" else "1MiB",
+                       options=Options(chunk="16KiB", min_bytes=4096))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for step in range(10):
+            x, y = _batch(step)
+            x = x if model == "mlp" else torch.randn(512, 16, generator=torch.Generator().manual_seed(step))
+            y = y if model == "mlp" else torch.randint(0, 10, (512,), generator=torch.Generator().manual_seed(step))
+            with engine.step():
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        gc.collect()
+        ours = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
+                       if type(o).__module__.startswith(("ooc.", "scheduler.", "vmm."))})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    stats = engine.stats()
+    engine.close()
+    assert stats["steps.planned"] - stats["steps.plain"] >= 2, str({k: v for k, v in stats.items() if k.startswith("steps")})
+    assert not ours, f"objects freed only by the cyclic collector: {ours}"
+
+
 if __name__ == "__main__":
     _child(sys.argv[1])
