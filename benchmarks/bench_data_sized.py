@@ -12,7 +12,13 @@ process:
 - ``ooc``: ``OutOfCore`` at the budget below: plans hold each activation at the largest size
   its op made (``scheduler/widening.py``);
 - ``ooc, exact plans``: the same with the widening turned off (``scheduler.step_plans.widened``
-  returns the step's own sizes): each plan holds one step's sizes, what every plan did before.
+  returns the step's own sizes): each plan holds one step's sizes, what every plan did before;
+- ``ooc, budget fits``: ``OutOfCore`` at 4 GiB, which the plans fit whole: they move nothing,
+  and a step that keeps to one runs plain (no op intercepted, each save checked against its
+  variable's room: ``HookTrace.bounded``);
+- ``ooc, budget fits, per op``: the same with the hook-driven forms off
+  (``Options(hook_steps=False)``): every step through the per-op path, as a plan whose sizes
+  vary always ran before.
 
 Per case: the median step time after ``--warmup`` steps, the steps that ran planned (all and
 after the warm-up), the peak memory (VmHWM's rise above the footprint once model, optimizer and
@@ -44,7 +50,8 @@ from vmm.units import format_size  # noqa: E402
 
 FULL = {"width": 256, "experts": 8, "tokens": 8192, "budget": 48 << 20, "steps": 32, "warmup": 12}
 QUICK = {"width": 64, "experts": 4, "tokens": 2048, "budget": 4 << 20, "steps": 8, "warmup": 4}
-CASES = ("in-core", "checkpoint", "ooc", "ooc, exact plans")
+CASES = ("in-core", "checkpoint", "ooc", "ooc, exact plans", "ooc, budget fits", "ooc, budget fits, per op")
+FITS = 4 << 30   # a budget the widened plans fit whole: they move nothing
 
 
 def _child(spec: dict[str, Any]) -> None:
@@ -53,6 +60,7 @@ def _child(spec: dict[str, Any]) -> None:
 
     import ooc
     from ooc.measure import _reset_peak, _status
+    from ooc.runtime.step_protocol import FORMS
 
     setting, case = spec["setting"], spec["case"]
     if spec.get("threads"):
@@ -63,7 +71,9 @@ def _child(spec: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = ooc.models.routed_experts(setting["width"], setting["experts"], checkpointed=case == "checkpoint")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    engine = ooc.OutOfCore(model, opt, budget=setting["budget"]) if case.startswith("ooc") else None
+    budget = FITS if "fits" in case else setting["budget"]
+    options = ooc.Options(hook_steps=False) if case.endswith("per op") else None
+    engine = ooc.OutOfCore(model, opt, budget=budget, options=options) if case.startswith("ooc") else None
     batches = []
     for step in range(setting["steps"]):
         g = torch.Generator().manual_seed(step)
@@ -77,8 +87,9 @@ def _child(spec: dict[str, Any]) -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        rows.append({"s": time.perf_counter() - t0,
-                     "planned": bool(engine.stats()["last_planned"]) if engine is not None else None})
+        stats = engine.stats() if engine is not None else {}
+        rows.append({"s": time.perf_counter() - t0, "planned": bool(stats.get("last_planned")),
+                     "plain": stats.get("last_form") == FORMS.index("plain")})
     status = _status()
     out: dict[str, Any] = {"rows": rows, "rise": status["VmHWM"] - baseline, "total": status["VmHWM"],
                            "threads": torch.get_num_threads()}
@@ -101,17 +112,21 @@ def report(setting: dict, results: dict[str, dict], identical: dict[str, bool]) 
         res = results[case]
         t = median(r["s"] for r in res["rows"][warm:])
         planned = [r["planned"] for r in res["rows"]]
+        plain = [r.get("plain", False) for r in res["rows"]]
         body.append([case, f"{t:.3f}", f"{base / t:.2f}x",
                      "-" if case in ("in-core", "checkpoint") else f"{sum(planned)} of {len(planned)}",
                      "-" if case in ("in-core", "checkpoint") else f"{sum(planned[warm:])} of {len(planned) - warm}",
+                     "-" if case in ("in-core", "checkpoint") else str(sum(plain[warm:])),
                      str(res.get("plans", "-")),
                      f"{format_size(res['rise'])} (total {format_size(res['total'])})",
                      "-" if case == "in-core" else ("yes" if identical[case] else "NO")])
     lines = [f"{setting['experts']} experts of width {setting['width']}, {setting['tokens']} tokens a step, "
-             f"Adam, {setting['steps']} steps; ooc at {format_size(setting['budget'])}; medians over the "
+             f"Adam, {setting['steps']} steps; ooc at {format_size(setting['budget'])} (the last two at "
+             f"{format_size(FITS)}); medians over the "
              f"steps after the first {warm}.", ""]
     lines += common.md_table(["case", "step s (median)", "speed vs in-core", "planned steps",
-                              "planned after warm-up", "plans made", "peak rise (VmHWM)", "params bitwise = in-core"],
+                              "planned after warm-up", "of them plain", "plans made", "peak rise (VmHWM)",
+                              "params bitwise = in-core"],
                              body)
     return lines
 

@@ -24,8 +24,9 @@ engine executes it (``ooc/engine/planning.py``):
   the per-op side of a trial (``StepFacts.device_timed``);
 - such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
   plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
-  the trial between forms is ``anchoring.judge``'s (none for a plan whose sizes vary:
-  ``widening.sizes_vary``);
+  the trial between forms is ``anchoring.judge``'s (a plan whose sizes vary,
+  ``widening.sizes_vary``, takes the plain form, each save bounded by its variable's room,
+  and no anchored one);
 - a hook-driven step that left its plan drops it (the next step records); one that kept to it
   is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
 - which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
@@ -181,7 +182,7 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
         return Decision(plan=plan_recorded(seq, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()
-    if facts.signature and moves_nothing(state.plan) and not sizes_vary(state.plan.sequence):
+    if facts.signature and moves_nothing(state.plan):   # sizes that vary: bounded (HookTrace)
         return Decision(plain=True)
     # a GPU's per-op step times its ops on the device only while the prices are open: the
     # host's launch times of another step price nothing (no times: the prices settle)

@@ -200,7 +200,8 @@ class Planner:
             cache.alias(key, family)
             key = family
         if d.drop:
-            if isinstance(st, AnchoredStep) and st.sizes_differed and key in cache.plans:   # a save's bytes
+            # a save's bytes, or any way out of a plan whose sizes vary: the next recording widens
+            if isinstance(st, AnchoredStep) and (st.sizes_differed or st.trace.bounded) and key in cache.plans:
                 self._left[key] = (*cache.plans[key], True)
                 while len(self._left) > UNKEPT_KEYS:
                     del self._left[next(iter(self._left))]
@@ -227,7 +228,7 @@ class Planner:
                      len(schedule.sequence.functions), took, format_size(schedule.bytes_in),
                      format_size(schedule.bytes_out), format_size(schedule.bytes_recomputed))
         if d.plain:   # later steps compare their saves with what this one saved
-            trace = HookTrace.from_signature(st.signature)
+            trace = HookTrace.from_signature(st.signature, bounded=sizes_vary(st.schedule.sequence))
             cache.hooked.add(key, HookPlan(st.schedule, st.schedule, trace, kept=True))
         if d.trial == "per_op":
             cache.hooked.per_op_ran(key, st.schedule, seconds)

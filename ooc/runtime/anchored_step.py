@@ -98,6 +98,8 @@ class AnchoredStep(HookStep):
                 self._diverge(self._next_gap(), why, saves=self.k)
         nbytes = s.nbytes()
         if nbytes < self.min_bytes:
+            if self.trace.bounded and self.diverged_at is None:
+                self._small_save(nbytes)
             return t
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
@@ -108,10 +110,8 @@ class AnchoredStep(HookStep):
             return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
         packs = self.trace.packs
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
-        if expected != nbytes:
-            self.sizes_differed = expected is not None and self.diverged_at is None
-            self._diverge(gap, f"saved tensor {k} has {nbytes} B, the plan's had "
-                          f"{'none' if expected is None else f'{expected} B'}", saves=k)
+        if expected != nbytes and not (self.trace.bounded and expected is not None and nbytes < expected):
+            self._sizes_differ(k, gap, expected, nbytes)
             return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
@@ -128,6 +128,24 @@ class AnchoredStep(HookStep):
         if self.actions:
             self._reach(gap)
         return Packed(slot, t, var not in self.leaving) if slot is not None and var == slot.var else t
+
+    def _small_save(self, nbytes: int) -> None:
+        """A save under ``min_bytes`` where the trace is ``bounded`` (the plan's sizes vary):
+        every save is counted there, so that one which grows past the threshold is seen where
+        it is, not as a shift of all the saves after it; within its bound, or the step leaves
+        its plan (``Stepper``: a save the plan has no variable for)."""
+        k = self.k
+        self.k = k + 1
+        packs = self.trace.packs
+        gap, bound, _ = packs[k] if k < len(packs) else (None, None, None)
+        if bound is None or nbytes > bound:
+            self._sizes_differ(k, gap, bound, nbytes)
+
+    def _sizes_differ(self, k: int, gap: int | None, expected: int | None, nbytes: int) -> None:
+        """Save ``k`` is not what the trace has there: the step leaves its plan."""
+        self.sizes_differed = expected is not None and self.diverged_at is None
+        had = "none" if expected is None else f"{'at most ' if self.trace.bounded else ''}{expected} B"
+        self._diverge(gap, f"saved tensor {k} has {nbytes} B, the plan's had {had}", saves=k)
 
     def unpack(self, p: Any) -> torch.Tensor:
         if isinstance(p, Spilled):

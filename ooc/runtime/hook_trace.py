@@ -16,20 +16,24 @@ class HookTrace:
 
     ``counted``: for a plan that moves nothing (``from_signature``), the bytes of each pack that
     count in the budget (activations and inputs; parameters do not): no slot stands for them,
-    and a step that leaves the plan counts what it kept so far from these."""
+    and a step that leaves the plan counts what it kept so far from these. ``bounded``: each
+    pack's bytes are the most a save there may have (a plan whose sizes vary,
+    ``scheduler/widening.py``: its variable's room), not the bytes it must have."""
 
     packs: list[tuple[int, int, int | None]] = field(default_factory=list)
     unpacks: list[tuple[int, int]] = field(default_factory=list)
     update: int | None = None
     counted: list[int] = field(default_factory=list)
+    bounded: bool = False
 
     @classmethod
-    def from_signature(cls, signature: Sequence[tuple[int, int, bool]]) -> HookTrace:
+    def from_signature(cls, signature: Sequence[tuple[int, int, bool]], bounded: bool = False) -> HookTrace:
         """The trace of a verified step of a plan that moves nothing, from what it saved:
         (bytes, the op that saved it, whether it counts in the budget) of each saved tensor of
-        at least ``min_bytes`` (``Stepper.signature``). No variable: nothing is bound."""
+        at least ``min_bytes`` (``Stepper.signature``; ``bounded``: the bytes are the most a
+        save there may have). No variable: nothing is bound."""
         return cls(packs=[(op, n, None) for n, op, _ in signature],
-                   counted=[n if counts else 0 for n, _, counts in signature])
+                   counted=[n if counts else 0 for n, _, counts in signature], bounded=bounded)
 
     def gaps(self) -> set[int]:
         """Where a hook-driven step can act."""

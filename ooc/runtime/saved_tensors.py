@@ -147,8 +147,10 @@ class SavedTensors:
             s = t.untyped_storage()
             if self.signature is not None:   # what a plain step will compare its saves with
                 n = s.nbytes()
-                if n >= self.ctx.min_bytes:
-                    self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)))
+                if n >= self.ctx.min_bytes or self.sizes_vary:   # sizes vary: every save, bounded
+                    n = self._bound(s, n) if self.sizes_vary else n
+                    self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)
+                                           and n >= self.ctx.min_bytes))
             slot = self.book.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
                 b = self.rec.births.get(s._cdata)
@@ -174,6 +176,16 @@ class SavedTensors:
             if var is not None:
                 self.full_vars.setdefault(p.slot.var, var)
         return p
+
+    def _bound(self, s: torch.UntypedStorage, nbytes: int) -> int:
+        """The most a save of storage ``s`` (``nbytes`` now) may have in a later step of a plan
+        whose sizes vary (``scheduler/widening.py``), which a plain step checks: the room of the
+        plan's variable it is bound to; under ``min_bytes`` without one (left to PyTorch, as the
+        plan left it); else its bytes (a parameter, the batch)."""
+        slot = self.book.by_storage.get(id(s))
+        if slot is not None and slot.storage is s and slot.kind is Kind.ACTIVATION:
+            return max(nbytes, self.course.schedule.sequence.variables[slot.var].nbytes)
+        return self.ctx.min_bytes - 1 if nbytes < self.ctx.min_bytes else nbytes
 
     def _pack(self, t: torch.Tensor) -> Any:
         if _of_parameter(t) or t.device.type == "meta":

@@ -97,9 +97,11 @@ def test_a_step_that_ran_other_ops_is_planned_as_it_ran() -> None:
         == step.variables
 
 
-def test_the_engine_widens_a_diverged_step_and_its_plan_gets_no_hook_form() -> None:
+def test_the_engine_widens_a_diverged_step_and_its_plan_gets_only_the_plain_form() -> None:
     """``after_step`` with the plan the step left: the new plan holds the larger sizes; once
-    marked, a planned run that kept to it makes neither form (plain or anchored)."""
+    marked, a planned run that kept to it gets no anchored form (its trace compares each
+    save's exact bytes), and the plain one only where the plan moves nothing (its saves are
+    then checked against their variables' room: ``HookTrace.bounded``)."""
     left = plan_recorded(SEQ, SETTINGS)
     binding = {where: var for var, where in BORN.items()}
     step = _resized(SEQ, {ACTS[1]: SEQ.variables[ACTS[1]].nbytes * 2})
@@ -115,8 +117,9 @@ def test_the_engine_widens_a_diverged_step_and_its_plan_gets_no_hook_form() -> N
     assert after_step(facts, PlanState(left, priced_runs=REPRICED_RUNS), SETTINGS).anchored   # unmarked: it does
     roomy = dataclasses.replace(SETTINGS, budget=SEQ.in_core_peak_bytes * 4)
     marked = plan_recorded(dataclasses.replace(SEQ, meta={**SEQ.meta, "sizes_vary": True}), roomy)
-    assert not after_step(facts, PlanState(marked), roomy).plain
+    assert after_step(facts, PlanState(marked), roomy).plain
     assert after_step(facts, PlanState(plan_recorded(SEQ, roomy)), roomy).plain
+    assert not after_step(facts, settled, SETTINGS).plain   # marked, but it moves bytes
 
 
 def test_larger_sizes_that_do_not_fit_the_budget_are_planned_at_the_steps_own() -> None:
