@@ -166,6 +166,8 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
     """The one planning entry point after a step (the module docstring)."""
     if facts.form in ("plain", "anchored"):
         if not facts.kept:
+            if state is not None and facts.form == "plain" and sizes_vary(state.plan.sequence):
+                return Decision(unhook=True)   # per op, it leaves the plan where it grew: widened from there
             return Decision(drop=state is not None)
         return hook_ran(facts)
     if facts.form in ("recorded", "diverged"):

@@ -134,13 +134,13 @@ class HookForms:
         entry.trial.append(seconds)
         self._log_judged(entry)
 
-    def unhook(self, key: Hashable, schedule: Schedule) -> None:
-        """``key``'s plan ``schedule`` runs per op from now on (``Decision.unhook``)."""
+    def unhook(self, key: Hashable, schedule: Schedule, why: str) -> None:
+        """``key``'s plan ``schedule`` runs per op from now on (``Decision.unhook``), because ``why``."""
         entry = self._entries.get(key)
         if entry is None or entry.plan is not schedule:
             return
         entry.moved, entry.kept = None, False
-        log.info("an anchored step ran an update its plan's step did not: back to the per-op path")
+        log.info("%s: back to the per-op path", why)
 
     @staticmethod
     def _log_judged(entry: HookPlan) -> None:

@@ -200,8 +200,7 @@ class Planner:
             cache.alias(key, family)
             key = family
         if d.drop:
-            # a save's bytes, or any way out of a plan whose sizes vary: the next recording widens
-            if isinstance(st, AnchoredStep) and (st.sizes_differed or st.trace.bounded) and key in cache.plans:
+            if isinstance(st, AnchoredStep) and st.sizes_differed and key in cache.plans:   # a save's bytes
                 self._left[key] = (*cache.plans[key], True)
                 while len(self._left) > UNKEPT_KEYS:
                     del self._left[next(iter(self._left))]
@@ -209,7 +208,8 @@ class Planner:
         if d.trial == "hook":
             cache.hooked.hook_ran(st, seconds)
         if d.unhook:
-            cache.hooked.unhook(key, st.schedule)
+            cache.hooked.unhook(key, st.schedule, st.why if isinstance(st, AnchoredStep) and st.form == "plain" else
+                                "an anchored step ran an update its plan's step did not")
         if d.priced_runs is not None:
             cache.repriced[key] = (d.priced_runs, d.fastest)
         if d.plan is not None and d.repriced:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from scheduler.ir import Kind
-from scheduler.step_plans import REPRICED_RUNS, PlanState, Settings, StepFacts, after_step, plan_recorded
+from scheduler.step_plans import REPRICED_RUNS, Decision, PlanState, Settings, StepFacts, after_step, plan_recorded
 from scheduler.widening import HEADROOM, sizes_vary, widened
 from tests.scheduler.strategies import training_like_sequence
 
@@ -120,6 +120,11 @@ def test_the_engine_widens_a_diverged_step_and_its_plan_gets_only_the_plain_form
     assert after_step(facts, PlanState(marked), roomy).plain
     assert after_step(facts, PlanState(plan_recorded(SEQ, roomy)), roomy).plain
     assert not after_step(facts, settled, SETTINGS).plain   # marked, but it moves bytes
+    # a plain step that left the marked plan: the plan runs per op again (where it grew, that
+    # step leaves it and the next plan is widened from there), not dropped for a recording
+    left_plain = StepFacts("plain", False, 1.0)
+    assert after_step(left_plain, PlanState(marked), roomy) == Decision(unhook=True)
+    assert after_step(left_plain, PlanState(plan_recorded(SEQ, roomy)), roomy) == Decision(drop=True)
 
 
 def test_larger_sizes_that_do_not_fit_the_budget_are_planned_at_the_steps_own() -> None:
