@@ -42,8 +42,10 @@ class PlanExecutor:
             if not course.planned:
                 return None   # diverged: the rest of the step runs on demand
             slot = slots.get(a.var)
-            if slot is None:
-                return f"variable {a.var} of the plan is not bound"
+            if slot is None:   # its op made less than min_bytes there, or nothing: another step
+                v = course.schedule.sequence.variables[a.var]
+                return (f"{v.name} ({v.nbytes} B in the plan) was not made by this step as a managed "
+                        f"tensor (under {self.ctx.min_bytes} B, or not at all)")
             why = self.apply(a.op, slot, where, phase, a.chain, ensure)
             if why is not None:
                 return why
