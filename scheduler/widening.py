@@ -10,13 +10,17 @@ step's own sizes, Faster R-CNN left its plan on 14 of 16 steps (each finished on
 1.7-2.3x in core's time on a 2-core CPU), a loss over the tokens a mask keeps on 22 of 24:
 the next step was as likely larger somewhere as not. Planned from the largest size each op
 made so far, a plan's sizes only grow, toward the bound the model has (the proposals it
-samples per image), and steps stop leaving it; a step that makes less runs in the plan's
-larger room (the runtime binds an activation no larger than its variable). Where the larger
-sizes do not fit the budget, the step's own sizes are planned (marked all the same): a budget
-the engine accepted never fails later for room a step does not need.
+samples per image), and steps stop leaving it (sizes that drift upward, a router sending
+more and more tokens to one expert, get twice the headroom each time they outgrow it again:
+the steps that leave the plan grow as the logarithm of the drift); a step that makes less
+runs in the plan's larger room (the runtime binds an activation no larger than its
+variable). Where the larger sizes do not fit the budget, the step's own sizes are planned
+(marked all the same): a budget the engine accepted never fails later for room a step does
+not need.
 
-Such a plan gets no hook-driven form (``sizes_vary``): its forms compare each saved tensor's
-bytes with what one step saved, and the next step's differ.
+Such a plan (``sizes_vary``) gets no anchored form: its trace compares each saved tensor's
+bytes with what one step saved, and the next step's differ. Where it moves nothing it gets the
+plain form, each save checked against the most its place may hold (``HookTrace.bounded``).
 
 A step's activations are matched with the plan it left by where they were born (op and
 output), and only where both ran the same ops and their first activations were the same size:
@@ -34,8 +38,10 @@ from collections.abc import Mapping
 from scheduler.ir import Kind, VariableSequence
 from scheduler.schedule import Schedule
 
-HEADROOM = 8   # an activation that outgrew its plan is planned an eighth larger than it grew to
+HEADROOM = 8   # an activation that outgrew its plan is planned an eighth larger than it grew to,
+               # twice that each time it outgrows its room again (at most its size again)
 SIZES_VARY = "sizes_vary"   # a sequence's meta: its activations' sizes changed between steps
+GROWN = "grown"   # its meta: "op.output" -> how many times the activation born there outgrew its room
 
 
 def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left: Schedule,
@@ -54,6 +60,7 @@ def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left:
         return seq
     chunk = seq.meta.get("chunk") or 1
     variables, vary, first = dict(seq.variables), sizes_vary(old) or differed, True
+    grown = dict(old.meta.get(GROWN) or {})
     for var, where in sorted(born_at.items(), key=lambda item: item[1]):
         v, was = variables.get(var), binding.get(where)
         w = None if was is None else old.variables.get(was)
@@ -63,10 +70,17 @@ def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left:
         if first and differs:   # from its first activation on: another shape, not the data's doing
             return seq
         first, vary = False, vary or differs
-        nbytes = w.nbytes if w.nbytes >= v.nbytes else v.nbytes + v.nbytes // HEADROOM
+        if w.nbytes >= v.nbytes:
+            nbytes = w.nbytes
+        else:   # outgrew its room: an eighth more, doubled each time it outgrows it again
+            key = f"{where[0]}.{where[1]}"
+            grown[key] = times = grown.get(key, 0) + 1
+            nbytes = v.nbytes + v.nbytes * min(2 ** (times - 1), HEADROOM) // HEADROOM
         if nbytes != v.nbytes:
             variables[var] = dataclasses.replace(v, nbytes=nbytes)
-    return marked(dataclasses.replace(seq, variables=variables)) if vary else seq
+    if not vary:
+        return seq
+    return marked(dataclasses.replace(seq, variables=variables, meta={**seq.meta, GROWN: grown}))
 
 
 def marked(seq: VariableSequence) -> VariableSequence:

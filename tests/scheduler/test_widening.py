@@ -62,6 +62,25 @@ def test_a_step_of_the_same_ops_is_planned_at_the_larger_of_each_activations_siz
     assert widened(SEQ, BORN, left, binding) is SEQ
 
 
+def test_an_activation_that_keeps_outgrowing_its_room_gets_twice_the_headroom_each_time() -> None:
+    """Sizes that drift upward (a router sending more and more tokens to one expert) outgrow
+    an eighth over and over; each step that outgrows it leaves the plan. Doubling the
+    headroom each time the same activation outgrows its room (an eighth, a quarter, a half,
+    then its size again, at most) makes those steps grow as the logarithm of the drift."""
+    binding = {where: var for var, where in BORN.items()}
+    roomy = dataclasses.replace(SETTINGS, budget=SEQ.in_core_peak_bytes * 64)
+    left = plan_recorded(SEQ, roomy)
+    act, other = ACTS[2], ACTS[1]
+    rooms = []
+    for _ in range(5):   # each step one chunk past the room its plan gave it
+        grew = left.sequence.variables[act].nbytes + CHUNK
+        got = widened(_resized(SEQ, {act: grew}), BORN, left, binding)
+        rooms.append((got.variables[act].nbytes - grew) / grew)
+        assert got.variables[other].nbytes == SEQ.variables[other].nbytes   # never outgrew: no headroom
+        left, binding = plan_recorded(got, roomy), {where: var for var, where in BORN.items()}
+    assert [round(r * HEADROOM) for r in rooms] == [1, 2, 4, 8, 8], rooms
+
+
 def test_a_step_whose_first_activation_differs_is_another_shape_planned_as_it_ran() -> None:
     """A larger batch makes every activation larger from the first on: not the data's doing
     (its plan stays exact, and a smaller batch leaves it again for its own)."""
