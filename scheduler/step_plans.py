@@ -25,8 +25,8 @@ engine executes it (``ooc/engine/planning.py``):
 - such a step, once the prices are settled, gives its plan a hook-driven form (``hook_form``:
   plain when the plan moves nothing, else anchored within the budget, ``anchoring.py``), and
   the trial between forms is ``anchoring.judge``'s (a plan whose sizes vary,
-  ``widening.sizes_vary``, takes the plain form, each save bounded by its variable's room,
-  and no anchored one);
+  ``widening.sizes_vary``, takes them with each save bounded by its variable's room, the
+  anchored one swapping only);
 - a hook-driven step that left its plan drops it (the next step records); one that kept to it
   is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
 - which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
@@ -166,7 +166,7 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
     """The one planning entry point after a step (the module docstring)."""
     if facts.form in ("plain", "anchored"):
         if not facts.kept:
-            if state is not None and facts.form == "plain" and sizes_vary(state.plan.sequence):
+            if state is not None and sizes_vary(state.plan.sequence):
                 return Decision(unhook=True)   # per op, it leaves the plan where it grew: widened from there
             return Decision(drop=state is not None)
         return hook_ran(facts)
@@ -279,7 +279,7 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
     ops on the device (its wall time would stand for the per-op side). On a GPU a form the
     simulator predicts far slower than the per-op plan gets none (``worth_a_trial``)."""
     if (facts.gaps is None or not settings.hook_forms or moves_nothing(state.plan) or settings.policy != "window"
-            or sizes_vary(state.plan.sequence) or settings.pins is not None or settings.recompute == "prefer"
+            or settings.pins is not None or settings.recompute == "prefer"
             or not facts.ran_whole_plan):
         return {}
     if state.hook is not None:
@@ -290,7 +290,7 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
         return {}   # the next, untimed, step decides: its wall time is the per-op side's
     priced = at_settled_prices(state)
     moved = None
-    if facts.ready and state.plan.bytes_recomputed:   # the chains its templates rerun, at hooks
+    if facts.ready and state.plan.bytes_recomputed and not sizes_vary(state.plan.sequence):   # templates' chains
         seq = mark_replayable(priced.sequence, lambda f: None if f.index in facts.ready else {})
         hw = settings.hardware(priced.sequence) if settings.hardware is not None else None
         moved = anchor_within_budget(dataclasses.replace(priced, sequence=seq), facts.gaps, facts.first or {},

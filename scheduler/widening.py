@@ -18,9 +18,10 @@ variable). Where the larger sizes do not fit the budget, the step's own sizes ar
 (marked all the same): a budget the engine accepted never fails later for room a step does
 not need.
 
-Such a plan (``sizes_vary``) gets no anchored form: its trace compares each saved tensor's
-bytes with what one step saved, and the next step's differ. Where it moves nothing it gets the
-plain form, each save checked against the most its place may hold (``HookTrace.bounded``).
+Such a plan (``sizes_vary``) takes the hook-driven forms with each save checked against the
+most its place may hold, not the bytes one step saved (``HookTrace.bounded``): plain where it
+moves nothing, anchored swapping only where it swaps (a chain's template holds one step's
+shapes).
 
 A step's activations are matched with the plan it left by where they were born (op and
 output), and only where both ran the same ops and their first activations were the same size:

@@ -208,8 +208,8 @@ class Planner:
         if d.trial == "hook":
             cache.hooked.hook_ran(st, seconds)
         if d.unhook:
-            cache.hooked.unhook(key, st.schedule, st.why if isinstance(st, AnchoredStep) and st.form == "plain" else
-                                "an anchored step ran an update its plan's step did not")
+            cache.hooked.unhook(key, st.schedule, st.why if isinstance(st, AnchoredStep) and st.diverged_at is not None
+                                else "an anchored step ran an update its plan's step did not")
         if d.priced_runs is not None:
             cache.repriced[key] = (d.priced_runs, d.fastest)
         if d.plan is not None and d.repriced:

@@ -20,7 +20,8 @@ what it saves beyond the budget to the tier at once (``hook_step.py``), and the 
 the next step and plans again. A plan that recomputes reruns its chains from the templates
 the per-op step captured (``templates.py``): a discard checks that what its chain reads was
 saved and not written since, a recompute replays it below autograd, and a step that leaves its
-plan after a discard recomputes at the unpack.
+plan after a discard recomputes at the unpack. A plan whose sizes vary (``scheduler/widening.py``)
+has a ``bounded`` trace: each save at most its place's room, every save counted.
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ class AnchoredStep(HookStep):
             if why is not None:
                 self._diverge(self._next_gap(), why, saves=self.k)
         nbytes = s.nbytes()
-        if nbytes < self.min_bytes:
-            if self.trace.bounded and self.diverged_at is None:
-                self._small_save(nbytes)
+        # A plan whose sizes vary (``HookTrace.bounded``): every save is counted, small ones
+        # too, so that one which outgrows its room is seen where it is, not as a shift of all
+        # the saves after it; a small one is bound to the plan's variable where it has one.
+        small = nbytes < self.min_bytes
+        if small and not self.trace.bounded:
             return t
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
@@ -107,12 +110,12 @@ class AnchoredStep(HookStep):
         k = self.k
         self.k = k + 1
         if self.diverged_at is not None:
-            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
+            return Packed(slot, t) if slot is not None else t if small else self._after_plan(t, nbytes)
         packs = self.trace.packs
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
         if expected != nbytes and not (self.trace.bounded and expected is not None and nbytes < expected):
             self._sizes_differ(k, gap, expected, nbytes)
-            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes)
+            return Packed(slot, t) if slot is not None else t if small else self._after_plan(t, nbytes)
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
             if slot is None or slot.state is State.ABSENT:   # first seen: bound to its variable
@@ -128,18 +131,6 @@ class AnchoredStep(HookStep):
         if self.actions:
             self._reach(gap)
         return Packed(slot, t, var not in self.leaving) if slot is not None and var == slot.var else t
-
-    def _small_save(self, nbytes: int) -> None:
-        """A save under ``min_bytes`` where the trace is ``bounded`` (the plan's sizes vary):
-        every save is counted there, so that one which grows past the threshold is seen where
-        it is, not as a shift of all the saves after it; within its bound, or the step leaves
-        its plan (``Stepper``: a save the plan has no variable for)."""
-        k = self.k
-        self.k = k + 1
-        packs = self.trace.packs
-        gap, bound, _ = packs[k] if k < len(packs) else (None, None, None)
-        if bound is None or nbytes > bound:
-            self._sizes_differ(k, gap, bound, nbytes)
 
     def _sizes_differ(self, k: int, gap: int | None, expected: int | None, nbytes: int) -> None:
         """Save ``k`` is not what the trace has there: the step leaves its plan."""

@@ -18,7 +18,8 @@ class HookTrace:
     count in the budget (activations and inputs; parameters do not): no slot stands for them,
     and a step that leaves the plan counts what it kept so far from these. ``bounded``: each
     pack's bytes are the most a save there may have (a plan whose sizes vary,
-    ``scheduler/widening.py``: its variable's room), not the bytes it must have."""
+    ``scheduler/widening.py``: its variable's room), not the bytes it must have, and every
+    save is a pack, small ones too."""
 
     packs: list[tuple[int, int, int | None]] = field(default_factory=list)
     unpacks: list[tuple[int, int]] = field(default_factory=list)

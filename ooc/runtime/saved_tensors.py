@@ -114,10 +114,12 @@ class SavedTensors:
         # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
         # its next steps may run the plan at those hooks alone (``anchored_step.py``).
         self.hook_trace: HookTrace | None = (
-            HookTrace() if planned and not ctx.plain_candidate and ctx.manage == {"activations"} else None)
-        # With it, the templates of its chains, if its plan recomputes (its anchored form reruns them).
+            HookTrace(bounded=self.sizes_vary) if planned and not ctx.plain_candidate and ctx.manage == {"activations"}
+            else None)
+        # With it, the templates of its chains, if its plan recomputes (its anchored form reruns
+        # them; one whose sizes vary swaps only: a template holds one step's shapes).
         self.templates: TemplateCapture | None = None
-        if self.hook_trace is not None and room.recompute.recipe_ops:
+        if self.hook_trace is not None and room.recompute.recipe_ops and not self.sizes_vary:
             depth = max(len(c) for each in room.recompute.chains.values() for _, c in each)
             self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth,
                                                                         room.recompute.rng_device)
@@ -134,8 +136,8 @@ class SavedTensors:
             s = t.untyped_storage()
             n = s.nbytes()
             var = p.slot.var if isinstance(p, Packed) else None
-            if n >= self.ctx.min_bytes:
-                trace.packs.append((len(self.rec.names), n, var))
+            if n >= self.ctx.min_bytes or trace.bounded:   # sizes vary: every save, bounded
+                trace.packs.append((len(self.rec.names), self._bound(s, n) if trace.bounded else n, var))
             if self.templates is not None:   # every save, of any size: a template may read it
                 self.templates.saved(t, s, var, len(self.rec.names))
         return p
@@ -183,8 +185,9 @@ class SavedTensors:
         plan's variable it is bound to; under ``min_bytes`` without one (left to PyTorch, as the
         plan left it); else its bytes (a parameter, the batch)."""
         slot = self.book.by_storage.get(id(s))
-        if slot is not None and slot.storage is s and slot.kind is Kind.ACTIVATION:
-            return max(nbytes, self.course.schedule.sequence.variables[slot.var].nbytes)
+        v = None if slot is None or slot.storage is not s else self.course.schedule.sequence.variables.get(slot.var)
+        if v is not None and v.kind is Kind.ACTIVATION:   # (None: made after the step left its plan)
+            return max(nbytes, v.nbytes)
         return self.ctx.min_bytes - 1 if nbytes < self.ctx.min_bytes else nbytes
 
     def _pack(self, t: torch.Tensor) -> Any:

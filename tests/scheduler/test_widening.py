@@ -1,7 +1,7 @@
 """Plans for steps whose activations' sizes depend on the data (``scheduler.widening``): a
 step that left a plan of the same ops, its first activation the plan's size, is planned with
 each activation at least as large as the plan's (one that outgrew it an eighth larger), and
-that plan gets no hook-driven form."""
+that plan's hook-driven forms check each save against its variable's room."""
 
 from __future__ import annotations
 
@@ -116,11 +116,11 @@ def test_a_step_that_ran_other_ops_is_planned_as_it_ran() -> None:
         == step.variables
 
 
-def test_the_engine_widens_a_diverged_step_and_its_plan_gets_only_the_plain_form() -> None:
+def test_the_engine_widens_a_diverged_step_and_its_plan_takes_the_hook_forms_bounded() -> None:
     """``after_step`` with the plan the step left: the new plan holds the larger sizes; once
-    marked, a planned run that kept to it gets no anchored form (its trace compares each
-    save's exact bytes), and the plain one only where the plan moves nothing (its saves are
-    then checked against their variables' room: ``HookTrace.bounded``)."""
+    marked, a planned run that kept to it gives it the anchored form, swapping only (its
+    chains' templates hold one step's shapes), or the plain one where it moves nothing: their
+    saves are checked against their variables' room (``HookTrace.bounded``)."""
     left = plan_recorded(SEQ, SETTINGS)
     binding = {where: var for var, where in BORN.items()}
     step = _resized(SEQ, {ACTS[1]: SEQ.variables[ACTS[1]].nbytes * 2})
@@ -132,18 +132,20 @@ def test_the_engine_widens_a_diverged_step_and_its_plan_gets_only_the_plain_form
     facts = StepFacts("planned", True, 1.0, seconds=[1e-3] * n, ran_whole_plan=True, gaps=set(range(n + 1)),
                       first={}, signature=True)
     settled = PlanState(d.plan, priced_runs=REPRICED_RUNS)
-    assert not after_step(facts, settled, SETTINGS).anchored
-    assert after_step(facts, PlanState(left, priced_runs=REPRICED_RUNS), SETTINGS).anchored   # unmarked: it does
+    formed = after_step(facts, settled, SETTINGS)   # anchored, swapping only (a template holds one step's shapes)
+    assert formed.anchored and formed.moved is not None and formed.moved.bytes_recomputed == 0
+    assert after_step(facts, PlanState(left, priced_runs=REPRICED_RUNS), SETTINGS).anchored   # unmarked too
     roomy = dataclasses.replace(SETTINGS, budget=SEQ.in_core_peak_bytes * 4)
     marked = plan_recorded(dataclasses.replace(SEQ, meta={**SEQ.meta, "sizes_vary": True}), roomy)
     assert after_step(facts, PlanState(marked), roomy).plain
     assert after_step(facts, PlanState(plan_recorded(SEQ, roomy)), roomy).plain
     assert not after_step(facts, settled, SETTINGS).plain   # marked, but it moves bytes
-    # a plain step that left the marked plan: the plan runs per op again (where it grew, that
-    # step leaves it and the next plan is widened from there), not dropped for a recording
-    left_plain = StepFacts("plain", False, 1.0)
-    assert after_step(left_plain, PlanState(marked), roomy) == Decision(unhook=True)
-    assert after_step(left_plain, PlanState(plan_recorded(SEQ, roomy)), roomy) == Decision(drop=True)
+    # a hook-driven step that left the marked plan: the plan runs per op again (where it grew,
+    # that step leaves it and the next plan is widened from there), not dropped for a recording
+    for form in ("plain", "anchored"):
+        gone = StepFacts(form, False, 1.0)
+        assert after_step(gone, PlanState(marked), roomy) == Decision(unhook=True)
+        assert after_step(gone, PlanState(plan_recorded(SEQ, roomy)), roomy) == Decision(drop=True)
 
 
 def test_larger_sizes_that_do_not_fit_the_budget_are_planned_at_the_steps_own() -> None:
