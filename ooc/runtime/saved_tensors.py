@@ -181,9 +181,9 @@ class SavedTensors:
 
     def _bound(self, s: torch.UntypedStorage, nbytes: int) -> int:
         """The most a save of storage ``s`` (``nbytes`` now) may have in a later step of a plan
-        whose sizes vary (``scheduler/widening.py``), which a plain step checks: the room of the
-        plan's variable it is bound to; under ``min_bytes`` without one (left to PyTorch, as the
-        plan left it); else its bytes (a parameter, the batch)."""
+        whose sizes vary (``scheduler/widening.py``), which its hook-driven steps check: the
+        room of the plan's variable it is bound to; under ``min_bytes`` without one (left to
+        PyTorch, as the plan left it); else its bytes (a parameter, the batch)."""
         slot = self.book.by_storage.get(id(s))
         v = None if slot is None or slot.storage is not s else self.course.schedule.sequence.variables.get(slot.var)
         if v is not None and v.kind is Kind.ACTIVATION:   # (None: made after the step left its plan)
