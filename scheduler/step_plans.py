@@ -27,8 +27,10 @@ engine executes it (``ooc/engine/planning.py``):
   the trial between forms is ``anchoring.judge``'s (a plan whose sizes vary,
   ``widening.sizes_vary``, takes them with each save bounded by its variable's room, the
   anchored one swapping only);
-- a hook-driven step that left its plan drops it (the next step records); one that kept to it
-  is timed for its trial, unless it ran an update its trace's step did not (``hook_ran``);
+- a hook-driven step that left its plan drops it (the next step records; a plan whose sizes
+  vary is unhooked instead: the next step runs it per op and, where it grew, leaves it and is
+  planned widened); one that kept to it is timed for its trial, unless it ran an update its
+  trace's step did not (``hook_ran``);
 - which steps may take a hook-driven form at all is ``hook_forms_allowed`` and
   ``plain_candidate``'s (which ops a planned per-op step runs with no bookkeeping is a
   property of its plan: ``scheduler.schedule.quiet_functions``).
