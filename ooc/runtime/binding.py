@@ -24,20 +24,18 @@ from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler.ir import Kind
 from scheduler.schedule import Schedule
-from scheduler.widening import sizes_vary
 
 
 class Binding:
     """The step's binding of storages to slots. Its state: ``vars``, (op, output) -> the
-    plan's variable born there (the engine's, made with the plan); ``widened``: the plan holds
-    sizes that depend on the data (``scheduler/widening.py``), so an activation may be bound
-    smaller than its variable, also under the threshold for managed tensors."""
+    plan's variable born there (the engine's, made with the plan). In a plan whose sizes vary
+    (``Course.widened``) an activation may be bound smaller than its variable, also under the
+    threshold for managed tensors."""
 
     def __init__(self, ctx: StepContext, book: StepBook, course: Course, rec: Recording,
                  vars: dict[tuple[int, int], int]) -> None:
         self.ctx, self.book, self.course, self.rec = ctx, book, course, rec
         self.vars = vars
-        self.widened = course.schedule is not None and sizes_vary(course.schedule.sequence)
         self._waiting: dict[tuple[int, int], int] = {}   # the plan's binding while the step waits
 
     def wait_for_shape(self) -> None:
@@ -90,7 +88,7 @@ class Binding:
         chunk = self.ctx.chunk
         planned_bytes = -(-nbytes // chunk) * chunk if v.kind is Kind.ACTIVATION else nbytes
         if planned_bytes != v.nbytes and not (planned_bytes < v.nbytes and v.kind is Kind.ACTIVATION
-                                              and self.widened):
+                                              and self.course.widened):
             return f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B"
         slot = Slot(var, v.kind, nbytes, v.name, in_place=v.kind is not Kind.ACTIVATION,
                     state=State.RESIDENT, storage=s)

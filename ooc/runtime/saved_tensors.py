@@ -33,7 +33,6 @@ from ooc.runtime.step_context import StepContext
 from ooc.runtime.templates import TemplateCapture
 from ooc.runtime.views import View
 from scheduler.ir import Access, Kind
-from scheduler.widening import sizes_vary
 
 
 def _of_parameter(t: torch.Tensor) -> bool:
@@ -87,11 +86,10 @@ class SavedTensors:
                  diverge: Callable[[int, str], None]) -> None:
         self.ctx, self.book, self.course, self.rec, self.full, self.room = ctx, book, course, rec, full, room
         planned = course.planned
-        # A plan whose sizes depend on the data (scheduler/widening.py) knows no variable where
+        # A plan whose sizes depend on the data (``Course.widened``) knows no variable where
         # every step it was made from made less than the threshold; a step that saves more
         # there leaves it (``diverge``), and its recording gives the next plan that variable.
         # The step's method, weakly: held strongly, the step is a reference cycle (``hooks``).
-        self.sizes_vary = course.schedule is not None and sizes_vary(course.schedule.sequence)
         self.diverge = weakref.WeakMethod(diverge)
         self.unpacked: list[int] = []
         self.node_vars: list[tuple[int, int]] = []
@@ -114,12 +112,12 @@ class SavedTensors:
         # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
         # its next steps may run the plan at those hooks alone (``anchored_step.py``).
         self.hook_trace: HookTrace | None = (
-            HookTrace(bounded=self.sizes_vary) if planned and not ctx.plain_candidate and ctx.manage == {"activations"}
+            HookTrace(bounded=course.widened) if planned and not ctx.plain_candidate and ctx.manage == {"activations"}
             else None)
         # With it, the templates of its chains, if its plan recomputes (its anchored form reruns
         # them; one whose sizes vary swaps only: a template holds one step's shapes).
         self.templates: TemplateCapture | None = None
-        if self.hook_trace is not None and room.recompute.recipe_ops and not self.sizes_vary:
+        if self.hook_trace is not None and room.recompute.recipe_ops and not course.widened:
             depth = max(len(c) for each in room.recompute.chains.values() for _, c in each)
             self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth,
                                                                         room.recompute.rng_device)
@@ -137,7 +135,8 @@ class SavedTensors:
             n = s.nbytes()
             var = p.slot.var if isinstance(p, Packed) else None
             if n >= self.ctx.min_bytes or trace.bounded:   # sizes vary: every save, bounded
-                trace.packs.append((len(self.rec.names), self._bound(s, n) if trace.bounded else n, var))
+                bound = self._bound(self.book.by_storage.get(id(s)), s, n) if trace.bounded else n
+                trace.packs.append((len(self.rec.names), bound, var))
             if self.templates is not None:   # every save, of any size: a template may read it
                 self.templates.saved(t, s, var, len(self.rec.names))
         return p
@@ -147,16 +146,17 @@ class SavedTensors:
             # A planned step only looks its storage up: no op runs, so the dispatch modes
             # need not be taken off the stack and put back (what most of the time went to).
             s = t.untyped_storage()
+            widened = self.course.widened
+            slot = self.book.by_storage.get(id(s))
             if self.signature is not None:   # what a plain step will compare its saves with
                 n = s.nbytes()
-                if n >= self.ctx.min_bytes or self.sizes_vary:   # sizes vary: every save, bounded
-                    n = self._bound(s, n) if self.sizes_vary else n
+                if n >= self.ctx.min_bytes or widened:   # sizes vary: every save, bounded
+                    n = self._bound(slot, s, n) if widened else n
                     self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)
                                            and n >= self.ctx.min_bytes))
-            slot = self.book.by_storage.get(id(s))
             if slot is None or slot.storage is not s:
                 b = self.rec.births.get(s._cdata)
-                if b is None or (b.var is None and not self.sizes_vary):
+                if b is None or (b.var is None and not widened):
                     return t   # not managed in this step: _pack returns it as it is too
                 if b.var is None:   # on demand from here: it is managed (_pack)
                     self.diverge()(b.op, f"{self.rec.names[b.op]}#{b.op} ({b.nbytes} B) is saved where "
@@ -179,12 +179,12 @@ class SavedTensors:
                 self.full_vars.setdefault(p.slot.var, var)
         return p
 
-    def _bound(self, s: torch.UntypedStorage, nbytes: int) -> int:
-        """The most a save of storage ``s`` (``nbytes`` now) may have in a later step of a plan
-        whose sizes vary (``scheduler/widening.py``), which its hook-driven steps check: the
-        room of the plan's variable it is bound to; under ``min_bytes`` without one (left to
-        PyTorch, as the plan left it); else its bytes (a parameter, the batch)."""
-        slot = self.book.by_storage.get(id(s))
+    def _bound(self, slot: Slot | None, s: torch.UntypedStorage, nbytes: int) -> int:
+        """The most a save of storage ``s`` (``nbytes`` now; ``slot``: the one its id maps to)
+        may have in a later step of a plan whose sizes vary (``scheduler/widening.py``), which
+        its hook-driven steps check: the room of the plan's variable it is bound to; under
+        ``min_bytes`` without one (left to PyTorch, as the plan left it); else its bytes (a
+        parameter, the batch)."""
         v = None if slot is None or slot.storage is not s else self.course.schedule.sequence.variables.get(slot.var)
         if v is not None and v.kind is Kind.ACTIVATION:   # (None: made after the step left its plan)
             return max(nbytes, v.nbytes)

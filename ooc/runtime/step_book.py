@@ -25,6 +25,7 @@ from ooc.runtime.slots import Slot
 from ooc.runtime.step_context import StepContext
 from scheduler.actions import Refused
 from scheduler.schedule import Schedule
+from scheduler.widening import sizes_vary
 from vmm.errors import OutOfBudget
 
 
@@ -32,11 +33,13 @@ class Course:
     """The step's course: ``schedule`` (None on demand), ``planned`` (still following it),
     ``diverged_at`` (the op where it stopped, None if it did not), ``refused`` (the plan
     action the transition table refused, if any), ``i`` (the op running or last run), the
-    plan per op as lists the per-op path indexes (``names``, ``before``, ``after``), and
-    ``waiting``: the step waits for its shape (``Binding.wait_for_shape``)."""
+    plan per op as lists the per-op path indexes (``names``, ``before``, ``after``),
+    ``waiting``: the step waits for its shape (``Binding.wait_for_shape``), and ``widened``: the
+    plan holds sizes that depend on the data (``scheduler/widening.py``: an activation is bound
+    into its variable's room, at any size up to it; the hook traces are bounded)."""
 
     __slots__ = ("_rec", "after", "before", "diverged_at", "i", "names", "planned", "refused", "schedule",
-                 "waiting")
+                 "waiting", "widened")
 
     def __init__(self, schedule: Schedule | None, rec: Recording) -> None:
         self.schedule = schedule
@@ -49,6 +52,7 @@ class Course:
         self.before = schedule.before if schedule is not None else ()
         self.after = schedule.after if schedule is not None else ()
         self.waiting = False
+        self.widened = schedule is not None and sizes_vary(schedule.sequence)
         self._rec = rec
 
     def name(self, i: int) -> str:

@@ -262,7 +262,7 @@ class Stepper:
         rec, course, book = self.rec, self.course, self.book
         ins, in_ids, written_tensors, written, touched, keep = uses
         tracked = set() if not course.planned and self.fresh.tracking(False, self.updating) else None
-        min_bytes, small_born, widened = self.ctx.min_bytes, self.saved.small_born, self.binder.widened
+        min_bytes, small_born, widened = self.ctx.min_bytes, self.saved.small_born, course.widened
         aliased = False   # a result in an input's storage, not written in place (replay.py)
         outs = (out,) if isinstance(out, torch.Tensor) else _tensors(out)
         for k, t in enumerate(outs):
