@@ -137,10 +137,9 @@ def main() -> None:
                        ("--warmup", "steps left out of the medians (default 12; quick 4)"),
                        ("--threads", "torch threads in every case (default: torch's default)")):
         ap.add_argument(flag, type=int, help=text)
-    ap.add_argument("--child", help=argparse.SUPPRESS)   # one case, in a fresh process (run_child)
-    args = ap.parse_args()
-    if args.child:
-        return _child(json.loads(args.child))
+    args = common.parse_or_run_child(ap, _child)
+    if args is None:
+        return
     setting = dict(QUICK if args.quick else FULL)
     setting["steps"] = max(2, args.steps or setting["steps"])
     setting["warmup"] = min(setting["steps"] - 1, args.warmup if args.warmup is not None else setting["warmup"])

@@ -131,10 +131,8 @@ def main() -> None:
     ap = common.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        _child(json.loads(args.child))
+    args = common.parse_or_run_child(ap, _child)
+    if args is None:
         return
     from ooc.measure import managed_peak
 

@@ -224,11 +224,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="rounds of interleaved cases (default 3; quick 1)")
     ap.add_argument("--steps", type=int, help="steps per case (default 6: 3 warm-up + 3 timed; quick 3)")
     ap.add_argument("--batch", type=int, help="batch (default 64, as NNTrainer; quick 4)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        _child(json.loads(args.child))
-        sys.stdout.flush()
+    args = common.parse_or_run_child(ap, _child)
+    if args is None:
         os._exit(0)
     rounds = max(1, args.rounds or (1 if args.quick else 3))
     steps = max(3, args.steps or (3 if args.quick else 6))

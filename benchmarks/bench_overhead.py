@@ -279,10 +279,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="steps per case (default 10, the first three warm-up; quick 3)")
     ap.add_argument("--threads", type=int, help="torch threads in every case (default: torch's default; "
                     "on a shared machine, 1 keeps OpenMP from spinning while other jobs hold a core)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        _child(json.loads(args.child))
+    args = common.parse_or_run_child(ap, _child)
+    if args is None:
         return
     rounds = max(1, args.rounds or (1 if args.quick else 5))
     steps = max(3, args.steps or (3 if args.quick else 10))

@@ -185,10 +185,9 @@ def main() -> None:
                        ("--warmup", "cycles left out of the medians (default 8; quick 2)"),
                        ("--threads", "torch threads in every case (default: torch's default)")):
         ap.add_argument(flag, type=int, help=text)
-    ap.add_argument("--child", help=argparse.SUPPRESS)   # one case, in a fresh process (run_child)
-    args = ap.parse_args()
-    if args.child:
-        return _child(json.loads(args.child))
+    args = common.parse_or_run_child(ap, _child)
+    if args is None:
+        return
     setting = QUICK if args.quick else FULL
     cycles = max(2, args.cycles or (3 if args.quick else 12))
     warm = min(cycles - 1, args.warmup if args.warmup is not None else (2 if args.quick else 8))

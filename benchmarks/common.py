@@ -48,6 +48,22 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_or_run_child(parser: argparse.ArgumentParser, child: Callable[[dict[str, Any]], Any]
+                       ) -> argparse.Namespace | None:
+    """Parse a benchmark's flags, with the hidden ``--child SPEC`` its cases run under in a
+    fresh process (``run_child``): given that, the case runs (``child(spec)``), its output is
+    flushed, and None is returned (the caller returns)."""
+    import json
+
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.child:
+        return args
+    child(json.loads(args.child))
+    sys.stdout.flush()
+    return None
+
+
 def result_path(name: str, quick: bool, suffix: str = ".md", *, out: Path | None = None) -> Path:
     """Where a benchmark writes: ``results/<name>.md``, ``<name>-quick.md`` in quick mode.
 
