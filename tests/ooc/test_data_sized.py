@@ -146,6 +146,24 @@ def test_gpu_routed_experts_train_bitwise_and_keep_a_plan() -> None:
     assert end["bytes_out"] > 0 and _planned(end) >= STEPS // 2, end
 
 
+@pytest.mark.gpu
+def test_gpu_routed_experts_run_plain_where_their_plan_moves_nothing() -> None:
+    """REAL GPU (skips without one; not yet run on one when written): the plain form of a
+    widened plan on the real driver, at a budget its plan fits whole, bitwise against in core
+    on the GPU (20 of 32 steps plain on the CPU, 23 over the fake driver)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        ref = _routed(None, "gpu", tokens=32768)
+        got = _routed({"budget": "4GiB"}, "gpu", tokens=32768)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for step, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
+    end = got[2][-1]
+    assert end["plan.bytes_in"] == end["plan.bytes_out"] == 0, end
+    assert end["steps.plain"] >= STEPS // 2, {k: v for k, v in end.items() if k.startswith("steps")}
+
+
 class KeptRows(nn.Module):
     """The rows a mask keeps go through a second layer: as many as the batch marks."""
 
