@@ -115,7 +115,10 @@ def test_gpu_an_ema_copy_and_a_saved_whole_model_train_bitwise() -> None:
     """REAL GPU (skips without one): every kind managed on CUDA, cuDNN deterministic; SGD, whose
     multi-tensor update in core rounds as the engine's per-parameter one does (Adam's does not)."""
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    _compare(ALL, "sgd", device="cuda", on_gpu=True, budget=4 << 20, chunk=None)   # the device's chunk
+    # the device's 2 MiB chunk, one per managed tensor: at 4 MiB the first convolution's working
+    # set alone (4.01 MiB) did not fit (BudgetTooSmall on the H200, 2026-11-28)
+    stats = _compare(ALL, "sgd", device="cuda", on_gpu=True, budget=8 << 20, chunk=None)
+    assert stats["steps.planned"] >= 1 and stats["plan.bytes_out"] > 0, stats
 
 
 def test_a_copy_of_the_model_carries_none_of_the_engines_hooks() -> None:
