@@ -286,7 +286,9 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
     above the ooc rows' peaks was aimed at on the line through them alone: on the H200 at
     6915be1 ResNet-50's 1/2 and 1/4 rows peaked at 10.64 and 10.17 GiB, and that line put
     checkpointing every 2nd block's 14.72 GiB at a budget of 49 GiB, over in core's. A try over the peak
-    is kept (it is a measurement) and tried once more between its point and the ones below."""
+    is kept (it is a measurement) and tried once more between its point and the ones below.
+    Where the case has a GPU profile the first try aims on its device-peak curve instead
+    (``gpu_aim``: the peak is not monotone in the budget, and a line cannot aim at it)."""
     from gpu_methods import run
 
     if not setup.activation_peak:   # in core failed: nothing to take fractions of
@@ -301,23 +303,43 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
         in_core = next((r for r in rows if r.method == "in-core" and r.peak_bytes), None)
         if in_core is not None:   # a budget of in core's own peak moves nothing: in core's peak
             points.append((setup.activation_peak, in_core.peak_bytes))
+        measured = list(points)   # the ooc rows' own: what the profile's model missed on them
         for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
             tried = list(points)
+            aimed = _aimed(setup, measured, alt.peak_bytes, "pytorch" if method.endswith("one-arena") else "pool")
             for attempt in range(MATCH_TRIES):
-                budget = matched_budget(tried, int(alt.peak_bytes * AIM))
+                budget = (aimed[0] if attempt == 0 and aimed is not None
+                          else matched_budget(tried, int(alt.peak_bytes * AIM)))
                 if budget is None or any(b == budget for b, _ in tried):
                     report.skipped(f"{setup.case.label} {method} to {alt.method}'s peak "
                                    f"({alt.peak_bytes / 2**30:.2f} GiB): no budget reaches it on the "
                                    f"line through the {source} rows' budgets and peaks")
                     break
                 row = run(setup, method, fraction=budget / setup.activation_peak, budget_bytes=budget)
+                how = (f", aimed on the profile's curve (the model missed {aimed[1] / 2**30:.2f} GiB)"
+                       if attempt == 0 and aimed is not None else "")
                 row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak"
-                                                 + (f", try {attempt + 1}" if attempt else ""), row.note) if x)
+                                                 + (f", try {attempt + 1}" if attempt else how), row.note) if x)
                 report.add(row)
                 if row.error or not row.peak_bytes or not tries_again(row.peak_bytes, row.step_ms, alt.peak_bytes,
                                                                        alt.step_ms):
                     break
                 tried.append((budget, row.peak_bytes))
+
+
+def _aimed(setup, points: list[tuple[int, int]], peak: int, arena: str) -> tuple[int, int] | None:
+    """``gpu_aim.aimed_budget`` for the case, or None (no profile of it; a failure is printed:
+    the line still aims)."""
+    from gpu_aim import aimed_budget
+
+    if setup.hardware is None:
+        return None
+    try:
+        return aimed_budget(setup.case.label, setup.hardware, [p for p in points if p[0] < setup.activation_peak],
+                            peak, arena)
+    except Exception:
+        traceback.print_exc()
+        return None
 
 
 def _chosen(args: argparse.Namespace, method: str) -> bool:

@@ -18,7 +18,7 @@ from ooc.cli.args import Parser, UsageError
 from vmm.errors import OOCError
 
 # Subcommands, in the order ``ooc --help`` lists them.
-COMMANDS = ("demo", "trace", "plan", "simulate", "frag", "report")
+COMMANDS = ("demo", "trace", "plan", "simulate", "fit", "frag", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,13 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.problem) from None
 
 
+def size_or_zero(text: str) -> int:
+    """A byte size as ``size``, or 0 ("0", "0B"): an allowance that may be nothing (a margin)."""
+    if text.strip().rstrip("B").strip() == "0":
+        return 0
+    return size(text)
+
+
 def positive_int(text: str) -> int:
     """A whole number >= 1 (batch sizes, lengths, widths, steps)."""
     return _int(text, 1)

@@ -62,6 +62,12 @@ TABLE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         "--window": SIZE, "--policy": NAME, "--data-parallel": POSITIVE_INT,
         "--recompute": NAME + ["always"], "--manage": ["weights", ",", "activations,bogus"],
     }),
+    "fit": (["INPUT", "{trace}", "--device-memory", "1GiB"], {
+        "INPUT": INPUT, "--device-memory": SIZE, "--margin": [v for v in SIZE if v != "0"],
+        "--arena": NAME + ["cuda"], "--budgets": POSITIVE_INT, "--manage": ["weights", ",", "activations,bogus"],
+        "--recompute": NAME + ["always"], "--hardware": NAME + ["h200"],
+        "--host-us": ["80,-1", "x", "1,2,3", "inf", ""], "--plot": PNG,
+    }),
     "frag": (["INPUT", "{trace}"], {
         "INPUT": INPUT, "--chunks": ["3MiB", "lots", ",", "0"], "--device-memory": SIZE,
         "--device": ["-1", "x"], "--plot": PNG, "--export-snapshot": OUTPUT,
@@ -93,6 +99,9 @@ COMBINATIONS = [
     ["simulate", "{trace}", "--budget", "16GiB", "--policy", "vdnn", "--recompute", "prefer"],
     ["simulate", "{plan}", "--budget", "16GiB", "--recompute", "never"],
     ["frag", "{trace}", "--device-memory", "1MiB"],
+    ["fit", "{plan}", "--device-memory", "1GiB"],
+    ["fit", "{trace}", "--device-memory", "1GiB", "--margin", "1GiB"],
+    ["fit", "{trace}"],
 ]
 
 
@@ -154,7 +163,7 @@ def files(tmp_path, monkeypatch):
     for owner, name in (("ooc.cli.cmd_demo", "run_case"), ("ooc.cli.cmd_demo", "managed_peak"),
                         ("ooc", "trace"), ("ooc.cli.cmd_plan", "plan_and_summarize"),
                         ("scheduler.planner", "plan"), ("scheduler.simulate", "simulate"),
-                        ("ooc.frag", "analyze")):
+                        ("ooc.frag", "analyze"), ("scheduler.device_fit", "fit_device")):
         # modules by name: ``scheduler.simulate`` the attribute is the function of that name
         monkeypatch.setattr(importlib.import_module(owner), name, tripwire)
     monkeypatch.chdir(tmp_path)  # report's default output is checked in the working directory

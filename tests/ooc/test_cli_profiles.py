@@ -50,3 +50,30 @@ def test_plan_takes_manage_and_refuses_an_unknown_kind() -> None:
     assert info["in_core_peak_bytes"] < 18 << 30 and info["bytes_recomputed"] > 0
     bad = _ooc("plan", str(PROFILE), "--budget", "8GiB", "--manage", "weights", "--no-progress")
     assert bad.returncode == 2 and "activations, params, grads, optimizer_state" in bad.stderr
+
+
+RESNET = PROFILE.parent / "resnet50.json"
+
+
+def test_fit_names_the_fastest_budget_whose_device_peak_fits_and_draws_the_curve(tmp_path: Path) -> None:
+    png = tmp_path / "fit.png"
+    p = _ooc("fit", str(RESNET), "--device-memory", "9.5GiB", "--margin", "512MiB", "--budgets", "12",
+             "--json", "--plot", str(png), "--no-progress")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["hardware"] == "h100-80gb-pcie5" and r["limit_bytes"] == 9 << 30
+    fits = [c for c in r["candidates"] if c["device_peak"] <= r["limit_bytes"]]
+    assert r["best"] in fits and r["best"]["step_s"] == min(c["step_s"] for c in fits)
+    assert len(fits) < len(r["candidates"])   # the larger budgets do not fit
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = _ooc("fit", str(RESNET), "--device-memory", "9.5GiB", "--budgets", "6", "--no-progress")
+    assert table.returncode == 0, table.stderr
+    assert "<- fastest that fits" in table.stdout and "predicted, not measured" in table.stdout
+
+
+def test_fit_says_what_the_lowest_peak_is_when_no_budget_fits() -> None:
+    p = _ooc("fit", str(RESNET), "--device-memory", "3GiB", "--margin", "0", "--budgets", "4", "--no-progress")
+    assert p.returncode == 2
+    assert "no budget fits 3 GiB" in p.stderr and "the lowest modelled device peak is" in p.stderr
+    same = _ooc("fit", str(RESNET), "--device-memory", "1GiB", "--margin", "1GiB", "--no-progress")
+    assert same.returncode == 2 and "leaves nothing" in same.stderr
