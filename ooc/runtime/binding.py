@@ -83,12 +83,13 @@ class Binding:
         activation of a plan whose sizes depend on the data (it holds each at the largest its
         op made, ``scheduler/widening.py``: a smaller one runs in that room; a plan made from
         one step stays exact, so that a step of another shape leaves it and is planned as
-        it is)."""
+        it is). An empty activation (a mask that kept nothing, an expert given no token) runs
+        in any room: its slot moves no byte."""
         v = self.course.schedule.sequence.variables[var]
         chunk = self.ctx.chunk
         planned_bytes = -(-nbytes // chunk) * chunk if v.kind is Kind.ACTIVATION else nbytes
         if planned_bytes != v.nbytes and not (planned_bytes < v.nbytes and v.kind is Kind.ACTIVATION
-                                              and self.course.widened):
+                                              and (self.course.widened or not nbytes)):
             return f"op {i} created {nbytes} B where the plan has {v.name} of {v.nbytes} B"
         slot = Slot(var, v.kind, nbytes, v.name, in_place=v.kind is not Kind.ACTIVATION,
                     state=State.RESIDENT, storage=s)

@@ -138,8 +138,8 @@ class Slot:
         """Begin writing the slot's bytes to the tier; the storage stays until ``finish_swap_out``."""
         eff = self._row(Op.SWAP_OUT)
         view = byte_view_for(self.storage)
-        self.pending = [self.storage, view]
-        self.future = tier.write_async(self.key, view, self.nbytes)
+        self.pending = [self.storage, view]   # empty (an expert given no token): nothing to write
+        self.future = tier.write_async(self.key, view, self.nbytes) if self.nbytes else _done()
         self._follow(eff, tier)
 
     def finish_swap_out(self) -> None:
@@ -158,14 +158,15 @@ class Slot:
         """Take device memory and begin reading the slot's bytes back into it (an
         ``OutOfBudget`` from ``pool`` leaves the slot as it was)."""
         eff = self._row(Op.SWAP_IN)
-        if self.in_place:
-            self.storage.resize_(self.nbytes)
+        if self.in_place or not self.nbytes:   # empty: its storage was kept (``_release``)
+            if self.in_place:
+                self.storage.resize_(self.nbytes)
             dest = self.storage
         else:
             dest = pool.take(self.nbytes).untyped_storage()
         view = byte_view_for(dest)
         self.pending = [dest, view]
-        self.future = tier.read_async(self.key, view)
+        self.future = tier.read_async(self.key, view) if self.nbytes else _done()
         if not self.in_place:
             self.storage = dest
         self._follow(eff, tier)
@@ -317,10 +318,11 @@ class Slot:
         return error
 
     def _release(self) -> None:
-        """Give the device bytes back (the state is the caller's)."""
+        """Give the device bytes back (the state is the caller's); an empty storage, which holds
+        none, is kept for the swap-in to hand back."""
         if self.in_place and self.storage is not None:
             self.storage.resize_(0)
-        else:
+        elif self.nbytes:
             self.storage = None
 
 
@@ -343,6 +345,13 @@ def freed_error(slot: Slot, where: str) -> OOCError:
         f"no backward node read it again. This step's backward did (a second backward over a graph "
         f"kept with retain_graph=True, which the recorded step did not run?): run the same backward "
         f"passes in every step (the step is rolled back: the parameters are as before it)")
+
+
+def _done() -> Future:
+    """The transfer of an empty slot: finished before it starts."""
+    f: Future = Future()
+    f.set_result(None)
+    return f
 
 
 def _result(slot: Slot, direction: str) -> None:

@@ -275,9 +275,10 @@ class Stepper:
                 aliased = aliased or key not in written
                 continue
             nbytes = s.nbytes()
-            # widening.py: a smaller output bound (planned), recorded on demand (the next plan keeps it)
-            var = self.binder.vars.get((i, k)) if widened or (course.planned and nbytes >= min_bytes) else None
-            if nbytes >= min_bytes or (var is not None and nbytes > 0):
+            # a planned output at a plan variable is bound at any size (widening.py; an empty one
+            # moves nothing), recorded on demand after a widened plan (the next plan keeps it)
+            var = self.binder.vars.get((i, k)) if widened or course.planned else None
+            if nbytes >= min_bytes or var is not None:
                 if t.is_meta or t._is_zerotensor():   # no bytes to move (a ZeroTensor: sgn's grad)
                     continue
                 b = rec.birth(s, i, k, nbytes)

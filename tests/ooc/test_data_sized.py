@@ -115,12 +115,18 @@ def test_routed_experts_run_plain_where_their_plan_moves_nothing(device: str) ->
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_routed_experts_run_anchored_where_their_plan_swaps(device: str) -> None:
+def test_routed_experts_run_anchored_where_their_plan_swaps(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """At a budget that swaps, a widened plan takes the anchored form too, swapping only (a
     chain's template holds one step's shapes), each save bound to its variable at any size
     up to its room, and the trial keeps it where it is faster: 18 of 32 steps anchored on the
     CPU (swap only: ``recompute="never"``), 14 over the fake CUDA driver, none before. Where
-    the plan recomputes (the CPU's default) the swap-only form loses its trial."""
+    the plan recomputes (the CPU's default) the swap-only form loses its trial. The trial's
+    verdict is a timing, fixed here (``forced_forms.decided``): a loaded machine must not
+    decide whether the form runs."""
+    from ooc.engine import hook_forms
+    from ooc.testing.forced_forms import decided
+
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", decided(keep=True))
     kw = {"budget": "1MiB"} if device == "cuda" else {"budget": "1MiB", "recompute": "never"}
     ref = _routed(None)
     got = _routed(kw, device)
@@ -198,6 +204,42 @@ def test_a_kept_tensor_smaller_than_managed_ones_stays_the_plans(device: str) ->
     ref = _train(KeptRows, SGD, batches, lambda m, x: m(x), None)
     got = _train(KeptRows, SGD, batches, lambda m, x: m(x), {"budget": "96KiB" if device == "cpu" else "256KiB"},
                  device)
+    _assert_bitwise(ref, got)
+    stats = got[2]
+    left = [step for step, s in enumerate(stats) if step >= 4 and not s["last_planned"]]
+    assert not left, f"steps {left} left their plan: {[stats[s]['last_diverged_at'] for s in left]}"
+
+
+class KeptRowsOrNone(KeptRows):
+    """``KeptRows`` whose loss is defined when the mask keeps no row (a mean of none is NaN):
+    an expert that a step routes no token to."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        kept = h[x[:, 0] > 0]
+        return F.relu(self.b(kept)).pow(2).sum() * 1e-3 + h.mean()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("recompute", ["never", "auto"])
+def test_a_step_that_keeps_no_row_runs_the_plan(device: str, recompute: str) -> None:
+    """A step whose mask keeps no row makes an empty tensor where the plan has a variable: it
+    is bound (an empty slot: its swaps and its discard move nothing; each path runs twice
+    here) and the step runs planned. Before, a 0-byte output was never bound: the step left
+    its plan at the first read of it ("... was not made by this step as a managed tensor"),
+    the plan made from that step had no variable there, and the next step left that plan too
+    (CPU: steps 6, 7, 9, 11). Over the fake driver the rows' 16-25 KiB all round to one 64
+    KiB chunk, so the plan stays the one made from a single step, never widened; there the
+    4-row step's 1 KiB, under ``min_bytes``, was not bound either (steps 4, 6, 7 left)."""
+    kept = [64, 80, 72, 96, 4, 90, 0, 88, 6, 0, 3, 70]
+    batches = []
+    for step, k in enumerate(kept):
+        x = torch.randn(256, 16, generator=torch.Generator().manual_seed(step))
+        x[:, 0] = (torch.arange(256) < k).float() * 2 - 1
+        batches.append((x,))
+    kw = {"budget": "96KiB" if device == "cpu" else "128KiB", "recompute": recompute}
+    ref = _train(KeptRowsOrNone, SGD, batches, lambda m, x: m(x), None)
+    got = _train(KeptRowsOrNone, SGD, batches, lambda m, x: m(x), kw, device)
     _assert_bitwise(ref, got)
     stats = got[2]
     left = [step for step, s in enumerate(stats) if step >= 4 and not s["last_planned"]]
