@@ -303,12 +303,12 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
         in_core = next((r for r in rows if r.method == "in-core" and r.peak_bytes), None)
         if in_core is not None:   # a budget of in core's own peak moves nothing: in core's peak
             points.append((setup.activation_peak, in_core.peak_bytes))
-        measured = list(points)   # the ooc rows' own: what the profile's model missed on them
+        aim = _aim(setup, points, "pytorch" if method.endswith("one-arena") else "pool")
         for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
             tried = list(points)
-            aimed = _aimed(setup, measured, alt.peak_bytes, "pytorch" if method.endswith("one-arena") else "pool")
+            aimed = _aimed(aim, alt.peak_bytes)
             for attempt in range(MATCH_TRIES):
-                budget = (aimed[0] if attempt == 0 and aimed is not None
+                budget = (aimed if attempt == 0 and aimed is not None
                           else matched_budget(tried, int(alt.peak_bytes * AIM)))
                 if budget is None or any(b == budget for b, _ in tried):
                     report.skipped(f"{setup.case.label} {method} to {alt.method}'s peak "
@@ -316,7 +316,7 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
                                    f"line through the {source} rows' budgets and peaks")
                     break
                 row = run(setup, method, fraction=budget / setup.activation_peak, budget_bytes=budget)
-                how = (f", aimed on the profile's curve (the model missed {aimed[1] / 2**30:.2f} GiB)"
+                how = (f", aimed on the profile's curve (the model missed {aim.missed / 2**30:.2f} GiB)"
                        if attempt == 0 and aimed is not None else "")
                 row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak"
                                                  + (f", try {attempt + 1}" if attempt else how), row.note) if x)
@@ -327,16 +327,26 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
                 tried.append((budget, row.peak_bytes))
 
 
-def _aimed(setup, points: list[tuple[int, int]], peak: int, arena: str) -> tuple[int, int] | None:
-    """``gpu_aim.aimed_budget`` for the case, or None (no profile of it; a failure is printed:
-    the line still aims)."""
-    from gpu_aim import aimed_budget
+def _aim(setup, points: list[tuple[int, int]], arena: str):
+    """``gpu_aim.Aim`` for the case from its ooc rows' points (in core's, which moves nothing,
+    left out), or None (no profile of it; a failure is printed: the line still aims)."""
+    from gpu_aim import Aim
 
     if setup.hardware is None:
         return None
     try:
-        return aimed_budget(setup.case.label, setup.hardware, [p for p in points if p[0] < setup.activation_peak],
-                            peak, arena)
+        return Aim.of(setup.case.label, setup.hardware, [p for p in points if p[0] < setup.activation_peak], arena)
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
+def _aimed(aim, peak: int) -> int | None:
+    """``aim``'s budget for ``peak``, or None (no aim; a failure is printed: the line aims)."""
+    if aim is None:
+        return None
+    try:
+        return aim.budget_for(peak)
     except Exception:
         traceback.print_exc()
         return None

@@ -15,6 +15,7 @@ without a profile, keep the line.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,45 +23,56 @@ PROFILES = Path(__file__).resolve().parent / "profiles"
 
 
 def profile_for(label: str, profiles: Path = PROFILES) -> Any:
-    """The profile recorded of the case labelled ``label`` (a ``VariableSequence``), or None."""
+    """The profile recorded of the case labelled ``label`` (a ``VariableSequence``), or None;
+    each file is read and parsed once."""
     from scheduler.ir import VariableSequence
 
     for path in sorted(profiles.glob("*.json")):
         try:
-            meta = json.loads(path.read_text()).get("meta", {})
+            data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if meta.get("label") == label:
-            return VariableSequence.from_json(path)
+        if data.get("meta", {}).get("label") == label:
+            return VariableSequence.from_dict(data, where=str(path))
     return None
 
 
-def missed(full: Any, hw: Any, points: list[tuple[int, int]], arena: str) -> int:
-    """The most a measured row peaked over the modelled peak of the plan at its budget."""
-    import scheduler
-    from scheduler.arenas import device_peaks
-    from scheduler.managed import managed_view
+@dataclass(frozen=True)
+class Aim:
+    """One case's curve, in one arena: its profile (``full``) and the view the engine plans
+    (``planned``), and what the model missed on the run's own rows (``missed``). Made once per
+    matched method; each alternative's peak is one ``budget_for``."""
 
-    planned = managed_view(full)
-    gaps = []
-    for budget, peak in points:
-        m = device_peaks(full, scheduler.plan(planned, budget=budget, hardware=hw))
-        gaps.append(peak - (m.one_arena if arena == "pytorch" else m.two_arenas))
-    return max(0, *gaps) if gaps else 0
+    full: Any
+    planned: Any
+    hw: Any
+    arena: str
+    missed: int
 
+    @staticmethod
+    def of(label: str, hw: Any, points: list[tuple[int, int]], arena: str,
+           profiles: Path = PROFILES) -> Aim | None:
+        """The aim for the case labelled ``label`` from its measured (budget, peak) ``points``
+        (the most one peaked over the modelled peak of the plan at its budget is the margin),
+        or None where the case has no profile or no point was measured."""
+        import scheduler
+        from scheduler.arenas import device_peaks
+        from scheduler.managed import managed_view
 
-def aimed_budget(label: str, hw: Any, points: list[tuple[int, int]], peak: int, arena: str,
-                 profiles: Path = PROFILES) -> tuple[int, int] | None:
-    """(budget, the model's miss) for a first try at ``peak``, or None where the case has no
-    profile, no measured point, or no budget of its curve fits."""
-    from scheduler.device_fit import fit_device
-    from scheduler.managed import managed_view
+        full = profile_for(label, profiles)
+        if full is None or not points:
+            return None
+        planned = managed_view(full)
+        missed = max(0, *(peak - device_peaks(full, scheduler.plan(planned, budget=budget, hardware=hw)).of(arena)
+                          for budget, peak in points))
+        return Aim(full, planned, hw, arena, missed)
 
-    full = profile_for(label, profiles)
-    if full is None or not points:
-        return None
-    gap = missed(full, hw, points, arena)
-    if gap >= peak:
-        return None
-    fit = fit_device(full, managed_view(full), hw, peak, arena=arena, margin=gap)
-    return None if fit.best is None else (fit.best.budget, gap)
+    def budget_for(self, peak: int) -> int | None:
+        """The fastest budget whose modelled peak plus ``missed`` is within ``peak``, or None
+        where none of the curve's budgets is."""
+        from scheduler.device_fit import fit_device
+
+        if self.missed >= peak:
+            return None
+        fit = fit_device(self.full, self.planned, self.hw, peak, arena=self.arena, margin=self.missed)
+        return None if fit.best is None else fit.best.budget

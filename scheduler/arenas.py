@@ -41,6 +41,11 @@ class DevicePeaks:
     two_arenas: int
     one_arena: int
 
+    def of(self, arena: str) -> int:
+        """The device's peak where swap-ins live in ``arena``, as ``Options(arena=...)``:
+        "pytorch" (one arena) or "pool" (ooc's pool beside PyTorch's allocator)."""
+        return self.one_arena if arena == "pytorch" else self.two_arenas
+
 
 def device_peaks(full: VariableSequence, schedule: Schedule) -> DevicePeaks:
     """The device's peaks for ``schedule``, a plan of ``full`` or of a managed view of it

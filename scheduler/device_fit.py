@@ -97,8 +97,7 @@ def fit_device(full: VariableSequence, planned: VariableSequence, hw: Any, devic
         if schedule is not None:
             result = simulate(schedule, hw)
             peaks = device_peaks(full, schedule)
-            candidates.append(Candidate(budget, result.total_s,
-                                        peaks.one_arena if arena == "pytorch" else peaks.two_arenas,
+            candidates.append(Candidate(budget, result.total_s, peaks.of(arena),
                                         result.bytes_in + result.bytes_out, result.bytes_recomputed))
         if progress is not None:
             progress(k + 1, len(budgets))

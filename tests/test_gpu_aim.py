@@ -26,11 +26,11 @@ def test_the_first_try_fits_its_profiles_curve_with_what_the_model_missed() -> N
     planned = managed_view(full)
     modelled = device_peaks(full, scheduler.plan(planned, budget=5 * GIB, hardware=hw)).one_arena
     points = [(5 * GIB, modelled + GIB // 2)]   # a row that peaked 0.5 GiB over its model
-    assert gpu_aim.missed(full, hw, points, "pytorch") == GIB // 2
-    budget, gap = gpu_aim.aimed_budget(LABEL, hw, points, int(9.51 * GIB), "pytorch")
-    assert gap == GIB // 2
+    aim = gpu_aim.Aim.of(LABEL, hw, points, "pytorch")
+    assert aim.missed == GIB // 2
+    budget = aim.budget_for(int(9.51 * GIB))
     at = device_peaks(full, scheduler.plan(planned, budget=budget, hardware=hw)).one_arena
-    assert at + gap <= int(9.51 * GIB)   # within the peak
-    assert gpu_aim.aimed_budget(LABEL, hw, points, GIB // 2, "pytorch") is None   # the miss alone is over
-    assert gpu_aim.aimed_budget(LABEL, hw, [], int(9.51 * GIB), "pytorch") is None
-    assert gpu_aim.aimed_budget("no such case", hw, points, int(9.51 * GIB), "pytorch") is None
+    assert at + aim.missed <= int(9.51 * GIB)   # within the peak
+    assert aim.budget_for(GIB // 2) is None   # the miss alone is over
+    assert gpu_aim.Aim.of(LABEL, hw, [], "pytorch") is None
+    assert gpu_aim.Aim.of("no such case", hw, points, "pytorch") is None

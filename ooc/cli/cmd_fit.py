@@ -66,14 +66,12 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from scheduler.device_fit import fit_device
-    from scheduler.hardware import hardware
-    from scheduler.recompute import default_hardware
     from scheduler.schedule import Schedule
     from vmm.errors import OOCError
     from vmm.units import format_size as fs
 
     from ooc.cli.cmd_plan import Progress, load, managed
-    from ooc.cli.cmd_simulate import DEFAULT_HARDWARE
+    from ooc.cli.cmd_simulate import hardware_for
 
     if args.margin >= args.device_memory:
         raise OOCError(f"--margin {fs(args.margin)} leaves nothing of --device-memory {fs(args.device_memory)}")
@@ -81,11 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(full, Schedule):
         raise OOCError(f"{args.input} is a plan, planned at one budget; fit plans a trace at many: "
                        f"give the trace it was planned from")
-    overrides = {}
-    if args.host_us is not None:
-        overrides["host_op_s"], overrides["host_quiet_op_s"] = (us * 1e-6 for us in args.host_us)
-    name = args.hardware or (default_hardware(full) if "link_bytes_per_s" in full.meta else DEFAULT_HARDWARE)
-    hw = hardware(name, **overrides)
+    hw = hardware_for(full, args.hardware, args.host_us)
     planned = managed(full, args.manage)
     options = {} if args.recompute is None else {"recompute": args.recompute}
     with Progress(args.budgets + 1, disable=args.no_progress) as bar:

@@ -84,24 +84,16 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from scheduler.arenas import device_peaks
-    from scheduler.hardware import hardware
     from scheduler.schedule import Schedule
     from scheduler.simulate import simulate
     from scheduler.timeline import write_chrome_trace
     from vmm.errors import OOCError
     from vmm.units import format_size
 
-    from scheduler.recompute import default_hardware
-
     from ooc.cli.cmd_plan import DEFAULT_POLICY, Progress, check_recompute, load, managed, plan_and_summarize
     from ooc.cli.recomputed import as_json, recomputed
 
     # Every value was checked by the parser; what remains are combinations, still before work.
-    overrides = {}
-    if args.device_memory is not None:
-        overrides["device_bytes"] = args.device_memory
-    if args.host_us is not None:
-        overrides["host_op_s"], overrides["host_quiet_op_s"] = (us * 1e-6 for us in args.host_us)
     chunk = None
     if args.chunk is not None:
         if args.allocator != "vmm":
@@ -118,12 +110,7 @@ def run(args: argparse.Namespace) -> int:
         bar.stage(f"loading {args.input}")
         obj = load(args.input)
         seq = obj.sequence if isinstance(obj, Schedule) else obj   # the whole step (--manage plans part of it)
-        if args.hardware is not None:
-            hw = hardware(args.hardware, **overrides)
-        elif "link_bytes_per_s" in seq.meta:   # a GPU profile: its own link
-            hw = hardware(default_hardware(seq), **overrides)
-        else:
-            hw = hardware(DEFAULT_HARDWARE, **overrides)
+        hw = hardware_for(seq, args.hardware, args.host_us, args.device_memory)
         bar.stage("planning")
         if isinstance(obj, Schedule):
             if budget is not None:
@@ -154,6 +141,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_table(result, schedule, args.timeline, rc, peaks))
     return 0
+
+
+def hardware_for(seq: Any, name: str | None, host_us: tuple[float, float] | None = None,
+                 device_memory: int | None = None) -> Any:
+    """The preset ``name`` (``--hardware``), else a GPU profile's own link on the H100 preset,
+    else ``DEFAULT_HARDWARE``; with ``--host-us`` (microseconds to queue an op, a quiet one) and
+    ``--device-memory`` applied."""
+    from scheduler.hardware import hardware
+    from scheduler.recompute import default_hardware
+
+    overrides: dict[str, Any] = {}
+    if device_memory is not None:
+        overrides["device_bytes"] = device_memory
+    if host_us is not None:
+        overrides["host_op_s"], overrides["host_quiet_op_s"] = (us * 1e-6 for us in host_us)
+    if name is not None:
+        return hardware(name, **overrides)
+    if "link_bytes_per_s" in seq.meta:   # a GPU profile: its own link
+        return hardware(default_hardware(seq), **overrides)
+    return hardware(DEFAULT_HARDWARE, **overrides)
 
 
 def _table(r: Any, schedule: Any, timeline: str | None, rc: list[Any], peaks: Any) -> str:

@@ -158,12 +158,10 @@ class Slot:
         """Take device memory and begin reading the slot's bytes back into it (an
         ``OutOfBudget`` from ``pool`` leaves the slot as it was)."""
         eff = self._row(Op.SWAP_IN)
-        if self.in_place or not self.nbytes:   # empty: its storage was kept (``_release``)
-            if self.in_place:
-                self.storage.resize_(self.nbytes)
-            dest = self.storage
-        else:
-            dest = pool.take(self.nbytes).untyped_storage()
+        if self.in_place:
+            self.storage.resize_(self.nbytes)
+        # an empty slot's storage was kept (``_release``): it holds no byte to take or read
+        dest = self.storage if self.in_place or not self.nbytes else pool.take(self.nbytes).untyped_storage()
         view = byte_view_for(dest)
         self.pending = [dest, view]
         self.future = tier.read_async(self.key, view) if self.nbytes else _done()

@@ -135,37 +135,36 @@ def test_routed_experts_run_anchored_where_their_plan_swaps(device: str, monkeyp
     assert end["steps.anchored"] >= STEPS // 4, {k: v for k, v in end.items() if k.startswith("steps")}
 
 
-@pytest.mark.gpu
-def test_gpu_routed_experts_train_bitwise_and_keep_a_plan() -> None:
-    """REAL GPU (skips without one; not yet run on one when written): 32,768 tokens, the
-    default options (2 MiB chunks), at a budget that swaps, bitwise against the same loop in
-    core on the GPU, deterministic algorithms on (``index_add`` accumulates)."""
+def _gpu_routed(budget: str) -> dict:
+    """On a real GPU: the routed experts, 32,768 tokens, in core and under the engine at
+    ``budget`` (the default options: 2 MiB chunks), deterministic algorithms on (``index_add``
+    accumulates), the parameters after each step bitwise; the engine's last stats."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         ref = _routed(None, "gpu", tokens=32768)
-        got = _routed({"budget": "48MiB"}, "gpu", tokens=32768)
+        got = _routed({"budget": budget}, "gpu", tokens=32768)
     finally:
         torch.use_deterministic_algorithms(False)
     for step, (a, b) in enumerate(zip(ref[1], got[1])):
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
-    end = got[2][-1]
+    return got[2][-1]
+
+
+@pytest.mark.gpu
+def test_gpu_routed_experts_train_bitwise_and_keep_a_plan() -> None:
+    """REAL GPU (skips without one; passed on an H200, 2026-11-28): 32,768 tokens, the
+    default options (2 MiB chunks), at a budget that swaps, bitwise against the same loop in
+    core on the GPU, deterministic algorithms on (``index_add`` accumulates)."""
+    end = _gpu_routed("48MiB")
     assert end["bytes_out"] > 0 and _planned(end) >= STEPS // 2, end
 
 
 @pytest.mark.gpu
 def test_gpu_routed_experts_run_plain_where_their_plan_moves_nothing() -> None:
-    """REAL GPU (skips without one; not yet run on one when written): the plain form of a
+    """REAL GPU (skips without one; passed on an H200, 2026-11-28): the plain form of a
     widened plan on the real driver, at a budget its plan fits whole, bitwise against in core
     on the GPU (20 of 32 steps plain on the CPU, 23 over the fake driver)."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        ref = _routed(None, "gpu", tokens=32768)
-        got = _routed({"budget": "4GiB"}, "gpu", tokens=32768)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for step, (a, b) in enumerate(zip(ref[1], got[1])):
-        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"parameters after step {step} differ"
-    end = got[2][-1]
+    end = _gpu_routed("4GiB")
     assert end["plan.bytes_in"] == end["plan.bytes_out"] == 0, end
     assert end["steps.plain"] >= STEPS // 2, {k: v for k, v in end.items() if k.startswith("steps")}
 
