@@ -45,6 +45,10 @@ class Case:
     recompute: str = "auto"   # OutOfCore's: "never" swaps only
     update_in_backward: bool = False   # each parameter's update in its grad hook (``update_in_backward``)
     hook_steps: bool = True   # ``Options.hook_steps``: False keeps every planned step per op
+    budget_covers: str = "managed"   # ``Options.budget_covers``: "step" bounds every tensor of the step
+    # The peak is also read from this step on (``steady_peak_rise_bytes``; 0: not apart): the
+    # steps before it record and plan, which a budget for the whole step does not bound.
+    steady_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class CaseResult:
     # run anchored (swapping what its per-op form recomputes where no template reruns it), so
     # the plan's bytes (``stats``' ``plan.*``) need not be what the steps moved.
     counted: tuple[dict[str, int], ...] = ()
+    steady_peak_rise_bytes: int | None = None   # from step ``Case.steady_from`` on, where asked
 
     @property
     def median_step_s(self) -> float:
@@ -159,7 +164,8 @@ def case_result(case: Case, result: dict[str, Any]) -> CaseResult:
     return CaseResult(case=case, step_s=tuple(result["step_s"]),
                       baseline_rss_bytes=result["baseline_rss"], peak_rise_bytes=result["peak_rise"],
                       peak_total_bytes=result["peak_total"], losses=tuple(result["losses"]),
-                      stats=result.get("stats"), counted=tuple(result.get("counted", ())))
+                      stats=result.get("stats"), counted=tuple(result.get("counted", ())),
+                      steady_peak_rise_bytes=result.get("steady_peak_rise"))
 
 
 # -- the child process ---------------------------------------------------------------------
@@ -232,6 +238,8 @@ def engine_for(case: Case, model, optimizer, **extra: Any):
             options["verify"] = True
         if not case.hook_steps:
             options["hook_steps"] = False
+        if case.budget_covers != "managed":
+            options["budget_covers"] = case.budget_covers
         engine = ooc.OutOfCore(model, optimizer, budget=case.budget, manage=case.manage,
                                storage=case.storage, recompute=case.recompute,
                                options=ooc.Options(chunk=case.chunk, threads=case.threads, **options), **extra)
@@ -313,7 +321,11 @@ def _child(spec: dict[str, Any]) -> None:
     baseline = _status()["VmRSS"] if exact else before["VmHWM"]
     times, losses = [], []
     counts = StepCounts()
+    earlier = None   # the peak of the steps before ``steady_from``
     for step in range(case.steps):
+        if exact and case.steady_from and step == case.steady_from:
+            earlier = _status()["VmHWM"]
+            _reset_peak()
         torch.manual_seed(case.seed + 1 + step)
         t0 = time.perf_counter()
         loss = train_step(model, opt, engine, loss_fn, x, y, in_backward=case.update_in_backward)
@@ -322,7 +334,8 @@ def _child(spec: dict[str, Any]) -> None:
         if engine is not None:
             counts.record(engine)
         print(f"OOC-STEP {step}", flush=True)
-    peak = _status()["VmHWM"]
+    steady = peak = _status()["VmHWM"]
+    peak = max(peak, earlier or 0)
     stats = engine.stats() if engine is not None else None
     if engine is not None:
         engine.close()
@@ -330,7 +343,8 @@ def _child(spec: dict[str, Any]) -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, case.params_out)
     print("OOC-RESULT " + json.dumps({
         "step_s": times, "baseline_rss": baseline, "peak_rise": peak - baseline,
-        "peak_total": peak, "losses": losses, "stats": stats, "counted": counts.steps}, default=str),
+        "peak_total": peak, "losses": losses, "stats": stats, "counted": counts.steps,
+        "steady_peak_rise": steady - baseline if earlier is not None else None}, default=str),
         flush=True)
 
 

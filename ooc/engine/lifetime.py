@@ -71,11 +71,13 @@ def close_pool(pool: Any) -> None:
         close()
 
 
-def recycle_bytes(budget: int) -> int:
+def recycle_bytes(budget: int, *, whole_step: bool = False) -> int:
     """The CPU allocator's floor: bytes of freed blocks it may keep even above the step's live
     peak (an eighth of the budget, 32-64 MiB). Above the live peak they would count in the
     process's memory, outside the budget: a fixed 256 MiB cache cost a 2 GiB-budget GPT
-    +270 MiB of training memory.
+    +270 MiB of training memory. A budget for the whole step (``whole_step``,
+    ``Options(budget_covers="step")``) covers the cache too, which takes an eighth of it, at
+    most 64 MiB, with no floor: a small step budget would go to the cache.
 
     Beyond the live-peak bound, the cache has no cap, whatever is managed. With parameters,
     gradients or optimizer state managed it was capped at half the budget (at most 256 MiB)
@@ -89,4 +91,4 @@ def recycle_bytes(budget: int) -> int:
     7.9 s a step at the same training memory (2,156 -> 2,158 MiB). With activations alone
     managed it was lifted earlier: the cap re-faulted ResNet-18's weight gradients every step
     (+20%), GPT 6x256 at 1/4 ran 1.41x -> 1.15x in-core once lifted, at the same rise."""
-    return min(max(budget // 8, 32 << 20), 64 << 20)
+    return min(budget // 8 if whole_step else max(budget // 8, 32 << 20), 64 << 20)

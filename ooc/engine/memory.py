@@ -35,6 +35,12 @@ class EngineMemory:
     pool: DevicePool             # the budget's device memory
     held: Held                   # what a collected engine lets go of (follows the pool)
     arena: str = "pool"          # where swap-ins live on a GPU (ooc.Options.arena), for each new pool
+    # Options(budget_covers="step"), ooc/engine/step_budget.py: the budget given for the whole
+    # step (0: the budget covers the managed tensors only), what a step starts with, and the
+    # most its recording held beside the managed tensors
+    step_budget: int = 0
+    step_start: int = 0
+    step_held: int = 0
     counters: Counter = field(default_factory=Counter)
     on_cpu: bool = field(init=False)   # the device is the CPU (an attribute: read several times a step)
 

@@ -17,6 +17,7 @@ from ooc.runtime.torch_arena import ARENAS
 from vmm.units import parse_size
 
 RECOMPUTE = ("auto", "never", "prefer")   # OutOfCore(recompute=...): the scheduler's words
+BUDGET_COVERS = ("managed", "step")   # Options(budget_covers=...): what the budget bounds
 MAX_PLANS = 16   # plans kept (start x shape), least recently used out (ooc/engine/plan_cache.py)
 
 
@@ -55,6 +56,16 @@ class Options:
             budget, free of fragmentation, beside PyTorch's caching allocator (their peaks add
             up). The budget bounds ooc's bytes either way (``ooc/runtime/torch_arena.py``
             says why).
+        budget_covers: what the budget bounds. ``"managed"`` (default): the tensors ooc
+            manages; the step's other bytes (weights, gradients, optimizer state, the
+            backward's temporaries, tensors under ``min_bytes``) sit beside them. ``"step"``:
+            every tensor byte the step holds, as a device of that size would (a 16 GiB GPU, a
+            board with 2 GiB of RAM): after the first step records the whole step, the
+            managed tensors get what is left where the step holds the most beside them (less,
+            on the CPU, the allocator's cache: ``scheduler/whole_step.py``). ``stats()``'
+            ``budget`` is then that managed budget, ``step_budget`` the one given and
+            ``step_held_bytes`` the most the step held beside it. The recording step bounds its
+            managed tensors only; later shapes plan at the managed budget chosen.
 
     Example::
 
@@ -69,10 +80,13 @@ class Options:
     hook_steps: bool = True
     max_plans: int = MAX_PLANS
     arena: str = "auto"
+    budget_covers: str = "managed"
 
     def __post_init__(self) -> None:
         if self.arena not in ARENAS:
             raise OOCError(f"Options.arena must be one of {list(ARENAS)}, got {self.arena!r}")
+        if self.budget_covers not in BUDGET_COVERS:
+            raise OOCError(f"Options.budget_covers must be one of {list(BUDGET_COVERS)}, got {self.budget_covers!r}")
         for name in ("chunk", "min_bytes", "window"):
             value = getattr(self, name)
             if value is not None:

@@ -1,12 +1,12 @@
 """``OutOfCore``: the facade the user holds, over parts that each own their state.
 
-- ``memory.py``: the budget, chunk, pool and tier every part reads (``EngineMemory``);
+- ``memory.py``: the budget, chunk, pool and tier every part reads (``EngineMemory``; a
+  budget for the whole step: ``step_budget.py``);
 - ``persistent.py``: the parameters, gradients and optimizer state it manages across steps
   (``PersistentStore``; their uses between steps: ``between_steps.py``);
 - ``plan_cache.py``: the plans kept per start and shape, and the step that runs one: the one
   place where a step's form is chosen (``PlanCache``; hook-driven forms: ``hook_forms.py``);
-- ``planning.py``: what the engine asks ``scheduler`` after each step, and the chunk
-  (``Planner``);
+- ``planning.py``: what the engine asks ``scheduler`` after each step, and the chunk (``Planner``);
 - ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point (``UpdateGuard``);
 - ``step_end.py``: every step's end, one routine (``StepEnd``); ``step_book.py``: what is kept
   of the steps (``StepBook``); ``stats.py``: ``stats()`` from the parts;
@@ -35,6 +35,7 @@ from ooc.engine.pin_policy import pin_function
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import DEFAULT_CHUNK, Planner, start_chunk
 from ooc.engine.step_book import StepBook
+from ooc.engine.step_budget import recording_room, start_bytes
 from ooc.engine.step_end import StepEnd, partial_update_error
 from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
@@ -116,8 +117,7 @@ class OutOfCore:
         if not isinstance(options, Options):
             raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
         budget = parse_size(budget, what="budget")
-        # With neither chunk nor min_bytes given, the chunk adapts to what the first
-        # recording step saves (Planner.adapt_chunk); either one given keeps both as before.
+        # Neither chunk nor min_bytes given: the chunk adapts to what the first recording saves (adapt_chunk).
         adaptive = options.chunk is None and options.min_bytes is None
         chunk = DEFAULT_CHUNK if options.chunk is None else options.chunk
         manage = (manage,) if isinstance(manage, str) else tuple(manage)
@@ -131,8 +131,8 @@ class OutOfCore:
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise OOCError(f"device {device}: the runtime runs on 'cpu' or 'cuda'")
-        # torch.cuda through one seam (ooc.runtime.devices.CudaRuntime): ooc.testing.fake_cuda()
-        # swaps it to run this CUDA path over a fake driver, with the model on the CPU.
+        # torch.cuda through one seam (ooc.runtime.devices.CudaRuntime): ooc.testing.fake_cuda() swaps it
+        # to run this CUDA path over a fake driver, with the model on the CPU.
         cuda = cuda_runtime() if device.type == "cuda" else None
         if cuda is not None and not cuda.is_available():
             raise OOCError(f"device {device}: this PyTorch has no usable CUDA (torch "
@@ -156,18 +156,17 @@ class OutOfCore:
         if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
             raise OOCError("a fused optimizer updates every parameter in one op; "
                            "create it with fused=False to manage params/grads/state")
-        # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap
-        # threshold, the optimizer's foreach flag): made at the first step, undone by close()
-        # or when the engine is collected (ooc/host/process_effects.py).
+        # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap threshold, the
+        # foreach flag): made at the first step, undone by close() or collection (ooc/host/process_effects.py).
         self._effects = ProcessEffects(device.type, optimizer, per_parameter)
-        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and PyTorch's
-        # allocator for the swap-ins (or a VMM pool: Options.arena). The pool
-        # checks the chunk against the backend's granularity before anything else is made.
+        # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and PyTorch's allocator
+        # for the swap-ins (or a VMM pool: Options.arena). The pool checks the chunk's granularity first.
         arena = resolve_arena(device, options.arena)
-        tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify,
-                                        arena=arena)
-        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool),
-                                       arena=arena)
+        tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify, arena=arena)
+        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool), arena=arena)
+        if options.budget_covers == "step":   # a budget for the whole step (step_budget.py)
+            mem.step_budget, mem.step_start = budget, start_bytes(model, optimizer)
+            mem.budget = recording_room(mem)
         self._store = store = PersistentStore(model, optimizer, mem)
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
                                 activations="activations" in self._manage, hook_steps=options.hook_steps,
@@ -239,7 +238,7 @@ class OutOfCore:
         self._store.enter_step()   # plain tensors from here on, the ones still held, stable ids
         mem = self._mem
         if mem.on_cpu:   # hook-driven steps too; before reconcile: what it lets go of is recycled
-            cpu_allocator.begin(mem, recycle_bytes(mem.budget))
+            cpu_allocator.begin(mem, recycle_bytes(mem.step_budget or mem.budget, whole_step=bool(mem.step_budget)))
         try:   # the plan and the step's form (plan_cache.py)
             form = self._plans.begin(self._store.start_key(kind))
         except BaseException:
@@ -299,8 +298,9 @@ class OutOfCore:
     def set_budget(self, budget: int | str) -> None:
         """Change the budget; the next step records again and re-plans under it. With the
         default chunk, that step also chooses the chunk again (never a larger one)."""
-        new = parse_size(budget, what="budget")
+        new, mem = parse_size(budget, what="budget"), self._mem
         self._store.bring_back()
+        mem.step_start = start_bytes(self.model, self.optimizer) if mem.step_budget else 0
         self._planner.set_budget(new)
 
     @contextlib.contextmanager

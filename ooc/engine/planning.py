@@ -20,6 +20,7 @@ from typing import Any, Callable
 import scheduler
 from ooc.engine.hook_forms import HookPlan
 from ooc.engine.host_pricing import priced_hardware
+from ooc.engine import step_budget
 from ooc.engine.lifetime import close_pool
 from ooc.engine.memory import EngineMemory
 from ooc.engine.pin_policy import PinFn, pins_of
@@ -66,6 +67,8 @@ class Planner:
         # plans priced again on their first planned runs (step_plans.reprice); benchmarks turn
         # it off on a live engine to measure what it buys (bench_gpu's "priced-once" rows)
         self.reprice = True
+        # Options(budget_covers="step"): the managed budget is fitted at the next recording step
+        self.fit_pending = bool(mem.step_budget)
 
     def settings(self) -> Settings:
         """What the scheduler plans with, now (the budget and chunk change between steps)."""
@@ -85,11 +88,12 @@ class Planner:
             return False
         return prices_open(schedule, self._cache.prices(key)[0], self.settings())
 
-    def after_step(self, st: Stepper | AnchoredStep, report: StepReport) -> None:
+    def after_step(self, st: Stepper | AnchoredStep, report: StepReport, whole: Any = None) -> None:
         """Ask the scheduler what follows from a step that completed (``scheduler.step_plans.
         after_step``), and do it. Only the chunk is chosen here first: a recording step under
         the default chunk may choose another (``adapt_chunk``), and then the next step records
-        again instead."""
+        again instead; and a budget for the whole step, the managed budget (``fit_step``, from
+        the step's ``whole`` recording)."""
         if isinstance(st, Stepper):
             st.book_device_times()   # the ops' run times on a GPU, where the step timed them
             if st.schedule is None and not self._told_held:
@@ -101,6 +105,8 @@ class Planner:
                     log.warning("the recording step went over the pool once (%s); the next step "
                                 "records again with %s chunks", overflow, format_size(self._mem.chunk))
                 return
+        if self.fit_pending and whole is not None and isinstance(st, Stepper) and st.schedule is None:
+            self.fit_step(st, whole)
         cache, key = self._cache, st.start_key
         family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
         if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
@@ -125,6 +131,16 @@ class Planner:
                 log.info("%d steps in a row kept no plan (their ops change from step to step): plans are "
                          "made from them at doubling intervals now, until one holds", unkept + 1)
         self._do(st, decision, family, report.seconds, time.perf_counter() - t0)
+
+    def fit_step(self, st: Stepper, whole: scheduler.VariableSequence) -> None:
+        """``Options(budget_covers="step")``: the managed budget that leaves room under the
+        step's budget for what ``whole`` (the step, recorded whole) holds beside the managed
+        tensors (``step_budget.fit``). Once after the budget was set: later recordings plan at
+        the budget chosen (a plan kept runs at the budget it was made for)."""
+        mem = self._mem
+        seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
+        step_budget.fit(mem, seq, whole, st.recording.skipped)
+        self.fit_pending = False
 
     def _tell_held(self, st: Stepper) -> None:
         """Once, after a recording step: the tensors its backward read that no saved-tensor
@@ -240,7 +256,20 @@ class Planner:
 
     def check_feasible(self, seq: scheduler.VariableSequence) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget."""
-        scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
+        try:
+            scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
+        except scheduler.BudgetTooSmall as err:
+            mem = self._mem
+            if not mem.step_budget:
+                raise
+            whole = scheduler.BudgetTooSmall(function=err.function, name=err.name, working_set=err.working_set,
+                                             budget=mem.step_budget,
+                                             minimum=step_budget.step_budget_for(err.minimum, mem))
+            whole.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): that minimum "
+                           f"leaves {format_size(err.minimum)} for the managed tensors beside the "
+                           f"{format_size(mem.step_start)} the step starts with, not what its backward holds "
+                           "beside them, which the first step recorded whole names")
+            raise whole from None
 
     # -- the chunk -------------------------------------------------------------------------------
 
@@ -275,13 +304,18 @@ class Planner:
 
     def set_budget(self, budget: int) -> None:
         """A new budget: the next step records and plans under it; with the default chunk, it
-        also chooses the chunk again (never a larger one). Between steps only."""
+        also chooses the chunk again (never a larger one). Between steps only. A budget for
+        the whole step is fitted again at that recording (its managed tensors held meanwhile
+        within ``step_budget.recording_room``)."""
         mem = self._mem
         chunk = min(mem.chunk, start_chunk(budget)) if self.adaptive and mem.on_cpu else mem.chunk
         if budget < chunk:
             from ooc.errors import OOCError
             raise OOCError(f"budget {format_size(budget)} is smaller than one chunk ({format_size(chunk)})")
         mem.budget = budget
+        if mem.step_budget:
+            mem.step_budget, mem.step_held, self.fit_pending = budget, 0, True
+            mem.budget = step_budget.recording_room(mem)
         self.adapt_pending = self.adaptive
         self.set_chunk(chunk, chunk // 2 if self.adaptive else mem.min_bytes)
 
@@ -292,7 +326,7 @@ class Planner:
         mem = self._mem
         mem.chunk, mem.min_bytes = chunk, min_bytes
         mem.pool.trim()   # the old pool's idle chunks: nothing will reuse them
-        old, mem.pool = mem.pool, make_pool(mem.device, mem.budget, chunk, mem.arena)
+        old, mem.pool = mem.pool, make_pool(mem.device, max(mem.budget, mem.step_budget), chunk, mem.arena)
         mem.held.pool = mem.pool
         close_pool(old)
         self._cache.clear()

@@ -43,6 +43,8 @@ def engine_stats(book: StepBook, mem: EngineMemory, plans: PlanCache, reads: Any
         "bytes_recomputed": counters["bytes_recomputed"],
         "recompute_s": float(counters["recompute_s"]),
         "budget": mem.budget,
+        "step_budget": mem.step_budget,
+        "step_held_bytes": mem.step_held,
         "chunk": mem.chunk,
         "pool_peak_mapped_bytes": mem.pool.stats().get("peak_mapped_bytes") or 0,
     })

@@ -63,6 +63,7 @@ class StepEnd:
         #: The last step that ran unplanned (the recording step), whole, as ``ooc.trace``
         #: records a step (``ooc/record/``). None until one completed.
         self.last_recording = None
+        self._whole = None
 
     def finish(self, st: Stepper | AnchoredStep, exc: BaseException | None, seconds: float) -> None:
         """End ``st`` (``exc``: what the step raised, which ``step()`` re-raises): settle it,
@@ -79,6 +80,7 @@ class StepEnd:
         if self._mem.on_cpu:
             cpu_allocator.end(self._mem)   # the cache stays for the next step, shrinking between
         settle = self._settle_per_op if isinstance(st, Stepper) else self._settle_hooked
+        self._whole = None   # this step's whole recording, if it recorded one
         try:
             raised = settle(st, exc)
         finally:
@@ -92,7 +94,7 @@ class StepEnd:
                 log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
                             "back on demand, re-planning next step", st.diverged_at,
                             _op_name(st.schedule, st.diverged_at), st.why, format_size(st.spilled_bytes))
-            self._planner.after_step(st, self._book.last)
+            self._planner.after_step(st, self._book.last, whole=self._whole)
         if isinstance(st, Stepper) and exc is None:
             self._after_per_op(st)
 
@@ -177,7 +179,7 @@ class StepEnd:
             return err
         if back_error is not None:   # the step is done; a tensor the tier holds could not come back
             return back_error
-        recording = st.whole_recording()
+        recording = self._whole = st.whole_recording()
         if recording is not None:
             self.last_recording = recording
         return None

@@ -42,6 +42,7 @@ class StepRecording:
         self.gpu_timing = ctx.device.type == "cuda" and (not planned or ctx.time_ops)
         self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
         self.full: StepRecorder | None = None
+        self.skipped: list[int] = []   # ops the whole recording leaves out (``OpInfo.skip``)
         if not planned:
             self.full = StepRecorder()
             self.roles = roles.register_persistent(self.full, ctx.model, ctx.optimizer, _sizes_of(book))
@@ -67,8 +68,11 @@ class StepRecording:
         would leave the device idle between the op's last kernel and the event, and time it."""
         if timing is not None:
             self.end_timing(i, timing)
-        if self.full is not None and not info.skip:
-            self.full.op(info, args, kwargs, out, info.name, seconds)
+        if self.full is not None:
+            if info.skip:
+                self.skipped.append(i)
+            else:
+                self.full.op(info, args, kwargs, out, info.name, seconds)
 
     def quiet_op(self, info: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         """The next op, one the plan gives no role (``StepContext.quiet_ops``): run and recorded

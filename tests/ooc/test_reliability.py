@@ -899,6 +899,7 @@ def test_budget_units_are_distinct_and_both_valid(tmp_path):
     ({"budget": "1GiB", "manage": "everything"}, "unknown kind"),
     ({"budget": "1GiB", "arena": "gpu"}, "arena must be"),
     ({"budget": "1GiB", "arena": "pytorch"}, "for CUDA devices"),   # on the CPU: one arena already
+    ({"budget": "1GiB", "budget_covers": "device"}, "budget_covers must be"),
 ])
 def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     """Extends test_engine.py's list: one clear OOCError, and nothing done — no directory, no
@@ -906,7 +907,7 @@ def test_more_bad_arguments_fail_before_any_work(tmp_path, bad, words):
     model, opt = fresh()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     threads = set(threading.enumerate())
-    options = {k: bad.pop(k) for k in ("chunk", "window", "min_bytes", "threads", "arena") if k in bad}
+    options = {k: bad.pop(k) for k in ("chunk", "window", "min_bytes", "threads", "arena", "budget_covers") if k in bad}
     with pytest.raises(OOCError, match=words):
         OutOfCore(model, opt, storage=str(tmp_path), manage=bad.pop("manage", ALL), options=Options(**options), **bad)
     assert os.listdir(tmp_path) == [] and set(threading.enumerate()) <= threads

@@ -1,0 +1,75 @@
+"""``Options(budget_covers="step")``: the engine's side of a budget for every tensor of the step.
+
+The scheduler says how much of such a budget the managed tensors get once the step was
+recorded whole (``scheduler/whole_step.py``); this module says what the engine gives them
+before that, on the step that records, and keeps the two in ``EngineMemory``: ``step_budget``
+(the budget given), ``budget`` (the managed tensors' share), ``step_start`` (what a step
+starts with) and ``step_held`` (the most the recorded step held beside its managed tensors).
+
+The recording step cannot know what PyTorch will hold beside its managed tensors (the
+backward's gradients of activations, its temporaries) until it ran; what it starts with
+(weights, buffers, optimizer state, gradients kept from the last step) it can. So it holds
+its managed tensors within the budget less those bytes and the CPU allocator's cache, and its
+temporaries come on top: the one step a budget for the whole step does not bound.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ooc.engine.lifetime import recycle_bytes
+from ooc.engine.memory import EngineMemory
+from scheduler.ir import VariableSequence
+from scheduler.whole_step import held_beside, managed_budget
+from vmm.units import format_size
+
+log = logging.getLogger(__name__)
+
+
+def cache_reserve(budget: int, on_cpu: bool) -> int:
+    """Bytes of a step budget kept for the CPU allocator's cache of freed pages (none on a GPU,
+    whose caching allocator's blocks are what it holds)."""
+    return recycle_bytes(budget, whole_step=True) if on_cpu else 0
+
+
+def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes a step starts with: weights, buffers, gradients kept from the last step and the
+    optimizer's state, each storage once."""
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def recording_room(mem: EngineMemory) -> int:
+    """What a recording step's managed tensors may hold under ``mem.step_budget``: the budget
+    less the cache and what the step starts with (``mem.step_start``), in whole chunks, at
+    least one (a budget under what the step needs fails at its end, naming the minimum)."""
+    room = (mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu) - mem.step_start) // mem.chunk * mem.chunk
+    return max(room, mem.chunk)
+
+
+def step_budget_for(room: int, mem: EngineMemory) -> int:
+    """The least step budget whose recording step gives its managed tensors ``room``."""
+    budget = need = room + mem.step_start
+    while budget - cache_reserve(budget, mem.on_cpu) < need:   # the cache grows with the budget
+        budget = need + cache_reserve(budget, mem.on_cpu)
+    return -(-budget // mem.chunk) * mem.chunk
+
+
+def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:
+    """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
+    its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out)."""
+    held = held_beside(whole, managed, skipped)
+    two = not mem.on_cpu and mem.arena == "pool"   # a GPU pool's chunks sit beside PyTorch's cache
+    mem.budget = managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
+                                arenas=2 if two else 1, granule=mem.chunk)
+    mem.step_held = max(held)
+    cache = cache_reserve(mem.step_budget, mem.on_cpu)
+    log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",
+             format_size(mem.step_budget), format_size(mem.budget), format_size(min(held)), format_size(max(held)),
+             f", {format_size(cache)} kept for the allocator's cache" if cache else "")

@@ -1,0 +1,91 @@
+"""A budget for the whole step: the managed budget that leaves room for everything else.
+
+Why: a budget bounds the tensors ooc manages, and beside them the step holds what it does not
+manage (weights, gradients, optimizer state, the input, the backward's gradients of
+activations, tensors under ``min_bytes``), which peaks where it peaks. A user knows the device
+(a 16 GiB GPU, a board with 2 GiB of RAM), not the managed share of it. So the engine records
+the whole step once (``held_beside``: its bytes per op less the managed tensors) and gives
+the managed tensors what is left of the step's budget where the step holds the most
+(``managed_budget``).
+
+Why a flat budget: the managed tensors may sit anywhere under their budget at any op (a
+re-priced plan, the anchored form's later frees, a step that leaves its plan and runs on
+demand), so only a flat one bounds them wherever PyTorch's bytes peak. A larger budget whose
+plan happened to avoid those places was tried (the fastest of a grid of budgets whose plan's
+modelled peak with the held bytes fitted, as ``scheduler.device_fit`` does for ``ooc fit``): on
+ResNet-18 at batch 32 on this CPU, at a 500 MiB step budget, it kept 256 MiB for the managed
+tensors, modelled a 402 MiB peak, and the process's peak rose 535 MiB once the plan was priced
+again; in another run no budget of the grid fitted. The flat budget's runs stay within the step
+budget (docs/guide/budgets.md, "A budget for the whole step").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from scheduler.errors import BudgetTooSmall
+from scheduler.ir import VariableSequence
+from scheduler.working_sets import working_sets
+from vmm.units import format_size
+
+__all__ = ["held_beside", "managed_budget"]
+
+
+def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = ()) -> tuple[int, ...]:
+    """Bytes the step holds beside its managed tensors during each of ``managed``'s functions:
+    what the whole recording has live there, less the managed tensors (both at eager
+    lifetimes, ``VariableSequence.live_bytes``), where what the step makes and leaves (the
+    optimizer's state on its first step, gradients kept for accumulation) counts from the start
+    too: the next step begins with it. ``skipped``: indices of ``managed``'s
+    functions the whole recording leaves out (``OpInfo.skip``: profiler markers,
+    ``lift_fresh``), which hold what the function before them held."""
+    mine, early = managed.live_bytes, [0] * (len(whole.functions) + 1)
+    for v, var in whole.variables.items():   # born in the step and outliving it: there from the next one's start
+        if var.live_out and not var.live_in and whole.first_use.get(v):
+            early[0] += var.nbytes
+            early[whole.first_use[v]] -= var.nbytes
+    total = [live + e for live, e in zip(whole.live_bytes, itertools.accumulate(early))]
+    skip = set(skipped)
+    if len(managed.functions) - len(skip) != len(total):
+        raise ValueError(f"the whole recording has {len(total)} functions, the managed one "
+                         f"{len(managed.functions)} with {len(skip)} left out: not the same step")
+    out, j = [], 0
+    for i in range(len(mine)):
+        k = max(j - 1, 0) if i in skip else j
+        j += i not in skip
+        out.append(max(0, (total[k] if total else 0) - mine[i]))
+    return tuple(out)
+
+
+def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, *,
+                   reserve: Callable[[int], int] = lambda budget: 0, arenas: int = 1,
+                   granule: int = 2 << 20) -> int:
+    """The managed budget for a step ``budget``: what is left of it, less ``reserve(budget)``
+    (bytes the device keeps beside any plan: the CPU allocator's cache), where the step holds the
+    most beside its managed tensors (``held``), shared by ``arenas`` (2: ooc's pool beside
+    PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s, and no
+    more than the managed tensors' in-core peak. ``BudgetTooSmall`` where that is under the
+    step's largest working set: it names the function where the step holds the most, and the
+    step budget that leaves that working set."""
+    if not held:
+        raise ValueError("no bytes per function: record the step whole first")
+    most = max(held)
+    left = (budget - reserve(budget) - most) // arenas // granule * granule
+    low = max(max(working_sets(managed), default=0), granule)
+    if left < low:
+        i = held.index(most)
+        minimum = need = most + arenas * low
+        while minimum - reserve(minimum) < need:   # a reserve that grows with the budget
+            minimum = need + reserve(minimum)
+        minimum = -(-minimum // granule) * granule
+        err = BudgetTooSmall(function=i, name=managed.functions[i].name, working_set=most + low,
+                             budget=budget, minimum=minimum)
+        err.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): beside its "
+                     f"managed tensors the step holds up to {format_size(most)} there (weights, gradients, "
+                     f"optimizer state, PyTorch's temporaries), and one function needs {format_size(low)} of "
+                     f"managed tensors at once" + (" in each of two arenas" if arenas > 1 else "")
+                     + (f"; {format_size(reserve(budget))} is kept for the allocator's cache"
+                        if reserve(budget) else ""))
+        raise err
+    return min(left, max(-(-managed.in_core_peak_bytes // granule) * granule, granule))

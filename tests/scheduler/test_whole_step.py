@@ -1,0 +1,93 @@
+"""``scheduler.whole_step``: the bytes a step holds beside its managed tensors, and the managed
+budget that leaves room for them under a budget for the whole step."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import BudgetTooSmall, Cost, Kind, Variable, build_sequence
+from scheduler.ir import VariableSequence
+from scheduler.whole_step import held_beside, managed_budget
+from scheduler.working_sets import working_sets
+
+MiB = 1 << 20
+
+
+def _step() -> VariableSequence:
+    """A weight (live in and out), two activations, a temporary of the backward, a gradient,
+    and optimizer state the step creates and keeps (a first step's momentum)."""
+    return build_sequence(
+        [("fwd1", [(0, "r"), (1, "w")], Cost()),            # 0: activation a
+         ("fwd2", [(0, "r"), (2, "w")], Cost()),            # 1: activation b (a waits for bwd2)
+         ("bwd1", [(2, "r"), (3, "w")], Cost()),            # 2: temporary t (a gradient of b)
+         ("bwd2", [(3, "r"), (1, "r"), (4, "w")], Cost()),  # 3: gradient g
+         ("opt", [(4, "r"), (0, "w"), (5, "w")], Cost())],  # 4: the update, momentum m
+        [Variable(0, 10 * MiB, Kind.PARAM, "w", live_in=True, live_out=True),
+         Variable(1, 40 * MiB, Kind.ACTIVATION, "a"), Variable(2, 30 * MiB, Kind.ACTIVATION, "b"),
+         Variable(3, 20 * MiB, Kind.TEMPORARY, "t"), Variable(4, 10 * MiB, Kind.GRAD, "g"),
+         Variable(5, 10 * MiB, Kind.OPTIMIZER_STATE, "m", live_out=True)])
+
+
+def _managed(whole: VariableSequence, keep: set[int]) -> VariableSequence:
+    """``whole`` with only the variables ``keep`` (the engine's recording of its managed tensors)."""
+    functions = tuple(type(f)(f.index, f.name, tuple(u for u in f.uses if u.var in keep), f.cost)
+                      for f in whole.functions)
+    return VariableSequence(functions, {v: whole.variables[v] for v in keep}, {})
+
+
+def test_held_is_the_whole_steps_bytes_less_the_managed_ones_with_what_it_keeps_from_the_start() -> None:
+    whole = _step()
+    held = held_beside(whole, _managed(whole, {1, 2}))
+    # the weight everywhere, the momentum the step keeps (there when the next step starts),
+    # the temporary during the backward's first two functions, the gradient until the update
+    assert held == tuple(x * MiB for x in (20, 20, 40, 50, 30))
+    # what in core holds, less the managed activations, plus the momentum before it is made
+    managed = _managed(whole, {1, 2}).live_bytes
+    assert [h - (10 * MiB if i < 4 else 0) for i, h in enumerate(held)] == \
+        [t - m for t, m in zip(whole.live_bytes, managed)]
+
+
+def test_functions_the_whole_recording_leaves_out_hold_what_the_one_before_held() -> None:
+    whole = _step()
+    kept = _managed(whole, {1, 2})
+    marker = type(kept.functions[0])(2, "profiler._record_function_enter_new", (), Cost())
+    functions = list(kept.functions[:2]) + [marker] + [
+        type(f)(f.index + 1, f.name, f.uses, f.cost) for f in kept.functions[2:]]
+    with_marker = VariableSequence(tuple(functions), dict(kept.variables), {})
+    held = held_beside(whole, with_marker, skipped=[2])
+    assert held == tuple(x * MiB for x in (20, 20, 20, 40, 50, 30))
+    with pytest.raises(ValueError, match="not the same step"):
+        held_beside(whole, with_marker)
+
+
+def test_the_managed_budget_is_what_is_left_where_the_step_holds_the_most() -> None:
+    whole = _step()
+    managed = _managed(whole, {1, 2})
+    held = held_beside(whole, managed)
+    assert managed_budget(managed, held, 130 * MiB) == 70 * MiB   # in-core peak of a and b
+    assert managed_budget(managed, held, 110 * MiB, granule=4 * MiB) == 60 * MiB
+    assert managed_budget(managed, held, 110 * MiB, reserve=lambda b: 8 * MiB, granule=4 * MiB) == 52 * MiB
+    assert managed_budget(managed, held, 190 * MiB, arenas=2) == 70 * MiB
+
+
+def test_a_step_budget_that_leaves_no_working_set_names_where_and_how_much() -> None:
+    whole = _step()
+    managed = _managed(whole, {1, 2})
+    held = held_beside(whole, managed)
+    need = max(working_sets(managed))   # 40 MiB: a, written by fwd1 and read by bwd2
+    with pytest.raises(BudgetTooSmall) as err:
+        managed_budget(managed, held, 90 * MiB, reserve=lambda b: 4 * MiB)
+    e = err.value
+    assert (e.function, e.name, e.working_set) == (3, "bwd2", 50 * MiB + need)
+    assert e.minimum == 50 * MiB + need + 4 * MiB
+    assert "covers the whole step" in "".join(e.__notes__) and "4 MiB is kept" in "".join(e.__notes__)
+    assert managed_budget(managed, held, e.minimum, reserve=lambda b: 4 * MiB) == need   # the minimum is enough
+    eighth = lambda b: b // 8   # noqa: E731 - a reserve that grows with the budget (the CPU cache's)
+    with pytest.raises(BudgetTooSmall) as err:
+        managed_budget(managed, held, 90 * MiB, reserve=eighth, granule=1)
+    assert managed_budget(managed, held, err.value.minimum, reserve=eighth, granule=1) == need
+    assert err.value.minimum - 1 - (err.value.minimum - 1) // 8 < 50 * MiB + need   # and the least that is
+    with pytest.raises(BudgetTooSmall) as err:
+        managed_budget(managed, held, 120 * MiB, arenas=2)
+    assert err.value.minimum == 50 * MiB + 2 * need
+    assert managed_budget(managed, held, err.value.minimum, arenas=2) == need
