@@ -65,7 +65,8 @@ class Options:
             on the CPU, the allocator's cache: ``scheduler/whole_step.py``). ``stats()``'
             ``budget`` is then that managed budget, ``step_budget`` the one given and
             ``step_held_bytes`` the most the step held beside it. The recording step bounds its
-            managed tensors only; later shapes plan at the managed budget chosen.
+            managed tensors only (within the budget less what the step starts with); a later
+            shape that holds more beside them lowers their share.
 
     Example::
 

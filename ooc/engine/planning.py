@@ -105,7 +105,7 @@ class Planner:
                     log.warning("the recording step went over the pool once (%s); the next step "
                                 "records again with %s chunks", overflow, format_size(self._mem.chunk))
                 return
-        if self.fit_pending and whole is not None and isinstance(st, Stepper) and st.schedule is None:
+        if self._mem.step_budget and whole is not None and isinstance(st, Stepper) and st.schedule is None:
             self.fit_step(st, whole)
         cache, key = self._cache, st.start_key
         family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
@@ -135,12 +135,24 @@ class Planner:
     def fit_step(self, st: Stepper, whole: scheduler.VariableSequence) -> None:
         """``Options(budget_covers="step")``: the managed budget that leaves room under the
         step's budget for what ``whole`` (the step, recorded whole) holds beside the managed
-        tensors (``step_budget.fit``). Once after the budget was set: later recordings plan at
-        the budget chosen (a plan kept runs at the budget it was made for)."""
+        tensors (``step_budget.fit``). After the budget was set, the first recording sets it;
+        a later one (another shape) only lowers it, and the plans made at the higher one go
+        (a plan runs at the budget it was made for: their shapes record again)."""
         mem = self._mem
         seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
+        before, held_before = (None, 0) if self.fit_pending else (mem.budget, mem.step_held)
         step_budget.fit(mem, seq, whole, st.recording.skipped)
         self.fit_pending = False
+        mem.step_held = max(mem.step_held, held_before)
+        if before is None or mem.budget == before:
+            return
+        if mem.budget > before:   # this shape holds less beside: the others still need the smaller share
+            mem.budget = before
+            return
+        log.info("a step of another shape holds more beside the managed tensors: their budget %s -> %s; "
+                 "the plans made at the higher one go", format_size(before), format_size(mem.budget))
+        self._cache.clear()
+        self._left.clear()
 
     def _tell_held(self, st: Stepper) -> None:
         """Once, after a recording step: the tensors its backward read that no saved-tensor

@@ -53,9 +53,9 @@ def _fresh(optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 + step)
-    return torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _whole_peak(model: nn.Module) -> int:
@@ -65,9 +65,10 @@ def _whole_peak(model: nn.Module) -> int:
                  loss_fn=F.cross_entropy, device="meta").in_core_peak_bytes
 
 
-def _train(engine: ooc.OutOfCore | None, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+def _train(engine: ooc.OutOfCore | None, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
+           sizes: tuple[int, ...] = (32,)) -> None:
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = _batch(step, sizes[step * len(sizes) // steps])
         torch.manual_seed(100 + step)   # dropout
         if engine is None:
             F.cross_entropy(model(x), y).backward()
@@ -125,6 +126,35 @@ def test_a_step_budget_under_what_the_step_holds_names_the_minimum_which_then_wo
     assert [("starts with" in n, "holds up to" in n) for n in notes] == [(True, False), (False, True)]
     assert engine.stats()["steps"] >= 3 and engine.stats()["budget"] < engine.stats()["step_budget"]
     engine.close()
+
+
+def test_a_shape_that_holds_more_beside_lowers_the_share_and_one_that_holds_less_keeps_it(tmp_path) -> None:
+    """Batches of 32, then 64 (its gradients of activations are twice the bytes), then 32
+    again: the 64's recording lowers the managed tensors' share and drops the 32's plan,
+    whose next step records again and keeps the lower share. Bitwise throughout."""
+    sizes = (32, 64, 32)
+    ref_model, ref_opt = _fresh("sgd")
+    _train(None, ref_model, ref_opt, 12, sizes)
+    model, opt = _fresh("sgd")
+    x, y = _batch(0, 64)
+    budget = trace(copy.deepcopy(model).to("meta"), x.to("meta"), targets=y.to("meta"), loss_fn=F.cross_entropy,
+                   device="meta").in_core_peak_bytes * 17 // 20   # the 64's: the 32 holds less beside
+    seen = []
+    with ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
+                       options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
+        for part in range(3):
+            _train(engine, model, opt, 4, (sizes[part],))
+            seen.append((engine.stats()["budget"], engine.stats()["step_held_bytes"]))
+    (first, held32), (second, held64), (third, held_after) = seen
+    assert second < first and held64 > held32, seen
+    assert third == second and held_after == held64, seen
+    assert engine.stats()["steps.recorded"] >= 3   # each shape, and the 32's again after its plan went
+    # the same loop without the engine, batch for batch
+    ref_model, ref_opt = _fresh("sgd")
+    for part in range(3):
+        _train(None, ref_model, ref_opt, 4, (sizes[part],))
+    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
 
 
 def test_over_the_fake_cuda_driver_one_arena_gets_the_budget_less_what_the_step_holds() -> None:
