@@ -71,14 +71,19 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     if not held:
         raise ValueError("no bytes per function: record the step whole first")
     most = max(held)
-    left = (budget - reserve(budget) - most) // arenas // granule * granule
-    low = max(max(working_sets(managed), default=0), granule)
+
+    def share(b: int) -> int:
+        return (b - reserve(b) - most) // arenas // granule * granule
+
+    left, low = share(budget), max(max(working_sets(managed), default=0), granule)
     if left < low:
         i = held.index(most)
         minimum = need = most + arenas * low
         while minimum - reserve(minimum) < need:   # a reserve that grows with the budget
             minimum = need + reserve(minimum)
         minimum = -(-minimum // granule) * granule
+        while share(minimum) < low:   # the share is in whole granules
+            minimum += granule
         err = BudgetTooSmall(function=i, name=managed.functions[i].name, working_set=most + low,
                              budget=budget, minimum=minimum)
         err.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): beside its "

@@ -4,6 +4,8 @@ budget that leaves room for them under a budget for the whole step."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import BudgetTooSmall, Cost, Kind, Variable, build_sequence
 from scheduler.ir import VariableSequence
@@ -91,3 +93,22 @@ def test_a_step_budget_that_leaves_no_working_set_names_where_and_how_much() -> 
         managed_budget(managed, held, 120 * MiB, arenas=2)
     assert err.value.minimum == 50 * MiB + 2 * need
     assert managed_budget(managed, held, err.value.minimum, arenas=2) == need
+
+
+@settings(max_examples=60, deadline=None)
+@given(held=st.lists(st.integers(0, 300), min_size=5, max_size=5), granule=st.sampled_from([1, 64, 256]),
+       arenas=st.sampled_from([1, 2]), eighth=st.booleans())
+def test_the_minimum_named_is_the_least_step_budget_that_works(held, granule, arenas, eighth) -> None:
+    """Whatever the step holds, the reserve and the granule: the minimum a refusal names gives
+    the largest working set, and one granule less does not."""
+    whole = _step()
+    managed = _managed(whole, {1, 2})
+    held = [h * 1024 for h in held]
+    reserve = (lambda b: b // 8) if eighth else (lambda b: 0)
+    kw = dict(reserve=reserve, arenas=arenas, granule=granule * 1024)
+    with pytest.raises(BudgetTooSmall) as err:
+        managed_budget(managed, held, max(held), **kw)   # never enough: nothing left beside
+    minimum = err.value.minimum
+    assert managed_budget(managed, held, minimum, **kw) >= max(working_sets(managed))
+    with pytest.raises(BudgetTooSmall):
+        managed_budget(managed, held, minimum - granule * 1024, **kw)
