@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from scheduler.errors import SequenceFormatError
 
@@ -156,6 +156,10 @@ class VariableSequence:
     @cached_property
     def live_bytes(self) -> tuple[int, ...]:
         """Live bytes during each function when nothing is swapped (eager PyTorch)."""
+        return self.live_bytes_sized(lambda nbytes: nbytes)
+
+    def live_bytes_sized(self, size: Callable[[int], int]) -> tuple[int, ...]:
+        """``live_bytes`` with each variable taking ``size(nbytes)`` (an allocator's rounding)."""
         n = len(self.functions)
         delta = [0] * (n + 1)
         for v, var in self.variables.items():
@@ -165,8 +169,8 @@ class VariableSequence:
             start = 0 if var.live_in else ix[0]
             end = n if var.live_out else (ix[-1] + 1 if ix else start)
             if end > start:
-                delta[start] += var.nbytes
-                delta[end] -= var.nbytes
+                delta[start] += size(var.nbytes)
+                delta[end] -= size(var.nbytes)
         out, cur = [], 0
         for i in range(n):
             cur += delta[i]

@@ -32,20 +32,22 @@ from vmm.units import format_size
 __all__ = ["held_beside", "managed_budget"]
 
 
-def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = ()) -> tuple[int, ...]:
+def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = (),
+                size: Callable[[int], int] = lambda nbytes: nbytes) -> tuple[int, ...]:
     """Bytes the step holds beside its managed tensors during each of ``managed``'s functions:
     what the whole recording has live there, less the managed tensors (both at eager
     lifetimes, ``VariableSequence.live_bytes``), where what the step makes and leaves (the
     optimizer's state on its first step, gradients kept for accumulation) counts from the start
     too: the next step begins with it. ``skipped``: indices of ``managed``'s
     functions the whole recording leaves out (``OpInfo.skip``: profiler markers,
-    ``lift_fresh``), which hold what the function before them held."""
-    mine, early = managed.live_bytes, [0] * (len(whole.functions) + 1)
+    ``lift_fresh``), which hold what the function before them held. ``size``: what a tensor
+    of so many bytes takes (the CPU allocator's blocks: ``ooc.host.cpu_allocator.block_bytes``)."""
+    mine, early = managed.live_bytes_sized(size), [0] * (len(whole.functions) + 1)
     for v, var in whole.variables.items():   # born in the step and outliving it: there from the next one's start
         if var.live_out and not var.live_in and whole.first_use.get(v):
-            early[0] += var.nbytes
-            early[whole.first_use[v]] -= var.nbytes
-    total = [live + e for live, e in zip(whole.live_bytes, itertools.accumulate(early))]
+            early[0] += size(var.nbytes)
+            early[whole.first_use[v]] -= size(var.nbytes)
+    total = [live + e for live, e in zip(whole.live_bytes_sized(size), itertools.accumulate(early))]
     skip = set(skipped)
     if len(managed.functions) - len(skip) != len(total):
         raise ValueError(f"the whole recording has {len(total)} functions, the managed one "

@@ -22,6 +22,7 @@ import torch
 
 from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
+from ooc.host import cpu_allocator
 from scheduler.ir import VariableSequence
 from scheduler.whole_step import held_beside, managed_budget
 from vmm.units import format_size
@@ -64,7 +65,7 @@ def step_budget_for(room: int, mem: EngineMemory) -> int:
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:
     """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
     its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out)."""
-    held = held_beside(whole, managed, skipped)
+    held = held_beside(whole, managed, skipped, size=cpu_allocator.block_bytes if mem.on_cpu else lambda n: n)
     two = not mem.on_cpu and mem.arena == "pool"   # a GPU pool's chunks sit beside PyTorch's cache
     mem.budget = managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
                                 arenas=2 if two else 1, granule=mem.chunk)

@@ -142,6 +142,17 @@ def installed() -> bool:
     return _lib is not None and bool(_lib.ooc_cpu_allocator_is_installed())
 
 
+LARGE, ROUND = 1 << 20, 2 << 20   # cpu_allocator.cpp's kLarge and kRound
+
+
+def block_bytes(nbytes: int) -> int:
+    """What a tensor of ``nbytes`` takes while this allocator is PyTorch's: from ``LARGE`` on,
+    whole 2 MiB blocks; a smaller one, its bytes (glibc's heap, PyTorch's ``alloc_cpu``)."""
+    if nbytes < LARGE or not installed():
+        return nbytes
+    return -(-nbytes // ROUND) * ROUND
+
+
 def _loaded_locked() -> ctypes.CDLL | None:
     global _lib, _tried, _reason
     if _tried:

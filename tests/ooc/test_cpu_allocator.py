@@ -652,3 +652,17 @@ def test_the_recording_step_does_not_keep_swapped_out_parameters_in_glibcs_heap(
     # step 1 down to ~2.3; against the planned steps the recording step is ~6 MiB higher.
     first, later = out["rises"][0], max(out["rises"][2:])
     assert first <= later + 8, out["rises"]
+
+
+@needs_compiler
+def test_block_bytes_is_what_a_tensor_takes_while_installed():
+    """``block_bytes`` (what a budget for the whole step counts a tensor as) against the
+    allocator's own count: a 1.5 MiB tensor maps a 2 MiB block, a 512 KiB one is glibc's."""
+    with _step():
+        before = cpu_allocator.stats()["peak_live_bytes"]
+        kept = torch.empty(3 << 17)   # 1.5 MiB
+        live = cpu_allocator.stats()["peak_live_bytes"] - before
+        assert cpu_allocator.installed()
+        assert cpu_allocator.block_bytes(kept.untyped_storage().nbytes()) == live == 2 << 20
+        assert cpu_allocator.block_bytes(512 << 10) == 512 << 10
+        del kept

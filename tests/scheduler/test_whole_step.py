@@ -47,6 +47,9 @@ def test_held_is_the_whole_steps_bytes_less_the_managed_ones_with_what_it_keeps_
     managed = _managed(whole, {1, 2}).live_bytes
     assert [h - (10 * MiB if i < 4 else 0) for i, h in enumerate(held)] == \
         [t - m for t, m in zip(whole.live_bytes, managed)]
+    # each tensor as the allocator takes it (here whole 16 MiB blocks), the managed ones too
+    blocks = held_beside(whole, _managed(whole, {1, 2}), size=lambda n: -(-n // (16 * MiB)) * 16 * MiB)
+    assert blocks == tuple(x * MiB for x in (32, 32, 64, 80, 48))
 
 
 def test_functions_the_whole_recording_leaves_out_hold_what_the_one_before_held() -> None:
