@@ -55,7 +55,8 @@ def runs_of(case: measure.Case, n: int) -> list[measure.CaseResult]:
 def row(label: str, results: list[measure.CaseResult], weights: int, budget: int | None) -> list[str]:
     """One case's cells: the steady peak (from ``STEADY`` on) and the whole run's, each with
     the weights added back (the step budget covers them; the baseline held them)."""
-    steady = max(r.steady_peak_rise_bytes for r in results) + weights
+    steady = max(r.peak_rise_bytes if r.steady_peak_rise_bytes is None else r.steady_peak_rise_bytes
+                 for r in results) + weights   # None: this kernel cannot reset the peak (every step's)
     whole = max(r.peak_rise_bytes for r in results) + weights
     total = max(r.peak_total_bytes for r in results)
     step = statistics.median(r.median_step_s for r in results)

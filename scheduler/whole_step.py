@@ -29,7 +29,7 @@ from scheduler.ir import VariableSequence
 from scheduler.working_sets import working_sets
 from vmm.units import format_size
 
-__all__ = ["held_beside", "managed_budget"]
+__all__ = ["held_beside", "least_budget", "managed_budget"]
 
 
 def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = (),
@@ -80,12 +80,7 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     left, low = share(budget), max(max(working_sets(managed), default=0), granule)
     if left < low:
         i = held.index(most)
-        minimum = need = most + arenas * low
-        while minimum - reserve(minimum) < need:   # a reserve that grows with the budget
-            minimum = need + reserve(minimum)
-        minimum = -(-minimum // granule) * granule
-        while share(minimum) < low:   # the share is in whole granules
-            minimum += granule
+        minimum = least_budget(share, low, most + arenas * low, granule)
         err = BudgetTooSmall(function=i, name=managed.functions[i].name, working_set=most + low,
                              budget=budget, minimum=minimum)
         err.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): beside its "
@@ -96,3 +91,19 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
                         if reserve(budget) else ""))
         raise err
     return min(left, max(-(-managed.in_core_peak_bytes // granule) * granule, granule))
+
+
+def least_budget(share: Callable[[int], int], need: int, guess: int, granule: int) -> int:
+    """The least budget, in whole ``granule``s and from ``guess`` on, whose ``share`` (what a
+    budget leaves for the managed tensors: never less for a larger budget) is ``need``."""
+    low = max(-(-guess // granule), 1)
+    high = low
+    while share(high * granule) < need:   # a reserve that grows with the budget: double until it holds
+        low, high = high + 1, high * 2
+    while low < high:
+        mid = (low + high) // 2
+        if share(mid * granule) >= need:
+            high = mid
+        else:
+            low = mid + 1
+    return high * granule

@@ -24,7 +24,7 @@ from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
 from scheduler.ir import VariableSequence
-from scheduler.whole_step import held_beside, managed_budget
+from scheduler.whole_step import held_beside, least_budget, managed_budget
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
@@ -46,20 +46,20 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return sum(storages.values())
 
 
+def _room(budget: int, mem: EngineMemory) -> int:
+    return (budget - cache_reserve(budget, mem.on_cpu) - mem.step_start) // mem.chunk * mem.chunk
+
+
 def recording_room(mem: EngineMemory) -> int:
     """What a recording step's managed tensors may hold under ``mem.step_budget``: the budget
     less the cache and what the step starts with (``mem.step_start``), in whole chunks, at
     least one (a budget under what the step needs fails at its end, naming the minimum)."""
-    room = (mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu) - mem.step_start) // mem.chunk * mem.chunk
-    return max(room, mem.chunk)
+    return max(_room(mem.step_budget, mem), mem.chunk)
 
 
 def step_budget_for(room: int, mem: EngineMemory) -> int:
     """The least step budget whose recording step gives its managed tensors ``room``."""
-    budget = need = room + mem.step_start
-    while budget - cache_reserve(budget, mem.on_cpu) < need:   # the cache grows with the budget
-        budget = need + cache_reserve(budget, mem.on_cpu)
-    return -(-budget // mem.chunk) * mem.chunk
+    return least_budget(lambda b: _room(b, mem), room, room + mem.step_start, mem.chunk)
 
 
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:

@@ -657,12 +657,13 @@ def test_the_recording_step_does_not_keep_swapped_out_parameters_in_glibcs_heap(
 @needs_compiler
 def test_block_bytes_is_what_a_tensor_takes_while_installed():
     """``block_bytes`` (what a budget for the whole step counts a tensor as) against the
-    allocator's own count: a 1.5 MiB tensor maps a 2 MiB block, a 512 KiB one is glibc's."""
-    with _step():
-        before = cpu_allocator.stats()["peak_live_bytes"]
+    allocator's own count of mapped bytes: a 1.5 MiB tensor maps a 2 MiB block, a 512 KiB one
+    is glibc's."""
+    with _step():   # the cache is empty: the tensor maps its own block
+        before = cpu_allocator.stats()["mapped_bytes"]
         kept = torch.empty(3 << 17)   # 1.5 MiB
-        live = cpu_allocator.stats()["peak_live_bytes"] - before
+        mapped = cpu_allocator.stats()["mapped_bytes"] - before
         assert cpu_allocator.installed()
-        assert cpu_allocator.block_bytes(kept.untyped_storage().nbytes()) == live == 2 << 20
+        assert cpu_allocator.block_bytes(kept.untyped_storage().nbytes()) == mapped == 2 << 20
         assert cpu_allocator.block_bytes(512 << 10) == 512 << 10
         del kept

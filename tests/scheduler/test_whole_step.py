@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from scheduler import BudgetTooSmall, Cost, Kind, Variable, build_sequence
 from scheduler.ir import VariableSequence
-from scheduler.whole_step import held_beside, managed_budget
+from scheduler.whole_step import held_beside, least_budget, managed_budget
 from scheduler.working_sets import working_sets
 
 MiB = 1 << 20
@@ -115,3 +115,16 @@ def test_the_minimum_named_is_the_least_step_budget_that_works(held, granule, ar
     assert managed_budget(managed, held, minimum, **kw) >= max(working_sets(managed))
     with pytest.raises(BudgetTooSmall):
         managed_budget(managed, held, minimum - granule * 1024, **kw)
+
+
+@settings(max_examples=80, deadline=None)
+@given(need=st.integers(1, 5000), start=st.integers(0, 3000), guess=st.integers(0, 4000),
+       granule=st.sampled_from([1, 7, 64]), eighth=st.booleans())
+def test_least_budget_is_the_least_granule_multiple_whose_share_holds(need, start, guess, granule, eighth) -> None:
+    def share(b: int) -> int:
+        return max(0, (b - (b // 8 if eighth else 0) - start) // granule * granule)
+
+    got = least_budget(share, need, guess, granule)
+    first = max(-(-guess // granule), 1) * granule
+    brute = next(b for b in range(first, 20000, granule) if share(b) >= need)
+    assert got == brute
