@@ -105,8 +105,10 @@ class Planner:
                     log.warning("the recording step went over the pool once (%s); the next step "
                                 "records again with %s chunks", overflow, format_size(self._mem.chunk))
                 return
+        recorded = None   # the step as planned from, made once: a budget for the whole step fits it first
         if self._mem.step_budget and whole is not None and isinstance(st, Stepper) and st.schedule is None:
-            self.fit_step(st, whole)
+            recorded = self._recorded(st)
+            self.fit_step(st, recorded, whole)
         cache, key = self._cache, st.start_key
         family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
         if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
@@ -120,7 +122,7 @@ class Planner:
         unkept = self._unkept.pop(key, 0)   # re-inserted last: the oldest key goes first
         t0 = time.perf_counter()
         facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None,
-                                               family=family),
+                                               family=family, recorded=recorded),
                                     unkept=unkept)
         decision = after_step(facts, state, self.settings())
         if not report.kept_plan:
@@ -132,14 +134,18 @@ class Planner:
                          "made from them at doubling intervals now, until one holds", unkept + 1)
         self._do(st, decision, family, report.seconds, time.perf_counter() - t0)
 
-    def fit_step(self, st: Stepper, whole: scheduler.VariableSequence) -> None:
+    def _recorded(self, st: Stepper) -> scheduler.VariableSequence:
+        """The managed variables ``st`` recorded, as the scheduler plans them."""
+        mem = self._mem
+        return st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
+
+    def fit_step(self, st: Stepper, seq: scheduler.VariableSequence, whole: scheduler.VariableSequence) -> None:
         """``Options(budget_covers="step")``: the managed budget that leaves room under the
         step's budget for what ``whole`` (the step, recorded whole) holds beside the managed
-        tensors (``step_budget.fit``). After the budget was set, the first recording sets it;
+        tensors (``seq``, as ``_recorded``) (``step_budget.fit``). After the budget was set, the first recording sets it;
         a later one (another shape) only lowers it, and the plans made at the higher one go
         (a plan runs at the budget it was made for: their shapes record again)."""
         mem = self._mem
-        seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
         before, held_before = (None, 0) if self.fit_pending else (mem.budget, mem.step_held)
         step_budget.fit(mem, seq, whole, st.recording.skipped)
         self.fit_pending = False
@@ -173,17 +179,17 @@ class Planner:
             format_size(budget))
 
     def _facts(self, st: Stepper | AnchoredStep, report: StepReport, unformed: bool = False,
-               family: tuple | None = None) -> StepFacts:
-        """What ``st`` showed, as the scheduler takes it: its recording and op times, its hooks,
-        and, for a plan with no hook-driven form yet (``unformed``), its chains' templates; the
-        plan it left or guessed (``family``: ``_family``'s key) for widening."""
+               family: tuple | None = None, recorded: scheduler.VariableSequence | None = None) -> StepFacts:
+        """What ``st`` showed, as the scheduler takes it: its recording (``recorded``, where
+        already made) and op times, its hooks, and, for a plan with no hook-driven form yet
+        (``unformed``), its chains' templates; the plan it left or guessed (``family``:
+        ``_family``'s key) for widening."""
         if isinstance(st, AnchoredStep):
             return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated,
                              update=st.trace.update)
-        mem = self._mem
         seq = None
         if not report.kept_plan:
-            seq = st.rec.sequence({"policy": self.policy, "chunk": mem.chunk, "device": str(mem.device)})
+            seq = recorded if recorded is not None else self._recorded(st)
         trace = st.hook_trace if st.planned and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
         templates = ready = None
