@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
+from scheduler.step_plans import round_activations
 from scheduler.working_sets import working_sets
 from vmm.units import format_size
 
@@ -60,6 +61,14 @@ def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Seq
     return tuple(out)
 
 
+def share_beside(budget: int, held: int, *, reserve: Callable[[int], int] = lambda budget: 0, arenas: int = 1,
+                 granule: int = 2 << 20) -> int:
+    """What a step ``budget`` leaves the managed tensors beside ``held`` bytes: less
+    ``reserve(budget)``, shared by ``arenas``, in whole ``granule``s (never less for a larger
+    budget, which ``least_budget`` needs)."""
+    return (budget - reserve(budget) - held) // arenas // granule * granule
+
+
 def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, *,
                    reserve: Callable[[int], int] = lambda budget: 0, arenas: int = 1,
                    granule: int = 2 << 20) -> int:
@@ -69,13 +78,17 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s, and no
     more than the managed tensors' in-core peak. ``BudgetTooSmall`` where that is under the
     step's largest working set: it names the function where the step holds the most, and the
-    step budget that leaves that working set."""
+    step budget that leaves that working set. Both as the planner counts them: each activation
+    in whole ``granule``s (the pool's chunks, ``round_activations``); in its own bytes, two
+    4-byte activations of a tiny module peaked at 8 B, the share was capped at one 4 KiB chunk,
+    and the plan, which needs two, was refused at every step budget."""
     if not held:
         raise ValueError("no bytes per function: record the step whole first")
+    managed = round_activations(managed, granule)
     most = max(held)
 
     def share(b: int) -> int:
-        return (b - reserve(b) - most) // arenas // granule * granule
+        return share_beside(b, most, reserve=reserve, arenas=arenas, granule=granule)
 
     left, low = share(budget), max(max(working_sets(managed), default=0), granule)
     if left < low:

@@ -124,7 +124,12 @@ class Planner:
         facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None,
                                                family=family, recorded=recorded),
                                     unkept=unkept)
-        decision = after_step(facts, state, self.settings())
+        try:
+            decision = after_step(facts, state, self.settings())
+        except scheduler.BudgetTooSmall as err:
+            if not self._mem.step_budget:
+                raise
+            raise self._of_the_step(err) from None
         if not report.kept_plan:
             self._unkept[key] = unkept + 1
             while len(self._unkept) > UNKEPT_KEYS:
@@ -277,17 +282,26 @@ class Planner:
         try:
             scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
         except scheduler.BudgetTooSmall as err:
-            mem = self._mem
-            if not mem.step_budget:
+            if not self._mem.step_budget:
                 raise
-            whole = scheduler.BudgetTooSmall(function=err.function, name=err.name, working_set=err.working_set,
-                                             budget=mem.step_budget,
-                                             minimum=step_budget.step_budget_for(err.minimum, mem))
-            whole.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): that minimum "
-                           f"leaves {format_size(err.minimum)} for the managed tensors beside the "
-                           f"{format_size(mem.step_start)} the step starts with, not what its backward holds "
-                           "beside them, which the first step recorded whole names")
-            raise whole from None
+            raise self._of_the_step(err) from None
+
+    def _of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
+        """``err``, of the managed tensors' budget, said of the budget the user gave: under a
+        budget for the whole step, the least step budget whose share holds ``err.minimum``
+        (before the first step recorded whole, beside what the step starts with; after it,
+        beside what it holds)."""
+        mem = self._mem
+        fitted = not self.fit_pending
+        whole = scheduler.BudgetTooSmall(function=err.function, name=err.name, working_set=err.working_set,
+                                         budget=mem.step_budget,
+                                         minimum=step_budget.step_budget_for(err.minimum, mem, held=fitted))
+        beside = (f"beside the {format_size(mem.step_held)} the step recorded whole holds beside them" if fitted else
+                  f"beside the {format_size(mem.step_start)} the step starts with, not what its backward holds "
+                  "beside them, which the first step recorded whole names")
+        whole.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): that minimum "
+                       f"leaves {format_size(err.minimum)} for the managed tensors {beside}")
+        return whole
 
     # -- the chunk -------------------------------------------------------------------------------
 

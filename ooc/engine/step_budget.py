@@ -24,7 +24,7 @@ from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
 from scheduler.ir import VariableSequence
-from scheduler.whole_step import held_beside, least_budget, managed_budget
+from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
 from vmm.units import format_size
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,12 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return sum(storages.values())
 
 
-def _room(budget: int, mem: EngineMemory) -> int:
-    return (budget - cache_reserve(budget, mem.on_cpu) - mem.step_start) // mem.chunk * mem.chunk
+def _room(budget: int, mem: EngineMemory, held: bool = False) -> int:
+    """What ``budget`` leaves the managed tensors: beside what a step starts with (the
+    recording step's), or, ``held``, beside the most the step recorded whole held (in each arena)."""
+    return share_beside(budget, mem.step_held if held else mem.step_start,
+                        reserve=lambda b: cache_reserve(b, mem.on_cpu), arenas=_arenas(mem) if held else 1,
+                        granule=mem.chunk)
 
 
 def recording_room(mem: EngineMemory) -> int:
@@ -57,18 +61,25 @@ def recording_room(mem: EngineMemory) -> int:
     return max(_room(mem.step_budget, mem), mem.chunk)
 
 
-def step_budget_for(room: int, mem: EngineMemory) -> int:
-    """The least step budget whose recording step gives its managed tensors ``room``."""
-    return least_budget(lambda b: _room(b, mem), room, room + mem.step_start, mem.chunk)
+def _arenas(mem: EngineMemory) -> int:
+    """2 where a GPU pool's chunks sit beside PyTorch's cache (each gets the share), else 1."""
+    return 2 if not mem.on_cpu and mem.arena == "pool" else 1
+
+
+def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
+    """The least step budget that gives the managed tensors ``room``: on the recording step,
+    beside what the step starts with; ``held``, once a step was recorded whole, beside the most
+    it holds beside them (``mem.step_held``, as ``managed_budget`` shares it)."""
+    beside = (mem.step_held, _arenas(mem)) if held else (mem.step_start, 1)
+    return least_budget(lambda b: _room(b, mem, held), room, beside[0] + beside[1] * room, mem.chunk)
 
 
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:
     """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
     its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out)."""
     held = held_beside(whole, managed, skipped, size=cpu_allocator.block_bytes if mem.on_cpu else lambda n: n)
-    two = not mem.on_cpu and mem.arena == "pool"   # a GPU pool's chunks sit beside PyTorch's cache
     mem.budget = managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
-                                arenas=2 if two else 1, granule=mem.chunk)
+                                arenas=_arenas(mem), granule=mem.chunk)
     mem.step_held = max(held)
     cache = cache_reserve(mem.step_budget, mem.on_cpu)
     log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",

@@ -30,6 +30,7 @@ from ooc.host.malloc import give_back_heap
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_protocol import StepReport, form_of
 from ooc.runtime.stepper import Stepper
+from scheduler.errors import BudgetTooSmall
 from scheduler.ir import Kind
 from vmm.units import format_size
 
@@ -94,7 +95,13 @@ class StepEnd:
                 log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
                             "back on demand, re-planning next step", st.diverged_at,
                             _op_name(st.schedule, st.diverged_at), st.why, format_size(st.spilled_bytes))
-            self._planner.after_step(st, self._book.last, whole=self._whole)
+            try:
+                self._planner.after_step(st, self._book.last, whole=self._whole)
+            except BudgetTooSmall as err:   # the step ran whole: whatever it updated stays updated
+                err.add_note("ooc: this step completed (an update it ran is applied; a step refused before "
+                             "its update is rolled back and says nothing of this): the budget is refused for "
+                             "the steps after it; raise it (engine.set_budget) and go on with the next batch")
+                raise
         if isinstance(st, Stepper) and exc is None:
             self._after_per_op(st)
 

@@ -45,6 +45,9 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 # (recompute, manage): the plan's choice forced each way, activations alone and every kind.
 CONFIGS = {"swap": ("never", ("activations",)), "prefer": ("prefer", ("activations",)),
            "swap-all": ("never", ALL), "prefer-all": ("prefer", ALL)}
+# A budget for the whole step (``Options(budget_covers="step")``): the smallest the engine
+# names, in its two stages, over every tensor of the step; the plan recomputes where it can.
+STEP_BUDGET = {"step": ("prefer", ("activations",))}
 ENGINE_STEPS = 2
 # The template form (ooc/runtime/templates.py): recompute="auto" with plans that recompute
 # whatever the machine's load and every anchored form's trial kept (its verdict is a timing);
@@ -151,7 +154,9 @@ def _train(sample: Sample, warm: dict, engine_kw: dict | None,
     module = copy.deepcopy(warm["module"])
     opt = _optimizer(module)
     opt.load_state_dict(copy.deepcopy(warm["opt"].state_dict()))   # load_state_dict shares tensors
-    engine = OutOfCore(module, opt, options=Options(chunk=CHUNK, min_bytes=1), **engine_kw) if engine_kw else None
+    kw = dict(engine_kw or {})
+    options = Options(chunk=CHUNK, min_bytes=1, budget_covers=kw.pop("budget_covers", "managed"))
+    engine = OutOfCore(module, opt, options=options, **kw) if engine_kw else None
     try:
         steps, recomputed = [], 0
         for k in range(n):
@@ -228,10 +233,10 @@ def compare(sample: Sample, config: str) -> dict:
     whenever any ``TorchDispatchMode`` is active, and the engine's steps run under one)."""
     n = TEMPLATE_STEPS if config in TEMPLATES else ENGINE_STEPS
     warm, ref = reference(sample, n=n)
-    recompute, manage = CONFIGS.get(config, ("auto", ("activations",)))
+    recompute, manage = {**CONFIGS, **STEP_BUDGET}.get(config, ("auto", ("activations",)))
+    kw = {"recompute": recompute, "manage": manage, **({"budget_covers": "step"} if config in STEP_BUDGET else {})}
     with _templates_forced() if config in TEMPLATES else contextlib.nullcontext():
-        budget, got, stats = smallest_budget_run(sample, warm, {"recompute": recompute, "manage": manage}, n,
-                                                 slack=TEMPLATES.get(config, 0))
+        budget, got, stats = smallest_budget_run(sample, warm, kw, n, slack=TEMPLATES.get(config, 0))
     where = f"{sample.name} [{config}, budget {budget} B]"
     gap = _difference(ref, got, where)
     if gap is None:

@@ -128,6 +128,68 @@ def test_a_step_budget_under_what_the_step_holds_names_the_minimum_which_then_wo
     engine.close()
 
 
+def _least_for(size: int) -> int:
+    """The least step budget the engine trains batches of ``size`` under (each minimum it names, in turn)."""
+    budget = 1 * MiB
+    for _ in range(4):
+        model, opt = _fresh("sgd")
+        try:
+            options = ooc.Options(chunk="64KiB", budget_covers="step")
+            with ooc.OutOfCore(model, opt, budget=budget, options=options) as e:
+                _train(e, model, opt, 3, (size,))
+            return budget
+        except BudgetTooSmall as err:
+            budget = err.minimum
+    raise AssertionError(f"no step budget up to {budget} B trains batches of {size}")
+
+
+def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwise(tmp_path) -> None:
+    """Under the least step budget for batches of 32, batches of 128 come: each refusal names
+    the least step budget (after the first step recorded whole, beside what that step held
+    beside its managed tensors, not what the step starts with), and says whether its step was
+    applied: one refused before its update is rolled back (the loop runs that batch again), one
+    refused after it completed says so (the loop goes on). Trained on the batches applied,
+    in the order applied, the model is bitwise the one in core."""
+    budget = _least_for(32)
+    model, opt = _fresh("sgd")
+    engine = ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
+                           options=ooc.Options(chunk="64KiB", budget_covers="step"))
+    applied, notes = [], []
+    for step, size in enumerate((32, 32, 32, 128, 128, 128)):
+        for _ in range(4):
+            x, y = _batch(step, size)
+            torch.manual_seed(100 + step)
+            try:
+                with engine.step():
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            except BudgetTooSmall as err:
+                note = "".join(getattr(err, "__notes__", []))
+                notes.append(note)
+                assert err.minimum > engine.stats()["step_budget"], (err.minimum, str(err))
+                engine.set_budget(err.minimum)
+                if "this step completed" in note:
+                    applied.append((step, size))
+                    break
+                continue
+            applied.append((step, size))
+            break
+    engine.close()
+    assert len(notes) >= 2 and "recorded whole holds" in notes[0] and "this step completed" not in notes[0], notes
+    assert any("this step completed" in n for n in notes), notes
+    assert [s for s, _ in applied] == list(range(6))
+    ref_model, ref_opt = _fresh("sgd")
+    for step, size in applied:
+        x, y = _batch(step, size)
+        torch.manual_seed(100 + step)
+        F.cross_entropy(ref_model(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc on the batches applied"
+
+
 def test_a_shape_that_holds_more_beside_lowers_the_share_and_one_that_holds_less_keeps_it(tmp_path) -> None:
     """Batches of 32, then 64 (its gradients of activations are twice the bytes), then 32
     again: the 64's recording lowers the managed tensors' share and drops the 32's plan,

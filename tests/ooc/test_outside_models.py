@@ -426,3 +426,35 @@ def test_outside_model_runs_plain_steps_bitwise_when_nothing_moves(name: str) ->
     _assert_bitwise(ref, got, name)
     stats = got["stats"]
     assert stats["plan.bytes_out"] == 0 and stats["steps.plain"] > 0, stats["steps.plain"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_outside_model_trains_bitwise_under_the_least_budget_for_the_whole_step(name: str) -> None:
+    """``Options(budget_covers="step")``: the budget bounds every tensor of the step, and the
+    least the engine names (``BudgetTooSmall``, in its two stages, each raised at the step that
+    needs more: another shape of the loop, an accumulation window's last micro-batch that
+    updates, a GradScaler's skipped first update, may hold more beside the managed tensors
+    than the first step did) is taken from a budget far under it. At that budget, in the users'
+    loops around the steps: bitwise, the managed tensors planned within the share the step
+    leaves them, and a step that ran its plan."""
+    from scheduler.errors import BudgetTooSmall
+
+    case = _runnable(name)
+    ref = _reference(name)
+    budget, named = 64 << 10, []
+    for _ in range(6):
+        try:
+            got = _train(case, _model(name), {"budget": budget, "options": {"budget_covers": "step"}})
+            break
+        except BudgetTooSmall as err:
+            assert err.minimum is not None and err.minimum > budget, (err.minimum, budget, str(err))
+            budget = err.minimum
+            named.append(budget)
+    else:
+        pytest.fail(f"{name}: no step budget up to {budget} B trains (named: {named})")
+    _assert_bitwise(ref, got, name)
+    stats = got["stats"]
+    assert named, "a budget of 64 KiB for every tensor of the step must be refused"
+    assert stats["step_budget"] == budget and 0 < stats["budget"] < budget, (stats["step_budget"], stats["budget"])
+    assert stats["plan.peak_resident_bytes"] <= stats["budget"]
+    assert any(got["planned"]), "no step ran its plan"

@@ -98,6 +98,27 @@ def test_a_step_budget_that_leaves_no_working_set_names_where_and_how_much() -> 
     assert managed_budget(managed, held, err.value.minimum, arenas=2) == need
 
 
+def test_activations_count_as_the_whole_chunks_the_pool_gives_them() -> None:
+    """The planner counts each activation in whole chunks (``round_activations``: they come
+    back into pool ranges), so the share and its refusal do too. Two 4-byte activations live
+    together need two 4 KiB chunks; counted in their own bytes they peaked at 8 B, the share
+    was capped at one chunk, and the planner refused every step budget (PyTorch's module
+    database under ``budget_covers="step"``: ``nn.ReLU``, ``nn.BatchNorm2d``, ``nn.LSTM``)."""
+    whole = build_sequence(
+        [("fwd1", [(0, "r"), (1, "w")], Cost()), ("fwd2", [(1, "r"), (2, "w")], Cost()),
+         ("bwd", [(1, "r"), (2, "r"), (3, "w")], Cost())],
+        [Variable(0, 100, Kind.PARAM, "w", live_in=True, live_out=True), Variable(1, 4, Kind.ACTIVATION, "a"),
+         Variable(2, 4, Kind.ACTIVATION, "b"), Variable(3, 100, Kind.GRAD, "g")])
+    managed = _managed(whole, {1, 2})
+    held = held_beside(whole, managed)
+    chunk = 4096
+    assert managed_budget(managed, held, 1 * MiB, granule=chunk) == 2 * chunk   # the in-core peak, in chunks
+    with pytest.raises(BudgetTooSmall) as err:
+        managed_budget(managed, held, max(held) + chunk, granule=chunk)
+    assert err.value.working_set == max(held) + 2 * chunk
+    assert managed_budget(managed, held, err.value.minimum, granule=chunk) == 2 * chunk
+
+
 @settings(max_examples=60, deadline=None)
 @given(held=st.lists(st.integers(0, 300), min_size=5, max_size=5), granule=st.sampled_from([1, 64, 256]),
        arenas=st.sampled_from([1, 2]), eighth=st.booleans())
