@@ -231,12 +231,14 @@ def compare(sample: Sample, config: str) -> dict:
     engine's stats, and ``"under_a_mode"``: 1 if the engine matched in-core training run
     under a no-op dispatch mode instead (GUARANTEES.md: PyTorch computes a few ops another way
     whenever any ``TorchDispatchMode`` is active, and the engine's steps run under one)."""
-    n = TEMPLATE_STEPS if config in TEMPLATES else ENGINE_STEPS
+    base, _, covers = config.partition("@")   # "templates@step": a setting under a budget for the whole step
+    n = TEMPLATE_STEPS if base in TEMPLATES else ENGINE_STEPS
     warm, ref = reference(sample, n=n)
-    recompute, manage = {**CONFIGS, **STEP_BUDGET}.get(config, ("auto", ("activations",)))
-    kw = {"recompute": recompute, "manage": manage, **({"budget_covers": "step"} if config in STEP_BUDGET else {})}
-    with _templates_forced() if config in TEMPLATES else contextlib.nullcontext():
-        budget, got, stats = smallest_budget_run(sample, warm, kw, n, slack=TEMPLATES.get(config, 0))
+    recompute, manage = {**CONFIGS, **STEP_BUDGET}.get(base, ("auto", ("activations",)))
+    step = base in STEP_BUDGET or covers == "step"
+    kw = {"recompute": recompute, "manage": manage, **({"budget_covers": "step"} if step else {})}
+    with _templates_forced() if base in TEMPLATES else contextlib.nullcontext():
+        budget, got, stats = smallest_budget_run(sample, warm, kw, n, slack=TEMPLATES.get(base, 0))
     where = f"{sample.name} [{config}, budget {budget} B]"
     gap = _difference(ref, got, where)
     if gap is None:
