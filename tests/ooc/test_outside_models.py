@@ -437,24 +437,48 @@ def test_outside_model_trains_bitwise_under_the_least_budget_for_the_whole_step(
     than the first step did) is taken from a budget far under it. At that budget, in the users'
     loops around the steps: bitwise, the managed tensors planned within the share the step
     leaves them, and a step that ran its plan."""
-    from scheduler.errors import BudgetTooSmall
-
     case = _runnable(name)
     ref = _reference(name)
-    budget, named = 64 << 10, []
-    for _ in range(6):
-        try:
-            got = _train(case, _model(name), {"budget": budget, "options": {"budget_covers": "step"}})
-            break
-        except BudgetTooSmall as err:
-            assert err.minimum is not None and err.minimum > budget, (err.minimum, budget, str(err))
-            budget = err.minimum
-            named.append(budget)
-    else:
-        pytest.fail(f"{name}: no step budget up to {budget} B trains (named: {named})")
+    got, budget, named = _at_the_least_step_budget(case, name, {})
     _assert_bitwise(ref, got, name)
     stats = got["stats"]
     assert named, "a budget of 64 KiB for every tensor of the step must be refused"
     assert stats["step_budget"] == budget and 0 < stats["budget"] < budget, (stats["step_budget"], stats["budget"])
     assert stats["plan.peak_resident_bytes"] <= stats["budget"]
+    assert any(got["planned"]), "no step ran its plan"
+
+
+def _at_the_least_step_budget(case: Case, name: str, kw: dict) -> tuple[dict, int, list[int]]:
+    """The case trained (``_train``, more engine arguments ``kw``) under the least budget for
+    the whole step the engine names, from 64 KiB up: (its run, that budget, each one named)."""
+    from scheduler.errors import BudgetTooSmall
+
+    budget, named = 64 << 10, []
+    options = {**kw.get("options", {}), "budget_covers": "step"}
+    for _ in range(6):
+        try:
+            return _train(case, _model(name), {**kw, "budget": budget, "options": options}), budget, named
+        except BudgetTooSmall as err:
+            assert err.minimum is not None and err.minimum > budget, (err.minimum, budget, str(err))
+            budget = err.minimum
+            named.append(budget)
+    pytest.fail(f"{name}: no step budget up to {budget} B trains (named: {named})")
+
+
+@pytest.mark.parametrize("arena", ["pool", "pytorch"])
+@pytest.mark.parametrize("name", ["transformers-gpt2", "transformers-llama"])
+def test_outside_model_under_the_least_step_budget_over_the_fake_driver(name: str, arena: str) -> None:
+    """FAKE driver (``ooc.testing.fake_cuda``): the same under a budget for the whole step on
+    the CUDA path, swap-ins in ooc's pool (whose chunks the share counts in each of two arenas)
+    or in PyTorch's allocator: bitwise, the driver's contract kept, bytes through the tier."""
+    import ooc.testing
+
+    case = _runnable(name)
+    ref = _reference(name)
+    with ooc.testing.fake_cuda(granularity=CHUNK) as driver:
+        got, budget, named = _at_the_least_step_budget(case, name, {"device": "cuda", "options": {"arena": arena}})
+        assert driver.violations == []
+        assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    _assert_bitwise(ref, got, name)
+    assert named and got["stats"]["step_budget"] == budget and got["stats"]["tier.bytes_written"] > 0
     assert any(got["planned"]), "no step ran its plan"
