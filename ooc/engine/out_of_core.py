@@ -165,7 +165,7 @@ class OutOfCore:
         tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify, arena=arena)
         self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool), arena=arena)
         if options.budget_covers == "step":   # a budget for the whole step (step_budget.py)
-            mem.step_budget, mem.step_start = budget, start_bytes(model, optimizer)
+            mem.step_budget, mem.step_start = budget, start_bytes(model, optimizer, self._manage, mem.min_bytes)
             mem.budget = recording_room(mem)
         self._store = store = PersistentStore(model, optimizer, mem)
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
@@ -300,7 +300,7 @@ class OutOfCore:
         default chunk, that step also chooses the chunk again (never a larger one)."""
         new, mem = parse_size(budget, what="budget"), self._mem
         self._store.bring_back()
-        mem.step_start = start_bytes(self.model, self.optimizer) if mem.step_budget else 0
+        mem.step_start = start_bytes(self.model, self.optimizer, self._manage, mem.min_bytes) if mem.step_budget else 0
         self._planner.set_budget(new)
 
     @contextlib.contextmanager

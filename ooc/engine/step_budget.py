@@ -36,13 +36,22 @@ def cache_reserve(budget: int, on_cpu: bool) -> int:
     return recycle_bytes(budget, whole_step=True) if on_cpu else 0
 
 
-def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes a step starts with: weights, buffers, gradients kept from the last step and the
-    optimizer's state, each storage once."""
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    if optimizer is not None:
-        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                manage: frozenset[str] | set[str] = frozenset({"activations"}), min_bytes: int = 0) -> int:
+    """Bytes a step starts with beside its managed tensors: weights, buffers, gradients kept
+    from the last step and the optimizer's state, each storage once, less those of the kinds
+    ``manage``d (from ``min_bytes`` on: the managed budget holds them; counted here too, they
+    left a recording step with every kind managed one chunk, and its first swap-in failed)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [t for st in optimizer.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor)] if optimizer is not None else []
+    storages = {}
+    for tensors, kind in ((model.parameters(), "params"), (model.buffers(), None), (grads, "grads"),
+                          (state, "optimizer_state")):
+        for t in tensors:
+            s = t.untyped_storage()
+            if kind not in manage or s.nbytes() < min_bytes:
+                storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
 
 
