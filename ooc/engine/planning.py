@@ -129,7 +129,7 @@ class Planner:
         except scheduler.BudgetTooSmall as err:
             if not self._mem.step_budget:
                 raise
-            raise self._of_the_step(err) from None
+            raise self.of_the_step(err) from None
         if not report.kept_plan:
             self._unkept[key] = unkept + 1
             while len(self._unkept) > UNKEPT_KEYS:
@@ -284,9 +284,9 @@ class Planner:
         except scheduler.BudgetTooSmall as err:
             if not self._mem.step_budget:
                 raise
-            raise self._of_the_step(err) from None
+            raise self.of_the_step(err) from None
 
-    def _of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
+    def of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
         """``err``, of the managed tensors' budget, said of the budget the user gave: under a
         budget for the whole step, the least step budget whose share holds ``err.minimum``
         (before the first step recorded whole, beside what the step starts with; after it,

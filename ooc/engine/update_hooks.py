@@ -174,9 +174,11 @@ class UpdateGuard:
         names = {p: n for n, p in self._model.named_parameters()}
         need = optimizer_need(self._optimizer, names, counted, self._mem.min_bytes, len(st.rec.names))
         if need is not None and need.nbytes > self._mem.budget:
-            raise BudgetTooSmall(function=need.index,
+            err = BudgetTooSmall(function=need.index,
                                  name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
                                  working_set=need.nbytes, budget=self._mem.budget, minimum=need.nbytes)
+            # under a budget for the whole step, its least: the one named for the share looped forever
+            raise self._planner.of_the_step(err) if self._mem.step_budget else err
 
 
 def _inside_backward() -> bool:

@@ -21,6 +21,7 @@ import torch
 
 import ooc
 from ooc.errors import OOCError
+from scheduler.errors import BudgetTooSmall
 from test_outside_models import _library, _quiet_transformers  # noqa: F401
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
 
@@ -154,6 +155,40 @@ def test_trainer_is_bitwise_and_its_checkpoints_load(case: str, tmp_path: Path) 
                      resume=tmp_path / "ooc" / f"checkpoint-{SAVE}")
     _assert_same_tensors(ref["state"], resumed["state"], "parameters after resuming")
     _assert_same_tensors(ref["opt"], resumed["opt"], "optimizer state after resuming")
+
+
+def test_trainer_under_the_least_budget_for_the_whole_step(tmp_path: Path) -> None:
+    """``Options(budget_covers="step")`` through ``out_of_core``, every kind managed: each
+    ``BudgetTooSmall`` the Trainer's run raises names a larger step budget (the update's own
+    refusal, at ``optimizer.step()``, named the managed share's minimum, and a loop raising the
+    budget to it was refused again at every try), and at the last the run is bitwise the one
+    without ooc, checkpoints too, and resumes from its checkpoint to the same end."""
+    lora, optim, manage = CASES["full-all"]
+    options = {"options": ooc.Options(chunk="16KiB", min_bytes=4096, budget_covers="step")}
+    ref = _train(tmp_path / "ref", lora, optim, None)
+    budget, named = 64 << 10, []
+    for k in range(6):
+        try:
+            got = _train(tmp_path / f"ooc{k}", lora, optim, {"budget": budget, "manage": manage, **options})
+            break
+        except BudgetTooSmall as err:
+            assert err.minimum > budget, (err.minimum, budget, str(err))
+            budget = err.minimum
+            named.append(budget)
+    else:
+        pytest.fail(f"no step budget up to {budget} B trains (named: {named})")
+    assert named, "64 KiB for every tensor of the step must be refused"
+    _assert_same_tensors(ref["state"], got["state"], "parameters")
+    _assert_same_tensors(ref["opt"], got["opt"], "optimizer state")
+    _assert_same_tensors(ref["log"], got["log"], "logged loss, grad_norm, learning_rate")
+    stats = got["stats"]
+    assert stats["step_budget"] == budget and stats["bytes_out"] > 0 and stats["last_planned"] == 1
+    for step in range(SAVE, UPDATES + 1, SAVE):
+        name = f"checkpoint-{step}"
+        _assert_same_tensors(_checkpoint(tmp_path / "ref" / name), _checkpoint(tmp_path / f"ooc{k}" / name), name)
+    resumed = _train(tmp_path / "resumed", lora, optim, {"budget": budget, "manage": manage, **options},
+                     resume=tmp_path / f"ooc{k}" / f"checkpoint-{SAVE}")
+    _assert_same_tensors(ref["state"], resumed["state"], "parameters after resuming")
 
 
 def test_an_exception_in_the_loop_rolls_the_step_back_and_closes_the_engine(tmp_path: Path) -> None:
