@@ -86,8 +86,12 @@ class UpdateGuard:
         st.close_node()
         if isinstance(st, Stepper):   # a step that waited for a shape no forward showed
             st.end_wait()
-        if st.schedule is None:
+        if st.schedule is None or not self._optimizer_stepped:
+            # A planned step's update may be the first to run (a GradScaler skipped the one its
+            # plan was recorded from): measured here too, or it ran on demand and raised
+            # OutOfBudget mid-training (torchvision's ViT, fp16, every kind managed).
             self._check_feasible(st)
+        if st.schedule is None:
             overflow = st.forgive_overflow()
             if overflow is not None:   # feasible with a plan: only the unplanned step overflowed
                 log.warning("the recording step went over the pool once (%s); planned steps stay "
@@ -165,14 +169,17 @@ class UpdateGuard:
         measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
         shapes: here the parameters and grads are on the tier, their storages empty (sizes
         read from them said 0 bytes, and an overflowing update got through)."""
-        self._planner.check_feasible(st.rec.sequence({}))
+        recording = st.schedule is None   # else a planned step's first update: its plan holds
+        if recording:
+            self._planner.check_feasible(st.rec.sequence({}))
         if "optimizer_state" in self._manage and not self._optimizer_stepped:
             self._state_sizes = state_sizes(self._optimizer)   # what the first update creates
         counted = self._manage & {"params", "grads", "optimizer_state"}
         if not counted:
             return
         names = {p: n for n, p in self._model.named_parameters()}
-        need = optimizer_need(self._optimizer, names, counted, self._mem.min_bytes, len(st.rec.names))
+        need = optimizer_need(self._optimizer, names, counted, self._mem.min_bytes,
+                              len(st.rec.names) if recording else 0)
         if need is not None and need.nbytes > self._mem.budget:
             err = BudgetTooSmall(function=need.index,
                                  name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",

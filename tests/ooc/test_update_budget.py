@@ -15,6 +15,8 @@ width: the largest parameter is 1.5 MiB, Adam's update of it holds 4.5 MiB, the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -79,3 +81,45 @@ def test_an_update_over_the_budget_fails_before_it_changes_anything() -> None:
     assert engine.stats()["last_planned"] == 1
     assert_same(state_of(ref_model, ref_opt), state_of(model, opt, engine), "at the minimum")
     engine.close()
+
+
+def test_a_first_update_in_a_planned_step_is_checked_before_it_runs() -> None:
+    """Steps that run no update (accumulation's first micro-batches; a GradScaler that skips
+    the update its plan was recorded from) are planned without one; the first update then runs
+    in a planned step. It is measured there before it runs, as in a recording step: refused
+    with ``BudgetTooSmall``, nothing changed (it ran on demand and raised ``OutOfBudget``
+    mid-training: torchvision's ViT with fp16 and every kind managed, on torch 2.14); at the
+    minimum named, the same loop is bitwise as in core."""
+    def loop(model, opt, engine: OutOfCore | None, steps: range) -> None:
+        for step in steps:   # two micro-batches without an update, then one with
+            x, y = batch(step)
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                F.cross_entropy(model(x), y).backward()
+                if step % 3 == 2:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+    model, opt = fresh()
+    engine = OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
+    loop(model, opt, engine, range(2))
+    assert engine.stats()["steps"] == 2
+    before = state_of(model, opt, engine)
+    with pytest.raises(ooc.BudgetTooSmall) as err:
+        loop(model, opt, engine, range(2, 3))
+    assert "of the optimizer step" in str(err.value) and err.value.minimum > BUDGET, err.value
+    assert not opt.state, "the optimizer must not have stepped"
+    after = state_of(model, opt, engine)
+    for k, v in before["model"].items():
+        assert torch.equal(v, after["model"][k]), f"{k} changed although the update was refused"
+    # the gradients two micro-batches accumulated had this one's added: rolled back, it says so
+    assert "already added to the gradients" in "".join(getattr(err.value, "__notes__", [])), err.value
+    engine.close()
+
+    ref_model, ref_opt = fresh()
+    loop(ref_model, ref_opt, None, range(6))
+    model, opt = fresh()
+    with OutOfCore(model, opt, budget=err.value.minimum, options=Options(chunk=CHUNK, min_bytes=4096),
+                   manage=ALL) as engine:
+        loop(model, opt, engine, range(6))
+        assert_same(state_of(ref_model, ref_opt), state_of(model, opt, engine), "at the minimum")
+
