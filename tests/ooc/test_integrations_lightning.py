@@ -132,6 +132,31 @@ def test_lightning_is_bitwise_and_its_checkpoints_load(manage: str, tmp_path: Pa
     _assert_same_tensors(again["opt"], resumed["opt"], "optimizer state after resuming")
 
 
+def test_lightning_under_the_least_budget_for_the_whole_step(tmp_path: Path) -> None:
+    """``OutOfCoreCallback(..., options=ooc.Options(budget_covers="step"))``, every kind
+    managed: each ``BudgetTooSmall`` a ``fit`` raises names a larger step budget (the backward's
+    bytes beside the working set, the update's own need at ``optimizer.step()``), and at the
+    last the run is bitwise the one without ooc."""
+    options = {"options": ooc.Options(chunk="16KiB", min_bytes=4096, budget_covers="step")}
+    ref = _fit(tmp_path / "ref", None)
+    budget, named = 64 << 10, []
+    for k in range(8):
+        try:
+            got = _fit(tmp_path / f"ooc{k}", {"budget": budget, "manage": ALL, **options})
+            break
+        except ooc.BudgetTooSmall as err:
+            assert err.minimum > budget, (err.minimum, budget, str(err))
+            budget = err.minimum
+            named.append(budget)
+    else:
+        pytest.fail(f"no step budget up to {budget} B trains (named: {named})")
+    assert named, "64 KiB for every tensor of the step must be refused"
+    _assert_same_tensors(ref["state"], got["state"], "parameters")
+    _assert_same_tensors(ref["opt"], got["opt"], "optimizer state")
+    stats = got["stats"]
+    assert stats["step_budget"] == budget and stats["bytes_out"] > 0 and stats["last_planned"] == 1
+
+
 def test_an_exception_in_fit_rolls_the_step_back_and_closes_the_engine(tmp_path: Path) -> None:
     """The third window's second micro-batch raises in its forward: ``fit`` raises it, no step
     is left open, the engine is closed, and parameters and optimizer state are those the
