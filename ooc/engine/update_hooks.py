@@ -164,8 +164,9 @@ class UpdateGuard:
 
     def _check_feasible(self, st: Stepper) -> None:
         """Plan what a recording step recorded so far (forward, backward), then measure, in
-        any step until an update has completed, what the update will need: the first one runs on demand and must find room, op by op, for every
-        managed tensor and every new storage of the optimizer that the op touches. It is
+        any step until an update has completed, what the update will need: the first one runs
+        on demand and must find room, op by op, for every managed tensor and every new
+        storage of the optimizer that the op touches. It is
         measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
         shapes: here the parameters and grads are on the tier, their storages empty (sizes
         read from them said 0 bytes, and an overflowing update got through)."""

@@ -24,7 +24,7 @@ import torch
 import ooc
 from ooc.errors import OOCError
 from test_integrations_transformers import _assert_same_tensors
-from test_outside_models import _library
+from test_outside_models import _library, least_step_budget
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
 
 L, WHY = _library("lightning")
@@ -139,17 +139,8 @@ def test_lightning_under_the_least_budget_for_the_whole_step(tmp_path: Path) -> 
     last the run is bitwise the one without ooc."""
     options = {"options": ooc.Options(chunk="16KiB", min_bytes=4096, budget_covers="step")}
     ref = _fit(tmp_path / "ref", None)
-    budget, named = 64 << 10, []
-    for k in range(8):
-        try:
-            got = _fit(tmp_path / f"ooc{k}", {"budget": budget, "manage": ALL, **options})
-            break
-        except ooc.BudgetTooSmall as err:
-            assert err.minimum > budget, (err.minimum, budget, str(err))
-            budget = err.minimum
-            named.append(budget)
-    else:
-        pytest.fail(f"no step budget up to {budget} B trains (named: {named})")
+    got, budget, named = least_step_budget(
+        lambda budget, k: _fit(tmp_path / f"ooc{k}", {"budget": budget, "manage": ALL, **options}))
     assert named, "64 KiB for every tensor of the step must be refused"
     _assert_same_tensors(ref["state"], got["state"], "parameters")
     _assert_same_tensors(ref["opt"], got["opt"], "optimizer state")

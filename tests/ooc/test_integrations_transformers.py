@@ -21,8 +21,7 @@ import torch
 
 import ooc
 from ooc.errors import OOCError
-from scheduler.errors import BudgetTooSmall
-from test_outside_models import _library, _quiet_transformers  # noqa: F401
+from test_outside_models import _library, _quiet_transformers, least_step_budget  # noqa: F401
 from test_reliability import ALL, _one_torch_thread  # noqa: F401
 
 _, WHY = _library("transformers")
@@ -166,17 +165,9 @@ def test_trainer_under_the_least_budget_for_the_whole_step(tmp_path: Path) -> No
     lora, optim, manage = CASES["full-all"]
     options = {"options": ooc.Options(chunk="16KiB", min_bytes=4096, budget_covers="step")}
     ref = _train(tmp_path / "ref", lora, optim, None)
-    budget, named = 64 << 10, []
-    for k in range(6):
-        try:
-            got = _train(tmp_path / f"ooc{k}", lora, optim, {"budget": budget, "manage": manage, **options})
-            break
-        except BudgetTooSmall as err:
-            assert err.minimum > budget, (err.minimum, budget, str(err))
-            budget = err.minimum
-            named.append(budget)
-    else:
-        pytest.fail(f"no step budget up to {budget} B trains (named: {named})")
+    got, budget, named = least_step_budget(
+        lambda budget, k: _train(tmp_path / f"ooc{k}", lora, optim, {"budget": budget, "manage": manage, **options}))
+    k = len(named)   # the try that trained
     assert named, "64 KiB for every tensor of the step must be refused"
     _assert_same_tensors(ref["state"], got["state"], "parameters")
     _assert_same_tensors(ref["opt"], got["opt"], "optimizer state")

@@ -452,21 +452,29 @@ def test_outside_model_trains_bitwise_under_the_least_budget_for_the_whole_step(
     assert any(got["planned"]), "no step ran its plan"
 
 
-def _at_the_least_step_budget(case: Case, name: str, kw: dict) -> tuple[dict, int, list[int]]:
-    """The case trained (``_train``, more engine arguments ``kw``) under the least budget for
-    the whole step the engine names, from 64 KiB up: (its run, that budget, each one named)."""
+def least_step_budget(run: Callable[[int, int], Any], start: int = 64 << 10,
+                      tries: int = 8) -> tuple[Any, int, list[int]]:
+    """``run(budget, k)`` (``k``: the try) under the least budget for the whole step the engine
+    names, from ``start`` up, each ``BudgetTooSmall``'s minimum in turn (each must be larger):
+    (its result, that budget, each one named)."""
     from scheduler.errors import BudgetTooSmall
 
-    budget, named = 64 << 10, []
-    options = {**kw.get("options", {}), "budget_covers": "step"}
-    for _ in range(6):
+    budget, named = start, []
+    for k in range(tries):
         try:
-            return _train(case, _model(name), {**kw, "budget": budget, "options": options}), budget, named
+            return run(budget, k), budget, named
         except BudgetTooSmall as err:
             assert err.minimum is not None and err.minimum > budget, (err.minimum, budget, str(err))
             budget = err.minimum
             named.append(budget)
-    pytest.fail(f"{name}: no step budget up to {budget} B trains (named: {named})")
+    pytest.fail(f"no step budget up to {budget} B trains (named: {named})")
+
+
+def _at_the_least_step_budget(case: Case, name: str, kw: dict) -> tuple[dict, int, list[int]]:
+    """The case trained (``_train``, more engine arguments ``kw``) under the least step budget."""
+    options = {**kw.get("options", {}), "budget_covers": "step"}
+    return least_step_budget(lambda budget, _: _train(case, _model(name), {**kw, "budget": budget,
+                                                                          "options": options}))
 
 
 @pytest.mark.parametrize("arena", ["pool", "pytorch"])
