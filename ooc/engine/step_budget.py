@@ -79,8 +79,8 @@ def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
     """The least step budget that gives the managed tensors ``room``: on the recording step,
     beside what the step starts with; ``held``, once a step was recorded whole, beside the most
     it holds beside them (``mem.step_held``, as ``managed_budget`` shares it)."""
-    beside = (mem.step_held, _arenas(mem)) if held else (mem.step_start, 1)
-    return least_budget(lambda b: _room(b, mem, held), room, beside[0] + beside[1] * room, mem.chunk)
+    beside = mem.step_held if held else mem.step_start   # no budget under room + beside gives room
+    return least_budget(lambda b: _room(b, mem, held), room, room + beside, mem.chunk)
 
 
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:

@@ -45,9 +45,9 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 # (recompute, manage): the plan's choice forced each way, activations alone and every kind.
 CONFIGS = {"swap": ("never", ("activations",)), "prefer": ("prefer", ("activations",)),
            "swap-all": ("never", ALL), "prefer-all": ("prefer", ALL)}
-# A budget for the whole step (``Options(budget_covers="step")``): the smallest the engine
-# names, in its two stages, over every tensor of the step; the plan recomputes where it can.
-STEP_BUDGET = {"step": ("prefer", ("activations",))}
+# A setting's "@step" suffix ("prefer@step"): under a budget for the whole step
+# (``Options(budget_covers="step")``), the smallest the engine names, over every tensor of the step.
+WHOLE_STEP = "prefer@step"
 ENGINE_STEPS = 2
 # The template form (ooc/runtime/templates.py): recompute="auto" with plans that recompute
 # whatever the machine's load and every anchored form's trial kept (its verdict is a timing);
@@ -234,9 +234,8 @@ def compare(sample: Sample, config: str) -> dict:
     base, _, covers = config.partition("@")   # "templates@step": a setting under a budget for the whole step
     n = TEMPLATE_STEPS if base in TEMPLATES else ENGINE_STEPS
     warm, ref = reference(sample, n=n)
-    recompute, manage = {**CONFIGS, **STEP_BUDGET}.get(base, ("auto", ("activations",)))
-    step = base in STEP_BUDGET or covers == "step"
-    kw = {"recompute": recompute, "manage": manage, **({"budget_covers": "step"} if step else {})}
+    recompute, manage = CONFIGS.get(base, ("auto", ("activations",)))
+    kw = {"recompute": recompute, "manage": manage, **({"budget_covers": "step"} if covers == "step" else {})}
     with _templates_forced() if base in TEMPLATES else contextlib.nullcontext():
         budget, got, stats = smallest_budget_run(sample, warm, kw, n, slack=TEMPLATES.get(base, 0))
     where = f"{sample.name} [{config}, budget {budget} B]"

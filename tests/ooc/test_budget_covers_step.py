@@ -22,6 +22,7 @@ from ooc import measure
 from ooc.engine.lifetime import recycle_bytes
 from ooc.trace import trace
 from scheduler import BudgetTooSmall
+from test_outside_models import least_step_budget
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,17 +131,12 @@ def test_a_step_budget_under_what_the_step_holds_names_the_minimum_which_then_wo
 
 def _least_for(size: int) -> int:
     """The least step budget the engine trains batches of ``size`` under (each minimum it names, in turn)."""
-    budget = 1 * MiB
-    for _ in range(4):
+    def run(budget: int, _: int) -> None:
         model, opt = _fresh("sgd")
-        try:
-            options = ooc.Options(chunk="64KiB", budget_covers="step")
-            with ooc.OutOfCore(model, opt, budget=budget, options=options) as e:
-                _train(e, model, opt, 3, (size,))
-            return budget
-        except BudgetTooSmall as err:
-            budget = err.minimum
-    raise AssertionError(f"no step budget up to {budget} B trains batches of {size}")
+        with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="64KiB", budget_covers="step")) as e:
+            _train(e, model, opt, 3, (size,))
+
+    return least_step_budget(run, start=1 * MiB, tries=4)[1]
 
 
 def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwise(tmp_path) -> None:

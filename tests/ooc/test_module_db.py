@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from db_steps import CONFIGS, FULL, STEP_BUDGET, Sample, run_chosen
+from db_steps import CONFIGS, FULL, WHOLE_STEP, Sample, run_chosen
 from test_reliability import _one_torch_thread  # noqa: F401
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (the dev extra)")
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")   # the samples' own deprecati
 
 PER_MODULE = 4
 RECURRENT = {"nn.GRU", "nn.GRUCell", "nn.LSTM", "nn.LSTMCell", "nn.RNN", "nn.RNNCell"}
-SETTINGS = [*CONFIGS, *STEP_BUDGET]   # and a budget for the whole step, at the least it names
+SETTINGS = [*CONFIGS, WHOLE_STEP]   # and a budget for the whole step, at the least it names
 INFOS = {info.name: (k, info) for k, info in enumerate(module_db)}
 
 

@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 
-from db_steps import CONFIGS, FULL, STEP_BUDGET, op_sample, run_chosen
+from db_steps import CONFIGS, FULL, WHOLE_STEP, op_sample, run_chosen
 from test_reliability import _one_torch_thread  # noqa: F401
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (the dev extra)")
@@ -59,12 +59,12 @@ def test_op_samples_train_bitwise_under_the_engine(name: str) -> None:
             break
         samples.append(op_sample(f"{name}#{j}", op, s))
     if FULL or SAMPLES is None:
-        pairs = [(s, c) for s in samples for c in [*CONFIGS, *STEP_BUDGET]]
+        pairs = [(s, c) for s in samples for c in [*CONFIGS, WHOLE_STEP]]
     else:
         kinds = ("", "-all")[k % 2]
         pairs = [(s, ("swap", "prefer")[j] + kinds) for j, s in enumerate(samples)]
         if k % 4 == 0 and samples:   # and a budget for the whole step (all 1,039 samples: 22 s)
-            pairs += [(samples[0], "step")]
+            pairs += [(samples[0], WHOLE_STEP)]
     run_chosen(pairs)
 
 
