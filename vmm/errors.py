@@ -9,7 +9,17 @@ from __future__ import annotations
 
 
 class OOCError(Exception):
-    """Base of every error ooc raises on purpose."""
+    """Base of every error ooc raises on purpose.
+
+    ``step_applied``: on an error raised out of ``with engine.step():``, whether what the step
+    did stays (True: its update ran, or began, or a step without one kept its gradients; go on
+    with the next batch) or was taken back (False: run that batch again, after what the error
+    asks). None where no step ran (raised by the constructor, ``set_budget``, a step refused at
+    its start): nothing of one was applied either. A loop that retries on ``BudgetTooSmall``
+    reads it rather than the message.
+    """
+
+    step_applied: bool | None = None
 
 
 class OutOfBudget(OOCError, MemoryError):

@@ -36,14 +36,13 @@ from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import DEFAULT_CHUNK, Planner, start_chunk
 from ooc.engine.step_book import StepBook
 from ooc.engine.step_budget import recording_room, start_bytes
-from ooc.engine.step_end import StepEnd, partial_update_error
+from ooc.engine.step_end import StepEnd
 from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
-from ooc.errors import OOCError, StorageError
+from ooc.errors import OOCError
 from ooc.host import cpu_allocator
-from ooc.runtime.composition import (check_sharded_params, check_step_entry, refuse_compiled, refused_hooks,
-                                     state_dict_owner)
+from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
@@ -250,17 +249,13 @@ class OutOfCore:
                 yield
         except BaseException as exc:   # the user's code, a swap failure, Ctrl-C: roll back, re-raise
             st = self._end_step(form)
-            committed = st.rollback.undo is None   # past the commit point: nothing to roll back
             try:
-                self._end.finish(st, exc, time.perf_counter() - t0)
+                raised = self._end.unwound(st, exc, time.perf_counter() - t0)
             finally:   # an update that raised: a Ctrl-C it held is delivered now
                 self._guard.interrupts.release()
-            if committed and isinstance(exc, StorageError):
-                raise partial_update_error(exc, during_step=st.updating) from exc
-            refused = refused_hooks(exc)
-            if refused is not None:
-                raise refused from exc
-            raise
+            if raised is exc:
+                raise
+            raise raised from exc
         st = self._end_step(form)
         if not mem.on_cpu and self._plans.hooked.on_trial(st.start_key, st.schedule):
             cuda_runtime().device_done()   # a trial compares the device's time, not the host's launches

@@ -10,7 +10,10 @@
 
 Then, for every form alike: one ``StepReport`` is booked (``step_book.py``), the errors the
 settling met are raised, and the planner decides what follows from the step
-(``Planner.after_step``: plan, re-price, a hook-driven form, its trial).
+(``Planner.after_step``: plan, re-price, a hook-driven form, its trial). Every ``OOCError``
+that leaves a step says whether the step was applied or taken back (``step_applied``), so
+that a loop that retries a batch does not train it twice (``StepEnd.unwound`` for a step
+whose body raised).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ooc.engine.step_book import StepBook
 from ooc.errors import OOCError, StorageError
 from ooc.host import cpu_allocator
 from ooc.runtime.anchored_step import AnchoredStep
+from ooc.runtime.composition import refused_hooks
 from ooc.host.malloc import give_back_heap
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_protocol import StepReport, form_of
@@ -66,7 +70,30 @@ class StepEnd:
         self.last_recording = None
         self._whole = None
 
+    def unwound(self, st: Stepper | AnchoredStep, exc: BaseException, seconds: float) -> BaseException:
+        """End ``st``, whose body raised ``exc`` (``finish``). Returns what ``step()`` raises:
+        ``exc``, or in its place (from it) an error that says more: a transfer that failed
+        once the update began says what that left; ``torch.func``'s refusal of the hooks says
+        what to do instead."""
+        committed = st.rollback.undo is None   # past the commit point: nothing to roll back
+        self.finish(st, exc, seconds)
+        if committed and isinstance(exc, StorageError):
+            raised = partial_update_error(exc, during_step=st.updating)
+        else:
+            raised = refused_hooks(exc) or exc
+        if isinstance(raised, OOCError):
+            raised.step_applied = not st.rollback.taken_back
+        return raised
+
     def finish(self, st: Stepper | AnchoredStep, exc: BaseException | None, seconds: float) -> None:
+        """``_finish``, and what it raises marked with whether the step was applied."""
+        try:
+            self._finish(st, exc, seconds)
+        except OOCError as err:
+            err.step_applied = not st.rollback.taken_back
+            raise
+
+    def _finish(self, st: Stepper | AnchoredStep, exc: BaseException | None, seconds: float) -> None:
         """End ``st`` (``exc``: what the step raised, which ``step()`` re-raises): settle it,
         book its report, raise what the settling met, and let the planner decide what follows.
 

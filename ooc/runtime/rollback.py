@@ -28,10 +28,11 @@ class StepRollback:
     ``buffers`` maps the id of each buffer's storage to (buffer, storage); the entry keeps
     the storage (the Python object too), so the id stays that storage's: the per-op loop has
     the inputs' storages in hand. ``undo`` maps the same ids to (buffer, copy); None once the
-    update started (``commit``) or the step was rolled back.
+    update started (``commit``) or the step was rolled back; ``taken_back`` says which (what
+    ``OOCError.step_applied`` reports).
     """
 
-    __slots__ = ("model", "buffers", "undo", "grads_were_none", "grad_versions")
+    __slots__ = ("model", "buffers", "undo", "grads_were_none", "grad_versions", "taken_back")
 
     def __init__(self, model: torch.nn.Module, *, copy_all: bool = False) -> None:
         """``copy_all``: copy every buffer now, for a step that does not see each op's uses
@@ -40,6 +41,7 @@ class StepRollback:
         self.buffers: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {
             id(s): (b, s) for b in model.buffers() if (s := b.untyped_storage()).nbytes()}
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {}
+        self.taken_back = False
         params = list(model.parameters())
         self.grads_were_none = [p for p in params if p.grad is None]
         self.grad_versions = {p: p.grad._version for p in params if p.grad is not None}
@@ -65,7 +67,7 @@ class StepRollback:
         with torch.no_grad():
             for b, copy in (self.undo or {}).values():
                 b.copy_(copy)
-        self.undo = None
+        self.undo, self.taken_back = None, True
         for p in self.grads_were_none:
             p.grad = None
         names = {p: n for n, p in self.model.named_parameters()}

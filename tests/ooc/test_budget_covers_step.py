@@ -164,8 +164,9 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
                 note = "".join(getattr(err, "__notes__", []))
                 notes.append(note)
                 assert err.minimum > engine.stats()["step_budget"], (err.minimum, str(err))
+                assert err.step_applied is ("this step completed" in note), (err.step_applied, note)
                 engine.set_budget(err.minimum)
-                if "this step completed" in note:
+                if err.step_applied:
                     applied.append((step, size))
                     break
                 continue

@@ -141,6 +141,7 @@ def test_torch_func_grad_inside_the_step_says_why_and_the_step_rolls_back() -> N
         with engine.step():
             per_sample(model, x, y)
     assert isinstance(info.value.__cause__, RuntimeError)
+    assert info.value.step_applied is False   # a retrying loop runs the batch again
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by the refused step"
     for m, o in ((ref, ref_opt), (model, opt)):   # outside the step: PyTorch's alone

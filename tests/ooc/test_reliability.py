@@ -444,6 +444,7 @@ def test_io_error_after_the_first_update_inside_the_backward_is_raised_and_says_
     message = str(err.value)   # inside an update's step(), or between two of them
     assert ("during the optimizer step" in message or "after the step's first update" in message), message
     assert "keep their new values" in message and "checkpoint" in message, message
+    assert err.value.step_applied is True   # not taken back: some parameters are updated
     faults.fn = None
     del err
     e.close()

@@ -108,6 +108,7 @@ def test_a_first_update_in_a_planned_step_is_checked_before_it_runs() -> None:
         loop(model, opt, engine, range(2, 3))
     assert "of the optimizer step" in str(err.value) and err.value.minimum > BUDGET, err.value
     assert not opt.state, "the optimizer must not have stepped"
+    assert err.value.step_applied is False   # taken back: a retrying loop runs the batch again
     after = state_of(model, opt, engine)
     for k, v in before["model"].items():
         assert torch.equal(v, after["model"][k]), f"{k} changed although the update was refused"
