@@ -9,10 +9,12 @@ smallest budget that plans, bitwise against the same steps in core. Each op's fi
 runs swap only (``recompute="never"``), its second ``recompute="prefer"``, with activations
 managed for every other op and every kind for the others (``OOC_DB_FULL=1``: both samples
 under all four settings; ``OOC_DB_SAMPLES=all``: every sample under all four). The samples
-are made from seed 0. ``linalg.lstsq`` keeps its first two samples there: LAPACK's gelsy (its
-default driver) gives results that depend on where the tensors lie in memory for some of the
-others (3 different solutions in 200 in-core calls of sample 3 with other tensors allocated
-in between), and the engine's pool puts them elsewhere.
+are made from seed 0. ``linalg.lstsq`` keeps its first two samples there: with LAPACK's gelsy
+(its default driver) PyTorch passes a pivot array it does not clear (``at::empty``), whose
+stale bytes mark columns fixed, so its results depend on what the allocator held before
+(pytorch/pytorch#187411): 3 different solutions in 200 in-core calls of sample 3 with other
+tensors allocated in between, 4 in 64 calls of the same tensors in torch 2.13 (2026-11-29,
+all samples under the engine: samples 5 and 17 differed, and passed alone).
 
 What it found: sparse inputs crashed the step (the engine asked a sparse CSR tensor for its
 storage, the recorder a sparse COO one for its bytes): a tensor without a storage is left to
