@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from scheduler.errors import BudgetTooSmall
-from scheduler.ir import VariableSequence
+from scheduler.ir import Kind, VariableSequence
 from scheduler.step_plans import round_activations
 from scheduler.working_sets import working_sets
 from vmm.units import format_size
@@ -34,7 +34,7 @@ __all__ = ["held_beside", "least_budget", "managed_budget"]
 
 
 def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = (),
-                size: Callable[[int], int] = lambda nbytes: nbytes) -> tuple[int, ...]:
+                size: Callable[[int], int] = lambda nbytes: nbytes, read_later: Sequence[int] = ()) -> tuple[int, ...]:
     """Bytes the step holds beside its managed tensors during each of ``managed``'s functions:
     what the whole recording has live there, less the managed tensors (both at eager
     lifetimes, ``VariableSequence.live_bytes``), where what the step makes and leaves (the
@@ -42,12 +42,17 @@ def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Seq
     too: the next step begins with it. ``skipped``: indices of ``managed``'s
     functions the whole recording leaves out (``OpInfo.skip``: profiler markers,
     ``lift_fresh``), which hold what the function before them held. ``size``: what a tensor
-    of so many bytes takes (the CPU allocator's blocks: ``ooc.host.cpu_allocator.block_bytes``)."""
-    mine, early = managed.live_bytes_sized(size), [0] * (len(whole.functions) + 1)
-    for v, var in whole.variables.items():   # born in the step and outliving it: there from the next one's start
-        if var.live_out and not var.live_in and whole.first_use.get(v):
-            early[0] += size(var.nbytes)
-            early[whole.first_use[v]] -= size(var.nbytes)
+    of so many bytes takes (the CPU allocator's blocks: ``ooc.host.cpu_allocator.block_bytes``).
+    ``read_later``: variables of a step recorded so far that what follows reads (the gradients
+    its update reads), live to its end."""
+    early = _outliving(whole, size)
+    outliving = itertools.accumulate(_outliving(managed, size, (Kind.PARAM, Kind.OPTIMIZER_STATE)))
+    mine = [live + e for live, e in zip(managed.live_bytes_sized(size), outliving)]
+    for v in read_later:   # after its last use so far, until the end
+        var = whole.variables[v]
+        if not var.live_out and v in whole.last_use:
+            early[whole.last_use[v] + 1] += size(var.nbytes)
+            early[len(whole.functions)] -= size(var.nbytes)
     total = [live + e for live, e in zip(whole.live_bytes_sized(size), itertools.accumulate(early))]
     skip = set(skipped)
     if len(managed.functions) - len(skip) != len(total):
@@ -59,6 +64,23 @@ def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Seq
         j += i not in skip
         out.append(max(0, (total[k] if total else 0) - mine[i]))
     return tuple(out)
+
+
+def _outliving(seq: VariableSequence, size: Callable[[int], int],
+               kinds: tuple[Kind, ...] | None = None) -> list[int]:
+    """Per function (a difference array, one longer), the bytes of what ``seq``'s step makes
+    and leaves (of ``kinds``; None: any) before its first use: the next step starts with it. In
+    the managed recording too, of the kinds the whole one leaves to the next step (parameters,
+    optimizer state; gradients it does not mark): counted in the whole only, the optimizer
+    state a first update makes with every kind managed (Adam's: twice the weights) was counted
+    beside the managed tensors as well as among them, and the step budget named was that much
+    too large."""
+    early = [0] * (len(seq.functions) + 1)
+    for v, var in seq.variables.items():
+        if var.live_out and not var.live_in and seq.first_use.get(v) and (kinds is None or var.kind in kinds):
+            early[0] += size(var.nbytes)
+            early[seq.first_use[v]] -= size(var.nbytes)
+    return early
 
 
 def share_beside(budget: int, held: int, *, reserve: Callable[[int], int] = lambda budget: 0, arenas: int = 1,

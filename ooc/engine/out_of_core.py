@@ -182,6 +182,8 @@ class OutOfCore:
         self._hooks: list = refuse_compiled(model, lambda: (e := ref()) is not None and e._stepper is not None)
         self._closed = False
         self._adopt_params()
+        if "optimizer_state" in self._manage and optimizer is not None and optimizer.state:
+            self._store.state_loaded(optimizer, stepping=False)   # a resumed run's: stayed unmanaged before
         if "grads" in self._manage:
             for name, p in model.named_parameters():
                 if p.requires_grad:

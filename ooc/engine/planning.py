@@ -277,14 +277,30 @@ class Planner:
                                            per_op=[seconds] if mem.on_cpu else [],
                                            templates=st.templates() if recomputes else None))
 
-    def check_feasible(self, seq: scheduler.VariableSequence) -> None:
-        """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget."""
+    def check_feasible(self, seq: scheduler.VariableSequence, st: Stepper | None = None,
+                       update: tuple[int, tuple[int, ...]] = (0, ())) -> None:
+        """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget, or,
+        under a budget for the whole step, no share of it fits what the recording step ``st``
+        holds beside ``seq`` so far, with what its ``update`` adds (``step_budget.update_so_far``):
+        the refusal whose minimum is larger, the least that can do."""
+        refused = []
+        try:
+            if st is not None and self._mem.step_budget:
+                self._fit_so_far(st, seq, update)
+        except scheduler.BudgetTooSmall as err:
+            refused.append(err)
         try:
             scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
         except scheduler.BudgetTooSmall as err:
-            if not self._mem.step_budget:
-                raise
-            raise self.of_the_step(err) from None
+            refused.append(self.of_the_step(err) if self._mem.step_budget else err)
+        if refused:
+            raise max(refused, key=lambda e: e.minimum)
+
+    def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, update: tuple[int, tuple[int, ...]]) -> None:
+        """``step_budget.check_so_far`` at a recording step's update, unless the chunk changes
+        at its end (the next step then records again instead of fitting)."""
+        if not (self.adapt_pending and self._chosen_chunk(st.saved_sizes()) != self._mem.chunk):
+            step_budget.check_so_far(self._mem, st.recording, seq, update)
 
     def of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
         """``err``, of the managed tensors' budget, said of the budget the user gave: under a
@@ -317,7 +333,7 @@ class Planner:
         self.adapt_pending = False
         mem = self._mem
         floor = mem.pool.granularity   # the page; on a GPU, the VMM granularity
-        chunk = choose_chunk(saved, mem.budget, mem.chunk, floor)
+        chunk = self._chosen_chunk(saved)
         left = unmanaged_bytes(saved, chunk // 2)
         if sum(saved) > mem.budget and left > mem.budget // UNMANAGED_SHARE:
             log.warning("saved activations in tensors under %s take %s, more than an eighth of the "
@@ -333,6 +349,11 @@ class Planner:
                  format_size(unmanaged_bytes(saved, mem.min_bytes)), format_size(mem.budget))
         self.set_chunk(chunk, chunk // 2)
         return True
+
+    def _chosen_chunk(self, saved: list[int] | None) -> int | None:
+        """The chunk for a step that saved ``saved`` (bytes of each tensor; None: unknown)."""
+        mem = self._mem
+        return None if saved is None else choose_chunk(saved, mem.budget, mem.chunk, mem.pool.granularity)
 
     def set_budget(self, budget: int) -> None:
         """A new budget: the next step records and plans under it; with the default chunk, it

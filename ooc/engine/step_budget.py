@@ -16,7 +16,7 @@ temporaries come on top: the one step a budget for the whole step does not bound
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,12 +83,64 @@ def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
     return least_budget(lambda b: _room(b, mem, held), room, room + beside, mem.chunk)
 
 
+def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any,
+             update: tuple[int, tuple[int, ...]] = (0, ())) -> tuple[int, tuple[int, ...]]:
+    """(The managed tensors' share of ``mem.step_budget``, the bytes held beside them at each
+    function) for a step recorded whole as ``whole`` with its managed tensors ``managed``:
+    ``BudgetTooSmall`` where no share holds its working sets (``managed_budget``). Of a step
+    recorded so far too, with what its ``update`` adds (``check_so_far``)."""
+    more, read = update
+    held = tuple(h + more for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=read))
+    return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
+                          arenas=_arenas(mem), granule=mem.chunk), held
+
+
+def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence,
+                 update: tuple[int, tuple[int, ...]] = (0, ())) -> None:
+    """``BudgetTooSmall`` where no share of ``mem.step_budget`` holds the working sets of the
+    step recorded so far (``recording``: a recording step's ``StepRecording``, at its update;
+    ``managed``: its managed tensors so far), so that a budget the forward and backward already
+    prove too small is refused before the update (the step taken back), not at the step's end,
+    once the update is applied. ``update``: what the update adds (``update_so_far``). Sound:
+    what the step so far holds beside its managed tensors at an op is at most what the whole
+    step holds there (both at eager lifetimes; gradients and the state the update makes count
+    as outliving the step only from the update on), and its working sets are the whole step's
+    first ones, so the step's end would refuse that budget too. The least budget named may
+    still be refused there, for the update's own temporaries."""
+    if recording.full is not None:
+        share_of(mem, managed, recording.full.sequence({}), recording.skipped, update)
+
+
+def update_so_far(optimizer: torch.optim.Optimizer, sizes: dict[torch.Tensor, tuple[int, ...]] | None,
+                  manage: frozenset[str], mem: EngineMemory, recording: Any) -> tuple[int, tuple[int, ...]]:
+    """What the update about to run adds to what a step recorded so far holds beside ooc's
+    tensors, as the whole step's recording will count it: (the bytes of state it creates for
+    parameters that have none yet, there from the step's first op since the next step starts
+    with them (``sizes``: ``dry_run.state_sizes``; None, unknown: none); the variables of the
+    gradients it reads, live until it reads them). Both less what ooc manages (from
+    ``mem.min_bytes`` on, of the kinds ``manage``d)."""
+    size, full = _size(mem), recording.full
+
+    def managed(kind: str, n: int) -> bool:
+        return kind in manage and n >= mem.min_bytes
+
+    new = sum(size(n) for p, each in (sizes or {}).items() if not optimizer.state.get(p)
+              for n in each if not managed("optimizer_state", n))
+    grads = [full.var(p.grad) for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None and full is not None]
+    # (the recorded size: a managed gradient on the tier has an empty storage now)
+    return new, tuple(v for v in grads if v is not None and not managed("grads", full.nbytes[v]))
+
+
+def _size(mem: EngineMemory) -> Callable[[int], int]:
+    """What a tensor of so many bytes takes on ``mem``'s device (the CPU allocator's blocks)."""
+    return cpu_allocator.block_bytes if mem.on_cpu else lambda n: n
+
+
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:
     """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
     its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out)."""
-    held = held_beside(whole, managed, skipped, size=cpu_allocator.block_bytes if mem.on_cpu else lambda n: n)
-    mem.budget = managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
-                                arenas=_arenas(mem), granule=mem.chunk)
+    mem.budget, held = share_of(mem, managed, whole, skipped)
     mem.step_held = max(held)
     cache = cache_reserve(mem.step_budget, mem.on_cpu)
     log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",

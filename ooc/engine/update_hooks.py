@@ -20,6 +20,7 @@ from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import Planner
+from ooc.engine.step_budget import update_so_far
 from ooc.errors import OOCError
 from ooc.runtime.deferred_interrupt import DeferredInterrupt
 from ooc.runtime.dry_run import optimizer_need, state_sizes
@@ -171,10 +172,10 @@ class UpdateGuard:
         shapes: here the parameters and grads are on the tier, their storages empty (sizes
         read from them said 0 bytes, and an overflowing update got through)."""
         recording = st.schedule is None   # else a planned step's first update: its plan holds
-        if recording:
-            self._planner.check_feasible(st.rec.sequence({}))
         if "optimizer_state" in self._manage and not self._optimizer_stepped:
             self._state_sizes = state_sizes(self._optimizer)   # what the first update creates
+        if recording:   # and what it holds beside them so far, under a budget for the whole step
+            self._planner.check_feasible(st.rec.sequence({}), st, self._update_so_far(st))
         counted = self._manage & {"params", "grads", "optimizer_state"}
         if not counted:
             return
@@ -188,6 +189,14 @@ class UpdateGuard:
             # under a budget for the whole step, its least: the one named for the share looped forever
             raise self._planner.of_the_step(err) if self._mem.step_budget else err
 
+    def _update_so_far(self, st: Stepper) -> tuple[int, tuple[int, ...]]:
+        """Under a budget for the whole step, what the update adds to what the recording step
+        ``st`` holds beside its managed tensors so far (``step_budget.update_so_far``)."""
+        if not self._mem.step_budget or self._optimizer is None:
+            return 0, ()
+        sizes = None if self._optimizer_stepped else (
+            self._state_sizes if "optimizer_state" in self._manage else state_sizes(self._optimizer))
+        return update_so_far(self._optimizer, sizes, self._manage, self._mem, st.recording)
 
 def _inside_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (an update called from

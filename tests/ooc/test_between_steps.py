@@ -91,11 +91,44 @@ def load_between_steps_and_train_on() -> None:
         pair.step()
         _assert_same_checkpoint(_checkpoint(pair.ref, pair.ref_opt), _checkpoint(pair.model, pair.opt),
                                 f"at step {pair.steps}, after loading at step 4")
-        # The loaded state is managed again (not left in memory outside the budget).
-        managed = {id(s.storage) for s in pair.engine._store.slots.values()}
-        state = [t for st in pair.opt.state.values() for t in st.values()
-                 if t.untyped_storage().nbytes() >= pair.engine._mem.min_bytes]
-        assert state and all(id(t.untyped_storage()) in managed for t in state)
+        _assert_state_managed(pair)   # the loaded state is managed again
+    pair.engine.close()
+
+
+def _assert_state_managed(pair: _Pair) -> None:
+    """Every optimizer state tensor ooc could manage is managed (not left in memory outside
+    the budget)."""
+    managed = {id(s.storage) for s in pair.engine._store.slots.values()}
+    state = [t for st in pair.opt.state.values() for t in st.values()
+             if t.untyped_storage().nbytes() >= pair.engine._mem.min_bytes]
+    assert state and all(id(t.untyped_storage()) in managed for t in state)
+
+
+def resume_into_a_new_engine() -> None:
+    """The usual resumption: model and optimizer load a checkpoint, then the engine is made.
+    The state the optimizer starts with was never managed (it stayed in memory beside the
+    budget at every step; only state made or loaded under an engine was): it is from the
+    engine's start now, and training goes on bitwise."""
+    pair = _Pair("adam")
+    pair.engine.close()
+    for _ in range(2):   # both in core
+        run_step(pair.ref, pair.ref_opt, pair.steps)
+        run_step(pair.model, pair.opt, pair.steps)
+        pair.steps += 1
+    saved = _checkpoint(pair.model, pair.opt)
+    pair.model, pair.opt = fresh("adam", kind="mlp")
+    pair.model.load_state_dict(saved["model"])
+    pair.opt.load_state_dict(saved["opt"])
+    budget = sum(p.untyped_storage().nbytes() for p in pair.model.parameters())
+    pair.engine = OutOfCore(pair.model, pair.opt, budget=budget, options=Options(chunk=CHUNK, min_bytes=4096),
+                            manage=ALL)
+    _assert_state_managed(pair)
+    for _ in range(3):
+        pair.step()
+        _assert_state_managed(pair)
+        assert pair.released() > 0, "the plan must keep some managed tensors on the tier"
+        _assert_same_checkpoint(_checkpoint(pair.ref, pair.ref_opt), _checkpoint(pair.model, pair.opt),
+                                f"at step {pair.steps}, resumed at step 3")
     pair.engine.close()
 
 
@@ -135,6 +168,10 @@ def test_checkpoint_saved_between_steps_is_bitwise_in_core() -> None:
 
 def test_state_dict_loaded_between_steps_then_training_matches_in_core() -> None:
     _in_child("load_between_steps_and_train_on")
+
+
+def test_a_new_engine_over_a_resumed_optimizer_manages_its_state() -> None:
+    _in_child("resume_into_a_new_engine")
 
 
 def test_reading_and_editing_managed_tensors_between_steps_never_crashes() -> None:

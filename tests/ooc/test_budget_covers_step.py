@@ -107,26 +107,135 @@ def test_the_managed_tensors_get_what_the_step_leaves_and_training_stays_bitwise
         assert torch.equal(a, b), f"{name} differs from training without ooc"
 
 
-def test_a_step_budget_under_what_the_step_holds_names_the_minimum_which_then_works(tmp_path) -> None:
-    """At 4 MiB the recording step's own plan does not fit (its minimum leaves room for the
-    managed tensors beside what the step starts with, and says so); at that minimum the whole
-    step does not (its minimum counts what the backward holds beside them); at the latter the
-    engine trains."""
+def test_too_small_a_step_budget_is_refused_before_its_update_with_the_least(tmp_path) -> None:
+    """At 4 MiB the recording step is refused at its update, before anything changes (the step
+    taken back: parameters as they were, no optimizer state), with the least step budget for
+    what its forward and backward hold beside the managed tensors, the gradients the update
+    reads and the state it makes; at that budget the engine trains. Before 2026-11-29 the
+    refusal at the update named the least beside what the step starts with (9.4 MiB), and the
+    step at that budget was refused once it completed, its update applied (23.8 MiB)."""
     model, opt = _fresh("sgd")
+    before = copy.deepcopy(model.state_dict())
     engine = ooc.OutOfCore(model, opt, budget="4MiB", storage=str(tmp_path),
                            options=ooc.Options(chunk="64KiB", budget_covers="step"))
-    notes = []
-    for _ in range(3):
-        try:
-            _train(engine, model, opt, 3)
-            break
-        except BudgetTooSmall as err:
-            notes.append("".join(getattr(err, "__notes__", [])))
-            assert err.minimum > engine.stats()["step_budget"]
-            engine.set_budget(err.minimum)   # fitted again at the next recording
-    assert [("starts with" in n, "holds up to" in n) for n in notes] == [(True, False), (False, True)]
-    assert engine.stats()["steps"] >= 3 and engine.stats()["budget"] < engine.stats()["step_budget"]
+    with pytest.raises(BudgetTooSmall) as err:
+        _train(engine, model, opt, 3)
+    note = "".join(getattr(err.value, "__notes__", []))
+    assert err.value.step_applied is False and "holds up to" in note, note
+    assert not opt.state and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    engine.set_budget(err.value.minimum)
+    _train(engine, model, opt, 3)   # no refusal at the step's end
+    assert engine.stats()["steps"] >= 4 and engine.stats()["budget"] < engine.stats()["step_budget"]
     engine.close()
+
+
+LOOPS = {   # how the step's update and gradients go: each changes what the step holds where
+    "sgd": ("sgd", ("activations",), "after"),
+    "adam-all-kinds": ("adam", ("activations", "params", "grads", "optimizer_state"), "after"),
+    "adam-zero-grad-first": ("adam", ("activations",), "before"),   # gradients outlive the step
+    "sgd-accumulate": ("sgd", ("activations",), "accumulate"),      # two backwards, one update
+}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_what_the_update_sees_held_so_far_is_at_most_what_the_whole_step_holds(loop: str, monkeypatch) -> None:
+    """The refusal at the update is sound: the most the step recorded so far holds beside its
+    managed tensors (with the gradients the update will read and the state it will make) is at
+    most the most the whole step's recording holds, the one figure a share is fitted to, so no
+    budget the step's end would accept is refused before it; and op by op, where the whole
+    recording's figure is not its clamp at 0 (its managed tensors kept alive longer by the
+    engine's own recording around the update's first ops: ``held_beside``), so too. Checked on
+    the recordings themselves (``step_budget.share_of``'s two calls of the recording step)."""
+    from ooc.engine import step_budget
+
+    optimizer, manage, zero = LOOPS[loop]
+    seen = []
+
+    def share_of(mem, managed, whole, skipped, update=(0, ())):
+        out = real(mem, managed, whole, skipped, update)
+        seen.append(out[1])
+        return out
+
+    real = step_budget.share_of
+    monkeypatch.setattr(step_budget, "share_of", share_of)
+    model, opt = _fresh(optimizer)
+    with ooc.OutOfCore(model, opt, budget=256 * MiB, manage=manage,
+                       options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
+        for step in range(2):
+            x, y = _batch(step)
+            with engine.step():
+                if zero == "before":
+                    opt.zero_grad()
+                for part in (x.chunk(2) if zero == "accumulate" else (x,)):
+                    F.cross_entropy(model(part), y[:len(part)]).backward()
+                opt.step()
+                if zero != "before":
+                    opt.zero_grad()
+    so_far, whole = seen[0], seen[1]   # the recording step's: at its update, at its end
+    assert 0 < len(so_far) < len(whole)
+    assert 0 < max(so_far) <= max(whole), (max(so_far), max(whole))
+    over = [(i, a, b) for i, (a, b) in enumerate(zip(so_far, whole)) if a > b > 0]
+    assert not over, f"held so far over the whole step's at {len(over)} ops, first {over[:3]}"
+
+
+def test_state_made_or_brought_by_the_optimizer_counts_once(tmp_path) -> None:
+    """Every kind managed, Adam: an engine over a fresh optimizer (its first update makes the
+    state) and one over an optimizer that already has it (a resumed run) fit their step to the
+    same bytes held beside the managed tensors. Before 2026-11-29 the fresh one counted the
+    state its first update made beside the managed tensors as well as among them (the least
+    budget named too large by it), and the resumed one never managed its state at all."""
+    held = []
+    for resumed in (False, True):
+        model, opt = _fresh("adam")
+        if resumed:   # one step in core, then the engine: its optimizer starts with state
+            _train(None, model, opt, 1)
+        with ooc.OutOfCore(model, opt, budget=64 * MiB, storage=str(tmp_path),
+                           manage=("activations", "params", "grads", "optimizer_state"),
+                           options=ooc.Options(chunk="16KiB", budget_covers="step")) as engine:
+            _train(engine, model, opt, 2)
+            held.append(engine.stats()["step_held_bytes"])
+    state = sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values())
+    assert held[0] == held[1] and 0 < held[0] < 40 * MiB, (held, state)
+
+
+def test_micro_batches_with_every_kind_managed_train_bitwise_under_their_least_step_budget() -> None:
+    """Gradient accumulation over engine steps (the update every 2nd), every kind managed: a
+    step without an update leaves its gradients to the next; the engine's recording of the
+    managed tensors says they outlive the step, the whole recording does not, and the share is
+    fitted from both (a draft of 2026-11-29 counted them as there from the step's start on one
+    side only: torchvision's MobileNet, every kind managed, met OutOfBudget mid-training in
+    ``test_second_pytorch.py``; this model does not show it). Bitwise at the least step budget
+    the engine names."""
+    def train(engine: ooc.OutOfCore | None, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for step in range(6):
+            x, y = _batch(step, 16)
+            torch.manual_seed(100 + step)
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                (F.cross_entropy(model(x), y) / 2).backward()
+                if step % 2:
+                    opt.step()
+                    opt.zero_grad()
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:   # a head of 2 MiB, as MobileNet's
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(16 * 32 * 32, 32), nn.ReLU(), nn.Linear(32, 10))
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    ref_model, ref_opt = fresh()
+    train(None, ref_model, ref_opt)
+
+    def run(budget: int, _: int) -> nn.Module:
+        model, opt = fresh()
+        with ooc.OutOfCore(model, opt, budget=budget, manage=("activations", "params", "grads", "optimizer_state"),
+                           options=ooc.Options(chunk="16KiB", budget_covers="step")) as engine:
+            train(engine, model, opt)
+        return model
+
+    model, _, named = least_step_budget(run, start=1 * MiB)
+    assert named
+    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
 
 
 def _least_for(size: int) -> int:
@@ -139,21 +248,44 @@ def _least_for(size: int) -> int:
     return least_step_budget(run, start=1 * MiB, tries=4)[1]
 
 
-def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwise(tmp_path) -> None:
-    """Under the least step budget for batches of 32, batches of 128 come: each refusal names
-    the least step budget (after the first step recorded whole, beside what that step held
-    beside its managed tensors, not what the step starts with), and says whether its step was
-    applied: one refused before its update is rolled back (the loop runs that batch again), one
-    refused after it completed says so (the loop goes on). Trained on the batches applied,
-    in the order applied, the model is bitwise the one in core."""
-    budget = _least_for(32)
-    model, opt = _fresh("sgd")
-    engine = ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Wide layers, Adam one parameter at a time: the update's own temporaries (its
+    denominators, each a layer's weight in size) are the most the step holds beside the
+    managed tensors, and only the step's end sees them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+
+
+def _vectors(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return torch.randn(n, 512, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+CASES = {   # (model and optimizer, batch, the batch sizes in turn, the first step budget)
+    "larger-batch": (lambda: _fresh("sgd"), _batch, (32, 32, 32, 128, 128, 128), lambda: _least_for(32)),
+    "update-temporaries": (_mlp, _vectors, (64,) * 4, lambda: 1 * MiB),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwise(tmp_path, case: str) -> None:
+    """A loop that raises the step budget to each minimum named: each refusal names the least
+    step budget and says whether its step was applied (``err.step_applied``). What the forward
+    and backward hold beside the managed tensors is refused at the update, the step taken back
+    (the loop runs that batch again): batches of 32 under their least step budget, then 128
+    (refused once, before 2026-11-29 twice, the second once the step had completed). What only
+    the update's own temporaries need is refused once the step completed, its update applied
+    (the note says so; the loop goes on with the next batch). Trained on the batches applied, in
+    the order applied, the model is bitwise the one in core."""
+    fresh, batch, sizes, first = CASES[case]
+    model, opt = fresh()
+    engine = ooc.OutOfCore(model, opt, budget=first(), storage=str(tmp_path),
                            options=ooc.Options(chunk="64KiB", budget_covers="step"))
-    applied, notes = [], []
-    for step, size in enumerate((32, 32, 32, 128, 128, 128)):
+    applied, refusals = [], []
+    for step, size in enumerate(sizes):
         for _ in range(4):
-            x, y = _batch(step, size)
+            x, y = batch(step, size)
             torch.manual_seed(100 + step)
             try:
                 with engine.step():
@@ -162,7 +294,7 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
                     opt.zero_grad()
             except BudgetTooSmall as err:
                 note = "".join(getattr(err, "__notes__", []))
-                notes.append(note)
+                refusals.append((step, err.step_applied))
                 assert err.minimum > engine.stats()["step_budget"], (err.minimum, str(err))
                 assert err.step_applied is ("this step completed" in note), (err.step_applied, note)
                 engine.set_budget(err.minimum)
@@ -173,12 +305,12 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
             applied.append((step, size))
             break
     engine.close()
-    assert len(notes) >= 2 and "recorded whole holds" in notes[0] and "this step completed" not in notes[0], notes
-    assert any("this step completed" in n for n in notes), notes
-    assert [s for s, _ in applied] == list(range(6))
-    ref_model, ref_opt = _fresh("sgd")
+    expected = {"larger-batch": [(3, False)], "update-temporaries": [(0, False), (0, True)]}[case]
+    assert refusals == expected, refusals
+    assert [s for s, _ in applied] == list(range(len(sizes)))
+    ref_model, ref_opt = fresh()
     for step, size in applied:
-        x, y = _batch(step, size)
+        x, y = batch(step, size)
         torch.manual_seed(100 + step)
         F.cross_entropy(ref_model(x), y).backward()
         ref_opt.step()
