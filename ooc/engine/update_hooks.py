@@ -164,13 +164,14 @@ class UpdateGuard:
         return out
 
     def _check_feasible(self, st: Stepper) -> None:
-        """Plan what a recording step recorded so far (forward, backward), then measure, in
-        any step until an update has completed, what the update will need: the first one runs
-        on demand and must find room, op by op, for every managed tensor and every new
-        storage of the optimizer that the op touches. It is
-        measured by running ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from
-        shapes: here the parameters and grads are on the tier, their storages empty (sizes
-        read from them said 0 bytes, and an overflowing update got through)."""
+        """Plan what a recording step recorded so far (forward, backward; under a budget for
+        the whole step, fit a share beside what it holds so far: ``Planner.check_feasible``),
+        then measure, in any step until an update has completed, what the update will need:
+        the first one runs on demand and must find room, op by op, for every managed tensor and
+        every new storage of the optimizer that the op touches. It is measured by running
+        ``step()`` on meta twins (``ooc/runtime/dry_run.py``), from shapes: here the parameters
+        and grads are on the tier, their storages empty (sizes read from them said 0 bytes, and
+        an overflowing update got through)."""
         recording = st.schedule is None   # else a planned step's first update: its plan holds
         if "optimizer_state" in self._manage and not self._optimizer_stepped:
             self._state_sizes = state_sizes(self._optimizer)   # what the first update creates
@@ -197,6 +198,7 @@ class UpdateGuard:
         sizes = None if self._optimizer_stepped else (
             self._state_sizes if "optimizer_state" in self._manage else state_sizes(self._optimizer))
         return update_so_far(self._optimizer, sizes, self._manage, self._mem, st.recording)
+
 
 def _inside_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (an update called from
