@@ -50,9 +50,15 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                           (state, "optimizer_state")):
         for t in tensors:
             s = t.untyped_storage()
-            if kind not in manage or s.nbytes() < min_bytes:
+            if not _managed(kind, s.nbytes(), manage, min_bytes):
                 storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
+
+
+def _managed(kind: str | None, nbytes: int, manage: frozenset[str] | set[str], min_bytes: int) -> bool:
+    """Whether ooc manages a tensor of ``kind`` ("params", "grads", "optimizer_state"; None:
+    a buffer, never) and ``nbytes``: a kind ``manage``d, from ``min_bytes`` on."""
+    return kind in manage and nbytes >= min_bytes
 
 
 def _room(budget: int, mem: EngineMemory, held: bool = False) -> int:
@@ -120,16 +126,14 @@ def update_so_far(optimizer: torch.optim.Optimizer, sizes: dict[torch.Tensor, tu
     gradients it reads, live until it reads them). Both less what ooc manages (from
     ``mem.min_bytes`` on, of the kinds ``manage``d)."""
     size, full = _size(mem), recording.full
-
-    def managed(kind: str, n: int) -> bool:
-        return kind in manage and n >= mem.min_bytes
-
     new = sum(size(n) for p, each in (sizes or {}).items() if not optimizer.state.get(p)
-              for n in each if not managed("optimizer_state", n))
-    grads = [full.var(p.grad) for group in optimizer.param_groups for p in group["params"]
-             if p.grad is not None and full is not None]
-    # (the recorded size: a managed gradient on the tier has an empty storage now)
-    return new, tuple(v for v in grads if v is not None and not managed("grads", full.nbytes[v]))
+              for n in each if not _managed("optimizer_state", n, manage, mem.min_bytes))
+    if full is None:
+        return new, ()
+    grads = (full.var(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    read = tuple(v for v in grads if v is not None   # (the recorded size: one on the tier has an empty storage now)
+                 and not _managed("grads", full.nbytes[v], manage, mem.min_bytes))
+    return new, read
 
 
 def _size(mem: EngineMemory) -> Callable[[int], int]:
