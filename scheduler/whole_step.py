@@ -96,7 +96,8 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
                    granule: int = 2 << 20) -> int:
     """The managed budget for a step ``budget``: what is left of it, less ``reserve(budget)``
     (bytes the device keeps beside any plan: the CPU allocator's cache), where the step holds the
-    most beside its managed tensors (``held``), shared by ``arenas`` (2: ooc's pool beside
+    most beside its managed tensors (``held``: per function, and one more for an update measured
+    before it ran, ``ooc.engine.step_budget.Update``), shared by ``arenas`` (2: ooc's pool beside
     PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s, and no
     more than the managed tensors' in-core peak. ``BudgetTooSmall`` where that is under the
     step's largest working set: it names the function where the step holds the most, and the
@@ -116,7 +117,8 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     if left < low:
         i = held.index(most)
         minimum = least_budget(share, low, most + arenas * low, granule)
-        err = BudgetTooSmall(function=i, name=managed.functions[i].name, working_set=most + low,
+        name = managed.functions[i].name if i < len(managed.functions) else "the optimizer's update"
+        err = BudgetTooSmall(function=i, name=name, working_set=most + low,
                              budget=budget, minimum=minimum)
         err.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): beside its "
                      f"managed tensors the step holds up to {format_size(most)} there (weights, gradients, "

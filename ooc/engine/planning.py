@@ -278,7 +278,7 @@ class Planner:
                                            templates=st.templates() if recomputes else None))
 
     def check_feasible(self, seq: scheduler.VariableSequence, st: Stepper | None = None,
-                       update: tuple[int, tuple[int, ...]] = (0, ())) -> None:
+                       update: step_budget.Update = step_budget.Update()) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget, or,
         under a budget for the whole step, no share of it fits what the recording step ``st``
         holds beside ``seq`` so far, with what its ``update`` adds (``step_budget.update_so_far``):
@@ -296,7 +296,7 @@ class Planner:
         if refused:
             raise max(refused, key=lambda e: e.minimum)
 
-    def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, update: tuple[int, tuple[int, ...]]) -> None:
+    def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, update: step_budget.Update) -> None:
         """``step_budget.check_so_far`` at a recording step's update, unless the chunk changes
         at its end (the next step then records again instead of fitting)."""
         if not (self.adapt_pending and self._chosen_chunk(st.saved_sizes()) != self._mem.chunk):

@@ -16,13 +16,14 @@ temporaries come on top: the one step a budget for the whole step does not bound
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
+from ooc.runtime.dry_run import update_held
 from scheduler.ir import VariableSequence
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
 from vmm.units import format_size
@@ -89,51 +90,83 @@ def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
     return least_budget(lambda b: _room(b, mem, held), room, room + beside, mem.chunk)
 
 
+class Update(NamedTuple):
+    """What an update about to run adds to what a step recorded so far holds beside ooc's
+    tensors (``update_so_far``): ``new``, the bytes of state it creates, there from the step's
+    first op (the next step starts with them); ``read``, the variables of the gradients it
+    reads, live until it reads them; ``during``, the most its own ops hold (0: not measured)."""
+
+    new: int = 0
+    read: tuple[int, ...] = ()
+    during: int = 0
+
+
 def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any,
-             update: tuple[int, tuple[int, ...]] = (0, ())) -> tuple[int, tuple[int, ...]]:
+             update: Update = Update()) -> tuple[int, tuple[int, ...]]:
     """(The managed tensors' share of ``mem.step_budget``, the bytes held beside them at each
     function) for a step recorded whole as ``whole`` with its managed tensors ``managed``:
     ``BudgetTooSmall`` where no share holds its working sets (``managed_budget``). Of a step
-    recorded so far too, with what its ``update`` adds (``check_so_far``)."""
-    more, read = update
-    held = tuple(h + more for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=read))
+    recorded so far too, with what its ``update`` adds (``check_so_far``): one more figure, the
+    most the update's ops hold, where it was measured."""
+    held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read))
+    held += (update.during,) if update.during else ()
     return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
                           arenas=_arenas(mem), granule=mem.chunk), held
 
 
-def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence,
-                 update: tuple[int, tuple[int, ...]] = (0, ())) -> None:
+def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, update: Update = Update()) -> None:
     """``BudgetTooSmall`` where no share of ``mem.step_budget`` holds the working sets of the
     step recorded so far (``recording``: a recording step's ``StepRecording``, at its update;
-    ``managed``: its managed tensors so far), so that a budget the forward and backward already
-    prove too small is refused before the update (the step taken back), not at the step's end,
-    once the update is applied. ``update``: what the update adds (``update_so_far``). Sound:
+    ``managed``: its managed tensors so far) beside what it holds, and what its update will
+    hold (``update_so_far``), so that a budget the step proves too small is refused before the
+    update (the step taken back), not at the step's end, once the update is applied. Sound:
     what the step so far holds beside its managed tensors at an op is at most what the whole
     step holds there (both at eager lifetimes; gradients and the state the update makes count
-    as outliving the step only from the update on), and its working sets are the whole step's
-    first ones, so the step's end would refuse that budget too. The least budget named may
-    still be refused there, for the update's own temporaries."""
+    as outliving the step only from the update on), the update's ops hold at most what the
+    whole step's record of them holds (the same ops, on ``meta`` twins), and its working sets
+    are the whole step's first ones, so the step's end would refuse that budget too. An update
+    that does not run on ``meta`` (``dry_run``) is not measured: its temporaries are found at
+    the step's end."""
     if recording.full is not None:
         share_of(mem, managed, recording.full.sequence({}), recording.skipped, update)
 
 
-def update_so_far(optimizer: torch.optim.Optimizer, sizes: dict[torch.Tensor, tuple[int, ...]] | None,
-                  manage: frozenset[str], mem: EngineMemory, recording: Any) -> tuple[int, tuple[int, ...]]:
+def update_so_far(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                  sizes: dict[torch.Tensor, tuple[int, ...]] | None, manage: frozenset[str], mem: EngineMemory,
+                  recording: Any, measure: bool = True) -> Update:
     """What the update about to run adds to what a step recorded so far holds beside ooc's
-    tensors, as the whole step's recording will count it: (the bytes of state it creates for
-    parameters that have none yet, there from the step's first op since the next step starts
-    with them (``sizes``: ``dry_run.state_sizes``; None, unknown: none); the variables of the
-    gradients it reads, live until it reads them). Both less what ooc manages (from
-    ``mem.min_bytes`` on, of the kinds ``manage``d)."""
+    tensors, as the whole step's recording will count it (``Update``; ``sizes``:
+    ``dry_run.state_sizes``, None: unknown), all less what ooc manages (from ``mem.min_bytes``
+    on, of the kinds ``manage``d). ``during`` is measured on ``meta`` twins of the optimizer's
+    tensors (``dry_run.update_held``) with the model's other weights and its buffers, there at
+    every op; not (0) unless ``measure``."""
     size, full = _size(mem), recording.full
     new = sum(size(n) for p, each in (sizes or {}).items() if not optimizer.state.get(p)
               for n in each if not _managed("optimizer_state", n, manage, mem.min_bytes))
     if full is None:
-        return new, ()
+        return Update(new)
     grads = (full.var(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
     read = tuple(v for v in grads if v is not None   # (the recorded size: one on the tier has an empty storage now)
                  and not _managed("grads", full.nbytes[v], manage, mem.min_bytes))
-    return new, read
+    during = update_held(optimizer, lambda kind, n: 0 if _managed(kind, n, manage, mem.min_bytes) else size(n)
+                         ) if measure else None
+    return Update(new, read, 0 if during is None else during + _others(optimizer, model, manage, mem))
+
+
+def _others(optimizer: torch.optim.Optimizer, model: torch.nn.Module, manage: frozenset[str],
+            mem: EngineMemory) -> int:
+    """Bytes of the model's weights the optimizer does not update and of its buffers, each
+    storage once, less what ooc manages: beside the update at every op of it."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    size, seen, total = _size(mem), set(), 0
+    others = [(p, "params") for p in model.parameters() if id(p) not in mine]
+    for t, kind in others + [(b, None) for b in model.buffers()]:
+        n = t.untyped_storage().nbytes() or t.numel() * t.element_size()   # on the tier: its own size
+        key = t.untyped_storage().data_ptr() or id(t)
+        if key not in seen and not _managed(kind, n, manage, mem.min_bytes):
+            seen.add(key)
+            total += size(n)
+    return total
 
 
 def _size(mem: EngineMemory) -> Callable[[int], int]:

@@ -20,7 +20,7 @@ from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import Planner
-from ooc.engine.step_budget import update_so_far
+from ooc.engine.step_budget import Update, update_so_far
 from ooc.errors import OOCError
 from ooc.runtime.deferred_interrupt import DeferredInterrupt
 from ooc.runtime.dry_run import optimizer_need, state_sizes
@@ -37,6 +37,7 @@ class UpdateGuard:
     it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
     on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable);
     ``_reserved_for``, a weak reference to the step whose writes were last reserved;
+    ``_nesting``, the step whose update is open and how deep (a subclass's nested ``step()``);
     ``interrupts``, a Ctrl-C held while an update runs. the running step is the plan cache's ``form.st``."""
 
     def __init__(self, mem: EngineMemory, store: PersistentStore, planner: Planner, cache: PlanCache, *,
@@ -46,6 +47,7 @@ class UpdateGuard:
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
         self._reserved_for: weakref.ref | None = None
+        self._nesting: tuple[weakref.ref | None, int] = (None, 0)   # a step, and its updates open (``_opens``)
         self.interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
     def optimizer_step(self) -> None:
@@ -82,6 +84,8 @@ class UpdateGuard:
             if not self._store.closed:
                 self._store.bring_back()
             return
+        if not self._opens(st):   # a subclass's step() calling its hooked super().step(): one update
+            return
         # The backward is over: its last node returned, so the activations it unpacked are no
         # longer held by autograd (on demand, their bytes go back before the update needs room).
         st.close_node()
@@ -109,6 +113,8 @@ class UpdateGuard:
         self._optimizer_stepped = True
         form = self._cache.form   # the running step's (None between steps)
         st = None if form is None else form.st
+        if st is not None and not self._closes(st):
+            return
         if st is not None:
             st.update_done()
             self.interrupts.release()   # a Ctrl-C held during the update raises here
@@ -118,6 +124,24 @@ class UpdateGuard:
                 for key, t in state.items():
                     if isinstance(t, torch.Tensor):
                         self._store.adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
+
+    def _opens(self, st: Any) -> bool:
+        """Whether this pre-hook opens an update of step ``st``, not one inside an update open
+        already: ``step()`` of a subclass that calls ``super().step()`` runs the optimizer's
+        hooks twice, nested, once PyTorch has wrapped both classes' ``step`` (any instance of
+        the parent class does that). Counted per step: an update that raised leaves none open."""
+        ref, depth = self._nesting
+        depth = depth if ref is not None and ref() is st else 0
+        self._nesting = (weakref.ref(st), depth + 1)
+        return depth == 0
+
+    def _closes(self, st: Any) -> bool:
+        """Whether this post-hook closes the outermost update of step ``st`` (``_opens``)."""
+        ref, depth = self._nesting
+        if ref is None or ref() is not st:
+            return True
+        self._nesting = (ref, max(depth - 1, 0))
+        return depth <= 1
 
     def _commit_point(self, st: Stepper) -> None:
         """Make sure nothing the step did so far can fail once parameters start changing.
@@ -190,14 +214,18 @@ class UpdateGuard:
             # under a budget for the whole step, its least: the one named for the share looped forever
             raise self._planner.of_the_step(err) if self._mem.step_budget else err
 
-    def _update_so_far(self, st: Stepper) -> tuple[int, tuple[int, ...]]:
+    def _update_so_far(self, st: Stepper) -> Update:
         """Under a budget for the whole step, what the update adds to what the recording step
         ``st`` holds beside its managed tensors so far (``step_budget.update_so_far``)."""
         if not self._mem.step_budget or self._optimizer is None:
-            return 0, ()
+            return Update()
         sizes = None if self._optimizer_stepped else (
             self._state_sizes if "optimizer_state" in self._manage else state_sizes(self._optimizer))
-        return update_so_far(self._optimizer, sizes, self._manage, self._mem, st.recording)
+        # Inside the backward (one ``step()`` per gradient) each call makes only its parameter's
+        # state, which the step's recording counts from its start for all of them: measured there,
+        # each update named a little more than the last (8 refusals on a Llama); found at the end.
+        return update_so_far(self._optimizer, self._model, sizes, self._manage, self._mem, st.recording,
+                             measure=not _inside_backward())
 
 
 def _inside_backward() -> bool:

@@ -14,7 +14,9 @@ real optimizer, so that a budget too small for the update fails before anything 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,86 @@ def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[in
                 for p, twin in twins.items()}
 
 
+def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int]) -> int | None:
+    """The most bytes one op of ``optimizer.step()`` finds live, measured on ``meta`` twins at
+    eager lifetimes, as a recording of the whole step counts them: the parameters and the state
+    (what the update makes too: the next step starts with it) at every op, each gradient until
+    the update last reads it, each temporary (Adam's denominators; a foreach update's lists of
+    them) from its op to its last use. ``held(kind, nbytes)``: what a storage of ``kind``
+    ("params", "grads", "optimizer_state", which a temporary born in ``step()`` is too) and so
+    many bytes counts (0: ooc manages it). None if the optimizer cannot run on ``meta``.
+
+    Why: under a budget for the whole step the update's own temporaries may be the most the
+    step holds beside its managed tensors; measured only once the update ran, a budget too small
+    for them was refused after the step had changed the parameters."""
+    with _disable_current_modes():
+        shadow, twins, known = _shadow(optimizer, {})
+        before = {t.untyped_storage()._cdata for t in _state(shadow)}
+        uses = _Uses()
+        if not _run(shadow, optimizer, uses):
+            return None
+    ops = max(uses.i, 1)
+    # There at every op: the parameters, the state that was, and the state the update makes
+    # by an op (its first step's scalar counters, made by ``torch.tensor``, no op the recording
+    # sees, count as its inputs do: until their last use).
+    kinds = {t.untyped_storage()._cdata: kind for t, kind in
+             [(t, "params") for t in twins.values()]
+             + [(t, "optimizer_state") for t in _state(shadow)
+                if _counts(t) or t.untyped_storage()._cdata in before]}
+    delta = [0] * (ops + 1)
+    for cdata in uses.storages.keys() | kinds.keys():
+        kind = kinds.get(cdata) or known.get(cdata, ("optimizer_state", ""))[0]
+        s = uses.storages.get(cdata)
+        nbytes = (s if s is not None else _storage(shadow, twins, cdata)).nbytes()
+        first, last = uses.first.get(cdata, 0), uses.last.get(cdata, ops - 1)
+        if cdata in kinds:           # parameters and state: there at every op
+            first, last = 0, ops - 1
+        elif kind == "grads":        # there from the start, until the update last reads it
+            first = 0
+        n = held(kind, nbytes)
+        delta[first] += n
+        delta[last + 1] -= n
+    return max(itertools.accumulate(delta[:ops]))
+
+
+def _state(shadow: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The strided tensors of ``shadow``'s state."""
+    return [t for st in shadow.state.values() for t in st.values()
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided]
+
+
+def _storage(shadow: torch.optim.Optimizer, twins: dict, cdata: int) -> torch.UntypedStorage:
+    """The twin or state storage ``cdata`` (one no op of the dry run touched)."""
+    for t in [*twins.values(), *_state(shadow)]:
+        if t.untyped_storage()._cdata == cdata:
+            return t.untyped_storage()
+    raise KeyError(cdata)
+
+
+class _Uses(TorchDispatchMode):
+    """Per storage an op of the dry run touched (read, wrote or made): its first and last op;
+    the storages are kept, so that no address is reused for another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.i = 0
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _leaves((args, kwargs or {}, out)):
+            if t.layout is not torch.strided:
+                continue
+            s = t.untyped_storage()
+            self.storages.setdefault(s._cdata, s)
+            self.first.setdefault(s._cdata, self.i)
+            self.last[s._cdata] = self.i
+        self.i += 1
+        return out
+
+
 def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
             ) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter], dict[int, tuple[str, str]]]:
     """An optimizer of the same type over ``meta`` twins of the parameters, their grads and
@@ -97,6 +179,9 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
                 twins[p] = twin
             params.append(twin)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        if (group.get("foreach", False) is None and not group.get("fused") and group["params"]
+                and all(p.device.type == "cuda" for p in group["params"])):
+            groups[-1]["foreach"] = True   # as PyTorch picks for CUDA tensors (not for meta ones)
     try:
         shadow = type(optimizer)(groups, **optimizer.defaults)
     except TypeError:

@@ -151,9 +151,9 @@ def test_what_the_update_sees_held_so_far_is_at_most_what_the_whole_step_holds(l
     optimizer, manage, zero = LOOPS[loop]
     seen = []
 
-    def share_of(mem, managed, whole, skipped, update=(0, ())):
+    def share_of(mem, managed, whole, skipped, update=step_budget.Update()):
         out = real(mem, managed, whole, skipped, update)
-        seen.append(out[1])
+        seen.append((out[1], update.during))
         return out
 
     real = step_budget.share_of
@@ -171,11 +171,47 @@ def test_what_the_update_sees_held_so_far_is_at_most_what_the_whole_step_holds(l
                 opt.step()
                 if zero != "before":
                     opt.zero_grad()
-    so_far, whole = seen[0], seen[1]   # the recording step's: at its update, at its end
+    (so_far, during), (whole, _) = seen[0], seen[1]   # the recording step's: at its update, at its end
+    assert during > 0 and so_far[-1] == during   # the update's ops, measured on meta twins: one figure
+    so_far = so_far[:-1]
     assert 0 < len(so_far) < len(whole)
     assert 0 < max(so_far) <= max(whole), (max(so_far), max(whole))
+    assert during <= max(whole[len(so_far):]), (during, max(whole[len(so_far):]))
     over = [(i, a, b) for i, (a, b) in enumerate(zip(so_far, whole)) if a > b > 0]
     assert not over, f"held so far over the whole step's at {len(over)} ops, first {over[:3]}"
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_update_measured_before_it_runs_holds_what_its_recording_holds(optimizer: str, foreach: bool,
+                                                                           monkeypatch) -> None:
+    """The update's own ops, measured on ``meta`` twins at the recording step's update
+    (``dry_run.update_held``), hold the most the whole step's recording of them holds: the
+    same figure, not a bound (Adam's denominators, SGD's momentum buffers made, one parameter at
+    a time or foreach)."""
+    from ooc.engine import step_budget
+
+    seen = []
+
+    def share_of(mem, managed, whole, skipped, update=step_budget.Update()):
+        out = real(mem, managed, whole, skipped, update)
+        seen.append((len(managed.functions), out[1], update.during))
+        return out
+
+    real = step_budget.share_of
+    monkeypatch.setattr(step_budget, "share_of", share_of)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach))
+    with ooc.OutOfCore(model, opt, budget=256 * MiB, options=ooc.Options(chunk="64KiB", budget_covers="step")) as e:
+        x, y = _vectors(0, 64)
+        with e.step():
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    (n, _, during), (_, whole, _) = seen[0], seen[1]
+    assert during == max(whole[n:]), (during, max(whole[n:]))
 
 
 def test_state_made_or_brought_by_the_optimizer_counts_once(tmp_path) -> None:
@@ -248,13 +284,29 @@ def _least_for(size: int) -> int:
     return least_step_budget(run, start=1 * MiB, tries=4)[1]
 
 
-def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+class _Checked(torch.optim.Adam):
+    """Adam that skips an update whose gradients are not all finite: a branch on the data,
+    which ``meta`` twins cannot take, so its update is not measured before it runs."""
+
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return None
+        return super().step(closure)
+
+
+def _mlp(checked: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Wide layers, Adam one parameter at a time: the update's own temporaries (its
     denominators, each a layer's weight in size) are the most the step holds beside the
-    managed tensors, and only the step's end sees them."""
+    managed tensors. Measured on ``meta`` twins before the update runs; ``checked``, an
+    optimizer that cannot run there (``_Checked``), only the step's end sees them. An Adam made
+    first wraps ``Adam.step`` in PyTorch's hooks as ``_Checked.step`` is, so that the engine's
+    hooks run nested, as in a process that made one before (before 2026-11-29 the inner update
+    start refused the step once its update had begun, and said it was applied: it was not)."""
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    return model, (_Checked if checked else torch.optim.Adam)(model.parameters(), lr=1e-3, foreach=False)
 
 
 def _vectors(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +317,7 @@ def _vectors(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 CASES = {   # (model and optimizer, batch, the batch sizes in turn, the first step budget)
     "larger-batch": (lambda: _fresh("sgd"), _batch, (32, 32, 32, 128, 128, 128), lambda: _least_for(32)),
     "update-temporaries": (_mlp, _vectors, (64,) * 4, lambda: 1 * MiB),
+    "update-unmeasured": (lambda: _mlp(checked=True), _vectors, (64,) * 4, lambda: 1 * MiB),
 }
 
 
@@ -274,10 +327,12 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
     step budget and says whether its step was applied (``err.step_applied``). What the forward
     and backward hold beside the managed tensors is refused at the update, the step taken back
     (the loop runs that batch again): batches of 32 under their least step budget, then 128
-    (refused once, before 2026-11-29 twice, the second once the step had completed). What only
-    the update's own temporaries need is refused once the step completed, its update applied
-    (the note says so; the loop goes on with the next batch). Trained on the batches applied, in
-    the order applied, the model is bitwise the one in core."""
+    (refused once, before 2026-11-29 twice, the second once the step had completed). What the
+    update's own temporaries need is refused there too, measured on ``meta`` twins (before
+    2026-11-29 a second refusal came once the step completed); where the optimizer cannot run
+    on them, once the step completed, its update applied (the note says so; the loop goes on
+    with the next batch). Trained on the batches applied, in the order applied, the model is
+    bitwise the one in core."""
     fresh, batch, sizes, first = CASES[case]
     model, opt = fresh()
     engine = ooc.OutOfCore(model, opt, budget=first(), storage=str(tmp_path),
@@ -305,7 +360,8 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
             applied.append((step, size))
             break
     engine.close()
-    expected = {"larger-batch": [(3, False)], "update-temporaries": [(0, False), (0, True)]}[case]
+    expected = {"larger-batch": [(3, False)], "update-temporaries": [(0, False)],
+                "update-unmeasured": [(0, False), (0, True)]}[case]
     assert refusals == expected, refusals
     assert [s for s, _ in applied] == list(range(len(sizes)))
     ref_model, ref_opt = fresh()
