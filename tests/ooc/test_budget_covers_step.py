@@ -181,14 +181,35 @@ def test_what_the_update_sees_held_so_far_is_at_most_what_the_whole_step_holds(l
     assert not over, f"held so far over the whole step's at {len(over)} ops, first {over[:3]}"
 
 
+OPTIMIZERS = {   # every optimizer of torch.optim that runs here, in a setting that makes state
+    "Adadelta": lambda p, fe: torch.optim.Adadelta(p, foreach=fe),
+    "Adagrad": lambda p, fe: torch.optim.Adagrad(p, foreach=fe),
+    "Adam": lambda p, fe: torch.optim.Adam(p, foreach=fe),
+    "Adam-amsgrad": lambda p, fe: torch.optim.Adam(p, amsgrad=True, foreach=fe),
+    "AdamW": lambda p, fe: torch.optim.AdamW(p, foreach=fe),
+    "Adamax": lambda p, fe: torch.optim.Adamax(p, foreach=fe),
+    "ASGD": lambda p, fe: torch.optim.ASGD(p, foreach=fe),   # .item() of its state: not on meta
+    "NAdam": lambda p, fe: torch.optim.NAdam(p, foreach=fe),
+    "RAdam": lambda p, fe: torch.optim.RAdam(p, foreach=fe),
+    "RMSprop": lambda p, fe: torch.optim.RMSprop(p, momentum=0.9, centered=True, foreach=fe),
+    "Rprop": lambda p, fe: torch.optim.Rprop(p, foreach=fe),
+    "SGD": lambda p, fe: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, foreach=fe),
+    "SGD-weight-decay": lambda p, fe: torch.optim.SGD(p, lr=0.05, weight_decay=1e-2, foreach=fe),
+}
+UNMEASURED = {"ASGD"}
+
+
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_the_update_measured_before_it_runs_holds_what_its_recording_holds(optimizer: str, foreach: bool,
                                                                            monkeypatch) -> None:
     """The update's own ops, measured on ``meta`` twins at the recording step's update
-    (``dry_run.update_held``), hold the most the whole step's recording of them holds: the
-    same figure, not a bound (Adam's denominators, SGD's momentum buffers made, one parameter at
-    a time or foreach)."""
+    (``dry_run.update_held``), hold the most the whole step's recording of them holds, one
+    parameter at a time or foreach: the same figure but for the few bytes of the scalars an
+    optimizer makes with ``torch.tensor`` (its step counters: no op the recording sees makes
+    them, so they count until their last use), never more (no budget the step's end accepts
+    is refused before it). An optimizer that cannot run on ``meta`` is not measured: the
+    step's end finds its update."""
     from ooc.engine import step_budget
 
     seen = []
@@ -201,17 +222,19 @@ def test_the_update_measured_before_it_runs_holds_what_its_recording_holds(optim
     real = step_budget.share_of
     monkeypatch.setattr(step_budget, "share_of", share_of)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach) if optimizer == "adam"
-           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach))
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 384), nn.ReLU(), nn.Linear(384, 10))
+    opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
     with ooc.OutOfCore(model, opt, budget=256 * MiB, options=ooc.Options(chunk="64KiB", budget_covers="step")) as e:
-        x, y = _vectors(0, 64)
+        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
         with e.step():
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
     (n, _, during), (_, whole, _) = seen[0], seen[1]
-    assert during == max(whole[n:]), (during, max(whole[n:]))
+    if optimizer in UNMEASURED:
+        assert during == 0
+        return
+    assert 0 <= max(whole[n:]) - during < 1024, (during, max(whole[n:]))
 
 
 def test_state_made_or_brought_by_the_optimizer_counts_once(tmp_path) -> None:
