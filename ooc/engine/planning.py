@@ -278,11 +278,11 @@ class Planner:
                                            templates=st.templates() if recomputes else None))
 
     def check_feasible(self, seq: scheduler.VariableSequence, st: Stepper | None = None,
-                       update: step_budget.Update = step_budget.Update()) -> None:
+                       update: Callable[[], step_budget.Update] = step_budget.Update) -> None:
         """Raise ``BudgetTooSmall`` if no plan of ``seq`` (a step so far) fits the budget, or,
         under a budget for the whole step, no share of it fits what the recording step ``st``
-        holds beside ``seq`` so far, with what its ``update`` adds (``step_budget.update_so_far``):
-        the refusal whose minimum is larger, the least that can do."""
+        holds beside ``seq`` so far, with what its update adds (``update()``, asked only then: a
+        dry run, ``step_budget.update_so_far``): the refusal whose minimum is larger, the least."""
         refused = []
         try:
             if st is not None and self._mem.step_budget:
@@ -296,11 +296,11 @@ class Planner:
         if refused:
             raise max(refused, key=lambda e: e.minimum)
 
-    def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, update: step_budget.Update) -> None:
+    def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, adds: Callable[[], step_budget.Update]) -> None:
         """``step_budget.check_so_far`` at a recording step's update, unless the chunk changes
         at its end (the next step then records again instead of fitting)."""
         if not (self.adapt_pending and self._chosen_chunk(st.saved_sizes()) != self._mem.chunk):
-            step_budget.check_so_far(self._mem, st.recording, seq, update)
+            step_budget.check_so_far(self._mem, st.recording, seq, adds())
 
     def of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
         """``err``, of the managed tensors' budget, said of the budget the user gave: under a

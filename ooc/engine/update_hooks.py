@@ -200,7 +200,7 @@ class UpdateGuard:
         if "optimizer_state" in self._manage and not self._optimizer_stepped:
             self._state_sizes = state_sizes(self._optimizer)   # what the first update creates
         if recording:   # and what it holds beside them so far, under a budget for the whole step
-            self._planner.check_feasible(st.rec.sequence({}), st, self._update_so_far(st))
+            self._planner.check_feasible(st.rec.sequence({}), st, lambda: self._update_so_far(st))
         counted = self._manage & {"params", "grads", "optimizer_state"}
         if not counted:
             return
