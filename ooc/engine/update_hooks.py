@@ -37,7 +37,8 @@ class UpdateGuard:
     it does, ``_state_sizes``, the bytes of each parameter's state after one update, measured
     on meta twins by the recording step (``dry_run.state_sizes``; None if not measurable);
     ``_reserved_for``, a weak reference to the step whose writes were last reserved;
-    ``_nesting``, the step whose update is open and how deep (a subclass's nested ``step()``);
+    ``_nesting``, the step whose update is open and how deep (a subclass's nested ``step()``,
+    ``update_starts``);
     ``interrupts``, a Ctrl-C held while an update runs. the running step is the plan cache's ``form.st``."""
 
     def __init__(self, mem: EngineMemory, store: PersistentStore, planner: Planner, cache: PlanCache, *,
@@ -47,7 +48,7 @@ class UpdateGuard:
         self._optimizer_stepped = False
         self._state_sizes: dict[torch.Tensor, tuple[int, ...]] | None = None
         self._reserved_for: weakref.ref | None = None
-        self._nesting: tuple[weakref.ref | None, int] = (None, 0)   # a step, and its updates open (``_opens``)
+        self._nesting: tuple[weakref.ref | None, int] = (None, 0)   # a step, and its updates open
         self.interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
     def optimizer_step(self) -> None:
@@ -84,7 +85,14 @@ class UpdateGuard:
             if not self._store.closed:
                 self._store.bring_back()
             return
-        if not self._opens(st):   # a subclass's step() calling its hooked super().step(): one update
+        # One update, not two nested ones: ``step()`` of a subclass that calls ``super().step()``
+        # runs these hooks twice, nested, once PyTorch has wrapped both classes' ``step`` (any
+        # instance of the parent class does). Counted per step (an update that raised leaves
+        # none open), inline: a plain step's calls into ooc are counted (test_op_cost.py).
+        ref, depth = self._nesting
+        depth = depth if ref is not None and ref() is st else 0
+        self._nesting = (weakref.ref(st), depth + 1)
+        if depth:
             return
         # The backward is over: its last node returned, so the activations it unpacked are no
         # longer held by autograd (on demand, their bytes go back before the update needs room).
@@ -113,9 +121,12 @@ class UpdateGuard:
         self._optimizer_stepped = True
         form = self._cache.form   # the running step's (None between steps)
         st = None if form is None else form.st
-        if st is not None and not self._closes(st):
-            return
         if st is not None:
+            ref, depth = self._nesting
+            if ref is not None and ref() is st:   # the outermost update's end only (``update_starts``)
+                self._nesting = (ref, max(depth - 1, 0))
+                if depth > 1:
+                    return
             st.update_done()
             self.interrupts.release()   # a Ctrl-C held during the update raises here
         elif "optimizer_state" in self._manage:
@@ -124,24 +135,6 @@ class UpdateGuard:
                 for key, t in state.items():
                     if isinstance(t, torch.Tensor):
                         self._store.adopt(t, Kind.OPTIMIZER_STATE, f"{names.get(p, '?')}.{key}")
-
-    def _opens(self, st: Any) -> bool:
-        """Whether this pre-hook opens an update of step ``st``, not one inside an update open
-        already: ``step()`` of a subclass that calls ``super().step()`` runs the optimizer's
-        hooks twice, nested, once PyTorch has wrapped both classes' ``step`` (any instance of
-        the parent class does that). Counted per step: an update that raised leaves none open."""
-        ref, depth = self._nesting
-        depth = depth if ref is not None and ref() is st else 0
-        self._nesting = (weakref.ref(st), depth + 1)
-        return depth == 0
-
-    def _closes(self, st: Any) -> bool:
-        """Whether this post-hook closes the outermost update of step ``st`` (``_opens``)."""
-        ref, depth = self._nesting
-        if ref is None or ref() is not st:
-            return True
-        self._nesting = (ref, max(depth - 1, 0))
-        return depth <= 1
 
     def _commit_point(self, st: Stepper) -> None:
         """Make sure nothing the step did so far can fail once parameters start changing.

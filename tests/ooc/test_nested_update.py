@@ -1,0 +1,73 @@
+"""An optimizer whose ``step()`` calls ``super().step()``: one update, not two nested ones.
+
+PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
+class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
+hooks twice, nested, in any process that made a parent-class optimizer before (the engine's
+own dry runs make them too). The engine opens the update at the outer hook and closes it at the
+outer hook's end (``UpdateGuard.update_starts``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class ClippedAdam(torch.optim.Adam):
+    """Adam that clips the gradients' norm before its update, as users' subclasses do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        return super().step(closure)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.1),
+                         nn.Linear(16 * 16 * 16, 10))
+
+
+@pytest.mark.parametrize("covers", ["managed", "step"])
+def test_a_subclass_calling_its_hooked_parent_step_updates_once_and_bitwise(monkeypatch, covers: str) -> None:
+    """Six steps of a small CNN (BatchNorm, dropout) with ``ClippedAdam`` under a budget that
+    swaps (and one for the whole step), ``Adam.step`` wrapped in PyTorch's hooks first: the
+    hooks run twice a step, the update's commit point once (twice before 2026-11-29; with a
+    budget for the whole step the inner start then refused steps whose update had begun), and
+    the parameters are bitwise in core's."""
+    from ooc.engine.update_hooks import UpdateGuard
+
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])   # wraps Adam.step, as any earlier Adam does
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = ClippedAdam(ref.parameters(), lr=1e-3), ClippedAdam(model.parameters(), lr=1e-3)
+    hooks, commits = [], []
+    real_starts, real_commit = UpdateGuard.update_starts, UpdateGuard._commit_point
+    monkeypatch.setattr(UpdateGuard, "update_starts", lambda self, *a: hooks.append(1) or real_starts(self, *a))
+    monkeypatch.setattr(UpdateGuard, "_commit_point", lambda self, st: commits.append(1) or real_commit(self, st))
+    budget = 3 << 20 if covers == "managed" else 24 << 20
+    with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="64KiB", budget_covers=covers)) as engine:
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+            for m, o, e in ((ref, ref_opt, None), (model, opt, engine)):
+                torch.manual_seed(100 + step)
+                with e.step() if e is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    F.cross_entropy(m(x), y).backward()
+                    o.step()
+                    o.zero_grad()
+        stats = engine.stats()
+    assert len(hooks) == 12 and len(commits) == 6, (len(hooks), len(commits))   # two hooks a step, one update
+    assert stats["bytes_out"] > 0, stats
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
