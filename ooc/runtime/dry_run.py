@@ -48,7 +48,10 @@ def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, s
     does (``aten.zeros_like.default#53``) until they turn out to be state (``0.weight.exp_avg``).
     """
     with _disable_current_modes():   # the engine's mode must not see the twins' ops
-        shadow, twins, known = _shadow(optimizer, names)
+        made = _shadow(optimizer, names)
+        if made is None:
+            return None
+        shadow, twins, known = made
         counter = _Count(known, frozenset(counted), min_bytes, first)
         if not _run(shadow, optimizer, counter):
             return None
@@ -68,7 +71,10 @@ def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[in
     like the parameter, SGD with momentum one, Adagrad one, Adafactor smaller ones), instead of
     assuming an optimizer. None if it cannot run on ``meta``."""
     with _disable_current_modes():
-        shadow, twins, _ = _shadow(optimizer, {})
+        made = _shadow(optimizer, {})
+        if made is None:
+            return None
+        shadow, twins, _ = made
         if not _run(shadow, optimizer, contextlib.nullcontext()):
             return None
         return {p: tuple(t.untyped_storage().nbytes() for t in shadow.state.get(twin, {}).values()
@@ -89,7 +95,10 @@ def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int
     step holds beside its managed tensors; measured only once the update ran, a budget too small
     for them was refused after the step had changed the parameters."""
     with _disable_current_modes():
-        shadow, twins, known = _shadow(optimizer, {})
+        made = _shadow(optimizer, {})
+        if made is None:
+            return None
+        shadow, twins, known = made
         before = {t.untyped_storage()._cdata for t in _state(shadow)}
         uses = _Uses()
         if not _run(shadow, optimizer, uses):
@@ -156,10 +165,13 @@ class _Uses(TorchDispatchMode):
         return out
 
 
-def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
-            ) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter], dict[int, tuple[str, str]]]:
+_Shadow = tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter], dict[int, tuple[str, str]]]
+
+
+def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> _Shadow | None:
     """An optimizer of the same type over ``meta`` twins of the parameters, their grads and
-    their state; the twins by parameter; the kind and name of each twin storage."""
+    their state; the twins by parameter; the kind and name of each twin storage. None where
+    the type cannot be made again (``_same_type``)."""
     known: dict[int, tuple[str, str]] = {}
     twins: dict[torch.Tensor, torch.nn.Parameter] = {}
     groups = []
@@ -182,10 +194,9 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
         if (group.get("foreach", False) is None and not group.get("fused") and group["params"]
                 and all(p.device.type == "cuda" for p in group["params"])):
             groups[-1]["foreach"] = True   # as PyTorch picks for CUDA tensors (not for meta ones)
-    try:
-        shadow = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError:
-        shadow = type(optimizer)(groups)
+    shadow = _same_type(optimizer, groups)
+    if shadow is None:
+        return None
     for p, state in optimizer.state.items():
         if p not in twins:
             continue
@@ -200,6 +211,21 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
             copied[key] = v
         shadow.state[twins[p]] = copied
     return shadow, twins, known
+
+
+def _same_type(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer | None:
+    """An optimizer of ``optimizer``'s type over ``groups``, with its defaults, else without
+    (a subclass whose constructor takes other arguments); None if neither makes one (timm's
+    ``Lookahead`` takes the optimizer it wraps: its AttributeError stopped the training step)."""
+    why: Exception | None = None
+    for kwargs in (lambda: optimizer.defaults, dict):
+        try:
+            return type(optimizer)(groups, **kwargs())
+        except Exception as exc:  # noqa: BLE001 - not made again: not measured, not an error
+            why = exc
+    log.info("%s is not made again over meta twins (%s): its update is not measured before it runs",
+             type(optimizer).__name__, why)
+    return None
 
 
 def _run(shadow: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, mode: Any) -> bool:

@@ -1,4 +1,5 @@
-"""An optimizer whose ``step()`` calls ``super().step()``: one update, not two nested ones.
+"""Optimizers built on others: a subclass whose ``step()`` calls ``super().step()`` (one
+update, not two nested ones), and one made from another optimizer (as timm's ``Lookahead``).
 
 PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
 class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
@@ -69,5 +70,45 @@ def test_a_subclass_calling_its_hooked_parent_step_updates_once_and_bitwise(monk
         stats = engine.stats()
     assert len(hooks) == 12 and len(commits) == 6, (len(hooks), len(commits))   # two hooks a step, one update
     assert stats["bytes_out"] > 0, stats
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+
+
+class Wrapping(torch.optim.Optimizer):
+    """An optimizer made from another, as timm's ``Lookahead``: it shares the other's groups
+    and state, and its constructor takes that optimizer, not parameter groups."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        super().__init__([p for group in base.param_groups for p in group["params"]], base.defaults)
+        self.base, self.param_groups, self.state = base, base.param_groups, base.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
+@pytest.mark.parametrize("manage", [("activations",), ("activations", "params", "grads", "optimizer_state")])
+def test_an_optimizer_made_from_another_trains_bitwise_under_a_budget_for_the_whole_step(manage) -> None:
+    """The engine measures an update on ``meta`` twins of an optimizer of the same type; one
+    that cannot be made so (``Wrapping``) is not measured, and trains: before 2026-11-29 the
+    AttributeError its constructor raised on parameter groups stopped the first step."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt = Wrapping(torch.optim.Adam(ref.parameters(), lr=1e-3))
+    opt = Wrapping(torch.optim.Adam(model.parameters(), lr=1e-3))
+    with ooc.OutOfCore(model, opt, budget=24 << 20, manage=manage,
+                       options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+            torch.manual_seed(100 + step)
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.manual_seed(100 + step)
+            with engine.step():
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs from training without ooc"
