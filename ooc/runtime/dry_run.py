@@ -190,7 +190,7 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) ->
                         known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
                 twins[p] = twin
             params.append(twin)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        groups.append({**{k: _apart(v) for k, v in group.items() if k != "params"}, "params": params})
         if (group.get("foreach", False) is None and not group.get("fused") and group["params"]
                 and all(p.device.type == "cuda" for p in group["params"])):
             groups[-1]["foreach"] = True   # as PyTorch picks for CUDA tensors (not for meta ones)
@@ -206,11 +206,27 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) ->
                 v = torch.empty_like(v, device="meta")
                 if _counts(v):
                     known[v.untyped_storage()._cdata] = ("optimizer_state", f"{names.get(p, '?')}.{key}")
-            elif isinstance(v, torch.Tensor):
-                v = v.detach().clone()   # Adam's step counter: read with .item()
+            else:   # Adam's step counter (read with .item()), and any list or dict of tensors
+                v = _apart(v)
             copied[key] = v
         shadow.state[twins[p]] = copied
     return shadow, twins, known
+
+
+def _apart(v: Any) -> Any:
+    """``v`` for the shadow, sharing no tensor with the real optimizer: the shadow's ``step()``
+    writes what it holds (timm's Lamb counts its steps in a tensor of each parameter group: the
+    shared counter went up at each dry run, and training with the state managed was not
+    bitwise). A tensor of one element is copied (read with ``.item()``), a larger one is a
+    ``meta`` twin; lists, tuples and dicts of them alike; anything else is shared (PyTorch's
+    optimizers hold numbers and strings there)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone() if v.numel() <= 1 else torch.empty_like(v, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_apart(x) for x in v) if type(v) in (list, tuple) else v
+    if isinstance(v, dict):
+        return {k: _apart(x) for k, x in v.items()}
+    return v
 
 
 def _same_type(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer | None:

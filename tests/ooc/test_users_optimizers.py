@@ -1,5 +1,6 @@
-"""Optimizers built on others: a subclass whose ``step()`` calls ``super().step()`` (one
-update, not two nested ones), and one made from another optimizer (as timm's ``Lookahead``).
+"""Optimizers as users and libraries write them: a subclass whose ``step()`` calls
+``super().step()`` (one update, not two nested ones), one made from another optimizer (as
+timm's ``Lookahead``), one that keeps a tensor in its parameter groups (as timm's ``Lamb``).
 
 PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
 class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
@@ -110,5 +111,59 @@ def test_an_optimizer_made_from_another_trains_bitwise_under_a_budget_for_the_wh
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+
+
+class GroupCounted(torch.optim.Optimizer):
+    """SGD with momentum whose learning rate warms up over a step count kept in a tensor of
+    each parameter group, as timm's ``Lamb`` keeps its steps."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if "step" not in group:
+                group["step"] = torch.tensor(0.0)
+            group["step"].add_(1)
+            scale = min(1.0, group["step"].item() / 3)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"].mul_(0.9).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"] * scale)
+
+
+@pytest.mark.parametrize("covers", ["managed", "step"])
+def test_an_optimizer_with_tensors_in_its_groups_trains_bitwise_with_every_kind_managed(covers: str) -> None:
+    """The engine's dry runs of the update (``ooc/runtime/dry_run.py``) step an optimizer of the
+    same type over ``meta`` twins; the tensors of its parameter groups are copies too (before
+    2026-11-29 they were shared: each dry run counted a step in ``GroupCounted``'s counter, and
+    timm's ``Lamb`` with its state managed was not bitwise)."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = GroupCounted(ref.parameters()), GroupCounted(model.parameters())
+    with ooc.OutOfCore(model, opt, budget=(2 << 20) if covers == "managed" else (24 << 20),
+                       manage=("activations", "params", "grads", "optimizer_state"),
+                       options=ooc.Options(chunk="64KiB", budget_covers=covers)) as engine:
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+            torch.manual_seed(100 + step)
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.manual_seed(100 + step)
+            with engine.step():
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert engine.stats()["bytes_out"] > 0
+    assert [g["step"].item() for g in opt.param_groups] == [5.0]
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs from training without ooc"
