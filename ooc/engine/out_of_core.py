@@ -42,7 +42,8 @@ from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError
 from ooc.host import cpu_allocator
-from ooc.runtime.composition import check_sharded_params, check_step_entry, refuse_compiled, state_dict_owner
+from ooc.runtime.composition import (check_optimizer_hooks, check_sharded_params, check_step_entry, refuse_compiled,
+                                     state_dict_owner)
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
@@ -125,6 +126,7 @@ class OutOfCore:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
         self._manage = frozenset(manage)
         check_sharded_params(model, self._manage)   # FSDP2: activations only
+        check_optimizer_hooks(optimizer, self._manage)   # timm's Lookahead: activations only
         recompute = recompute_word(recompute)
         pin_fn = pin_function(pin)
         device = torch.device(device)

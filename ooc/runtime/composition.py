@@ -226,3 +226,22 @@ def state_dict_owner(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return model
+
+
+_STATE_DICT_HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def check_optimizer_hooks(optimizer: torch.optim.Optimizer | None, manage: frozenset[str]) -> None:
+    """Refuse managed params/grads/optimizer state with an optimizer that cannot take the
+    state-dict hooks the engine brings them back with before a checkpoint is saved and
+    manages loaded state with: one whose ``__init__`` does not run ``Optimizer.__init__``
+    (timm's ``Lookahead``) lacks them, and registering them raised an ``AttributeError``
+    that named neither ooc nor a way out."""
+    kinds = sorted(manage & {"params", "grads", "optimizer_state"})
+    missing = [a for a in _STATE_DICT_HOOKS if optimizer is not None and not hasattr(optimizer, a)]
+    if kinds and missing:
+        raise OOCError(
+            f"manage={tuple(sorted(manage))}: {type(optimizer).__name__} has no state_dict hooks "
+            f"({', '.join(missing)}: its __init__ does not run torch.optim.Optimizer.__init__), and ooc "
+            f"brings {', '.join(repr(k) for k in kinds)} back through them before a checkpoint is saved; "
+            f"manage=('activations',) with this optimizer (the default)")

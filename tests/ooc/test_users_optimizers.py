@@ -1,6 +1,7 @@
 """Optimizers as users and libraries write them: a subclass whose ``step()`` calls
 ``super().step()`` (one update, not two nested ones), one made from another optimizer (as
-timm's ``Lookahead``), one that keeps a tensor in its parameter groups (as timm's ``Lamb``).
+timm's ``Lookahead``, with or without ``Optimizer.__init__``), one that keeps a tensor in its
+parameter groups (as timm's ``Lamb``).
 
 PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
 class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
@@ -11,6 +12,7 @@ outer hook's end (``UpdateGuard.update_starts``).
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -165,5 +167,49 @@ def test_an_optimizer_with_tensors_in_its_groups_trains_bitwise_with_every_kind_
                 opt.zero_grad()
         assert engine.stats()["bytes_out"] > 0
     assert [g["step"].item() for g in opt.param_groups] == [5.0]
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+
+
+class Bare(torch.optim.Optimizer):
+    """As timm's ``Lookahead``: made from another optimizer without ``Optimizer.__init__``,
+    its step hooks made by hand, no state-dict hooks."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:   # noqa: no super().__init__, on purpose
+        self.base, self.param_groups, self.defaults = base, base.param_groups, base.defaults
+        self.state = collections.defaultdict(dict)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
+def test_an_optimizer_without_state_dict_hooks_trains_its_activations_and_refuses_the_rest() -> None:
+    """``Bare`` (no state-dict hooks): activations managed, bitwise; params, grads or state
+    managed, an ``OOCError`` at the engine's construction that names the optimizer and the way
+    out (before 2026-11-29 an ``AttributeError`` from registering the hooks)."""
+    with pytest.raises(ooc.OOCError, match=r"Bare has no state_dict hooks.*manage=\('activations',\)"):
+        ooc.OutOfCore(_model(), Bare(torch.optim.Adam(_model().parameters())), budget=2 << 20,
+                      manage=("activations", "optimizer_state"))
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt = Bare(torch.optim.Adam(ref.parameters(), lr=1e-3))
+    opt = Bare(torch.optim.Adam(model.parameters(), lr=1e-3))
+    with ooc.OutOfCore(model, opt, budget=2 << 20, options=ooc.Options(chunk="64KiB")) as engine:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+            torch.manual_seed(100 + step)
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.manual_seed(100 + step)
+            with engine.step():
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert engine.stats()["bytes_out"] > 0
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs from training without ooc"
