@@ -8,7 +8,8 @@ the 2.11 of the lent GPU machines: every ooc run failed there). This test builds
 reuses) a virtual environment with torch 2.14.1 and torchvision 0.29.1 (on this project's
 machines pip takes both from local disk: a CUDA build that runs on the CPU, ~5.5 GB), the
 suite's pinned dependencies (``constraints.txt``) and timm, and runs in it the outside-model
-cases of torchvision and timm (none skipped) and a smoke of the engine's own tests.
+cases of torchvision and timm (none skipped), timm's optimizers under the engine
+(``test_timm_optimizers.py``) and a smoke of the engine's own tests.
 
 The environment lives under ``~/.cache/ooc/`` (``OOC_SECOND_TORCH_VENV`` to put it elsewhere),
 named by the versions and the constraints it was built from. ``OOC_SECOND_TORCH=0`` skips this
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +31,7 @@ TORCH, TORCHVISION = "2.14.1", "0.29.1"
 # The torchvision and timm cases (the transformers ones run in the suite's own environment),
 # and a smoke of the engine: the CUDA path over the fake driver, end to end.
 CASES, SMOKE = "tests/ooc/test_outside_models.py", "tests/ooc/test_cuda_fake_e2e.py"
+OPTIMIZERS = "tests/ooc/test_timm_optimizers.py"   # timm's optimizers, every kind managed
 SELECT = ["-k", "torchvision or timm or test_cuda_fake_e2e"]
 
 
@@ -71,12 +72,13 @@ def test_outside_models_and_a_smoke_pass_on_a_second_pytorch_with_torchvision() 
     assert versions.stdout.split()[0].startswith(TORCH) and versions.stdout.split()[1].startswith(TORCHVISION)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OOC_SECOND_TORCH": "0"}
     # One run for both (this torch's import, ~12 s here, paid once); -rA names each test that passed.
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", SMOKE, CASES, *SELECT],
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", SMOKE, CASES, OPTIMIZERS,
+                          *SELECT],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=3000)
     tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-30:])
     assert run.returncode == 0, tail
     passed = [ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("PASSED ")]
-    for path, at_least in ((CASES, 10), (SMOKE, 3)):   # 5 models x 2 ways of managing them
+    for path, at_least in ((CASES, 10), (SMOKE, 3), (OPTIMIZERS, 17)):   # 5 models x 2 ways of managing them
         assert sum(t.startswith(path + "::") for t in passed) >= at_least, (path, tail)
     skipped = [ln for ln in run.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert not skipped, "\n".join(skipped)   # torchvision and timm import here: nothing skips
