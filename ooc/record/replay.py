@@ -45,7 +45,10 @@ The rules are worked out once per op from its schema and tags (``replay_rule``, 
      conv-BN-ReLU(inplace) block and no CPU dropout mask could ever be recomputed;
    - any other write (an op mutating an input besides ``self``, or a list): not replayable;
 7. *random*: tag ``nondeterministic_seeded`` (``native_dropout``, ``bernoulli_``, ``rand*``,
-   ``normal``): replayable with ``rng``;
+   ``normal``): replayable with ``rng``, unless the call passes a ``torch.Generator`` of its
+   own (a batch drawn inside the step from ``torch.Generator().manual_seed(step)``): the
+   replay restores the default generator's state, not that one's, and drew other numbers
+   (not bitwise from the first planned step until 2026-11-29);
 8. everything else (convolutions, matmuls, pointwise ops, norms, reductions, allocations
    such as ``empty_like`` whose bytes are unspecified anyway): replayable.
 
@@ -96,6 +99,7 @@ class ReplayRule:
     running_mean: tuple[int, str] | None = None
     always_training: bool = False
     why: str = ""
+    generator: tuple[int, str] | None = None   # a random op's Generator argument (rule 7)
 
     def updates_stats(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call (a BatchNorm) updates running statistics."""
@@ -107,7 +111,10 @@ class ReplayRule:
 
     def flags(self, args: tuple, kwargs: dict) -> tuple[bool, bool, bool]:
         """``Function``'s (replayable, rng, updates_stats) for this call of a replayable op
-        (the call rules of ``StepRecorder.op`` decided it may be replayed)."""
+        (the call rules of ``StepRecorder.op`` decided it may be replayed): not one given a
+        generator of its own (rule 7)."""
+        if self.generator is not None and _arg(args, kwargs, self.generator) is not None:
+            return False, False, False
         return True, self.rng, self.updates_stats(args, kwargs)
 
 
@@ -155,7 +162,8 @@ def replay_rule(func: Any, view: bool, writes: tuple[tuple[int, str], ...]) -> R
             return ReplayRule(False, why="writes an input other than self")
         if packet in _NEVER_INPLACE:
             return ReplayRule(False, why=f"{packet} (moves bytes between devices, loads state)")
-    return ReplayRule(True, rng=torch.Tag.nondeterministic_seeded in tags)
+    generator = next(((i, a.name) for i, a in enumerate(schema.arguments) if "Generator" in str(a.type)), None)
+    return ReplayRule(True, rng=torch.Tag.nondeterministic_seeded in tags, generator=generator)
 
 
 def _arg(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:

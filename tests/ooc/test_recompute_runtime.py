@@ -5,6 +5,8 @@ those twice; ooc must not), with dropout's generator state replayed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -268,3 +270,34 @@ def test_bad_pins_fail_at_construction(pin, words) -> None:
     model = _model()
     with pytest.raises(ooc.OOCError, match=words):
         ooc.OutOfCore(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="8MiB", pin=pin)
+
+
+@pytest.mark.parametrize("hook_steps", [True, False])
+def test_a_batch_drawn_inside_the_step_from_its_own_generator_trains_bitwise(hook_steps: bool) -> None:
+    """A batch drawn inside ``engine.step()`` from a ``torch.Generator`` of its own (as a
+    synthetic-data loop does): the first layer saves it, and a plan that recomputes it would
+    replay ``randn`` from the default generator's state, not that generator's. Five steps,
+    recompute on, per-op and hook-driven forms: bitwise as in core. Before 2026-11-29 it was
+    recomputed (64 KiB a step) and the parameters differed from the first planned step on."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+    model = copy.deepcopy(ref)
+    ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+
+    with ooc.OutOfCore(model, opt, budget=256 << 10, recompute="auto",
+                       options=ooc.Options(chunk="16KiB", hook_steps=hook_steps)) as engine:
+        for k in range(5):
+            step(ref, ref_opt, k)
+            with engine.step():
+                step(model, opt, k)
+        stats = engine.stats()
+    assert stats["steps.planned"] >= 2 and stats["bytes_out"] > 0, stats
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"

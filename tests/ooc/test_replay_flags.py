@@ -283,3 +283,18 @@ def test_replaying_a_replayable_op_gives_the_same_bytes(name, kw, size):
     else:
         assert {"mm", "addmm", "gelu", "native_layer_norm", "bernoulli_ rng", "div_",
                 "_softmax"} <= checked
+
+
+def test_a_random_op_given_its_own_generator_is_not_replayed():
+    """Rule 7's call rule: a replay restores the default generator's state, so a random op
+    called with a ``torch.Generator`` of its own is not replayable (its flags say so); without
+    one, it is, with ``rng``."""
+    g = torch.Generator().manual_seed(0)
+    for op, args, given in ((aten.randn.generator, ((4, 4),), {"generator": g}),
+                            (aten.randint.low_generator, (0, 10, (4,)), {"generator": g}),
+                            (aten.bernoulli.default, (torch.full((4,), 0.5),), {"generator": g}),
+                            (aten.normal_.default, (torch.empty(4), 0.0, 1.0), {"generator": g})):
+        rule = op_info(op).replay
+        assert rule.replayable and rule.generator is not None, (op, rule)
+        assert rule.flags(args, given) == (False, False, False), op
+        assert rule.flags(args, {**given, "generator": None})[:2] == (True, True), op
