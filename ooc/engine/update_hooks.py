@@ -85,6 +85,13 @@ class UpdateGuard:
             if not self._store.closed:
                 self._store.bring_back()
             return
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")   # args[0]: the optimizer
+        if closure is not None and self._manage - {"activations"}:
+            # LBFGS's closure runs forward and backward inside the update, past the commit point:
+            # managed params and grads crashed there ("src holds 0 bytes"), naming nothing.
+            raise OOCError(f"{type(optimizer).__name__}.step(closure) runs the forward and backward inside the "
+                           f"update, which ooc cannot do with {', '.join(sorted(self._manage - {'activations'}))} "
+                           "managed; manage=('activations',) with a closure (the default)")
         # One update, not two nested ones: ``step()`` of a subclass that calls ``super().step()``
         # runs these hooks twice, nested, once PyTorch has wrapped both classes' ``step`` (any
         # instance of the parent class does). Counted per step (an update that raised leaves

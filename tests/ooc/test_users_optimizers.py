@@ -1,7 +1,8 @@
 """Optimizers as users and libraries write them: a subclass whose ``step()`` calls
 ``super().step()`` (one update, not two nested ones), one made from another optimizer (as
 timm's ``Lookahead``, with or without ``Optimizer.__init__``), one that keeps a tensor in its
-parameter groups (as timm's ``Lamb``).
+parameter groups (as timm's ``Lamb``), and ``LBFGS``, whose ``step(closure)`` runs the forward
+and backward inside the update.
 
 PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
 class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
@@ -210,6 +211,48 @@ def test_an_optimizer_without_state_dict_hooks_trains_its_activations_and_refuse
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
+        assert engine.stats()["bytes_out"] > 0
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+
+
+@pytest.mark.parametrize("covers", ["managed", "step"])
+def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before_the_step(covers: str) -> None:
+    """``LBFGS.step(closure)``: activations managed, four steps bitwise as in core; with
+    params, grads or state managed, an ``OOCError`` at the update's start that names the
+    closure and the way out, the step taken back (``step_applied`` False, parameters as they
+    were). Before 2026-11-29 every kind managed crashed inside the closure's backward with
+    "src holds 0 bytes", naming nothing."""
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+
+    def closure_of(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        return closure
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+    budget = (256 << 10) if covers == "managed" else (8 << 20)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    with ooc.OutOfCore(model, opt, budget=budget, manage=("activations", "params"),
+                       options=ooc.Options(chunk="16KiB", budget_covers=covers)) as engine:
+        with pytest.raises(ooc.OOCError, match=r"LBFGS.step\(closure\).*manage=\('activations',\)") as err:
+            with engine.step():
+                opt.step(closure_of(model, opt, *data(0)))
+    assert err.value.step_applied is False
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=4)
+    with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="16KiB", budget_covers=covers)) as engine:
+        for step in range(4):
+            ref_opt.step(closure_of(ref, ref_opt, *data(step)))
+            with engine.step():
+                opt.step(closure_of(model, opt, *data(step)))
         assert engine.stats()["bytes_out"] > 0
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs from training without ooc"
