@@ -86,9 +86,10 @@ class UpdateGuard:
                 self._store.bring_back()
             return
         closure = args[1] if len(args) > 1 else kwargs.get("closure")   # args[0]: the optimizer
-        if closure is not None and self._manage - {"activations"}:
-            # LBFGS's closure runs forward and backward inside the update, past the commit point:
+        if closure is not None and not getattr(closure, "ooc_ran", False) and self._manage - {"activations"}:
+            # A closure runs forward and backward inside the update, past the commit point:
             # managed params and grads crashed there ("src holds 0 bytes"), naming nothing.
+            # (Lightning's, which ooc.integrations.lightning ran first, is marked ``ooc_ran``.)
             raise OOCError(f"{type(optimizer).__name__}.step(closure) runs the forward and backward inside the "
                            f"update, which ooc cannot do with {', '.join(sorted(self._manage - {'activations'}))} "
                            "managed; manage=('activations',) with a closure (the default)")

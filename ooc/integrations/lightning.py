@@ -166,4 +166,5 @@ def _once(result: Any, optimizer: str) -> Callable[[], Any]:
                            "the closure runs once, before the update; use an optimizer that calls it once")
         return result
 
+    evaluated.ooc_ran = True   # type: ignore[attr-defined] # the engine's update hook: it ran already
     return evaluated

@@ -169,14 +169,18 @@ def refuse_compiled(model: torch.nn.Module, in_step: Callable[[], bool]) -> list
 
 
 def _through_dynamo(depth: int = 12) -> bool:
-    """Whether one of the ``depth`` innermost callers is dynamo's entry (eval_frame.py)."""
+    """Whether one of the ``depth`` innermost callers is dynamo's entry (eval_frame.py) for
+    compiling: not its ``DisableContext``, which runs a function with dynamo off (once
+    ``torch.compile`` has run, LBFGS's ``step()``, and the model its closure calls inside the
+    step, ran under one, and was refused as compiled)."""
     import sys
 
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code.co_filename.endswith(("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py")):
+        if (frame.f_code.co_filename.endswith(("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py"))
+                and type(frame.f_locals.get("self")).__name__ != "DisableContext"):
             return True
         frame = frame.f_back
     return False
