@@ -268,3 +268,26 @@ def test_torch_compile_inside_the_step_is_refused_not_run_eagerly() -> None:
     wrapped.add_module("head", torch.compile(nn.Identity()))
     with pytest.raises(OOCError, match="submodule head is compiled"):
         OutOfCore(wrapped, wrapped_opt, budget=BUDGET, options=Options(chunk=CHUNK))
+
+
+def test_a_model_called_with_dynamo_disabled_inside_the_step_is_not_taken_for_compiled() -> None:
+    """A call through ``torch._dynamo.disable`` (dynamo's ``DisableContext``, the frame
+    ``torch.compile``'s entry also runs in) is eager: it trains, bitwise. LBFGS's ``step()`` runs
+    under one once ``torch.compile`` has run in the process, and before 2026-11-29 the model
+    its closure calls was refused as compiled."""
+    ref, ref_opt = _fresh()
+    model, opt = _fresh()
+
+    @torch._dynamo.disable
+    def loss_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(x), y)
+
+    with OutOfCore(model, opt, budget=BUDGET, options=Options(chunk=CHUNK)) as engine:
+        for step in range(3):
+            _in_core_step(ref, ref_opt, step)
+            x, y = _batch(step)
+            torch.manual_seed(1000 + step)
+            with engine.step():
+                loss_of(model, x, y).backward()
+                engine.optimizer_step()
+            _assert_same(ref, model)
