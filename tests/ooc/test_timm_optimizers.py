@@ -11,16 +11,14 @@ A probe of 32 of timm's optimizers, three settings each, found only Lamb's case.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ooc
-from test_users_optimizers import _model
+from test_users_optimizers import _assert_bitwise, _model, _steps
 
 timm_optim = pytest.importorskip("timm.optim", exc_type=ImportError)
 
@@ -28,17 +26,6 @@ pytestmark = pytest.mark.timeout(300)
 
 ALL = ("activations", "params", "grads", "optimizer_state")
 NAMES = ["lamb", "adan", "madgrad", "adafactorbv", "lion", "muon", "adamp", "novograd"]
-
-
-def _steps(model, opt, engine, steps) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-        torch.manual_seed(100 + step)
-        with engine.step() if engine is not None else contextlib.nullcontext():
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
 
 
 def _trained(name: str, covers: str | None, checkpoint: bool) -> dict[str, torch.Tensor]:
@@ -95,5 +82,4 @@ def test_timm_lookahead_trains_its_activations_and_refuses_the_rest() -> None:
     with ooc.OutOfCore(got, opt, budget=2 << 20, options=ooc.Options(chunk="64KiB")) as engine:
         _steps(got, opt, engine, range(4))
         assert engine.stats()["bytes_out"] > 0
-    for (key, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
-        assert torch.equal(a, b), f"lookahead: {key} differs from training without ooc"
+    _assert_bitwise(ref, got)

@@ -14,6 +14,7 @@ outer hook's end (``UpdateGuard.update_starts``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 
 import pytest
@@ -43,6 +44,24 @@ def _model() -> nn.Module:
                          nn.Linear(16 * 16 * 16, 10))
 
 
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, engine: ooc.OutOfCore | None, steps) -> None:
+    """``_model``'s steps ``steps`` (each its own batch and dropout draws), in core where
+    ``engine`` is None: the same steps give the same parameters whichever side runs first."""
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+        torch.manual_seed(100 + step)
+        with engine.step() if engine is not None else contextlib.nullcontext():
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def _assert_bitwise(ref: nn.Module, model: nn.Module) -> None:
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+
+
 @pytest.mark.parametrize("covers", ["managed", "step"])
 def test_a_subclass_calling_its_hooked_parent_step_updates_once_and_bitwise(monkeypatch, covers: str) -> None:
     """Six steps of a small CNN (BatchNorm, dropout) with ``ClippedAdam`` under a budget that
@@ -62,20 +81,12 @@ def test_a_subclass_calling_its_hooked_parent_step_updates_once_and_bitwise(monk
     monkeypatch.setattr(UpdateGuard, "_commit_point", lambda self, st: commits.append(1) or real_commit(self, st))
     budget = 3 << 20 if covers == "managed" else 24 << 20
     with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="64KiB", budget_covers=covers)) as engine:
-        for step in range(6):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-            for m, o, e in ((ref, ref_opt, None), (model, opt, engine)):
-                torch.manual_seed(100 + step)
-                with e.step() if e is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    F.cross_entropy(m(x), y).backward()
-                    o.step()
-                    o.zero_grad()
+        _steps(ref, ref_opt, None, range(6))
+        _steps(model, opt, engine, range(6))
         stats = engine.stats()
     assert len(hooks) == 12 and len(commits) == 6, (len(hooks), len(commits))   # two hooks a step, one update
     assert stats["bytes_out"] > 0, stats
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_bitwise(ref, model)
 
 
 class Wrapping(torch.optim.Optimizer):
@@ -102,20 +113,9 @@ def test_an_optimizer_made_from_another_trains_bitwise_under_a_budget_for_the_wh
     opt = Wrapping(torch.optim.Adam(model.parameters(), lr=1e-3))
     with ooc.OutOfCore(model, opt, budget=24 << 20, manage=manage,
                        options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-            torch.manual_seed(100 + step)
-            F.cross_entropy(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.manual_seed(100 + step)
-            with engine.step():
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+        _steps(ref, ref_opt, None, range(4))
+        _steps(model, opt, engine, range(4))
+    _assert_bitwise(ref, model)
 
 
 class GroupCounted(torch.optim.Optimizer):
@@ -154,22 +154,11 @@ def test_an_optimizer_with_tensors_in_its_groups_trains_bitwise_with_every_kind_
     with ooc.OutOfCore(model, opt, budget=(2 << 20) if covers == "managed" else (24 << 20),
                        manage=("activations", "params", "grads", "optimizer_state"),
                        options=ooc.Options(chunk="64KiB", budget_covers=covers)) as engine:
-        for step in range(5):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-            torch.manual_seed(100 + step)
-            F.cross_entropy(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.manual_seed(100 + step)
-            with engine.step():
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+        _steps(ref, ref_opt, None, range(5))
+        _steps(model, opt, engine, range(5))
         assert engine.stats()["bytes_out"] > 0
     assert [g["step"].item() for g in opt.param_groups] == [5.0]
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_bitwise(ref, model)
 
 
 class Bare(torch.optim.Optimizer):
@@ -199,21 +188,10 @@ def test_an_optimizer_without_state_dict_hooks_trains_its_activations_and_refuse
     ref_opt = Bare(torch.optim.Adam(ref.parameters(), lr=1e-3))
     opt = Bare(torch.optim.Adam(model.parameters(), lr=1e-3))
     with ooc.OutOfCore(model, opt, budget=2 << 20, options=ooc.Options(chunk="64KiB")) as engine:
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-            torch.manual_seed(100 + step)
-            F.cross_entropy(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.manual_seed(100 + step)
-            with engine.step():
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+        _steps(ref, ref_opt, None, range(4))
+        _steps(model, opt, engine, range(4))
         assert engine.stats()["bytes_out"] > 0
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_bitwise(ref, model)
 
 
 @pytest.mark.parametrize("covers", ["managed", "step"])
@@ -254,5 +232,4 @@ def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before
             with engine.step():
                 opt.step(closure_of(model, opt, *data(step)))
         assert engine.stats()["bytes_out"] > 0
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_bitwise(ref, model)
