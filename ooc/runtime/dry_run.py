@@ -107,21 +107,18 @@ def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int
     # There at every op: the parameters, the state that was, and the state the update makes
     # by an op (its first step's scalar counters, made by ``torch.tensor``, no op the recording
     # sees, count as its inputs do: until their last use).
-    kinds = {t.untyped_storage()._cdata: kind for t, kind in
-             [(t, "params") for t in twins.values()]
-             + [(t, "optimizer_state") for t in _state(shadow)
-                if _counts(t) or t.untyped_storage()._cdata in before]}
+    always = {t.untyped_storage()._cdata: (t.untyped_storage(), kind) for t, kind in
+              [(t, "params") for t in twins.values()]
+              + [(t, "optimizer_state") for t in _state(shadow)
+                 if _counts(t) or t.untyped_storage()._cdata in before]}
     delta = [0] * (ops + 1)
-    for cdata in uses.storages.keys() | kinds.keys():
-        kind = kinds.get(cdata) or known.get(cdata, ("optimizer_state", ""))[0]
-        s = uses.storages.get(cdata)
-        nbytes = (s if s is not None else _storage(shadow, twins, cdata)).nbytes()
-        first, last = uses.first.get(cdata, 0), uses.last.get(cdata, ops - 1)
-        if cdata in kinds:           # parameters and state: there at every op
-            first, last = 0, ops - 1
-        elif kind == "grads":        # there from the start, until the update last reads it
-            first = 0
-        n = held(kind, nbytes)
+    for cdata, s in {**uses.storages, **{c: s for c, (s, _) in always.items()}}.items():
+        if cdata in always:
+            kind, first, last = always[cdata][1], 0, ops - 1
+        else:   # a gradient there from the start, a temporary from its op; each until its last use
+            kind = known.get(cdata, ("optimizer_state", ""))[0]
+            first, last = 0 if kind == "grads" else uses.first[cdata], uses.last[cdata]
+        n = held(kind, s.nbytes())
         delta[first] += n
         delta[last + 1] -= n
     return max(itertools.accumulate(delta[:ops]))
@@ -131,14 +128,6 @@ def _state(shadow: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The strided tensors of ``shadow``'s state."""
     return [t for st in shadow.state.values() for t in st.values()
             if isinstance(t, torch.Tensor) and t.layout is torch.strided]
-
-
-def _storage(shadow: torch.optim.Optimizer, twins: dict, cdata: int) -> torch.UntypedStorage:
-    """The twin or state storage ``cdata`` (one no op of the dry run touched)."""
-    for t in [*twins.values(), *_state(shadow)]:
-        if t.untyped_storage()._cdata == cdata:
-            return t.untyped_storage()
-    raise KeyError(cdata)
 
 
 class _Uses(TorchDispatchMode):
