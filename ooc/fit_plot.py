@@ -1,4 +1,5 @@
-"""A picture of ``ooc fit``: predicted step time and modelled device peak against the budget.
+"""A picture of ``ooc fit``: predicted step time and modelled device peak against the budget
+(for a plan bounded by the device, against the device's size it was bounded by).
 
 The device's peak is not monotone in the budget (``scheduler.device_fit``), and a table of 32
 rows hides where it jumps; two curves over the same budgets, with the device's line and the
@@ -20,12 +21,20 @@ def plot_fit(fit: Fit, device_bytes: int, path: str | os.PathLike[str], *, title
     import matplotlib.pyplot as plt
 
     gib = 1 / (1 << 30)
-    xs = [c.budget * gib for c in fit.candidates]
+    flat = [c for c in fit.candidates if not c.bounded]
+    bounded = [c for c in fit.candidates if c.bounded]   # x: the device size each was bounded by
+    xs = [c.budget * gib for c in flat]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    top.plot(xs, [c.step_s * 1e3 for c in fit.candidates], marker="o", ms=3, color="tab:blue")
+    top.plot(xs, [c.step_s * 1e3 for c in flat], marker="o", ms=3, color="tab:blue")
     top.set_ylabel("step, predicted (ms)")
-    bottom.plot(xs, [c.device_peak * gib for c in fit.candidates], marker="o", ms=3, color="tab:purple",
+    bottom.plot(xs, [c.device_peak * gib for c in flat], marker="o", ms=3, color="tab:purple",
                 label="device peak, modelled")
+    if bounded:
+        bx = [c.budget * gib for c in bounded]
+        top.plot(bx, [c.step_s * 1e3 for c in bounded], marker="s", ms=4, ls="none", color="tab:cyan",
+                 label="bounded by the device (budget: the device)")
+        bottom.plot(bx, [c.device_peak * gib for c in bounded], marker="s", ms=4, ls="none", color="tab:cyan",
+                    label="bounded by the device, modelled")
     bottom.plot(xs, xs, ls=":", color="tab:gray", lw=1, label="the budget")
     bottom.axhline(device_bytes * gib, color="tab:red", ls="--", lw=1.2, label="device memory")
     bottom.axhline(fit.limit * gib, color="tab:orange", ls="--", lw=1, label="less the margin")

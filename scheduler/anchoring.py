@@ -49,10 +49,13 @@ def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int,
     variable's first anchor), that ``check`` proves within ``budget``, or None. With
     ``recompute`` (a runtime that reruns chains at hooks: ``anchors``' docstring), the plan
     keeps the chains its sequence marks replayable, priced on ``hardware`` (``ready``: see
-    ``anchor``)."""
+    ``anchor``). A plan bounded by a step's budget (``schedule.beside``) stays so, within its
+    own budget."""
     # without templates a chain needs the per-op path
     seq = schedule.sequence if recompute else mark_replayable(schedule.sequence, lambda f: {})
     priced = {"hardware": hardware} if recompute and hardware is not None else {}
+    if schedule.beside:   # a plan bounded by the step's budget (scheduler.beside): its device budget
+        budget, priced = schedule.budget, {**priced, "beside": schedule.beside}
     lowered = budget
     for _ in range(ANCHOR_TRIES):
         try:
@@ -67,7 +70,7 @@ def anchor_within_budget(schedule: Schedule, gaps: Set[int], first: Mapping[int,
             return moved
         except ScheduleError:
             try:
-                over = replay(moved).peak - budget
+                over = (moved.bounded_peak_bytes if moved.beside else replay(moved).peak) - budget
             except ScheduleError:   # refused by the transition table: no anchored form
                 return None
             if over <= 0:   # refused for another reason than bytes

@@ -93,7 +93,7 @@ def anchor(schedule: Schedule, gaps: Iterable[int], first: Mapping[int, int] | N
     for g, _, a in moved:
         (before[g] if g < n else after[n - 1]).append(a)
     return Schedule(schedule.sequence, schedule.budget, schedule.policy, schedule.window,
-                    tuple(map(tuple, before)), tuple(map(tuple, after)), schedule.initial_resident)
+                    tuple(map(tuple, before)), tuple(map(tuple, after)), schedule.initial_resident, schedule.beside)
 
 
 def estimated_anchors(seq: VariableSequence) -> tuple[set[int], dict[int, int]]:

@@ -22,7 +22,7 @@ __all__ = ["assemble_window"]
 def assemble_window(seq: VariableSequence, budget: int, window: int, waits: Sequence[list[int]],
                     demand: Sequence[list[tuple[int, bool]]], prefetch: Sequence[list[int]],
                     regen: Sequence[list[Chain]], after: list[list[Action]],
-                    initial_resident: frozenset[int]) -> Schedule:
+                    initial_resident: frozenset[int], beside: tuple[int, ...] = ()) -> Schedule:
     """Before f_i: (b) wait for swap-outs, then the swap-ins (demanded by f_i and not hoisted,
     then prefetched for later functions), then wait_in for f_i's own, then the recomputes
     f_i needs. The end of the step (index ``n`` of ``waits`` and ``demand``) goes after the
@@ -42,4 +42,4 @@ def assemble_window(seq: VariableSequence, budget: int, window: int, waits: Sequ
     after[n - 1].extend(end)
     return Schedule(sequence=seq, budget=budget, policy="window", window=window,
                     before=tuple(before), after=tuple(map(tuple, after)),
-                    initial_resident=initial_resident)
+                    initial_resident=initial_resident, beside=beside)

@@ -43,7 +43,8 @@ in-flight-out   ``swap_out`` issued, not yet ``wait_out``-ed; unusable  yes
   completes and a ``swap_in`` brings it back.
 - Device bytes (resident + both kinds of in flight, + creations while a function runs) are
   checked after every action that can raise them and while every function runs; they must
-  never exceed ``schedule.budget``.
+  never exceed ``schedule.budget``, less ``schedule.beside[i]`` around function i where the
+  plan is bounded by the device's whole peak (``scheduler.beside``).
 
 At the end of the step nothing may be in flight; a ``live_in`` + ``live_out`` variable
 must be *resident* if it is in ``initial_resident`` and *host* otherwise (the next step
@@ -105,26 +106,32 @@ def check(schedule: Schedule) -> CheckResult:
     ``ScheduleError``), the error ``simulate`` and the runtime raise for the same action.
     """
     seq = schedule.sequence
-    budget = schedule.budget
+    budget, limit = schedule.budget, schedule.limit
     names = Names(seq)
 
     def over(cur: int, what: str, i: int | None, v: int | None) -> ScheduleError:
+        held = schedule.beside[0 if i is None else i] if schedule.beside else 0
+        bound = f"budget {_size(budget)}" + (f" less {_size(held)} held beside the plan there" if held else "")
         return ScheduleError(
-            f"resident bytes {_size(cur)} exceed budget {_size(budget)} {what}: wait for "
+            f"resident bytes {_size(cur)} exceed {bound} {what}: wait for "
             f"pending swap-outs or free memory earlier, or raise the budget", function=i, variable=v)
 
     ledger = Ledger(seq, schedule.initial_resident)
-    if ledger.device > budget:
+    if ledger.device > (limit(0) if seq.functions else budget):
         raise over(ledger.device, "at the start of the step (initial_resident)", None, None)
     nbytes = ledger.nbytes
     bytes_in = bytes_out = transfers = 0
     resident_bytes: list[int] = []
     apply = ledger.apply
+    peak = ledger.peak
 
     def run(acts, phase: str, i: int) -> None:
-        nonlocal bytes_in, bytes_out, transfers
+        nonlocal bytes_in, bytes_out, transfers, peak
+        budget = limit(i)
         for a in acts:
+            ledger.peak = ledger.device   # from here, the most this action holds
             eff = apply(a.op, a.var, i, phase, a.chain)
+            peak = max(peak, ledger.peak)
             if eff.in_flight > 0:      # a copy starts: count what it moves
                 transfers += 1
                 if eff.to is IN:
@@ -143,7 +150,8 @@ def check(schedule: Schedule) -> CheckResult:
         if schedule.before[i]:
             run(schedule.before[i], "before", i)
         ledger.run(i)
-        if ledger.device > budget:
+        peak = max(peak, ledger.device)
+        if ledger.device > limit(i):
             raise over(ledger.device, f"during {names.fn(i)} (with the variables it creates)", i, None)
         resident_bytes.append(ledger.device)
         if schedule.after[i]:
@@ -151,9 +159,9 @@ def check(schedule: Schedule) -> CheckResult:
 
     final_resident = _end_of_step(schedule, ledger, names)
     log.debug("check: %d functions, peak %d B of budget %d B, %d transfers",
-              n, ledger.peak, budget, transfers)
+              n, peak, budget, transfers)
     return CheckResult(
-        peak_bytes=ledger.peak, resident_bytes=tuple(resident_bytes), bytes_in=bytes_in,
+        peak_bytes=peak, resident_bytes=tuple(resident_bytes), bytes_in=bytes_in,
         bytes_out=bytes_out, transfers=transfers, final_resident=frozenset(final_resident))
 
 

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 from scheduler.baselines import (LMS_SWAPIN_AHEAD, LMS_SWAPOUT_THRESHOLD, plan_lms, plan_none,
                                  plan_on_demand, plan_vdnn)
+from scheduler.beside import limits
 from scheduler.check import check
 from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 POLICIES = ("window", "window-paper", "vdnn", "lms", "none", "on-demand", "milp")
 
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "window": {"hardware": None, "recompute": "auto", "pins": None},
+    "window": {"hardware": None, "recompute": "auto", "pins": None, "beside": ()},
     "milp": {"hardware": None, "time_limit": 60.0},
     "window-paper": {},
     "vdnn": {"backward_start": None},
@@ -147,7 +148,10 @@ def _plan(seq: VariableSequence, budget: int | None, window: int | None, policy:
         hw, mode, pins = opts["hardware"], opts["recompute"], Pins.of(seq, opts["pins"])
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
-        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw, mode, pins))
+        beside = tuple(opts["beside"] or ())
+        limits(budget, beside, len(seq.functions))   # one count per function, or ValueError
+        schedule = _with_minimum(seq, budget, lambda b: plan_swap_or_recompute(seq, b, window, hw, mode, pins, beside),
+                                 max(beside, default=0))
     elif policy == "milp":
         from scheduler.milp import plan_milp   # scipy, imported only for this policy
 
@@ -185,18 +189,19 @@ def _positive_int(value: Any, what: str) -> None:
         raise ValueError(f"{what} must be positive, got {value}")
 
 
-def _with_minimum(seq: VariableSequence, budget: int, planner: Callable[[int], Schedule]) -> Schedule:
+def _with_minimum(seq: VariableSequence, budget: int, planner: Callable[[int], Schedule], beside: int = 0) -> Schedule:
     """Run ``planner(budget)``; if it cannot place some function, report a true minimum.
 
     The window planners only fail below the largest working set (``BudgetTooSmall`` comes
     straight from them). Should one ever fail above it, the minimum is found by bisection
-    on the budget, so the message never names a budget that does not work.
+    on the budget, so the message never names a budget that does not work (``beside``: the
+    most held beside the plan, which every budget tried has on top).
     """
     try:
         return planner(budget)
     except Infeasible as err:
         failed = err
-    lo, hi = budget, max(budget + 1, sum(v.nbytes for v in seq.variables.values()))
+    lo, hi = budget, max(budget + 1, sum(v.nbytes for v in seq.variables.values()) + beside)
     planner(hi)  # everything fits at once: this cannot fail
     while hi - lo > 1:
         mid = (lo + hi) // 2

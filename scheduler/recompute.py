@@ -63,7 +63,7 @@ nothing to replay still gives the plan of old.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 from scheduler.check import check
 from scheduler.errors import BudgetTooSmall, ScheduleError
@@ -160,7 +160,7 @@ def swap_or_recompute(seq: VariableSequence, hw: Hardware, exposure: float, thro
 
 def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | None = None,
                            hw: Hardware | str | None = None, mode: str = "auto",
-                           pins: Pins = Pins()) -> Schedule:
+                           pins: Pins = Pins(), beside: Sequence[int] = ()) -> Schedule:
     """Policy "window" with recomputation: the swap-only plan, and one plan per exposure in
     ``EXPOSURES`` with the rule choosing swap or recompute per victim, each at ``window``
     (when it is None on a device whose link runs beside compute, the ``WIDE_TRIES`` fastest
@@ -172,18 +172,18 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
     plan tried (a swap-only plan follows only ``keep``). The plan returned is the winner or
     the same plan with its waits placed by time (``scheduler.release``), whichever ``simulate``
     predicts faster; with ``mode="never"`` or nothing to replay, that choice is made only when
-    ``hw`` is given."""
-    swap_only = plan_window(seq, budget, window, None, pins.swap_only())
+    ``hw`` is given. ``beside``: per function, bytes held outside the plan (``scheduler.beside``)."""
+    swap_only = plan_window(seq, budget, window, None, pins.swap_only(), beside=beside)
     if mode == "never" or not recompute_candidates(seq):
         if hw is None:
             return swap_only     # nothing may be replayed nor priced: the plan of old, byte for byte
         hw = hardware(hw)
         return _sooner(seq, swap_only, simulate(swap_only, hw, timeline=False).total_s, hw,
-                       lambda release: plan_window(seq, budget, window, None, pins.swap_only(), release))
+                       lambda release: plan_window(seq, budget, window, None, pins.swap_only(), release, beside))
     if mode == "prefer":
         try:
             candidate = plan_window(seq, budget, window, pinned_rule(seq, pins, lambda v, at: chain_for(seq, v, at)),
-                                    pins)
+                                    pins, beside=beside)
             check(candidate)
             return candidate
         except (Infeasible, BudgetTooSmall) as err:   # the priced plans below recompute less
@@ -203,31 +203,32 @@ def plan_swap_or_recompute(seq: VariableSequence, budget: int, window: int | Non
             log.warning("a window+recompute candidate is unsafe, ignored: %s", err)
             return INF
 
-    beside = not hw.moved_byte_s   # the link runs beside compute: a GPU
+    overlapped = not hw.moved_byte_s   # the link runs beside compute: a GPU
     tried = []   # (predicted seconds, exposure, through), in the order tried
     best, best_s, best_how, best_stall = None, INF, (window, None, False), 0.0
-    for exposure, through in candidate_grid(beside):
+    for exposure, through in candidate_grid(overlapped):
         baseline = exposure is None and not (pins.prefer or pins.must)
-        candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through)
+        candidate = swap_only if baseline else _candidate(seq, budget, window, pins, hw, exposure, through,
+                                                                 beside=beside)
         t = predicted(candidate)
         log.debug("exposure %s, through %s -> %.6f s", exposure, through, t)
         tried.append((t, exposure, through))
         if t < best_s and (baseline or _safe(candidate)):
             best, best_s, best_how, best_stall = candidate, t, (window, exposure, through), stall[0]
     assert best is not None   # the baseline always fits: swap-only did
-    if window is None and beside and best_stall > 0:   # the module docstring says why
+    if window is None and overlapped and best_stall > 0:   # the module docstring says why
         wide = WIDE_WINDOW * default_window(budget)
         for _, exposure, through in sorted(tried, key=lambda r: r[0])[:WIDE_TRIES]:
-            candidate = _candidate(seq, budget, wide, pins, hw, exposure, through)
+            candidate = _candidate(seq, budget, wide, pins, hw, exposure, through, beside=beside)
             t = predicted(candidate)
             log.debug("wide window, exposure %s, through %s -> %.6f s", exposure, through, t)
             if t < best_s and _safe(candidate):
                 best, best_s, best_how = candidate, t, (wide, exposure, through)
-    if beside:   # waits placed by time won none of the six H200 profile plans (GPU_EXPOSURES)
+    if overlapped:   # waits placed by time won none of the six H200 profile plans (GPU_EXPOSURES)
         return best
     at_window, exposure, through = best_how
     return _sooner(seq, best, best_s, hw,
-                   lambda release: _candidate(seq, budget, at_window, pins, hw, exposure, through, release))
+                   lambda release: _candidate(seq, budget, at_window, pins, hw, exposure, through, release, beside))
 
 
 def candidate_grid(beside: bool) -> list[tuple[float | None, bool | str]]:
@@ -266,24 +267,25 @@ def _safe(candidate: Schedule | None) -> bool:
 
 
 def _candidate(seq: VariableSequence, budget: int, window: int, pins: Pins, hw: Hardware,
-               exposure: float | None, through: bool, release: Release | None = None) -> Schedule | None:
+               exposure: float | None, through: bool, release: Release | None = None,
+               beside: Sequence[int] = ()) -> Schedule | None:
     """One plan of the default planner, or None where it does not fit. ``exposure`` None: the
     baseline, which follows the user's recompute pins where they fit and is the swap-only
     plan otherwise."""
     if exposure is None:
         if pins.prefer or pins.must:   # the user's recompute pins bind every plan tried
             try:
-                pinned = plan_window(seq, budget, window, pinned_rule(seq, pins), pins, release)
+                pinned = plan_window(seq, budget, window, pinned_rule(seq, pins), pins, release, beside)
                 check(pinned)
                 return pinned
             except (Infeasible, BudgetTooSmall) as err:
                 log.info("the recompute pins do not fit this budget; swapping those tensors: %s", err)
-        return plan_window(seq, budget, window, None, pins.swap_only(), release)
+        return plan_window(seq, budget, window, None, pins.swap_only(), release, beside)
     try:   # checked only if it wins (``_safe``)
         return plan_window(seq, budget, window,
                            pinned_rule(seq, pins, swap_or_recompute(seq, hw, exposure, bool(through),
                                                              through == SHARED)), pins,
-                           release)
+                           release, beside)
     except (Infeasible, BudgetTooSmall) as err:   # recomputing here does not fit: swap-only does
         log.debug("window+recompute at exposure %.2f does not fit, ignored: %s", exposure, err)
     except ScheduleError as err:   # a planner bug: never let it cost the swap-only plan

@@ -19,8 +19,10 @@ Semantics (what ``check`` proves and the runtime executes), per variable:
 
 Device memory counts every resident variable, every transfer in flight in either direction,
 and the variables a function creates (first write) while it runs. A schedule is safe when
-that never exceeds ``budget``, every use finds its variable resident, and the step ends in
-the state it started in (``initial_resident`` for live-out variables, nothing in flight).
+that never exceeds ``budget`` (less ``beside[i]`` around function i, where the plan is bounded by
+the device's whole peak: ``scheduler.beside``), every use finds its variable resident, and the
+step ends in the state it started in (``initial_resident`` for live-out variables, nothing in
+flight).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import AbstractSet, Any
 
-from scheduler.actions import Op, replay
+from scheduler.actions import Ledger, Op, replay
 from scheduler.errors import SequenceFormatError
 from scheduler.ir import VariableSequence, _write_json, field_of, read_json
 
@@ -50,7 +52,9 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A plan for one step, carrying its sequence so a plan file stands alone."""
+    """A plan for one step, carrying its sequence so a plan file stands alone. ``beside``:
+    per function, bytes the device holds outside the plan there (empty: none counted, the
+    budget is the plan's own, flat)."""
 
     sequence: VariableSequence
     budget: int
@@ -59,6 +63,7 @@ class Schedule:
     before: tuple[tuple[Action, ...], ...]
     after: tuple[tuple[Action, ...], ...]
     initial_resident: frozenset[int]
+    beside: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.sequence.functions)
@@ -70,6 +75,12 @@ class Schedule:
                 for a in acts:
                     if a.var not in self.sequence.variables:
                         raise SequenceFormatError(f"actions of function {i}: unknown variable {a.var}")
+        if self.beside and len(self.beside) != n:
+            raise SequenceFormatError(f"schedule has {len(self.beside)} bytes beside it for {n} functions")
+
+    def limit(self, i: int) -> int:
+        """The most the plan may hold before, during and after function ``i``."""
+        return self.budget - self.beside[i] if self.beside else self.budget
 
     def _moved(self, op: Op) -> int:
         nb = self.sequence.variables
@@ -95,6 +106,28 @@ class Schedule:
         """Peak device bytes the schedule needs (replayed through ``scheduler.actions``,
         as ``check`` replays it; a schedule the table refuses raises ``Refused``)."""
         return replay(self).peak
+
+    @cached_property
+    def bounded_peak_bytes(self) -> int:
+        """The most the plan and what the step holds beside it take at one point ``check``
+        bounds (after an action that takes bytes, with a recompute's temporaries; while a
+        function runs): at most ``budget``; the plan's own peak where nothing beside it is
+        counted."""
+        if not self.beside:
+            return self.peak_resident_bytes
+        ledger = Ledger(self.sequence, self.initial_resident)
+        most = ledger.device + (self.beside[0] if self.beside else 0)
+        for i, held in enumerate(self.beside):
+            for phase, acts in (("before", self.before[i]), ("after", self.after[i])):
+                for a in acts:
+                    eff = ledger.apply(a.op, a.var, i, phase, a.chain)
+                    if eff.device > 0:
+                        most = max(most, ledger.device + held
+                                   + (ledger.chain.temporaries_bytes if eff.needs_chain else 0))
+                if phase == "before":
+                    ledger.run(i)
+                    most = max(most, ledger.device + held)
+        return most
 
     @cached_property
     def in_step_order(self) -> tuple[tuple[int, Action], ...]:
@@ -138,6 +171,7 @@ class Schedule:
             "variables": len(self.sequence.variables),
             "in_core_peak_bytes": self.sequence.in_core_peak_bytes,
             "peak_resident_bytes": self.peak_resident_bytes,
+            "bounded_peak_bytes": self.bounded_peak_bytes,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "bytes_recomputed": self.bytes_recomputed,
@@ -152,7 +186,7 @@ class Schedule:
             "schema": SCHEMA, "version": VERSION, "policy": self.policy, "budget": self.budget,
             "window": self.window, "initial_resident": sorted(self.initial_resident),
             "before": enc(self.before), "after": enc(self.after),
-            "sequence": self.sequence.to_dict(),
+            "sequence": self.sequence.to_dict(), **({"beside": list(self.beside)} if self.beside else {}),
         }
 
     @classmethod
@@ -180,10 +214,15 @@ class Schedule:
         initial = field_of(data, "initial_resident", list, where)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in initial):
             raise SequenceFormatError(f"{where}: initial_resident must be a list of variable ids")
+        beside = data.get("beside", [])
+        if not isinstance(beside, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                                                   for b in beside):
+            raise SequenceFormatError(f"{where}: beside must be a list of byte counts, one per function")
         return cls(
             sequence=seq, budget=field_of(data, "budget", int, where),
             policy=field_of(data, "policy", str, where), window=field_of(data, "window", int, where),
-            before=dec("before"), after=dec("after"), initial_resident=frozenset(initial))
+            before=dec("before"), after=dec("after"), initial_resident=frozenset(initial),
+            beside=tuple(beside))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         _write_json(path, self.to_dict())

@@ -21,11 +21,16 @@ the moved ones placed before the chains that read them, in the same action list.
 proves it as any recompute (the chain ``chain_for`` finds for the variable's next use, its
 inputs resident). What it costs is memory: the moved outputs are held from the earlier point
 on; ``replay_floor`` must fit the budget there, else the planner falls back (through, or swap).
+A plan bounded beside what the step holds (``scheduler.beside``) has more room at some
+functions than at others; a replay must fit the least of them too, so that a step that
+leaves its plan can still rerun it on demand, within the flat share the engine keeps for such
+steps (a Llama whose update ran inside the backward left its plan there, and a replay of
+three inputs took more than the share).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from scheduler.ir import VariableSequence
 from scheduler.link_clock import LinkClock
@@ -87,8 +92,9 @@ class Replays:
     the pending recomputes that read it (it is *pinned*: never discarded, except where
     replays are shared and its own recompute can run before the first of them)."""
 
-    def __init__(self, prep: Prepared, budget: int, rule: "Callable[..., Chain | None] | None") -> None:
-        self.prep, self.seq, self.budget, self.rule = prep, prep.seq, budget, rule
+    def __init__(self, prep: Prepared, cap: Sequence[int], rule: "Callable[..., Chain | None] | None") -> None:
+        self.prep, self.seq, self.cap, self.rule = prep, prep.seq, cap, rule   # cap: the budget at each function
+        self.floor = min(cap, default=0)   # what a replay must fit wherever it runs (the module docstring)
         self.regen: list[list[Chain]] = [[] for _ in prep.ids]
         self.pending: dict[int, Chain] = {}
         self.readers: dict[int, set[int]] = {}
@@ -120,7 +126,7 @@ class Replays:
             rule = lambda *a: priced(*a, stall_s=stall)   # noqa: E731
         chains = None
         if self.shared and (chain := rule(v, at)) is not None:
-            moved = moves_for(self.seq, chain, gone, self.pending, self.budget - self.prep.working_sets[at])
+            moved = moves_for(self.seq, chain, gone, self.pending, self.cap[at] - self.prep.working_sets[at])
             chains = None if moved is None else moved + [chain]
             if chains is not None and pinned and not self._ahead(v, chains, at, gone):
                 chains = None
@@ -130,7 +136,7 @@ class Replays:
             if chain is None or any(gone(x) for x in chain.inputs):
                 return None
             chains = [chain]
-        if chains is None or replay_floor(self.prep, at, self.regen[at] + chains) > self.budget:
+        if chains is None or replay_floor(self.prep, at, self.regen[at] + chains) > min(self.cap[at], self.floor):
             return None
         return chains
 

@@ -47,6 +47,7 @@ from typing import Callable, Mapping, Sequence, Set
 
 import scheduler
 from scheduler.anchoring import anchor_within_budget, worth_a_trial
+from scheduler.beside import held_beside_of
 from scheduler.errors import BudgetTooSmall
 from scheduler.hardware import Hardware
 from scheduler.ir import Kind, Variable, VariableSequence
@@ -94,6 +95,7 @@ class Settings:
     reprice: bool = True
     hook_forms: bool = True
     gpu: bool = False
+    device_budget: int = 0   # a budget for the whole step, one arena: recordings with HELD_BESIDE plan bounded by it
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
                     return Decision(plan=plan_recorded(wide, settings))
                 except BudgetTooSmall:   # room the step's own sizes do not need: planned at those
                     return Decision(plan=plan_recorded(marked(seq), settings))
+        if (facts.form == "diverged" and state is not None and state.plan.beside and not held_beside_of(seq)
+                and facts.unkept <= 1):   # the recording step, then this one: not yet in a row
+            return Decision(drop=True)   # the next step records whole, to be bounded again (beside.py)
         if not plans_again(facts.unkept):
             return Decision()
         return Decision(plan=plan_recorded(seq, settings))
@@ -221,8 +226,11 @@ def plan(seq: VariableSequence, settings: Settings) -> Schedule:
         options["hardware"] = settings.hardware(seq)
     if settings.pins is not None:
         options["pins"] = settings.pins(seq)
+    budget, beside = settings.budget, held_beside_of(seq) if settings.device_budget else ()
+    if beside and settings.policy == "window":   # bounded by the step's budget less what it holds (beside.py)
+        budget, options["beside"] = settings.device_budget, beside
     try:
-        schedule = scheduler.plan(seq, budget=settings.budget, window=settings.window, policy=settings.policy,
+        schedule = scheduler.plan(seq, budget=budget, window=settings.window, policy=settings.policy,
                                  **options)
     except BudgetTooSmall as err:
         kept = [v for v, p in options.get("pins", {}).items() if p == "keep"]

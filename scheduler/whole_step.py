@@ -8,15 +8,17 @@ the whole step once (``held_beside``: its bytes per op less the managed tensors)
 the managed tensors what is left of the step's budget where the step holds the most
 (``managed_budget``).
 
-Why a flat budget: the managed tensors may sit anywhere under their budget at any op (a
-re-priced plan, the anchored form's later frees, a step that leaves its plan and runs on
-demand), so only a flat one bounds them wherever PyTorch's bytes peak. A larger budget whose
-plan happened to avoid those places was tried (the fastest of a grid of budgets whose plan's
-modelled peak with the held bytes fitted, as ``scheduler.device_fit`` does for ``ooc fit``): on
-ResNet-18 at batch 32 on this CPU, at a 500 MiB step budget, it kept 256 MiB for the managed
-tensors, modelled a 402 MiB peak, and the process's peak rose 535 MiB once the plan was priced
-again; in another run no budget of the grid fitted. The flat budget's runs stay within the step
-budget (docs/guide/budgets.md, "A budget for the whole step").
+Why a flat budget here: a step without a plan, or one that left its plan, may hold its managed
+tensors anywhere under their budget at any op, so only a flat one bounds them wherever PyTorch's
+bytes peak. A larger budget whose plan happened to avoid those places was tried (the fastest of
+a grid of budgets whose plan's modelled peak with the held bytes fitted, as
+``scheduler.device_fit`` does for ``ooc fit``): on ResNet-18 at batch 32 on this CPU, at a 500
+MiB step budget, it kept 256 MiB for the managed tensors, modelled a 402 MiB peak, and the
+process's peak rose 535 MiB once the plan was priced again; in another run no budget of the
+grid fitted. A plan itself, with one arena, is bounded op by op instead (``scheduler.beside``:
+the budget less ``held_beside`` at each function, which ``check`` proves and every re-priced
+or anchored form of it keeps), and its replays fit the flat share, so that a step that leaves
+it can rerun them (docs/guide/budgets.md, "A budget for the whole step").
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from scheduler.beside import HELD_BESIDE
 from scheduler.ir import Kind, VariableSequence
 from scheduler.schedule import Schedule
 
@@ -86,8 +87,11 @@ def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left:
 
 def marked(seq: VariableSequence) -> VariableSequence:
     """``seq`` marked ``SIZES_VARY``: planned widened where the budget allows, else at its
-    own sizes (a plan must never fail where the step's own sizes fit: the budget was accepted)."""
-    return dataclasses.replace(seq, meta={**seq.meta, SIZES_VARY: True})
+    own sizes (a plan must never fail where the step's own sizes fit: the budget was accepted).
+    What one step held beside its managed tensors (``HELD_BESIDE``) goes: at other sizes the
+    step holds other bytes, so such a plan takes the flat share of a step's budget."""
+    meta = {k: v for k, v in seq.meta.items() if k != HELD_BESIDE}
+    return dataclasses.replace(seq, meta={**meta, SIZES_VARY: True})
 
 
 def sizes_vary(seq: VariableSequence) -> bool:

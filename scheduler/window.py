@@ -35,9 +35,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 from scheduler.assembly import assemble_window
+from scheduler.beside import limits, require_fit
 from scheduler.ir import VariableSequence
 from scheduler.pins import Pins
 from scheduler.release import Release
@@ -67,7 +68,7 @@ Recompute = Callable[..., "Chain | None"]   # rule(v, at[, absent]): the chain, 
 
 def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
                 recompute: "Recompute | None" = None, pins: Pins = Pins(),
-                release: "Release | None" = None) -> Schedule:
+                release: "Release | None" = None, beside: Sequence[int] = ()) -> Schedule:
     """The default policy: the window scheduler moving only what the budget forces out.
 
     Starts with every ``live_in`` variable that the step needs resident, replays the step,
@@ -85,11 +86,14 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
     ``must`` is discarded after each use not followed at once by the next (``recompute``
     must give its chain, as ``pinned_rule`` does). ``release(v, last, at)``: where in
     ``last + 1 .. at`` a victim's wait_out goes (``scheduler.release``); without it, ``at``.
+    ``beside``: per function, bytes the device holds outside the plan (``scheduler.beside``):
+    the plan holds at most ``budget - beside[i]`` around function ``i``.
     """
     if window is None:
         window = default_window(budget)
     prep = Prepared.of(seq)
     require_working_sets_fit(seq, budget, prep.working_sets)
+    require_fit(seq, budget, beside, prep.working_sets)
     variables = seq.variables
     uses_of = seq.uses_of
     start = [v for v, var in variables.items() if var.live_in and (uses_of[v] or var.live_out)]
@@ -106,8 +110,14 @@ def plan_window(seq: VariableSequence, budget: int, window: int | None = None,
         if resident_at_start in tried:
             break
         tried.add(resident_at_start)
-        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute, pins, release)
-        planner.decide()
+        planner = _BudgetWindow(prep, budget, window, resident_at_start, recompute, pins, release, tuple(beside))
+        try:
+            planner.decide()
+        except Infeasible:   # bounded beside: the end may hold less than the start, and must hold the start set
+            if not beside or not resident_at_start:
+                raise
+            planner = _BudgetWindow(prep, budget, window, frozenset(), recompute, pins, release, tuple(beside))
+            planner.decide()   # nothing starts on the device: nothing to bring back at the end
         log.debug("window: start with %d resident -> %d B moved", len(resident_at_start), planner.moved)
         if best is None or planner.moved < best.moved:
             best = planner
@@ -128,14 +138,15 @@ class _BudgetWindow:
 
     def __init__(self, prep: Prepared, budget: int, window: int, resident: frozenset[int],
                  recompute: "Recompute | None" = None, pins: Pins = Pins(),
-                 release: "Release | None" = None) -> None:
+                 release: "Release | None" = None, beside: tuple[int, ...] = ()) -> None:
         self.recompute = recompute
         self.release = release
         self.pins = pins
         self.prep = prep
         self.seq = prep.seq
         self.working_sets = prep.working_sets
-        self.budget = budget
+        self.budget, self.beside = budget, beside
+        self.cap = limits(budget, beside, len(prep.seq.functions))   # the most held around each function
         self.window = window
         self.resident_at_start = resident
         self.restored: set[int] = set()
@@ -143,7 +154,7 @@ class _BudgetWindow:
 
     def decide(self) -> None:
         """Phase 1: which variables leave the device, where their transfers go, bytes moved."""
-        prep, seq, budget = self.prep, self.seq, self.budget
+        prep, seq, cap = self.prep, self.seq, self.cap
         variables = seq.variables
         n = len(seq.functions)
         nbytes, live_in, live_out = prep.nbytes, prep.live_in, prep.live_out
@@ -175,7 +186,7 @@ class _BudgetWindow:
         demand_ready: list[list[int]] = [[] for _ in range(n + 1)]
         after: list[list[Action]] = [[] for _ in range(n)]
         during = [0] * n
-        replays = Replays(prep, budget, self.recompute)   # the recomputes planned so far
+        replays = Replays(prep, cap, self.recompute)   # the recomputes planned so far
         regen = self.regen = replays.regen   # the chains recomputed before f_i
         gone = lambda x: state[x] == _GONE   # noqa: E731
         protect: set[int] = set()     # the inputs of the chains about to run: not evicted now
@@ -268,8 +279,8 @@ class _BudgetWindow:
                 elif st == _ABSENT:
                     created.append(v)
                     extra += nbytes[v]
-            if mem + extra + transient > budget:
-                evict(mem + extra + transient - budget, i)
+            if mem + extra + transient > cap[i]:
+                evict(mem + extra + transient - cap[i], i)
             if regen[i]:
                 self._bring_chain_inputs(i, regen[i], fetched, state, clean, untouched, anchor, stamp, heap)
                 protect.clear()
@@ -316,6 +327,7 @@ class _BudgetWindow:
             mem -= nbytes[v]
         missing = [v for v in sorted(start_set) if v in live_out and state[v] != _RESIDENT]
         need = sum(nbytes[v] for v in missing)
+        budget = min(cap[-1], cap[0])   # the next step starts where this one ends
         if mem + need > budget:
             # Variables created this step and kept (live_out) may end in either tier: move the
             # largest out until the restored start set fits.
@@ -339,10 +351,10 @@ class _BudgetWindow:
 
     def schedule(self) -> Schedule:
         """Phase 2: step (a), prefetch through the window, then the action lists."""
-        prefetch = prefetch_through_window(self.seq, self.budget, self.window, self.working_sets,
+        prefetch = prefetch_through_window(self.seq, self.cap, self.window, self.working_sets,
                                            self.during, self.demand, self.demand_ready, self.prep.nbytes)
         return assemble_window(self.seq, self.budget, self.window, self.waits, self.demand, prefetch,
-                               self.regen, self.after, self.start_set)
+                               self.regen, self.after, self.start_set, self.beside)
 
     def _hold(self, v: int, i: int, untouched: set[int], anchor: dict[int, int], stamp: dict[int, int],
               heap: list) -> None:

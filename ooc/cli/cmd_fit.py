@@ -10,7 +10,9 @@ peak plus ``--margin`` fits. Everything printed is a prediction, not a measureme
 is for what the model leaves out (the allocator's rounding, cuDNN's workspaces: the H200's
 measured peaks were 0.07-1.04 GiB over it). ``--plot FILE`` draws step time and device peak
 against the budget; ``--json`` prints one object. No budget that fits: exit 2, naming the
-lowest modelled peak.
+lowest modelled peak. With one arena it also tries plans bounded by the device itself
+(``scheduler.beside``: the plan holds at each op at most the device less what PyTorch holds
+there), which ``Options(budget_covers="step")`` runs; ``--flat-only`` leaves them out.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def register(subparsers: Any) -> None:
                    help="a GPU's host time per op, as ooc simulate --host-us")
     p.add_argument("--plot", metavar="PNG", type=output_file(".png"),
                    help="draw step time and device peak against the budget")
+    p.add_argument("--flat-only", action="store_true",
+                   help="only budgets of ooc's bytes: no plan bounded by the device (one arena)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
@@ -65,7 +69,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from scheduler.device_fit import fit_device
+    from scheduler.device_fit import BOUNDED_TRIES, fit_device
     from scheduler.schedule import Schedule
     from vmm.errors import OOCError
     from vmm.units import format_size as fs
@@ -82,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
     hw = hardware_for(full, args.hardware, args.host_us)
     planned = managed(full, args.manage)
     options = {} if args.recompute is None else {"recompute": args.recompute}
-    with Progress(args.budgets + 1, disable=args.no_progress) as bar:
+    bounded = args.arena == "pytorch" and not args.flat_only
+    with Progress(args.budgets + 1 + BOUNDED_TRIES * bounded, disable=args.no_progress) as bar:
         bar.stage("planning")
         fit = fit_device(full, planned, hw, args.device_memory, arena=args.arena, margin=args.margin,
-                         n=args.budgets, plan_options=options,
+                         n=args.budgets, plan_options=options, bounded=bounded,
                          progress=lambda done, total: bar.stage(f"planned {done}/{total} budgets"))
     if args.plot:
         from ooc.fit_plot import plot_fit
@@ -116,10 +121,13 @@ def _table(fit: Any, hw_name: str, args: argparse.Namespace) -> str:
         if c is fit.best:
             mark = "yes  <- fastest that fits"
         lines.append(f"{fs(c.budget):>10} {c.step_s * 1e3:>8.1f} ms {fs(c.device_peak):>12} "
-                     f"{fs(c.bytes_moved):>10} {fs(c.bytes_recomputed):>11}  {mark}")
+                     f"{fs(c.bytes_moved):>10} {fs(c.bytes_recomputed):>11}  {mark}"
+                     + ("  (bounded by the device)" if c.bounded else ""))
     if fit.best is not None:
         b = fit.best
+        how = (f"OutOfCore(..., budget={b.budget}, options=Options(budget_covers='step', arena='pytorch')): "
+               f"a plan bounded by the device, for every tensor of the step" if b.bounded
+               else f"OutOfCore(..., budget={b.budget})")
         lines.append(f"fastest within {fs(args.device_memory)} less {fs(args.margin)}: budget {fs(b.budget)} "
-                     f"(OutOfCore(..., budget={b.budget})), step {b.step_s * 1e3:.1f} ms, "
-                     f"device peak {fs(b.device_peak)}")
+                     f"({how}), step {b.step_s * 1e3:.1f} ms, device peak {fs(b.device_peak)}")
     return "\n".join(lines)

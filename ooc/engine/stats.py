@@ -19,7 +19,7 @@ from ooc.host import cpu_allocator
 
 # The numbers of ``Schedule.summary()`` that ``stats()`` gives as ``plan.<key>``.
 PLAN_STAT_KEYS = ("budget", "window", "functions", "variables", "in_core_peak_bytes",
-                  "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
+                  "peak_resident_bytes", "bounded_peak_bytes", "bytes_in", "bytes_out", "bytes_recomputed")
 # The slower tier's counters that ``stats()`` gives as ``tier.<key>``, from either tier (the CPU
 # swap file, the GPU's pinned memory), 0 where one has no such thing.
 TIER_STAT_KEYS = ("bytes_written", "bytes_read", "writes", "reads", "failed", "write_s", "read_s",

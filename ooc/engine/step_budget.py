@@ -24,6 +24,7 @@ from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
 from ooc.runtime.dry_run import update_held
+from scheduler.beside import HELD_BESIDE
 from scheduler.ir import VariableSequence
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
 from vmm.units import format_size
@@ -80,6 +81,16 @@ def recording_room(mem: EngineMemory) -> int:
 def _arenas(mem: EngineMemory) -> int:
     """2 where a GPU pool's chunks sit beside PyTorch's cache (each gets the share), else 1."""
     return 2 if not mem.on_cpu and mem.arena == "pool" else 1
+
+
+def device_budget(mem: EngineMemory) -> int:
+    """What a plan bounded by the step's budget may hold with what the step holds beside it
+    (``scheduler.beside``): the step budget less the allocator's cache, with one arena (the CPU;
+    a GPU's swap-ins in PyTorch's allocator, ``Options(arena="pytorch")``); else 0, the flat
+    share: ooc's pool beside PyTorch's allocator cannot take what PyTorch frees."""
+    if not mem.step_budget or _arenas(mem) != 1:
+        return 0
+    return mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu)
 
 
 def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
@@ -176,9 +187,14 @@ def _size(mem: EngineMemory) -> Callable[[int], int]:
 
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:
     """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
-    its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out)."""
+    its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out):
+    the flat share, for a step without a plan, and, with one arena, what the step held beside
+    them at each op, in ``managed``'s meta, which its plans are bounded by (``device_budget``)."""
     mem.budget, held = share_of(mem, managed, whole, skipped)
     mem.step_held = max(held)
+    if device_budget(mem):   # shifted so that the least room is the share: a step off its plan has that
+        shift = max(0, device_budget(mem) - mem.step_held - mem.budget)
+        managed.meta[HELD_BESIDE] = [h + shift for h in held]
     cache = cache_reserve(mem.step_budget, mem.on_cpu)
     log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",
              format_size(mem.step_budget), format_size(mem.budget), format_size(min(held)), format_size(max(held)),

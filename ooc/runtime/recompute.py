@@ -174,10 +174,12 @@ class Recomputation:
         # the chain: scheduler.replay.chain_through): read from the replay, not from their slots.
         ops = set(chain)
         inside = {var: at for var, at in self.rec.born_at.items() if at[0] in ops and var != slot.var}
-        for r in recipes:   # every other managed input usable (the plan made them resident)
-            for ref in _refs(r):
+        keep = {slot}   # what is made usable stays so: on demand, room for the next input evicted an
+        for r in recipes:   # earlier one, and the replay read a slot with no bytes (2026-11-29)
+            for ref in _refs(r):   # every other managed input usable (the plan made them resident)
                 if ref.slot is not slot and ref.slot.var not in inside:
-                    ensure(ref.slot, where, keep={ref.slot, slot})
+                    keep.add(ref.slot)
+                    ensure(ref.slot, where, keep=keep)
             changed = r.changed()
             if changed is not None:
                 raise OOCError(

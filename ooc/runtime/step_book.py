@@ -55,6 +55,13 @@ class Course:
         self.widened = schedule is not None and sizes_vary(schedule.sequence)
         self._rec = rec
 
+    def bound(self, i: int, budget: int) -> int:
+        """The most the managed tensors may hold at op ``i``: the plan's bound there where it is
+        bounded by a step's budget less what the step holds beside it (``Schedule.beside``),
+        else ``budget``."""
+        s = self.schedule
+        return s.limit(i) if s is not None and s.beside and i < len(s.beside) else budget
+
     def name(self, i: int) -> str:
         """Op ``i``'s name, for messages: the plan's, else the recording's."""
         if i < len(self.names):

@@ -302,10 +302,10 @@ class Stepper:
                 self.run_actions(course.after[i], i, "after")
         else:
             self.room.after_op(touched)
-        if book.resident > self.ctx.budget and course.planned:
+        if course.planned and book.resident > (limit := course.bound(i, self.ctx.budget)):
             raise OutOfBudget(
                 f"op {i} ({course.name(i)}): managed tensors take {format_size(book.resident)} "
-                f"({book.resident} B), over the {format_size(self.ctx.budget)} budget")
+                f"({book.resident} B), over the {format_size(limit)} budget")
         self.ctx.pool.reap()
 
     def before(self, i: int) -> None:

@@ -13,7 +13,7 @@ from scheduler.planner import POLICIES
 from scheduler.schedule import Schedule
 
 SUMMARY_KEYS = {"policy", "budget", "window", "functions", "variables", "in_core_peak_bytes",
-                "peak_resident_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
+                "peak_resident_bytes", "bounded_peak_bytes", "bytes_in", "bytes_out", "bytes_recomputed"}
 SIM_KEYS = {"total_s", "compute_s", "stall_s", "lower_bound_s", "peak_bytes", "bytes_in",
             "bytes_out", "hardware", "policy", "budget", "recompute_s", "bytes_recomputed", "copy_cpu_s",
             "data_parallel", "allreduce_bytes", "allreduce_s", "allreduce_stall_s", "host_s", "host_wait_s",

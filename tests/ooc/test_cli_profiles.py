@@ -65,10 +65,16 @@ def test_fit_names_the_fastest_budget_whose_device_peak_fits_and_draws_the_curve
     fits = [c for c in r["candidates"] if c["device_peak"] <= r["limit_bytes"]]
     assert r["best"] in fits and r["best"]["step_s"] == min(c["step_s"] for c in fits)
     assert len(fits) < len(r["candidates"])   # the larger budgets do not fit
+    bounded = [c for c in r["candidates"] if c["bounded"]]   # bounded by the device: each fits
+    assert bounded and all(c in fits for c in bounded) and r["best"]["bounded"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    flat = json.loads(_ooc("fit", str(RESNET), "--device-memory", "9.5GiB", "--budgets", "6", "--flat-only",
+                           "--json", "--no-progress").stdout)
+    assert flat["candidates"] and not any(c["bounded"] for c in flat["candidates"])
     table = _ooc("fit", str(RESNET), "--device-memory", "9.5GiB", "--budgets", "6", "--no-progress")
     assert table.returncode == 0, table.stderr
     assert "<- fastest that fits" in table.stdout and "predicted, not measured" in table.stdout
+    assert "budget_covers='step'" in table.stdout and "(bounded by the device)" in table.stdout
 
 
 def test_fit_says_what_the_lowest_peak_is_when_no_budget_fits() -> None:
