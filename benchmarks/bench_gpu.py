@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
 import gpu_report  # noqa: E402
+from gpu_aim import AIM, MATCH_TRIES, matched_budget, tries_again  # noqa: E402
 
 HERE = Path(__file__).resolve()
 # "ooc-one-arena": the same engine with its swap-ins in PyTorch's allocator (Options(arena="pytorch"));
@@ -67,7 +68,7 @@ HERE = Path(__file__).resolve()
 OOC_FRACTIONS = ((0.5, "ooc"), (0.25, "ooc"), (0.5, "ooc-one-arena"), (0.25, "ooc-one-arena"),
                  (0.5, "ooc-one-arena-priced-once"), (0.25, "ooc-one-arena-priced-once"),
                  (0.25, "ooc-swap-only"))
-OPT_IN = frozenset({"ooc-one-arena-priced-once"})   # run only where --methods names them
+OPT_IN = frozenset({"ooc-one-arena-priced-once", "ooc-matched-bounded"})   # run only where --methods names them
 BEFORE_OOC = ("in-core", "in-core-repeat", "checkpoint-every-block", "checkpoint-every-2nd",
               "save_on_cpu")
 
@@ -189,7 +190,7 @@ def _sections(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
             if not _chosen(args, method):
                 continue
             report.add(run(setup, method, fraction=fraction, recordings=args.recordings))
-        matched = [m for m in ("ooc-matched", "ooc-matched-one-arena") if _chosen(args, m)]
+        matched = [m for m in ("ooc-matched", "ooc-matched-one-arena", "ooc-matched-bounded") if _chosen(args, m)]
         if matched and clock.left() > 60:
             _matched(setup, report, [r for r in report.rows if r.case == case.name], matched)
         references[case.name] = setup.reference, setup.reference_steps
@@ -238,45 +239,6 @@ def _headline(args: argparse.Namespace, report: gpu_report.Report, clock: _Clock
     report.section("nnabla's headline: ResNet-50 at 4x the largest batch under a 16 GiB cap", lines)
 
 
-def matched_budget(points: list[tuple[int, int]], peak: int) -> int | None:
-    """The budget at which ooc's peak should be ``peak``, on the line through two measured
-    (budget, peak) ``points``: the largest budget under ``peak`` and the smallest over it where
-    the points bracket it (a peak is not linear in the budget: the H100's one-arena rows bent
-    upwards past 1/2), else the two nearest it (the two smallest budgets where every point is
-    over it, the two largest where none is). None where that line gives no positive budget
-    (ooc's fixed part alone is over ``peak``) or the points cannot tell."""
-    pts = sorted(points)
-    under, over = [q for q in pts if q[1] <= peak], [q for q in pts if q[1] > peak]
-    if under and over and under[-1][0] < over[0][0]:
-        pair = [under[-1], over[0]]
-    else:
-        pair = pts[:2] if not under else pts[-2:]
-    if len(pair) < 2:
-        return None
-    (b1, p1), (b2, p2) = pair
-    if b2 == b1 or p2 <= p1:
-        return None
-    budget = b1 + (peak - p1) * (b2 - b1) / (p2 - p1)
-    return int(budget) if budget > 0 else None
-
-
-MATCH_TRIES = 2   # a try whose peak overshoots adds its point, and the next aims between
-AIM = 0.97        # of the alternative's peak: where a matched try aims
-SHORT = 0.95      # of it: a slower try that peaked under this left memory unused; try nearer
-
-
-def tries_again(peak: int, step_ms: float | None, alt_peak: int, alt_step_ms: float | None) -> bool:
-    """After a matched try that ran: whether to try once more, its point added to the line.
-    Over the alternative's peak: between it and the points below (it is not at no more
-    memory). Well under it (``SHORT``) and slower than the alternative: nearer it, where a plan
-    moves less. On the H200 at db63edf ResNet-50's try matched to checkpointing every block
-    peaked at 8.73 GiB of 9.32 (aimed at 9.04) and ran 163.1 ms against 159.2: a tie left
-    with 0.6 GiB unused, and no second try."""
-    if peak > alt_peak:
-        return True
-    return peak < SHORT * alt_peak and step_ms is not None and alt_step_ms is not None and step_ms > alt_step_ms
-
-
 def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -> None:
     """ooc at each alternative's peak (issue 38: ooc at no more peak memory than each
     alternative is faster than it): the budget read off the ooc rows' own budgets and peaks,
@@ -293,7 +255,8 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
 
     if not setup.activation_peak:   # in core failed: nothing to take fractions of
         return
-    for source, method in (("ooc", "ooc-matched"), ("ooc-one-arena", "ooc-matched-one-arena")):
+    for source, method in (("ooc", "ooc-matched"), ("ooc-one-arena", "ooc-matched-one-arena"),
+                           ("ooc-one-arena", "ooc-matched-bounded")):
         if method not in methods:
             continue
         points = [(r.budget_bytes, r.peak_bytes) for r in rows
@@ -303,11 +266,13 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
         in_core = next((r for r in rows if r.method == "in-core" and r.peak_bytes), None)
         if in_core is not None:   # a budget of in core's own peak moves nothing: in core's peak
             points.append((setup.activation_peak, in_core.peak_bytes))
-        aim = _aim(setup, points, "pytorch" if method.endswith("one-arena") else "pool")
+        aim = _aim(setup, points, "pool" if method == "ooc-matched" else "pytorch")
         for alt in [r for r in rows if r.method.startswith(("checkpoint", "save_on_cpu")) and r.peak_bytes]:
             tried = list(points)
             aimed = _aimed(aim, alt.peak_bytes)
-            for attempt in range(MATCH_TRIES):
+            if method == "ooc-matched-bounded":   # a budget for the whole step: the peak less the model's miss
+                aimed = alt.peak_bytes - (aim.missed if aim is not None else alt.peak_bytes // 16)
+            for attempt in range(1 if method == "ooc-matched-bounded" else MATCH_TRIES):
                 budget = (aimed if attempt == 0 and aimed is not None
                           else matched_budget(tried, int(alt.peak_bytes * AIM)))
                 if budget is None or any(b == budget for b, _ in tried):
@@ -316,10 +281,15 @@ def _matched(setup, report: gpu_report.Report, rows: list, methods: list[str]) -
                                    f"line through the {source} rows' budgets and peaks")
                     break
                 row = run(setup, method, fraction=budget / setup.activation_peak, budget_bytes=budget)
-                how = (f", aimed on the profile's curve (the model missed {aim.missed / 2**30:.2f} GiB)"
+                how = (f", a budget for the whole step, {(alt.peak_bytes - budget) / 2**30:.2f} GiB under it"
+                       if method == "ooc-matched-bounded" else
+                       f", aimed on the profile's curve (the model missed {aim.missed / 2**30:.2f} GiB)"
                        if attempt == 0 and aimed is not None else "")
                 row.note = "; ".join(x for x in (f"matched to {alt.method}'s peak"
                                                  + (f", try {attempt + 1}" if attempt else how), row.note) if x)
+                if method == "ooc-matched-bounded" and row.error.startswith("BudgetTooSmall"):
+                    report.skipped(f"{setup.case.label} {method} to {alt.method}'s peak: refused, {row.error}")
+                    break   # the step holds more than that peak beside any plan: an answer, not a failure
                 report.add(row)
                 if row.error or not row.peak_bytes or not tries_again(row.peak_bytes, row.step_ms, alt.peak_bytes,
                                                                        alt.step_ms):

@@ -158,7 +158,9 @@ def _train(setup: Setup, method: str, row: Row, warmup: int, engine_kw: dict[str
         from ooc.engine import OutOfCore, Options
 
         engine_kw.setdefault("recompute", "never" if method == "ooc-swap-only" else "auto")
-        if "one-arena" in method:
+        if method.endswith("bounded"):   # a budget for the whole step, its plans bounded op by op (beside.py)
+            engine_kw["options"] = Options(arena="pytorch", budget_covers="step")
+        elif "one-arena" in method:
             engine_kw["options"] = Options(arena="pytorch")
         else:   # the VMM pool, asked for by name since one arena became the default on CUDA
             engine_kw.setdefault("options", Options(arena="pool"))

@@ -75,7 +75,7 @@ class Planner:
         mem, pin = self._mem, self.pin
         tier = mem.tier
         return Settings(budget=mem.budget, chunk=mem.chunk, window=self.window, policy=self.policy,
-                        recompute=self.recompute, device_budget=step_budget.device_budget(mem),
+                        recompute=self.recompute, device_budget=mem.step_budget and step_budget.device_budget(mem),
                         pins=None if pin is None else (lambda seq: pins_of(seq, pin)),
                         hardware=lambda seq: priced_hardware(seq, tier.stats()),   # this machine's swap file
                         reprice=self.reprice, hook_forms=self._cache.hook_forms, gpu=not mem.on_cpu)

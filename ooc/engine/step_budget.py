@@ -45,8 +45,9 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     ``manage``d (from ``min_bytes`` on: the managed budget holds them; counted here too, they
     left a recording step with every kind managed one chunk, and its first swap-in failed)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    state = [t for st in optimizer.state.values() for t in st.values()
-             if isinstance(t, torch.Tensor)] if optimizer is not None else []
+    state = [t for st in optimizer.state.values() for v in st.values()   # LBFGS keeps lists of them
+             for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)
+             ] if optimizer is not None else []
     storages = {}
     for tensors, kind in ((model.parameters(), "params"), (model.buffers(), None), (grads, "grads"),
                           (state, "optimizer_state")):

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from ooc.engine import step_budget
 from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.planning import Planner
@@ -131,6 +132,25 @@ class StepEnd:
                 raise
         if isinstance(st, Stepper) and exc is None:
             self._after_per_op(st)
+        if exc is None and self._mem.step_budget:
+            self._starts_with()
+
+    def _starts_with(self) -> None:
+        """``Options(budget_covers="step")``: what the next step starts with, against what the
+        last step recorded whole counted (its state made and kept, from its start on). Where it
+        grew since (LBFGS appends to its history every step: 2.6 MiB a step of a small MLP, 16
+        MiB after six steps at an 8 MiB budget, which no fit had seen), the next step records
+        whole again, and is refused at its update where the budget no longer holds it."""
+        mem = self._mem
+        now = step_budget.start_bytes(self._model, self._optimizer, self._manage, mem.min_bytes)
+        if self._whole is not None or now <= mem.step_start:
+            mem.step_start = max(now, mem.step_start) if self._whole is None else now
+            return
+        log.info("the step starts with %s beside ooc's tensors, %s more than the step recorded whole: "
+                 "the next step records whole again", format_size(now), format_size(now - mem.step_start))
+        self._store.bring_back()   # (a new pool: nothing of the store's may stay in the old one)
+        self._planner.set_budget(mem.step_budget)
+        mem.step_start = now
 
     def _settle_hooked(self, st: AnchoredStep, exc: BaseException | None) -> BaseException | None:
         """A hook-driven step's end: the rest of its plan, its transfers; a failed one (before

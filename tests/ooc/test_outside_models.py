@@ -453,6 +453,34 @@ def test_outside_model_trains_bitwise_under_the_least_budget_for_the_whole_step(
     assert any(got["planned"]), "no step ran its plan"
 
 
+def test_a_replay_on_demand_keeps_the_inputs_it_brought_back_or_says_it_does_not_fit(monkeypatch) -> None:
+    """A Llama whose update runs inside the backward leaves its plan there on its second step
+    (Adam's state), and finishes on demand within the flat share of a budget for the whole
+    step. With the plan's replays not held to that share (as a draft of the plans bounded op by
+    op was not), a replay there needs three 32 KiB inputs beside its result in 96 KiB: bringing
+    back one input evicted one brought back before it, and the replay read a slot with no
+    bytes (AttributeError deep in a view). Each input brought back now stays (``keep``), and
+    what does not fit is ``OutOfBudget`` with the bytes and the least budget. Whether the sizes
+    come to that depends on what else the process ran (run alone, it does, and failed before
+    the fix); it never crashes."""
+    from scheduler import segments
+    from vmm.errors import OutOfBudget
+
+    init = segments.Replays.__init__
+
+    def unheld(self, *args, **kwargs) -> None:   # the replays' floor off: any replay the op's room holds
+        init(self, *args, **kwargs)
+        self.floor = float("inf")
+
+    monkeypatch.setattr(segments.Replays, "__init__", unheld)
+    name = "transformers-llama-update-in-backward"
+    try:   # (in a fresh process at 1556480 B it runs out: 3 inputs of 32 KiB and the result, in 96 KiB)
+        _train(_runnable(name), _model(name), {"budget": 1556480, "manage": MANAGE["default"],
+                                               "options": {"budget_covers": "step"}})
+    except OutOfBudget as err:
+        assert "raise the budget to at least" in str(err)
+
+
 def least_step_budget(run: Callable[[int, int], Any], start: int = 64 << 10,
                       tries: int = 8) -> tuple[Any, int, list[int]]:
     """``run(budget, k)`` (``k``: the try) under the least budget for the whole step the engine

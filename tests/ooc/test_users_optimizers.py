@@ -215,7 +215,7 @@ def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
-    budget = (256 << 10) if covers == "managed" else (8 << 20)
+    budget = (256 << 10) if covers == "managed" else (16 << 20)   # its history: 10 MiB after 4 steps
     model = copy.deepcopy(ref)
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
     with ooc.OutOfCore(model, opt, budget=budget, manage=("activations", "params"),
@@ -233,3 +233,52 @@ def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before
                 opt.step(closure_of(model, opt, *data(step)))
         assert engine.stats()["bytes_out"] > 0
     _assert_bitwise(ref, model)
+
+
+def test_state_that_grows_between_steps_is_fitted_again_under_a_budget_for_the_whole_step() -> None:
+    """LBFGS appends to its history (lists of tensors) every step: a small MLP's state is
+    2.6 MiB after its first step and 16 MiB after its sixth. Under
+    ``Options(budget_covers="step")`` the engine fitted its share to the steps it recorded
+    whole, and before 2026-11-29 counted neither the lists nor any growth after: at an 8 MiB
+    budget six steps ran, the state alone twice the budget. Now a step that starts with more
+    than the last one recorded whole counted is recorded whole again: a budget the grown state
+    leaves no room in is refused (with the least that works), one that holds it trains on,
+    bitwise, the share fitted to the state as it grew."""
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+
+    def run(model: nn.Module, budget: int | None, steps: int) -> tuple[torch.optim.Optimizer, dict]:
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+
+        def closure_of(x: torch.Tensor, y: torch.Tensor):
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            return closure
+
+        if budget is None:
+            for step in range(steps):
+                opt.step(closure_of(*data(step)))
+            return opt, {}
+        with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="16KiB", budget_covers="step")) as e:
+            for step in range(steps):
+                with e.step():
+                    opt.step(closure_of(*data(step)))
+            return opt, e.stats()
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+    with pytest.raises(ooc.BudgetTooSmall) as err:
+        run(copy.deepcopy(ref), 8 << 20, 6)
+    assert err.value.minimum > 8 << 20
+    model = copy.deepcopy(ref)
+    opt, stats = run(model, 40 << 20, 6)
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for v in st.values()
+                for t in (v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor))
+    assert state > 12 << 20 and stats["step_held_bytes"] >= state - (3 << 20)   # fitted at step 5 at the latest
+    run(ref, None, 6)
+    _assert_bitwise(ref, model)
+
