@@ -11,6 +11,7 @@ chunk brings a new pool, which every part then finds here.
 
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ import torch
 from ooc.engine.lifetime import Held
 from ooc.runtime.pool import DevicePool
 from ooc.storage.tier import SlowerTier
+
+DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
 
 
 @dataclass(eq=False)
@@ -46,3 +49,11 @@ class EngineMemory:
 
     def __post_init__(self) -> None:
         self.on_cpu = self.device.type == "cpu"
+
+
+def start_chunk(budget: int) -> int:
+    """The adaptive chunk a CPU engine starts with: 2 MiB, or for a smaller budget the largest
+    power of two within it (at least a page: a smaller budget is refused as below a chunk)."""
+    if budget >= DEFAULT_CHUNK:
+        return DEFAULT_CHUNK
+    return max(mmap.PAGESIZE, 1 << (max(budget, 1).bit_length() - 1))

@@ -33,7 +33,8 @@ from ooc.engine.options import Options, recompute_word
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plan_cache import PlanCache
-from ooc.engine.planning import DEFAULT_CHUNK, Planner, start_chunk
+from ooc.engine.memory import DEFAULT_CHUNK, start_chunk
+from ooc.engine.planning import Planner
 from ooc.engine.step_book import StepBook
 from ooc.engine.step_budget import recording_room, start_bytes
 from ooc.engine.step_end import StepEnd

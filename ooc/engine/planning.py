@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import time
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from ooc.engine.hook_forms import HookPlan
 from ooc.engine.host_pricing import priced_hardware
 from ooc.engine import step_budget
 from ooc.engine.lifetime import close_pool
-from ooc.engine.memory import EngineMemory
+from ooc.engine.memory import EngineMemory, start_chunk
 from ooc.engine.pin_policy import PinFn, pins_of
 from ooc.engine.plan_cache import PlanCache
 from ooc.runtime.anchored_step import AnchoredStep
@@ -38,7 +37,6 @@ from vmm.units import format_size
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK = 2 << 20   # the chunk a default engine starts with (the GPU's VMM granularity)
 FIRST_SKIP = next(n for n in range(64) if not plans_again(n))   # the first step not planned from
 UNKEPT_KEYS = 256   # plan keys whose steps in a row that kept no plan are counted (shapes never seen again go)
 
@@ -355,6 +353,16 @@ class Planner:
         mem = self._mem
         return None if saved is None else choose_chunk(saved, mem.budget, mem.chunk, mem.pool.granularity)
 
+    def refit(self, start: int) -> None:
+        """What a step starts with grew to ``start`` bytes, more than the step recorded whole
+        counted (state that grows between steps): the plans go, and the next step records whole
+        within the budget less that (``step_budget.recording_room``) and is fitted again."""
+        mem = self._mem
+        mem.step_start, self.fit_pending = start, True
+        mem.budget = step_budget.recording_room(mem)
+        self._cache.clear()
+        self._left.clear()
+
     def set_budget(self, budget: int) -> None:
         """A new budget: the next step records and plans under it; with the default chunk, it
         also chooses the chunk again (never a larger one). Between steps only. A budget for
@@ -389,11 +397,3 @@ class Planner:
 
 def _op_seconds(seq: scheduler.VariableSequence) -> float:
     return sum(f.cost.seconds or 0.0 for f in seq.functions)
-
-
-def start_chunk(budget: int) -> int:
-    """The adaptive chunk a CPU engine starts with: 2 MiB, or for a smaller budget the largest
-    power of two within it (at least a page: a smaller budget is refused as below a chunk)."""
-    if budget >= DEFAULT_CHUNK:
-        return DEFAULT_CHUNK
-    return max(mmap.PAGESIZE, 1 << (max(budget, 1).bit_length() - 1))

@@ -148,9 +148,7 @@ class StepEnd:
             return
         log.info("the step starts with %s beside ooc's tensors, %s more than the step recorded whole: "
                  "the next step records whole again", format_size(now), format_size(now - mem.step_start))
-        self._store.bring_back()   # (a new pool: nothing of the store's may stay in the old one)
-        self._planner.set_budget(mem.step_budget)
-        mem.step_start = now
+        self._planner.refit(now)
 
     def _settle_hooked(self, st: AnchoredStep, exc: BaseException | None) -> BaseException | None:
         """A hook-driven step's end: the rest of its plan, its transfers; a failed one (before
