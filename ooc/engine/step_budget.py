@@ -51,10 +51,10 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     storages = {}
     for tensors, kind in ((model.parameters(), "params"), (model.buffers(), None), (grads, "grads"),
                           (state, "optimizer_state")):
-        for t in tensors:
-            s = t.untyped_storage()
-            if not _managed(kind, s.nbytes(), manage, min_bytes):
-                storages[s.data_ptr()] = s.nbytes()
+        for t in tensors:   # each storage once, by its StorageImpl (no data pointer needed:
+            s = t.untyped_storage()   # a ZeroTensor gradient, as sgn's, has none, and holds nothing)
+            if not t._is_zerotensor() and not _managed(kind, s.nbytes(), manage, min_bytes):
+                storages[s._cdata] = s.nbytes()
     return sum(storages.values())
 
 
@@ -174,7 +174,7 @@ def _others(optimizer: torch.optim.Optimizer, model: torch.nn.Module, manage: fr
     others = [(p, "params") for p in model.parameters() if id(p) not in mine]
     for t, kind in others + [(b, None) for b in model.buffers()]:
         n = t.untyped_storage().nbytes() or t.numel() * t.element_size()   # on the tier: its own size
-        key = t.untyped_storage().data_ptr() or id(t)
+        key = t.untyped_storage()._cdata
         if key not in seen and not _managed(kind, n, manage, mem.min_bytes):
             seen.add(key)
             total += size(n)

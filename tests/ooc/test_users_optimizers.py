@@ -194,6 +194,21 @@ def test_an_optimizer_without_state_dict_hooks_trains_its_activations_and_refuse
     _assert_bitwise(ref, model)
 
 
+def _lbfgs_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+
+
+def _closure_of(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """LBFGS's closure as its users write it: forward and backward inside the update."""
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return closure
+
+
 @pytest.mark.parametrize("covers", ["managed", "step"])
 def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before_the_step(covers: str) -> None:
     """``LBFGS.step(closure)``: activations managed, four steps bitwise as in core; with
@@ -201,18 +216,6 @@ def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before
     closure and the way out, the step taken back (``step_applied`` False, parameters as they
     were). Before 2026-11-29 every kind managed crashed inside the closure's backward with
     "src holds 0 bytes", naming nothing."""
-    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
-
-    def closure_of(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
-        def closure() -> torch.Tensor:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-        return closure
-
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
     budget = (256 << 10) if covers == "managed" else (16 << 20)   # its history: 10 MiB after 4 steps
@@ -222,15 +225,15 @@ def test_lbfgs_with_a_closure_trains_its_activations_and_refuses_the_rest_before
                        options=ooc.Options(chunk="16KiB", budget_covers=covers)) as engine:
         with pytest.raises(ooc.OOCError, match=r"LBFGS.step\(closure\).*manage=\('activations',\)") as err:
             with engine.step():
-                opt.step(closure_of(model, opt, *data(0)))
+                opt.step(_closure_of(model, opt, *_lbfgs_data(0)))
     assert err.value.step_applied is False
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
     ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=4)
     with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="16KiB", budget_covers=covers)) as engine:
         for step in range(4):
-            ref_opt.step(closure_of(ref, ref_opt, *data(step)))
+            ref_opt.step(_closure_of(ref, ref_opt, *_lbfgs_data(step)))
             with engine.step():
-                opt.step(closure_of(model, opt, *data(step)))
+                opt.step(_closure_of(model, opt, *_lbfgs_data(step)))
         assert engine.stats()["bytes_out"] > 0
     _assert_bitwise(ref, model)
 
@@ -244,29 +247,16 @@ def test_state_that_grows_between_steps_is_fitted_again_under_a_budget_for_the_w
     than the last one recorded whole counted is recorded whole again: a budget the grown state
     leaves no room in is refused (with the least that works), one that holds it trains on,
     bitwise, the share fitted to the state as it grew."""
-    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
-
     def run(model: nn.Module, budget: int | None, steps: int) -> tuple[torch.optim.Optimizer, dict]:
         opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-
-        def closure_of(x: torch.Tensor, y: torch.Tensor):
-            def closure() -> torch.Tensor:
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                return loss
-            return closure
-
         if budget is None:
             for step in range(steps):
-                opt.step(closure_of(*data(step)))
+                opt.step(_closure_of(model, opt, *_lbfgs_data(step)))
             return opt, {}
         with ooc.OutOfCore(model, opt, budget=budget, options=ooc.Options(chunk="16KiB", budget_covers="step")) as e:
             for step in range(steps):
                 with e.step():
-                    opt.step(closure_of(*data(step)))
+                    opt.step(_closure_of(model, opt, *_lbfgs_data(step)))
             return opt, e.stats()
 
     torch.manual_seed(0)
