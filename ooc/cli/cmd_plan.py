@@ -190,15 +190,17 @@ def check_recompute(recompute: str | None, policy: str, *, compare: bool = False
 
 
 def plan_and_summarize(seq: Any, budget: int, window: int | None, policy: str, *,
-                       recompute: str | None = None, hardware: Any = None) -> tuple[Any, dict[str, Any]]:
+                       recompute: str | None = None, hardware: Any = None,
+                       beside: tuple[int, ...] = ()) -> tuple[Any, dict[str, Any]]:
     """``scheduler.plan`` timed, and its summary: ``Schedule.summary()`` + plan_seconds +
     transfers_in/transfers_out. ``window`` is passed to the window policies only,
     ``recompute`` (None: plan's default) to policy window only, ``hardware`` (None: plan's
-    default) to the policies that price recomputation on it (window, milp)."""
+    default) to the policies that price recomputation on it (window, milp), ``beside`` (the
+    bytes held outside the plan at each function: a plan bounded by the device) to window."""
     from scheduler.planner import plan
     from scheduler.schedule import Op
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"beside": beside} if beside else {}
     if policy == "window" and recompute is not None:
         options["recompute"] = recompute
     if policy in ("window", "milp") and hardware is not None:

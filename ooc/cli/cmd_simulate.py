@@ -76,6 +76,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recompute", metavar="MODE", type=choice(RECOMPUTE_MODES, "recompute mode"),
                    help=f"with --budget: {RECOMPUTE_HELP}")
     p.add_argument("--manage", metavar="KINDS", type=manage_kinds, help=f"with --budget: {MANAGE_HELP}")
+    p.add_argument("--bounded", action="store_true",
+                   help="with --budget and --manage: the budget is the device's, and the plan holds at each op "
+                        "at most it less what the trace holds outside the managed tensors there "
+                        "(Options(budget_covers='step') with one arena; see ooc fit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from scheduler.arenas import device_peaks
+    from scheduler.beside import unmanaged_bytes
     from scheduler.schedule import Schedule
     from scheduler.simulate import simulate
     from scheduler.timeline import write_chrome_trace
@@ -102,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     budget, window = args.budget, args.window
     policy = args.policy if args.policy is not None else DEFAULT_POLICY
     if budget is None and (args.window is not None or args.policy is not None or args.recompute is not None
-                           or args.manage is not None):
-        raise OOCError("--window, --policy, --recompute and --manage plan a trace: give --budget too")
+                           or args.manage is not None or args.bounded):
+        raise OOCError("--window, --policy, --recompute, --manage and --bounded plan a trace: give --budget too")
+    if args.bounded and (args.manage is None or policy != "window"):
+        raise OOCError("--bounded plans the managed tensors beside the rest of the step: give --manage, "
+                       "and the window policy")
     check_recompute(args.recompute, policy)
 
     with Progress(3 + bool(args.timeline), disable=args.no_progress) as bar:
@@ -125,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
             # priced on the hardware simulated: auto's swap-or-recompute choice is made for it
             if args.manage is not None:
                 obj = managed(obj, args.manage)
+            beside = tuple(unmanaged_bytes(seq, obj)[:len(obj.functions)]) if args.bounded else ()
             schedule, _ = plan_and_summarize(obj, budget, window, policy, recompute=args.recompute,
-                                             hardware=hw)
+                                             hardware=hw, beside=beside)
         bar.stage(f"simulating on {hw.name}")
         result = simulate(schedule, hw, allocator=args.allocator, chunk_bytes=chunk,
                           timeline=bool(args.timeline), data_parallel=args.data_parallel)

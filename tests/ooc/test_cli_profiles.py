@@ -77,6 +77,22 @@ def test_fit_names_the_fastest_budget_whose_device_peak_fits_and_draws_the_curve
     assert "budget_covers='step'" in table.stdout and "(bounded by the device)" in table.stdout
 
 
+def test_simulate_bounded_plans_within_the_device_less_what_the_step_holds_beside() -> None:
+    """``ooc simulate --bounded``: the budget is the device's; the plan of the managed tensors
+    holds at each op at most it less what the profile holds beside them there, so one
+    arena's modelled peak is within it, where the same budget as ooc's own bytes goes over."""
+    bounded = _ooc("simulate", str(RESNET), "--budget", "9.5GiB", "--manage", "activations", "--bounded",
+                   "--json", "--no-progress")
+    assert bounded.returncode == 0, bounded.stderr
+    r = json.loads(bounded.stdout)
+    assert r["device_peaks"]["one_arena"] <= 9.5 * 2**30 and r["bytes_recomputed"] + r["bytes_in"] > 0
+    flat = json.loads(_ooc("simulate", str(RESNET), "--budget", "9.5GiB", "--manage", "activations", "--json",
+                           "--no-progress").stdout)
+    assert flat["device_peaks"]["one_arena"] > 9.5 * 2**30
+    bad = _ooc("simulate", str(RESNET), "--budget", "9.5GiB", "--bounded", "--no-progress")
+    assert bad.returncode == 2 and "give --manage" in bad.stderr
+
+
 def test_fit_says_what_the_lowest_peak_is_when_no_budget_fits() -> None:
     p = _ooc("fit", str(RESNET), "--device-memory", "3GiB", "--margin", "0", "--budgets", "4", "--no-progress")
     assert p.returncode == 2
