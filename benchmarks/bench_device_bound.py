@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
 import scheduler  # noqa: E402
+from gpu_aim import missed_by_model  # noqa: E402
 from gpu_memory import scaled  # noqa: E402
 from scheduler.arenas import device_peaks  # noqa: E402
 from scheduler.device_fit import fit_device  # noqa: E402
@@ -51,19 +52,25 @@ def _rows(name: str) -> list[dict]:
 
 
 def _missed(full: VariableSequence, planned: VariableSequence, hw, rows: list[dict]) -> int | None:
-    """The most a measured one-arena row peaked over the model of its plan (the profile planned
-    at the row's budget), or None where the run has no such row."""
-    misses = [r["peak_bytes"] - device_peaks(full, scheduler.plan(planned, budget=r["budget_bytes"],
-                                                                    hardware=hw)).one_arena
-              for r in rows if "one-arena" in r["method"] and r.get("budget_bytes") and r.get("peak_bytes")]
-    return max(misses) if misses else None
+    """The most a measured one-arena row peaked over the model of its plan (``gpu_aim``), or None
+    where the run has no such row."""
+    points = [(r["budget_bytes"], r["peak_bytes"]) for r in rows
+              if "one-arena" in r["method"] and r.get("budget_bytes") and r.get("peak_bytes")]
+    return missed_by_model(full, planned, hw, points, "pytorch") if points else None
 
 
-def _best(fit) -> tuple[str, str]:
-    c = fit.best
-    if c is None:
-        return "none fits", ""
-    return f"{c.step_s * 1e3:.1f} ms", f"{c.device_peak / GiB:.2f} GiB"
+def _fits(full: VariableSequence, planned: VariableSequence, hw, device: int, margin: int, n: int):
+    """The fastest flat budget's plan of ``n`` within ``device`` less ``margin``, and the fastest
+    plan bounded by the device at ``BOUNDED_TRIES`` sizes up to it (``fit_device``): each a
+    ``Candidate`` or None."""
+    flat = fit_device(full, planned, hw, device, margin=margin, n=n)
+    bounded = fit_device(full, planned, hw, device, margin=margin, n=2, bounded=True)
+    return flat.best, min((c for c in bounded.candidates if c.bounded and c.device_peak <= bounded.limit),
+                          key=lambda c: c.step_s, default=None)
+
+
+def _at(c) -> str:
+    return "none fits" if c is None else f"{c.step_s * 1e3:.1f} ms at {c.device_peak / GiB:.2f} GiB"
 
 
 def case_rows(case: str, n: int, margins: dict[str, int]) -> list[list[str]]:
@@ -81,18 +88,12 @@ def case_rows(case: str, n: int, margins: dict[str, int]) -> list[list[str]]:
     out = []
     for alt in (r for r in rows if r["method"].startswith("checkpoint") and r.get("peak_bytes")):
         t0 = time.perf_counter()
-        flat = fit_device(full, planned, hw, alt["peak_bytes"], margin=margins[case], n=n)
-        bounded = fit_device(full, planned, hw, alt["peak_bytes"], margin=margins[case], n=2, bounded=True)
-        bounded_best = min((c for c in bounded.candidates if c.bounded and c.device_peak <= bounded.limit),
-                           key=lambda c: c.step_s, default=None)
+        flat, bounded = _fits(full, planned, hw, alt["peak_bytes"], margins[case], n)
         took = time.perf_counter() - t0
-        f_step, f_peak = _best(flat)
-        b_step = f"{bounded_best.step_s * 1e3:.1f} ms" if bounded_best else "none fits"
-        b_peak = f"{bounded_best.device_peak / GiB:.2f} GiB" if bounded_best else ""
-        ratio = f"{t_in / bounded_best.step_s:.2f}x" if bounded_best else ""
+        ratio = f"{t_in / bounded.step_s:.2f}x" if bounded else ""
         out.append([case, alt["method"], f"{alt['step_ms']:.1f} ms ({in_core['step_ms'] / alt['step_ms']:.2f}x)",
                     f"{alt['peak_bytes'] / GiB:.2f} GiB", f"{margins[case] / GiB:.2f} GiB",
-                    f"{f_step} at {f_peak}", f"{b_step} at {b_peak}", ratio, f"{took:.1f} s"])
+                    _at(flat), _at(bounded), ratio, f"{took:.1f} s"])
     return out
 
 
@@ -123,13 +124,9 @@ def headline_rows(n: int, margin: int) -> list[list[str]]:
             f"{r['samples_per_s'] / best:.2f}, {r['peak_bytes'] / GiB:.2f} GiB (model {modelled[r['budget_bytes']] / GiB:.2f})"
             if r.get("step_ms") else f"out of memory (model {modelled[r['budget_bytes']] / GiB:.2f})") for r in tries)
         for m in sorted({max(own, 0), margin}):
-            flat = fit_device(big, seq, hw, CAP, margin=m, n=n)
-            bounded = fit_device(big, seq, hw, CAP, margin=m, n=2, bounded=True)
-            b = min((c for c in bounded.candidates if c.bounded and c.device_peak <= bounded.limit),
-                    key=lambda c: c.step_s, default=None)
-            cell = lambda c: (f"{batch / c.step_s / best:.2f} ({c.step_s * 1e3:.0f} ms at {c.device_peak / GiB:.2f} GiB)"  # noqa: E731
-                              if c is not None else "none fits")
-            out.append([run, f"b{batch}", f"{best:.0f}", said, f"{m / GiB:.2f} GiB", cell(flat.best), cell(b)])
+            cells = (f"{batch / c.step_s / best:.2f} ({_at(c)})" if c is not None else _at(c)
+                     for c in _fits(big, seq, hw, CAP, m, n))
+            out.append([run, f"b{batch}", f"{best:.0f}", said, f"{m / GiB:.2f} GiB", *cells])
     return out
 
 

@@ -37,6 +37,17 @@ def profile_for(label: str, profiles: Path = PROFILES) -> Any:
     return None
 
 
+def missed_by_model(full: Any, planned: Any, hw: Any, points: list[tuple[int, int]], arena: str) -> int:
+    """The most a measured (budget, peak) point peaked over the model of its plan (``planned``,
+    a managed view of the profile ``full``, at that budget on ``hw``: its device peak in
+    ``arena``, ``scheduler.arenas``); ``points`` not empty."""
+    import scheduler
+    from scheduler.arenas import device_peaks
+
+    return max(peak - device_peaks(full, scheduler.plan(planned, budget=budget, hardware=hw)).of(arena)
+               for budget, peak in points)
+
+
 @dataclass(frozen=True)
 class Aim:
     """One case's curve, in one arena: its profile (``full``) and the view the engine plans
@@ -55,17 +66,13 @@ class Aim:
         """The aim for the case labelled ``label`` from its measured (budget, peak) ``points``
         (the most one peaked over the modelled peak of the plan at its budget is the margin),
         or None where the case has no profile or no point was measured."""
-        import scheduler
-        from scheduler.arenas import device_peaks
         from scheduler.managed import managed_view
 
         full = profile_for(label, profiles)
         if full is None or not points:
             return None
         planned = managed_view(full)
-        missed = max(0, *(peak - device_peaks(full, scheduler.plan(planned, budget=budget, hardware=hw)).of(arena)
-                          for budget, peak in points))
-        return Aim(full, planned, hw, arena, missed)
+        return Aim(full, planned, hw, arena, max(0, missed_by_model(full, planned, hw, points, arena)))
 
     def budget_for(self, peak: int) -> int | None:
         """The fastest budget whose modelled peak plus ``missed`` is within ``peak``, or None

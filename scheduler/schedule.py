@@ -116,7 +116,7 @@ class Schedule:
         if not self.beside:
             return self.peak_resident_bytes
         ledger = Ledger(self.sequence, self.initial_resident)
-        most = ledger.device + (self.beside[0] if self.beside else 0)
+        most = ledger.device + self.beside[0]
         for i, held in enumerate(self.beside):
             for phase, acts in (("before", self.before[i]), ("after", self.after[i])):
                 for a in acts:

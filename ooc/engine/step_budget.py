@@ -193,8 +193,8 @@ def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, s
     them at each op, in ``managed``'s meta, which its plans are bounded by (``device_budget``)."""
     mem.budget, held = share_of(mem, managed, whole, skipped)
     mem.step_held = max(held)
-    if device_budget(mem):   # shifted so that the least room is the share: a step off its plan has that
-        shift = max(0, device_budget(mem) - mem.step_held - mem.budget)
+    if device := device_budget(mem):   # shifted so that the least room is the share: a step off its plan has that
+        shift = max(0, device - mem.step_held - mem.budget)
         managed.meta[HELD_BESIDE] = [h + shift for h in held]
     cache = cache_reserve(mem.step_budget, mem.on_cpu)
     log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",

@@ -143,8 +143,10 @@ class StepEnd:
         whole again, and is refused at its update where the budget no longer holds it."""
         mem = self._mem
         now = step_budget.start_bytes(self._model, self._optimizer, self._manage, mem.min_bytes)
-        if self._whole is not None or now <= mem.step_start:
-            mem.step_start = max(now, mem.step_start) if self._whole is None else now
+        if self._whole is not None:   # this step's fit counted it
+            mem.step_start = now
+            return
+        if now <= mem.step_start:
             return
         log.info("the step starts with %s beside ooc's tensors, %s more than the step recorded whole: "
                  "the next step records whole again", format_size(now), format_size(now - mem.step_start))

@@ -38,8 +38,8 @@ class Course:
     plan holds sizes that depend on the data (``scheduler/widening.py``: an activation is bound
     into its variable's room, at any size up to it; the hook traces are bounded)."""
 
-    __slots__ = ("_rec", "after", "before", "diverged_at", "i", "names", "planned", "refused", "schedule",
-                 "waiting", "widened")
+    __slots__ = ("_rec", "after", "before", "bounded", "diverged_at", "i", "names", "planned", "refused",
+                 "schedule", "waiting", "widened")
 
     def __init__(self, schedule: Schedule | None, rec: Recording) -> None:
         self.schedule = schedule
@@ -53,14 +53,14 @@ class Course:
         self.after = schedule.after if schedule is not None else ()
         self.waiting = False
         self.widened = schedule is not None and sizes_vary(schedule.sequence)
+        self.bounded = schedule is not None and bool(schedule.beside)
         self._rec = rec
 
     def bound(self, i: int, budget: int) -> int:
-        """The most the managed tensors may hold at op ``i``: the plan's bound there where it is
-        bounded by a step's budget less what the step holds beside it (``Schedule.beside``),
-        else ``budget``."""
-        s = self.schedule
-        return s.limit(i) if s is not None and s.beside and i < len(s.beside) else budget
+        """The most the managed tensors may hold at op ``i`` of a plan bounded by a step's budget
+        less what the step holds beside it (``bounded``: ``Schedule.beside``); past its ops, and
+        for any other plan, ``budget``."""
+        return self.schedule.limit(i) if self.bounded and i < len(self.schedule.beside) else budget
 
     def name(self, i: int) -> str:
         """Op ``i``'s name, for messages: the plan's, else the recording's."""

@@ -302,10 +302,10 @@ class Stepper:
                 self.run_actions(course.after[i], i, "after")
         else:
             self.room.after_op(touched)
-        if course.planned and book.resident > (limit := course.bound(i, self.ctx.budget)):
-            raise OutOfBudget(
-                f"op {i} ({course.name(i)}): managed tensors take {format_size(book.resident)} "
-                f"({book.resident} B), over the {format_size(limit)} budget")
+        limit = course.bound(i, self.ctx.budget) if course.bounded else self.ctx.budget   # (no call per op else)
+        if course.planned and book.resident > limit:
+            raise OutOfBudget(f"op {i} ({course.name(i)}): managed tensors take {format_size(book.resident)} "
+                              f"({book.resident} B), over the {format_size(limit)} budget")
         self.ctx.pool.reap()
 
     def before(self, i: int) -> None:

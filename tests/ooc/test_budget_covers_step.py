@@ -59,6 +59,12 @@ def _batch(step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
+def _assert_trained_as(ref: nn.Module, model: nn.Module, how: str = "") -> None:
+    """``model`` bitwise ``ref``, trained without ooc, each tensor of its state dict."""
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc" + (f" {how}" if how else "")
+
+
 def _whole_peak(model: nn.Module) -> int:
     """Every tensor of a step in core, at its peak: a trace on ``meta``."""
     x, y = _batch(0)
@@ -103,8 +109,7 @@ def test_the_managed_tensors_get_what_the_step_leaves_and_training_stays_bitwise
     left = budget - recycle_bytes(budget, whole_step=True) - held
     assert left - 64 * 1024 < stats["budget"] <= left   # what is left, in whole chunks
     assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0   # the budget made it move
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref_model, model)
 
 
 def test_too_small_a_step_budget_is_refused_before_its_update_with_the_least(tmp_path) -> None:
@@ -293,8 +298,7 @@ def test_micro_batches_with_every_kind_managed_train_bitwise_under_their_least_s
 
     model, _, named = least_step_budget(run, start=1 * MiB)
     assert named
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref_model, model)
 
 
 def _least_for(size: int) -> int:
@@ -394,8 +398,7 @@ def test_a_refusal_says_whether_its_step_was_applied_and_training_goes_on_bitwis
         F.cross_entropy(ref_model(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc on the batches applied"
+    _assert_trained_as(ref_model, model, "on the batches applied")
 
 
 def test_a_shape_that_holds_more_beside_lowers_the_share_and_one_that_holds_less_keeps_it(tmp_path) -> None:
@@ -423,8 +426,7 @@ def test_a_shape_that_holds_more_beside_lowers_the_share_and_one_that_holds_less
     ref_model, ref_opt = _fresh("sgd")
     for part in range(3):
         _train(None, ref_model, ref_opt, 4, (sizes[part],))
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref_model, model)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -447,8 +449,7 @@ def test_the_plans_are_bounded_by_the_step_budget_less_what_the_step_holds_at_ea
     device = budget - recycle_bytes(budget, whole_step=True)
     assert stats["plan.budget"] == device and stats["last_planned"]
     assert stats["budget"] < stats["plan.peak_resident_bytes"] and stats["plan.bounded_peak_bytes"] <= device
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref_model, model)
     model, opt = _fresh(optimizer)   # the flat share, as budget_covers="managed" takes it
     with ooc.OutOfCore(model, opt, budget=stats["budget"], storage=str(tmp_path),
                        options=ooc.Options(chunk="64KiB")) as flat:
@@ -481,8 +482,7 @@ def test_over_the_fake_cuda_driver_one_arena_gets_the_budget_less_what_the_step_
     assert (budget - held) // arenas - 64 * 1024 < stats["budget"] <= (budget - held) // arenas
     assert stats["plan.budget"] == (budget if arena == "pytorch" else stats["budget"])
     assert stats["plan.bounded_peak_bytes"] <= (budget if arena == "pytorch" else stats["budget"])
-    for (name, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref_model, model)
 
 
 @pytest.mark.slow
@@ -549,5 +549,4 @@ def test_gpu_the_device_peak_stays_within_a_budget_for_the_whole_step() -> None:
     engine.close()
     assert stats["budget"] < budget and stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0
     assert peak <= budget + budget // 8, (peak, budget, stats["budget"], stats["step_held_bytes"])
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    _assert_trained_as(ref, model)
