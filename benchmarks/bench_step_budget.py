@@ -35,7 +35,7 @@ from vmm.units import format_size  # noqa: E402
 
 MiB = 1 << 20
 FULL = dict(model="resnet18", batch=32, steps=8, runs=3, fractions=(7 / 8, 1.0, 5 / 4))
-STEADY = 2   # the steps before it record and plan (the recording step is bounded in its managed tensors)
+STEADY = 2   # the steps before it record and plan (on demand: step_budget.on_demand_bound)
 QUICK = dict(model="small_cnn", batch=8, steps=5, runs=1, fractions=(1.0,))
 
 
@@ -112,7 +112,8 @@ def main() -> None:
          "moved out", "recomputed"], rows)
     lines += ["", f"Peaks: the process's peak rise (VmHWM, reset once model, optimizer and batch were built, and "
               f"again before step {STEADY} for the first column) plus the weights, which were in the baseline "
-              "and which the step budget covers; the recording step (step 0) bounds its managed tensors only. "
+              "and which the step budget covers; the steps on demand (step 0 records) are bounded by the "
+              "allocator's live bytes too ('peak, every step'). "
               "'code paged in': the growth of the process's file-backed resident pages (RssFile) over the "
               f"steps before step {STEADY}, nearly all libtorch_cpu.so's code that training runs for the "
               "first time: VmHWM counts it, it is clean and reclaimable, in core pages in the same, and no "

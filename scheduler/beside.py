@@ -59,8 +59,9 @@ def require_fit(seq: VariableSequence, budget: int, beside: Sequence[int], sizes
 
 def unmanaged_bytes(full: VariableSequence, planned: VariableSequence) -> list[int]:
     """Bytes of ``full``'s variables that ``planned`` (a managed view of it) does not hold,
-    live while each of its functions runs (what it makes and what it reads last included),
-    and one more: at the end of the step."""
+    live while each of its functions runs (what it makes and what it reads last included, and
+    what the program held past its last use: ``Variable.held_to``), and one more: at the end
+    of the step."""
     return _live(full, planned, across=False)
 
 
@@ -79,7 +80,8 @@ def _live(full: VariableSequence, planned: VariableSequence, across: bool) -> li
         if v in planned.variables or v not in first:
             continue
         other[0 if var.live_in else first[v] + across] += var.nbytes
-        other[(n if var.live_out else last[v]) + 1] -= var.nbytes
+        end = n if var.live_out else max(last[v], -1 if var.held_to is None else min(var.held_to, n - 1))
+        other[end + 1] -= var.nbytes   # (held past its last use: Variable.held_to)
     running, out = 0, []
     for i in range(n + 1):
         running += other[i]

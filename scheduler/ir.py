@@ -11,10 +11,17 @@ Lifetimes follow eager PyTorch:
 - a variable with ``live_out`` must still exist after the last function (parameters,
   optimizer state, gradients kept for accumulation); any other variable dies right after
   its last use.
+
+What the program held longer is a fact apart (``Variable.held_to``, ``held_after_use_sized``):
+a recorder saw the storage die later than its last use (a Python name kept it, as Adam's
+``denom`` until the next parameter's is made; every gradient lives until ``zero_grad``). Only
+what bounds the bytes beside the managed tensors reads it (``scheduler.whole_step``,
+``scheduler.beside``): a plan decides when a managed variable's bytes go, not the rest's.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -52,6 +59,9 @@ class Variable:
     name: str = ""
     live_in: bool = False
     live_out: bool = False
+    # The last function during which the program still held it past its last use, as the
+    # recorder saw it die (None: not seen later than its last use).
+    held_to: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +181,22 @@ class VariableSequence:
             if end > start:
                 delta[start] += size(var.nbytes)
                 delta[end] -= size(var.nbytes)
-        out, cur = [], 0
-        for i in range(n):
-            cur += delta[i]
-            out.append(cur)
-        return tuple(out)
+        return tuple(itertools.accumulate(delta[:n]))
+
+    def held_after_use_sized(self, size: Callable[[int], int],
+                             counts: Callable[[Variable], bool] = lambda var: True) -> tuple[int, ...]:
+        """Per function, the bytes of variables (those ``counts`` says) that the program still
+        held after their last use there (``Variable.held_to``), each taking ``size(nbytes)``:
+        what eager lifetimes leave out of ``live_bytes``."""
+        n = len(self.functions)
+        delta = [0] * (n + 1)
+        for v, var in self.variables.items():
+            last = self.last_use.get(v)
+            if var.held_to is None or var.live_out or last is None or var.held_to <= last or not counts(var):
+                continue
+            delta[last + 1] += size(var.nbytes)
+            delta[min(var.held_to, n - 1) + 1] -= size(var.nbytes)
+        return tuple(itertools.accumulate(delta[:n]))
 
     @cached_property
     def in_core_peak_bytes(self) -> int:
@@ -196,7 +217,8 @@ class VariableSequence:
             "meta": self.meta,
             "variables": [
                 {"id": v.id, "nbytes": v.nbytes, "kind": v.kind.value, "name": v.name,
-                 "live_in": v.live_in, "live_out": v.live_out}
+                 "live_in": v.live_in, "live_out": v.live_out,
+                 **({"held_to": v.held_to} if v.held_to is not None else {})}
                 for v in self.variables.values()
             ],
             "functions": [
@@ -313,7 +335,7 @@ def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
         variables[vid] = Variable(
             id=vid, nbytes=field_of(raw, "nbytes", int, w), kind=kind,
             name=str(raw.get("name", "")), live_in=bool(raw.get("live_in", False)),
-            live_out=bool(raw.get("live_out", False)))
+            live_out=bool(raw.get("live_out", False)), held_to=_held_to(raw, w))
     functions: list[Function] = []
     for i, raw in enumerate(field_of(data, "functions", list, where)):
         w = f"{where}: functions[{i}]"
@@ -342,6 +364,14 @@ def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
                       seconds=None if seconds is None else float(seconds)), **flags, needs=tuple(needs)))
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
     return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
+
+
+def _held_to(raw: dict[str, Any], where: str) -> int | None:
+    """A variable's optional ``held_to``: a function index, or absent (every file before it)."""
+    value = raw.get("held_to")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise SequenceFormatError(f"{where}.held_to: expected a function index or null, got {value!r:.40}")
+    return value
 
 
 def _count(raw: dict[str, Any], key: str, where: str) -> float:

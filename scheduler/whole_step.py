@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from scheduler.errors import BudgetTooSmall
-from scheduler.ir import Kind, VariableSequence
+from scheduler.ir import Kind, Variable, VariableSequence
 from scheduler.step_plans import round_activations
 from scheduler.working_sets import working_sets
 from vmm.units import format_size
@@ -36,10 +36,13 @@ __all__ = ["held_beside", "least_budget", "managed_budget"]
 
 
 def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = (),
-                size: Callable[[int], int] = lambda nbytes: nbytes, read_later: Sequence[int] = ()) -> tuple[int, ...]:
+                size: Callable[[int], int] = lambda nbytes: nbytes, read_later: Sequence[int] = (),
+                min_bytes: int = 0) -> tuple[int, ...]:
     """Bytes the step holds beside its managed tensors during each of ``managed``'s functions:
     what the whole recording has live there, less the managed tensors (both at eager
-    lifetimes, ``VariableSequence.live_bytes``), where what the step makes and leaves (the
+    lifetimes, ``VariableSequence.live_bytes``, and what the program held past its last use
+    that is not managed, of a kind not managed or under ``min_bytes``: ``Variable.held_to``),
+    where what the step makes and leaves (the
     optimizer's state on its first step, gradients kept for accumulation) counts from the start
     too: the next step begins with it. ``skipped``: indices of ``managed``'s
     functions the whole recording leaves out (``OpInfo.skip``: profiler markers,
@@ -50,12 +53,21 @@ def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Seq
     early = _outliving(whole, size)
     outliving = itertools.accumulate(_outliving(managed, size, (Kind.PARAM, Kind.OPTIMIZER_STATE)))
     mine = [live + e for live, e in zip(managed.live_bytes_sized(size), outliving)]
-    for v in read_later:   # after its last use so far, until the end
+    # held past their last use (a Python name, a gradient until zero_grad: Variable.held_to),
+    # if the engine does not manage them (a managed one's bytes go when ooc lets them go)
+    kinds = {v.kind for v in managed.variables.values()}
+
+    def unmanaged(var: Variable) -> bool:
+        return var.kind not in kinds or var.nbytes < min_bytes
+
+    held = whole.held_after_use_sized(size, unmanaged)
+    for v in read_later:   # after its last use so far (and its hold, counted above), until the end
         var = whole.variables[v]
         if not var.live_out and v in whole.last_use:
-            early[whole.last_use[v] + 1] += size(var.nbytes)
+            held_to = var.held_to if var.held_to is not None and unmanaged(var) else -1
+            early[max(whole.last_use[v], min(held_to, len(whole.functions) - 1)) + 1] += size(var.nbytes)
             early[len(whole.functions)] -= size(var.nbytes)
-    total = [live + e for live, e in zip(whole.live_bytes_sized(size), itertools.accumulate(early))]
+    total = [live + e + h for live, e, h in zip(whole.live_bytes_sized(size), itertools.accumulate(early), held)]
     skip = set(skipped)
     if len(managed.functions) - len(skip) != len(total):
         raise ValueError(f"the whole recording has {len(total)} functions, the managed one "

@@ -28,15 +28,14 @@ from typing import Any, Hashable, Iterator
 import torch
 
 from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
-from ooc.engine.memory import EngineMemory
+from ooc.engine.memory import DEFAULT_CHUNK, EngineMemory, start_chunk
 from ooc.engine.options import Options, recompute_word
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.pin_policy import pin_function
 from ooc.engine.plan_cache import PlanCache
-from ooc.engine.memory import DEFAULT_CHUNK, start_chunk
 from ooc.engine.planning import Planner
 from ooc.engine.step_book import StepBook
-from ooc.engine.step_budget import recording_room, start_bytes
+from ooc.engine.step_budget import on_demand_bound, recording_room, start_bytes
 from ooc.engine.step_end import StepEnd
 from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
@@ -350,13 +349,14 @@ class OutOfCore:
                      plan_runs: int, quiet_ops: frozenset[int] = frozenset()) -> Stepper:
         """A per-op step of ``schedule`` (None: on demand) for plan key ``key``, with what it
         needs from the engine (``ooc/runtime/step_context.py``)."""
-        mem = self._mem
+        mem, persistent = self._mem, tuple(self._store.slots.values())
+        device_budget, device_live = on_demand_bound(mem, persistent)   # (a budget for the whole step)
         ctx = StepContext(budget=mem.budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
-                          counters=mem.counters, model=self.model, optimizer=self.optimizer,
-                          persistent=tuple(self._store.slots.values()), plan_runs=plan_runs, start_key=key,
-                          plain_candidate=plain_candidate, quiet_ops=quiet_ops,
-                          time_ops=self._planner.times_ops(key, schedule))
+                          counters=mem.counters, model=self.model, optimizer=self.optimizer, persistent=persistent,
+                          plan_runs=plan_runs, start_key=key, plain_candidate=plain_candidate, quiet_ops=quiet_ops,
+                          time_ops=self._planner.times_ops(key, schedule), device_budget=device_budget,
+                          device_live=device_live)
         return Stepper(ctx, schedule, binding, observe_small=self._planner.adapt_pending)
 
     def _adopt_params(self) -> None:

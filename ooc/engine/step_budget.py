@@ -9,13 +9,15 @@ starts with) and ``step_held`` (the most the recorded step held beside its manag
 The recording step cannot know what PyTorch will hold beside its managed tensors (the
 backward's gradients of activations, its temporaries) until it ran; what it starts with
 (weights, buffers, optimizer state, gradients kept from the last step) it can. So it holds
-its managed tensors within the budget less those bytes and the CPU allocator's cache, and its
-temporaries come on top: the one step a budget for the whole step does not bound.
+its managed tensors within the budget less those bytes and the CPU allocator's cache, and,
+where the device's live bytes are counted (``on_demand_bound``), evicts them for what PyTorch
+holds too: only PyTorch's own bytes over the budget go over it, and the step's end refuses it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -23,7 +25,9 @@ import torch
 from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
+from ooc.record import roles
 from ooc.runtime.dry_run import update_held
+from ooc.runtime.slots import Slot, State
 from scheduler.beside import HELD_BESIDE
 from scheduler.ir import VariableSequence
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
@@ -94,6 +98,38 @@ def device_budget(mem: EngineMemory) -> int:
     return mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu)
 
 
+def on_demand_bound(mem: EngineMemory, persistent: Iterable[Slot]) -> tuple[int, Callable[[], int] | None]:
+    """(``device_budget``, what the device holds for every tensor of the step now) for a step
+    kept on demand, where one arena holds them all (``StepContext.device_budget``,
+    ``device_live``); (0, None) where nothing counts them.
+
+    Why: a step on demand keeps its managed tensors within the budget less what the step
+    started with, and cannot know what PyTorch will hold beside them. Its first update makes
+    the optimizer's state, managed and kept while it fits that room, beside every gradient:
+    an MLP of four 16 MiB weights with Adam, its state managed, held 272 MiB on its recording
+    step under a step budget of 224 MiB. So such a step evicts managed tensors for PyTorch's
+    bytes too, counted where they are counted: on a GPU, PyTorch's
+    allocated bytes (ooc's swap-ins among them, ``arena="pytorch"``); on the CPU, what the
+    step started with (``mem.step_start``, and the managed tensors of ``persistent`` resident
+    then) and what the recycling allocator's live blocks grew by since (tensors from 1 MiB on:
+    smaller ones it does not see). Not over a fake driver, nor without ooc's CPU allocator."""
+    device = device_budget(mem)
+    if not device:
+        return 0, None
+    if not mem.on_cpu:
+        where = mem.device
+        real = where.type == "cuda" and torch.cuda.is_available()
+        return (device, lambda: torch.cuda.memory_allocated(where)) if real else (0, None)
+    live = cpu_allocator.live_bytes()
+    if live is None:
+        return 0, None
+    offset = mem.step_start + sum(s.nbytes for s in persistent if s.state in _HELD) - live
+    return device, lambda: offset + (cpu_allocator.live_bytes() or 0)
+
+
+_HELD = (State.RESIDENT, State.IN, State.OUT)   # the states in which a slot holds device bytes
+
+
 def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
     """The least step budget that gives the managed tensors ``room``: on the recording step,
     beside what the step starts with; ``held``, once a step was recorded whole, beside the most
@@ -120,7 +156,8 @@ def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequen
     ``BudgetTooSmall`` where no share holds its working sets (``managed_budget``). Of a step
     recorded so far too, with what its ``update`` adds (``check_so_far``): one more figure, the
     most the update's ops hold, where it was measured."""
-    held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read))
+    held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read,
+                                                     min_bytes=mem.min_bytes))
     held += (update.during,) if update.during else ()
     return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
                           arenas=_arenas(mem), granule=mem.chunk), held
@@ -139,8 +176,11 @@ def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, u
     are the whole step's first ones, so the step's end would refuse that budget too. An update
     that does not run on ``meta`` (``dry_run``) is not measured: its temporaries are found at
     the step's end."""
-    if recording.full is not None:
-        share_of(mem, managed, recording.full.sequence({}), recording.skipped, update)
+    full = recording.full
+    if full is not None:   # its gradients and the state made so far known as such (not temporaries)
+        roles.mark_grads(full, recording.roles)
+        so_far = full.sequence({}, roles.state_so_far(full, recording.roles, recording.ctx.optimizer))
+        share_of(mem, managed, so_far, recording.skipped, update)
 
 
 def update_so_far(optimizer: torch.optim.Optimizer, model: torch.nn.Module,

@@ -220,13 +220,17 @@ class UpdateGuard:
         ``st`` holds beside its managed tensors so far (``step_budget.update_so_far``)."""
         if not self._mem.step_budget or self._optimizer is None:
             return Update()
-        sizes = None if self._optimizer_stepped else (
-            self._state_sizes if "optimizer_state" in self._manage else state_sizes(self._optimizer))
         # Inside the backward (one ``step()`` per gradient) each call makes only its parameter's
-        # state, which the step's recording counts from its start for all of them: measured there,
-        # each update named a little more than the last (8 refusals on a Llama); found at the end.
+        # state, which the step's recording counts from its start for all of them: measured
+        # there, each update named a little more than the last (8 refusals, then 20 once what
+        # the program holds counted, on a Llama). So the state counted is every parameter's
+        # (``state_sizes(every=True)``), and its ops' own peak is found at the end.
+        inside = _inside_backward()
+        sizes = None if self._optimizer_stepped else (
+            state_sizes(self._optimizer, every=True) if inside else
+            self._state_sizes if "optimizer_state" in self._manage else state_sizes(self._optimizer))
         return update_so_far(self._optimizer, self._model, sizes, self._manage, self._mem, st.recording,
-                             measure=not _inside_backward())
+                             measure=not inside)
 
 
 def _inside_backward() -> bool:

@@ -269,6 +269,17 @@ def stats() -> dict[str, int] | None:
     return dict(zip(STAT_KEYS, (int(v) for v in out)))
 
 
+def live_bytes() -> int | None:
+    """Bytes of the large blocks PyTorch holds from this allocator and of the device pool's
+    used chunks, now (``live_bytes`` in cpu_allocator.cpp), or None while it is not PyTorch's
+    allocator: how a step kept on demand sees what it holds beside ooc's own counts
+    (``ooc.engine.step_budget.on_demand_bound``)."""
+    if not installed():
+        return None
+    st = stats()
+    return None if st is None else st["mapped_bytes"] - st["cached_bytes"] + st["external_bytes"]
+
+
 def _configure_locked() -> None:
     if _lib is not None:
         floor = max(_active.values(), default=0)

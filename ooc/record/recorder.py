@@ -31,6 +31,16 @@ in-place write to a storage that exists before the step (``num_batches_tracked.a
 parameters, state: no replay can re-create those), and being in the optimizer phase
 (``phase("optimizer")``; applied in ``sequence``).
 
+Deaths
+------
+Eager lifetimes end at a variable's last use; the program may hold it longer (a Python name
+such as Adam's ``denom``, kept until the next parameter's is made; every gradient, until
+``zero_grad``). The recorder watches each storage the step creates (a weak reference with a
+callback, so that it keeps nothing alive) and gives a variable still held after its last use
+``held_to``: the last function recorded before its last storage died (the step's last, if it
+outlived the recording). What bounds the bytes beside ooc's tensors reads it
+(``scheduler.whole_step.held_beside``, ``scheduler.beside``); nothing else does.
+
 Kinds
 -----
 What exists before the step is ``register``-ed with its kind (parameters and buffers
@@ -43,6 +53,7 @@ that wrote it: ``"<function>#<index>"``, with ``.k`` for the k-th result.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -71,6 +82,11 @@ class StepRecorder:
         self.saved_vars: set[int] = set()        # variables autograd packed
         self.marks: dict[str, int] = {}
         self._external = 0
+        # Deaths (the module docstring): per variable the step created, its storages alive,
+        # and the functions recorded when the last one died; the weak references themselves.
+        self._alive: dict[int, int] = {}
+        self._died: dict[int, int] = {}
+        self._watches: list[weakref.ref] = []
 
     # -- what exists before the step, and what the step's tensors turn out to be -----------
 
@@ -115,6 +131,21 @@ class StepRecorder:
         """``s`` now holds variable ``vid``'s bytes (the runtime brought them back into a new
         storage): uses of ``s`` are uses of ``vid``."""
         self.table.add(s, vid)
+        if vid in self._alive:
+            self._watch(s, vid)
+
+    def _watch(self, s: torch.UntypedStorage, vid: int) -> None:
+        """Note when the last storage of ``vid`` (created in the step) dies."""
+        alive, died, fname = self._alive, self._died, self.fname
+
+        def gone(_: weakref.ref) -> None:   # (runs where the last reference went: any thread)
+            alive[vid] -= 1
+            if not alive[vid]:
+                died[vid] = len(fname)
+
+        alive[vid] = alive.get(vid, 0) + 1
+        died.pop(vid, None)
+        self._watches.append(weakref.ref(s, gone))
 
     def _new(self, s: torch.UntypedStorage, name: str) -> int:
         vid = len(self.nbytes)
@@ -180,6 +211,7 @@ class StepRecorder:
             if s._cdata not in var_of:
                 vid = self._new(s, f"{name}#{index}" if k == 0 else f"{name}#{index}.{k}")
                 uses.append((vid, True))
+                self._watch(s, vid)
             elif not info.writes:
                 aliased = True
             k += 1
@@ -199,16 +231,21 @@ class StepRecorder:
 
     # -- the result ---------------------------------------------------------------------------
 
-    def sequence(self, meta: dict[str, Any] | None = None) -> VariableSequence:
-        """The recorded functions and variables (classification applied)."""
-        saved = self.saved_vars
+    def sequence(self, meta: dict[str, Any] | None = None, kinds: dict[int, Kind] | None = None) -> VariableSequence:
+        """The recorded functions and variables (classification applied; ``kinds``: of
+        variables nothing classified, for this sequence only)."""
+        saved, kinds = self.saved_vars, kinds or {}
+        last: dict[int, int] = {}   # (to keep only a hold past the last use)
+        for i, uses in enumerate(self.fuses):
+            for v, _ in uses:
+                last[v] = i
         variables: dict[int, Variable] = {}
         for vid in range(len(self.nbytes)):
-            kind = self.kind[vid]
+            kind = self.kind[vid] or kinds.get(vid)
             if kind is None:
                 kind = Kind.ACTIVATION if vid in saved else Kind.TEMPORARY
             variables[vid] = Variable(vid, self.nbytes[vid], kind, self.vname[vid],
-                                      self.live_in[vid], self.live_out[vid])
+                                      self.live_in[vid], self.live_out[vid], self._held_to(vid, last.get(vid, -1)))
         reads = [Use(v, Access.READ) for v in range(len(self.nbytes))]
         writes = [Use(v, Access.WRITE) for v in range(len(self.nbytes))]
         # The optimizer's update runs once per step: none of it is replayed (see replay.py).
@@ -221,6 +258,15 @@ class StepRecorder:
                      *(flags[i] if i < update else _NEVER))
             for i in range(len(self.fname)))
         return VariableSequence(functions, variables, {**self.marks, **(meta or {})})
+
+
+    def _held_to(self, vid: int, last: int) -> int | None:
+        """The last function recorded while variable ``vid`` was held (the step's last while
+        it is), or None: not one the step created, or not held past its ``last`` use."""
+        if vid not in self._alive or self.live_out[vid]:
+            return None
+        end = self._died.get(vid, len(self.fname)) - 1
+        return end if end > last else None
 
 
 _NEVER = (False, False, False)

@@ -71,3 +71,19 @@ def mark_persistent(rec: StepRecorder, roles: Roles, opt: torch.optim.Optimizer 
         for key, value in opt.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
                 rec.mark(value, Kind.OPTIMIZER_STATE, f"{name}.{key}", live_out=True)
+
+
+def state_so_far(rec: StepRecorder, roles: Roles, opt: torch.optim.Optimizer | None) -> dict[int, Kind]:
+    """The variables of the optimizer's state a step made so far and nothing classified yet,
+    as state (``StepRecorder.sequence``'s ``kinds``), not yet outliving the step: a sequence of
+    the step so far (``ooc.engine.step_budget.check_so_far``) that called them temporaries
+    counted the state ooc manages as held beside it; marked as they are at the step's end,
+    outliving it, they counted from the step's start where the managed recording, not yet
+    marked, did not."""
+    kinds: dict[int, Kind] = {}
+    for _, p in roles.params if opt is not None else ():
+        for value in opt.state.get(p, {}).values():
+            vid = rec.var(value) if isinstance(value, torch.Tensor) else None
+            if vid is not None and rec.kind[vid] is None:
+                kinds[vid] = Kind.OPTIMIZER_STATE
+    return kinds

@@ -14,13 +14,16 @@ real optimizer, so that a budget too small for the update fails before anything 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 log = logging.getLogger(__name__)
@@ -65,13 +68,15 @@ def optimizer_need(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, s
         return OpNeed(index, name, sum(n for n, _ in parts), tuple(f"{w} ({n} B)" for n, w in parts))
 
 
-def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[int, ...]] | None:
+def state_sizes(optimizer: torch.optim.Optimizer, every: bool = False) -> dict[torch.Tensor, tuple[int, ...]] | None:
     """Bytes of each state tensor the optimizer has for each parameter after one more step,
     measured on ``meta`` twins: what its first update will create and write (Adam two tensors
     like the parameter, SGD with momentum one, Adagrad one, Adafactor smaller ones), instead of
-    assuming an optimizer. None if it cannot run on ``meta``."""
+    assuming an optimizer. ``every``: as if every parameter that requires a gradient had one
+    (an update inside the backward runs before most have theirs). None if it cannot run on
+    ``meta``."""
     with _disable_current_modes():
-        made = _shadow(optimizer, {})
+        made = _shadow(optimizer, {}, every)
         if made is None:
             return None
         shadow, twins, _ = made
@@ -83,11 +88,12 @@ def state_sizes(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[in
 
 
 def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int]) -> int | None:
-    """The most bytes one op of ``optimizer.step()`` finds live, measured on ``meta`` twins at
-    eager lifetimes, as a recording of the whole step counts them: the parameters and the state
-    (what the update makes too: the next step starts with it) at every op, each gradient until
-    the update last reads it, each temporary (Adam's denominators; a foreach update's lists of
-    them) from its op to its last use. ``held(kind, nbytes)``: what a storage of ``kind``
+    """The most bytes one op of ``optimizer.step()`` finds live, measured on ``meta`` twins, as a
+    recording of the whole step counts them: the parameters and the state (what the update
+    makes too: the next step starts with it) at every op, each gradient to the update's end
+    (``zero_grad`` lets go of it after), each temporary (Adam's denominators; a foreach
+    update's lists of them) from its op until it died (Adam's ``denom`` lives until the next
+    parameter's is made). ``held(kind, nbytes)``: what a storage of ``kind``
     ("params", "grads", "optimizer_state", which a temporary born in ``step()`` is too) and so
     many bytes counts (0: ooc manages it). None if the optimizer cannot run on ``meta``.
 
@@ -107,18 +113,20 @@ def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int
     # There at every op: the parameters, the state that was, and the state the update makes
     # by an op (its first step's scalar counters, made by ``torch.tensor``, no op the recording
     # sees, count as its inputs do: until their last use).
-    always = {t.untyped_storage()._cdata: (t.untyped_storage(), kind) for t, kind in
+    always = {t.untyped_storage()._cdata: (t.untyped_storage().nbytes(), kind) for t, kind in
               [(t, "params") for t in twins.values()]
               + [(t, "optimizer_state") for t in _state(shadow)
                  if _counts(t) or t.untyped_storage()._cdata in before]}
     delta = [0] * (ops + 1)
-    for cdata, s in {**uses.storages, **{c: s for c, (s, _) in always.items()}}.items():
+    for cdata, nbytes in {**uses.nbytes, **{c: n for c, (n, _) in always.items()}}.items():
         if cdata in always:
             kind, first, last = always[cdata][1], 0, ops - 1
-        else:   # a gradient there from the start, a temporary from its op; each until its last use
-            kind = known.get(cdata, ("optimizer_state", ""))[0]
-            first, last = 0 if kind == "grads" else uses.first[cdata], uses.last[cdata]
-        n = held(kind, s.nbytes())
+        else:   # a gradient there from the start, a temporary from its op; each until it died
+            kind = known.get(cdata, ("optimizer_state", ""))[0]   # (a gradient: after the update)
+            first, last, died = 0 if kind == "grads" else uses.first[cdata], uses.last[cdata], uses.died.get(cdata)
+            if died is not None or kind == "grads":   # (a scalar the state keeps: to its last use, as recorded)
+                last = max(last, min(ops if died is None else died, ops) - 1)
+        n = held(kind, nbytes)
         delta[first] += n
         delta[last + 1] -= n
     return max(itertools.accumulate(delta[:ops]))
@@ -131,15 +139,20 @@ def _state(shadow: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class _Uses(TorchDispatchMode):
-    """Per storage an op of the dry run touched (read, wrote or made): its first and last op;
-    the storages are kept, so that no address is reused for another."""
+    """Per storage an op of the dry run touched (read, wrote or made): its bytes, its first and
+    last op, and the ops run when it died (``died``; still held at the end: absent), as the
+    recorder sees the real step's (``ooc.record.recorder``, "Deaths"). Each address stays
+    pinned (a weak reference keeps the ``StorageImpl``, not its bytes), so that no other
+    storage takes it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.i = 0
         self.first: dict[int, int] = {}
         self.last: dict[int, int] = {}
-        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.nbytes: dict[int, int] = {}
+        self.died: dict[int, int] = {}
+        self._pins: list[Any] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -147,20 +160,27 @@ class _Uses(TorchDispatchMode):
             if t.layout is not torch.strided:
                 continue
             s = t.untyped_storage()
-            self.storages.setdefault(s._cdata, s)
-            self.first.setdefault(s._cdata, self.i)
-            self.last[s._cdata] = self.i
+            key = s._cdata
+            if key not in self.nbytes:
+                self.nbytes[key] = s.nbytes()
+                self.first[key] = self.i
+                self._pins += (StorageWeakRef(s), weakref.ref(s, functools.partial(self._gone, key)))
+            self.last[key] = self.i
         self.i += 1
         return out
+
+    def _gone(self, key: int, _: weakref.ref) -> None:
+        self.died[key] = self.i
 
 
 _Shadow = tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter], dict[int, tuple[str, str]]]
 
 
-def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> _Shadow | None:
-    """An optimizer of the same type over ``meta`` twins of the parameters, their grads and
-    their state; the twins by parameter; the kind and name of each twin storage. None where
-    the type cannot be made again (``_same_type``)."""
+def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], every: bool = False) -> _Shadow | None:
+    """An optimizer of the same type over ``meta`` twins of the parameters, their grads (with
+    ``every``, of each parameter that requires one) and their state; the twins by parameter;
+    the kind and name of each twin storage. None where the type cannot be made again
+    (``_same_type``)."""
     known: dict[int, tuple[str, str]] = {}
     twins: dict[torch.Tensor, torch.nn.Parameter] = {}
     groups = []
@@ -173,8 +193,8 @@ def _shadow(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) ->
                 twin = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
                 name = names.get(p, "a parameter")
                 known[twin.untyped_storage()._cdata] = ("params", name)
-                if p.grad is not None:
-                    twin.grad = torch.empty_like(p.grad, device="meta")
+                if p.grad is not None or (every and p.requires_grad):
+                    twin.grad = torch.empty_like(p if p.grad is None else p.grad, device="meta")
                     if _counts(twin.grad):
                         known[twin.grad.untyped_storage()._cdata] = ("grads", f"{name}.grad")
                 twins[p] = twin

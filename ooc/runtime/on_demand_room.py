@@ -108,7 +108,7 @@ class OnDemandRoom:
         """A storage of this step becomes managed (a saved activation, a gradient): count its
         bytes, after making room for them on demand."""
         if not self.course.planned:
-            self.make_room_for(slot.nbytes, (), self.course.i, what)
+            self.make_room_for(slot.nbytes, (), self.course.i, what, made=True)
             self.touch(slot)
         self.book.register(slot)
         self.book.account(slot.nbytes)
@@ -194,7 +194,7 @@ class OnDemandRoom:
 
     def track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
         """Count a storage the optimizer just created, after making room for it."""
-        self.make_room_for(b.nbytes, keep, i, f"a new tensor of {self.rec.names[i]}")
+        self.make_room_for(b.nbytes, keep, i, f"a new tensor of {self.rec.names[i]}", made=True)
         self.fresh.add(b)
         self.touch(b)
         return b
@@ -204,15 +204,19 @@ class OnDemandRoom:
         for b in self.fresh.died():
             self.recent.pop(b, None)
 
-    def make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str) -> None:
-        """On demand: make ``nbytes`` fit the budget before they become resident.
+    def make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str, made: bool = False) -> None:
+        """On demand: make ``nbytes`` fit the budget before they become resident (``made``:
+        they are already, a storage the step just made that the engine now manages).
 
         If evicting everything that may go still leaves too little (op ``where``'s own
         tensors exceed the budget), the step carries on over the budget, counted as such
         (``peak``), and fails at its end with ``overflow`` or the plan's BudgetTooSmall: an
         unplanned step cannot take back an op half done, but it must not hide the excess.
+        Under a budget for the whole step (``StepContext.device_live``) the device's bytes
+        are kept within it too, as far as evicting managed tensors can: what PyTorch holds
+        beyond that is the step's end's to refuse (``step_budget.share_of``), not an overflow.
         """
-        if self._make_room(nbytes, keep):
+        if self._make_room(nbytes, keep, 0 if made else nbytes):
             return
         resident = self.book.resident
         why = (f"what it cannot do without already takes {format_size(resident)} "
@@ -225,8 +229,9 @@ class OnDemandRoom:
             log.warning("%s", error)
             self.book.overflow = error
 
-    def _make_room(self, nbytes: int, keep: set | tuple) -> bool:
-        """Evict until ``nbytes`` more fit the budget; False if they cannot.
+    def _make_room(self, nbytes: int, keep: set | tuple, coming: int) -> bool:
+        """Evict until ``nbytes`` more fit the budget, and the device's bytes with ``coming``
+        more fit a budget for the whole step; False if the budget's cannot.
 
         The victims are the scheduler's choice (``scheduler.on_demand.choose_victims``) among
         the managed tensors the op does not use (``keep``) and the running backward node does
@@ -235,11 +240,12 @@ class OnDemandRoom:
         released, any other is written out and waited for (the waits count as stall).
         """
         budget, book = self.ctx.budget, self.book
-        if book.resident + nbytes <= budget:
+        if book.resident + nbytes <= budget and self._over_device(coming) <= 0:
             return True
         self.reap_writes(block=False)
         held = self.held
-        victims = on_demand.choose_victims(self.recent, book.resident + nbytes - budget, self._evictable_bytes,
+        excess = max(book.resident + nbytes - budget, self._over_device(coming))
+        victims = on_demand.choose_victims(self.recent, excess, self._evictable_bytes,
                                            lambda x: x in keep or x in held)
         for x in victims:
             del self.recent[x]
@@ -248,6 +254,12 @@ class OnDemandRoom:
             elif (slot := self.fresh.adopt(x)) is not None:
                 self._evict(slot)
         return book.resident + nbytes <= budget
+
+    def _over_device(self, coming: int) -> int:
+        """Bytes by which the device, with ``coming`` more, exceeds a budget for the whole
+        step (``StepContext.device_live``; none: 0)."""
+        live = self.ctx.device_live
+        return 0 if live is None else live() + coming - self.ctx.device_budget
 
     def _evictable_bytes(self, x: Slot | Birth) -> int:
         """The bytes evicting ``x`` gives back (0 for an entry already gone)."""

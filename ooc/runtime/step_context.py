@@ -46,3 +46,8 @@ class StepContext:
     plain_candidate: bool = False   # the plan moves nothing: note what the step saves (plain_step.py)
     quiet_ops: frozenset[int] = frozenset()   # ops the plan gives no role: run them as they come (stepper.py)
     time_ops: bool = False          # a GPU's planned step times its ops (CUDA events): its plan's prices are open
+    # Options(budget_covers="step") with one arena: the step's budget for every tensor (less
+    # the allocator's cache) and what the device holds for them now, which a step on demand
+    # keeps within as well as its managed share (step_budget.on_demand_bound; 0, None: none)
+    device_budget: int = 0
+    device_live: Callable[[], int] | None = None

@@ -343,6 +343,30 @@ def test_recorder_can_be_used_directly():
     assert seq.meta["backward_start"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_recorder_sees_what_the_program_held_past_its_last_use(device):
+    """A storage held by a name after its last use is ``held_to`` the last function recorded
+    before it died, one still held when the recording ends to the last function; one that
+    died at its last use has none (eager lifetimes hold). On ``meta`` as on the CPU."""
+    x = torch.randn(4, 4, device=device)
+    rec = Recorder()
+    rec.register(x, Kind.INPUT, "x")
+    with rec:
+        a = x.exp()      # f0
+        b = a * 2        # f1: a's last use
+        c = b.sum()      # f2: b's last use
+        d = x + 1        # f3
+        del a            # a dies here, after f3
+        e = (d * 3).neg_()   # f4, f5: the product dies at its last use
+    seq = rec.sequence()
+    held = {v.name: v.held_to for v in seq.variables.values() if not v.live_in}
+    assert held == {"aten.exp.default#0": 3, "aten.mul.Tensor#1": 5, "aten.sum.default#2": 5,
+                    "aten.add.Tensor#3": 5, "aten.mul.Tensor#4": None}, held
+    # a (64 B) after f1 to f3, b (64 B) and c (4 B) after f2, d (64 B) after f4: beside eager lifetimes
+    assert seq.held_after_use_sized(lambda n: n) == (0, 0, 64, 132, 68, 132)
+    del b, c, d, e
+
+
 def test_cli_trace_writes_a_sequence(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert main(["trace", "small_cnn", "--batch", "2", "--width", "8", "-o", str(out)]) == 0

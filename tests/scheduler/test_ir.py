@@ -32,6 +32,22 @@ def test_json_round_trip(tmp_path) -> None:
     assert VariableSequence.from_json(path) == seq
 
 
+def test_what_the_program_held_past_its_last_use_is_apart_from_eager_lifetimes(tmp_path) -> None:
+    """``held_to`` (a recorder saw the storage die later) leaves ``live_bytes`` as eager
+    PyTorch has them and is its own figure, of the variables asked for; files keep it."""
+    base = _seq()
+    v0 = base.variables[0]
+    held = VariableSequence(base.functions, {**base.variables, 0: Variable(v0.id, v0.nbytes, v0.kind, v0.name,
+                                                                           held_to=2)}, {})
+    assert held.live_bytes == base.live_bytes
+    assert held.held_after_use_sized(lambda n: n) == (0, 0, 10)   # v0's last use is f1
+    assert held.held_after_use_sized(lambda n: 2 * n) == (0, 0, 20)
+    assert held.held_after_use_sized(lambda n: n, lambda var: var.kind is not v0.kind) == (0, 0, 0)
+    path = tmp_path / "held.json"
+    held.to_json(path)
+    assert VariableSequence.from_json(path) == held and "held_to" not in json.dumps(base.to_dict())
+
+
 @pytest.mark.parametrize(
     "mutate, words",
     [
@@ -42,6 +58,7 @@ def test_json_round_trip(tmp_path) -> None:
         (lambda d: d["variables"][0].update(kind="weights"), "variables[0].kind"),
         (lambda d: d["variables"][1].pop("nbytes"), "variables[1]: missing field 'nbytes'"),
         (lambda d: d["functions"][0]["uses"].__setitem__(0, [0, "r"]), "read before anything writes it"),
+        (lambda d: d["variables"][1].update(held_to="late"), "variables[1].held_to: expected a function index"),
     ],
 )
 def test_malformed_files_say_what_and_where(tmp_path, mutate, words) -> None:

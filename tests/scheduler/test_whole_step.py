@@ -52,6 +52,34 @@ def test_held_is_the_whole_steps_bytes_less_the_managed_ones_with_what_it_keeps_
     assert blocks == tuple(x * MiB for x in (32, 32, 64, 80, 48))
 
 
+def _held(held_to: dict[int, int]) -> VariableSequence:
+    """``_step`` and one more function (the user's logging reads the weight), with what a
+    recorder saw die later than its last use (``Variable.held_to``)."""
+    seq = _step()
+    functions = seq.functions + (type(seq.functions[0])(5, "log", ((seq.functions[0].uses[0]),)),)
+    variables = {v: Variable(x.id, x.nbytes, x.kind, x.name, x.live_in, x.live_out, held_to.get(v))
+                 for v, x in seq.variables.items()}
+    return VariableSequence(functions, variables, {})
+
+
+def test_what_the_program_holds_past_its_last_use_is_held_beside_unless_the_engine_manages_it() -> None:
+    """A Python name kept the backward's temporary to the update, and the gradient lived until
+    ``zero_grad``, after the update: eager lifetimes had both gone, and a plan bounded by those
+    figures went over the step's budget by them (an MLP with Adam: 27 MiB over 204 MiB). What
+    the engine manages goes when it lets it go: not counted; under ``min_bytes`` it is not
+    managed, whatever its kind. A gradient the update will read (``read_later``) counts once."""
+    whole = _held({3: 4, 4: 5})   # t last used at bwd2 (3), g at the update (4)
+    eager = held_beside(_held({}), _managed(_held({}), {1, 2}))
+    assert eager == tuple(x * MiB for x in (20, 20, 40, 50, 30, 20))
+    assert held_beside(whole, _managed(whole, {1, 2})) == tuple(x * MiB for x in (20, 20, 40, 50, 50, 30))
+    managed_grad = _managed(whole, {1, 2, 4})   # the gradient managed: only the temporary's hold counts
+    assert held_beside(whole, managed_grad)[4:] == (40 * MiB, 20 * MiB)
+    assert held_beside(whole, managed_grad, min_bytes=16 * MiB)[5] == 30 * MiB   # a gradient under min_bytes
+    assert held_beside(whole, _managed(whole, {1, 2}), read_later=[4]) == held_beside(whole, _managed(whole, {1, 2}))
+    before = _held({3: 2})   # (seen dead before its last use: a storage its bytes moved out of)
+    assert held_beside(before, _managed(before, {1, 2})) == eager
+
+
 def test_functions_the_whole_recording_leaves_out_hold_what_the_one_before_held() -> None:
     whole = _step()
     kept = _managed(whole, {1, 2})
