@@ -37,11 +37,12 @@ __all__ = ["held_beside", "least_budget", "managed_budget"]
 
 def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Sequence[int] = (),
                 size: Callable[[int], int] = lambda nbytes: nbytes, read_later: Sequence[int] = (),
-                min_bytes: int = 0) -> tuple[int, ...]:
+                min_bytes: int = 0, kinds: frozenset[Kind] | None = None) -> tuple[int, ...]:
     """Bytes the step holds beside its managed tensors during each of ``managed``'s functions:
     what the whole recording has live there, less the managed tensors (both at eager
     lifetimes, ``VariableSequence.live_bytes``, and what the program held past its last use
-    that is not managed, of a kind not managed or under ``min_bytes``: ``Variable.held_to``),
+    that is not managed, of a kind not managed (``kinds``; None: those ``managed`` has) or
+    under ``min_bytes``: ``Variable.held_to``),
     where what the step makes and leaves (the
     optimizer's state on its first step, gradients kept for accumulation) counts from the start
     too: the next step begins with it. ``skipped``: indices of ``managed``'s
@@ -55,7 +56,7 @@ def held_beside(whole: VariableSequence, managed: VariableSequence, skipped: Seq
     mine = [live + e for live, e in zip(managed.live_bytes_sized(size), outliving)]
     # held past their last use (a Python name, a gradient until zero_grad: Variable.held_to),
     # if the engine does not manage them (a managed one's bytes go when ooc lets them go)
-    kinds = {v.kind for v in managed.variables.values()}
+    kinds = {v.kind for v in managed.variables.values()} if kinds is None else kinds
 
     def unmanaged(var: Variable) -> bool:
         return var.kind not in kinds or var.nbytes < min_bytes

@@ -38,12 +38,17 @@ class EngineMemory:
     pool: DevicePool             # the budget's device memory
     held: Held                   # what a collected engine lets go of (follows the pool)
     arena: str = "pool"          # where swap-ins live on a GPU (ooc.Options.arena), for each new pool
+    manage: frozenset[str] = frozenset({"activations"})   # the kinds that may leave (ooc.OutOfCore's manage)
     # Options(budget_covers="step"), ooc/engine/step_budget.py: the budget given for the whole
     # step (0: the budget covers the managed tensors only), what a step starts with, and the
     # most its recording held beside the managed tensors
     step_budget: int = 0
     step_start: int = 0
     step_held: int = 0
+    # the last step raised: the frames that hold its exception hold its tensors, in cycles the
+    # collector may not reach for many steps (a loop that retries a refused step: 96 MiB on a
+    # Llama, under a budget for the whole step); the next step collects first (plan_cache.begin)
+    raised: bool = False
     counters: Counter = field(default_factory=Counter)
     on_cpu: bool = field(init=False)   # the device is the CPU (an attribute: read several times a step)
 

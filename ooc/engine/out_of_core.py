@@ -124,7 +124,7 @@ class OutOfCore:
         unknown = [m for m in manage if m not in KINDS]
         if unknown:
             raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
-        self._manage = frozenset(manage)
+        self._manage = manage = frozenset(manage)
         check_sharded_params(model, self._manage)   # FSDP2: activations only
         check_optimizer_hooks(optimizer, self._manage)   # timm's Lookahead: activations only
         recompute = recompute_word(recompute)
@@ -164,7 +164,7 @@ class OutOfCore:
         # for the swap-ins (or a VMM pool: Options.arena). The pool checks the chunk's granularity first.
         arena = resolve_arena(device, options.arena)
         tier, pool = make_tier_and_pool(device, budget, chunk, storage, options.threads, options.verify, arena=arena)
-        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool), arena=arena)
+        self._mem = mem = EngineMemory(device, budget, chunk, min_bytes, tier, pool, Held(tier, pool), arena, manage)
         if options.budget_covers == "step":   # a budget for the whole step (step_budget.py)
             mem.step_budget, mem.step_start = budget, start_bytes(model, optimizer, self._manage, mem.min_bytes)
             mem.budget = recording_room(mem)
@@ -350,7 +350,7 @@ class OutOfCore:
         """A per-op step of ``schedule`` (None: on demand) for plan key ``key``, with what it
         needs from the engine (``ooc/runtime/step_context.py``)."""
         mem, persistent = self._mem, tuple(self._store.slots.values())
-        device_budget, device_live = on_demand_bound(mem, persistent)   # (a budget for the whole step)
+        device_budget, device_live = on_demand_bound(mem, self.model, self.optimizer, self._manage)   # (a step budget)
         ctx = StepContext(budget=mem.budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
                           counters=mem.counters, model=self.model, optimizer=self.optimizer, persistent=persistent,

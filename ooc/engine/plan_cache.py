@@ -23,6 +23,7 @@ that (plain or anchored); else per op, planned.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
@@ -84,6 +85,9 @@ class PlanCache:
         start's last step had, until the forward shows the step's own (``forward_starts``).
         With plans for several shapes of this start, the step runs per op until then: a
         hook-driven form is taken up at the forward, where the mode can come off."""
+        if self._mem.raised:   # (EngineMemory.raised)
+            self._mem.raised = False
+            gc.collect()
         key = self.guess(start)
         self.sibling = None
         provisional = len([s for s, _ in self.plans if s == start]) > 1

@@ -17,7 +17,7 @@ holds too: only PyTorch's own bytes over the budget go over it, and the step's e
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -27,9 +27,8 @@ from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
 from ooc.record import roles
 from ooc.runtime.dry_run import update_held
-from ooc.runtime.slots import Slot, State
 from scheduler.beside import HELD_BESIDE
-from scheduler.ir import VariableSequence
+from scheduler.ir import Kind, VariableSequence
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
 from vmm.units import format_size
 
@@ -48,6 +47,12 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     from the last step and the optimizer's state, each storage once, less those of the kinds
     ``manage``d (from ``min_bytes`` on: the managed budget holds them; counted here too, they
     left a recording step with every kind managed one chunk, and its first swap-in failed)."""
+    return sum(s.nbytes() for s in start_storages(model, optimizer, manage, min_bytes))
+
+
+def start_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   manage: frozenset[str] | set[str], min_bytes: int) -> list[torch.UntypedStorage]:
+    """The storages ``start_bytes`` counts."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = [t for st in optimizer.state.values() for v in st.values()   # LBFGS keeps lists of them
              for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)
@@ -58,8 +63,8 @@ def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         for t in tensors:   # each storage once, by its StorageImpl (no data pointer needed:
             s = t.untyped_storage()   # a ZeroTensor gradient, as sgn's, has none, and holds nothing)
             if not t._is_zerotensor() and not _managed(kind, s.nbytes(), manage, min_bytes):
-                storages[s._cdata] = s.nbytes()
-    return sum(storages.values())
+                storages[s._cdata] = s
+    return list(storages.values())
 
 
 def _managed(kind: str | None, nbytes: int, manage: frozenset[str] | set[str], min_bytes: int) -> bool:
@@ -98,7 +103,8 @@ def device_budget(mem: EngineMemory) -> int:
     return mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu)
 
 
-def on_demand_bound(mem: EngineMemory, persistent: Iterable[Slot]) -> tuple[int, Callable[[], int] | None]:
+def on_demand_bound(mem: EngineMemory, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    manage: frozenset[str]) -> tuple[int, Callable[[], int] | None]:
     """(``device_budget``, what the device holds for every tensor of the step now) for a step
     kept on demand, where one arena holds them all (``StepContext.device_budget``,
     ``device_live``); (0, None) where nothing counts them.
@@ -108,11 +114,15 @@ def on_demand_bound(mem: EngineMemory, persistent: Iterable[Slot]) -> tuple[int,
     the optimizer's state, managed and kept while it fits that room, beside every gradient:
     an MLP of four 16 MiB weights with Adam, its state managed, held 272 MiB on its recording
     step under a step budget of 224 MiB. So such a step evicts managed tensors for PyTorch's
-    bytes too, counted where they are counted: on a GPU, PyTorch's
-    allocated bytes (ooc's swap-ins among them, ``arena="pytorch"``); on the CPU, what the
-    step started with (``mem.step_start``, and the managed tensors of ``persistent`` resident
-    then) and what the recycling allocator's live blocks grew by since (tensors from 1 MiB on:
-    smaller ones it does not see). Not over a fake driver, nor without ooc's CPU allocator."""
+    bytes too, counted where they are counted: on a GPU, PyTorch's allocated bytes (ooc's
+    swap-ins among them, ``arena="pytorch"``); on the CPU, the recycling allocator's live
+    blocks (tensors from 1 MiB on: smaller ones it does not see) and the pool's used chunks,
+    with what of the step's start it does not hold (``start_storages`` of every kind made
+    while it was not PyTorch's: the weights built before the engine; managed state brought
+    back between steps, 96 MiB under on an MLP after a refusal). A count taken as the
+    difference from the step's start was wrong by what the step freed that was not its own
+    (garbage collected mid-step: 96 MiB under on a Llama). Not over a fake driver, nor
+    without ooc's CPU allocator."""
     device = device_budget(mem)
     if not device:
         return 0, None
@@ -120,14 +130,19 @@ def on_demand_bound(mem: EngineMemory, persistent: Iterable[Slot]) -> tuple[int,
         where = mem.device
         real = where.type == "cuda" and torch.cuda.is_available()
         return (device, lambda: torch.cuda.memory_allocated(where)) if real else (0, None)
-    live = cpu_allocator.live_bytes()
-    if live is None:
+    if cpu_allocator.live_bytes() is None:
         return 0, None
-    offset = mem.step_start + sum(s.nbytes for s in persistent if s.state in _HELD) - live
-    return device, lambda: offset + (cpu_allocator.live_bytes() or 0)
+    outside: list[tuple[weakref.ref, int]] = []   # (weakly: what the step lets go of goes)
 
-
-_HELD = (State.RESIDENT, State.IN, State.OUT)   # the states in which a slot holds device bytes
+    def live() -> int:
+        if not outside:   # every kind, managed ones too: brought back between steps, glibc holds them
+            held = [s for s in start_storages(model, optimizer, frozenset(), 0) if s.nbytes()]
+            owned = cpu_allocator.owns([s.data_ptr() for s in held])
+            outside.extend((weakref.ref(s), s.data_ptr()) for s, mine in zip(held, owned) if not mine)
+            outside.append((lambda: None, 0))   # (looked: an entry, so not again)
+        return sum(s.nbytes() for r, at in outside if (s := r()) is not None and s.data_ptr() == at and at
+                   ) + (cpu_allocator.live_bytes() or 0)   # (moved: swapped out, or into the pool, counted there)
+    return device, live
 
 
 def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
@@ -157,10 +172,21 @@ def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequen
     recorded so far too, with what its ``update`` adds (``check_so_far``): one more figure, the
     most the update's ops hold, where it was measured."""
     held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read,
-                                                     min_bytes=mem.min_bytes))
+                                                     min_bytes=mem.min_bytes, kinds=_kinds(mem.manage)))
     held += (update.during,) if update.during else ()
     return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
                           arenas=_arenas(mem), granule=mem.chunk), held
+
+
+def _kinds(manage: frozenset[str]) -> frozenset[Kind]:
+    """The kinds of variables the engine manages (from ``mem.min_bytes`` on): ``manage``'s, by
+    configuration, not by what a step's managed recording happens to hold so far (the state an
+    update inside the backward made so far is no variable of it yet, and counted as held)."""
+    return frozenset(kind for word, kind in _KINDS.items() if word in manage)
+
+
+_KINDS = {"activations": Kind.ACTIVATION, "params": Kind.PARAM, "grads": Kind.GRAD,
+          "optimizer_state": Kind.OPTIMIZER_STATE}
 
 
 def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, update: Update = Update()) -> None:

@@ -77,6 +77,7 @@ class StepEnd:
         once the update began says what that left; ``torch.func``'s refusal of the hooks says
         what to do instead."""
         committed = st.rollback.undo is None   # past the commit point: nothing to roll back
+        self._mem.raised = True
         self.finish(st, exc, seconds)
         if committed and isinstance(exc, StorageError):
             raised = partial_update_error(exc, during_step=st.updating)
@@ -92,6 +93,7 @@ class StepEnd:
             self._finish(st, exc, seconds)
         except OOCError as err:
             err.step_applied = not st.rollback.taken_back
+            self._mem.raised = True
             raise
 
     def _finish(self, st: Stepper | AnchoredStep, exc: BaseException | None, seconds: float) -> None:

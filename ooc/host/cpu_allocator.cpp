@@ -441,6 +441,15 @@ void ooc_cpu_allocator_release() {
   shrink_locked(0);
 }
 
+// For each of `n` data pointers, out[i] = 1 if it starts a live large block of this allocator
+// (its bytes are among live_bytes), else 0.
+void ooc_cpu_allocator_owns(void* const* ptrs, size_t n, unsigned char* out) {
+  std::lock_guard<std::mutex> g(mu);
+  for (size_t i = 0; i < n; i++) {
+    out[i] = live.count(ptrs[i]) ? 1 : 0;
+  }
+}
+
 // cached, mapped, peak_mapped, hits, misses, floor, enabled, peak_live, external,
 // idle_external, the bound's peak, fresh, gathered: the first `n` of them into out[0..n)
 // (the caller says how many it has room for).

@@ -173,6 +173,8 @@ def _loaded_locked() -> ctypes.CDLL | None:
             lib.ooc_cpu_allocator_lend.argtypes = [ctypes.c_size_t]
             lib.ooc_cpu_allocator_adopt.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             lib.ooc_cpu_allocator_claim.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            lib.ooc_cpu_allocator_owns.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                                   ctypes.POINTER(ctypes.c_ubyte)]
             _lib = lib
         except (_Unavailable, OSError) as e:
             _reason = str(e)
@@ -278,6 +280,17 @@ def live_bytes() -> int | None:
         return None
     st = stats()
     return None if st is None else st["mapped_bytes"] - st["cached_bytes"] + st["external_bytes"]
+
+
+def owns(pointers: list[int]) -> list[bool]:
+    """For each data pointer, whether it starts a live large block of this allocator, whose
+    bytes ``live_bytes`` counts (a tensor made before it was installed, or a small one: not)."""
+    if _lib is None or not pointers:
+        return [False] * len(pointers)
+    n = len(pointers)
+    out = (ctypes.c_ubyte * n)()
+    _lib.ooc_cpu_allocator_owns((ctypes.c_void_p * n)(*pointers), n, out)
+    return [bool(b) for b in out]
 
 
 def _configure_locked() -> None:

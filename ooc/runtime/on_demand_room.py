@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from ooc.host.malloc import give_back_heap
 from ooc.record.managed import Birth, Recording
 from ooc.record.storages import storage_of
 from ooc.runtime.fresh_storages import FreshStorages
@@ -137,7 +138,10 @@ class OnDemandRoom:
                                  state=State.RESIDENT, storage=s))
 
     def after_op(self, touched: list[Slot]) -> None:
-        """Keep nothing: persistent tensors leave after the op that used them."""
+        """Keep nothing: persistent tensors leave after the op that used them. Under a budget
+        for the whole step (``StepContext.device_live``), managed tensors also make way for
+        what PyTorch's ops made (a gradient: no managed tensor comes with it to make room for;
+        state brought back between steps sat beside the backward's gradients, 64 MiB over)."""
         for slot in dict.fromkeys(touched):
             if slot.in_place and slot.state is State.RESIDENT:
                 if slot.host_current:
@@ -146,6 +150,8 @@ class OnDemandRoom:
                 else:
                     self.write_out(slot)
         self.reap_writes(block=False)
+        if self.ctx.device_live is not None:
+            self._make_room(0, (), 0)
 
     def write_out(self, slot: Slot) -> None:
         """On demand: start writing ``slot`` out; its bytes count until the write is reaped."""
@@ -244,15 +250,17 @@ class OnDemandRoom:
             return True
         self.reap_writes(block=False)
         held = self.held
-        excess = max(book.resident + nbytes - budget, self._over_device(coming))
-        victims = on_demand.choose_victims(self.recent, excess, self._evictable_bytes,
-                                           lambda x: x in keep or x in held)
+        over = self._over_device(coming)
+        victims = on_demand.choose_victims(self.recent, max(book.resident + nbytes - budget, over),
+                                           self._evictable_bytes, lambda x: x in keep or x in held)
         for x in victims:
             del self.recent[x]
             if not isinstance(x, Birth):
                 self._evict(x)
             elif (slot := self.fresh.adopt(x)) is not None:
                 self._evict(slot)
+        if over > 0 and victims and self.ctx.device.type == "cpu":   # what glibc held (state brought back
+            give_back_heap()   # between steps: set_budget, resident()) goes back to the system, not its heap
         return book.resident + nbytes <= budget
 
     def _over_device(self, coming: int) -> int:

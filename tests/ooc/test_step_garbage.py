@@ -48,3 +48,54 @@ def test_a_finished_step_is_freed_without_the_cycle_collector(budget: str) -> No
             gc.enable()
         engine.close()
     assert alive == [], f"steps {alive} are still alive: a reference cycle keeps them"
+
+
+def test_the_step_after_one_that_raised_begins_with_the_garbage_its_frames_left_collected() -> None:
+    """A step that raises leaves its exception's frames, and what they hold, to the collector
+    once a cycle runs through them (ooc's own refusals had one: a Llama's retried step held
+    the refused step's 96 MiB of logits beside its own). The next step collects first
+    (``EngineMemory.raised``), before its first op: with the collector off, only that frees
+    the tensor here. A step that did not raise collects nothing."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ooc.OutOfCore(model, opt, budget="1GiB")
+    seen: list[bool] = []
+
+    def failing_step() -> weakref.ref:
+        held = torch.randn(1024, 1024)
+        cycle = {"held": held}
+        cycle["self"] = cycle   # (what a frame in a traceback makes, and the collector frees)
+        with engine.step():
+            model(torch.randn(4, 8)).sum().backward()
+            raise RuntimeError("the user's code failed")
+        return weakref.ref(held)   # pragma: no cover
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        kept = torch.randn(1024, 1024)
+        cycle = {"kept": kept}
+        cycle["self"] = cycle
+        kept_ref = weakref.ref(kept)
+        del kept, cycle
+        with engine.step():   # no step raised before it: nothing collected
+            seen.append(kept_ref() is not None)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        try:
+            failing_step()
+        except RuntimeError as err:
+            ref = weakref.ref(err.__traceback__.tb_next.tb_frame.f_locals["held"])   # (failing_step's)
+        seen.append(ref() is not None)
+        with engine.step():   # after one that raised: collected before its first op
+            seen.append(ref() is not None)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if enabled:
+            gc.enable()
+        engine.close()
+    assert seen == [True, True, False], seen
