@@ -205,7 +205,7 @@ def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, u
     full = recording.full
     if full is not None:   # its gradients and the state made so far known as such (not temporaries)
         roles.mark_grads(full, recording.roles)
-        so_far = full.sequence({}, roles.state_so_far(full, recording.roles, recording.ctx.optimizer))
+        so_far = full.sequence({}, roles.state_so_far(full, recording.roles, recording.ctx.optimizer), so_far=True)
         share_of(mem, managed, so_far, recording.skipped, update)
 
 

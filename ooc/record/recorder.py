@@ -231,21 +231,27 @@ class StepRecorder:
 
     # -- the result ---------------------------------------------------------------------------
 
-    def sequence(self, meta: dict[str, Any] | None = None, kinds: dict[int, Kind] | None = None) -> VariableSequence:
+    def sequence(self, meta: dict[str, Any] | None = None, kinds: dict[int, Kind] | None = None,
+                 so_far: bool = False) -> VariableSequence:
         """The recorded functions and variables (classification applied; ``kinds``: of
-        variables nothing classified, for this sequence only)."""
+        variables nothing classified, for this sequence only). ``so_far``: of a step still
+        running, whose variables alive now get no ``held_to`` (what holds them may let go at
+        the next op; counted held to now, a Llama's refusals at each update inside its
+        backward each named more, in some processes without end)."""
         saved, kinds = self.saved_vars, kinds or {}
         last: dict[int, int] = {}   # (to keep only a hold past the last use)
         for i, uses in enumerate(self.fuses):
             for v, _ in uses:
                 last[v] = i
         variables: dict[int, Variable] = {}
+        held = (lambda vid: None if vid not in self._died else self._held_to(vid, last.get(vid, -1))) if so_far else (
+            lambda vid: self._held_to(vid, last.get(vid, -1)))
         for vid in range(len(self.nbytes)):
             kind = self.kind[vid] or kinds.get(vid)
             if kind is None:
                 kind = Kind.ACTIVATION if vid in saved else Kind.TEMPORARY
             variables[vid] = Variable(vid, self.nbytes[vid], kind, self.vname[vid],
-                                      self.live_in[vid], self.live_out[vid], self._held_to(vid, last.get(vid, -1)))
+                                      self.live_in[vid], self.live_out[vid], held(vid))
         reads = [Use(v, Access.READ) for v in range(len(self.nbytes))]
         writes = [Use(v, Access.WRITE) for v in range(len(self.nbytes))]
         # The optimizer's update runs once per step: none of it is replayed (see replay.py).
