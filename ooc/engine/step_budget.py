@@ -28,7 +28,8 @@ from ooc.host import cpu_allocator
 from ooc.record import roles
 from ooc.runtime.dry_run import update_held
 from scheduler.beside import HELD_BESIDE
-from scheduler.ir import Kind, VariableSequence
+from scheduler.ir import VariableSequence
+from scheduler.managed import kinds_of
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
 from vmm.units import format_size
 
@@ -132,15 +133,15 @@ def on_demand_bound(mem: EngineMemory, model: torch.nn.Module, optimizer: torch.
         return (device, lambda: torch.cuda.memory_allocated(where)) if real else (0, None)
     if cpu_allocator.live_bytes() is None:
         return 0, None
-    outside: list[tuple[weakref.ref, int]] = []   # (weakly: what the step lets go of goes)
+    outside: list[tuple[weakref.ref, int]] | None = None   # (weakly: what the step lets go of goes)
 
     def live() -> int:
-        if not outside:   # every kind, managed ones too: brought back between steps, glibc holds them
+        nonlocal outside
+        if outside is None:   # every kind, managed ones too: brought back between steps, glibc holds them
             held = [s for s in start_storages(model, optimizer, frozenset(), 0) if s.nbytes()]
             owned = cpu_allocator.owns([s.data_ptr() for s in held])
-            outside.extend((weakref.ref(s), s.data_ptr()) for s, mine in zip(held, owned) if not mine)
-            outside.append((lambda: None, 0))   # (looked: an entry, so not again)
-        return sum(s.nbytes() for r, at in outside if (s := r()) is not None and s.data_ptr() == at and at
+            outside = [(weakref.ref(s), s.data_ptr()) for s, mine in zip(held, owned) if not mine]
+        return sum(s.nbytes() for r, at in outside if (s := r()) is not None and s.data_ptr() == at
                    ) + (cpu_allocator.live_bytes() or 0)   # (moved: swapped out, or into the pool, counted there)
     return device, live
 
@@ -171,22 +172,13 @@ def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequen
     ``BudgetTooSmall`` where no share holds its working sets (``managed_budget``). Of a step
     recorded so far too, with what its ``update`` adds (``check_so_far``): one more figure, the
     most the update's ops hold, where it was measured."""
+    # the kinds managed by configuration: the state an update inside the backward made so far is
+    # no variable of a step so far's managed recording yet
     held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read,
-                                                     min_bytes=mem.min_bytes, kinds=_kinds(mem.manage)))
+                                                     min_bytes=mem.min_bytes, kinds=kinds_of(mem.manage)))
     held += (update.during,) if update.during else ()
     return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
                           arenas=_arenas(mem), granule=mem.chunk), held
-
-
-def _kinds(manage: frozenset[str]) -> frozenset[Kind]:
-    """The kinds of variables the engine manages (from ``mem.min_bytes`` on): ``manage``'s, by
-    configuration, not by what a step's managed recording happens to hold so far (the state an
-    update inside the backward made so far is no variable of it yet, and counted as held)."""
-    return frozenset(kind for word, kind in _KINDS.items() if word in manage)
-
-
-_KINDS = {"activations": Kind.ACTIVATION, "params": Kind.PARAM, "grads": Kind.GRAD,
-          "optimizer_state": Kind.OPTIMIZER_STATE}
 
 
 def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, update: Update = Update()) -> None:

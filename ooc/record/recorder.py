@@ -244,14 +244,12 @@ class StepRecorder:
             for v, _ in uses:
                 last[v] = i
         variables: dict[int, Variable] = {}
-        held = (lambda vid: None if vid not in self._died else self._held_to(vid, last.get(vid, -1))) if so_far else (
-            lambda vid: self._held_to(vid, last.get(vid, -1)))
         for vid in range(len(self.nbytes)):
             kind = self.kind[vid] or kinds.get(vid)
             if kind is None:
                 kind = Kind.ACTIVATION if vid in saved else Kind.TEMPORARY
-            variables[vid] = Variable(vid, self.nbytes[vid], kind, self.vname[vid],
-                                      self.live_in[vid], self.live_out[vid], held(vid))
+            variables[vid] = Variable(vid, self.nbytes[vid], kind, self.vname[vid], self.live_in[vid],
+                                      self.live_out[vid], self._held_to(vid, last.get(vid, -1), so_far))
         reads = [Use(v, Access.READ) for v in range(len(self.nbytes))]
         writes = [Use(v, Access.WRITE) for v in range(len(self.nbytes))]
         # The optimizer's update runs once per step: none of it is replayed (see replay.py).
@@ -266,10 +264,11 @@ class StepRecorder:
         return VariableSequence(functions, variables, {**self.marks, **(meta or {})})
 
 
-    def _held_to(self, vid: int, last: int) -> int | None:
+    def _held_to(self, vid: int, last: int, so_far: bool = False) -> int | None:
         """The last function recorded while variable ``vid`` was held (the step's last while
-        it is), or None: not one the step created, or not held past its ``last`` use."""
-        if vid not in self._alive or self.live_out[vid]:
+        it is), or None: not one the step created, not held past its ``last`` use, or (of a
+        step ``so_far``) alive still."""
+        if vid not in self._alive or self.live_out[vid] or (so_far and vid not in self._died):
             return None
         end = self._died.get(vid, len(self.fname)) - 1
         return end if end > last else None
