@@ -141,7 +141,10 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
                      f"managed tensors at once" + (" in each of two arenas" if arenas > 1 else "")
                      + (f"; {format_size(reserve(budget))} is kept for the allocator's cache"
                         if reserve(budget) else ""))
-        raise err
+        try:
+            raise err
+        finally:   # the frame its traceback keeps must not hold it: a cycle, the caller's frames with it
+            del err
     return min(left, max(-(-managed.in_core_peak_bytes // granule) * granule, granule))
 
 

@@ -249,7 +249,10 @@ class PersistentStore:
             if e is not None:
                 errors.append(e)
         if interrupt is not None:
-            raise interrupt
+            try:
+                raise interrupt
+            finally:   # (held here, a cycle through the frame its traceback keeps)
+                del interrupt
         return errors
 
     def step_end_bring_back(self) -> None:

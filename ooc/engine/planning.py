@@ -291,8 +291,13 @@ class Planner:
             scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
         except scheduler.BudgetTooSmall as err:
             refused.append(self.of_the_step(err) if self._mem.step_budget else err)
-        if refused:
-            raise max(refused, key=lambda e: e.minimum)
+        if refused:   # the frame a raise keeps must not hold what it raises: a cycle, and through its
+            worst = max(refused, key=lambda e: e.minimum)   # traceback the step's frames, until a collection
+            refused.clear()
+            try:
+                raise worst
+            finally:
+                del worst
 
     def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, adds: Callable[[], step_budget.Update]) -> None:
         """``step_budget.check_so_far`` at a recording step's update, unless the chunk changes
@@ -301,21 +306,8 @@ class Planner:
             step_budget.check_so_far(self._mem, st.recording, seq, adds())
 
     def of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
-        """``err``, of the managed tensors' budget, said of the budget the user gave: under a
-        budget for the whole step, the least step budget whose share holds ``err.minimum``
-        (before the first step recorded whole, beside what the step starts with; after it,
-        beside what it holds)."""
-        mem = self._mem
-        fitted = not self.fit_pending
-        whole = scheduler.BudgetTooSmall(function=err.function, name=err.name, working_set=err.working_set,
-                                         budget=mem.step_budget,
-                                         minimum=step_budget.step_budget_for(err.minimum, mem, held=fitted))
-        beside = (f"beside the {format_size(mem.step_held)} the step recorded whole holds beside them" if fitted else
-                  f"beside the {format_size(mem.step_start)} the step starts with, not what its backward holds "
-                  "beside them, which the first step recorded whole names")
-        whole.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): that minimum "
-                       f"leaves {format_size(err.minimum)} for the managed tensors {beside}")
-        return whole
+        """``err`` said of the step budget the user gave (``step_budget.of_the_step``)."""
+        return step_budget.of_the_step(err, self._mem, held=not self.fit_pending)
 
     # -- the chunk -------------------------------------------------------------------------------
 

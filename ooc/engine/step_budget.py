@@ -28,6 +28,7 @@ from ooc.host import cpu_allocator
 from ooc.record import roles
 from ooc.runtime.dry_run import update_held
 from scheduler.beside import HELD_BESIDE
+from scheduler.errors import BudgetTooSmall
 from scheduler.ir import VariableSequence
 from scheduler.managed import kinds_of
 from scheduler.whole_step import held_beside, least_budget, managed_budget, share_beside
@@ -152,6 +153,20 @@ def step_budget_for(room: int, mem: EngineMemory, *, held: bool = False) -> int:
     it holds beside them (``mem.step_held``, as ``managed_budget`` shares it)."""
     beside = mem.step_held if held else mem.step_start   # no budget under room + beside gives room
     return least_budget(lambda b: _room(b, mem, held), room, room + beside, mem.chunk)
+
+
+def of_the_step(err: BudgetTooSmall, mem: EngineMemory, *, held: bool) -> BudgetTooSmall:
+    """``err``, of the managed tensors' budget, said of the budget the user gave: the least
+    step budget whose share holds ``err.minimum`` (``held``: once a step was recorded whole,
+    beside what it holds; before that, beside what the step starts with)."""
+    whole = BudgetTooSmall(function=err.function, name=err.name, working_set=err.working_set,
+                           budget=mem.step_budget, minimum=step_budget_for(err.minimum, mem, held=held))
+    beside = (f"beside the {format_size(mem.step_held)} the step recorded whole holds beside them" if held else
+              f"beside the {format_size(mem.step_start)} the step starts with, not what its backward holds "
+              "beside them, which the first step recorded whole names")
+    whole.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): that minimum "
+                   f"leaves {format_size(err.minimum)} for the managed tensors {beside}")
+    return whole
 
 
 class Update(NamedTuple):

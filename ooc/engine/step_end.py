@@ -119,7 +119,10 @@ class StepEnd:
             self._book.book(StepReport(form, seconds, st.stall_s, st.peak, st.diverged_at, tuple(st.events),
                                        kept_plan=form != "recorded" and st.diverged_at is None))
         if raised is not None:
-            raise raised
+            try:
+                raise raised
+            finally:   # (a cycle through this frame otherwise: the step's frames wait for a collection)
+                del raised
         if exc is None:
             if isinstance(st, AnchoredStep) and st.diverged_at is not None:
                 log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
@@ -244,7 +247,7 @@ class StepEnd:
         """What a per-op step that completed still raises once planned from: an on-demand need
         the pool could not meet, gradients its plan gave back that outlived it."""
         if st.overflow is not None:   # an on-demand step needed more than the pool could give
-            raise st.overflow
+            raise st.forgive_overflow()   # (kept by the step it would be a cycle through this frame)
         if self._lost:
             raise OOCError(
                 f"the gradients of {', '.join(self._lost)} outlived this step, but its plan (recorded from a "

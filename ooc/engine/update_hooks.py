@@ -213,7 +213,10 @@ class UpdateGuard:
                                  name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
                                  working_set=need.nbytes, budget=self._mem.budget, minimum=need.nbytes)
             # under a budget for the whole step, its least: the one named for the share looped forever
-            raise self._planner.of_the_step(err) if self._mem.step_budget else err
+            try:
+                raise self._planner.of_the_step(err) if self._mem.step_budget else err
+            finally:   # (held here, a cycle through the frame its traceback keeps)
+                del err
 
     def _update_so_far(self, st: Stepper) -> Update:
         """Under a budget for the whole step, what the update adds to what the recording step

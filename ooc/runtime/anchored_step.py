@@ -336,4 +336,7 @@ class AnchoredStep(HookStep):
             self.pool.reap()
         self.events.insert(0, ("compute", f"{self.form} step (no op intercepted)", self.t0, time.perf_counter()))
         if error is not None and not failed:
-            raise error
+            try:
+                raise error
+            finally:   # (held here, a cycle through the frame its traceback keeps)
+                del error

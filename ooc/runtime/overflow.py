@@ -48,7 +48,10 @@ class _Overflowing:
                 f"op {where} ({self.course.name(where)}): swapping in {slot.name} ({format_size(slot.nbytes)}, "
                 f"{slot.nbytes} B) does not fit the {format_size(ctx.budget)} pool: {exc}")
             if self.course.planned:
-                raise error from None
+                try:
+                    raise error from None
+                finally:   # (held here, a cycle through the frame its traceback keeps)
+                    del error
             if self.book.overflow is None:
                 self.book.overflow = error
             return Unbudgeted(ctx.device).take(nbytes)

@@ -312,7 +312,10 @@ class Slot:
                 tier.discard(self.key)
                 self.state = State.RESIDENT
         if interrupt is not None:
-            raise interrupt
+            try:
+                raise interrupt
+            finally:   # (held here, a cycle through the frame its traceback keeps)
+                del interrupt
         return error
 
     def _release(self) -> None:

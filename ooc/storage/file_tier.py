@@ -340,7 +340,10 @@ class FileTier:
             except BaseException as e:  # noqa: B036 - re-raised below
                 interrupt = interrupt or e
         if interrupt is not None:
-            raise interrupt
+            try:
+                raise interrupt
+            finally:   # (held here, a cycle through the frame its traceback keeps)
+                del interrupt
 
     def _retire(self, rec: _Record) -> None:
         rec.retired = True

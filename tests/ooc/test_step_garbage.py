@@ -2,7 +2,9 @@
 
 Without that, every step's recording, slots and plan cursor (~5,000 objects on GPT 6x256)
 waited for the cyclic garbage collector, and a full collection paused one step in about ten
-for 0.13 s. Checked with the collector off, so only reference counting can free the step.
+for 0.13 s. A refused step too: once the user drops the refusal, its frames and tensors go
+(ooc raised exceptions it held in the raising frame). Checked with the collector off, so only
+reference counting can free the step.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import weakref
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import ooc
 from ooc import models
+from scheduler import BudgetTooSmall
+from test_budget_covers_step import _batch, _fresh
 
 
 @pytest.mark.parametrize("budget", ["24MiB", "1GiB"])   # a plan that moves bytes; one that moves none
@@ -99,3 +105,48 @@ def test_the_step_after_one_that_raised_begins_with_the_garbage_its_frames_left_
             gc.enable()
         engine.close()
     assert seen == [True, True, False], seen
+
+
+
+REFUSALS = {   # step budget or not, batches: where the refusal is raised
+    "before-its-update": ("4MiB", "step", (32,)),   # a share for the step so far (Planner.check_feasible)
+    "at-its-end": ("1MiB", "managed", (32,)),        # an on-demand need the pool could not meet (StepEnd)
+    "planned": ("16MiB", "managed", (32, 32, 96)),   # a larger batch than its plan's, planned
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_step_is_freed_once_its_refusal_is_dropped_without_the_cycle_collector(tmp_path, case: str) -> None:
+    """A refusal keeps the step's frames (its traceback) only as long as the user keeps it: ooc
+    raised exceptions it held in a local of the raising frame (a cycle through that frame), and
+    a retry, or a new engine, began beside the refused step's tensors until a collection. With
+    the collector off, only reference counting frees them."""
+    budget, covers, sizes = REFUSALS[case]
+    model, opt = _fresh("sgd")
+    engine = ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
+                           options=ooc.Options(chunk="64KiB", budget_covers=covers))
+    refs: list[weakref.ref] = []
+
+    def step(n: int) -> None:
+        x, y = _batch(len(refs), n)
+        with engine.step():
+            out = model(x)
+            refs.append(weakref.ref(out))
+            F.cross_entropy(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for n in sizes[:-1]:
+            step(n)
+        with pytest.raises(BudgetTooSmall):
+            step(sizes[-1])
+        alive = [ref() is not None for ref in refs]
+    finally:
+        if enabled:
+            gc.enable()
+        engine.close()
+    assert len(refs) == len(sizes) and not any(alive), f"steps {alive} alive: a reference cycle keeps their frames"
