@@ -22,7 +22,6 @@ what bounds the bytes beside the managed tensors reads it (``scheduler.whole_ste
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,8 +32,8 @@ from scheduler.errors import SequenceFormatError
 
 SCHEMA = "ooc.sequence"
 VERSION = 1
-# Function flags about replaying an op, written to JSON only when true (older files lack them).
-_FLAGS = ("replayable", "rng", "updates_stats")
+# Function flags about replaying an op (written to JSON only when true: ``ir_json.py``).
+FLAGS = ("replayable", "rng", "updates_stats")
 
 
 class Kind(str, Enum):
@@ -208,42 +207,28 @@ class VariableSequence:
     def total_bytes(self) -> int:
         return sum(v.nbytes for v in self.variables.values())
 
-    # -- JSON --------------------------------------------------------------------------------
+    # -- JSON (the file format: ir_json.py) ----------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "version": VERSION,
-            "meta": self.meta,
-            "variables": [
-                {"id": v.id, "nbytes": v.nbytes, "kind": v.kind.value, "name": v.name,
-                 "live_in": v.live_in, "live_out": v.live_out,
-                 **({"held_to": v.held_to} if v.held_to is not None else {})}
-                for v in self.variables.values()
-            ],
-            "functions": [
-                {"name": f.name,
-                 "uses": [[u.var, "w" if u.access is Access.WRITE else "r"] for u in f.uses],
-                 "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds,
-                 **{k: True for k in _FLAGS if getattr(f, k)},
-                 **({"needs": list(f.needs)} if f.needs else {})}
-                for f in self.functions
-            ],
-        }
+        from scheduler.ir_json import sequence_to_dict   # (the file format's module reads this one)
+        return sequence_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sequence") -> "VariableSequence":
-        return _sequence_from_dict(data, where)
+        from scheduler.ir_json import sequence_from_dict
+        return sequence_from_dict(data, where)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        _write_json(path, self.to_dict())
+        from scheduler.ir_json import write_json
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> "VariableSequence":
+        from scheduler.ir_json import read_json
         return cls.from_dict(read_json(path, SCHEMA), where=os.fspath(path))
 
 
-# -- validation and parsing ---------------------------------------------------------------
+# -- validation ---------------------------------------------------------------------------------
 
 
 def _validate(seq: VariableSequence) -> None:
@@ -271,118 +256,6 @@ def _validate(seq: VariableSequence) -> None:
                 raise SequenceFormatError(
                     f"functions[{f.index}] ({f.name}): variable {u.var} ({var.name or var.kind.value})"
                     f" is read before anything writes it and is not live_in")
-
-
-def read_json(path: str | os.PathLike[str], schema: str, version: int = VERSION) -> dict[str, Any]:
-    """Load a JSON file of ours, with one clear error for a missing, broken or foreign file."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise SequenceFormatError(f"{path}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SequenceFormatError(f"{path}: not a JSON file ({exc})") from None
-    except OSError as exc:
-        raise SequenceFormatError(f"{path}: cannot read ({exc.strerror})") from None
-    if not isinstance(data, dict) or data.get("schema") != schema:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise SequenceFormatError(f"{path}: not an {schema} file (schema is {found!r})")
-    if data.get("version") != version:
-        raise SequenceFormatError(
-            f"{path}: {schema} version {data.get('version')!r} is not supported (this ooc reads {version})")
-    return data
-
-
-def _write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, separators=(",", ":"))
-    os.replace(tmp, path)
-
-
-def field_of(obj: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
-    """``obj[key]`` checked for type, or a SequenceFormatError that says where."""
-    if not isinstance(obj, dict):
-        raise SequenceFormatError(f"{where}: expected an object, got {type(obj).__name__}")
-    if key not in obj:
-        raise SequenceFormatError(f"{where}: missing field {key!r}")
-    value = obj[key]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise SequenceFormatError(f"{where}.{key}: expected {_names(types)}, got a boolean")
-    if not isinstance(value, types):
-        raise SequenceFormatError(f"{where}.{key}: expected {_names(types)}, got {type(value).__name__}")
-    return value
-
-
-def _names(types: type | tuple[type, ...]) -> str:
-    ts = types if isinstance(types, tuple) else (types,)
-    return " or ".join(t.__name__ for t in ts)
-
-
-def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
-    variables: dict[int, Variable] = {}
-    for k, raw in enumerate(field_of(data, "variables", list, where)):
-        w = f"{where}: variables[{k}]"
-        kind_s = field_of(raw, "kind", str, w)
-        try:
-            kind = Kind(kind_s)
-        except ValueError:
-            raise SequenceFormatError(
-                f"{w}.kind: {kind_s!r} is not one of {[x.value for x in Kind]}") from None
-        vid = field_of(raw, "id", int, w)
-        if vid in variables:
-            raise SequenceFormatError(f"{w}.id: duplicate variable id {vid}")
-        variables[vid] = Variable(
-            id=vid, nbytes=field_of(raw, "nbytes", int, w), kind=kind,
-            name=str(raw.get("name", "")), live_in=bool(raw.get("live_in", False)),
-            live_out=bool(raw.get("live_out", False)), held_to=_held_to(raw, w))
-    functions: list[Function] = []
-    for i, raw in enumerate(field_of(data, "functions", list, where)):
-        w = f"{where}: functions[{i}]"
-        uses = []
-        for j, u in enumerate(field_of(raw, "uses", list, w)):
-            if (not isinstance(u, list) or len(u) != 2 or not isinstance(u[0], int)
-                    or isinstance(u[0], bool) or u[1] not in ("r", "w")):
-                raise SequenceFormatError(f"{w}.uses[{j}]: expected [variable id, 'r' or 'w'], got {u!r}")
-            uses.append(Use(u[0], Access.WRITE if u[1] == "w" else Access.READ))
-        seconds = raw.get("seconds")
-        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)):
-            raise SequenceFormatError(f"{w}.seconds: expected a number or null")
-        flags = {}
-        for k in _FLAGS:   # absent (every file written before recomputation): False
-            value = raw.get(k, False)
-            if not isinstance(value, bool):
-                raise SequenceFormatError(f"{w}.{k}: expected true or false, got {value!r:.40}")
-            flags[k] = value
-        needs = raw.get("needs", [])
-        if (not isinstance(needs, list)
-                or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < i for k in needs)):
-            raise SequenceFormatError(f"{w}.needs: expected a list of earlier function indices, got {needs!r:.60}")
-        functions.append(Function(
-            index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
-            cost=Cost(flops=_count(raw, "flops", w), bytes=int(_count(raw, "bytes", w)),
-                      seconds=None if seconds is None else float(seconds)), **flags, needs=tuple(needs)))
-    meta = data.get("meta", {}) if isinstance(data, dict) else {}
-    return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
-
-
-def _held_to(raw: dict[str, Any], where: str) -> int | None:
-    """A variable's optional ``held_to``: a function index, or absent (every file before it)."""
-    value = raw.get("held_to")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise SequenceFormatError(f"{where}.held_to: expected a function index or null, got {value!r:.40}")
-    return value
-
-
-def _count(raw: dict[str, Any], key: str, where: str) -> float:
-    """An optional non-negative finite number (FLOPs, bytes); missing or null is 0."""
-    value = raw.get(key)
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise SequenceFormatError(f"{where}.{key}: expected a non-negative number or null, "
-                                  f"got {value!r:.40}")
-    return float(value)
 
 
 def build_sequence(

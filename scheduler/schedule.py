@@ -34,7 +34,8 @@ from typing import AbstractSet, Any
 
 from scheduler.actions import Ledger, Op, replay
 from scheduler.errors import SequenceFormatError
-from scheduler.ir import VariableSequence, _write_json, field_of, read_json
+from scheduler.ir import VariableSequence
+from scheduler.ir_json import field_of, read_json, write_json
 
 SCHEMA = "ooc.schedule"
 VERSION = 1
@@ -225,7 +226,7 @@ class Schedule:
             beside=tuple(beside))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        _write_json(path, self.to_dict())
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> "Schedule":

@@ -136,18 +136,9 @@ def load(path: str) -> Any:
     """
     from scheduler import ir, schedule
     from scheduler.errors import SequenceFormatError
+    from scheduler.ir_json import load_json
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise SequenceFormatError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise SequenceFormatError(f"{path}: is a directory, not a trace or plan file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SequenceFormatError(f"{path}: not a JSON file ({exc})") from None
-    except OSError as exc:
-        raise SequenceFormatError(f"{path}: cannot read ({exc.strerror})") from None
+    data = load_json(path)
     kinds = {ir.SCHEMA: (ir.VERSION, ir.VariableSequence),
              schedule.SCHEMA: (schedule.VERSION, schedule.Schedule)}
     found = data.get("schema") if isinstance(data, dict) else type(data).__name__

@@ -6,7 +6,8 @@ the order a step meets them); ``ooc/runtime/`` runs the step itself, in one of t
 """
 
 from ooc.engine.options import RECOMPUTE, Options
-from ooc.engine.out_of_core import KINDS, OutOfCore
+from ooc.engine.arguments import KINDS
+from ooc.engine.out_of_core import OutOfCore
 from ooc.engine.memory import DEFAULT_CHUNK
 from ooc.engine.step_book import TIMELINE_STEPS
 from ooc.runtime.step_protocol import FORMS

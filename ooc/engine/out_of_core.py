@@ -10,16 +10,16 @@
 - ``update_hooks.py``: ``optimizer.step()`` inside a step, the commit point (``UpdateGuard``);
 - ``step_end.py``: every step's end, one routine (``StepEnd``); ``step_book.py``: what is kept
   of the steps (``StepBook``); ``stats.py``: ``stats()`` from the parts;
-- ``options.py``: ``ooc.Options``, the advanced knobs, and the recompute vocabulary.
+- ``options.py``: ``ooc.Options``, the advanced knobs, and the recompute vocabulary;
+  ``arguments.py``: the constructor's arguments checked before anything is made.
 
-This module ties them together: the constructor and its validation, ``step()``, ``stats()``,
+This module ties them together: the constructor, ``step()``, ``stats()``,
 ``set_budget()``, ``resident()``, ``timeline()`` and ``close()``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import weakref
@@ -27,11 +27,11 @@ from typing import Any, Hashable, Iterator
 
 import torch
 
+from ooc.engine.arguments import checked
 from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
-from ooc.engine.memory import DEFAULT_CHUNK, EngineMemory, start_chunk
-from ooc.engine.options import Options, recompute_word
+from ooc.engine.memory import EngineMemory
+from ooc.engine.options import Options
 from ooc.engine.persistent import PersistentStore
-from ooc.engine.pin_policy import pin_function
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import Planner
 from ooc.engine.step_book import StepBook
@@ -42,8 +42,7 @@ from ooc.engine.step_forms import OpMode
 from ooc.engine.update_hooks import UpdateGuard
 from ooc.errors import OOCError
 from ooc.host import cpu_allocator
-from ooc.runtime.composition import (check_optimizer_hooks, check_sharded_params, check_step_entry, refuse_compiled,
-                                     state_dict_owner)
+from ooc.runtime.composition import check_step_entry, refuse_compiled, state_dict_owner
 from ooc.runtime.devices import cuda_runtime, make_tier_and_pool
 from ooc.host.process_effects import ProcessEffects
 from ooc.runtime.step_context import StepContext
@@ -51,12 +50,9 @@ from ooc.runtime.stepper import Stepper
 from ooc.runtime.torch_arena import resolve_arena
 from ooc.runtime.user_hooks import UserHook
 from scheduler.ir import Kind
-from vmm.units import format_size, parse_size
+from vmm.units import parse_size
 
 log = logging.getLogger(__name__)
-
-KINDS = ("activations", "params", "grads", "optimizer_state")
-
 
 class OutOfCore:
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
@@ -114,52 +110,13 @@ class OutOfCore:
                  manage: tuple[str, ...] | list[str] | str = ("activations",), recompute: str = "auto",
                  pin: Any = None, storage: str | None = None, options: Options | None = None) -> None:
         options = Options() if options is None else options
-        if not isinstance(options, Options):
-            raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
-        budget = parse_size(budget, what="budget")
-        # Neither chunk nor min_bytes given: the chunk adapts to what the first recording saves (adapt_chunk).
-        adaptive = options.chunk is None and options.min_bytes is None
-        chunk = DEFAULT_CHUNK if options.chunk is None else options.chunk
-        manage = (manage,) if isinstance(manage, str) else tuple(manage)
-        unknown = [m for m in manage if m not in KINDS]
-        if unknown:
-            raise OOCError(f"manage: unknown kind(s) {unknown}; choose from {list(KINDS)}")
-        self._manage = manage = frozenset(manage)
-        check_sharded_params(model, self._manage)   # FSDP2: activations only
-        check_optimizer_hooks(optimizer, self._manage)   # timm's Lookahead: activations only
-        recompute = recompute_word(recompute)
-        pin_fn = pin_function(pin)
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise OOCError(f"device {device}: the runtime runs on 'cpu' or 'cuda'")
-        # torch.cuda through one seam (ooc.runtime.devices.CudaRuntime): ooc.testing.fake_cuda() swaps it
-        # to run this CUDA path over a fake driver, with the model on the CPU.
-        cuda = cuda_runtime() if device.type == "cuda" else None
-        if cuda is not None and not cuda.is_available():
-            raise OOCError(f"device {device}: this PyTorch has no usable CUDA (torch "
-                           f"{torch.__version__}); install a CUDA build and 'ooc[cuda]', or use device='cpu'")
-        if cuda is not None and device.index is None:
-            # Parameters say "cuda:0", never "cuda": compare (and allocate) with the index.
-            device = torch.device("cuda", cuda.current_device())
-        if adaptive and device.type == "cpu":
-            chunk = start_chunk(budget)   # a budget under 2 MiB starts smaller
-        if budget < chunk:
-            raise OOCError(f"budget {format_size(budget)} is smaller than one chunk "
-                           f"({format_size(chunk)}); raise the budget or lower chunk")
-        min_bytes = chunk // 2 if options.min_bytes is None else options.min_bytes
-        home = cuda.tensor_device(device) if cuda is not None else device
-        for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
-            if p.device != home:
-                raise OOCError(f"{name} is on {p.device}, but the engine manages {home}: "
-                               f"move the model with model.to('{home}') first")
+        args = checked(model, optimizer, budget, device, manage, recompute, pin, options)
+        budget, device, chunk, min_bytes = args.budget, args.device, args.chunk, args.min_bytes
+        self._manage = manage = args.manage
         self.model, self.optimizer, self.device = model, optimizer, device
-        per_parameter = optimizer is not None and bool(self._manage & {"params", "grads", "optimizer_state"})
-        if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
-            raise OOCError("a fused optimizer updates every parameter in one op; "
-                           "create it with fused=False to manage params/grads/state")
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap threshold, the
         # foreach flag): made at the first step, undone by close() or collection (ooc/host/process_effects.py).
-        self._effects = ProcessEffects(device.type, optimizer, per_parameter)
+        self._effects = ProcessEffects(device.type, optimizer, args.per_parameter)
         # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and PyTorch's allocator
         # for the swap-ins (or a VMM pool: Options.arena). The pool checks the chunk's granularity first.
         arena = resolve_arena(device, options.arena)
@@ -172,8 +129,8 @@ class OutOfCore:
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
                                 activations="activations" in self._manage, hook_steps=options.hook_steps,
                                 max_plans=options.max_plans, new_stepper=self._new_stepper)
-        self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=recompute,
-                                pin=pin_fn, adaptive=adaptive, adopt_params=self._adopt_params)
+        self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=args.recompute,
+                                pin=args.pin, adaptive=args.adaptive, adopt_params=self._adopt_params)
         self._book = StepBook()
         self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
                             manage=self._manage)

@@ -25,7 +25,7 @@ from typing import Any, Hashable
 import torch
 
 from ooc.engine import OutOfCore
-from ooc.engine.out_of_core import KINDS
+from ooc.engine.arguments import KINDS
 from ooc.errors import OOCError
 from vmm.units import parse_size
 
