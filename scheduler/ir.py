@@ -29,11 +29,12 @@ from functools import cached_property
 from typing import Any, Callable, Iterable
 
 from scheduler.errors import SequenceFormatError
+from scheduler.json_files import field_of, optional_count, read_json, write_json
 
 SCHEMA = "ooc.sequence"
 VERSION = 1
-# Function flags about replaying an op (written to JSON only when true: ``ir_json.py``).
-FLAGS = ("replayable", "rng", "updates_stats")
+# Function flags about replaying an op, written to JSON only when true (older files lack them).
+_FLAGS = ("replayable", "rng", "updates_stats")
 
 
 class Kind(str, Enum):
@@ -207,28 +208,42 @@ class VariableSequence:
     def total_bytes(self) -> int:
         return sum(v.nbytes for v in self.variables.values())
 
-    # -- JSON (the file format: ir_json.py) ----------------------------------------------------
+    # -- JSON --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        from scheduler.ir_json import sequence_to_dict   # (the file format's module reads this one)
-        return sequence_to_dict(self)
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "meta": self.meta,
+            "variables": [
+                {"id": v.id, "nbytes": v.nbytes, "kind": v.kind.value, "name": v.name,
+                 "live_in": v.live_in, "live_out": v.live_out,
+                 **({"held_to": v.held_to} if v.held_to is not None else {})}
+                for v in self.variables.values()
+            ],
+            "functions": [
+                {"name": f.name,
+                 "uses": [[u.var, "w" if u.access is Access.WRITE else "r"] for u in f.uses],
+                 "flops": f.cost.flops, "bytes": f.cost.bytes, "seconds": f.cost.seconds,
+                 **{k: True for k in _FLAGS if getattr(f, k)},
+                 **({"needs": list(f.needs)} if f.needs else {})}
+                for f in self.functions
+            ],
+        }
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sequence") -> "VariableSequence":
-        from scheduler.ir_json import sequence_from_dict
-        return sequence_from_dict(data, where)
+        return _sequence_from_dict(data, where)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        from scheduler.ir_json import write_json
         write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> "VariableSequence":
-        from scheduler.ir_json import read_json
-        return cls.from_dict(read_json(path, SCHEMA), where=os.fspath(path))
+        return cls.from_dict(read_json(path, SCHEMA, VERSION), where=os.fspath(path))
 
 
-# -- validation ---------------------------------------------------------------------------------
+# -- validation and parsing (the checked readers: json_files.py) -------------------------
 
 
 def _validate(seq: VariableSequence) -> None:
@@ -256,6 +271,61 @@ def _validate(seq: VariableSequence) -> None:
                 raise SequenceFormatError(
                     f"functions[{f.index}] ({f.name}): variable {u.var} ({var.name or var.kind.value})"
                     f" is read before anything writes it and is not live_in")
+
+
+def _sequence_from_dict(data: Any, where: str) -> VariableSequence:
+    variables: dict[int, Variable] = {}
+    for k, raw in enumerate(field_of(data, "variables", list, where)):
+        w = f"{where}: variables[{k}]"
+        kind_s = field_of(raw, "kind", str, w)
+        try:
+            kind = Kind(kind_s)
+        except ValueError:
+            raise SequenceFormatError(
+                f"{w}.kind: {kind_s!r} is not one of {[x.value for x in Kind]}") from None
+        vid = field_of(raw, "id", int, w)
+        if vid in variables:
+            raise SequenceFormatError(f"{w}.id: duplicate variable id {vid}")
+        variables[vid] = Variable(
+            id=vid, nbytes=field_of(raw, "nbytes", int, w), kind=kind,
+            name=str(raw.get("name", "")), live_in=bool(raw.get("live_in", False)),
+            live_out=bool(raw.get("live_out", False)), held_to=_held_to(raw, w))
+    functions: list[Function] = []
+    for i, raw in enumerate(field_of(data, "functions", list, where)):
+        w = f"{where}: functions[{i}]"
+        uses = []
+        for j, u in enumerate(field_of(raw, "uses", list, w)):
+            if (not isinstance(u, list) or len(u) != 2 or not isinstance(u[0], int)
+                    or isinstance(u[0], bool) or u[1] not in ("r", "w")):
+                raise SequenceFormatError(f"{w}.uses[{j}]: expected [variable id, 'r' or 'w'], got {u!r}")
+            uses.append(Use(u[0], Access.WRITE if u[1] == "w" else Access.READ))
+        seconds = raw.get("seconds")
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)):
+            raise SequenceFormatError(f"{w}.seconds: expected a number or null")
+        flags = {}
+        for k in _FLAGS:   # absent (every file written before recomputation): False
+            value = raw.get(k, False)
+            if not isinstance(value, bool):
+                raise SequenceFormatError(f"{w}.{k}: expected true or false, got {value!r:.40}")
+            flags[k] = value
+        needs = raw.get("needs", [])
+        if (not isinstance(needs, list)
+                or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < i for k in needs)):
+            raise SequenceFormatError(f"{w}.needs: expected a list of earlier function indices, got {needs!r:.60}")
+        functions.append(Function(
+            index=i, name=field_of(raw, "name", str, w), uses=tuple(uses),
+            cost=Cost(flops=optional_count(raw, "flops", w), bytes=int(optional_count(raw, "bytes", w)),
+                      seconds=None if seconds is None else float(seconds)), **flags, needs=tuple(needs)))
+    meta = data.get("meta", {}) if isinstance(data, dict) else {}
+    return VariableSequence(tuple(functions), variables, dict(meta) if isinstance(meta, dict) else {})
+
+
+def _held_to(raw: dict[str, Any], where: str) -> int | None:
+    """A variable's optional ``held_to``: a function index, or absent (every file before it)."""
+    value = raw.get("held_to")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise SequenceFormatError(f"{where}.held_to: expected a function index or null, got {value!r:.40}")
+    return value
 
 
 def build_sequence(

@@ -35,7 +35,7 @@ from typing import AbstractSet, Any
 from scheduler.actions import Ledger, Op, replay
 from scheduler.errors import SequenceFormatError
 from scheduler.ir import VariableSequence
-from scheduler.ir_json import field_of, read_json, write_json
+from scheduler.json_files import field_of, read_json, write_json
 
 SCHEMA = "ooc.schedule"
 VERSION = 1

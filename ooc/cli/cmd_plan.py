@@ -136,7 +136,7 @@ def load(path: str) -> Any:
     """
     from scheduler import ir, schedule
     from scheduler.errors import SequenceFormatError
-    from scheduler.ir_json import load_json
+    from scheduler.json_files import load_json
 
     data = load_json(path)
     kinds = {ir.SCHEMA: (ir.VERSION, ir.VariableSequence),
