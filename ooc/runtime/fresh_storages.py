@@ -39,6 +39,7 @@ class FreshStorages:
         self.ctx, self.book, self.rec = ctx, book, rec
         self.fresh: dict[Birth, None] = {}
         self.adopted: list[Slot] = []
+        self._this_update: list[Slot] = []   # adopted since the last ``let_go``
 
     def tracking(self, planned: bool, updating: bool) -> bool:
         """Whether new storages count as managed from birth: on demand, during the optimizer
@@ -80,7 +81,26 @@ class FreshStorages:
                     state=State.RESIDENT, storage=s)
         self.book.register(slot)
         self.adopted.append(slot)
+        self._this_update.append(slot)
         return slot
+
+    def let_go(self) -> None:
+        """At the end of an optimizer ``step()``: forget what it adopted that the program let go
+        of (only the slot holds the storage: a temporary of the update, ``denom``'s square root,
+        written out to make room), its copy on the tier and its bytes. Its storage dies with
+        the update, as it would without ooc, not at the step's end: until then the step's
+        recording counted it as held by the program, beside every gradient that followed (an
+        update inside the backward: each parameter's temporaries piled up), and the least step
+        budget it named depended on how much the step had evicted."""
+        gone = {id(slot): slot for slot in self._this_update if slot.storage is not None
+                and slot.state in (State.RESIDENT, State.HOST) and _use_count(slot.storage) == 1}
+        for slot in gone.values():
+            if slot.state is State.RESIDENT:
+                self.book.account(-slot.nbytes)
+            slot.forget(self.ctx.tier)
+        if gone:
+            self.adopted = [slot for slot in self.adopted if id(slot) not in gone]
+        self._this_update.clear()
 
     def rename(self, slot: Slot, name: str) -> None:
         """Give a variable adopted before it had a name (``adopt``) its real one."""

@@ -125,8 +125,7 @@ class Stepper:
         self.course = course = Course(schedule, rec)
         self.book = book = StepBook(ctx)
         self.slots, self.events = book.slots, book.events   # the engine reads them (never rebound)
-        self.done_before = -1             # last op whose before-actions ran
-        self.updating = False   # inside optimizer.step() (between the engine's pre and post hooks)
+        self.done_before, self.updating = -1, False   # last op whose before-actions ran; inside optimizer.step()
         # What a rollback needs if the step fails before its optimizer step (rollback.py).
         self.rollback = StepRollback(ctx.model, copy_all=bool(ctx.quiet_ops))   # a quiet op may write one
         persistent = list(ctx.persistent)
@@ -358,6 +357,7 @@ class Stepper:
 
     def update_done(self) -> None:
         self.updating = False
+        self.fresh.let_go()   # the update's temporaries written out to make room, let go of
 
     def quiet(self) -> bool:
         """Whether the ops so far left managed memory alone (no managed tensor used, none made but

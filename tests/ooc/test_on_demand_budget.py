@@ -15,7 +15,9 @@ seconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 
 import pytest
 import torch
@@ -224,3 +226,65 @@ def test_updates_inside_the_backward_stay_within_budget_and_bitwise(opt: str) ->
     _assert_within_budget(stats, BUDGET)
     assert stats[-1]["bytes_out"] > 0, "the budget must force tensors out"
     _assert_same(_train(opt, [2] * 4, None, in_backward=True)[0], got)
+
+
+
+class _AdamLike(torch.optim.Optimizer):
+    """Adam's arithmetic written as users write optimizers: ``denom`` from a square root, a
+    temporary per parameter beside the two state tensors kept. ``made`` holds weak references
+    to the square roots' storages: nothing of the optimizer keeps one once ``step()`` returns."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.05})
+        self.made: list[weakref.ref] = []
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["avg"], state["sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["avg"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["sq"].mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+                root = state["sq"].sqrt()
+                self.made.append(weakref.ref(root.untyped_storage()))
+                p.addcdiv_(state["avg"], (root / 0.5).add_(1e-8), value=-group["lr"])
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_an_updates_temporaries_written_out_to_make_room_die_with_the_update(in_backward: bool) -> None:
+    """On demand, the optimizer's new storages count from birth and room is made by writing
+    them out, its temporaries too (which it cannot yet tell from state). One the program let
+    go of dies when ``step()`` returns, as without ooc: the engine held it to the step's end,
+    and the step's recording counted it as held by the program beside every gradient that
+    followed (an update inside the backward: each parameter's temporaries piled up, and the
+    least step budget named grew with how much the step had evicted)."""
+    def run(budget: int | None) -> tuple[dict, list[bool], dict]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                    torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        opt = _AdamLike(model.parameters())
+        engine = None if budget is None else ooc.OutOfCore(
+            model, opt, budget=budget, options=ooc.Options(chunk=CHUNK, min_bytes=4096), manage=ALL)
+        if in_backward:
+            update_in_backward(model, opt)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(32, 256, generator=g), torch.randint(0, 10, (32,), generator=g)
+        with engine.step() if engine is not None else contextlib.nullcontext():
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if not in_backward:
+                opt.step()
+            alive = [ref() is not None for ref in opt.made]
+        stats = {} if engine is None else engine.stats()
+        if engine is not None:
+            engine.close()
+        return {k: v.clone() for k, v in model.state_dict().items()}, alive, stats
+
+    want, _, _ = run(None)
+    got, alive, stats = run(3 * 256 * 256 * 4)   # three weights' worth: the update's square roots go out too
+    assert stats["bytes_out"] > 0, "the budget must force tensors out"
+    assert len(alive) == 6 and not any(alive), f"square roots alive after their update: {alive}"
+    _assert_same(want, got)
