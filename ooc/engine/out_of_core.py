@@ -28,7 +28,7 @@ from typing import Any, Hashable, Iterator
 import torch
 
 from ooc.engine.arguments import checked
-from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weakly
+from ooc.engine.lifetime import Held, close_pool, collected, recycle_bytes, weak_method, weakly
 from ooc.engine.memory import EngineMemory
 from ooc.engine.options import Options
 from ooc.engine.persistent import PersistentStore
@@ -128,9 +128,9 @@ class OutOfCore:
         self._store = store = PersistentStore(model, optimizer, mem)
         self._plans = PlanCache(mem, store, model, activations_only=self._manage == {"activations"},
                                 activations="activations" in self._manage, hook_steps=options.hook_steps,
-                                max_plans=options.max_plans, new_stepper=self._new_stepper)
+                                max_plans=options.max_plans, new_stepper=weak_method(self._new_stepper))
         self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=args.recompute,
-                                pin=args.pin, adaptive=args.adaptive, adopt_params=self._adopt_params)
+                                pin=args.pin, adaptive=args.adaptive, adopt_params=weak_method(self._adopt_params))
         self._book = StepBook()
         self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
                             manage=self._manage)
