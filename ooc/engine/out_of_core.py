@@ -54,6 +54,7 @@ from vmm.units import parse_size
 
 log = logging.getLogger(__name__)
 
+
 class OutOfCore:
     """Run training steps under a memory budget by swapping managed tensors to a slower tier.
 

@@ -291,8 +291,10 @@ class Planner:
             scheduler.plan(seq, budget=self._mem.budget, window=self.window, policy=self.policy)
         except scheduler.BudgetTooSmall as err:
             refused.append(self.of_the_step(err) if self._mem.step_budget else err)
-        if refused:   # the frame a raise keeps must not hold what it raises: a cycle, and through its
-            worst = max(refused, key=lambda e: e.minimum)   # traceback the step's frames, until a collection
+        if refused:
+            # The frame a raise keeps must not hold what it raises (a cycle, and through the
+            # traceback every frame of the step, until a collection).
+            worst = max(refused, key=lambda e: e.minimum)
             refused.clear()
             try:
                 raise worst
