@@ -46,8 +46,9 @@ class EngineMemory:
     step_start: int = 0
     step_held: int = 0
     # the last step raised: the frames that hold its exception hold its tensors, in cycles the
-    # collector may not reach for many steps (a loop that retries a refused step: 96 MiB on a
-    # Llama, under a budget for the whole step); the next step collects first (plan_cache.begin)
+    # collector may not reach for many steps, where the user's code makes one (ooc's own raises
+    # make none since 2026-11-29: they held 96 MiB of a Llama's retried step); the next step
+    # collects first (plan_cache.begin)
     raised: bool = False
     counters: Counter = field(default_factory=Counter)
     on_cpu: bool = field(init=False)   # the device is the CPU (an attribute: read several times a step)

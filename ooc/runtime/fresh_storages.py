@@ -39,7 +39,7 @@ class FreshStorages:
         self.ctx, self.book, self.rec = ctx, book, rec
         self.fresh: dict[Birth, None] = {}
         self.adopted: list[Slot] = []
-        self._this_update: list[Slot] = []   # adopted since the last ``let_go``
+        self._kept = 0   # adopted[:_kept] outlived an update's end (``let_go``)
 
     def tracking(self, planned: bool, updating: bool) -> bool:
         """Whether new storages count as managed from birth: on demand, during the optimizer
@@ -81,7 +81,6 @@ class FreshStorages:
                     state=State.RESIDENT, storage=s)
         self.book.register(slot)
         self.adopted.append(slot)
-        self._this_update.append(slot)
         return slot
 
     def let_go(self) -> None:
@@ -92,15 +91,17 @@ class FreshStorages:
         recording counted it as held by the program, beside every gradient that followed (an
         update inside the backward: each parameter's temporaries piled up), and the least step
         budget it named depended on how much the step had evicted."""
-        gone = {id(slot): slot for slot in self._this_update if slot.storage is not None
-                and slot.state in (State.RESIDENT, State.HOST) and _use_count(slot.storage) == 1}
-        for slot in gone.values():
-            if slot.state is State.RESIDENT:
-                self.book.account(-slot.nbytes)
-            slot.forget(self.ctx.tier)
-        if gone:
-            self.adopted = [slot for slot in self.adopted if id(slot) not in gone]
-        self._this_update.clear()
+        kept = []
+        for slot in self.adopted[self._kept:]:
+            if (slot.storage is not None and slot.state in (State.RESIDENT, State.HOST)
+                    and _use_count(slot.storage) == 1):
+                if slot.state is State.RESIDENT:
+                    self.book.account(-slot.nbytes)
+                slot.forget(self.ctx.tier)
+            else:
+                kept.append(slot)
+        self.adopted[self._kept:] = kept
+        self._kept = len(self.adopted)
 
     def rename(self, slot: Slot, name: str) -> None:
         """Give a variable adopted before it had a name (``adopt``) its real one."""
