@@ -15,6 +15,9 @@ Uses per op (the rules, applied the same on every device)
 - a view op (every result aliases an argument, nothing mutated: ``view``, ``t``,
   ``transpose``, ``detach``, ...) allocates nothing and touches no data: it is kept in the
   sequence as a function with *no* uses, so function indices match the op stream;
+- a sparse tensor has no storage of its own: its parts (indices and values) stand for it,
+  read where it is an argument and results where it is one (a sparse gradient's values,
+  held until ``zero_grad``, are bytes the step holds like any other);
 - a storage first met as an argument (created outside the recorded step and not one of
   the registered parameters, buffers, state tensors or inputs) is an external input:
   kind ``INPUT``, ``live_in``;
@@ -59,7 +62,7 @@ from typing import Any
 import torch
 
 from ooc.record.op_schema import OpInfo
-from ooc.record.storages import StorageTable, storage_of
+from ooc.record.storages import StorageTable, sparse_parts, storage_of
 from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSequence
 
 
@@ -176,9 +179,11 @@ class StepRecorder:
         uses: list[tuple[int, bool]] = []
         seen: set[int] = set()
         nbytes = 0
-        for t in info.inputs(args, kwargs):
+        inputs = info.inputs(args, kwargs)
+        for t in inputs:
             s = storage_of(t)
-            if s is None:   # sparse and other storage-less tensors: PyTorch's, not variables
+            if s is None:   # a sparse tensor: its parts are read (the loop reaches them)
+                inputs.extend(sparse_parts(t))
                 continue
             nbytes += t.nbytes
             vid = var_of.get(s._cdata)
@@ -203,9 +208,11 @@ class StepRecorder:
                     self.nbytes[vid] = n
         k = 0
         aliased = False   # a result in an existing storage, not written in place
-        for t in ((out,) if isinstance(out, torch.Tensor) else _results(out)):
+        results = [out] if isinstance(out, torch.Tensor) else _results(out)
+        for t in results:
             s = storage_of(t)
-            if s is None:
+            if s is None:   # a sparse result: its parts are results (the loop reaches them)
+                results.extend(sparse_parts(t))
                 continue
             nbytes += t.nbytes
             if s._cdata not in var_of:

@@ -28,6 +28,21 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse tensor's bytes are in (its indices and values), none for
+    other tensors without a storage. A sparse gradient (``nn.Embedding(sparse=True)``) is made
+    by ops that return it whole (``clone``): its values, as large as the rows it touches, have
+    no strided result of their own to be seen by."""
+    layout = t.layout
+    if layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if layout is torch.sparse_csc or layout is torch.sparse_bsc:
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     """The key of ``t``'s storage (the ``StorageImpl`` address), None without a storage."""
     s = storage_of(t)

@@ -518,48 +518,57 @@ def _wide_mlp() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.T
     return model, torch.optim.Adam(model.parameters()), torch.randn(64, 2048, generator=g), torch.randint(0, 10, (64,))
 
 
-def wide_mlp_within(start: str, bounded: str) -> None:
-    """In a child of its own (``in_child``): ``_wide_mlp`` with its state managed under a step
-    budget from ``start`` up, raised to what each refusal names (the loop of
-    docs/guide/budgets.md), and five steps at the last. The process's peak over each (VmHWM
+def peaks_at_the_least_step_budget(model: nn.Module, opt: torch.optim.Optimizer, step, manage: tuple[str, ...],
+                                   start: int, steps: int = 5) -> tuple[list[int], list[int]]:
+    """In a child of its own (``in_child``): ``step()`` under a step budget from ``start`` up,
+    raised to what each refusal names (the loop of docs/guide/budgets.md), then ``steps``
+    steps at the last. Returns the budgets named and the process's peak over each step (VmHWM
     reset before it), less what it held once built (and the file pages code paged in), plus
-    the weights built before (which the budget covers), is within that budget; with the steps
-    on demand not ``bounded`` by the device's live bytes (``step_budget.on_demand_bound``
-    off), the first (which records) is over it."""
-    import json
-    import ooc.engine.out_of_core as engine_module
-    if bounded == "no":
-        engine_module.on_demand_bound = lambda *args: (0, None)
-
+    the weights built before (which the budget covers)."""
     def status() -> dict[str, int]:
         with open("/proc/self/status") as fh:
             return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in fh)
                     if k in ("VmHWM", "VmRSS", "RssFile")}
 
-    model, opt, x, y = _wide_mlp()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget, named = int(start), []
-    engine = ooc.OutOfCore(model, opt, budget=budget, manage=("activations", "optimizer_state"),
-                           options=ooc.Options(budget_covers="step"))
+    named: list[int] = []
+    engine = ooc.OutOfCore(model, opt, budget=start, manage=manage, options=ooc.Options(budget_covers="step"))
     built, peaks = status(), []
-    while len(peaks) < 5:
+    while len(peaks) < steps:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
         try:
             with engine.step():
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+                step()
         except BudgetTooSmall as err:   # (applied or taken back: the same batch goes on)
-            budget = err.minimum
-            named.append(budget)
-            engine.set_budget(budget)
+            named.append(err.minimum)
+            engine.set_budget(err.minimum)
             peaks.clear()
             continue
         now = status()
         peaks.append(now["VmHWM"] - built["VmRSS"] - (now["RssFile"] - built["RssFile"]) + weights)
     engine.close()
+    return named, peaks
+
+
+def wide_mlp_within(start: str, bounded: str) -> None:
+    """``_wide_mlp`` with its state managed, from a step budget of ``start`` up: every step
+    at the least is within it; with the steps on demand not ``bounded`` by the device's live
+    bytes (``step_budget.on_demand_bound`` off), the first (which records) is over it."""
+    import json
+    import ooc.engine.out_of_core as engine_module
+    if bounded == "no":
+        engine_module.on_demand_bound = lambda *args: (0, None)
+    model, opt, x, y = _wide_mlp()
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    named, peaks = peaks_at_the_least_step_budget(model, opt, step, ("activations", "optimizer_state"), int(start))
     print(json.dumps({"named": named, "peaks": peaks}))
+    budget = named[-1] if named else int(start)
     assert len(named) == 1 and int(start) < budget <= 232 * MiB, named   # (measured 220 MiB)
     if bounded == "yes":
         assert max(peaks) <= budget, (peaks, budget)
