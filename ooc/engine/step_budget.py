@@ -26,6 +26,7 @@ from ooc.engine.lifetime import recycle_bytes
 from ooc.engine.memory import EngineMemory
 from ooc.host import cpu_allocator
 from ooc.record import roles
+from ooc.record.storages import sparse_parts
 from ooc.runtime.dry_run import update_held
 from scheduler.beside import HELD_BESIDE
 from scheduler.errors import BudgetTooSmall
@@ -63,6 +64,10 @@ def start_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     for tensors, kind in ((model.parameters(), "params"), (model.buffers(), None), (grads, "grads"),
                           (state, "optimizer_state")):
         for t in tensors:   # each storage once, by its StorageImpl (no data pointer needed:
+            if t.layout is not torch.strided:   # sparse (SGD's momentum of a sparse gradient):
+                for x in sparse_parts(t):       # never managed, its indices and values count
+                    storages[x.untyped_storage()._cdata] = x.untyped_storage()
+                continue
             s = t.untyped_storage()   # a ZeroTensor gradient, as sgn's, has none, and holds nothing)
             if not t._is_zerotensor() and not _managed(kind, s.nbytes(), manage, min_bytes):
                 storages[s._cdata] = s

@@ -194,3 +194,45 @@ def test_a_sparse_gradient_counts_under_a_budget_for_the_whole_step() -> None:
     ``zero_grad`` is bytes the step holds: the process's peak (VmHWM, a fresh process) over
     each step at the least step budget is within it."""
     run_in_child(__file__, "sparse_gradients_within", str(4 * MiB))
+
+
+def test_sparse_optimizer_state_under_a_budget_for_the_whole_step_trains_bitwise() -> None:
+    """SGD's momentum of a sparse gradient is sparse, and grows every step (PyTorch adds
+    uncoalesced: 20480 more entries a step here). What a step starts with counts its indices
+    and values; ``set_budget`` after a refusal counted the state by its storage and crashed
+    (``NotImplementedError: Cannot access storage of SparseTensorImpl``). The loop of
+    docs/guide/budgets.md trains bitwise as in core, the budget raised as the state grows."""
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _Bags()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [_bags(g) for _ in range(4)]
+    ref, ref_opt = fresh()
+    for x, y in batches:
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model, opt = fresh()
+    engine = ooc.OutOfCore(model, opt, budget=4 * MiB, manage=ALL, options=ooc.Options(budget_covers="step"))
+    named = []
+    for x, y in batches:
+        while True:
+            try:
+                with engine.step():
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                break
+            except BudgetTooSmall as err:
+                named.append(err.minimum)
+                engine.set_budget(err.minimum)
+                if err.step_applied:
+                    break
+    engine.close()
+    assert named, "the budget must be refused and raised"
+    a, b = ref_opt.state[ref.emb.weight].pop("momentum_buffer"), opt.state[model.emb.weight].pop("momentum_buffer")
+    assert b.layout is torch.sparse_coo and a._nnz() == b._nnz() > 3 * 20480   # (grown at each step)
+    assert torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values())
+    assert_same(state_of(ref, ref_opt), state_of(model, opt), "sparse momentum")   # (torch.equal takes no sparse)
