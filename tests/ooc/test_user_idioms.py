@@ -1,13 +1,17 @@
 """What users put around a model that nobody on the project wrote into it: weights behind
 ``torch.nn.utils.parametrizations`` (spectral and weight norm, recomputed from their
 originals at every forward, spectral norm's power iteration writing its buffers in place),
-a channels-last model, ``torch.autograd.detect_anomaly`` around the step, full backward hooks
-on every module, an embedding with sparse gradients beside an ``EmbeddingBag``, and an
-evaluation under ``torch.inference_mode`` between steps (a ``TransformerEncoder``'s fast path
-among them). Each trains in core and under the engine, bitwise (parameters, buffers,
-gradients, optimizer state, and what the hooks and the evaluations saw), with activations
-managed and with every kind, at the least budget the engine names (for the managed tensors,
-and for the whole step), the planner free to recompute.
+quantization-aware training, pruning's masks, a channels-last model,
+``torch.autograd.detect_anomaly`` around the step, full backward hooks on every module, an
+embedding with sparse gradients beside an ``EmbeddingBag``, and an evaluation under
+``torch.inference_mode`` between steps (a ``TransformerEncoder``'s fast path among them);
+and what a fine-tuning loop changes between steps (layers unfrozen into a new parameter
+group, parameters' ``.data`` replaced, a state dict loaded with ``assign=True``, the
+optimizer's state reset, a step in eval mode). Each trains in core and under the engine,
+bitwise (parameters, buffers, gradients, optimizer state, and what the hooks and the
+evaluations saw), with activations managed and with every kind, at the least budget the
+engine names (for the managed tensors, and for the whole step), the planner free to
+recompute.
 
 What it found: under a budget for the whole step a sparse gradient was not counted. The
 recording of the whole step took a tensor without a storage for PyTorch's and nothing more,
@@ -27,6 +31,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.utils.prune as prune
 
 import ooc
 from scheduler.errors import BudgetTooSmall
@@ -51,6 +56,25 @@ class _Block(nn.Module):
 def _cnn(wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> nn.Module:
     return nn.Sequential(wrap(nn.Conv2d(3, 16, 3, padding=1)), nn.ReLU(), *[_Block(wrap) for _ in range(3)],
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def _quantization_aware() -> nn.Module:
+    """Fake quantization (``prepare_qat``): observers update their buffers in place at every
+    forward."""
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    return torch.ao.quantization.prepare_qat(model.train())
+
+
+def _pruned() -> nn.Module:
+    """``torch.nn.utils.prune``: each weight is ``weight_orig * weight_mask``, made by a forward
+    pre-hook."""
+    model = _cnn()
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            prune.l1_unstructured(m, "weight", amount=0.3)
+    return model
 
 
 def _weight_norm_mlp() -> nn.Module:
@@ -100,6 +124,8 @@ CASES = {
     "weight_norm": (_weight_norm_mlp, ADAM, _images, {}),
     "channels_last": (lambda: _cnn().to(memory_format=torch.channels_last), SGD,
                       lambda g: _images(g, torch.channels_last), {}),
+    "quantization_aware": (_quantization_aware, SGD, _images, {}),
+    "pruned": (_pruned, ADAM, _images, {}),
     "detect_anomaly": (_cnn, ADAM, _images, {"anomaly"}),
     "full_backward_hooks": (_cnn, SGD, _images, {"hooks"}),
     "sparse_embedding": (_Bags, lambda p: torch.optim.SGD(p, lr=0.05), _bags, {"no_clip"}),
@@ -137,6 +163,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, data, adds: set[str],
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated")   # (there in 2.13 and 2.14)
+@pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")
 @pytest.mark.parametrize("covers", ["managed", "step"])
 @pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -236,3 +264,81 @@ def test_sparse_optimizer_state_under_a_budget_for_the_whole_step_trains_bitwise
     assert b.layout is torch.sparse_coo and a._nnz() == b._nnz() > 3 * 20480   # (grown at each step)
     assert torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values())
     assert_same(state_of(ref, ref_opt), state_of(model, opt), "sparse momentum")   # (torch.equal takes no sparse)
+
+
+def _unfreeze(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    if i == 3:   # (the stem was frozen and out of the optimizer from the start)
+        model[0].requires_grad_(True)
+        opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+
+
+def _replace_data(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    if i == 3:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data * 0.5   # a new storage under every parameter
+
+
+def _load_assigned(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    if i == 3:   # new Parameter objects: the optimizer goes on updating the old ones, as in core
+        model.load_state_dict({k: v * 0.9 for k, v in model.state_dict().items()}, assign=True)
+
+
+def _reset_optimizer(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    if i == 3:
+        opt.state.clear()
+        for group in opt.param_groups:
+            group["lr"] *= 0.1
+
+
+def _eval_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    if i == 2:
+        model[2].bn.momentum = None   # a cumulative average from now on
+    model.train(i != 4)   # step 4 in eval mode: BatchNorm's running statistics, no dropout
+
+
+CHANGES = {"unfreeze": _unfreeze, "replace_data": _replace_data, "load_assigned": _load_assigned,
+           "reset_optimizer": _reset_optimizer, "eval_step": _eval_step}
+
+
+def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budget: int) -> tuple[dict, dict | None]:
+    torch.manual_seed(0)
+    model = _cnn()
+    if change == "unfreeze":
+        model[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = None if manage is None else ooc.OutOfCore(model, opt, budget=budget, manage=manage,
+                                                       options=ooc.Options(budget_covers=covers))
+    g = torch.Generator().manual_seed(1)
+    try:
+        for i in range(6):
+            CHANGES[change](model, opt, i)
+            x, y = _images(g)
+            torch.manual_seed(100 + i)
+            with engine.step() if engine is not None else contextlib.nullcontext():
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return state_of(model, opt, engine), None if engine is None else engine.stats()
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+@pytest.mark.parametrize("covers", ["managed", "step"])
+@pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_what_a_fine_tuning_loop_changes_between_steps_trains_bitwise(change: str, manage: tuple[str, ...],
+                                                                     covers: str) -> None:
+    ref, _ = _run_changed(change, None, covers, 0)
+    budget = 256 << 10
+    for _ in range(6):
+        try:
+            got, stats = _run_changed(change, manage, covers, budget)
+            break
+        except BudgetTooSmall as refused:
+            budget = refused.minimum
+    else:
+        pytest.fail(f"{change}: no budget from 256 KiB trained after 6 refusals (last {budget} B)")
+    assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, f"{change}: the budget must make the plan act"
+    assert_same(ref, got, change)
