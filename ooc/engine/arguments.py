@@ -13,6 +13,7 @@ import itertools
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ooc.engine.memory import DEFAULT_CHUNK, start_chunk
 from ooc.engine.options import Options, recompute_word
@@ -78,6 +79,12 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
                        f"({format_size(chunk)}); raise the budget or lower chunk")
     min_bytes = chunk // 2 if options.min_bytes is None else options.min_bytes
     home = cuda.tensor_device(device) if cuda is not None else device
+    lazy = [name for name, p in itertools.chain(model.named_parameters(), model.named_buffers()) if is_lazy(p)]
+    if lazy:   # no storage yet: what would the engine record, move or roll back?
+        raise OOCError(f"{len(lazy)} parameter(s) and buffer(s) of lazy modules are not made yet "
+                       f"({', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}): run one forward "
+                       f"first (model.eval(), a batch under torch.no_grad(), model.train(): BatchNorm's "
+                       f"statistics stay as they were), then make the engine")
     for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
         if p.device != home:
             raise OOCError(f"{name} is on {p.device}, but the engine manages {home}: "
