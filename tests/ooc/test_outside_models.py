@@ -184,6 +184,29 @@ CASES: dict[str, Case] = {
         _tokens, _lm_loss, schedule=True, precision="bf16", in_backward=True),
 }
 
+# Architectures none of CASES has, each in one test of its own (the suite's time): a mixture of
+# experts (Mixtral: each expert's batch is what the router sends it, of another size at every
+# step) and a state-space model (Mamba without its CUDA kernels: a scan of small ops along
+# the sequence).
+ARCHITECTURES: dict[str, Case] = {
+    "transformers-mixtral": Case(
+        "transformers", _hf("MixtralConfig", "MixtralForCausalLM", num_hidden_layers=2, hidden_size=64,
+                            intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                            **_HF_SMALL),
+        _tokens, _lm_loss, clip=True),
+    "transformers-mamba": Case(
+        "transformers", _hf("MambaConfig", "MambaForCausalLM", num_hidden_layers=2, hidden_size=64,
+                            state_size=8, use_mambapy=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                            **_HF_SMALL),
+        _tokens, _lm_loss, schedule=True),
+}
+
+
+def _case(name: str) -> Case:
+    return CASES[name] if name in CASES else ARCHITECTURES[name]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _quiet_transformers():
@@ -298,13 +321,13 @@ def _model(name: str) -> nn.Module:
     """A fresh copy of the case's model (built once, from seed 0)."""
     if name not in _BUILT:
         torch.manual_seed(0)
-        _BUILT[name] = CASES[name].build()
+        _BUILT[name] = _case(name).build()
     return copy.deepcopy(_BUILT[name])
 
 
 def _reference(name: str) -> dict:
     if name not in _REFERENCE:
-        _REFERENCE[name] = _train(CASES[name], _model(name), None)
+        _REFERENCE[name] = _train(_case(name), _model(name), None)
     return _REFERENCE[name]
 
 
@@ -312,14 +335,14 @@ def _reference(name: str) -> dict:
 def _managed_peak(name: str, manage: tuple[str, ...]) -> int:
     """The in-core peak of the managed tensors: the plan of the second update's step (the
     first made the optimizer's state; with fp16, the first is skipped), huge budget."""
-    case = CASES[name]
+    case = _case(name)
     run = _train(case, _model(name), {"budget": "4GiB", "manage": manage}, updates=2)
     return run["stats"]["plan.in_core_peak_bytes"]
 
 
 def _runnable(name: str) -> Case:
     """The case, or a skip naming why its library does not import here."""
-    case = CASES[name]
+    case = _case(name)
     _, why = _library(case.library)
     if why is not None:
         pytest.skip(why)
@@ -525,4 +548,23 @@ def test_outside_model_under_the_least_step_budget_over_the_fake_driver(name: st
         assert set(driver.outstanding().values()) == {0}, driver.outstanding()
     _assert_bitwise(ref, got, name)
     assert named and got["stats"]["step_budget"] == budget and got["stats"]["tier.bytes_written"] > 0
+    assert any(got["planned"]), "no step ran its plan"
+
+
+@pytest.mark.parametrize("covers", ["managed", "step"])
+@pytest.mark.parametrize("manage", list(MANAGE))
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_other_architectures_train_bitwise(name: str, manage: str, covers: str) -> None:
+    """A mixture of experts and a state-space model (``ARCHITECTURES``) at a quarter of their
+    managed peak, and under the least budget for the whole step: bitwise, planned."""
+    case = _runnable(name)
+    ref = _reference(name)
+    if covers == "managed":
+        budget = _managed_peak(name, MANAGE[manage]) // 4
+        got = _train(case, _model(name), {"budget": budget, "manage": MANAGE[manage]})
+        assert got["stats"]["bytes_out"] > 0, "a quarter of the peak must swap"
+    else:
+        got, budget, named = _at_the_least_step_budget(case, name, {"manage": MANAGE[manage]})
+        assert named and got["stats"]["step_budget"] == budget
+    _assert_bitwise(ref, got, name)
     assert any(got["planned"]), "no step ran its plan"
