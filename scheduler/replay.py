@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from scheduler.ir import Access, Function, VariableSequence
+from scheduler.ir import Access, Function, Kind, VariableSequence
 
 __all__ = ["MAX_CHAIN", "Chain", "chain_for", "chain_inputs", "chain_through", "mark_replayable",
            "recompute_candidates", "temporaries_bytes"]
@@ -119,7 +119,9 @@ def _cache(seq: VariableSequence) -> dict:
 
 def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:
     var = seq.variables[v]
-    if var.live_in or var.live_out:
+    # Only an activation: what else a step makes and uses later, a gradient, the program holds
+    # itself (``p.grad``), so discarding it frees nothing, and the replay makes a second copy
+    if var.live_in or var.live_out or var.kind is not Kind.ACTIVATION:
         return None
     writes = tuple(w for w in seq.writers[v] if w < at)
     if not writes or seq.producer.get(v) != writes[0]:

@@ -255,6 +255,34 @@ def test_a_replay_its_use_cannot_hold_is_swapped_instead() -> None:
     assert Op.SWAP_OUT in _fate(s, 4) and Op.DISCARD not in _fate(s, 4)
 
 
+def test_a_gradient_is_never_recomputed_only_swapped() -> None:
+    """A gradient made by a cheap replayable op in the backward and read by the update: the
+    program holds it (``p.grad``), so a discard frees nothing and its replay makes a second
+    copy beside it. An MLP's 6 MiB weight gradient was discarded after the backward and made
+    again for Adam: 6 MiB over a 20 MiB budget, unseen by the engine. No chain makes it; a
+    plan that must move it swaps it."""
+    fns = [("mm", [(0, "r"), (1, "r"), (2, "w")], Cost(seconds=1e-3), R),
+           ("loss", [(2, "r"), (3, "w")], Cost(seconds=1e-4)),
+           ("grad_mm", [(3, "r"), (1, "r"), (4, "w")], Cost(seconds=1e-4), R),     # cheap to rerun
+           ("keep_l", [(3, "r")], Cost(seconds=1e-4)),                            # its input, there still
+           ("other", [(5, "r"), (6, "w")], Cost(seconds=1.0)),                      # takes the room
+           ("update", [(4, "r"), (3, "r"), (1, "r"), (1, "w")], Cost(seconds=1e-3))]
+    vs = [Variable(0, 2 * MiB, Kind.INPUT, "x", live_in=True),
+          Variable(1, 6 * MiB, Kind.PARAM, "w", live_in=True, live_out=True),
+          Variable(2, 2 * MiB, Kind.ACTIVATION, "a"), Variable(3, MiB, Kind.TEMPORARY, "l"),
+          Variable(4, 6 * MiB, Kind.GRAD, "w.grad"), Variable(5, 4 * MiB, Kind.INPUT, "y", live_in=True),
+          Variable(6, 8 * MiB, Kind.TEMPORARY, "big")]
+    seq = build_sequence(fns, vs, {"device": "meta"})
+    assert chain_for(seq, 4, 5) is None
+    assert chain_for(dataclasses.replace(seq, variables={**seq.variables, 4: dataclasses.replace(
+        seq.variables[4], kind=Kind.ACTIVATION)}), 4, 5) is not None   # the same bytes as an activation: one
+    budget = 13 * MiB   # "other" holds 12 MiB: the weight and the gradient must leave for it
+    for hw in ("cpu-edge", "h100-80gb-pcie5"):
+        s = plan(seq, budget=budget, hardware=hw)
+        assert check(s).peak_bytes <= budget
+        assert Op.DISCARD not in _fate(s, 4) and Op.SWAP_OUT in _fate(s, 4), hw
+
+
 def _far_use() -> VariableSequence:
     """a (8 MiB) is made, pushed out by t (8 MiB), then read after 20 short functions that use
     only w: the uses between weigh 2 MiB each, so the default window (1.5 x a 10 MiB budget)
