@@ -90,6 +90,7 @@ class StepRecorder:
         self._alive: dict[int, int] = {}
         self._died: dict[int, int] = {}
         self._watches: list[weakref.ref] = []
+        self._unpacked: list[int] = []   # variables autograd unpacked for the next function
 
     # -- what exists before the step, and what the step's tensors turn out to be -----------
 
@@ -120,6 +121,15 @@ class StepRecorder:
         vid = self.var(t)
         if vid is not None:
             self.saved_vars.add(vid)
+
+    def unpacked(self, vid: int) -> None:
+        """Autograd unpacked variable ``vid`` (a managed activation) for the node about to run:
+        a read by the next function that is not a view. The node may read none of its bytes
+        (IndexAddBackward needs only its source's shape), but the managed recording counts the
+        unpack as a use, and what the step holds beside the managed tensors is the difference
+        of the two: an MPNN's 16 MiB message, last read by an op at function 7 and unpacked at
+        92, fell out of it there, and its plans held 13 MiB more than its step budget."""
+        self._unpacked.append(vid)
 
     def phase(self, name: str) -> None:
         """Note that phase ``name`` (e.g. ``"backward"``) starts at the next function."""
@@ -194,6 +204,10 @@ class StepRecorder:
             if vid not in seen:
                 seen.add(vid)
                 uses.append((vid, False))
+        if self._unpacked:   # (a view is no function that reads: they wait for the next one)
+            uses.extend((vid, False) for vid in dict.fromkeys(self._unpacked) if vid not in seen)
+            seen.update(self._unpacked)
+            self._unpacked.clear()
         persistent = False   # writes in place what existed before the step
         if info.writes:
             for t in info.written(args, kwargs):

@@ -316,6 +316,7 @@ class SavedTensors:
         self.room.hold(slot)
         if self.full is not None and slot.var in self.full_vars:
             self.full.alias(slot.storage, self.full_vars[slot.var])
+            self.full.unpacked(self.full_vars[slot.var])
         return p.view.on(slot.storage)
 
     def saved_sizes(self) -> list[int] | None:
