@@ -5,20 +5,20 @@ quantization-aware training, pruning's masks, a channels-last model,
 ``torch.autograd.detect_anomaly`` around the step, full backward hooks on every module, an
 embedding with sparse gradients beside an ``EmbeddingBag``, and an evaluation under
 ``torch.inference_mode`` between steps (a ``TransformerEncoder``'s fast path among them);
-and what a fine-tuning loop changes between steps (layers unfrozen into a new parameter
-group, parameters' ``.data`` replaced, a state dict loaded with ``assign=True``, the
-optimizer's state reset, a step in eval mode). Each trains in core and under the engine,
-bitwise (parameters, buffers, gradients, optimizer state, and what the hooks and the
-evaluations saw), with activations managed and with every kind, at the least budget the
-engine names (for the managed tensors, and for the whole step), the planner free to
-recompute.
+what a fine-tuning loop changes between steps (layers unfrozen into a new parameter group,
+parameters' ``.data`` replaced, a state dict loaded with ``assign=True``, the optimizer's
+state reset, a step in eval mode); lazy modules; message passing with ``index_add_``. Each
+trains in core and under the engine, bitwise (parameters, buffers, gradients, optimizer
+state, and what the hooks and the evaluations saw), with activations managed and with every
+kind, at the least budget the engine names (for the managed tensors, and for the whole
+step), the planner free to recompute.
 
-What it found: under a budget for the whole step a sparse gradient was not counted. The
-recording of the whole step took a tensor without a storage for PyTorch's and nothing more,
-and ``AccumulateGrad`` makes a sparse gradient by ``clone`` (its values come out of no op of
-their own): the embedding's gradient, 5 MiB of values, held until ``zero_grad``, was beside
-the plan unseen, and the steps held 26 MiB at a 20 MiB step budget. A sparse tensor's
-indices and values are variables now (``ooc.record.storages.sparse_parts``).
+What it found, each fixed (tests below): under a budget for the whole step a sparse gradient
+was not counted (``AccumulateGrad`` makes it by ``clone``, and the recording took a tensor
+without a storage for PyTorch's: 5 MiB of values beside the plan, the steps at 26 MiB of a
+20 MiB budget), and sparse optimizer state crashed ``set_budget``; a lazy module crashed the
+first step; a message that autograd unpacks for a node that reads none of its bytes fell
+out of what the step holds beside the managed tensors.
 """
 
 from __future__ import annotations
