@@ -18,6 +18,9 @@ Uses per op (the rules, applied the same on every device)
 - a sparse tensor has no storage of its own: its parts (indices and values) stand for it,
   read where it is an argument and results where it is one (a sparse gradient's values,
   held until ``zero_grad``, are bytes the step holds like any other);
+- a managed activation that autograd unpacks for a backward node (``unpacked``, the engine's
+  recording only) is read by the next function that is not a view, whether or not an op
+  reads its bytes there;
 - a storage first met as an argument (created outside the recorded step and not one of
   the registered parameters, buffers, state tensors or inputs) is an external input:
   kind ``INPUT``, ``live_in``;
