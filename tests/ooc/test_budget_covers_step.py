@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -518,8 +519,8 @@ def _wide_mlp() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.T
     return model, torch.optim.Adam(model.parameters()), torch.randn(64, 2048, generator=g), torch.randint(0, 10, (64,))
 
 
-def peaks_at_the_least_step_budget(model: nn.Module, opt: torch.optim.Optimizer, step, manage: tuple[str, ...],
-                                   start: int, steps: int = 5) -> tuple[list[int], list[int]]:
+def peaks_at_the_least_step_budget(model: nn.Module, opt: torch.optim.Optimizer, step: Callable[[], None],
+                                   manage: tuple[str, ...], start: int, steps: int = 5) -> tuple[list[int], list[int]]:
     """In a child of its own (``in_child``): ``step()`` under a step budget from ``start`` up,
     raised to what each refusal names (the loop of docs/guide/budgets.md), then ``steps``
     steps at the last. Returns the budgets named and the process's peak over each step (VmHWM
