@@ -63,12 +63,14 @@ def start_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     storages = {}
     for tensors, kind in ((model.parameters(), "params"), (model.buffers(), None), (grads, "grads"),
                           (state, "optimizer_state")):
-        for t in tensors:   # each storage once, by its StorageImpl (no data pointer needed:
+        for t in tensors:
+            # each storage once, by its StorageImpl (no data pointer needed: a ZeroTensor
+            # gradient, as sgn's, has none, and holds nothing)
             if t.layout is not torch.strided:   # sparse (SGD's momentum of a sparse gradient):
-                for x in sparse_parts(t):       # never managed, its indices and values count
-                    storages[x.untyped_storage()._cdata] = x.untyped_storage()
+                for part in (x.untyped_storage() for x in sparse_parts(t)):   # never managed: counted
+                    storages[part._cdata] = part
                 continue
-            s = t.untyped_storage()   # a ZeroTensor gradient, as sgn's, has none, and holds nothing)
+            s = t.untyped_storage()
             if not t._is_zerotensor() and not _managed(kind, s.nbytes(), manage, min_bytes):
                 storages[s._cdata] = s
     return list(storages.values())

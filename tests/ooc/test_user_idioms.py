@@ -135,6 +135,25 @@ CASES = {
 }
 
 
+def _step(engine: ooc.OutOfCore | None) -> contextlib.AbstractContextManager:
+    """The engine's step; in core, nothing."""
+    return engine.step() if engine is not None else contextlib.nullcontext()
+
+
+def _trained(model: nn.Module, opt: torch.optim.Optimizer, engine_kw: dict | None,
+             train: Callable[[ooc.OutOfCore | None], Any]) -> tuple[Any, dict, dict]:
+    """``train(engine)`` in core (``engine_kw`` None) or under an engine made with
+    ``engine_kw`` and closed after: what it returned, the model's and optimizer's state
+    (``state_of``), and the engine's stats (in core, none)."""
+    engine = None if engine_kw is None else ooc.OutOfCore(model, opt, **engine_kw)
+    try:
+        out = train(engine)
+        return out, state_of(model, opt, engine), {} if engine is None else engine.stats()
+    finally:
+        if engine is not None:
+            engine.close()
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, data, adds: set[str],
            engine: ooc.OutOfCore | None) -> list[float]:
     """The loop as users write it; returns what the hooks and evaluations saw."""
@@ -147,8 +166,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, data, adds: set[str],
     for i in range(STEPS):
         x, y = data(g)
         torch.manual_seed(100 + i)   # dropout's masks, the same in both runs
-        with (torch.autograd.detect_anomaly() if "anomaly" in adds else contextlib.nullcontext()), \
-                (engine.step() if engine is not None else contextlib.nullcontext()):
+        with torch.autograd.detect_anomaly() if "anomaly" in adds else contextlib.nullcontext(), _step(engine):
             F.cross_entropy(model(x), y).backward()
             if "no_clip" not in adds:   # sparse gradients have no norm to clip by
                 nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,8 +184,8 @@ SETTINGS = [(("activations",), "managed"), (ALL, "managed"), (ALL, "step")]   # 
 
 
 def at_the_least_budget(run: Callable[[int], tuple[Any, dict]], what: str) -> tuple[Any, dict]:
-    """``run(budget)`` from 256 KiB up, at what each refusal names (as a user retries): its
-    result and the engine's stats, which must show the plan acting."""
+    """``run(budget)`` from 256 KiB up, at what each refusal names (as a user retries): what
+    it returned at the first budget that trained (its result and the engine's stats)."""
     budget = 256 << 10
     for _ in range(6):
         try:
@@ -190,15 +208,14 @@ def test_users_idioms_train_bitwise_at_the_least_budget(case: str, manage: tuple
     ref_opt = optimizer(ref.parameters())
     ref_seen = _train(ref, ref_opt, data, adds, None)
 
-    def run(budget: int) -> tuple[list[float], dict]:
+    def run(budget: int) -> tuple[tuple[list[float], dict], dict]:
         torch.manual_seed(0)
         model = build()
         opt = optimizer(model.parameters())
-        engine = ooc.OutOfCore(model, opt, budget=budget, manage=manage, options=ooc.Options(budget_covers=covers))
-        try:
-            return (_train(model, opt, data, adds, engine), state_of(model, opt)), engine.stats()
-        finally:
-            engine.close()
+        seen, state, stats = _trained(model, opt, {"budget": budget, "manage": manage,
+                                                   "options": ooc.Options(budget_covers=covers)},
+                                      lambda engine: _train(model, opt, data, adds, engine))
+        return (seen, state), stats
 
     (seen, state), stats = at_the_least_budget(run, case)
     if covers == "managed":   # (the least budget for the whole step may leave room for all else)
@@ -312,28 +329,28 @@ CHANGES = {"unfreeze": _unfreeze, "replace_data": _replace_data, "load_assigned"
            "reset_optimizer": _reset_optimizer, "eval_step": _eval_step}
 
 
-def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budget: int) -> tuple[dict, dict | None]:
+def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budget: int) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = _cnn()
     if change == "unfreeze":
         model[0].requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    engine = None if manage is None else ooc.OutOfCore(model, opt, budget=budget, manage=manage,
-                                                       options=ooc.Options(budget_covers=covers))
-    g = torch.Generator().manual_seed(1)
-    try:
+
+    def train(engine: ooc.OutOfCore | None) -> None:
+        g = torch.Generator().manual_seed(1)
         for i in range(6):
             CHANGES[change](model, opt, i)
             x, y = _images(g)
             torch.manual_seed(100 + i)
-            with engine.step() if engine is not None else contextlib.nullcontext():
+            with _step(engine):
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-        return state_of(model, opt, engine), None if engine is None else engine.stats()
-    finally:
-        if engine is not None:
-            engine.close()
+
+    engine_kw = None if manage is None else {"budget": budget, "manage": manage,
+                                             "options": ooc.Options(budget_covers=covers)}
+    _, state, stats = _trained(model, opt, engine_kw, train)
+    return state, stats
 
 
 @pytest.mark.parametrize("manage,covers", SETTINGS[1:], ids=["all", "all-step"])
@@ -365,25 +382,24 @@ def test_lazy_modules_are_refused_until_made_and_then_train_bitwise() -> None:
     g = torch.Generator().manual_seed(1)
     batches = [_images(g) for _ in range(3)]
 
-    def run(manage: tuple[str, ...] | None, budget: int = 0) -> tuple[dict, dict | None]:
+    def run(manage: tuple[str, ...] | None, budget: int = 0) -> tuple[dict, dict]:
         model = _lazy()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)   # (before the forward, as users do)
         model.eval()
         with torch.no_grad():
             model(batches[0][0])
         model.train()
-        engine = None if manage is None else ooc.OutOfCore(model, opt, budget=budget, manage=manage)
-        try:
+
+        def train(engine: ooc.OutOfCore | None) -> None:
             for i, (x, y) in enumerate(batches):
                 torch.manual_seed(100 + i)
-                with engine.step() if engine is not None else contextlib.nullcontext():
+                with _step(engine):
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-            return state_of(model, opt), None if engine is None else engine.stats()
-        finally:
-            if engine is not None:
-                engine.close()
+
+        _, state, stats = _trained(model, opt, None if manage is None else {"budget": budget, "manage": manage}, train)
+        return state, stats
 
     ref, _ = run(None)
     for manage in (("activations",), ALL):
@@ -418,30 +434,30 @@ def test_an_activation_unpacked_by_a_node_that_reads_no_bytes_counts_to_that_nod
     x, y = torch.randn(1000, 128, generator=g), torch.randint(0, 10, (1000,), generator=g)
     src, dst = torch.randint(0, 1000, (8000,), generator=g), torch.randint(0, 1000, (8000,), generator=g)
 
-    def run(engine_kw: dict | None) -> tuple[dict, Any]:
+    def run(engine_kw: dict | None) -> tuple[Any, dict, dict]:
+        """The step's whole recording (under an engine), the state and the engine's stats."""
         torch.manual_seed(0)
         model = _MessagePassing()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        engine = None if engine_kw is None else ooc.OutOfCore(model, opt, **engine_kw)
-        try:
+
+        def train(engine: ooc.OutOfCore | None) -> Any:
             for _ in range(3):
-                with engine.step() if engine is not None else contextlib.nullcontext():
+                with _step(engine):
                     F.cross_entropy(model(x, src, dst), y).backward()
                     opt.step()
                     opt.zero_grad()
-            return state_of(model, opt), engine
-        finally:
-            if engine is not None:
-                engine.close()
+            return None if engine is None else engine.last_recording
 
-    ref, _ = run(None)
-    _, engine = run({"budget": "1GiB"})
-    seq = engine.last_recording
+        return _trained(model, opt, engine_kw, train)
+
+    _, ref, _ = run(None)
+    seq, _, _ = run({"budget": "1GiB"})
     messages = [v for v, var in seq.variables.items() if var.name.startswith("aten.silu.default")]
     assert len(messages) == 2 and all(seq.variables[v].kind is Kind.ACTIVATION for v in messages)
     backward = min(i for i, f in enumerate(seq.functions) if "backward" in f.name)
     assert all(seq.last_use[v] > backward for v in messages), \
         [(seq.variables[v].name, seq.last_use[v], backward) for v in messages]
-    got, _ = at_the_least_budget(lambda budget: (lambda r: (r[0], r[1].stats()))(
-        run({"budget": budget, "manage": ALL, "options": ooc.Options(budget_covers="step")})), "message passing")
+    got, _ = at_the_least_budget(lambda budget: run({"budget": budget, "manage": ALL,
+                                                     "options": ooc.Options(budget_covers="step")})[1:],
+                                 "message passing")
     assert_same(ref, got, "message passing")
