@@ -256,9 +256,9 @@ class OutOfCore:
         """Change the budget; the next step records again and re-plans under it. With the
         default chunk, that step also chooses the chunk again (never a larger one)."""
         new, mem = parse_size(budget, what="budget"), self._mem
-        self._store.bring_back()
         mem.step_start = start_bytes(self.model, self.optimizer, self._manage, mem.min_bytes) if mem.step_budget else 0
         self._planner.set_budget(new)
+        self._store.bring_back_if_fits(between_steps=True)   # under the new budget, as a step's end
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
@@ -309,7 +309,14 @@ class OutOfCore:
         needs from the engine (``ooc/runtime/step_context.py``)."""
         mem, persistent = self._mem, tuple(self._store.slots.values())
         device_budget, device_live = on_demand_bound(mem, self.model, self.optimizer, self._manage)   # (a step budget)
-        ctx = StepContext(budget=mem.budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
+        # On demand, bounded by the device's live bytes: the room beside what the step starts
+        # with, as the first recording's, not the share fitted for plans, which counts the
+        # update's temporaries beside the managed tensors where on demand they count among them
+        # (a VAE's second step, the first with Adam's state, refused a step budget the first took)
+        budget = mem.budget
+        if schedule is None and device_live is not None:
+            budget = max(budget, recording_room(mem))
+        ctx = StepContext(budget=budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
                           counters=mem.counters, model=self.model, optimizer=self.optimizer, persistent=persistent,
                           plan_runs=plan_runs, start_key=key, plain_candidate=plain_candidate, quiet_ops=quiet_ops,

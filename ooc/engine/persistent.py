@@ -3,7 +3,7 @@
 They outlive a step (activations do not): the store adopts them (``adopt``), keeps one
 variable id per name across steps (``_stable_vars``, which plans are keyed by), puts them where
 a step's plan expects them at its start (``reconcile``), forgets those the model and the
-optimizer let go of, and between steps brings them back (``step_end_bring_back``,
+optimizer let go of, and between steps brings them back (``bring_back_if_fits``,
 ``bring_back``: ``OutOfCore.resident()``, the ``state_dict`` hooks) or, where they exceed the
 budget, has every use of one bring it back (``ooc/engine/between_steps.py``), and notices
 writes made outside a step (``_note_writes_between``), whose copies on the tier then go stale.
@@ -255,18 +255,20 @@ class PersistentStore:
                 del interrupt
         return errors
 
-    def step_end_bring_back(self) -> None:
-        """At a step's end, bring the managed persistent tensors back if all of them fit the
-        budget: within it that costs no memory the budget did not grant, and between steps
-        they are plain tensors. Those of a model whose params, grads and state exceed the
-        budget (the reason to manage them) stay where the plan left them, all watched: a use
+    def bring_back_if_fits(self, *, between_steps: bool) -> None:
+        """At a step's end or a new budget, bring the managed persistent tensors back if all
+        of them fit the budget: within it that costs no memory the budget did not grant, and
+        between steps they are plain tensors. Those of a model whose params, grads and state
+        exceed the budget (the reason to manage them) stay where they are, all watched: a use
         of one from Python brings it back (``_watch_released``). Left plain, a released
         storage had 0 bytes under a tensor that keeps its shape, which PyTorch does not check:
-        ``p.sum()`` read out of bounds, a segfault (issue 40)."""
+        ``p.sum()`` read out of bounds, a segfault (issue 40). Brought back whole at a new
+        budget, they lifted the process over it before its first step (a VAE with Adam at a
+        30 MiB budget for the whole step: 41.6 MB)."""
         total = sum(s.nbytes for s in self.slots.values())
         if total <= self._mem.budget:
             try:
-                self.bring_back(between_steps=False)
+                self.bring_back(between_steps=between_steps)
             finally:   # a failed read leaves its tensor on the tier: watched, as below
                 self._watch_released()
             return
@@ -275,6 +277,8 @@ class PersistentStore:
             log.info("managed params/grads/optimizer state (%s) exceed the %s budget: between "
                      "steps they stay on the slower tier, and each use brings back what it uses",
                      format_size(total), format_size(self._mem.budget))
+        if between_steps:
+            self._note_writes_between()
         self._between = self._versions()
         self._watch_released()
 

@@ -4,7 +4,7 @@
 
 - per op: wait for every transfer, roll back a step that failed before its update, decide
   which managed tensors outlive the step (``_live_out``) and bring them back between steps if
-  they fit (``PersistentStore.step_end_bring_back``);
+  they fit (``PersistentStore.bring_back_if_fits``);
 - hook-driven: the rest of its plan runs and its transfers settle (``AnchoredStep.finish``);
   a step that failed before its update is rolled back.
 
@@ -213,7 +213,7 @@ class StepEnd:
                 slot.storage = None
         back_error: BaseException | None = None
         try:
-            store.step_end_bring_back()
+            store.bring_back_if_fits(between_steps=False)
         except Exception as e:  # a failed read: the tensor stays on the tier; raised below
             back_error = e
         if self._mem.on_cpu:

@@ -208,10 +208,11 @@ class UpdateGuard:
         names = {p: n for n, p in self._model.named_parameters()}
         need = optimizer_need(self._optimizer, names, counted, self._mem.min_bytes,
                               len(st.rec.names) if recording else 0)
-        if need is not None and need.nbytes > self._mem.budget:
+        budget = st.ctx.budget if isinstance(st, Stepper) else self._mem.budget   # (a recording's room)
+        if need is not None and need.nbytes > budget:
             err = BudgetTooSmall(function=need.index,
                                  name=f"{need.name} of the optimizer step, holding {', '.join(need.tensors)}",
-                                 working_set=need.nbytes, budget=self._mem.budget, minimum=need.nbytes)
+                                 working_set=need.nbytes, budget=budget, minimum=need.nbytes)
             # under a budget for the whole step, its least: the one named for the share looped forever
             try:
                 raise self._planner.of_the_step(err) if self._mem.step_budget else err

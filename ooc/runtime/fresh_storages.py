@@ -83,14 +83,17 @@ class FreshStorages:
         self.adopted.append(slot)
         return slot
 
-    def let_go(self) -> None:
-        """At the end of an optimizer ``step()``: forget what it adopted that the program let go
-        of (only the slot holds the storage: a temporary of the update, ``denom``'s square root,
-        written out to make room), its copy on the tier and its bytes. Its storage dies with
-        the update, as it would without ooc, not at the step's end: until then the step's
-        recording counted it as held by the program, beside every gradient that followed (an
-        update inside the backward: each parameter's temporaries piled up), and the least step
-        budget it named depended on how much the step had evicted."""
+    def let_go(self, *, ended: bool = True) -> None:
+        """Forget what the update adopted that the program let go of (only the slot holds the
+        storage: a temporary of the update, ``denom``'s square root, written out to make room),
+        its copy on the tier and its bytes, at each of the update's ops and at its end
+        (``ended``: what is kept then outlived it). Its storage dies when the program lets go
+        of it, as it would without ooc, not at the update's or the step's end: until then the
+        step's recording counted it as held by the program, beside every gradient that
+        followed (an update inside the backward: each parameter's temporaries piled up; Adam's
+        first update of four 16 MiB weights: the eight denominators at its last op, and a
+        least step budget of 330 MiB named where 202 MiB holds), and the least step budget it
+        named depended on how much the step had evicted."""
         kept = []
         for slot in self.adopted[self._kept:]:
             if (slot.storage is not None and slot.state in (State.RESIDENT, State.HOST)
@@ -101,7 +104,8 @@ class FreshStorages:
             else:
                 kept.append(slot)
         self.adopted[self._kept:] = kept
-        self._kept = len(self.adopted)
+        if ended:
+            self._kept = len(self.adopted)
 
     def rename(self, slot: Slot, name: str) -> None:
         """Give a variable adopted before it had a name (``adopt``) its real one."""

@@ -205,10 +205,13 @@ class OnDemandRoom:
         self.touch(b)
         return b
 
-    def prune_fresh(self) -> None:
-        """The optimizer's new storages that died leave the eviction order (and the budget)."""
+    def prune_fresh(self, updating: bool) -> None:
+        """The optimizer's new storages that died leave the eviction order (and the budget),
+        and, ``updating``, those it adopted that the program let go of (``FreshStorages.let_go``)."""
         for b in self.fresh.died():
             self.recent.pop(b, None)
+        if updating and self.fresh.adopted:
+            self.fresh.let_go(ended=False)
 
     def make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str, made: bool = False) -> None:
         """On demand: make ``nbytes`` fit the budget before they become resident (``made``:

@@ -199,8 +199,8 @@ class Stepper:
             if course.planned and i < len(course.before) and course.before[i]:
                 self.run_actions(course.before[i], i)
         fresh = self.fresh.fresh
-        if fresh:
-            self.room.prune_fresh()
+        if fresh or self.updating:
+            self.room.prune_fresh(self.updating)
         ins = info.inputs(args, kwargs)
         written_tensors = info.written(args, kwargs) if info.writes else ()
         written = {id(s) for t in written_tensors if (s := storage_of(t)) is not None} if written_tensors else ()

@@ -570,10 +570,10 @@ def wide_mlp_within(start: str, bounded: str) -> None:
     named, peaks = peaks_at_the_least_step_budget(model, opt, step, ("activations", "optimizer_state"), int(start))
     print(json.dumps({"named": named, "peaks": peaks}))
     budget = named[-1] if named else int(start)
-    assert len(named) == 1 and int(start) < budget <= 232 * MiB, named   # (measured 220 MiB)
+    assert named and int(start) < budget <= 212 * MiB, named   # (measured 152, then 202 MiB)
     if bounded == "yes":
         assert max(peaks) <= budget, (peaks, budget)
-    else:   # measured 41 MiB over 220 MiB
+    else:   # measured 29 MiB over 202 MiB
         assert peaks[0] > budget + 16 * MiB, (peaks, budget)
 
 
@@ -582,17 +582,18 @@ def test_every_step_holds_within_a_budget_for_the_whole_step_the_recording_step_
     """Four 16 MiB weights with Adam, its state managed. The steps planned once had their
     bounds at eager lifetimes, where every gradient dies at the update's read of it and Adam's
     denominators at theirs: a 204 MiB step budget was taken and the steps held 27 MiB more.
-    Now what the recording saw held (``Variable.held_to``) is beside the plan, and 204 MiB is
-    refused (by the second step, the first recorded with the state), naming the least (220
-    MiB); under it every step holds in a process of its own (VmHWM), the recording step too,
-    which kept the state the first update made while it fitted the room beside what the step
-    started with, and the gradients on top (55 MiB over 224 MiB in a first step), here also
-    the state the refusal's ``set_budget`` brought back between steps into glibc's heap; and it
-    is the engine's doing (not bounded: 41 MiB over)."""
+    Now what the recording saw held (``Variable.held_to``) is beside the plan. From 150 MiB the
+    first step is refused (152 MiB named), then the second, the first to make the state,
+    names the least (202 MiB; 330 MiB while the denominators it wrote out to make room were
+    let go of only at the update's end, counted as held by the program until then); under it
+    every step holds in a process of its own (VmHWM), the recording step too, which kept the
+    state the first update made while it fitted the room beside what the step started with,
+    and the gradients on top (55 MiB over 224 MiB in a first step); and it is the engine's
+    doing (not bounded: 29 MiB over)."""
     from in_child import run_in_child
 
-    run_in_child(__file__, "wide_mlp_within", str(204 * MiB), "yes")
-    run_in_child(__file__, "wide_mlp_within", str(204 * MiB), "no")
+    run_in_child(__file__, "wide_mlp_within", str(150 * MiB), "yes")
+    run_in_child(__file__, "wide_mlp_within", str(150 * MiB), "no")
 
 
 @pytest.mark.gpu
