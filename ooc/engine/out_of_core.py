@@ -199,7 +199,8 @@ class OutOfCore:
         self._store.enter_step()   # plain tensors from here on, the ones still held, stable ids
         mem = self._mem
         if mem.on_cpu:   # hook-driven steps too; before reconcile: what it lets go of is recycled
-            cpu_allocator.begin(mem, recycle_bytes(mem.step_budget or mem.budget, whole_step=bool(mem.step_budget)))
+            floor = recycle_bytes(mem.step_budget or mem.budget, whole_step=bool(mem.step_budget))
+            cpu_allocator.begin(mem, floor, floor if mem.step_budget else None)   # a step budget's share: a cap too
         try:   # the plan and the step's form (plan_cache.py)
             form = self._plans.begin(self._store.start_key(kind))
         except BaseException:

@@ -24,7 +24,9 @@
 // live bytes (live blocks + the pool's used bytes) from their peak in this step or the one
 // before, or `floor`, whichever is more. When idle memory is over that, the oldest cached
 // blocks are unmapped first. Idle memory therefore never lifts the process above a peak its
-// live tensors already reached (by more than one op's allocations).
+// live tensors already reached (by more than one op's allocations). Under a budget for the
+// whole step it also never exceeds `cap`, the cache's share of that budget: the live peak here
+// is of this allocator's blocks only, and the tensors glibc holds peak at other times.
 //
 // Between steps (disabled) nothing new is cached: a large request is served from the cache
 // (a block that fits, else gathered) while it holds anything, else by alloc_cpu; a freed
@@ -73,6 +75,7 @@ struct Counters {
   size_t fresh = 0;        // bytes mapped fresh (the kernel zeroes them at first touch)
   size_t gathered = 0;     // bytes a miss took from smaller cached blocks instead (mremap)
   size_t floor = 0;        // bytes the cache may hold even above the live peak
+  size_t cap = SIZE_MAX;   // bytes idle memory never exceeds (a budget for the whole step)
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
   size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
   size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
@@ -142,7 +145,7 @@ void note_live_locked() {
 void bound_idle_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);
-  size_t idle = std::max(c.floor, peak > want ? peak - want : 0);
+  size_t idle = std::min(std::max(c.floor, peak > want ? peak - want : 0), c.cap);
   size_t for_cache = idle > c.idle_external ? idle - c.idle_external : 0;
   shrink_locked(for_cache);
 }
@@ -181,6 +184,9 @@ void recycle_free(void* ptr) {
     return;
   }
   cache_locked(p, n);
+  if (c.cached + c.idle_external > c.cap) {   // (uncapped, the bound waits for a mapping)
+    shrink_locked(c.cap > c.idle_external ? c.cap - c.idle_external : 0);
+  }
 }
 
 size_t rounded(size_t n) { return (n + kRound - 1) / kRound * kRound; }
@@ -350,7 +356,7 @@ int ooc_cpu_allocator_is_installed() { return c10::GetCPUAllocator() == &instanc
 
 // Route large allocations here and cache freed ones (enabled != 0), the cache holding at
 // least `floor` bytes when it must shrink. Disabling keeps the cache for the next step.
-void ooc_cpu_allocator_configure(int enabled, size_t floor) {
+void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap) {
   std::lock_guard<std::mutex> g(mu);
   if (enabled && !c.enabled) {   // a step starts: the one before it sets the bound
     c.last_peak = c.step_peak;
@@ -358,6 +364,10 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor) {
   }
   c.enabled = enabled;
   c.floor = enabled ? floor : 0;
+  c.cap = enabled ? cap : SIZE_MAX;
+  if (c.cap != SIZE_MAX) {
+    bound_idle_locked(0);
+  }
 }
 
 // The device pool now holds tensors in `used` bytes and has `idle` bytes of chunks holding

@@ -80,7 +80,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
 _holders = 0   # engines that acquired it and have not relinquished it: installed while > 0
-_active: dict[int, int] = {}   # id(owner) -> cache bytes it asked for, while its step runs
+NO_CAP = 2**64 - 1   # SIZE_MAX: the cache's bound is the live peak alone
+_active: dict[int, tuple[int, int | None]] = {}   # id(owner) -> (floor, cap) it asked for, while its step runs
 _pools: dict[int, tuple[int, int]] = {}   # pool -> (used, idle) bytes it last reported
 
 _SMOKE_TEST = """
@@ -96,14 +97,14 @@ def run():
 ref = run()
 lib = ctypes.CDLL(sys.argv[1])
 assert lib.ooc_cpu_allocator_install(64) == 1, "not installed"
-lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20))
+lib.ooc_cpu_allocator_configure(1, ctypes.c_size_t(64 << 20), ctypes.c_size_t(2**64 - 1))
 for _ in range(3):
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), "results differ"
 out = (ctypes.c_size_t * 7)()
 lib.ooc_cpu_allocator_stats(out, ctypes.c_size_t(7))
 assert out[3] > 0, "no block was reused"
-lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0))
+lib.ooc_cpu_allocator_configure(0, ctypes.c_size_t(0), ctypes.c_size_t(2**64 - 1))
 """
 
 
@@ -167,7 +168,7 @@ def _loaded_locked() -> ctypes.CDLL | None:
             if path.parent.name.startswith(_TEMP_PREFIX):   # not cached: leave nothing behind
                 shutil.rmtree(path.parent, ignore_errors=True)   # (the mapping stays valid)
             lib.ooc_cpu_allocator_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
-            lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t]
+            lib.ooc_cpu_allocator_configure.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
             lib.ooc_cpu_allocator_external.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
             lib.ooc_cpu_allocator_lend.restype = ctypes.c_void_p
             lib.ooc_cpu_allocator_lend.argtypes = [ctypes.c_size_t]
@@ -189,11 +190,17 @@ def unavailable() -> str | None:
     return _reason
 
 
-def begin(owner: object, floor_bytes: int) -> None:
+def begin(owner: object, floor_bytes: int, cap_bytes: int | None = None) -> None:
     """A step of ``owner`` starts: recycle large blocks. The cache may hold ``floor_bytes``
-    even where that takes the mapped total above the live peak (the first steps, small models)."""
+    even where that takes the mapped total above the live peak (the first steps, small models),
+    and never more than ``cap_bytes`` (None: no cap). Why a cap: under a budget for the whole
+    step the cache has its share of the budget and no more, since the live peak this allocator
+    sees is of its own blocks only, and PyTorch's smaller tensors (glibc's) peak at other
+    times. Uncapped, a small Llama's cache held 32 MiB of a 78 MiB step budget (its share:
+    9.75 MiB) while glibc held its small weights, gradients and state: process peaks of 93-107
+    MiB."""
     with _lock:
-        _active[id(owner)] = int(floor_bytes)
+        _active[id(owner)] = (int(floor_bytes), None if cap_bytes is None else int(cap_bytes))
         _configure_locked()
 
 
@@ -295,8 +302,11 @@ def owns(pointers: list[int]) -> list[bool]:
 
 def _configure_locked() -> None:
     if _lib is not None:
-        floor = max(_active.values(), default=0)
-        _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor)
+        floor, cap = 0, NO_CAP
+        for f, c in _active.values():   # (no comprehension: a Python call in every step)
+            floor = max(floor, f)
+            cap = cap if c is None else min(cap, c)
+        _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor, cap)
 
 
 class _Unavailable(Exception):

@@ -186,6 +186,42 @@ POOL = FULL_CACHE + """
 """
 
 
+CAPPED = """
+    import json, torch
+    from ooc.host import cpu_allocator
+    assert cpu_allocator.acquire(), cpu_allocator.unavailable()
+    MiB, owner, out = 1 << 20, object(), {}
+    cached = lambda: cpu_allocator.stats()["cached_bytes"] // MiB
+    cpu_allocator.begin(owner, 0, 8 * MiB)   # a budget for the whole step: 8 MiB for the cache
+    blocks = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(4)]   # live peak 32 MiB
+    del blocks[:3]
+    out["three_freed"] = cached()
+    del blocks
+    out["all_freed"] = cached()
+    again = [torch.empty(8 * MiB, dtype=torch.uint8) for _ in range(2)]
+    out["hits"] = cpu_allocator.stats()["hits"]
+    cpu_allocator.end(owner)
+    cpu_allocator.begin(owner, 0)   # uncapped: up to the live peak again
+    del again
+    out["uncapped"] = cached()
+    cpu_allocator.end(owner)
+    print(json.dumps(out))
+"""
+
+
+@needs_compiler
+def test_under_a_budget_for_the_whole_step_the_cache_stays_within_its_share():
+    """With a cap (``begin(owner, floor, cap)``: a budget for the whole step gives the cache
+    an eighth of it) freed blocks beyond the cap are unmapped as they are freed, whatever the
+    live peak this allocator saw: PyTorch's smaller tensors, in glibc, peak at other times (a
+    small Llama's cache held 32 MiB of a 78 MiB step budget, its share 9.75 MiB). What it keeps
+    is still reused; without a cap the cache fills up to the live peak as before."""
+    out = _child(CAPPED, {})
+    assert out["three_freed"] == 8 and out["all_freed"] == 8, out
+    assert out["hits"] >= 1, out
+    assert out["uncapped"] == 16, out
+
+
 @needs_compiler
 def test_the_cache_makes_room_as_the_pool_grows_and_follows_the_recent_steps():
     """Pool and cache together stay within the live peak (32 MiB here): the cache gives back
