@@ -117,7 +117,8 @@ class OutOfCore:
         self.model, self.optimizer, self.device = model, optimizer, device
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap threshold, the
         # foreach flag): made at the first step, undone by close() or collection (ooc/host/process_effects.py).
-        self._effects = ProcessEffects(device.type, optimizer, args.per_parameter)
+        self._effects = ProcessEffects(device.type, optimizer, args.per_parameter,
+                                       whole_step=options.budget_covers == "step")
         # CPU: a swap file and a pool of anonymous chunks; CUDA: pinned host memory and PyTorch's allocator
         # for the swap-ins (or a VMM pool: Options.arena). The pool checks the chunk's granularity first.
         arena = resolve_arena(device, options.arena)

@@ -190,11 +190,12 @@ class PersistentStore:
                 self._fit_persistent()
                 return
             want = schedule.initial_resident
+            for slot in self.slots.values():   # first what leaves, then what comes: in one pass, a
+                if slot.var not in want and slot.state is State.RESIDENT:   # VAE's first planned
+                    self.to_tier(slot)   # step started 12 MiB over its 30 MiB step budget
             for slot in self.slots.values():
                 if slot.var in want and slot.state is State.HOST:
                     self._mem.counters["bytes_in"] += slot.bring_back(self._mem.tier, self._mem.pool)
-                elif slot.var not in want and slot.state is State.RESIDENT:
-                    self.to_tier(slot)
         except BaseException:
             self.settle(self.slots.values())   # nothing changed yet: every slot consistent
             raise

@@ -36,22 +36,24 @@ M_MMAP_THRESHOLD = -3
 GLIBC_MMAP_CEILING = 32 << 20
 _holders = 0   # engines holding the fixed threshold; it was set here when this went 0 -> 1
 _set_here = False
+_threshold = GLIBC_MMAP_CEILING   # the lowest threshold a holder asked for, while one holds it
 _lock = threading.Lock()
 _libc = None
 
 
 def release_freed_memory(threshold: int = 1 << 20) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes for one more holder (an engine's first
-    step); True if it was set by this call."""
-    global _holders, _set_here
+    step), or lower it there if a holder fixed it higher; True if it was set by this call."""
+    global _holders, _set_here, _threshold
     with _lock:
         _holders += 1
-        if _holders > 1 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        if (_holders > 1 and threshold >= _threshold) or "MALLOC_MMAP_THRESHOLD_" in os.environ:
             return False
         libc = _glibc()
         if libc is None:   # not glibc (musl, macOS): nothing to tune
             return False
-        _set_here = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+        _set_here = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold))) or _set_here
+        _threshold = threshold
     log.info("glibc mmap threshold fixed at %d bytes so freed activations return to the OS", threshold)
     return _set_here
 
@@ -59,7 +61,7 @@ def release_freed_memory(threshold: int = 1 << 20) -> bool:
 def keep_freed_memory() -> None:
     """One holder is done (its engine closed): the last one puts glibc's thresholds where its
     own adjustment would have taken them (see the module docstring)."""
-    global _holders, _set_here
+    global _holders, _set_here, _threshold
     with _lock:
         if _holders == 0:
             return
@@ -68,7 +70,7 @@ def keep_freed_memory() -> None:
             libc = _glibc()
             libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_CEILING)
             libc.mallopt(M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_CEILING)
-            _set_here = False
+            _set_here, _threshold = False, GLIBC_MMAP_CEILING
 
 
 def holds() -> bool:

@@ -160,8 +160,11 @@ class StepRecording:
         planned; None for a planned step, which records only its managed variables."""
         if self.full is None:
             return None
-        roles.mark_grads(self.full, self.roles)   # a step without an update: grads it left
-        roles.mark_persistent(self.full, self.roles, self.ctx.optimizer)
+        # (watched tensors' class off: their storages are found, not read back from the tier,
+        # which read a VAE's weights and Adam state back at every recording step's end)
+        with torch._C.DisableTorchFunctionSubclass():
+            roles.mark_grads(self.full, self.roles)   # a step without an update: grads it left
+            roles.mark_persistent(self.full, self.roles, self.ctx.optimizer)
         return self.full.sequence({"device": str(self.ctx.device)})
 
     def book_device_times(self) -> None:

@@ -228,8 +228,6 @@ def engine_gone() -> None:
     memory; one in memory reads as in core."""
     pair = _Pair()
     pair.step()
-    states = {s.name: s.state.value for s in pair.engine._store.slots.values()}
-    resident = next(n for n, st in states.items() if st == "resident")
     params = dict(pair.model.named_parameters())
     ref = dict(pair.ref.named_parameters())
 
@@ -238,6 +236,8 @@ def engine_gone() -> None:
         return opt.state[named[owner]][key] if key in ("exp_avg", "exp_avg_sq") else named[name]
 
     pair.step()
+    resident = "net.0.weight"
+    tensor(params, pair.opt, resident).sum()   # a use brings it back from the tier
     states = {s.name: s.state.value for s in pair.engine._store.slots.values()}
     on_tier = "net.8.weight.exp_avg"
     assert states[on_tier] == "host" and states[resident] == "resident", states
