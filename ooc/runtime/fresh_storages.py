@@ -29,6 +29,9 @@ def _use_count(s: torch.UntypedStorage) -> int:
     return count(s._cdata) if count is not None else 2
 
 
+RECENT = 8   # adopted storages an op of the update looks at (``FreshStorages.let_go``)
+
+
 class FreshStorages:
     """The optimizer's new storages of a step on demand. Its state: ``fresh``, the new
     storages not managed yet (counted in the step's resident bytes); ``adopted``, those
@@ -93,9 +96,13 @@ class FreshStorages:
         followed (an update inside the backward: each parameter's temporaries piled up; Adam's
         first update of four 16 MiB weights: the eight denominators at its last op, and a
         least step budget of 330 MiB named where 202 MiB holds), and the least step budget it
-        named depended on how much the step had evicted."""
+        named depended on how much the step had evicted. At an op, only the ``RECENT`` last
+        adopted are looked at (a Python name lets go of a temporary at the next parameter's;
+        the state, adopted too, never goes, and every op asking each of a large model's state
+        tensors would cost its number squared); the update's end looks at all."""
+        first = self._kept if ended else max(self._kept, len(self.adopted) - RECENT)
         kept = []
-        for slot in self.adopted[self._kept:]:
+        for slot in self.adopted[first:]:
             if (slot.storage is not None and slot.state in (State.RESIDENT, State.HOST)
                     and _use_count(slot.storage) == 1):
                 if slot.state is State.RESIDENT:
@@ -103,7 +110,7 @@ class FreshStorages:
                 slot.forget(self.ctx.tier)
             else:
                 kept.append(slot)
-        self.adopted[self._kept:] = kept
+        self.adopted[first:] = kept
         if ended:
             self._kept = len(self.adopted)
 
