@@ -1,16 +1,20 @@
 """The loop of docs/guide/budgets.md under a budget for the whole step: a refused step, the
 budget raised to what the refusal names (``set_budget``), the next batch. A variational
-autoencoder nobody on the project wrote into the engine (two 6 MiB weights, Adam, every kind
-managed; ``torch.distributions`` sampling and a KL term) found two ways in which that loop
-broke its own promises (and, with AdamW, two more: ``least_and_within``'s test):
+autoencoder nobody on the project wrote into the engine (two 6 MiB weights, every kind
+managed; ``torch.distributions`` sampling and a KL term) found four ways in which that loop
+broke its own promises, two with Adam and two more with AdamW, whose weight decay writes each
+weight in place first:
 
 - ``set_budget`` brought every managed parameter and state tensor back between steps, 38 MB
   of them under a 30 MiB budget: the first step after it peaked at 41 MB;
 - a budget the first step took was refused by the second, the first to start with Adam's
   state (it recorded on demand within the share fitted for planned steps, where the update's
-  own temporaries count beside the managed tensors, and on demand they count among them).
+  own temporaries count beside the managed tensors, and on demand they count among them);
+- the engine's own counting at a step's end asked the tensors on the tier for their storages,
+  a use that read them back (18 MiB a step);
+- the first planned step brought in what its plan wants before it let go of the rest.
 
-Each child measures the process's peak (VmHWM, a fresh process per case).
+``least_and_within`` measures the process's peak (VmHWM) in a process of its own.
 """
 
 from __future__ import annotations
