@@ -210,7 +210,7 @@ class OnDemandRoom:
         and, ``updating``, those it adopted that the program let go of (``FreshStorages.let_go``)."""
         for b in self.fresh.died():
             self.recent.pop(b, None)
-        if updating and self.fresh.adopted:
+        if updating:
             self.fresh.let_go(ended=False)
 
     def make_room_for(self, nbytes: int, keep: set | tuple, where: int, what: str, made: bool = False) -> None:

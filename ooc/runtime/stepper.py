@@ -199,7 +199,7 @@ class Stepper:
             if course.planned and i < len(course.before) and course.before[i]:
                 self.run_actions(course.before[i], i)
         fresh = self.fresh.fresh
-        if fresh or self.updating:
+        if fresh or (self.updating and self.fresh.adopted):   # (a planned step adopts none)
             self.room.prune_fresh(self.updating)
         ins = info.inputs(args, kwargs)
         written_tensors = info.written(args, kwargs) if info.writes else ()
