@@ -48,6 +48,43 @@ def test_timeline_has_compute_swap_and_wait_tracks_per_step(trained, tmp_path) -
     assert len(steps) == 4, steps
 
 
+def test_the_timeline_keeps_each_event_in_a_few_bytes() -> None:
+    """The timeline's last 32 steps stay in the process, which a budget for the whole step
+    covers: it keeps an event as a pointer to its (track, name), shared from step to step, and
+    two doubles. It kept a tuple of its own with two floats and each step's name strings:
+    190 bytes an event, and a 2-layer GPT-2's steps (1,100 events each) ran 4.6 MiB over
+    their step budget by the 32nd."""
+    import tracemalloc
+
+    from ooc.engine.step_book import TIMELINE_STEPS, StepBook
+    from ooc.runtime.step_protocol import StepReport
+
+    per_step = 2000
+    book = StepBook()
+
+    def step(n: int) -> StepReport:   # names made each step, as the runtime makes them
+        events = tuple((track, f"{track} activation {k}", n + k * 1e-6, n + k * 1e-6 + 1e-7)
+                       for k in range(per_step // 2) for track in ("compute", "swap-out"))
+        return StepReport("planned", 0.1, 0.0, 0, None, events, True)
+
+    book.book(step(0))   # its labels shared from here on
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(1, TIMELINE_STEPS):
+            book.book(step(n))
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    per_event = kept / ((TIMELINE_STEPS - 1) * per_step)
+    assert per_event <= 32, per_event   # (24 and the lists' spare room)
+    events = book.events
+    assert len(events) == TIMELINE_STEPS * per_step
+    assert events[-1] == ("swap-out", f"swap-out activation {per_step // 2 - 1}",
+                          TIMELINE_STEPS - 1 + (per_step // 2 - 1) * 1e-6,
+                          TIMELINE_STEPS - 1 + (per_step // 2 - 1) * 1e-6 + 1e-7, TIMELINE_STEPS)
+
+
 def test_timeline_before_any_step_is_a_clear_error(tmp_path) -> None:
     model, opt = _fresh("cnn", "sgd")
     with OutOfCore(model, opt, budget="64MiB", options=Options(chunk=CHUNK)) as engine:
