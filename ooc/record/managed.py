@@ -73,6 +73,7 @@ class Recording:
     # noted inside ``optimizer.step()`` (the caller's rule): its writes to the parameters
     # come after every replay of the step, and none of its ops is replayed.
     outside_reads: dict[int, tuple[StorageWeakRef, list[int]]] = field(default_factory=dict)
+    largest_birth: int = 0   # the most bytes one storage born in the step took so far
     # Per op, the type of the autograd node it ran inside (a backward's op), else None; and the
     # births ``live_birth`` found dead, kept for ``held_by_nodes`` (a node may have read them).
     nodes: list[str | None] = field(default_factory=list)
@@ -113,6 +114,8 @@ class Recording:
 
     def birth(self, s: torch.UntypedStorage, op: int, out: int, nbytes: int) -> Birth:
         b = self.births[s._cdata] = Birth(StorageWeakRef(s), op, out, nbytes)
+        if nbytes > self.largest_birth:
+            self.largest_birth = nbytes
         return b
 
     def live_birth(self, s: torch.UntypedStorage) -> Birth | None:

@@ -141,7 +141,10 @@ class OnDemandRoom:
         """Keep nothing: persistent tensors leave after the op that used them. Under a budget
         for the whole step (``StepContext.device_live``), managed tensors also make way for
         what PyTorch's ops made (a gradient: no managed tensor comes with it to make room for;
-        state brought back between steps sat beside the backward's gradients, 64 MiB over)."""
+        state brought back between steps sat beside the backward's gradients, 64 MiB over),
+        and leave room for the next op's results as large as the step's largest so far: they
+        exist before the op returns (a GPT-2's recording step went 7 MiB over its 112 MiB step
+        budget inside the loss's backward, whose 19.5 MiB gradient came into a full room)."""
         for slot in dict.fromkeys(touched):
             if slot.in_place and slot.state is State.RESIDENT:
                 if slot.host_current:
@@ -151,7 +154,7 @@ class OnDemandRoom:
                     self.write_out(slot)
         self.reap_writes(block=False)
         if self.ctx.device_live is not None:
-            self._make_room(0, (), 0)
+            self._make_room(0, (), self.rec.largest_birth)
 
     def write_out(self, slot: Slot) -> None:
         """On demand: start writing ``slot`` out; its bytes count until the write is reaped."""
