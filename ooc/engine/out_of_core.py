@@ -35,7 +35,7 @@ from ooc.engine.persistent import PersistentStore
 from ooc.engine.plan_cache import PlanCache
 from ooc.engine.planning import Planner
 from ooc.engine.step_book import StepBook
-from ooc.engine.step_budget import on_demand_bound, recording_room, start_bytes
+from ooc.engine.step_budget import allocator_room, on_demand_bound, recording_room, start_bytes
 from ooc.engine.step_end import StepEnd
 from ooc.engine.stats import engine_stats
 from ooc.engine.step_forms import OpMode
@@ -134,6 +134,7 @@ class OutOfCore:
         self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=args.recompute,
                                 pin=args.pin, adaptive=args.adaptive, adopt_params=weak_method(self._adopt_params))
         self._book = StepBook()
+        self._room: tuple[Any, int, int | None] = (None, 0, None)   # _allocator_room's last
         self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
                             manage=self._manage)
         self._stepper: Stepper | Any = None   # the running step (None between steps)
@@ -201,7 +202,10 @@ class OutOfCore:
         mem = self._mem
         if mem.on_cpu:   # hook-driven steps too; before reconcile: what it lets go of is recycled
             floor = recycle_bytes(mem.step_budget or mem.budget, whole_step=bool(mem.step_budget))
-            cpu_allocator.begin(mem, floor, floor if mem.step_budget else None)   # a step budget's share: a cap too
+            if mem.step_budget:   # a step budget's share: a cap too, where glibc's tensors leave no room
+                cpu_allocator.begin(mem, floor, floor, self._allocator_room())
+            else:
+                cpu_allocator.begin(mem, floor)
         try:   # the plan and the step's form (plan_cache.py)
             form = self._plans.begin(self._store.start_key(kind))
         except BaseException:
@@ -246,6 +250,17 @@ class OutOfCore:
         ``last_diverged_at`` and ``last_form`` are -1). The keys are listed in
         docs/guide/budgets.md ("What the engine did")."""
         return engine_stats(self._book, self._mem, self._plans, self._store.reads)
+
+    def _allocator_room(self) -> int | None:
+        """``step_budget.allocator_room`` of the last whole recording, once per recording; None
+        without one (the cache's share alone caps it)."""
+        whole = self._end.last_recording
+        if whole is None:
+            return None
+        budget = self._mem.step_budget
+        if self._room[0] is not whole or self._room[1] != budget:
+            self._room = (whole, budget, allocator_room(budget, whole))
+        return self._room[2]
 
     @property
     def last_recording(self) -> Any:
