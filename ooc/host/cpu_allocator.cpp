@@ -139,16 +139,11 @@ void note_live_locked() {
   c.step_peak = std::max(c.step_peak, now);
 }
 
-// Bring idle memory within its bound with `extra` bytes about to be mapped: the bound keeps
-// everything mapped within the live peak of this step or the one before (steps repeat; an
-// older, larger peak such as the recording step's is no excuse), or `floor`, whichever is
-// more. Only the cache shrinks (the pool's idle chunks are few and short-lived: the engine
-// releases them into the cache).
 // The most idle memory may hold beside `live` bytes: `cap`, or, where a budget for the whole
 // step left room for this allocator's live and idle bytes together (`total`: the budget less
-// what glibc's tensors held at most in the step), more while the live bytes leave it. A cap
-// alone unmapped what the backward freed and the next forward mapped again: ResNet-18 b32's
-// steps faulted 1.6 GiB of fresh pages each, 1.43 s where uncapped they took 1.15.
+// glibc's tensors' most in the step and the cache's share), more while the live bytes leave
+// it. A cap alone unmapped what the backward freed and the next forward mapped again:
+// ResNet-18 b32's steps faulted 1.6 GiB of fresh pages each, 1.43 s where uncapped 1.15.
 size_t idle_cap_locked(size_t live) {
   if (c.total == SIZE_MAX) {
     return c.cap;
@@ -156,6 +151,11 @@ size_t idle_cap_locked(size_t live) {
   return std::max(c.cap, c.total > live ? c.total - live : 0);
 }
 
+// Bring idle memory within its bound with `extra` bytes about to be mapped: the bound keeps
+// everything mapped within the live peak of this step or the one before (steps repeat; an
+// older, larger peak such as the recording step's is no excuse), or `floor`, whichever is
+// more. Only the cache shrinks (the pool's idle chunks are few and short-lived: the engine
+// releases them into the cache).
 void bound_idle_locked(size_t extra) {
   size_t want = live_bytes() + extra;
   size_t peak = std::max(c.step_peak, c.last_peak);

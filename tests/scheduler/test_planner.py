@@ -356,7 +356,7 @@ def test_a_planner_failing_above_the_working_set_reports_a_bisected_minimum(capl
 def test_a_sequence_goes_with_the_plans_made_of_it() -> None:
     """What the planners share about a sequence (``working_sets.Prepared``) is kept on it, not
     in a cache beside it: one of the last 17 kept them, and the sequences, alive after their
-    engine had closed (1.4 MiB for a 2-layer GPT-2's steps)."""
+    engine had closed."""
     import gc
     import weakref
 
