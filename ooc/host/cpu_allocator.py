@@ -80,8 +80,9 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
 _holders = 0   # engines that acquired it and have not relinquished it: installed while > 0
-NO_CAP = 2**64 - 1   # SIZE_MAX: the cache's bound is the live peak alone
-_active: dict[int, tuple[int, int | None]] = {}   # id(owner) -> (floor, cap) it asked for, while its step runs
+NO_CAP = 2**64 - 1   # SIZE_MAX: no cap (the cache's bound is the live peak alone), no total
+# id(owner) -> (floor, cap, total) it asked for (``begin``), while its step runs
+_active: dict[int, tuple[int, int | None, int | None]] = {}
 _pools: dict[int, tuple[int, int]] = {}   # pool -> (used, idle) bytes it last reported
 
 _SMOKE_TEST = """

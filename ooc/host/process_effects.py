@@ -50,7 +50,8 @@ class ProcessEffects:
 
     def __init__(self, device_type: str, optimizer: torch.optim.Optimizer | None,
                  per_parameter: bool, whole_step: bool = False) -> None:
-        self.device_type, self._threshold = device_type, WHOLE_STEP_MMAP_THRESHOLD if whole_step else 1 << 20
+        self.device_type = device_type   # glibc's mmap threshold: where ooc's allocator takes over, or lower
+        self._threshold = WHOLE_STEP_MMAP_THRESHOLD if whole_step else cpu_allocator.LARGE
         self._optimizer = weakref.ref(optimizer) if per_parameter else None
         self.applied = False
         self.allocator = False     # this engine holds ooc's CPU allocator
