@@ -50,7 +50,7 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
     if not isinstance(options, Options):
         raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
     budget = parse_size(budget, what="budget")
-    # Neither chunk nor min_bytes given: the chunk adapts to what the first recording saves (adapt_chunk).
+    # Neither chunk nor min_bytes given: the chunk adapts to what the first recording saves (chunk_choice.py).
     adaptive = options.chunk is None and options.min_bytes is None
     chunk = DEFAULT_CHUNK if options.chunk is None else options.chunk
     manage = (manage,) if isinstance(manage, str) else tuple(manage)

@@ -32,8 +32,9 @@ class Options:
             activations it saved exceed the budget and those under half a chunk (left to
             PyTorch) take more than an eighth of it, it halves the chunk until they do not,
             down to the page size on the CPU (the VMM granularity, 2 MiB, on a GPU: there it
-            warns instead), and records again (``scheduler/chunk_size.py``). Given (or with
-            ``min_bytes``), it is fixed.
+            warns instead), and records again (``scheduler/chunk_size.py``); where a
+            recording's plan is refused, it tries half the chunk first
+            (``ooc/engine/chunk_choice.py``). Given (or with ``min_bytes``), it is fixed.
         min_bytes: tensors smaller than this stay with PyTorch (default: chunk / 2, and it
             adapts with the default chunk).
         window: the planner's prefetch window in bytes or a size string (default: the

@@ -339,7 +339,7 @@ class OutOfCore:
                           plan_runs=plan_runs, start_key=key, plain_candidate=plain_candidate, quiet_ops=quiet_ops,
                           time_ops=self._planner.times_ops(key, schedule), device_budget=device_budget,
                           device_live=device_live)
-        return Stepper(ctx, schedule, binding, observe_small=self._planner.adapt_pending)
+        return Stepper(ctx, schedule, binding, observe_small=self._planner.chunks.pending)
 
     def _adopt_params(self) -> None:
         """With params managed, manage every parameter at or over the threshold."""

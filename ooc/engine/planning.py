@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import scheduler
 from ooc.engine.hook_forms import HookPlan
+from ooc.engine.chunk_choice import ChunkChoice
 from ooc.engine.host_pricing import priced_hardware
 from ooc.engine import step_budget
 from ooc.engine.lifetime import close_pool
@@ -29,7 +30,7 @@ from ooc.runtime.devices import make_pool
 from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.step_protocol import StepReport
 from ooc.runtime.stepper import Stepper
-from scheduler.chunk_size import UNMANAGED_SHARE, choose_chunk, unmanaged_bytes
+from scheduler.chunk_size import UNMANAGED_SHARE
 from scheduler.step_plans import (Decision, PlanState, Settings, StepFacts, after_step, plans_again,
                                   prices_open)
 from scheduler.widening import sizes_vary
@@ -43,8 +44,8 @@ UNKEPT_KEYS = 256   # plan keys whose steps in a row that kept no plan are count
 
 class Planner:
     """What the engine asks the scheduler, with its settings: ``window``, ``policy``,
-    ``recompute`` ("auto", "never", "prefer") and ``pin``; and the chunk, which adapts while
-    ``adapt_pending`` (``adaptive``: it adapts again after ``set_budget``). ``adopt_params``
+    ``recompute`` ("auto", "never", "prefer") and ``pin``; and the chunk (``chunks``: with the
+    default chunk, chosen at each budget's first recording, halved before a refusal). ``adopt_params``
     manages the parameters a smaller threshold reaches (the persistent store's)."""
 
     def __init__(self, mem: EngineMemory, cache: PlanCache, *, window: int | None, policy: str,
@@ -55,7 +56,7 @@ class Planner:
         # ops): a function whose numbers changed since is not rerun at the hooks (``Templates.ready``)
         self._templates: dict[Any, Any] = {}
         self.window, self.policy, self.recompute, self.pin = window, policy, recompute, pin
-        self.adaptive = self.adapt_pending = adaptive
+        self.chunks = ChunkChoice(adaptive)
         self._adopt_params = adopt_params
         self._told_held = False   # said once: what the backward reads that no hook saw
         self._unkept: dict[Any, int] = {}   # plan key -> its steps in a row that kept no plan
@@ -106,7 +107,10 @@ class Planner:
         recorded = None   # the step as planned from, made once: a budget for the whole step fits it first
         if self._mem.step_budget and whole is not None and isinstance(st, Stepper) and st.schedule is None:
             recorded = self._recorded(st)
-            self.fit_step(st, recorded, whole)
+            try:
+                self.fit_step(st, recorded, whole)
+            except scheduler.BudgetTooSmall as err:
+                return self._refused(st, err)
         cache, key = self._cache, st.start_key
         family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
         if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
@@ -125,9 +129,7 @@ class Planner:
         try:
             decision = after_step(facts, state, self.settings())
         except scheduler.BudgetTooSmall as err:
-            if not self._mem.step_budget:
-                raise
-            raise self.of_the_step(err) from None
+            return self._refused(st, self.of_the_step(err) if self._mem.step_budget else err)
         if not report.kept_plan:
             self._unkept[key] = unkept + 1
             while len(self._unkept) > UNKEPT_KEYS:
@@ -302,10 +304,13 @@ class Planner:
                 del worst
 
     def _fit_so_far(self, st: Stepper, seq: scheduler.VariableSequence, adds: Callable[[], step_budget.Update]) -> None:
-        """``step_budget.check_so_far`` at a recording step's update, unless the chunk changes
-        at its end (the next step then records again instead of fitting)."""
-        if not (self.adapt_pending and self._chosen_chunk(st.saved_sizes()) != self._mem.chunk):
-            step_budget.check_so_far(self._mem, st.recording, seq, adds())
+        """``step_budget.check_so_far`` at a recording step's update (refused only where half
+        the chunk would not hold it either: ``ChunkChoice.at_update``), unless the chunk
+        changes at its end (the next step then records again instead of fitting)."""
+        mem = self._mem
+        if not (self.chunks.pending and self.chunks.chosen(st.saved_sizes(), mem) != mem.chunk):
+            update = adds()
+            self.chunks.at_update(lambda chunk: step_budget.check_so_far(mem, st.recording, seq, update, chunk), mem)
 
     def of_the_step(self, err: scheduler.BudgetTooSmall) -> scheduler.BudgetTooSmall:
         """``err`` said of the step budget the user gave (``step_budget.of_the_step``)."""
@@ -314,38 +319,34 @@ class Planner:
     # -- the chunk -------------------------------------------------------------------------------
 
     def adapt_chunk(self, st: Stepper) -> bool:
-        """With the default chunk, after the first recording step that completes: choose the
-        chunk (and threshold, half a chunk) from the sizes it saved and the budget
-        (``scheduler.chunk_size.choose_chunk``). A smaller chunk gives a new pool, and the
-        next step records again (this one's sequence leaves out the tensors now managed).
-        Returns whether the chunk changed. Decided once; ``set_budget`` asks again."""
-        saved = st.saved_sizes()
-        if not self.adapt_pending or saved is None:
+        """With the default chunk, after the first recording step that completes at a budget:
+        take the chunk it chose (``ChunkChoice.after_recording``). A smaller chunk gives a new
+        pool, and the next step records again (this one's sequence leaves out the tensors now
+        managed). Returns whether the chunk changed."""
+        chunk = self.chunks.after_recording(st.saved_sizes(), self._mem)
+        if chunk is None:
             return False
-        self.adapt_pending = False
-        mem = self._mem
-        floor = mem.pool.granularity   # the page; on a GPU, the VMM granularity
-        chunk = self._chosen_chunk(saved)
-        left = unmanaged_bytes(saved, chunk // 2)
-        if sum(saved) > mem.budget and left > mem.budget // UNMANAGED_SHARE:
-            log.warning("saved activations in tensors under %s take %s, more than an eighth of the "
-                        "%s budget, and stay outside it: the chunk cannot go below %s, the %s "
-                        "granularity. Pass min_bytes= to manage smaller tensors (each takes a whole "
-                        "chunk of the budget)", format_size(chunk // 2), format_size(left),
-                        format_size(mem.budget), format_size(floor), mem.device.type)
-        if chunk == mem.chunk:
-            return False
-        log.info("chunk %s -> %s (tensors from %s managed): saved activations under %s took %s of "
-                 "the %s budget; the next step records again", format_size(mem.chunk),
-                 format_size(chunk), format_size(chunk // 2), format_size(mem.min_bytes),
-                 format_size(unmanaged_bytes(saved, mem.min_bytes)), format_size(mem.budget))
         self.set_chunk(chunk, chunk // 2)
         return True
 
-    def _chosen_chunk(self, saved: list[int] | None) -> int | None:
-        """The chunk for a step that saved ``saved`` (bytes of each tensor; None: unknown)."""
+    def _refused(self, st: Stepper | AnchoredStep, err: scheduler.BudgetTooSmall) -> None:
+        """A recording step's plan refused with ``err``: under the default chunk, the next step
+        records again in half the chunk instead (``ChunkChoice.instead_of``), or ``err`` (or the
+        least refusal of the chunks tried) is raised, in the chunk that named it."""
+        if not isinstance(st, Stepper) or st.schedule is not None:
+            raise err
         mem = self._mem
-        return None if saved is None else choose_chunk(saved, mem.budget, mem.chunk, mem.pool.granularity)
+        chunk, refusal = self.chunks.instead_of(err, mem)
+        if chunk != mem.chunk:
+            if mem.step_budget:   # recorded whole and fitted again, as after set_budget
+                mem.step_held, self.fit_pending = 0, True
+                mem.budget = step_budget.recording_room(mem)
+            self.set_chunk(chunk, chunk // 2)
+        if refusal is not None:
+            try:
+                raise refusal
+            finally:   # (the frame must not keep what it raises: a cycle through the step's frames)
+                del refusal, err
 
     def refit(self, start: int) -> None:
         """What a step starts with grew to ``start`` bytes, more than the step recorded whole
@@ -363,7 +364,8 @@ class Planner:
         the whole step is fitted again at that recording (its managed tensors held meanwhile
         within ``step_budget.recording_room``)."""
         mem = self._mem
-        chunk = min(mem.chunk, start_chunk(budget)) if self.adaptive and mem.on_cpu else mem.chunk
+        adaptive = self.chunks.adaptive
+        chunk = min(mem.chunk, start_chunk(budget)) if adaptive and mem.on_cpu else mem.chunk
         if budget < chunk:
             from ooc.errors import OOCError
             raise OOCError(f"budget {format_size(budget)} is smaller than one chunk ({format_size(chunk)})")
@@ -371,8 +373,8 @@ class Planner:
         if mem.step_budget:
             mem.step_budget, mem.step_held, self.fit_pending = budget, 0, True
             mem.budget = step_budget.recording_room(mem)
-        self.adapt_pending = self.adaptive
-        self.set_chunk(chunk, chunk // 2 if self.adaptive else mem.min_bytes)
+        self.chunks.again()
+        self.set_chunk(chunk, chunk // 2 if adaptive else mem.min_bytes)
 
     def set_chunk(self, chunk: int, min_bytes: int) -> None:
         """Manage tensors from ``min_bytes`` on, in a new pool of ``chunk``-sized chunks sized

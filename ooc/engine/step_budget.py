@@ -211,22 +211,23 @@ class Update(NamedTuple):
 
 
 def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any,
-             update: Update = Update()) -> tuple[int, tuple[int, ...]]:
+             update: Update = Update(), chunk: int | None = None) -> tuple[int, tuple[int, ...]]:
     """(The managed tensors' share of ``mem.step_budget``, the bytes held beside them at each
     function) for a step recorded whole as ``whole`` with its managed tensors ``managed``:
     ``BudgetTooSmall`` where no share holds its working sets (``managed_budget``). Of a step
     recorded so far too, with what its ``update`` adds (``check_so_far``): one more figure, the
-    most the update's ops hold, where it was measured."""
+    most the update's ops hold, where it was measured. In ``chunk``s, if given (the pool's else)."""
     # the kinds managed by configuration: the state an update inside the backward made so far is
     # no variable of a step so far's managed recording yet
     held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read,
                                                      min_bytes=mem.min_bytes, kinds=kinds_of(mem.manage)))
     held += (update.during,) if update.during else ()
     return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
-                          arenas=_arenas(mem), granule=mem.chunk), held
+                          arenas=_arenas(mem), granule=chunk or mem.chunk), held
 
 
-def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, update: Update = Update()) -> None:
+def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, update: Update = Update(),
+                 chunk: int | None = None) -> None:
     """``BudgetTooSmall`` where no share of ``mem.step_budget`` holds the working sets of the
     step recorded so far (``recording``: a recording step's ``StepRecording``, at its update;
     ``managed``: its managed tensors so far) beside what it holds, and what its update will
@@ -238,12 +239,12 @@ def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, u
     whole step's record of them holds (the same ops, on ``meta`` twins), and its working sets
     are the whole step's first ones, so the step's end would refuse that budget too. An update
     that does not run on ``meta`` (``dry_run``) is not measured: its temporaries are found at
-    the step's end."""
+    the step's end. In ``chunk``s, if given (``chunk_choice.ChunkChoice.at_update``)."""
     full = recording.full
     if full is not None:   # its gradients and the state made so far known as such (not temporaries)
         roles.mark_grads(full, recording.roles)
         so_far = full.sequence({}, roles.state_so_far(full, recording.roles, recording.ctx.optimizer), so_far=True)
-        share_of(mem, managed, so_far, recording.skipped, update)
+        share_of(mem, managed, so_far, recording.skipped, update, chunk)
 
 
 def update_so_far(optimizer: torch.optim.Optimizer, model: torch.nn.Module,

@@ -157,8 +157,8 @@ def test_what_the_update_sees_held_so_far_is_at_most_what_the_whole_step_holds(l
     optimizer, manage, zero = LOOPS[loop]
     seen = []
 
-    def share_of(mem, managed, whole, skipped, update=step_budget.Update()):
-        out = real(mem, managed, whole, skipped, update)
+    def share_of(mem, managed, whole, skipped, update=step_budget.Update(), chunk=None):
+        out = real(mem, managed, whole, skipped, update, chunk)
         seen.append((out[1], update.during))
         return out
 
@@ -220,8 +220,8 @@ def test_the_update_measured_before_it_runs_holds_what_its_recording_holds(optim
 
     seen = []
 
-    def share_of(mem, managed, whole, skipped, update=step_budget.Update()):
-        out = real(mem, managed, whole, skipped, update)
+    def share_of(mem, managed, whole, skipped, update=step_budget.Update(), chunk=None):
+        out = real(mem, managed, whole, skipped, update, chunk)
         seen.append((len(managed.functions), out[1], update.during))
         return out
 

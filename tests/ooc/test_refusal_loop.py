@@ -16,7 +16,8 @@ weight in place first:
 
 A classifier over 10,000 classes found a fifth: a step on demand made room for what an op
 made only after it had made it, so its loss's backward brought a 39 MiB gradient into a full
-room.
+room. And a 2-layer Llama found that the least budget the loop named depended on where it
+started, through the chunk the default chose (a fresh engine given it was refused).
 
 ``least_and_within`` measures the process's peak (VmHWM) in a process of its own.
 """
@@ -24,6 +25,7 @@ room.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -90,6 +92,20 @@ def test_the_first_step_after_a_refusal_is_within_the_budget_it_names(optimizer:
     run_in_child(__file__, "least_and_within", str(20 * MiB), optimizer)
 
 
+def _the_loop(engine: ooc.OutOfCore, step: Callable[[int], None], steps: int) -> list[int]:
+    """docs/guide/budgets.md's loop: ``steps`` steps of ``step(i)``, the budget raised to each
+    refusal's minimum; the minima named."""
+    named = []
+    for i in range(steps):
+        try:
+            with engine.step():
+                step(i)
+        except BudgetTooSmall as err:
+            named.append(err.minimum)
+            engine.set_budget(err.minimum)
+    return named
+
+
 @pytest.mark.parametrize("optimizer", ["Adam", "AdamW"])
 def test_a_step_budget_the_first_step_takes_holds_for_every_step_after(optimizer: str) -> None:
     """The least step budget found from below, given from the start to a fresh engine: every
@@ -99,18 +115,15 @@ def test_a_step_budget_the_first_step_takes_holds_for_every_step_after(optimizer
     step's end found the tensors on the tier through their watched class and read them back,
     18 MiB a step."""
     model, opt, x = _made(optimizer)
-    named = []
+
+    def step(i: int) -> None:
+        torch.manual_seed(7 + i)
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
     with ooc.OutOfCore(model, opt, budget=20 * MiB, manage=ALL, options=ooc.Options(budget_covers="step")) as engine:
-        for i in range(4):
-            try:
-                with engine.step():
-                    torch.manual_seed(7 + i)
-                    model(x).backward()
-                    opt.step()
-                    opt.zero_grad()
-            except BudgetTooSmall as err:
-                named.append(err.minimum)
-                engine.set_budget(err.minimum)
+        named = _the_loop(engine, step, 4)
     assert named, "20 MiB must be too small for this model"
     ref, ref_opt, x = _made(optimizer)
     model, opt, _ = _made(optimizer)
@@ -159,3 +172,59 @@ def test_a_step_on_demand_makes_room_for_an_op_before_it_runs() -> None:
     its 39 MiB gradient into a full room, 144.6 MiB at the 142 MiB step budget named (124.6
     MiB now)."""
     run_in_child(__file__, "wide_output_within", str(4 * MiB))
+
+
+class _Fan(nn.Module):
+    """Twelve branches of 1 MiB joined: in 2 MiB chunks each takes twice its bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = nn.Parameter(torch.randn(12, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.relu(x * s) for s in self.scales], 1).square().mean()
+
+
+def _fan_steps(budget: int, steps: int, **options) -> tuple[list[int], dict, nn.Module, torch.optim.Optimizer]:
+    """The fan trained ``steps`` steps from a step budget of ``budget``, raised to each
+    refusal's minimum: (the minima named, the engine's last stats, the model, its optimizer)."""
+    torch.manual_seed(0)
+    model = _Fan()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+
+    def step(_: int) -> None:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ooc.OutOfCore(model, opt, budget=budget, manage=ALL,
+                       options=ooc.Options(budget_covers="step", **options)) as engine:
+        return _the_loop(engine, step, steps), engine.stats(), model, opt
+
+
+def test_a_fresh_engine_trains_at_the_least_budget_its_loop_named_in_smaller_chunks() -> None:
+    """The least budget a loop names must hold the step for a fresh engine given it. A 2-layer
+    Llama's loop from 4 MiB chose 1 MiB chunks at its first budget and named 52 MiB; a fresh
+    engine at 52 MiB chose 2 MiB chunks (its larger budget left what stays with PyTorch a
+    small share) and was refused naming 58. Here, with each chunk fixed (``Options(chunk=)``),
+    the fan's step needs 86 MiB in 2 MiB chunks, 71 in 1 MiB. The default chunk is now halved
+    before a refusal where the half holds the step (at the update, predicted; at the step's
+    end, recorded again): the loop from below names the 1 MiB chunks' least (86 before), and a
+    fresh engine given it trains there in them, bitwise, refused nowhere."""
+    two = _fan_steps(8 * MiB, 4, chunk=2 * MiB, min_bytes=MiB)[0][-1]
+    one = _fan_steps(8 * MiB, 4, chunk=MiB, min_bytes=MiB // 2)[0][-1]
+    assert one < two - two // 16, (one, two)   # (the premise: 71 against 86 MiB)
+    named = _fan_steps(8 * MiB, 4)[0]
+    assert named and named[-1] <= one, (named, one, two)
+    again, stats, model, opt = _fan_steps(named[-1], 3)
+    assert again == [] and stats["chunk"] <= MiB, (again, stats["chunk"])
+    torch.manual_seed(0)
+    ref = _Fan()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same(state_of(ref, ref_opt), state_of(model, opt), "the fan at the least step budget named")
