@@ -121,7 +121,8 @@ class ChunkChoice:
         if smaller is None:
             self._refused = None
             return mem.chunk, err
-        self._refused = (mem.chunk, err)
+        # kept without its traceback: its frames hold the step's tensors until the next budget
+        self._refused = (mem.chunk, err.with_traceback(None))
         log.info("the budget %s is refused in %s chunks (least %s): the next step records again in %s "
                  "chunks, which round tensors up less", format_size(mem.step_budget or mem.budget),
                  format_size(mem.chunk), format_size(err.minimum), format_size(smaller))

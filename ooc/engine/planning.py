@@ -333,15 +333,14 @@ class Planner:
         """A recording step's plan refused with ``err``: under the default chunk, the next step
         records again in half the chunk instead (``ChunkChoice.instead_of``), or ``err`` (or the
         least refusal of the chunks tried) is raised, in the chunk that named it."""
-        if not isinstance(st, Stepper) or st.schedule is not None:
-            raise err
-        mem = self._mem
-        chunk, refusal = self.chunks.instead_of(err, mem)
-        if chunk != mem.chunk:
-            if mem.step_budget:   # recorded whole and fitted again, as after set_budget
-                mem.step_held, self.fit_pending = 0, True
-                mem.budget = step_budget.recording_room(mem)
-            self.set_chunk(chunk, chunk // 2)
+        mem, refusal = self._mem, err
+        if isinstance(st, Stepper) and st.schedule is None:
+            chunk, refusal = self.chunks.instead_of(err, mem)
+            if chunk != mem.chunk:
+                if mem.step_budget:   # recorded whole and fitted again, as after set_budget
+                    mem.step_held, self.fit_pending = 0, True
+                    mem.budget = step_budget.recording_room(mem)
+                self.set_chunk(chunk, chunk // 2)
         if refusal is not None:
             try:
                 raise refusal

@@ -5,6 +5,7 @@ The engine-level case (a fresh engine at the least budget a loop from below name
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -87,3 +88,24 @@ def test_at_the_update_the_halfs_least_is_named_where_it_is_a_sixteenth_less() -
     with pytest.raises(BudgetTooSmall) as raised:
         choice.at_update(_fits_from({2 * MiB: 58, MiB: 56}), _mem())
     assert raised.value.minimum == 58 * MiB and not getattr(raised.value, "__notes__", [])
+
+
+class _Held:
+    pass
+
+
+def test_a_refusal_kept_while_halving_keeps_no_frame_of_the_step() -> None:
+    """The refusal kept to go back to holds no traceback: its frames are the step's, and
+    they hold its tensors (a Llama's retried step: 96 MiB) until the next budget."""
+    choice, mem, alive = ChunkChoice(adaptive=True), _mem(), []
+
+    def step() -> None:
+        tensor = _Held()   # what a frame of the step holds
+        alive.append(weakref.ref(tensor))
+        raise _refused(58)
+
+    try:
+        step()
+    except BudgetTooSmall as err:
+        assert choice.instead_of(err, mem) == (MiB, None)
+    assert alive[0]() is None
