@@ -113,6 +113,10 @@ def main() -> int:
             f"no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
             "nothing was validated; run this on a machine with a GPU"]))
         return 0
+    # what follows changes for the whole process, and a caller in it (the tests' dry runs) goes
+    # on after: each is put back at the end (left on, deterministic mode filled every later
+    # torch.empty of the suite's process with 255s, and slowed each)
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     clock = _Clock(args.deadline)
     report = gpu_report.Report(out, args.quick)
@@ -120,7 +124,7 @@ def main() -> int:
     # cuDNN's flags through its context manager: assigning them raises once something has
     # called torch.backends.disable_global_flags() (torch.testing._internal does, on import)
     # a run stopped from outside (`timeout`, a lease's end: SIGTERM) still writes what it measured
-    signal.signal(signal.SIGTERM, _interrupted)
+    handler = signal.signal(signal.SIGTERM, _interrupted)
     try:
         with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False,
                                         deterministic=True):
@@ -128,6 +132,8 @@ def main() -> int:
     except KeyboardInterrupt:
         report.skipped("the run was stopped from outside here: the sections after this were not run")
     finally:
+        signal.signal(signal.SIGTERM, handler)
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         report.write()
     return 1 if report.failures() else 0
 

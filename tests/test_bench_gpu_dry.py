@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 import types
@@ -65,13 +66,20 @@ def dry_gpu(monkeypatch: pytest.MonkeyPatch):
                         lambda pin_memory=False, **k: real_save_on_cpu(pin_memory=False, **k))
     from ooc.testing import fake_cuda
 
+    # what a run changes for the whole process, which the suite's process goes on with after it
+    process_wide = lambda: (torch.are_deterministic_algorithms_enabled(), signal.getsignal(signal.SIGTERM))  # noqa: E731
+    before = process_wide()
     with fake_cuda(memory_bytes=2 << 30, granularity=2 * MiB) as driver:
         driver.caps = caps
         yield driver
     assert driver.violations == []
+    # (left on, deterministic mode filled each later torch.empty with 255s: a test of the CPU
+    # allocator's pages run after it in the same process read them)
+    assert process_wide() == before
     assert caps[-1:] in ([], [1.0]) and caps.count(1.0) * 2 == len(caps), caps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_gpu_quick_runs_dry_over_the_fake_driver(dry_gpu, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
