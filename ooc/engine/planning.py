@@ -338,8 +338,7 @@ class Planner:
             chunk, refusal = self.chunks.instead_of(err, mem)
             if chunk != mem.chunk:
                 if mem.step_budget:   # recorded whole and fitted again, as after set_budget
-                    mem.step_held, self.fit_pending = 0, True
-                    mem.budget = step_budget.recording_room(mem)
+                    self._fit_again()
                 self.set_chunk(chunk, chunk // 2)
         if refusal is not None:
             try:
@@ -370,10 +369,17 @@ class Planner:
             raise OOCError(f"budget {format_size(budget)} is smaller than one chunk ({format_size(chunk)})")
         mem.budget = budget
         if mem.step_budget:
-            mem.step_budget, mem.step_held, self.fit_pending = budget, 0, True
-            mem.budget = step_budget.recording_room(mem)
+            mem.step_budget = budget
+            self._fit_again()
         self.chunks.again()
         self.set_chunk(chunk, chunk // 2 if adaptive else mem.min_bytes)
+
+    def _fit_again(self) -> None:
+        """Under a budget for the whole step: the next recording is fitted again, its managed
+        tensors held meanwhile within ``step_budget.recording_room``."""
+        mem = self._mem
+        mem.step_held, self.fit_pending = 0, True
+        mem.budget = step_budget.recording_room(mem)
 
     def set_chunk(self, chunk: int, min_bytes: int) -> None:
         """Manage tensors from ``min_bytes`` on, in a new pool of ``chunk``-sized chunks sized
