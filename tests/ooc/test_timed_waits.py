@@ -16,6 +16,7 @@ import pytest
 import scheduler.recompute
 from ooc import OutOfCore
 from ooc.measure import managed_peak, update_in_backward
+from scheduler.hardware import hardware
 from scheduler.release import timed_release
 from test_anchored_steps import CASES, assert_same, data, fresh, train  # noqa: F401 - data: train's
 
@@ -27,11 +28,17 @@ ALL = ("activations", "params", "grads", "optimizer_state")
 @pytest.fixture
 def moved(monkeypatch) -> list[int]:
     """Make the planner always take the plan with timed waits; returns, per plan made so, how
-    many waits the rule placed before the overflow point."""
+    many waits the rule placed before the overflow point.
+
+    The rule is given a link with no latency and no transfer time, so it moves each wait to
+    the function after the victim's last use wherever that comes before the overflow point,
+    on any machine: with the CPU preset's link and the op seconds measured in the recording,
+    whether any wait moved depended on the machine's speed (on CI's faster machine, small_cnn's
+    ops were short beside a transfer and all four plans kept every wait in place)."""
     counts: list[int] = []
 
     def forced(seq, best, best_s, hw, make):
-        rule, early = timed_release(seq, hw), []
+        rule, early = timed_release(seq, hardware(hw, link_latency_s=0.0, d2h_bandwidth=1e30)), []
 
         def spy(v: int, last: int, at: int) -> int:
             back = rule(v, last, at)
