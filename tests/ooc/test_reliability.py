@@ -733,31 +733,49 @@ _SIGINT_CHILD = textwrap.dedent("""
     e = faulty_engine(model, opt, faults, storage, manage=ALL, recompute="never")
     updating = []
     opt.register_step_pre_hook(lambda *a: updating.append(1))
-    opt.register_step_post_hook(lambda *a: updating.clear())
-    # "before": the first read of the step, before the update; "update": the second write
-    # of an updated parameter or state during the update (the first is already on the tier).
-    trigger, target = ("pread", 1) if where == "before" else ("pwrite", 2)
+    # Writes from the update's start to the step's end: counted once the tier has drained
+    # (the I/O threads may write them after the update returned).
     writes = []
     faults.fn = lambda op, *a: writes.append(1) if op == "pwrite" and updating else None
     for step in range(2):
         run_step(model, opt, step, e)
+        e._mem.tier.drain()
+        updating.clear()
+    opt.register_step_post_hook(lambda *a: updating.clear())
     before = state_of(model, opt, e)
     seen = []
 
     def interrupt_then_stall(op, key, offset, length):
-        if op != trigger or bool(updating) != (where == "update"):
-            return
-        seen.append(1)
-        if len(seen) == target:   # Ctrl-C while the training thread may wait for this read
+        # "before": Ctrl-C at the step's first read before the update, while the training
+        # thread may wait for it
+        if op == "pread" and not updating and not seen:
+            seen.append(1)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.3)
 
-    faults.fn = interrupt_then_stall
+    def halves(params, *rest, **kw):
+        # "update": Ctrl-C between two parameters' updates, from the training thread, which
+        # acts on it at its next instruction: with the signal not held, the second half of
+        # the parameters would not be updated
+        n, cut = len(params) // 2, lambda part: [x[part] if isinstance(x, list) and len(x) == len(params) else x
+                                                 for x in rest]
+        single(params[:n], *cut(slice(0, n)), **kw)
+        seen.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        single(params[n:], *cut(slice(n, None)), **kw)
+
+    if where == "update":
+        import torch.optim.adam as adam_module
+        single, adam_module._single_tensor_adam = adam_module._single_tensor_adam, halves
+    else:
+        faults.fn = interrupt_then_stall
     try:
         run_step(model, opt, 2, e)
         interrupted = False
     except KeyboardInterrupt:
         interrupted = True
+    if where == "update":
+        adam_module._single_tensor_adam = single
     faults.fn = None
     ref = reference("adam", 4)
     after = state_of(model, opt, e)
@@ -776,7 +794,7 @@ _SIGINT_CHILD = textwrap.dedent("""
         run_step(model, opt, step, e)
     assert_same(ref[3], state_of(model, opt, e), "after the retry")
     e.close()
-    print(json.dumps({{"interrupted": interrupted, "sent": len(seen) >= target, "outcome": outcome,
+    print(json.dumps({{"interrupted": interrupted, "sent": bool(seen), "outcome": outcome,
                       "update_writes": len(writes),
                       "threads_left": sorted(t.name for t in set(threading.enumerate()) - baseline)}}))
 """)
