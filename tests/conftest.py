@@ -1,4 +1,5 @@
-"""Shared test configuration: tests run on the CPU; GPU tests skip without a device."""
+"""Shared test configuration: tests run on the CPU; GPU tests skip without a device; the slow
+ones go first (the README runs the suite in two pytest-xdist workers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two compute threads a process, or one in each of the README's two pytest-xdist workers: two
+# workers of two threads each on two cores spent more time spinning than computing (the suite
+# ran past 15 minutes of wall time where one process of two threads took 14.6).
+os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,3 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+    # The tests marked slow (a minute or two each, several processes of their own) first: with
+    # the README's two workers (``--dist worksteal``) they then run beside the short tests, not
+    # alone at the end (the benchmarks' smoke run, 140 s, was the last two minutes of the run).
+    items.sort(key=lambda item: "slow" not in item.keywords)

@@ -22,6 +22,7 @@ PARALLEL = 2
 PER_SCRIPT_S = 240
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_benchmark_runs_quick(tmp_path: Path) -> None:
     assert SCRIPTS, f"no bench_*.py in {BENCHMARKS}"

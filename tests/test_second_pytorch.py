@@ -63,6 +63,7 @@ def _build(venv: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("OOC_SECOND_TORCH") == "0", reason="OOC_SECOND_TORCH=0")
 def test_outside_models_and_a_smoke_pass_on_a_second_pytorch_with_torchvision() -> None:

@@ -28,6 +28,7 @@ def _firsts(covers: str = "") -> list[tuple[Sample, str]]:
             for setting in TEMPLATES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("covers", ["", "@step"], ids=["managed", "whole-step"])
 def test_module_samples_rerun_their_chains_from_templates_bitwise(covers: str) -> None:
     """``@step``: under a budget for the whole step (``Options(budget_covers="step")``), at the

@@ -105,6 +105,7 @@ def _child(storage: str) -> None:
     e.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_thousand_steps_leak_no_memory_descriptor_thread_or_swap_space(tmp_path):
     root = Path(__file__).resolve().parents[2]
