@@ -8,10 +8,17 @@ import os
 
 import pytest
 
-# Two compute threads a process, or one in each of the README's two pytest-xdist workers: two
-# workers of two threads each on two cores spent more time spinning than computing (the suite
-# ran past 15 minutes of wall time where one process of two threads took 14.6).
-os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
+_THREADS_GIVEN = "OMP_NUM_THREADS" in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Two compute threads a process, or one in each of the README's two pytest-xdist workers
+    (set here, in the controlling process, before it starts them with its environment): two
+    workers of two threads each on two cores spent more time spinning than computing (past
+    15 minutes of wall time, where one process of two threads took 14.6)."""
+    if not _THREADS_GIVEN and getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True, scope="module")
