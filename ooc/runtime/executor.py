@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ooc.runtime.labels import label
 from ooc.runtime.overflow import pool_for
 from ooc.runtime.recompute import Recomputation
 from ooc.runtime.slots import Slot, in_flight, raise_failed
@@ -68,15 +67,13 @@ class PlanExecutor:
         eff = TRANSITIONS[op, state]
         if op is Op.SWAP_IN:
             book.account(eff.device * slot.nbytes)   # the destination is taken at issue
-            with label(f"ooc.swap_in {slot.name}"):
-                self.swap_in(slot, where)
+            self.swap_in(slot, where)   # (the slot labels its transfers for profilers)
             ctx.counters["bytes_in"] += slot.nbytes
         elif op is Op.WAIT_IN:
             book.timed("wait", f"wait_in {slot.name}", slot.finish_swap_in)
             book.register(slot)
         elif op is Op.SWAP_OUT:
-            with label(f"ooc.swap_out {slot.name}"):
-                book.write_out(slot)
+            book.write_out(slot)
         elif op is Op.WAIT_OUT:
             book.timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
         elif op is Op.DROP:

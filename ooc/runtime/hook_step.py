@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ooc.runtime.labels import label
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.runtime.slots import Slot, State
@@ -78,7 +79,8 @@ class HookStep:
     def _wait(self, name: str, fn: Callable[[Any], Any], arg: Any = None) -> Any:
         """``fn(arg)``, a wait the step's thread sits through: its time is stall, on the timeline."""
         t0 = time.perf_counter()
-        out = fn(arg)
+        with label(f"ooc.{name}"):
+            out = fn(arg)
         t1 = time.perf_counter()
         self.stall_s += t1 - t0
         self.events.append(("wait", name, t0, t1))

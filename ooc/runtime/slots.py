@@ -30,6 +30,7 @@ import torch
 
 from ooc.errors import OOCError, StorageError
 from ooc.storage.device_bytes import byte_view_for
+from ooc.runtime.labels import label
 from ooc.runtime.pool import RangeSource
 from ooc.storage.tier import SlowerTier, Transfer
 from scheduler.actions import TRANSITIONS, Effect, Op, Residency, refusal
@@ -88,12 +89,10 @@ class Slot:
     transition table (``scheduler.actions.TRANSITIONS``: ``start_swap_in``,
     ``finish_swap_in``, ``start_swap_out``, ``finish_swap_out``, ``drop``, ``free``,
     ``discard``, ``made_again``) or one of the moves outside any plan (``bring_back``,
-    ``to_tier``, ``take_back``, ``settle``, ``forget``). A method asked for a transition the
-    state does not allow raises ``SlotError`` naming the tensor; the byte moves, the tier's
-    copy (``host_current``) and the storage follow the table's row. Callers count device
-    bytes (the step's ledger) and time the waits; the slot moves bytes and knows where they
-    are.
-    """
+    ``to_tier``, ``take_back``, ``settle``, ``forget``). A transition the state does not
+    allow raises ``SlotError`` naming the tensor; byte moves, the tier's copy (``host_current``)
+    and the storage follow the row. Callers count device bytes and time the waits; the slot
+    moves bytes, knows where they are, and names each transfer it starts to profilers."""
 
     var: int
     kind: Kind
@@ -139,7 +138,8 @@ class Slot:
         eff = self._row(Op.SWAP_OUT)
         view = byte_view_for(self.storage)
         self.pending = [self.storage, view]   # empty (an expert given no token): nothing to write
-        self.future = tier.write_async(self.key, view, self.nbytes) if self.nbytes else _done()
+        with label(f"ooc.swap_out {self.name}"):
+            self.future = tier.write_async(self.key, view, self.nbytes) if self.nbytes else _done()
         self._follow(eff, tier)
 
     def finish_swap_out(self) -> None:
@@ -164,7 +164,8 @@ class Slot:
         dest = self.storage if self.in_place or not self.nbytes else pool.take(self.nbytes).untyped_storage()
         view = byte_view_for(dest)
         self.pending = [dest, view]
-        self.future = tier.read_async(self.key, view) if self.nbytes else _done()
+        with label(f"ooc.swap_in {self.name}"):
+            self.future = tier.read_async(self.key, view) if self.nbytes else _done()
         if not self.in_place:
             self.storage = dest
         self._follow(eff, tier)
