@@ -219,7 +219,7 @@ def test_users_idioms_train_bitwise_at_the_least_budget(case: str, manage: tuple
 
     (seen, state), stats = at_the_least_budget(run, case)
     if covers == "managed":   # (the least budget for the whole step may leave room for all else)
-        assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, f"{case}: the budget must make the plan act"
+        assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0, f"{case}: the budget must make the plan act"
     else:
         assert stats["step_budget"] > 0 and stats["step_held_bytes"] > 0   # a budget for the whole step, in force
     assert seen == ref_seen, f"{case}: the hooks or evaluations saw other values"
@@ -359,7 +359,7 @@ def test_what_a_fine_tuning_loop_changes_between_steps_trains_bitwise(change: st
                                                                      covers: str) -> None:
     ref, _ = _run_changed(change, None, covers, 0)
     got, stats = at_the_least_budget(lambda budget: _run_changed(change, manage, covers, budget), change)
-    assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, f"{change}: the budget must make the plan act"
+    assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0, f"{change}: the budget must make the plan act"
     assert_same(ref, got, change)
 
 
@@ -404,7 +404,7 @@ def test_lazy_modules_are_refused_until_made_and_then_train_bitwise() -> None:
     ref, _ = run(None)
     for manage in (("activations",), ALL):
         got, stats = at_the_least_budget(lambda budget: run(manage, budget), "lazy")
-        assert stats["plan.bytes_out"] + stats["bytes_recomputed"] > 0, "the budget must make the plan act"
+        assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0, "the budget must make the plan act"
         assert_same(ref, got, "+".join(manage))
 
 

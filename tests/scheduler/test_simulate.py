@@ -7,7 +7,6 @@ variable takes exactly 1 s to copy and the expected times below are exact.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -318,13 +317,12 @@ def test_chain_step_overlaps_on_a_fast_link_and_stalls_on_a_slow_one() -> None:
     assert simulate(s, "cpu-edge") == simulate(s, "cpu-edge")  # deterministic
 
 
-def test_large_step_is_fast() -> None:
-    s = chain_schedule(20_000, keep=10, lookahead=4)  # 40,000 functions, 80,000 copies
-    t0 = time.perf_counter()
+def test_a_large_step_is_simulated_without_a_timeline() -> None:
+    """40,000 functions, 80,000 copies (its time is benchmarks/bench_plan.py's: a unit test
+    never asserts on the clock)."""
+    s = chain_schedule(20_000, keep=10, lookahead=4)
     r = simulate(s, "v100-16gb-nvlink", timeline=False)
-    elapsed = time.perf_counter() - t0
     assert r.timeline == () and r.transfers_in == 19_990
-    assert elapsed < 3.0, f"simulate took {elapsed:.2f} s for 40k functions"
 
 
 # -- allocation events -----------------------------------------------------------------------
