@@ -318,8 +318,8 @@ def test_chain_step_overlaps_on_a_fast_link_and_stalls_on_a_slow_one() -> None:
 
 
 def test_a_large_step_is_simulated_without_a_timeline() -> None:
-    """40,000 functions, 80,000 copies (its time is benchmarks/bench_plan.py's: a unit test
-    never asserts on the clock)."""
+    """40,000 functions, 80,000 copies. Its speed is not asserted (a unit test never reads the
+    clock): the planner simulates its candidates, so benchmarks/bench_plan.py's times hold it."""
     s = chain_schedule(20_000, keep=10, lookahead=4)
     r = simulate(s, "v100-16gb-nvlink", timeline=False)
     assert r.timeline == () and r.transfers_in == 19_990
