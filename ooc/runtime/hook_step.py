@@ -79,7 +79,7 @@ class HookStep:
     def _wait(self, name: str, fn: Callable[[Any], Any], arg: Any = None) -> Any:
         """``fn(arg)``, a wait the step's thread sits through: its time is stall, on the timeline."""
         t0 = time.perf_counter()
-        with label(f"ooc.{name}"):
+        with label("ooc.", name):
             out = fn(arg)
         t1 = time.perf_counter()
         self.stall_s += t1 - t0

@@ -22,13 +22,14 @@ except ImportError:  # pragma: no cover - depends on the environment
 _NONE = contextlib.nullcontext()
 
 
-def label(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range named ``name`` around the block, when a profiler is recording (none:
-    a shared empty context, no generator; the tier labels each of its calls)."""
+def label(*parts: object) -> contextlib.AbstractContextManager:
+    """A profiler range named ``parts`` joined (``str`` of each) around the block, when a
+    profiler is recording (none: a shared empty context, no generator and no name made; every
+    transfer of every step form is labelled)."""
     profiling = torch.autograd.profiler._is_profiler_enabled
     if not profiling and _nvtx is None:
         return _NONE
-    return _ranges(name, profiling)
+    return _ranges("".join(map(str, parts)), profiling)
 
 
 @contextlib.contextmanager

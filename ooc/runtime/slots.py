@@ -138,7 +138,7 @@ class Slot:
         eff = self._row(Op.SWAP_OUT)
         view = byte_view_for(self.storage)
         self.pending = [self.storage, view]   # empty (an expert given no token): nothing to write
-        with label(f"ooc.swap_out {self.name}"):
+        with label("ooc.swap_out ", self.name):
             self.future = tier.write_async(self.key, view, self.nbytes) if self.nbytes else _done()
         self._follow(eff, tier)
 
@@ -164,7 +164,7 @@ class Slot:
         dest = self.storage if self.in_place or not self.nbytes else pool.take(self.nbytes).untyped_storage()
         view = byte_view_for(dest)
         self.pending = [dest, view]
-        with label(f"ooc.swap_in {self.name}"):
+        with label("ooc.swap_in ", self.name):
             self.future = tier.read_async(self.key, view) if self.nbytes else _done()
         if not self.in_place:
             self.storage = dest

@@ -109,7 +109,7 @@ class StepBook:
     def timed(self, track: str, name: str, fn: Callable, *args) -> None:
         """Block on a transfer; the time counts as stall and shows on the timeline."""
         t0 = time.perf_counter()
-        with label(f"ooc.{name}"):
+        with label("ooc.", name):
             fn(*args)
         t1 = time.perf_counter()
         self.stall_s += t1 - t0

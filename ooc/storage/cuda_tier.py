@@ -128,7 +128,7 @@ class PinnedTier:
         if size < nbytes:
             raise ValueError(f"key {key}: src holds {size} bytes, fewer than nbytes={nbytes}")
         copies = self._copies
-        with label(f"ooc.swap_out key={key}"), self._lock:
+        with label("ooc.swap_out key=", key), self._lock:
             self._check_open()
             copies.poll()
             old = self._records.pop(key, None)
@@ -163,7 +163,7 @@ class PinnedTier:
         after the key's write and after the work already queued on the compute stream."""
         address, size = device_range(dst, "dst")
         copies = self._copies
-        with label(f"ooc.swap_in key={key}"), self._lock:
+        with label("ooc.swap_in key=", key), self._lock:
             self._check_open()
             copies.poll()
             rec = self._records.get(key)
