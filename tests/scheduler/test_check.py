@@ -4,7 +4,6 @@ with the function, the variable and the fix in the message."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -252,15 +251,15 @@ def test_removing_any_transfer_or_free_breaks_a_planned_schedule(seq) -> None:
                         check(broken)
 
 
-def test_check_is_linear_enough() -> None:
+def test_check_proves_a_large_plan() -> None:
+    """~9k functions and ~20k actions. How long check takes, and that it grows linearly with
+    the sequence, is benchmarks/bench_plan.py's (its check column): a bar on time here would
+    fail on a slower machine, not on a slower check."""
     seq = training_like_sequence(1500, style="transformer", act_bytes=1 << 16, param_bytes=1 << 12)
     s = plan(seq, seq.in_core_peak_bytes // 3)
-    t = time.process_time()
     r = check(s)
-    elapsed = time.process_time() - t
-    assert r.peak_bytes <= s.budget
-    # ~9k functions and ~20k actions; 100k functions take about a second.
-    assert elapsed < 1.5, elapsed
+    assert r.peak_bytes == s.peak_resident_bytes <= s.budget
+    assert (r.bytes_in, r.bytes_out) == (s.bytes_in, s.bytes_out) and s.bytes_out > 0
 
 
 def test_check_on_random_plans_matches_schedule_properties() -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -321,16 +320,14 @@ def test_empty_and_trivial_sequences(policy) -> None:
     assert check(plan(one, 1, policy=policy)).peak_bytes == 0
 
 
-def test_planning_logs_and_scales(caplog) -> None:
+def test_planning_a_large_step_logs(caplog) -> None:
+    """~12k functions. Plan time against the sequence's length (a least-squares line) is
+    benchmarks/bench_plan.py's: a bar on time here would fail on a slower machine."""
     seq = training_like_sequence(2000, style="transformer", act_bytes=1 << 16, param_bytes=1 << 12)
-    t = time.process_time()
     with caplog.at_level(logging.INFO, logger="scheduler.planner"):
         s = plan(seq, seq.in_core_peak_bytes // 4)
-    elapsed = time.process_time() - t
     assert any("plan window" in r.getMessage() for r in caplog.records)
-    assert _moved(s) > 0
-    # ~12k functions; 50k plan in about two seconds on one core.
-    assert elapsed < 3.0, elapsed
+    assert _moved(s) > 0 and s.peak_resident_bytes <= s.budget
 
 
 def test_a_planner_failing_above_the_working_set_reports_a_bisected_minimum(caplog) -> None:
