@@ -37,6 +37,7 @@ from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
 from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
+from ooc.runtime.step_protocol import waited
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
 from ooc.storage.tier import SlowerTier
@@ -207,13 +208,13 @@ class AnchoredStep(HookStep):
             slot.start_swap_in(self.tier, self.pool)
             self.read_bytes += slot.nbytes
         elif op is Op.WAIT_IN:
-            self._wait(f"wait_in {slot.name}", Slot.finish_swap_in, slot)
+            waited(self, f"wait_in {slot.name}", Slot.finish_swap_in, slot)
             self.by_storage[id(slot.storage)] = slot
         elif op is Op.SWAP_OUT:
             slot.start_swap_out(self.tier)
             self.spilled_bytes += slot.nbytes
         elif op is Op.WAIT_OUT:
-            self._wait(f"wait_out {slot.name}", Slot.finish_swap_out, slot)
+            waited(self, f"wait_out {slot.name}", Slot.finish_swap_out, slot)
         elif op is Op.DROP:
             slot.drop(self.tier)
         elif op is Op.FREE:
@@ -260,7 +261,7 @@ class AnchoredStep(HookStep):
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
         plan): synchronously, whatever its state."""
         self.read_bytes += slot.bring_back(self.tier, self.pool, account=self._account,
-                                           wait=lambda name, fn: self._wait(name, lambda _: fn()))
+                                           wait=lambda name, fn: waited(self, name, fn))
         if slot.storage is not None:
             self.by_storage[id(slot.storage)] = slot
         if slot.state is not State.RESIDENT:   # freed by a plan that did not expect this use
@@ -300,7 +301,7 @@ class AnchoredStep(HookStep):
         self._reach(self.trace.update)
         busy = in_flight(self.slots.values())
         if busy and drain:
-            self._wait("commit point", lambda _: self.tier.drain())
+            waited(self, "commit point", self.tier.drain)
         raise_failed(busy)
 
     def update_starts(self) -> None:

@@ -110,7 +110,7 @@ class Binding:
         if slot.storage is s and slot.state is not State.OUT:
             return   # the storage appears twice among the op's arguments
         if slot.state is State.OUT:   # its copy is being written out (ensure leaves that to run)
-            self.book.timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
+            self.book.wait(f"wait_out {slot.name}", slot.finish_swap_out)
         slot.take_back(s, self.ctx.tier)   # counted as resident already: it replaces the copy, or the copy in flight
         self.book.register(slot)
 

@@ -70,12 +70,12 @@ class PlanExecutor:
             self.swap_in(slot, where)   # (the slot labels its transfers for profilers)
             ctx.counters["bytes_in"] += slot.nbytes
         elif op is Op.WAIT_IN:
-            book.timed("wait", f"wait_in {slot.name}", slot.finish_swap_in)
+            book.wait(f"wait_in {slot.name}", slot.finish_swap_in)
             book.register(slot)
         elif op is Op.SWAP_OUT:
             book.write_out(slot)
         elif op is Op.WAIT_OUT:
-            book.timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
+            book.wait(f"wait_out {slot.name}", slot.finish_swap_out)
         elif op is Op.DROP:
             slot.drop(ctx.tier)
         elif op is Op.FREE:
@@ -100,5 +100,5 @@ class PlanExecutor:
         here, naming its variable. ``drain=False``: only those already failed raise."""
         busy = in_flight(self.book.slots.values())
         if busy and drain:   # one wait for all of them (on a GPU, one host synchronization)
-            self.book.timed("wait", "commit point", self.ctx.tier.drain)
+            self.book.wait("commit point", self.ctx.tier.drain)
         raise_failed(busy)

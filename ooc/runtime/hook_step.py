@@ -7,14 +7,14 @@ backward needs it (what an on-demand step does, without the per-op path)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ooc.runtime.labels import label
 from ooc.runtime.rollback import StepRollback
 from ooc.runtime.saved_tensors import _of_parameter
 from ooc.runtime.slots import Slot, State
+from ooc.runtime.step_protocol import waited
 from ooc.runtime.views import View
 from ooc.storage.tier import SlowerTier
 from scheduler.ir import Kind
@@ -76,16 +76,6 @@ class HookStep:
     def update_done(self) -> None:
         self.updating = False
 
-    def _wait(self, name: str, fn: Callable[[Any], Any], arg: Any = None) -> Any:
-        """``fn(arg)``, a wait the step's thread sits through: its time is stall, on the timeline."""
-        t0 = time.perf_counter()
-        with label("ooc.", name):
-            out = fn(arg)
-        t1 = time.perf_counter()
-        self.stall_s += t1 - t0
-        self.events.append(("wait", name, t0, t1))
-        return out
-
     # -- after the plan: the saved tensors over the budget go to the tier ---------------------
 
     def _after_plan(self, t: torch.Tensor, nbytes: int) -> Any:
@@ -111,7 +101,7 @@ class HookStep:
         autograd keeps only where."""
         slot = Slot(-1 - len(self.spilled), Kind.ACTIVATION, nbytes, f"saved tensor {len(self.spilled)}",
                     in_place=False, state=State.RESIDENT, storage=t.untyped_storage())
-        self._wait(f"write out saved tensor ({format_size(nbytes)})", slot.to_tier, self.tier)
+        waited(self, f"write out saved tensor ({format_size(nbytes)})", slot.to_tier, self.tier)
         self.spilled.append(slot)
         self.spilled_bytes += nbytes
         return Spilled(slot, t)
@@ -123,7 +113,7 @@ class HookStep:
         slot = p.slot
         if slot.state is not State.RESIDENT:
             self.read_bytes += slot.bring_back(self.tier, _TorchMemory(p.device),
-                                               wait=lambda name, fn: self._wait(f"read back {name}", lambda _: fn()))
+                                               wait=lambda name, fn: waited(self, f"read back {name}", fn))
         out = p.view.on(slot.storage)
         slot.drop(self.tier)   # the tensor holds the bytes now; the slot, the tier's copy
         return out

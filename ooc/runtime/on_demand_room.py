@@ -173,7 +173,7 @@ class OnDemandRoom:
             if not (block or slot.future.done() or in_flight > limit):
                 break
             self.in_flight_out.pop(0)
-            self.book.timed("wait", f"wait_out {slot.name}", slot.finish_swap_out)
+            self.book.wait(f"wait_out {slot.name}", slot.finish_swap_out)
             self.book.account(-slot.nbytes)
 
     def writes_settled(self) -> None:
@@ -286,7 +286,7 @@ class OnDemandRoom:
         tier holds its bytes, else write it out and wait."""
         book = self.book
         if slot.state is State.IN:
-            book.timed("wait", f"swap_in {slot.name}", slot.finish_swap_in)
+            book.wait(f"swap_in {slot.name}", slot.finish_swap_in)
         if slot.state is State.RESIDENT and slot.host_current:
             slot.drop(self.ctx.tier)
             book.account(-slot.nbytes)
@@ -294,7 +294,7 @@ class OnDemandRoom:
         if slot.state is State.RESIDENT:
             book.write_out(slot)
         if slot.state is State.OUT:
-            book.timed("wait", f"evict {slot.name}", slot.finish_swap_out)
+            book.wait(f"evict {slot.name}", slot.finish_swap_out)
             book.account(-slot.nbytes)
 
     def _kept_names(self) -> str:

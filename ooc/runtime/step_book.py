@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 
 from ooc.record.managed import Recording
-from ooc.runtime.labels import label
 from ooc.runtime.slots import Slot
 from ooc.runtime.step_context import StepContext
+from ooc.runtime.step_protocol import waited
 from scheduler.actions import Refused
 from scheduler.schedule import Schedule
 from scheduler.widening import sizes_vary
@@ -106,18 +106,9 @@ class StepBook:
         self.resident += delta
         self.peak = max(self.peak, self.resident)
 
-    def timed(self, track: str, name: str, fn: Callable, *args) -> None:
-        """Block on a transfer; the time counts as stall and shows on the timeline."""
-        t0 = time.perf_counter()
-        with label("ooc.", name):
-            fn(*args)
-        t1 = time.perf_counter()
-        self.stall_s += t1 - t0
-        self.events.append((track, name, t0, t1))
-
-    def wait(self, name: str, fn: Callable[[], None]) -> None:
-        """A slot's wait (``Slot.bring_back``), timed as ``timed`` does."""
-        self.timed("wait", name, fn)
+    def wait(self, name: str, fn: Callable[..., None], *args) -> None:
+        """Block on a transfer: stall, on the timeline (``step_protocol.waited``)."""
+        waited(self, name, fn, *args)
 
     def write_out(self, slot: Slot) -> None:
         """Start writing ``slot`` to the tier, counted and on the timeline."""

@@ -21,18 +21,44 @@ and ends through one routine (``ooc/engine/step_end.py``) that books one ``StepR
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol, runtime_checkable
+from typing import Any, Hashable, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from ooc.runtime.labels import label
 from scheduler.schedule import Schedule
+
+R = TypeVar("R")
 
 FORMS = ("recorded", "planned", "diverged", "plain", "anchored")
 
 
+class Timeline(Protocol):
+    """What every step form keeps of its time: ``stall_s`` (blocked on transfers) and
+    ``events`` (the timeline's (track, name, start, end))."""
+
+    stall_s: float
+    events: list[tuple[str, str, float, float]]
+
+
+def waited(on: Timeline, name: str, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)``, a wait the step's thread sits through: its time is ``on``'s stall, a
+    ``wait`` event on its timeline and a profiler's ``ooc.<name>`` range. Every form's waits
+    come through here, so a stall means the same whichever form the step took."""
+    t0 = time.perf_counter()
+    with label("ooc.", name):
+        out = fn(*args)
+    t1 = time.perf_counter()
+    on.stall_s += t1 - t0
+    on.events.append(("wait", name, t0, t1))
+    return out
+
+
 @runtime_checkable
-class Step(Protocol):
+class Step(Timeline, Protocol):
     """What the engine drives and reads, whatever form the step takes.
 
     Attributes: ``start_key`` (the plan key it is booked under), ``schedule`` (the plan it
@@ -47,8 +73,6 @@ class Step(Protocol):
     updating: bool
     rollback: Any
     peak: int
-    stall_s: float
-    events: list[tuple[str, str, float, float]]
 
     @property
     def planned(self) -> bool: ...
