@@ -36,7 +36,9 @@ from ooc.runtime.hook_trace import HookTrace
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
-from ooc.runtime.slots import Slot, State, freed_error, in_flight, raise_failed
+from ooc.runtime.commit_point import wait_for_transfers
+from ooc.runtime.given_back import freed_error
+from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_protocol import waited
 from ooc.runtime.bound_templates import BoundTemplates
 from ooc.runtime.templates import Templates
@@ -299,10 +301,7 @@ class AnchoredStep(HookStep):
         if not self.actions:   # nothing in flight: a plain step's writes are synchronous
             return
         self._reach(self.trace.update)
-        busy = in_flight(self.slots.values())
-        if busy and drain:
-            waited(self, "commit point", self.tier.drain)
-        raise_failed(busy)
+        wait_for_transfers(self, self.slots.values(), self.tier, drain)
 
     def update_starts(self) -> None:
         self.updated = True

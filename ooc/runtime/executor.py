@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from ooc.runtime.overflow import pool_for
 from ooc.runtime.recompute import Recomputation
-from ooc.runtime.slots import Slot, in_flight, raise_failed
+from ooc.runtime.commit_point import wait_for_transfers
+from ooc.runtime.slots import Slot
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler.actions import TRANSITIONS, Names, refusal
@@ -98,7 +99,4 @@ class PlanExecutor:
     def wait_for_transfers(self, drain: bool = True) -> None:
         """The commit point's wait: every transfer in flight completes; a failed one raises
         here, naming its variable. ``drain=False``: only those already failed raise."""
-        busy = in_flight(self.book.slots.values())
-        if busy and drain:   # one wait for all of them (on a GPU, one host synchronization)
-            self.book.wait("commit point", self.ctx.tier.drain)
-        raise_failed(busy)
+        wait_for_transfers(self.book, self.book.slots.values(), self.ctx.tier, drain)

@@ -23,7 +23,8 @@ from ooc.record.managed import Birth, Recording
 from ooc.record.storages import storage_of
 from ooc.runtime.fresh_storages import FreshStorages
 from ooc.runtime.overflow import pool_for
-from ooc.runtime.slots import Slot, State, freed_error, given_back_error
+from ooc.runtime.given_back import freed_error, given_back_error
+from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
 from ooc.runtime.step_context import StepContext
 from scheduler import on_demand

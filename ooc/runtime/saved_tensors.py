@@ -266,7 +266,7 @@ class SavedTensors:
         inputs instead, they had to fit the budget at once). A saved tensor whose
         graph was dropped before any backward is dead, and one read back died with its node
         unless the graph was kept (``retain_graph``): a second backward in a later step that
-        the recorded step did not run is not provided for (``slots.freed_error``)."""
+        the recorded step did not run is not provided for (``given_back.freed_error``)."""
         for var in self.reachable - self.read_back:
             if var in self.rec.variables:
                 self.rec.set_live_out(var, True)

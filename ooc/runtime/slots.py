@@ -22,7 +22,7 @@ form, the engine between steps and the step's end call its methods, never assign
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -328,27 +328,6 @@ class Slot:
             self.storage = None
 
 
-def given_back_error(slot: Slot, where: str) -> OOCError:
-    """What reading a tensor whose bytes the plan gave back raises (never a read of freed
-    memory: a segfault or garbage)."""
-    return OOCError(
-        f"{where} reads {slot.name} ({format_size(slot.nbytes)}, {slot.nbytes} B), whose bytes the plan "
-        f"gave back after its last use in the step it was recorded from (nothing read it later "
-        f"there). Read gradients before optimizer.step() (clip_grad_norm_ returns the norm), do the "
-        f"same reads in every step, or leave 'grads' out of manage")
-
-
-def freed_error(slot: Slot, where: str) -> OOCError:
-    """What reading an activation the plan freed raises, where a step left its plan and
-    autograd unpacked it after all (never a read of a storage that is gone)."""
-    return OOCError(
-        f"{where} reads the saved activation {slot.name} ({format_size(slot.nbytes)}, {slot.nbytes} B), "
-        f"whose bytes the plan gave back after its last use in the step it was recorded from, where "
-        f"no backward node read it again. This step's backward did (a second backward over a graph "
-        f"kept with retain_graph=True, which the recorded step did not run?): run the same backward "
-        f"passes in every step (the step is rolled back: the parameters are as before it)")
-
-
 def _done() -> Future:
     """The transfer of an empty slot: finished before it starts."""
     f: Future = Future()
@@ -381,20 +360,3 @@ def block(future: Transfer) -> None:
         wait([future])
     else:
         future.exception()
-
-
-def in_flight(slots: Iterable[Slot]) -> list[Slot]:
-    """The slots with a transfer issued and not yet waited for."""
-    return [s for s in slots if s.future is not None and s.state in (State.IN, State.OUT)]
-
-
-def raise_failed(slots: Iterable[Slot]) -> None:
-    """After a drain: the first failed transfer among ``slots`` raises, naming its variable."""
-    for s in slots:
-        if failed(s):
-            (s.finish_swap_in if s.state is State.IN else s.finish_swap_out)()
-
-
-def failed(slot: Slot) -> bool:
-    """The slot's transfer has finished and failed (its ``finish_*`` would raise)."""
-    return slot.future is not None and slot.future.done() and slot.future.exception() is not None
