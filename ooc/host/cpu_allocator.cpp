@@ -2,10 +2,11 @@
 // kernel at every free. Built and loaded by ooc/host/cpu_allocator.py; see its docstring
 // for why it exists. Blocks below kLarge go to PyTorch's own alloc_cpu/free_cpu unchanged.
 //
-// Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages,
-// and page-aligned so the swap file can use O_DIRECT on them). While enabled (an engine step
-// runs), a freed large block is kept, merged with cached neighbours in the address space, and
-// a request takes the smallest cached block that holds it (best fit), splitting off the rest.
+// Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages
+// but in a step with a cap, see map_aligned; page-aligned so the swap file can use O_DIRECT).
+// While enabled (an engine step runs), a freed large block is kept, merged with cached
+// neighbours in the address space, and a request takes the smallest cached block that holds
+// it (best fit), splitting off the rest.
 // A request that no cached block holds (a miss) gathers the pages of smaller ones, largest
 // first, into one new range (mremap moves page tables, not bytes) and maps fresh only what the
 // cache cannot give: the kernel zeroes every fresh page, at about 1 GB/s on this project's VM.
@@ -79,6 +80,7 @@ struct Counters {
   size_t cap = SIZE_MAX;   // bytes idle memory never exceeds (a budget for the whole step)...
   size_t total = SIZE_MAX; // ...unless live and idle together stay within this (idle_cap_locked)
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
+  int huge = 1;            // map blocks as transparent huge pages (0: the last step had a cap)
   size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
   size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
   size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
@@ -246,7 +248,10 @@ Addr map_aligned(size_t r) {
     }
     munmap(p + r, base + r + kRound - (p + r));
   }
-  madvise(p, r, MADV_HUGEPAGE);   // fewer page faults; harmless where THP is off
+  // Huge pages fault fewer times, but a block is resident whole once touched: under a budget
+  // for the whole step (a cap) its rounding, up to 2 MiB a tensor, would be memory the budget
+  // does not count (a 2-layer Llama at a 58 MiB step budget peaked ~10 MiB higher with them).
+  madvise(p, r, c.huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   return p;
 }
 
@@ -378,6 +383,9 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap, size_t t
     c.step_peak = live_bytes();
   }
   c.enabled = enabled;
+  if (enabled) {   // (between steps the blocks are mapped as in the last step)
+    c.huge = cap == SIZE_MAX;
+  }
   c.floor = enabled ? floor : 0;
   c.cap = enabled ? cap : SIZE_MAX;
   c.total = enabled ? total : SIZE_MAX;
@@ -484,7 +492,7 @@ void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,
                         static_cast<size_t>(c.enabled), c.peak_live, c.external,
                         c.idle_external, std::max(c.step_peak, c.last_peak), c.fresh,
-                        c.gathered};
+                        c.gathered, static_cast<size_t>(c.huge)};
   for (size_t i = 0; i < n && i < sizeof(all) / sizeof(all[0]); i++) {
     out[i] = all[i];
   }

@@ -26,9 +26,10 @@ oldest blocks, so it never makes the process larger than its tensors already did
 no cap below that bound: one only made the kernel zero pages again each step
 (``ooc.engine.lifetime.recycle_bytes`` says why).
 Between steps it only shrinks (it serves large requests, then gives back what they need),
-and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps:
-transparent huge pages where the kernel allows (``madvise``), page-aligned for the swap file's
-O_DIRECT.
+and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps,
+page-aligned for the swap file's O_DIRECT: transparent huge pages where the kernel allows
+(``madvise``), but not under a budget for the whole step (a cap, :func:`begin`), where a huge
+page makes a block's rounding resident, memory beside the budget's tensors.
 
 PyTorch lets only C++ replace its CPU allocator (``c10::SetCPUAllocator``), so the source is
 compiled against the installed torch's headers with the system's C++ compiler (about a second),
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "floor_bytes", "enabled",
              "peak_live_bytes", "external_bytes", "idle_external_bytes", "bound_peak_bytes",
-             "fresh_bytes", "gathered_bytes")
+             "fresh_bytes", "gathered_bytes", "huge_pages")
 
 _TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
 # Reentrant: a pool or an engine collected without close() reports to this module from its
