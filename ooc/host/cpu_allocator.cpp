@@ -2,8 +2,9 @@
 // kernel at every free. Built and loaded by ooc/host/cpu_allocator.py; see its docstring
 // for why it exists. Blocks below kLarge go to PyTorch's own alloc_cpu/free_cpu unchanged.
 //
-// Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages
-// but in a step with a cap, see map_aligned; page-aligned so the swap file can use O_DIRECT).
+// Large blocks are anonymous mmaps rounded up to kRound (2 MiB: whole transparent huge pages),
+// or to a page in a step with a cap (see map_aligned); page-aligned, so the swap file can use
+// O_DIRECT on them.
 // While enabled (an engine step runs), a freed large block is kept, merged with cached
 // neighbours in the address space, and a request takes the smallest cached block that holds
 // it (best fit), splitting off the rest.
@@ -52,6 +53,7 @@
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -67,6 +69,7 @@ namespace {
 
 constexpr size_t kLarge = size_t(1) << 20;
 constexpr size_t kRound = size_t(2) << 20;
+const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
 
 struct Counters {
   size_t cached = 0;       // bytes of freed blocks kept for reuse
@@ -81,6 +84,7 @@ struct Counters {
   size_t total = SIZE_MAX; // ...unless live and idle together stay within this (idle_cap_locked)
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
   int huge = 1;            // map blocks as transparent huge pages (0: the last step had a cap)
+  size_t round = kRound;   // a block's size is a multiple of this (kPage without huge pages)
   size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
   size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
   size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
@@ -206,7 +210,7 @@ void recycle_free(void* ptr) {
   }
 }
 
-size_t rounded(size_t n) { return (n + kRound - 1) / kRound * kRound; }
+size_t rounded(size_t n) { return (n + c.round - 1) / c.round * c.round; }
 
 // The smallest cached block that holds r bytes, split to size; nullptr if none does.
 void* from_cache_locked(size_t r) {
@@ -229,12 +233,22 @@ void* from_cache_locked(size_t r) {
 // whole huge pages stay huge); nullptr if the kernel refuses. Kernels from 6.7 align such
 // mappings themselves, and then blocks mapped one after another are neighbours, which the
 // cache merges; elsewhere a mapping one huge page longer is trimmed to the boundary.
+//
+// Huge pages fault fewer times, but a block is resident whole once touched, and a block
+// rounded to them holds up to 2 MiB more than its tensor. Under a budget for the whole step
+// (a cap) that rounding was memory the budget did not count for managed tensors: a 2-layer
+// Llama at the 58 MiB step budget its loop named peaked at 76-78 MiB with huge pages, 59-63
+// without, and 52-56 (at 56 MiB named) with blocks rounded to a page. So there, no huge pages.
 Addr map_aligned(size_t r) {
   void* v = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (v == MAP_FAILED) {
     return nullptr;
   }
   Addr p = static_cast<Addr>(v);
+  if (!c.huge) {
+    madvise(p, r, MADV_NOHUGEPAGE);   // (where THP is "always", the kernel would use them)
+    return p;
+  }
   if (reinterpret_cast<uintptr_t>(p) % kRound != 0) {
     munmap(p, r);
     v = mmap(nullptr, r + kRound, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -248,10 +262,7 @@ Addr map_aligned(size_t r) {
     }
     munmap(p + r, base + r + kRound - (p + r));
   }
-  // Huge pages fault fewer times, but a block is resident whole once touched: under a budget
-  // for the whole step (a cap) its rounding, up to 2 MiB a tensor, would be memory the budget
-  // does not count (a 2-layer Llama at a 58 MiB step budget peaked ~10 MiB higher with them).
-  madvise(p, r, c.huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  madvise(p, r, MADV_HUGEPAGE);   // fewer page faults; harmless where THP is off
   return p;
 }
 
@@ -260,7 +271,8 @@ Addr map_aligned(size_t r) {
 // ~0.06 s a step in the compute threads' page faults), the cached blocks' pages are moved,
 // largest first, into one new range (mremap moves page tables, not bytes); only what the
 // cache cannot give is fresh. A block that spans two kernel mappings cannot move whole: it
-// moves in huge-page pieces, and a piece that still cannot move stays cached. The caller
+// moves in pieces of the blocks' multiple (a huge page, or a page), and a piece that still
+// cannot move stays cached. The caller
 // holds mu; the returned block is live.
 Addr gather_locked(size_t r) {
   Addr dst = map_aligned(r);
@@ -278,8 +290,8 @@ Addr gather_locked(size_t r) {
       void* got = mremap(p + moved, piece, piece, MREMAP_MAYMOVE | MREMAP_FIXED, dst + off + moved);
       if (got != MAP_FAILED) {
         moved += piece;
-      } else if (piece > kRound) {
-        piece = std::max(kRound, piece / 2 / kRound * kRound);
+      } else if (piece > c.round) {
+        piece = std::max(c.round, piece / 2 / c.round * c.round);
       } else {
         break;
       }
@@ -385,6 +397,7 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap, size_t t
   c.enabled = enabled;
   if (enabled) {   // (between steps the blocks are mapped as in the last step)
     c.huge = cap == SIZE_MAX;
+    c.round = c.huge ? kRound : kPage;
   }
   c.floor = enabled ? floor : 0;
   c.cap = enabled ? cap : SIZE_MAX;
@@ -492,7 +505,7 @@ void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,
                         static_cast<size_t>(c.enabled), c.peak_live, c.external,
                         c.idle_external, std::max(c.step_peak, c.last_peak), c.fresh,
-                        c.gathered, static_cast<size_t>(c.huge)};
+                        c.gathered, static_cast<size_t>(c.huge), c.round};
   for (size_t i = 0; i < n && i < sizeof(all) / sizeof(all[0]); i++) {
     out[i] = all[i];
   }

@@ -28,8 +28,9 @@ no cap below that bound: one only made the kernel zero pages again each step
 Between steps it only shrinks (it serves large requests, then gives back what they need),
 and :func:`release` (``engine.close()``) unmaps it. Blocks are 2 MiB-rounded anonymous mmaps,
 page-aligned for the swap file's O_DIRECT: transparent huge pages where the kernel allows
-(``madvise``), but not under a budget for the whole step (a cap, :func:`begin`), where a huge
-page makes a block's rounding resident, memory beside the budget's tensors.
+(``madvise``), but not under a budget for the whole step (a cap, :func:`begin`), where blocks
+are page-rounded and mapped without huge pages: there a huge page made a block's rounding
+resident, memory no budget counted for the managed tensors in such blocks.
 
 PyTorch lets only C++ replace its CPU allocator (``c10::SetCPUAllocator``), so the source is
 compiled against the installed torch's headers with the system's C++ compiler (about a second),
@@ -51,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -68,7 +70,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 STAT_KEYS = ("cached_bytes", "mapped_bytes", "peak_mapped_bytes", "hits", "misses", "floor_bytes", "enabled",
              "peak_live_bytes", "external_bytes", "idle_external_bytes", "bound_peak_bytes",
-             "fresh_bytes", "gathered_bytes", "huge_pages")
+             "fresh_bytes", "gathered_bytes", "huge_pages", "block_round_bytes")
 
 _TEMP_PREFIX = "ooc-alloc-"   # a private temporary build directory, removed once loaded
 # Reentrant: a pool or an engine collected without close() reports to this module from its
@@ -145,15 +147,18 @@ def installed() -> bool:
     return _lib is not None and bool(_lib.ooc_cpu_allocator_is_installed())
 
 
-LARGE, ROUND = 1 << 20, 2 << 20   # cpu_allocator.cpp's kLarge and kRound
+LARGE, ROUND, PAGE = 1 << 20, 2 << 20, mmap.PAGESIZE   # cpu_allocator.cpp's kLarge, kRound, kPage
+_round = ROUND   # what blocks are multiples of now: PAGE since a step with a cap (as the C++ decides)
 
 
 def block_bytes(nbytes: int) -> int:
     """What a tensor of ``nbytes`` takes while this allocator is PyTorch's: from ``LARGE`` on,
-    whole 2 MiB blocks; a smaller one, its bytes (glibc's heap, PyTorch's ``alloc_cpu``)."""
+    whole blocks (2 MiB, transparent huge pages; pages since a step under a budget for the
+    whole step, :func:`begin` with a cap); a smaller one, its bytes (glibc's heap, PyTorch's
+    ``alloc_cpu``)."""
     if nbytes < LARGE or not installed():
         return nbytes
-    return -(-nbytes // ROUND) * ROUND
+    return -(-nbytes // _round) * _round
 
 
 def _loaded_locked() -> ctypes.CDLL | None:
@@ -307,6 +312,7 @@ def owns(pointers: list[int]) -> list[bool]:
 
 
 def _configure_locked() -> None:
+    global _round
     if _lib is not None:
         floor, cap, total = 0, NO_CAP, NO_CAP
         for f, c, t in _active.values():   # (no comprehension: a Python call in every step)
@@ -314,6 +320,8 @@ def _configure_locked() -> None:
             cap = cap if c is None else min(cap, c)
             total = total if t is None else min(total, t)
         _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor, cap, total)
+        if _active:   # (between steps blocks keep the last step's multiple, as in the C++)
+            _round = ROUND if cap == NO_CAP else PAGE
 
 
 class _Unavailable(Exception):
