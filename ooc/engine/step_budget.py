@@ -16,6 +16,7 @@ holds too: only PyTorch's own bytes over the budget go over it, and the step's e
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -286,8 +287,9 @@ def _others(optimizer: torch.optim.Optimizer, model: torch.nn.Module, manage: fr
 
 
 def _size(mem: EngineMemory) -> Callable[[int], int]:
-    """What a tensor of so many bytes takes on ``mem``'s device (the CPU allocator's blocks)."""
-    return cpu_allocator.block_bytes if mem.on_cpu else lambda n: n
+    """What a tensor of so many bytes takes on ``mem``'s device under a budget for the whole
+    step (the CPU allocator's blocks then: whole pages)."""
+    return functools.partial(cpu_allocator.block_bytes, pages=True) if mem.on_cpu else lambda n: n
 
 
 def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any) -> None:

@@ -148,17 +148,18 @@ def installed() -> bool:
 
 
 LARGE, ROUND, PAGE = 1 << 20, 2 << 20, mmap.PAGESIZE   # cpu_allocator.cpp's kLarge, kRound, kPage
-_round = ROUND   # what blocks are multiples of now: PAGE since a step with a cap (as the C++ decides)
 
 
-def block_bytes(nbytes: int) -> int:
+def block_bytes(nbytes: int, pages: bool = False) -> int:
     """What a tensor of ``nbytes`` takes while this allocator is PyTorch's: from ``LARGE`` on,
-    whole blocks (2 MiB, transparent huge pages; pages since a step under a budget for the
-    whole step, :func:`begin` with a cap); a smaller one, its bytes (glibc's heap, PyTorch's
-    ``alloc_cpu``)."""
+    whole blocks, of 2 MiB (transparent huge pages) or, with ``pages``, whole pages (what a
+    step under a budget for the whole step maps: :func:`begin` with a cap); a smaller one, its
+    bytes (glibc's heap, PyTorch's ``alloc_cpu``). Asked by the engine for its own kind of
+    step, not of the allocator's last one: that may be another engine's."""
     if nbytes < LARGE or not installed():
         return nbytes
-    return -(-nbytes // _round) * _round
+    unit = PAGE if pages else ROUND
+    return -(-nbytes // unit) * unit
 
 
 def _loaded_locked() -> ctypes.CDLL | None:
@@ -312,7 +313,6 @@ def owns(pointers: list[int]) -> list[bool]:
 
 
 def _configure_locked() -> None:
-    global _round
     if _lib is not None:
         floor, cap, total = 0, NO_CAP, NO_CAP
         for f, c, t in _active.values():   # (no comprehension: a Python call in every step)
@@ -320,8 +320,6 @@ def _configure_locked() -> None:
             cap = cap if c is None else min(cap, c)
             total = total if t is None else min(total, t)
         _lib.ooc_cpu_allocator_configure(int(bool(_active)), floor, cap, total)
-        if _active:   # (between steps blocks keep the last step's multiple, as in the C++)
-            _round = ROUND if cap == NO_CAP else PAGE
 
 
 class _Unavailable(Exception):

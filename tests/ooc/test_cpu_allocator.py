@@ -285,7 +285,7 @@ HUGE_PAGES = """
         out[case] = {"eligible": smaps.get("THPeligible"), "huge_kib": smaps["AnonHugePages"],
                      "stat": cpu_allocator.stats()["huge_pages"],
                      "block_kib": (cpu_allocator.stats()["mapped_bytes"] - mapped) // 1024,
-                     "counted_kib": cpu_allocator.block_bytes(block.untyped_storage().nbytes()) // 1024}
+                     "counted_kib": cpu_allocator.block_bytes(block.untyped_storage().nbytes(), pages=cap is not None) // 1024}
         del block
         cpu_allocator.end(owner)
     print(json.dumps(out))

@@ -221,7 +221,11 @@ def test_users_idioms_train_bitwise_at_the_least_budget(case: str, manage: tuple
     if covers == "managed":   # (the least budget for the whole step may leave room for all else)
         assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0, f"{case}: the budget must make the plan act"
     else:
-        assert stats["step_budget"] > 0 and stats["step_held_bytes"] > 0   # a budget for the whole step, in force
+        # a budget for the whole step, in force. What the step holds beside the managed tensors
+        # may be nothing: after the "all" case, weight_norm's steps on demand wrote Adam's 3 MiB
+        # square root and quotient out to make room (run alone they did not), so they were
+        # managed, the chunk was halved down to 256 KiB, and there every tensor is managed
+        assert stats["step_budget"] > 0
     assert seen == ref_seen, f"{case}: the hooks or evaluations saw other values"
     assert_same(state_of(ref, ref_opt), state, case)
 
