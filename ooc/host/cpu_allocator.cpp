@@ -272,8 +272,7 @@ Addr map_aligned(size_t r) {
 // largest first, into one new range (mremap moves page tables, not bytes); only what the
 // cache cannot give is fresh. A block that spans two kernel mappings cannot move whole: it
 // moves in pieces of the blocks' multiple (a huge page, or a page), and a piece that still
-// cannot move stays cached. The caller
-// holds mu; the returned block is live.
+// cannot move stays cached. The caller holds mu; the returned block is live.
 Addr gather_locked(size_t r) {
   Addr dst = map_aligned(r);
   if (dst == nullptr) {
