@@ -84,7 +84,6 @@ struct Counters {
   size_t total = SIZE_MAX; // ...unless live and idle together stay within this (idle_cap_locked)
   int enabled = 0;         // 0: new allocations go to alloc_cpu (installed but idle)
   int huge = 1;            // map blocks as transparent huge pages (0: the last step had a cap)
-  size_t round = kRound;   // a block's size is a multiple of this (kPage without huge pages)
   size_t external = 0;     // bytes the device pool (beside this allocator) holds tensors in
   size_t idle_external = 0;  // bytes of the pool's chunks that hold no tensor
   size_t peak_live = 0;    // most bytes live at once (large blocks + external), ever
@@ -210,7 +209,10 @@ void recycle_free(void* ptr) {
   }
 }
 
-size_t rounded(size_t n) { return (n + c.round - 1) / c.round * c.round; }
+// What a block's size is a multiple of: a huge page, or a page where blocks are not huge.
+size_t multiple() { return c.huge ? kRound : kPage; }
+
+size_t rounded(size_t n) { return (n + multiple() - 1) / multiple() * multiple(); }
 
 // The smallest cached block that holds r bytes, split to size; nullptr if none does.
 void* from_cache_locked(size_t r) {
@@ -289,8 +291,8 @@ Addr gather_locked(size_t r) {
       void* got = mremap(p + moved, piece, piece, MREMAP_MAYMOVE | MREMAP_FIXED, dst + off + moved);
       if (got != MAP_FAILED) {
         moved += piece;
-      } else if (piece > c.round) {
-        piece = std::max(c.round, piece / 2 / c.round * c.round);
+      } else if (piece > multiple()) {
+        piece = std::max(multiple(), piece / 2 / multiple() * multiple());
       } else {
         break;
       }
@@ -396,7 +398,6 @@ void ooc_cpu_allocator_configure(int enabled, size_t floor, size_t cap, size_t t
   c.enabled = enabled;
   if (enabled) {   // (between steps the blocks are mapped as in the last step)
     c.huge = cap == SIZE_MAX;
-    c.round = c.huge ? kRound : kPage;
   }
   c.floor = enabled ? floor : 0;
   c.cap = enabled ? cap : SIZE_MAX;
@@ -504,7 +505,7 @@ void ooc_cpu_allocator_stats(size_t* out, size_t n) {
   const size_t all[] = {c.cached, c.mapped, c.peak_mapped, c.hits, c.misses, c.floor,
                         static_cast<size_t>(c.enabled), c.peak_live, c.external,
                         c.idle_external, std::max(c.step_peak, c.last_peak), c.fresh,
-                        c.gathered, static_cast<size_t>(c.huge), c.round};
+                        c.gathered, static_cast<size_t>(c.huge), multiple()};
   for (size_t i = 0; i < n && i < sizeof(all) / sizeof(all[0]); i++) {
     out[i] = all[i];
   }
