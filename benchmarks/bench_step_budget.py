@@ -75,6 +75,7 @@ def row(label: str, results: list[measure.CaseResult], weights: int, budget: int
     return [label, "" if budget is None else format_size(budget),
             format_size(stats["budget"]) if stats else "",
             format_size(stats.get("step_held_bytes") or 0) if stats else "",
+            format_size(stats.get("step_records_bytes") or 0) if stats else "",
             f"{steady / MiB:.1f} MiB", "" if code is None else f"{code / MiB:.1f} MiB",
             f"{data / MiB:.1f} MiB{within(data)}", f"{whole / MiB:.1f} MiB", f"{total / MiB:.0f} MiB",
             f"{step * 1e3:.0f} ms", format_size(stats.get("plan.bytes_out", 0)) if stats else "",
@@ -107,7 +108,7 @@ def main() -> None:
                "steps, median over processes; peaks: the largest over processes",
                f"load average (1 min): {common.load_average()}"])
     lines += common.md_table(
-        ["case", "step budget", "managed budget", "held beside", f"peak from step {STEADY}",
+        ["case", "step budget", "managed budget", "held beside", "records", f"peak from step {STEADY}",
          f"code paged in before step {STEADY}", "peak less that code", "peak, every step", "process total", "step",
          "moved out", "recomputed"], rows)
     lines += ["", f"Peaks: the process's peak rise (VmHWM, reset once model, optimizer and batch were built, and "
@@ -120,7 +121,8 @@ def main() -> None:
               "budget of tensors bounds it; the budget is judged on the peak less it (an upper bound on "
               "the steady steps' own rise: that code stays mapped). "
               "'held beside': the most the recorded step held beside its managed tensors "
-              "(`stats()['step_held_bytes']`). The managed-mode rows run the engine at the managed budget "
+              "(`stats()['step_held_bytes']`); 'records': what the step budget keeps for the engine's own "
+              "records of the step, Python objects (`stats()['step_records_bytes']`). The managed-mode rows run the engine at the managed budget "
               "the step budget chose: what the default mode gives when told that budget."]
     common.write_report(common.result_path("step-budget", args.quick, out=args.out), lines)
 

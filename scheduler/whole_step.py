@@ -139,7 +139,7 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
                      f"managed tensors the step holds up to {format_size(most)} there (weights, gradients, "
                      f"optimizer state, PyTorch's temporaries), and one function needs {format_size(low)} of "
                      f"managed tensors at once" + (" in each of two arenas" if arenas > 1 else "")
-                     + (f"; {format_size(reserve(budget))} is kept for the allocator's cache"
+                     + (f"; {format_size(reserve(budget))} is kept back (the CPU allocator's cache, the engine's records)"
                         if reserve(budget) else ""))
         try:
             raise err

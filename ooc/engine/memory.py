@@ -40,11 +40,13 @@ class EngineMemory:
     arena: str = "pool"          # where swap-ins live on a GPU (ooc.Options.arena), for each new pool
     manage: frozenset[str] = frozenset({"activations"})   # the kinds that may leave (ooc.OutOfCore's manage)
     # Options(budget_covers="step"), ooc/engine/step_budget.py: the budget given for the whole
-    # step (0: the budget covers the managed tensors only), what a step starts with, and the
-    # most its recording held beside the managed tensors
+    # step (0: the budget covers the managed tensors only), what a step starts with, the most
+    # its recording held beside the managed tensors, and what the engine's own records of its
+    # steps take on the CPU (``step_budget.records_bytes``)
     step_budget: int = 0
     step_start: int = 0
     step_held: int = 0
+    step_records: int = 0
     # the last step raised: the frames that hold its exception hold its tensors, in cycles the
     # collector may not reach for many steps, where the user's code makes one (ooc's own raises
     # make none since 2026-11-29: they held 96 MiB of a Llama's retried step); the next step

@@ -259,7 +259,7 @@ class OutOfCore:
             return None
         budget = self._mem.step_budget
         if self._room[0] is not whole or self._room[1] != budget:
-            self._room = (whole, budget, allocator_room(budget, whole))
+            self._room = (whole, budget, allocator_room(budget, whole, self._mem.step_records))
         return self._room[2]
 
     @property

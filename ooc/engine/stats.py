@@ -45,6 +45,7 @@ def engine_stats(book: StepBook, mem: EngineMemory, plans: PlanCache, reads: Any
         "budget": mem.budget,
         "step_budget": mem.step_budget,
         "step_held_bytes": mem.step_held,
+        "step_records_bytes": mem.step_records,
         "chunk": mem.chunk,
         "pool_peak_mapped_bytes": mem.pool.stats().get("peak_mapped_bytes") or 0,
     })

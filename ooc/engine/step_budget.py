@@ -40,10 +40,34 @@ from vmm.units import format_size
 log = logging.getLogger(__name__)
 
 
+# Bytes of Python objects the engine keeps per function of a step it recorded (its
+# ``Function``s and their uses, working sets, what each op held beside, the timeline's last
+# steps) and makes while it plans it: tracemalloc's peak over a step, from the second on, was
+# 4.9-5.6 KiB a function of the whole step (its update's ops too) for 2-layer Hugging Face
+# GPT-2, BERT and Llama models and a small CNN (500-1,050 functions), and 2.8 for an MLP of
+# 120 modules (3,046)
+# (``test_refusal_loop.py::test_the_engines_records_are_within_what_a_step_budget_keeps_for_them``).
+RECORD_BYTES = 6 << 10
+
+
 def cache_reserve(budget: int, on_cpu: bool) -> int:
     """Bytes of a step budget kept for the CPU allocator's cache of freed pages (none on a GPU,
     whose caching allocator's blocks are what it holds)."""
     return recycle_bytes(budget, whole_step=True) if on_cpu else 0
+
+
+def records_bytes(functions: int, on_cpu: bool) -> int:
+    """Bytes of a step budget kept for the engine's own records of a step of ``functions``
+    functions (``RECORD_BYTES`` each). On the CPU they are the device's memory: uncounted, a
+    small Hugging Face GPT-2 (727 functions) peaked 3-4 MiB over its least step budget of
+    52 MiB. On a GPU they are the host's."""
+    return functions * RECORD_BYTES if on_cpu else 0
+
+
+def kept_back(budget: int, mem: EngineMemory) -> int:
+    """What a step budget keeps beside every tensor: the CPU allocator's cache and the engine's
+    records (``mem.step_records``)."""
+    return cache_reserve(budget, mem.on_cpu) + mem.step_records
 
 
 def start_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -97,7 +121,7 @@ def _room(budget: int, mem: EngineMemory, held: bool = False) -> int:
     """What ``budget`` leaves the managed tensors: beside what a step starts with (the
     recording step's), or, ``held``, beside the most the step recorded whole held (in each arena)."""
     return share_beside(budget, mem.step_held if held else mem.step_start,
-                        reserve=lambda b: cache_reserve(b, mem.on_cpu), arenas=_arenas(mem) if held else 1,
+                        reserve=lambda b: kept_back(b, mem), arenas=_arenas(mem) if held else 1,
                         granule=mem.chunk)
 
 
@@ -115,25 +139,25 @@ def _arenas(mem: EngineMemory) -> int:
 
 def device_budget(mem: EngineMemory) -> int:
     """What a plan bounded by the step's budget may hold with what the step holds beside it
-    (``scheduler.beside``): the step budget less the allocator's cache, with one arena (the CPU;
+    (``scheduler.beside``): the step budget less what it keeps back (``kept_back``), with one arena (the CPU;
     a GPU's swap-ins in PyTorch's allocator, ``Options(arena="pytorch")``); else 0, the flat
     share: ooc's pool beside PyTorch's allocator cannot take what PyTorch frees."""
     if not mem.step_budget or _arenas(mem) != 1:
         return 0
-    return mem.step_budget - cache_reserve(mem.step_budget, mem.on_cpu)
+    return mem.step_budget - kept_back(mem.step_budget, mem)
 
 
-def allocator_room(step_budget: int, whole: VariableSequence) -> int:
+def allocator_room(step_budget: int, whole: VariableSequence, records: int = 0) -> int:
     """What the CPU allocator's live and cached blocks may hold together under a budget for the
     whole step (``cpu_allocator.begin``'s ``total_bytes``): the budget less the most that the
     step's tensors under ``cpu_allocator.LARGE``, glibc's, held at once in its whole recording,
     less the cache's share (kept for what no recording counts: without it a 2-layer Llama's
     steps rose 2 MiB and a GPT-2's went over). Beyond its share the cache may keep only what
-    that room leaves it."""
+    that room leaves it. Less the engine's ``records`` too (``records_bytes``)."""
     small = lambda nbytes: nbytes if nbytes < cpu_allocator.LARGE else 0   # noqa: E731
     glibc = max((a + b for a, b in zip(whole.live_bytes_sized(small), whole.held_after_use_sized(small))),
                 default=0)
-    return max(0, step_budget - glibc - cache_reserve(step_budget, True))
+    return max(0, step_budget - glibc - cache_reserve(step_budget, True) - records)
 
 
 def on_demand_bound(mem: EngineMemory, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -204,11 +228,13 @@ class Update(NamedTuple):
     """What an update about to run adds to what a step recorded so far holds beside ooc's
     tensors (``update_so_far``): ``new``, the bytes of state it creates, there from the step's
     first op (the next step starts with them); ``read``, the variables of the gradients it
-    reads, live until it reads them; ``during``, the most its own ops hold (0: not measured)."""
+    reads, live until it reads them; ``during``, the most its own ops hold (0: not measured);
+    ``ops``, how many it runs (the engine records each)."""
 
     new: int = 0
     read: tuple[int, ...] = ()
     during: int = 0
+    ops: int = 0
 
 
 def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, skipped: Any,
@@ -223,7 +249,7 @@ def share_of(mem: EngineMemory, managed: VariableSequence, whole: VariableSequen
     held = tuple(h + update.new for h in held_beside(whole, managed, skipped, size=_size(mem), read_later=update.read,
                                                      min_bytes=mem.min_bytes, kinds=kinds_of(mem.manage)))
     held += (update.during,) if update.during else ()
-    return managed_budget(managed, held, mem.step_budget, reserve=lambda b: cache_reserve(b, mem.on_cpu),
+    return managed_budget(managed, held, mem.step_budget, reserve=lambda b: kept_back(b, mem),
                           arenas=_arenas(mem), granule=chunk or mem.chunk), held
 
 
@@ -245,6 +271,10 @@ def check_so_far(mem: EngineMemory, recording: Any, managed: VariableSequence, u
     if full is not None:   # its gradients and the state made so far known as such (not temporaries)
         roles.mark_grads(full, recording.roles)
         so_far = full.sequence({}, roles.state_so_far(full, recording.roles, recording.ctx.optimizer), so_far=True)
+        # (the functions at its first update: counted anew at each update inside the backward,
+        # each refusal of a loop from a small budget named a little more, eight in a row)
+        recording.functions_counted = recording.functions_counted or len(so_far.functions) + update.ops
+        mem.step_records = max(mem.step_records, records_bytes(recording.functions_counted, mem.on_cpu))
         share_of(mem, managed, so_far, recording.skipped, update, chunk)
 
 
@@ -265,9 +295,11 @@ def update_so_far(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
     grads = (full.var(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
     read = tuple(v for v in grads if v is not None   # (the recorded size: one on the tier has an empty storage now)
                  and not _managed("grads", full.nbytes[v], manage, mem.min_bytes))
-    during = update_held(optimizer, lambda kind, n: 0 if _managed(kind, n, manage, mem.min_bytes) else size(n)
-                         ) if measure else None
-    return Update(new, read, 0 if during is None else during + _others(optimizer, model, manage, mem))
+    measured = update_held(optimizer, lambda kind, n: 0 if _managed(kind, n, manage, mem.min_bytes) else size(n)
+                           ) if measure else None
+    if measured is None:
+        return Update(new, read)
+    return Update(new, read, measured[0] + _others(optimizer, model, manage, mem), measured[1])
 
 
 def _others(optimizer: torch.optim.Optimizer, model: torch.nn.Module, manage: frozenset[str],
@@ -296,13 +328,15 @@ def fit(mem: EngineMemory, managed: VariableSequence, whole: VariableSequence, s
     """The managed budget for ``mem.step_budget`` from the step recorded whole (``whole``) and
     its managed tensors (``managed``; ``skipped``: its ops the whole recording leaves out):
     the flat share, for a step without a plan, and, with one arena, what the step held beside
-    them at each op, in ``managed``'s meta, which its plans are bounded by (``device_budget``)."""
+    them at each op, in ``managed``'s meta, which its plans are bounded by (``device_budget``).
+    Beside the engine's records of its functions (``records_bytes``), the most any step counted."""
+    mem.step_records = max(mem.step_records, records_bytes(len(whole.functions), mem.on_cpu))
     mem.budget, held = share_of(mem, managed, whole, skipped)
     mem.step_held = max(held)
     if device := device_budget(mem):   # shifted so that the least room is the share: a step off its plan has that
         shift = max(0, device - mem.step_held - mem.budget)
         managed.meta[HELD_BESIDE] = [h + shift for h in held]
-    cache = cache_reserve(mem.step_budget, mem.on_cpu)
+    back = kept_back(mem.step_budget, mem)
     log.info("budget %s for the whole step: %s for the managed tensors (the step holds %s-%s beside them%s)",
              format_size(mem.step_budget), format_size(mem.budget), format_size(min(held)), format_size(max(held)),
-             f", {format_size(cache)} kept for the allocator's cache" if cache else "")
+             f", {format_size(back)} kept for the allocator's cache and the engine's records" if back else "")

@@ -87,8 +87,8 @@ def state_sizes(optimizer: torch.optim.Optimizer, every: bool = False) -> dict[t
                 for p, twin in twins.items()}
 
 
-def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int]) -> int | None:
-    """The most bytes one op of ``optimizer.step()`` finds live, measured on ``meta`` twins, as a
+def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int]) -> tuple[int, int] | None:
+    """(The most bytes one op of ``optimizer.step()`` finds live, its ops) measured on ``meta`` twins, as a
     recording of the whole step counts them: the parameters and the state (what the update
     makes too: the next step starts with it) at every op, each gradient to the update's end
     (``zero_grad`` lets go of it after), each temporary (Adam's denominators; a foreach
@@ -129,7 +129,7 @@ def update_held(optimizer: torch.optim.Optimizer, held: Callable[[str, int], int
         n = held(kind, nbytes)
         delta[first] += n
         delta[last + 1] -= n
-    return max(itertools.accumulate(delta[:ops]))
+    return max(itertools.accumulate(delta[:ops])), uses.i
 
 
 def _state(shadow: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -43,6 +43,9 @@ class StepRecording:
         self.gpu_events: list[tuple[int, Any, Any]] = []   # (op, start event, end event)
         self.full: StepRecorder | None = None
         self.skipped: list[int] = []   # ops the whole recording leaves out (``OpInfo.skip``)
+        # functions a budget for the whole step keeps the engine's records for, as its first
+        # update found them (``ooc.engine.step_budget.check_so_far``)
+        self.functions_counted = 0
         if not planned:
             self.full = StepRecorder()
             self.roles = roles.register_persistent(self.full, ctx.model, ctx.optimizer, _sizes_of(book))

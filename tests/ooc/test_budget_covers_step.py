@@ -94,7 +94,7 @@ def test_the_managed_tensors_get_what_the_step_leaves_and_training_stays_bitwise
     ref_model, ref_opt = _fresh(optimizer)
     _train(None, ref_model, ref_opt, 5)
     model, opt = _fresh(optimizer)
-    budget = _whole_peak(model) * 3 // 4
+    budget = _whole_peak(model) * 4 // 5
     with ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
                        options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
         _train(engine, model, opt, 5)
@@ -107,7 +107,9 @@ def test_the_managed_tensors_get_what_the_step_leaves_and_training_stays_bitwise
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
     assert held >= weights + state   # the step holds at least its weights and the state it keeps
     assert held <= recording.in_core_peak_bytes + state
-    left = budget - recycle_bytes(budget, whole_step=True) - held
+    records = stats["step_records_bytes"]   # the engine's Python records: a few KiB a function
+    assert recording.functions and 0 < records <= 16 * 1024 * len(recording.functions)
+    left = budget - recycle_bytes(budget, whole_step=True) - records - held
     assert left - 64 * 1024 < stats["budget"] <= left   # what is left, in whole chunks
     assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0   # the budget made it move
     _assert_trained_as(ref_model, model)
@@ -442,12 +444,12 @@ def test_the_plans_are_bounded_by_the_step_budget_less_what_the_step_holds_at_ea
     ref_model, ref_opt = _fresh(optimizer)
     _train(None, ref_model, ref_opt, 6)
     model, opt = _fresh(optimizer)
-    budget = _whole_peak(model) * 3 // 4
+    budget = _whole_peak(model) * 4 // 5
     with ooc.OutOfCore(model, opt, budget=budget, storage=str(tmp_path),
                        options=ooc.Options(chunk="64KiB", budget_covers="step")) as engine:
         _train(engine, model, opt, 6)
         stats = engine.stats()
-    device = budget - recycle_bytes(budget, whole_step=True)
+    device = budget - recycle_bytes(budget, whole_step=True) - stats["step_records_bytes"]
     assert stats["plan.budget"] == device and stats["last_planned"]
     assert stats["budget"] < stats["plan.peak_resident_bytes"] and stats["plan.bounded_peak_bytes"] <= device
     _assert_trained_as(ref_model, model)
