@@ -55,7 +55,7 @@ def test_plan_json_at_a_tight_budget_moves_bytes_and_writes_a_safe_plan(trace_fi
     assert info["bytes_in"] > 0 and info["bytes_out"] > 0
     assert info["transfers_in"] > 0
     assert info["peak_resident_bytes"] <= tight < info["in_core_peak_bytes"]
-    assert 0 <= info["plan_seconds"] < 10
+    assert isinstance(info["plan_seconds"], float) and info["plan_seconds"] >= 0   # (its time: bench_plan.py)
     schedule = Schedule.from_json(out)
     assert schedule.summary() == {k: info[k] for k in SUMMARY_KEYS}
     assert check(schedule).peak_bytes == info["peak_resident_bytes"]

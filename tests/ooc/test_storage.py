@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -455,14 +456,31 @@ def test_verify_detects_a_flipped_byte(tmp_path):
 
 
 def test_close_with_transfers_in_flight(tmp_path):
+    """close() cancels what has not started and waits for what runs: the one I/O thread held
+    in its first write, the eleven queued behind it are cancelled before that write may end
+    (a bound on close()'s time stood for this, which a busy machine could break)."""
     t = FileTier(tmp_path, threads=1)
+    gate, write = threading.Event(), t._tasks.write
+
+    def held(*args):
+        gate.wait(timeout=120)
+        return write(*args)
+
+    t._tasks.write = held
     src = aligned(16 * MiB)
     futs = [t.write_async(k, src, 16 * MiB) for k in range(12)]
-    start = time.monotonic()
-    t.close()
-    assert time.monotonic() - start < 20
-    assert all(f.done() for f in futs)
-    assert any(f.cancelled() for f in futs) or all(f.exception() is None for f in futs)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    deadline = time.monotonic() + 120   # (a guard against a hang, not a measure)
+    while not all(f.cancelled() for f in futs[1:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cancelled = [f.cancelled() for f in futs]
+    assert closer.is_alive() and not futs[0].done()   # close() waits for the running write
+    gate.set()
+    closer.join(timeout=120)
+    assert not closer.is_alive()
+    assert cancelled == [False] + [True] * 11
+    assert futs[0].exception() is None
     assert os.listdir(tmp_path) == []
 
 
