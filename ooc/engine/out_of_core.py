@@ -134,7 +134,7 @@ class OutOfCore:
         self._planner = Planner(mem, self._plans, window=options.window, policy="window", recompute=args.recompute,
                                 pin=args.pin, adaptive=args.adaptive, adopt_params=weak_method(self._adopt_params))
         self._book = StepBook()
-        self._room: tuple[Any, int, int | None] = (None, 0, None)   # _allocator_room's last
+        self._room: tuple[Any, tuple[int, int], int | None] = (None, (0, 0), None)   # _allocator_room's last
         self._end = StepEnd(mem, store, self._book, self._planner, model=model, optimizer=optimizer,
                             manage=self._manage)
         self._stepper: Stepper | Any = None   # the running step (None between steps)
@@ -252,14 +252,14 @@ class OutOfCore:
         return engine_stats(self._book, self._mem, self._plans, self._store.reads)
 
     def _allocator_room(self) -> int | None:
-        """``step_budget.allocator_room`` of the last whole recording, once per recording; None
-        without one (the cache's share alone caps it)."""
-        whole = self._end.last_recording
+        """``step_budget.allocator_room`` of the last whole recording, once per recording, budget
+        and records kept; None without one (the cache's share alone caps it)."""
+        whole, mem = self._end.last_recording, self._mem
         if whole is None:
             return None
-        budget = self._mem.step_budget
-        if self._room[0] is not whole or self._room[1] != budget:
-            self._room = (whole, budget, allocator_room(budget, whole, self._mem.step_records))
+        kept = (mem.step_budget, mem.step_records)
+        if self._room[0] is not whole or self._room[1] != kept:
+            self._room = (whole, kept, allocator_room(mem, whole))
         return self._room[2]
 
     @property

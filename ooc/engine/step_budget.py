@@ -149,17 +149,17 @@ def device_budget(mem: EngineMemory) -> int:
     return mem.step_budget - kept_back(mem.step_budget, mem)
 
 
-def allocator_room(step_budget: int, whole: VariableSequence, records: int = 0) -> int:
+def allocator_room(mem: EngineMemory, whole: VariableSequence) -> int:
     """What the CPU allocator's live and cached blocks may hold together under a budget for the
-    whole step (``cpu_allocator.begin``'s ``total_bytes``): the budget less the most that the
-    step's tensors under ``cpu_allocator.LARGE``, glibc's, held at once in its whole recording,
-    less the cache's share (kept for what no recording counts: without it a 2-layer Llama's
-    steps rose 2 MiB and a GPT-2's went over). Beyond its share the cache may keep only what
-    that room leaves it. Less the engine's ``records`` too (``records_bytes``)."""
+    whole step (``cpu_allocator.begin``'s ``total_bytes``): ``mem.step_budget`` less the most
+    that the step's tensors under ``cpu_allocator.LARGE``, glibc's, held at once in its whole
+    recording, less what the budget keeps back (``kept_back``: the cache's share, kept for what
+    no recording counts: without it a 2-layer Llama's steps rose 2 MiB and a GPT-2's went over;
+    the engine's records). Beyond its share the cache may keep only what that room leaves it."""
     small = lambda nbytes: nbytes if nbytes < cpu_allocator.LARGE else 0   # noqa: E731
     glibc = max((a + b for a, b in zip(whole.live_bytes_sized(small), whole.held_after_use_sized(small))),
                 default=0)
-    return max(0, step_budget - glibc - cache_reserve(step_budget, True) - records)
+    return max(0, mem.step_budget - glibc - kept_back(mem.step_budget, mem))
 
 
 def on_demand_bound(mem: EngineMemory, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
