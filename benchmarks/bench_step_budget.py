@@ -122,8 +122,9 @@ def main() -> None:
               "the steady steps' own rise: that code stays mapped). "
               "'held beside': the most the recorded step held beside its managed tensors "
               "(`stats()['step_held_bytes']`); 'records': what the step budget keeps for the engine's own "
-              "records of the step, Python objects (`stats()['step_records_bytes']`). The managed-mode rows run the engine at the managed budget "
-              "the step budget chose: what the default mode gives when told that budget."]
+              "records of the step, Python objects (`stats()['step_records_bytes']`). The managed-mode rows "
+              "run the engine at the managed budget the step budget chose: what the default mode gives when "
+              "told that budget."]
     common.write_report(common.result_path("step-budget", args.quick, out=args.out), lines)
 
 

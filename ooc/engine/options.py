@@ -63,11 +63,11 @@ class Options:
             every tensor byte the step holds, as a device of that size would (a 16 GiB GPU, a
             board with 2 GiB of RAM): after the first step records the whole step, the
             managed tensors get what is left where the step holds the most beside them (less,
-            on the CPU, the allocator's cache and the engine's records: ``scheduler/whole_step.py``). ``stats()``'
-            ``budget`` is then that managed budget, ``step_budget`` the one given and
-            ``step_held_bytes`` the most the step held beside it. The recording step bounds its
-            managed tensors only (within the budget less what the step starts with); a later
-            shape that holds more beside them lowers their share.
+            on the CPU, the allocator's cache and the engine's records:
+            ``scheduler/whole_step.py``). ``stats()``' ``budget`` is then that managed budget,
+            ``step_budget`` the one given and ``step_held_bytes`` the most the step held beside
+            it. The recording step bounds its managed tensors only (within the budget less what
+            the step starts with); a later shape that holds more beside them lowers their share.
 
     Example::
 
