@@ -34,6 +34,7 @@ device bytes while the chain runs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -104,16 +105,14 @@ def mark_replayable(seq: VariableSequence, rule: Callable[[Function], dict[str, 
 
 # -- finding a chain --------------------------------------------------------------------------
 
-_CACHES: "dict[int, tuple[VariableSequence, dict]]" = {}
-
-
 def _cache(seq: VariableSequence) -> dict:
-    # Keyed by identity, holding the sequence so the id cannot be reused while cached.
-    entry = _CACHES.get(id(seq))
-    if entry is None or entry[0] is not seq:
-        if len(_CACHES) > 64:
-            _CACHES.clear()
-        entry = _CACHES[id(seq)] = (seq, {})
+    """The chains found in ``seq`` so far, kept on it as its other derived facts are
+    (``working_sets.Prepared``): they go with it. A module-level cache keyed by its id kept the
+    last 65 sequences alive, with their facts, after the engine that planned them had closed
+    (a 2-layer GPT-2's engine left three of its six there that nothing else held)."""
+    entry = seq.__dict__.get("_chains")
+    if entry is None or entry[0]() is not seq:   # (a copy of a sequence copies its dict)
+        entry = seq.__dict__["_chains"] = (weakref.ref(seq), {})
     return entry[1]
 
 

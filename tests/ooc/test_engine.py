@@ -422,6 +422,35 @@ def test_bad_arguments_fail_before_any_work(bad: dict, words: str) -> None:
         OutOfCore(model, opt, options=Options(**options), **bad)
 
 
+def test_a_closed_engine_leaves_none_of_its_step_sequences_alive() -> None:
+    """What an engine recorded and planned (sequences, their chains and facts) goes with it:
+    a module-level cache of the chains found in them (``scheduler.replay``) kept the last 65
+    sequences planned with recomputation alive after their engine had closed."""
+    import gc
+    import weakref
+
+    from scheduler.ir import VariableSequence
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, VariableSequence)}
+    model, opt = _fresh("cnn", "adam")
+    e = OutOfCore(model, opt, budget=managed_peak("cnn", "adam", MANAGE["all"]) // 2,
+                  options=Options(chunk=CHUNK, min_bytes=4096), manage=MANAGE["all"], recompute="prefer")
+    for step in range(4):
+        x, y = _data("cnn", step)
+        with e.step():
+            _loss("cnn", model(x), y).backward()
+            e.optimizer_step()
+    assert e.stats()["bytes_recomputed"] > 0
+    gc.collect()
+    made = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, VariableSequence) and id(o) not in before]
+    assert made
+    e.close()
+    del e
+    gc.collect()
+    assert [len(r().functions) for r in made if r() is not None] == []
+
+
 def test_swap_directory_is_private_and_empty_after_close(tmp_path) -> None:
     model, opt = _fresh("cnn", "sgd")
     budget = managed_peak("cnn", "sgd", ("activations",)) // 4

@@ -223,6 +223,22 @@ def test_the_window_planner_recomputes_what_the_rule_chooses() -> None:
             simulate(plan_window(seq, budget), hw).total_s
 
 
+def test_a_sequence_goes_with_the_chains_found_in_it() -> None:
+    """The chains ``chain_for`` finds are kept on the sequence, not in a cache beside it: one
+    keyed by its id kept the last 65 sequences planned with recomputation, and everything
+    derived from them, alive after their engine had closed."""
+    import gc
+    import weakref
+
+    seq = _seq()
+    schedule = plan_window(seq, seq.in_core_peak_bytes - 3 * MiB, recompute=lambda v, at: chain_for(seq, v, at))
+    assert schedule.bytes_recomputed > 0
+    gone = weakref.ref(seq)
+    del seq, schedule
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_plan_lists_its_actions_in_step_order_and_its_recomputes_by_variable() -> None:
     """What a hook-driven step reads of its plan once per plan: every action at its gap in the
     order the step runs them, each variable's recomputes with their chains, the discarded."""
