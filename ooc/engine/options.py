@@ -45,8 +45,8 @@ class Options:
         hook_steps: let a settled plan run without intercepting ops, at autograd's
             saved-tensor hooks (``steps.plain``, ``steps.anchored`` in ``stats()``): one that
             moves nothing, swaps, or recomputes the chains its templates rerun
-            (docs/guide/gpu.md, "The template form"). False: every planned step runs per op
-            (to measure that path).
+            (docs/guide/steps.md, "The template form"). False: every planned step
+            runs per op (to measure that path).
         max_plans: plans kept, per start state and step shape, least recently used out.
         arena: where swapped-in tensors live. ``"auto"`` (default): ``"pytorch"`` on CUDA,
             ``"pool"`` on the CPU. ``"pytorch"`` (CUDA only): PyTorch's caching allocator,

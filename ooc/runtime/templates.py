@@ -4,7 +4,7 @@ A planned per-op step captures each chain function's call (``recipes.Recipe``), 
 tensors it read; a hook-driven step sees no op, only what autograd saves. So the per-op step
 that a plan's anchored form is made from also turns each recipe into a *template*, whose
 tensor arguments are slots a later step fills from what its hooks see
-(docs/guide/gpu.md, "The template form"):
+(docs/guide/steps.md, "The template form"):
 
 - ``VarArg``: a managed activation, by its plan variable (the anchored step's slot);
 - ``PackArg``: any other tensor autograd saved (of every size: a norm's ``rsqrt``, the
