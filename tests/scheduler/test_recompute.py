@@ -231,7 +231,7 @@ def test_a_sequence_goes_with_the_chains_found_in_it() -> None:
     import weakref
 
     seq = _seq()
-    schedule = plan_window(seq, seq.in_core_peak_bytes - 3 * MiB, recompute=lambda v, at: chain_for(seq, v, at))
+    schedule = plan_window(seq, seq.in_core_peak_bytes - 3 * MiB, recompute=lambda v, at, s=seq: chain_for(s, v, at))
     assert schedule.bytes_recomputed > 0
     gone = weakref.ref(seq)
     del seq, schedule
