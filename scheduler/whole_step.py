@@ -113,13 +113,18 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     (bytes the device keeps beside any plan: the CPU allocator's cache), where the step holds the
     most beside its managed tensors (``held``: per function, and one more for an update measured
     before it ran, ``ooc.engine.step_budget.Update``), shared by ``arenas`` (2: ooc's pool beside
-    PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s, and no
-    more than the managed tensors' in-core peak. ``BudgetTooSmall`` where that is under the
-    step's largest working set: it names the function where the step holds the most, and the
-    step budget that leaves that working set. Both as the planner counts them: each activation
-    in whole ``granule``s (the pool's chunks, ``round_activations``); in its own bytes, two
-    4-byte activations of a tiny module peaked at 8 B, the share was capped at one 4 KiB chunk,
-    and the plan, which needs two, was refused at every step budget."""
+    PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s.
+    ``BudgetTooSmall`` where that is under the step's largest working set: it names the
+    function where the step holds the most, and the step budget that leaves that working set.
+    Both as the planner counts them: each activation in whole ``granule``s (the pool's chunks,
+    ``round_activations``); in its own bytes, two 4-byte activations of a tiny module peaked at
+    8 B, and the plan, which needs two 4 KiB chunks, was refused at every step budget.
+
+    Not capped at this step's in-core peak: the share is what the budget leaves, which a step
+    that needs less does not fill (its plan moves nothing), and the engine plans every shape of
+    the step at it. Capped, a batch of 458 after one of 928 (an epoch's last) set the share to
+    its own peak, 2 MiB, and the next batch of 928 was refused under a 64 MiB step budget, which
+    the refusal itself said was 22 MiB more than it needed."""
     if not held:
         raise ValueError("no bytes per function: record the step whole first")
     managed = round_activations(managed, granule)
@@ -145,7 +150,7 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
             raise err
         finally:   # the frame its traceback keeps must not hold it: a cycle, the caller's frames with it
             del err
-    return min(left, max(-(-managed.in_core_peak_bytes // granule) * granule, granule))
+    return left
 
 
 def least_budget(share: Callable[[int], int], need: int, guess: int, granule: int) -> int:

@@ -432,6 +432,32 @@ def test_a_shape_that_holds_more_beside_lowers_the_share_and_one_that_holds_less
     _assert_trained_as(ref_model, model)
 
 
+def test_an_epochs_last_smaller_batch_leaves_the_next_epochs_batches_their_share() -> None:
+    """Batches of 928, an epoch's last of 458 (``drop_last=False``), 928 again and one of 840,
+    under a step budget with room for each. The share of the managed tensors was capped at the
+    recorded step's in-core peak: the 458's recording set it to its own, 2 MiB, dropped the
+    928's plan, and the next 928 was refused under 64 MiB, its refusal naming 22 MiB, less than
+    the budget it refused. The share is what the budget leaves; every batch trains, bitwise."""
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.GELU())], nn.Linear(512, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    sizes = (928, 458, 928, 928, 840)
+    model, opt = fresh()
+    ref, ref_opt = fresh()
+    with ooc.OutOfCore(model, opt, budget="64MiB", options=ooc.Options(budget_covers="step")) as engine:
+        for step, size in enumerate(sizes):
+            x = torch.randn(size, 512, generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                with engine.step() if m is model else contextlib.nullcontext():
+                    m(x).square().mean().backward()
+                    o.step()
+                    o.zero_grad()
+        assert engine.stats()["budget"] >= 8 * MiB, engine.stats()["budget"]   # (the 928's needed over 3 MiB)
+    _assert_trained_as(ref, model)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_the_plans_are_bounded_by_the_step_budget_less_what_the_step_holds_at_each_op(tmp_path,
                                                                                      optimizer: str) -> None:
