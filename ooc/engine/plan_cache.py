@@ -4,8 +4,9 @@ A plan holds for the state a step starts in (``PersistentStore.start_key``: mana
 tensors, which parameters have a gradient, the caller's kind) and the shape it has
 (``step_forms.shape_of``: the shapes and dtypes the model's forward is called with, its
 training mode and autograd's). Gradient accumulation alternates two such states, and dynamic
-padding varies the shape: plans are kept per (start, shape), at most ``max_plans``, the least
-recently used evicted first, with what was made of each (its prices, ``repriced``; its
+padding varies the shape: plans are kept per (start, shape), at most ``max_plans`` (under a budget
+for the whole step, no more functions than it keeps records of: ``step_budget.plans_over_records``),
+the least recently used evicted first, with what was made of each (its prices, ``repriced``; its
 hook-driven form, ``hook_forms.py``).
 
 The shape shows only when the forward starts, after the step began: it begins with the plan of
@@ -31,6 +32,7 @@ from typing import Any, Callable, Hashable
 from ooc.engine.hook_forms import HookForms
 from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
+from ooc.engine.step_budget import plans_over_records
 from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.binding import begins_with
@@ -252,8 +254,9 @@ class PlanCache:
         self.drop(key)
         self.plans[key] = (schedule, binding)
         self.schedule, self.binding = schedule, binding
-        while len(self.plans) > max(1, self.max_plans):   # the least recently used go
-            self.drop(next(iter(self.plans)))
+        while len(self.plans) > 1 and (len(self.plans) > self.max_plans or plans_over_records(
+                [len(plan.sequence.functions) for plan, _ in self.plans.values()], self._mem)):
+            self.drop(next(iter(self.plans)))   # the least recently used go
 
     def prices(self, key: Hashable) -> tuple[int, Any]:
         """``key``'s planned runs priced so far and the sequence at their fastest op times

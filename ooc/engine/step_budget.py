@@ -47,12 +47,17 @@ log = logging.getLogger(__name__)
 # GPT-2, BERT and Llama models and a small CNN (500-1,050 functions), 6.6 for the GPT-2 whose
 # batch size varied (its plan widened to sizes that vary), and 2.8 for an MLP of 120 modules
 # (``test_refusal_loop.py::test_the_engines_records_are_within_what_a_step_budget_keeps_for_them``).
-# Those figures held three sequences more than the engine's own, in a cache of the chains found
-# in them (``scheduler.replay``); without it, 4.4 (Llama), 5.1 (BERT) and 5.5 (GPT-2, its
+# Those figures held up to three sequences more than the engine's own, in a cache of the chains
+# found in them (``scheduler.replay``); without it, 4.4 (Llama), 5.1 (BERT) and 5.5 (GPT-2, its
 # batch size fixed or varied), the most in the steps that price the plan again: 7 KiB keeps a
-# fifth over the most. Plans kept for other shapes add theirs, which this does not count: four
-# shapes of a GPT-2 of 128 wide, 723 functions each, peaked at 7.8 KiB a function (with the cache).
+# fifth over the most. Plans kept for other shapes are held to ``PLANS_IN_RECORDS`` steps'
+# worth (with the cache and sixteen plans kept, four shapes of a GPT-2 of 128 wide had peaked
+# at 7.8 KiB a function).
 RECORD_BYTES = 7 << 10
+# Plans kept, in steps of the largest counted (``plans_over_records``): every plan holds its
+# step's sequence, and those figures held one or two. A GPT-2 of 128 wide whose batch size
+# cycled over four sizes kept three plans of 727 functions at 5.8 KiB a function at its peak.
+PLANS_IN_RECORDS = 4
 
 
 def cache_reserve(budget: int, on_cpu: bool) -> int:
@@ -67,6 +72,19 @@ def records_bytes(functions: int, on_cpu: bool) -> int:
     small Hugging Face GPT-2 (727 functions) peaked 3-4 MiB over its least step budget of
     52 MiB. On a GPU they are the host's."""
     return functions * RECORD_BYTES if on_cpu else 0
+
+
+def plans_over_records(functions: list[int], mem: EngineMemory) -> bool:
+    """Whether plans of ``functions`` functions each are more than what the budget keeps for the
+    engine's records counts: ``PLANS_IN_RECORDS`` steps of the largest it counted (or of the
+    largest plan, whose sequence may list a few ops more than the whole recording counts). Why:
+    every plan holds its step's sequence, and a step budget counts the records of one. Kept by
+    count alone (``Options.max_plans``), a two-layer LSTM over packed sequences whose lengths
+    never repeat (each step a plan of ~13,000 functions) held 13 plans after 40 steps, 58 MiB of
+    Python objects and 73 MiB at a step's peak, growing; held to four, 24-41 MiB between steps
+    and at most 64 within one, under the 94 MiB its step budget keeps for records."""
+    return bool(mem.step_records) and sum(functions) > PLANS_IN_RECORDS * max(
+        mem.step_records // RECORD_BYTES, *functions)
 
 
 def kept_back(budget: int, mem: EngineMemory) -> int:
