@@ -34,7 +34,6 @@ device bytes while the chain runs.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,11 +108,10 @@ def _cache(seq: VariableSequence) -> dict:
     """The chains found in ``seq`` so far, kept on it as its other derived facts are
     (``working_sets.Prepared``): they go with it. A module-level cache keyed by its id kept the
     last 65 sequences alive, with their facts, after the engine that planned them had closed
-    (a 2-layer GPT-2's engine left three of its six there that nothing else held)."""
-    entry = seq.__dict__.get("_chains")
-    if entry is None or entry[0]() is not seq:   # (a copy of a sequence copies its dict)
-        entry = seq.__dict__["_chains"] = (weakref.ref(seq), {})
-    return entry[1]
+    (a 2-layer GPT-2's engine left three of its six there that nothing else held). A chain holds
+    no reference to its sequence, and a copy of the sequence (which copies its dict) has the
+    same chains."""
+    return seq.__dict__.setdefault("_chains", {})
 
 
 def _chain(seq: VariableSequence, v: int, at: int) -> Chain | None:

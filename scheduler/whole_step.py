@@ -123,8 +123,8 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
     Not capped at this step's in-core peak: the share is what the budget leaves, which a step
     that needs less does not fill (its plan moves nothing), and the engine plans every shape of
     the step at it. Capped, a batch of 458 after one of 928 (an epoch's last) set the share to
-    its own peak, 2 MiB, and the next batch of 928 was refused under a 64 MiB step budget, which
-    the refusal itself said was 22 MiB more than it needed."""
+    its own peak, 2 MiB, and the next batch of 928 was refused under a 64 MiB step budget by a
+    refusal that named 22 MiB as the least that works."""
     if not held:
         raise ValueError("no bytes per function: record the step whole first")
     managed = round_activations(managed, granule)
