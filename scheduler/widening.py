@@ -54,8 +54,8 @@ def widened(seq: VariableSequence, born_at: Mapping[int, tuple[int, int]], left:
     ``SIZES_VARY`` if any differed, or if the step is known to differ from ``left`` in sizes
     its whole chunks may not show (``differed``: a hook-driven step left it for a saved
     tensor's bytes, which those forms compare exactly; a step of another shape, whose inputs
-    differ, recorded after guessing it); ``seq`` itself where the two ran other ops or their
-    first activations differ."""
+    differ, that guessed it and recorded, or left it where its forward began); ``seq`` itself
+    where the two ran other ops or their first activations differ."""
     old = left.sequence
     if len(old.functions) != len(seq.functions) or any(
             a.name != b.name for a, b in zip(old.functions, seq.functions)):

@@ -233,16 +233,33 @@ class PlanCache:
         """Steps of ``key`` run ``to``'s plan from now on. Where a start's plan holds sizes that
         vary with the data (``scheduler/widening.py``), a step of a shape it has no plan for runs
         that plan, and one that ran it (kept to it, or left it only for sizes the plan then
-        widened for) makes its shape an alias; so does the first step of a new shape, recorded,
-        whose ops and first activation are those of the plan it guessed (``sibling``). Why: a
-        detection model's forward takes the targets, whose box counts per image make a new
-        shape at nearly every step, each recorded once when every shape kept its own plan."""
+        widened for) makes its shape an alias; so does the first step of a new shape, recorded
+        or left at its forward, whose ops and first activation are those of the plan it guessed
+        (``sibling``). Why: a detection model's forward takes the targets, whose box counts per
+        image make a new shape at nearly every step, each recorded once when every shape kept
+        its own plan."""
         if key != to:
             self.aliases[key] = to
             self.aliases.move_to_end(key)
             self._shapes[key[0]] = to[1]   # its start's next step begins with the family's plan
             while len(self.aliases) > MAX_ALIASES:
                 self.aliases.popitem(last=False)
+
+    def family(self, st: Stepper) -> tuple | None:
+        """The key whose plan a per-op step of a shape without one ran, or guessed before it
+        recorded (``alias``, ``sibling``), for widening against it. A step that ran its guess past
+        the forward's start (ops of its own before it: a mask, a copy to the device) and left
+        it there is that guess's kin as much as one that recorded from the forward on: else
+        every new shape of a loop that makes its attention mask inside the step was planned
+        on its own, none sharing a widened plan."""
+        if self.plan_of(st.start_key) is st.schedule is not None:
+            return None
+        sibling = self.sibling if self.sibling in self.plans and self.sibling != st.start_key else None
+        if st.schedule is None:
+            return sibling
+        if sizes_vary(st.schedule.sequence):
+            return self.key_of(st.schedule)
+        return sibling if sibling is not None and self.plan_of(sibling) is st.schedule else None
 
     def used(self, key: Hashable) -> None:
         """``key``'s plan ran: the most recently used (least recently used out)."""

@@ -112,7 +112,7 @@ class Planner:
             except scheduler.BudgetTooSmall as err:
                 return self._refused(st, err)
         cache, key = self._cache, st.start_key
-        family = self._family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
+        family = self._cache.family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
         if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
             cache.alias(key, family)
         state = None
@@ -188,7 +188,7 @@ class Planner:
         """What ``st`` showed, as the scheduler takes it: its recording (``recorded``, where
         already made) and op times, its hooks, and, for a plan with no hook-driven form yet
         (``unformed``), its chains' templates; the plan it left or guessed (``family``:
-        ``_family``'s key) for widening."""
+        ``PlanCache.family``'s key) for widening."""
         if isinstance(st, AnchoredStep):
             return StepFacts(report.form, report.kept_plan, report.seconds, updated=st.updated,
                              update=st.trace.update)
@@ -210,8 +210,8 @@ class Planner:
         if seq is not None and left is None and st.schedule is None and family is not None:
             left = (*self._cache.plans[family], True)   # a new shape's recording: maybe the guess's kind
         if seq is not None and st.diverged_at is not None:   # the plan it left, if still kept
-            kept = self._cache.plans.get(family or st.start_key)
-            left = (*kept, False) if kept is not None and kept[0] is st.schedule else None
+            kept = self._cache.plans.get(family or st.start_key)   # (its family's: another shape's)
+            left = (*kept, family is not None) if kept is not None and kept[0] is st.schedule else None
         return StepFacts(report.form, report.kept_plan, report.seconds, seconds=tuple(st.rec.seconds),
                          sequence=seq, ran_whole_plan=whole, signature=st.signature is not None,
                          gaps=None if trace is None else trace.gaps(),
@@ -219,16 +219,6 @@ class Planner:
                          update=None if trace is None else trace.update,
                          device_timed=st.ctx.time_ops, ready=ready, left=left,
                          born_at=None if left is None else st.rec.born_at)
-
-    def _family(self, st: Stepper | AnchoredStep) -> tuple | None:
-        """The key whose plan a per-op step of a shape without one ran, or guessed before it
-        recorded (``PlanCache.alias``, ``PlanCache.sibling``)."""
-        cache = self._cache
-        if not isinstance(st, Stepper) or cache.plan_of(st.start_key) is st.schedule is not None:
-            return None
-        if st.schedule is None:
-            return cache.sibling if cache.sibling in cache.plans and cache.sibling != st.start_key else None
-        return cache.key_of(st.schedule) if sizes_vary(st.schedule.sequence) else None
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, family: tuple | None, seconds: float,
             took: float) -> None:

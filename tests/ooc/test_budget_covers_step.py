@@ -458,18 +458,33 @@ def test_an_epochs_last_smaller_batch_leaves_the_next_epochs_batches_their_share
     _assert_trained_as(ref, model)
 
 
+class Unrolled(nn.Module):
+    """Its hidden layer runs once per 64 rows its batch has beyond 1024: each batch size has
+    ops of its own, as an LSTM over packed sequences runs a step per token of its longest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.h, self.out = nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.a(x))
+        for _ in range((x.shape[0] - 1024) // 64 + 1):
+            h = F.gelu(self.h(h))
+        return self.out(h)
+
+
 def test_plans_of_shapes_that_never_repeat_stay_within_the_records_a_step_budget_keeps() -> None:
     """Every plan holds its step's sequence, and a budget for the whole step keeps room for the
     records of ``PLANS_IN_RECORDS`` steps: plans beyond go, least recently used first. Twelve
-    batch sizes, each its own shape and plan: a managed budget keeps all twelve (up to
-    ``Options.max_plans``), a step budget four. (A two-layer LSTM over packed sequences, every
-    step a new plan of ~13,000 functions, held 13 after 40 steps, 58 MiB of Python objects.)
-    Bitwise either way."""
+    batch sizes, each its own shape, ops and plan (no two can share one: ``PlanCache.alias``):
+    a managed budget keeps all twelve (up to ``Options.max_plans``), a step budget four. (A
+    two-layer LSTM over packed sequences, every step a new plan of ~13,000 functions, held 13
+    after 40 steps, 58 MiB of Python objects.) Bitwise either way."""
     from ooc.engine.step_budget import PLANS_IN_RECORDS
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
+        model = Unrolled()
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
     sizes = [1024 + 64 * k for k in range(12)]
