@@ -114,7 +114,10 @@ class StepFacts:
     plan key right before it that kept no plan (``plans_again``); ``left``: the plan a diverged
     step left (or a new shape's recording guessed), where its variables were born and whether
     the step differs from it in sizes its chunks may not show, with ``born_at``, where the
-    step's were (``widening.widened``)."""
+    step's were (``widening.widened``); ``founds``: the step is the first of a size among
+    shapes whose plans' sizes vary (``ooc.engine.plan_cache.PlanCache.kin``), and its plan is
+    marked so at once (``widening.marked``): the next step of that size runs it, where it
+    would record again to be widened."""
 
     form: str
     kept: bool
@@ -132,6 +135,7 @@ class StepFacts:
     unkept: int = 0
     left: tuple[Schedule, Mapping[tuple[int, int], int], bool] | None = None
     born_at: Mapping[int, tuple[int, int]] | None = None
+    founds: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
             return Decision(drop=True)   # the next step records whole, to be bounded again (beside.py)
         if not plans_again(facts.unkept):
             return Decision()
-        return Decision(plan=plan_recorded(seq, settings))
+        return Decision(plan=plan_recorded(marked(seq) if facts.founds else seq, settings))
     if state is None:   # a guess of another shape's plan: nothing to note of this one
         return Decision()
     if facts.signature and moves_nothing(state.plan):   # sizes that vary: bounded (HookTrace)

@@ -15,7 +15,8 @@ the shape its start's last step had (the guess), and the model's forward pre-hoo
 managed memory yet (``step_forms.py``); a shape without a plan is recorded by that step. A
 guess that cannot be switched diverges where its plan differs, and the step is re-planned
 under the shape it had: no other shape's plan is lost. Shapes that differ only in what the data
-makes inside the step (a detection model's targets) share one plan (``alias``).
+makes inside the step (a detection model's targets), or in sizes that keep their ops (dynamic
+padding), share one plan of their size (``alias``, ``kin``).
 
 The form (``ooc/runtime/step_protocol.py``) follows from the plan and what the scheduler made
 of it (``step_for``): none, per op on demand (recorded); a hook-driven form whose turn it is,
@@ -33,12 +34,12 @@ from ooc.engine.hook_forms import HookForms
 from ooc.engine.memory import EngineMemory
 from ooc.engine.persistent import PersistentStore
 from ooc.engine.step_budget import plans_over_records
-from ooc.engine.step_forms import UNSEEN, StepForm, shape_of
+from ooc.engine.step_forms import UNSEEN, StepForm, same_kind, same_size, shape_elements, shape_of, size_class
 from ooc.runtime.anchored_step import AnchoredStep
 from ooc.runtime.binding import begins_with
 from ooc.runtime.stepper import Stepper
 from scheduler.schedule import Schedule, quiet_functions
-from scheduler.step_plans import hook_forms_allowed, plain_candidate
+from scheduler.step_plans import hook_forms_allowed, moves_nothing, plain_candidate
 from scheduler.widening import sizes_vary
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ MAX_ALIASES = 4096
 # 6x256 at 256 tokens, 1,858 ops, ~1.3 MiB of Python objects with its anchored form and prices
 # (benchmarks/results/shapes.md).
 MAX_PLANS = 16
+# Steps of a size (``step_forms.size_class``) that run a larger plan whose sizes vary before the
+# size takes a plan of its own (``PlanCache.kin``).
+SPLIT_AFTER = 2
 
 Plan = tuple[Schedule, dict[tuple[int, int], int]]   # a plan and its binding ((op, out) -> var)
 
@@ -72,6 +76,7 @@ class PlanCache:
         # (start, shape) -> the key of the plan its steps run: shapes of a start whose sizes vary
         # with the data run one plan (``alias``)
         self.aliases: OrderedDict[tuple, tuple] = OrderedDict()
+        self._sizes: OrderedDict[tuple, int] = OrderedDict()   # (start, size class) -> steps seen (``kin``)
         self.sibling: tuple | None = None   # the running step records a new shape: the key it guessed
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self._quiet: tuple[Schedule, frozenset[int]] | None = None   # the last plan's quiet ops
@@ -172,6 +177,8 @@ class PlanCache:
             return None
         form.shape = shape = shape_of(self._model, args, kwargs)
         key, st = self.aliases.get((form.start, shape), (form.start, shape)), form.st
+        if key not in self.plans:   # a plan whose sizes vary, for shapes of its size
+            key = self.kin(form.start, shape) or key
         self._shapes[form.start] = key[1]
         self._shapes.move_to_end(form.start)
         while len(self._shapes) > self.max_plans:
@@ -180,13 +187,9 @@ class PlanCache:
             return None
         guessed, st.start_key = st.start_key, key   # booked under its shape, whatever plan it runs
         schedule, binding = self.plans.get(key, (None, {}))
-        if schedule is None and guessed in self.plans:   # recorded, then maybe planned in the guess's (``alias``)
-            self.sibling = guessed
+        if schedule is None:   # recorded, then maybe planned widened against a plan of its size (``alias``)
+            self.sibling = self.kin(form.start, shape, varying=False)
         ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
-        if schedule is None and isinstance(st, Stepper) and st.planned and sizes_vary(st.schedule.sequence):
-            self._shapes[form.start] = guessed[1]   # a new shape of a start whose sizes vary: tried
-            _end_wait(st)                            # in the guess's plan (``alias``)
-            return None
         if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
             if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
                 st.leave_plan(f"the step's shape {shape} has no plan")
@@ -257,9 +260,58 @@ class PlanCache:
         sibling = self.sibling if self.sibling in self.plans and self.sibling != st.start_key else None
         if st.schedule is None:
             return sibling
-        if sizes_vary(st.schedule.sequence):
-            return self.key_of(st.schedule)
+        if sizes_vary(st.schedule.sequence):   # ran another shape's plan (it began so): of its size?
+            key = self.key_of(st.schedule)
+            return key if key is not None and (same_size(key[1], st.start_key[1]) or not self.room()) else None
         return sibling if sibling is not None and self.plan_of(sibling) is st.schedule else None
+
+    def kin(self, start: Hashable, shape: Any, *, varying: bool = True) -> tuple | None:
+        """The key of the most recently used plan of ``start`` whose shape is of ``shape``'s size
+        (``step_forms.same_size``) and whose sizes vary (a new shape runs it), or any such plan
+        (``varying`` False: one a new shape's recording is widened against). Not the last
+        step's plan whatever its size: on lengths drawn from a wide range, one plan held every
+        activation at the longest's size, and short steps moved what would have fit. Where no
+        plan is of its size and none more would be kept without evicting one (``room``), the
+        least of those of larger shapes, else the largest: a plan per size under a step budget,
+        whose plans hold four steps' records, evicted each other. A size first seen runs the
+        least larger plan too (``SPLIT_AFTER``): its own plan costs a step on demand or two,
+        which a size that does not come back never repays."""
+        kin = [key for key in reversed(self.plans) if key[0] == start and same_kind(key[1], shape)
+               and (not varying or sizes_vary(self.plans[key][0].sequence))]
+        alike = next((key for key in kin if same_size(key[1], shape)), None)
+        if alike is not None or not kin:
+            return alike
+        larger = [key for key in kin if shape_elements(key[1]) >= shape_elements(shape)]
+        nearest = min(larger or kin, key=lambda key: shape_elements(key[1]) * (1 if larger else -1))
+        if larger and moves_nothing(self.plans[nearest][0]):   # it fits at a larger size: so does this one
+            return nearest
+        if larger and varying and self._sighted(start, shape) < SPLIT_AFTER:   # a size seen once runs it
+            return nearest
+        return None if self.room() else nearest
+
+    def _sighted(self, start: Hashable, shape: Any) -> int:
+        """Steps of ``start`` with no plan of their size so far whose shape was of ``shape``'s
+        size class, this one included (``kin``: a size seen once takes no plan of its own)."""
+        size = (start, size_class(shape))
+        self._sizes[size] = self._sizes.pop(size, 0) + 1
+        while len(self._sizes) > MAX_ALIASES:
+            self._sizes.popitem(last=False)
+        return self._sizes[size]
+
+    def founds(self, st: Stepper | AnchoredStep) -> bool:
+        """Whether ``st``, with no plan for its shape, is of a kind whose plans' sizes vary
+        here (``kin``): the first of its size, whose plan is marked so (``StepFacts.founds``)."""
+        key = st.start_key
+        return (isinstance(key, tuple) and key not in self.plans and any(
+            k[0] == key[0] and same_kind(k[1], key[1]) and sizes_vary(plan.sequence)
+            for k, (plan, _) in self.plans.items()))
+
+    def room(self) -> bool:
+        """Whether one more plan, as long as the longest, would be kept beside these without
+        evicting one (``keep``)."""
+        functions = [len(plan.sequence.functions) for plan, _ in self.plans.values()]
+        return len(functions) < self.max_plans and not plans_over_records(
+            [*functions, max(functions, default=0)], self._mem)
 
     def used(self, key: Hashable) -> None:
         """``key``'s plan ran: the most recently used (least recently used out)."""

@@ -113,8 +113,10 @@ class Planner:
                 return self._refused(st, err)
         cache, key = self._cache, st.start_key
         family = self._cache.family(st) if isinstance(st, Stepper) else None   # (no call in a plain step)
-        if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole
-            cache.alias(key, family)
+        if family is not None and st.schedule is not None and st.diverged_at is None:   # ran its plan whole:
+            cache.alias(key, family)   # one of that plan's runs, priced and given its forms as one (else
+            st.start_key = key = family   # shapes that never recur, random lengths, never formed it)
+            cache.used(key)
         state = None
         if st.schedule is not None and cache.plan_of(key) is st.schedule:
             runs, fastest = cache.prices(key)
@@ -218,7 +220,8 @@ class Planner:
                          first=None if trace is None else trace.first_saved(),
                          update=None if trace is None else trace.update,
                          device_timed=st.ctx.time_ops, ready=ready, left=left,
-                         born_at=None if left is None else st.rec.born_at)
+                         born_at=None if left is None else st.rec.born_at,
+                         founds=seq is not None and left is None and self._cache.founds(st))
 
     def _do(self, st: Stepper | AnchoredStep, d: Decision, family: tuple | None, seconds: float,
             took: float) -> None:

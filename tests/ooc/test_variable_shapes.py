@@ -278,3 +278,65 @@ def test_batches_of_shuffled_sizes_made_inside_the_step_run_planned(device: str,
         assert torch.equal(a, b), name
     assert stats["bytes_out"] > 0
     assert stats["steps.diverged"] <= 4 and stats["plans"] <= 5, stats
+
+
+def test_a_plan_whose_sizes_vary_serves_shapes_of_its_size_only() -> None:
+    """A Hugging Face GPT-2 (2 x 64 wide) on random lengths, short (8-12 tokens) and long
+    (52-64) in a shuffled order, at 1 MiB: its lengths share plans whose sizes vary
+    (``scheduler/widening.py``), one per size of shape (``step_forms.same_size``,
+    ``PlanCache.kin``), so a short step runs a plan at short sizes and moves nothing, as it
+    fits. With one plan for every length, each short step ran it at the longest's sizes and
+    swapped 0.3-0.6 MB. Bitwise against the same loop in core."""
+    transformers = pytest.importorskip("transformers")
+    rng = random.Random(0)
+    lengths = [rng.randrange(8, 13) if rng.random() < 0.5 else rng.randrange(52, 65) for _ in range(28)]
+
+    def run(use: bool) -> tuple[torch.nn.Module, list]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                                                     n_positions=64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = OutOfCore(model, opt, budget="1MiB", options=Options(chunk="16KiB", min_bytes=4096)) if use else None
+        out = []
+        try:
+            for step, length in enumerate(lengths):
+                ids = torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(step))
+                torch.manual_seed(step)   # dropout
+                with engine.step() if engine is not None else contextlib.nullcontext():
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                out.append(engine.stats() if engine is not None else None)
+        finally:
+            if engine is not None:
+                engine.close()
+        return model, out
+
+    ref, _ = run(False)
+    got, stats = run(True)
+    for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from training without ooc"
+    moved = [s["bytes_out"] - (stats[i - 1]["bytes_out"] if i else 0) for i, s in enumerate(stats)]
+    short = [m for length, m, s in zip(lengths, moved, stats) if length < 16 and s["last_planned"]]
+    long = [m for length, m, s in zip(lengths, moved, stats) if length > 16 and s["last_planned"]]
+    assert len(short) >= 4 and not any(short), (lengths, moved)
+    assert len(long) >= 8 and all(long), (lengths, moved)
+    assert stats[-1]["plans_kept"] <= 4, stats[-1]
+
+
+def test_shapes_of_one_size_are_the_same_tensors_within_a_factor_of_two_of_elements() -> None:
+    """``step_forms.same_size``: what may run one plan whose sizes vary. The same tensors but
+    for their sizes (rank and dtype each), the same modes, and elements within one of the
+    fixed steps of ``SIZE_STEP``."""
+    from ooc.engine.step_forms import same_size
+
+    def shape(*dims: tuple, dtype: torch.dtype = torch.int64, training: bool = True) -> tuple:
+        return tuple((d, dtype) for d in dims), training, True
+
+    assert same_size(shape((8, 100), (8, 100)), shape((8, 120), (8, 120)))
+    assert not same_size(shape((8, 100), (8, 100)), shape((8, 20), (8, 20))), "five times fewer elements"
+    assert not same_size(shape((8, 100)), shape((8, 100), (8, 100))), "another tensor"
+    assert not same_size(shape((8, 100)), shape((8, 100, 1))), "another rank"
+    assert not same_size(shape((8, 100)), shape((8, 100), dtype=torch.int32)), "another dtype"
+    assert not same_size(shape((8, 100)), shape((8, 100), training=False)), "evaluation"
+    assert not same_size(None, shape((8, 100))), "no forward seen"
