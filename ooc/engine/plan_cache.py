@@ -77,7 +77,7 @@ class PlanCache:
         # with the data run one plan (``alias``)
         self.aliases: OrderedDict[tuple, tuple] = OrderedDict()
         self._sizes: OrderedDict[tuple, int] = OrderedDict()   # (start, size class) -> steps seen (``kin``)
-        self.sibling: tuple | None = None   # the running step records a new shape: the key it guessed
+        self.sibling: tuple | None = None   # the running step records a new shape: a plan of its size (``kin``)
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self._quiet: tuple[Schedule, frozenset[int]] | None = None   # the last plan's quiet ops
         self.schedule: Schedule | None = None   # the running (or last) step's plan and binding
