@@ -276,8 +276,7 @@ class PlanCache:
         whose plans hold four steps' records, evicted each other. A size first seen runs the
         least larger plan too (``SPLIT_AFTER``): its own plan costs a step on demand or two,
         which a size that does not come back never repays."""
-        kin = [key for key in reversed(self.plans) if key[0] == start and same_kind(key[1], shape)
-               and (not varying or sizes_vary(self.plans[key][0].sequence))]
+        kin = self._of_kind(start, shape, varying=varying)
         alike = next((key for key in kin if same_size(key[1], shape)), None)
         if alike is not None or not kin:
             return alike
@@ -298,20 +297,34 @@ class PlanCache:
             self._sizes.popitem(last=False)
         return self._sizes[size]
 
+    def _of_kind(self, start: Hashable, shape: Any, *, varying: bool) -> list[tuple]:
+        """Keys of the plans of ``start`` whose shapes are ``shape``'s but for their sizes
+        (``step_forms.same_kind``), whose sizes vary unless not ``varying``, the most recently
+        used first."""
+        return [key for key in reversed(self.plans) if key[0] == start and same_kind(key[1], shape)
+                and (not varying or sizes_vary(self.plans[key][0].sequence))]
+
     def founds(self, st: Stepper | AnchoredStep) -> bool:
         """Whether ``st``, with no plan for its shape, is of a kind whose plans' sizes vary
         here (``kin``): the first of its size, whose plan is marked so (``StepFacts.founds``)."""
         key = st.start_key
-        return (isinstance(key, tuple) and key not in self.plans and any(
-            k[0] == key[0] and same_kind(k[1], key[1]) and sizes_vary(plan.sequence)
-            for k, (plan, _) in self.plans.items()))
+        return isinstance(key, tuple) and key not in self.plans and bool(self._of_kind(*key, varying=True))
 
     def room(self) -> bool:
         """Whether one more plan, as long as the longest, would be kept beside these without
         evicting one (``keep``)."""
-        functions = [len(plan.sequence.functions) for plan, _ in self.plans.values()]
-        return len(functions) < self.max_plans and not plans_over_records(
-            [*functions, max(functions, default=0)], self._mem)
+        functions = self._functions()
+        return not self._over([*functions, max(functions, default=0)])
+
+    def _functions(self) -> list[int]:
+        """The functions of each plan kept, least recently used first."""
+        return [len(plan.sequence.functions) for plan, _ in self.plans.values()]
+
+    def _over(self, functions: list[int]) -> bool:
+        """Whether plans of ``functions`` functions each are more than are kept: more than
+        ``max_plans``, or (under a budget for the whole step) more functions than it keeps
+        records of (``step_budget.plans_over_records``)."""
+        return len(functions) > self.max_plans or plans_over_records(functions, self._mem)
 
     def used(self, key: Hashable) -> None:
         """``key``'s plan ran: the most recently used (least recently used out)."""
@@ -323,8 +336,7 @@ class PlanCache:
         self.drop(key)
         self.plans[key] = (schedule, binding)
         self.schedule, self.binding = schedule, binding
-        while len(self.plans) > 1 and (len(self.plans) > self.max_plans or plans_over_records(
-                [len(plan.sequence.functions) for plan, _ in self.plans.values()], self._mem)):
+        while len(self.plans) > 1 and self._over(self._functions()):
             self.drop(next(iter(self.plans)))   # the least recently used go
 
     def prices(self, key: Hashable) -> tuple[int, Any]:

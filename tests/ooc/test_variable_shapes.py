@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import ooc
-import ooc.testing
 from ooc.engine import Options, OutOfCore
 from test_second_backward import _model as residual_cnn
 
@@ -279,55 +278,6 @@ def test_batches_of_shuffled_sizes_made_inside_the_step_run_planned(device: str,
         assert torch.equal(a, b), name
     assert stats["bytes_out"] > 0
     assert stats["steps.diverged"] <= 4 and stats["plans"] <= 5, stats
-
-
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_plan_whose_sizes_vary_serves_shapes_of_its_size_only(device: str) -> None:
-    """A Hugging Face GPT-2 (2 x 64 wide) on random lengths, short (8-12 tokens) and long
-    (52-64) in a shuffled order, at 1 MiB (3 MiB over the fake driver, whose 64 KiB chunks
-    round more): its lengths share plans whose sizes vary (``scheduler/widening.py``), one per
-    size of shape (``step_forms.same_size``, ``PlanCache.kin``), so a short step runs a plan
-    at short sizes and moves nothing, as it fits. With one plan for every length, each short
-    step ran it at the longest's sizes and swapped 0.3-0.6 MB (0.27-0.41 over the fake
-    driver). Bitwise against the same loop in core; "cuda" is the CUDA path over the FAKE
-    driver (``ooc.testing.fake_cuda``: host bytes for device memory)."""
-    transformers = pytest.importorskip("transformers")
-    rng = random.Random(0)
-    lengths = [rng.randrange(8, 13) if rng.random() < 0.5 else rng.randrange(52, 65) for _ in range(28)]
-
-    def run(engine_kw: dict | None) -> tuple[torch.nn.Module, list]:
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
-                                                                     n_positions=64))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        with ooc.testing.fake_cuda() if engine_kw and device == "cuda" else contextlib.nullcontext():
-            engine = OutOfCore(model, opt, **engine_kw) if engine_kw else None
-            try:
-                for step, length in enumerate(lengths):
-                    ids = torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(step))
-                    torch.manual_seed(step)   # dropout
-                    with engine.step() if engine is not None else contextlib.nullcontext():
-                        model(input_ids=ids, labels=ids).loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                    out.append(engine.stats() if engine is not None else None)
-            finally:
-                if engine is not None:
-                    engine.close()
-        return model, out
-
-    ref, _ = run(None)
-    got, stats = run({"budget": "1MiB" if device == "cpu" else "3MiB", "device": device,
-                      "options": Options(chunk="16KiB" if device == "cpu" else "64KiB", min_bytes=4096)})
-    for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs from training without ooc"
-    moved = [s["bytes_out"] - (stats[i - 1]["bytes_out"] if i else 0) for i, s in enumerate(stats)]
-    short = [m for length, m, s in zip(lengths, moved, stats) if length < 16 and s["last_planned"]]
-    long = [m for length, m, s in zip(lengths, moved, stats) if length > 16 and s["last_planned"]]
-    assert len(short) >= 4 and not any(short), (lengths, moved)
-    assert len(long) >= 8 and all(long), (lengths, moved)
-    assert stats[-1]["plans_kept"] <= 4, stats[-1]
 
 
 def test_shapes_of_one_size_are_the_same_tensors_within_a_factor_of_two_of_elements() -> None:
