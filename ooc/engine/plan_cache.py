@@ -3,18 +3,20 @@
 A plan holds for the state a step starts in (``PersistentStore.start_key``: managed persistent
 tensors, which parameters have a gradient, the caller's kind) and the shape it has
 (``step_forms.shape_of``: the shapes and dtypes the model's forward is called with, its
-training mode and autograd's). Gradient accumulation alternates two such states, and dynamic
-padding varies the shape: plans are kept per (start, shape), at most ``max_plans`` (under a budget
-for the whole step, no more functions than it keeps records of: ``step_budget.plans_over_records``),
-the least recently used evicted first, with what was made of each (its prices, ``repriced``; its
-hook-driven form, ``hook_forms.py``).
+training mode and autograd's, the ops the step ran before it). Gradient accumulation
+alternates two such states, and dynamic padding varies the shape: plans are kept per (start,
+shape), at most ``max_plans`` (under a budget for the whole step, no more functions than it
+keeps records of: ``step_budget.plans_over_records``), the least recently used evicted first,
+with what was made of each (its prices, ``repriced``; its hook-driven form, ``hook_forms.py``).
 
 The shape shows only when the forward starts, after the step began: it begins with the plan of
 the shape its start's last step had (the guess), and the model's forward pre-hook
 (``forward_starts``) switches it to the plan of the shape it has, if nothing of it touched
 managed memory yet (``step_forms.py``); a shape without a plan is recorded by that step. A
 guess that cannot be switched diverges where its plan differs, and the step is re-planned
-under the shape it had: no other shape's plan is lost. Shapes that differ only in what the data
+under the shape it had: no other shape's plan is lost (a batch made in the step in one of a
+few ways, timm's mixup or cutmix, keeps a plan for each: a hook-driven step, which sees no op,
+is taken to have run its guess's). Shapes that differ only in what the data
 makes inside the step (a detection model's targets), or in sizes that keep their ops (dynamic
 padding), share one plan of their size (``alias``, ``kin``).
 
@@ -77,6 +79,7 @@ class PlanCache:
         # with the data run one plan (``alias``)
         self.aliases: OrderedDict[tuple, tuple] = OrderedDict()
         self._sizes: OrderedDict[tuple, int] = OrderedDict()   # (start, size class) -> steps seen (``kin``)
+        self._befores: dict[tuple[str, ...], tuple[str, ...]] = {}   # the ops before a forward, as keys hold them
         self.sibling: tuple | None = None   # the running step records a new shape: a plan of its size (``kin``)
         self._plan_runs: dict[int, int] = {}   # id of a plan -> how often it ran before
         self._quiet: tuple[Schedule, frozenset[int]] | None = None   # the last plan's quiet ops
@@ -175,8 +178,17 @@ class PlanCache:
         form = self.form
         if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
             return None
-        form.shape = shape = shape_of(self._model, args, kwargs)
-        key, st = self.aliases.get((form.start, shape), (form.start, shape)), form.st
+        st = form.st
+        if isinstance(st, Stepper):
+            before = tuple(st.rec.names)
+        else:   # a hook-driven step sees no op: taken to have run its guess's (none holds it to them)
+            guessed = st.start_key[1]
+            before = guessed[3] if guessed is not None else ()
+        if len(self._befores) > MAX_ALIASES:
+            self._befores.clear()
+        before = self._befores.setdefault(before, before)   # one tuple for every key that has it
+        form.shape = shape = shape_of(self._model, args, kwargs, before)
+        key = self.aliases.get((form.start, shape), (form.start, shape))
         if key not in self.plans:   # a plan whose sizes vary, for shapes of its size
             key = self.kin(form.start, shape) or key
         self._shapes[form.start] = key[1]
@@ -192,7 +204,7 @@ class PlanCache:
         ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
         if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
             if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
-                st.leave_plan(f"the step's shape {shape} has no plan")
+                st.leave_plan(f"the step's shape {shape[:3]} after {len(before)} op(s) has no plan")
             return None
         if not (form.quiet() and form.innermost() and (schedule is None or begins_with(schedule, ran))):
             log.info("the step's shape has %s plan, but the step touched managed memory before its "
