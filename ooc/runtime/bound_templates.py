@@ -21,6 +21,7 @@ from ooc.runtime.made_by import node_of, said, signature
 from ooc.runtime.recipes import Made, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
+from ooc.runtime.views import View
 
 
 @dataclass
@@ -66,9 +67,12 @@ class BoundTemplates:
         if want is None and not draw:
             return None
         expected = want if want is not None else self.templates.draws[k]
-        if s.nbytes() != expected.nbytes or node_of(t) != expected.node:
-            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}, the templates' "
-                    f"was {expected.nbytes} B from {expected.node}"
+        looks = View.of(t)._replace(offset=0)
+        if s.nbytes() != expected.nbytes or node_of(t) != expected.node or looks != expected.saved:
+            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}"
+                    f"{'' if looks == expected.saved else f' viewed as {looks}'}, the templates' was "
+                    f"{expected.nbytes} B from {expected.node}"
+                    f"{'' if looks == expected.saved else f' viewed as {expected.saved}'}"
                     + (", the generator's state a random op replays from" if draw else ""))
         if draw:
             self.states[k] = _rng_state(self.templates.rng_device)
@@ -135,7 +139,7 @@ class BoundTemplates:
                 at = inside.get(x.var)
                 return x.view.on(slots[x.var].storage) if at is None else x.view.of_tensor(made[at])
             if isinstance(x, PackArg):
-                return x.view.of_tensor(self.packs[x.k][0])
+                return x.read(self.packs[x.k][0])
             if isinstance(x, Persistent):
                 return x.view.of_tensor(x.tensor)
             return x.tensor(made) if isinstance(x, Made) else x

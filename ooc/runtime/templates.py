@@ -8,7 +8,9 @@ tensor arguments are slots a later step fills from what its hooks see
 
 - ``VarArg``: a managed activation, by its plan variable (the anchored step's slot);
 - ``PackArg``: any other tensor autograd saved (of every size: a norm's ``rsqrt``, the
-  rotary tables, the batch), as the k-th tensor the step saves, viewed as the op read it.
+  rotary tables, the batch), as the k-th tensor the step saves, viewed as the op read it
+  from where the save starts (a batch sliced from a dataset tensor starts elsewhere in it
+  at every step).
   The capturing step proves that the bytes saved are the bytes read (same storage, same
   version counter);
 - ``Persistent``: a parameter or buffer, or a view of one, as itself (the same object every
@@ -54,14 +56,31 @@ class VarArg:
 
 @dataclass(frozen=True, slots=True)
 class PackArg:
-    """The ``k``-th tensor the step saves (``nbytes`` its storage's), its node's type ``node``,
-    at ``gap`` (the ops begun before the save)."""
+    """The ``k``-th tensor the step saves (``nbytes`` its storage's; ``saved``, how it looks at
+    it, from where it starts), its node's type ``node``, at ``gap`` (the ops begun before the
+    save), read as ``view`` from where the save starts. Why from there: a batch sliced from a
+    tensor made before the step (``x = xs[i:i + b]``) is saved at another offset of the same
+    storage at every step; read at the captured step's offset, a ResNet's first convolution
+    replayed on the captured step's images, and its parameters came out wrong from the first
+    hook-driven step that recomputed it (``tests/ooc/test_templates.py``)."""
 
     k: int
     nbytes: int
     node: str
     gap: int
     view: View
+    saved: View
+
+    @staticmethod
+    def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
+        """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
+        start = t.storage_offset()
+        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=x.storage_offset() - start),
+                       View.of(t)._replace(offset=0))
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """This argument in a step whose ``k``-th save is ``t``."""
+        return self.view._replace(offset=self.view.offset + t.storage_offset()).of_tensor(t)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +227,7 @@ class TemplateCapture:
         k = self.n
         self.n = k + 1
         if self.rng_device is not None:
-            self.last = (_rng_state(self.rng_device), PackArg(k, s.nbytes(), node_of(t), gap, View.of(t)))
+            self.last = (_rng_state(self.rng_device), PackArg.of(k, t, s, gap, t))
         if var is not None:
             if var not in self.nodes:
                 self.nodes[var] = signature(t, self.depth)
@@ -218,7 +237,7 @@ class TemplateCapture:
         if waiting:
             for w, x, v in waiting:
                 if v == version and x.untyped_storage()._cdata == c:
-                    self.found[w].setdefault(id(x), PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)))
+                    self.found[w].setdefault(id(x), PackArg.of(k, t, s, gap, x))
             waiting[:] = [p for p in waiting if id(p[1]) not in self.found[p[0]]]
         self.packed.setdefault(c, []).append((k, weakref.ref(t), version, gap))
 
@@ -246,7 +265,7 @@ class TemplateCapture:
             for k, ref, v, gap in self.packed.get(c, ()):
                 t = ref()
                 if t is not None and v == version and t.untyped_storage()._cdata == c:
-                    found[id(x)] = PackArg(k, s.nbytes(), node_of(t), gap, View.of(x))
+                    found[id(x)] = PackArg.of(k, t, s, gap, x)
                     break
             else:
                 self.pending.setdefault(c, []).append((i, x, version))

@@ -11,6 +11,7 @@ sizes (a model that swaps ``sigmoid`` for ``tanh``) leaves its plan and stays bi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -215,16 +216,16 @@ class Net(nn.Module):
         return self.last(x)
 
 
-def _steps(model: nn.Module, budget: int | None, acts: list) -> tuple[list, list]:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+def _run(model: nn.Module, opt: torch.optim.Optimizer, budget: int | None,
+         steps: Iterable[Callable[[], torch.Tensor]]) -> tuple[list, list]:
+    """A step per loss of ``steps`` (each made as its step begins: what comes before, outside
+    it), under an engine at ``budget`` or in core; the losses and, under the engine, each
+    step's form, where it left its plan (-1) and the bytes recomputed so far."""
     engine = OutOfCore(model, opt, budget=budget) if budget is not None else None
     losses, forms = [], []
-    for i, act in enumerate(acts):
-        model.act = act
-        torch.manual_seed(i)
-        x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+    for loss_of in steps:
         with engine.step() if engine is not None else torch.enable_grad():
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = loss_of()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -235,6 +236,16 @@ def _steps(model: nn.Module, budget: int | None, acts: list) -> tuple[list, list
     if engine is not None:
         engine.close()
     return losses, forms
+
+
+def _steps(model: nn.Module, budget: int | None, acts: list) -> tuple[list, list]:
+    def steps() -> Iterator[Callable[[], torch.Tensor]]:
+        for i, act in enumerate(acts):
+            model.act = act
+            torch.manual_seed(i)
+            x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+            yield lambda: nn.functional.cross_entropy(model(x), y)
+    return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
 
 
 def _pow(p: float):
@@ -405,3 +416,65 @@ def test_dropout_in_a_chain_reruns_at_the_hooks_bitwise(monkeypatch) -> None:
     monkeypatch.setattr(saved_tensors, "TemplateCapture", lambda model, depth, rng_device: real(model, depth))
     _, forms, _ = run()
     assert forms[-1][0] == "anchored" and with_rng > forms[-1][2] - forms[-2][2] >= 0, (with_rng, forms)
+
+
+def test_a_save_sliced_from_a_storage_made_before_the_step_is_read_where_this_step_saved_it() -> None:
+    """A batch sliced from a tensor made before the step (``x = xs[i:i + b]``) is saved at
+    another offset of one storage at every step: a replay reads its view from where this
+    step's save starts, not where the captured step's did; a save that looks otherwise at its
+    storage (another stride) is refused."""
+    from types import SimpleNamespace
+
+    model = nn.Linear(2, 2)
+    xs = torch.randn(3, 2, 2)
+    cap = TemplateCapture(model)
+    x = xs[0]
+    cap.saved(x, x.untyped_storage(), None, gap=1)
+    r = _recipe(aten.mul.Tensor, [x, model.weight])
+    cap.captured(3, r)
+    templates = cap.build({3: r}, {7: (3, 0)})
+    bound = BoundTemplates(templates, chains=[(3,)])
+    y = xs[2]   # the next step's batch: the same storage, 16 bytes on
+    assert bound.saved(y, y.untyped_storage()) is None and bound.why_not((3,)) is None
+    made = []
+    bound.replay(SimpleNamespace(var=7, nbytes=16, name="product"), (3,), {}, made.append)
+    assert torch.equal(torch.empty(0).set_(made[0], 0, (2, 2), (2, 1)), (y * model.weight).detach())
+
+    bound = BoundTemplates(templates, chains=[(3,)])
+    y = xs[:, 0]   # the same storage and size, read across it
+    assert "viewed as" in bound.saved(y, y.untyped_storage())
+
+
+def test_a_resnet_whose_batch_is_sliced_from_a_dataset_tensor_recomputes_at_the_hooks_bitwise(monkeypatch) -> None:
+    """Hugging Face's ResNet trained on batches sliced from one tensor made before the loop,
+    the template form forced: the first convolution's chain replays from the batch autograd
+    saved, which is a view at another offset of that tensor at every step. Read at the captured
+    step's offset, the first hook-driven step that recomputed it replayed another batch's
+    images, and every loss from the next step on differed (timm's ResNet-18 too, and one run in
+    two without the form forced)."""
+    transformers = pytest.importorskip("transformers")
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    transformers.logging.set_verbosity_error()
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                       num_labels=10)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(12, 3, 32, 32, generator=g), torch.randint(0, 10, (12,), generator=g)
+
+    def train(budget: int | None) -> tuple[list, list, dict]:
+        torch.manual_seed(0)
+        model = transformers.ResNetForImageClassification(config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        steps = (lambda i=step % 3 * 4: model(xs[i:i + 4], labels=ys[i:i + 4]).loss for step in range(8))
+        return (*_run(model, opt, budget, steps), model.state_dict())
+
+    ref_losses, _, ref_state = train(None)
+    losses, forms, state = train(256 << 10)
+    anchored = [f for f in forms if f[0] == "anchored"]
+    assert anchored and all(f[1] == -1 for f in anchored), forms
+    assert forms[-1][2] > forms[-2][2], forms   # the last step recomputed
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}: {a.item()} vs {b.item()}"
+    for k, a in ref_state.items():
+        assert torch.equal(a, state[k]), k
