@@ -47,6 +47,11 @@ class BoundTemplates:
 
     def __post_init__(self) -> None:
         self.versions = {id(t): t._version for t in self.templates.persistent}
+        # A parameter or buffer the model holds no more (``load_state_dict(assign=True)``, a
+        # module replaced): the templates would replay with the old one, whose bytes the model
+        # no longer has. The first discard leaves the plan, and the next step captures anew.
+        self.replaced = next((name for t, module, attr, name in self.templates.owners
+                              if module._parameters.get(attr) is not t and module._buffers.get(attr) is not t), None)
         calls = self.templates.calls
         self.chains = list(self.chains)
         self.draws = frozenset(calls[w].rng_at.k for chain in self.chains for w in chain
@@ -95,6 +100,8 @@ class BoundTemplates:
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
+        if self.replaced is not None:
+            return f"the model's {self.replaced} is another tensor than the one its templates read"
         calls = self.templates.calls
         for w in chain:
             c = calls.get(w)

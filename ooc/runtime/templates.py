@@ -148,7 +148,9 @@ class Templates:
     """What a plan's anchored form replays: ``calls`` (function -> template), ``born_at`` (var
     -> (function, output) that makes it), ``wanted`` (pack index -> ``PackArg``), ``nodes`` (var
     -> its ``signature`` where the step first saved it, ``depth`` nodes deep), ``persistent``
-    (those checked), ``rng_device`` (whose generator the random ops draw from)."""
+    (those checked), ``rng_device`` (whose generator the random ops draw from), ``owners``
+    (each parameter or buffer read, with the module that holds it, its attribute and its
+    name: a step whose model holds another tensor there replays none, ``BoundTemplates``)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -157,6 +159,7 @@ class Templates:
     persistent: tuple[torch.Tensor, ...]
     depth: int = 1
     rng_device: torch.device | None = None
+    owners: tuple[tuple[torch.Tensor, torch.nn.Module, str, str], ...] = ()
 
     @property
     def functions(self) -> frozenset[int]:
@@ -208,9 +211,12 @@ class TemplateCapture:
         self.depth = depth   # how far back a managed activation's signature looks: the longest chain
         self.rng_device = rng_device   # None: random ops get no template
         self.persistent: dict[int, torch.Tensor] = {}
-        for t in (*model.parameters(), *model.buffers()):
-            if t.layout is torch.strided and not t.is_meta:
-                self.persistent.setdefault(t.untyped_storage()._cdata, t)
+        self.owner: dict[int, tuple[torch.nn.Module, str, str]] = {}   # id(tensor) -> module, attribute, name
+        for path, module in model.named_modules(remove_duplicate=False):
+            for attr, t in (*module._parameters.items(), *module._buffers.items()):
+                if t is not None and t.layout is torch.strided and not t.is_meta:
+                    self.persistent.setdefault(t.untyped_storage()._cdata, t)
+                    self.owner.setdefault(id(t), (module, attr, f"{path}.{attr}" if path else attr))
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
@@ -289,8 +295,10 @@ class TemplateCapture:
                                      r.outputs, self.rng_at.get(i))
         wanted = {a.k: a for c in calls.values() for a in c.saves}
         persistent = {id(t): t for c in calls.values() for t, _ in c.checked}
+        read = {id(x.tensor): x.tensor for c in calls.values() for x in tree_leaves((c.args, c.kwargs))
+                if isinstance(x, Persistent)}
         self.packed.clear()
         self.pending.clear()
         self.last = None
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
-                         self.rng_device)
+                         self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()))

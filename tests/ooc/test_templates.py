@@ -445,36 +445,76 @@ def test_a_save_sliced_from_a_storage_made_before_the_step_is_read_where_this_st
     assert "viewed as" in bound.saved(y, y.untyped_storage())
 
 
-def test_a_resnet_whose_batch_is_sliced_from_a_dataset_tensor_recomputes_at_the_hooks_bitwise(monkeypatch) -> None:
-    """Hugging Face's ResNet trained on batches sliced from one tensor made before the loop,
-    the template form forced: the first convolution's chain replays from the batch autograd
-    saved, which is a view at another offset of that tensor at every step. Read at the captured
-    step's offset, the first hook-driven step that recomputed it replayed another batch's
-    images, and every loss from the next step on differed (timm's ResNet-18 too, and one run in
-    two without the form forced)."""
+def _resnet(budget: int | None, between: Callable[[int, nn.Module, torch.optim.Optimizer], None] = lambda *a: None,
+            steps: int = 8) -> tuple[list, list, dict]:
+    """Hugging Face's ResNet (BatchNorm, skip connections), SGD with momentum, on batches
+    sliced from one tensor made before the loop; ``between(step, model, opt)`` before each
+    step. The losses, the forms (``_run``) and the final state."""
     transformers = pytest.importorskip("transformers")
-    from test_anchored_steps import templates_forced
-
-    templates_forced(monkeypatch.setattr)
     transformers.logging.set_verbosity_error()
     config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
                                        num_labels=10)
     g = torch.Generator().manual_seed(0)
     xs, ys = torch.randn(12, 3, 32, 32, generator=g), torch.randint(0, 10, (12,), generator=g)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    def train(budget: int | None) -> tuple[list, list, dict]:
-        torch.manual_seed(0)
-        model = transformers.ResNetForImageClassification(config)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        steps = (lambda i=step % 3 * 4: model(xs[i:i + 4], labels=ys[i:i + 4]).loss for step in range(8))
-        return (*_run(model, opt, budget, steps), model.state_dict())
+    def each() -> Iterator[Callable[[], torch.Tensor]]:
+        for step in range(steps):
+            between(step, model, opt)
+            i = step % 3 * 4
+            yield lambda: model(xs[i:i + 4], labels=ys[i:i + 4]).loss
+    return (*_run(model, opt, budget, each()), model.state_dict())
 
-    ref_losses, _, ref_state = train(None)
-    losses, forms, state = train(256 << 10)
+
+def _assert_same(ref: tuple, got: tuple) -> None:
+    for i, (a, b) in enumerate(zip(ref[0], got[0])):
+        assert torch.equal(a, b), f"loss of step {i}: {a.item()} vs {b.item()}"
+    for k, a in ref[2].items():
+        assert torch.equal(a, got[2][k]), k
+
+
+def test_a_resnet_whose_batch_is_sliced_from_a_dataset_tensor_recomputes_at_the_hooks_bitwise(monkeypatch) -> None:
+    """Batches sliced from one tensor made before the loop, the template form forced: the first
+    convolution's chain replays from the batch autograd saved, which is a view at another
+    offset of that tensor at every step. Read at the captured step's offset, the first
+    hook-driven step that recomputed it replayed another batch's images, and every loss from
+    the next step on differed (timm's ResNet-18 too, and one run in two without the form
+    forced)."""
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    ref, got = _resnet(None), _resnet(256 << 10)
+    forms = got[1]
     anchored = [f for f in forms if f[0] == "anchored"]
     assert anchored and all(f[1] == -1 for f in anchored), forms
     assert forms[-1][2] > forms[-2][2], forms   # the last step recomputed
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}: {a.item()} vs {b.item()}"
-    for k, a in ref_state.items():
-        assert torch.equal(a, state[k]), k
+    _assert_same(ref, got)
+
+
+def test_parameters_assigned_between_steps_are_not_replayed_from_the_old_ones(monkeypatch, caplog) -> None:
+    """``load_state_dict(..., assign=True)`` between steps (a checkpoint loaded into the live
+    model, its optimizer given the new parameters as it must be) puts other tensors in the
+    model. The templates held the old ones and replayed the chains with them: every loss after
+    the next step differed. Now the next hook-driven step leaves its plan at its first
+    discard, saying which, and the step after it captures anew; bitwise throughout."""
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+
+    def load(step: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        if step == 6:
+            state = {k: v * 0.5 if v.is_floating_point() else v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(state, assign=True)
+            opt.param_groups[0]["params"] = list(model.parameters())
+            opt.state.clear()
+
+    ref = _resnet(None, load, steps=10)
+    with caplog.at_level(logging.INFO, logger="ooc"):
+        got = _resnet(256 << 10, load, steps=10)
+    forms = got[1]
+    assert forms[5][0] == "anchored" and forms[5][1] == -1, forms
+    assert forms[6][0] == "anchored" and forms[6][1] != -1, forms
+    assert "is another tensor than the one its templates read" in caplog.text
+    _assert_same(ref, got)
