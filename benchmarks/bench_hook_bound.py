@@ -137,7 +137,7 @@ def template_us(rounds: int = 7, calls: int = 500) -> float:
     a, b, w = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
 
     def saved(k: int, t: torch.Tensor) -> PackArg:
-        return PackArg(k, t.untyped_storage().nbytes(), "leaf", 0, View.of(t))
+        return PackArg.of(k, t, t.untyped_storage(), 0, t)
 
     def made(op: int, like: torch.Tensor) -> Made:
         return Made(op, 0, View(like.dtype, like.size(), like.stride(), 0))
