@@ -205,6 +205,8 @@ class Planner:
             if templates is not None:
                 before = self._templates.get(st.start_key)
                 ready = templates.ready(before) if before is not None else None
+                if before is not None:
+                    templates.vary_from(before)
                 self._templates[st.start_key] = templates
         if trace is not None:
             trace.update = st.rec.optimizer_start

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ooc.runtime.made_by import node_of, said, signature
+from ooc.runtime.made_by import matches, node_of, said, signature
 from ooc.runtime.recipes import Made, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
@@ -92,9 +92,9 @@ class BoundTemplates:
         if want is None:
             return None
         got = signature(t, self.templates.depth, self.walked)
-        if got == want:
+        at = matches(got, want)
+        if at is None:
             return None
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
                 f"{said(want, at)}")
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+VARIES = "varies"   # a number in a captured signature that changed between captures: any matches (``matches``)
 _SHAPES = ("size", "stride", "storage_offset")   # a view's metadata: which view node depends on the dispatch
 # node type -> what a walk makes of its nodes: None (a leaf's AccumulateGrad: not counted),
 # "view", or its name and its saved arguments that are no tensor. Asked once a type: a step
@@ -28,9 +29,10 @@ def _kind(node: Any) -> Any:
         said = None
     elif "View" in name or "Alias" in name or "Reshape" in name:
         said = "view"
-    else:   # a tensor's saved argument has a ``_raw_saved_`` twin: reading it would unpack it
-        said = name, tuple(a for a in dir(node) if a.startswith("_saved_") and not hasattr(node, "_raw" + a)
-                           and not any(m in a for m in _SHAPES))
+    else:   # a tensor's saved argument has a ``_raw_saved_`` twin: reading it may unpack it
+        saved = [a for a in dir(node) if a.startswith("_saved_") and not any(m in a for m in _SHAPES)]
+        said = (name, tuple(a for a in saved if not hasattr(node, "_raw" + a)),
+                tuple(a for a in saved if hasattr(node, "_raw" + a)))
     _KINDS[kind] = said
     return said
 
@@ -40,6 +42,24 @@ def _value(node: Any, name: str) -> Any:
         return getattr(node, name)
     except RuntimeError:   # released, or not readable here: the same in every step
         return "?"
+
+
+def _number(node: Any, name: str) -> Any:
+    """A saved tensor argument that is a Python number the op was called with (``x / tau``,
+    ``x * scale``: autograd keeps it as a 0-dim CPU tensor and saves it with no hook, so reading
+    it unpacks nothing), else None. A temperature that changed after the template form settled
+    was replayed as captured: a softmax at another temperature, every later step's parameters
+    wrong (``tests/ooc/test_templates.py``)."""
+    try:
+        if getattr(node, "_raw" + name).unpack_hook is not None:
+            return None   # the hooks saw it: a tensor of the step, not a number
+        value = getattr(node, name)
+    except RuntimeError:
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu":
+        with torch._C._DisableTorchDispatch():   # read below the per-op path's mode: no op of the step
+            return value.item()
+    return None
 
 
 def signature(t: torch.Tensor, depth: int, memo: dict[int, tuple] | None = None) -> tuple:
@@ -83,8 +103,22 @@ def _described(node: Any) -> tuple[Any, list[Any]]:
     said = _kind(node)
     if said is None:
         return None, []
-    desc = said if said == "view" else (said[0], tuple([_value(node, a) for a in said[1]]) if said[1] else ())
-    return desc, [f for f, _ in node.next_functions]
+    if said == "view":
+        return said, [f for f, _ in node.next_functions]
+    numbers = [_value(node, a) for a in said[1]] + [n for a in said[2] if (n := _number(node, a)) is not None]
+    return (said[0], tuple(numbers)), [f for f, _ in node.next_functions]
+
+
+def matches(got: tuple, want: tuple) -> int | None:
+    """Where signature ``got`` first differs from the captured ``want`` (None: nowhere), a
+    number ``VARIES`` in ``want`` matching any."""
+    if got == want:
+        return None
+    for at, (a, b) in enumerate(zip(got, want)):
+        if a != b and not (a != "view" and b != "view" and a[0] == b[0] and len(a[1]) == len(b[1])
+                           and all(x == y or y == VARIES for x, y in zip(a[1], b[1]))):
+            return at
+    return None if len(got) == len(want) else min(len(got), len(want))
 
 
 def said(sig: tuple, at: int) -> str:

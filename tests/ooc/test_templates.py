@@ -256,6 +256,10 @@ def _div(tau: float):
     return lambda x: x / tau
 
 
+def _tempered(tau: float):
+    return lambda x: torch.softmax(x / tau, -1) * 100   # (scaled: a softmax of 512 is small)
+
+
 # (what the model runs: 9 settled steps, then a change, then the first again; whether the
 # changed step leaves its plan, and what the warning names)
 CHANGES = {
@@ -267,6 +271,12 @@ CHANGES = {
     # changes every step: the per-op steps' templates differ there, so no template reruns it
     # (``Templates.ready``) and the anchored form swaps it; nothing to leave
     "div-by-a-schedule": ([_div(1.0 + k / 10) for k in range(11)], None),
+    "softmax-temperature-by-a-schedule": ([_tempered(1.0 + k / 10) for k in range(11)], None),
+    # the same number changed once the form settled: the node keeps it as a 0-dim tensor that
+    # no hook sees (``made_by._number``); replayed as captured, every later step was wrong
+    "div-once": ([_div(1.0)] * 9 + [_div(2.0), _div(1.0)], "was made by DivBackward0[2.0] ("),
+    "softmax-temperature-once": ([_tempered(1.0)] * 9 + [_tempered(4.0), _tempered(1.0)],
+                                 "DivBackward0[4.0]"),
 }
 
 
@@ -278,7 +288,8 @@ def test_a_step_whose_op_changed_at_the_same_sizes_leaves_its_plan_and_stays_bit
     captured: the step sees it where the activation is saved (its autograd node's type and
     saved numbers, ``templates.signature``), leaves its plan before discarding it, and every
     step stays bitwise with in-core training under the same change. A number no hook sees that
-    changes every step keeps its function out of the templates."""
+    changes every step keeps its function out of the templates, and the signatures that hold it
+    match any (``Templates.vary_from``): the form keeps its plan."""
     from test_anchored_steps import templates_forced
 
     templates_forced(monkeypatch.setattr)
@@ -292,8 +303,10 @@ def test_a_step_whose_op_changed_at_the_same_sizes_leaves_its_plan_and_stays_bit
         losses, forms = _steps(model, 6 << 20, acts)
     before = forms[8]
     assert before[0] == "anchored" and before[1] == -1, forms
-    if said is None:   # kept its plan: its chains all divide by the schedule, so it swaps them
-        assert all(f[0] == "anchored" and f[1] == -1 and f[2] == before[2] for f in forms[9:]), forms
+    if said is None:   # kept its plan
+        assert all(f[0] == "anchored" and f[1] == -1 for f in forms[9:]), forms
+        if change == "div-by-a-schedule":   # its chains all divide by the schedule: it swaps them
+            assert all(f[2] == before[2] for f in forms[9:]), forms
     else:
         assert before[2] > forms[7][2], forms   # the anchored steps recomputed
         assert forms[9][1] != -1 and said in caplog.text, (forms, caplog.text)
