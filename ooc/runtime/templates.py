@@ -58,7 +58,8 @@ class VarArg:
 class PackArg:
     """The ``k``-th tensor the step saves (``nbytes`` its storage's; ``saved``, how it looks at
     it, from where it starts), its node's type ``node``, at ``gap`` (the ops begun before the
-    save), read as ``view`` from where the save starts. Why from there: a batch sliced from a
+    save), read as ``view`` from where the save starts (its ``offset`` in bytes: the two may
+    differ in dtype, ``view_as_real``). Why from there: a batch sliced from a
     tensor made before the step (``x = xs[i:i + b]``) is saved at another offset of the same
     storage at every step; read at the captured step's offset, a ResNet's first convolution
     replayed on the captured step's images, and its parameters came out wrong from the first
@@ -74,13 +75,13 @@ class PackArg:
     @staticmethod
     def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
         """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
-        start = t.storage_offset()
-        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=x.storage_offset() - start),
-                       View.of(t)._replace(offset=0))
+        after = x.storage_offset() * x.element_size() - t.storage_offset() * t.element_size()
+        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=after), View.of(t)._replace(offset=0))
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """This argument in a step whose ``k``-th save is ``t``."""
-        return self.view._replace(offset=self.view.offset + t.storage_offset()).of_tensor(t)
+        at = t.storage_offset() * t.element_size() + self.view.offset
+        return self.view._replace(offset=at // self.view.dtype.itemsize).of_tensor(t)
 
 
 @dataclass(frozen=True, slots=True)

@@ -531,3 +531,24 @@ def test_parameters_assigned_between_steps_are_not_replayed_from_the_old_ones(mo
     assert forms[6][0] == "anchored" and forms[6][1] != -1, forms
     assert "is another tensor than the one its templates read" in caplog.text
     _assert_same(ref, got)
+
+
+def test_a_save_read_as_another_dtype_is_read_from_its_bytes() -> None:
+    """An op that reads a save as another dtype (``view_as_real`` of a complex batch) at an
+    offset that moves with the save: the view is kept in bytes from where the save starts."""
+    from types import SimpleNamespace
+
+    model = nn.Linear(2, 2)
+    cs = torch.randn(3, 4, dtype=torch.complex64)
+    cap = TemplateCapture(model)
+    c = cs[0]
+    cap.saved(c, c.untyped_storage(), None, gap=1)
+    r = _recipe(aten.mul.Tensor, [torch.view_as_real(c), torch.view_as_real(c)])
+    cap.captured(3, r)
+    bound = BoundTemplates(cap.build({3: r}, {7: (3, 0)}), chains=[(3,)])
+    now = cs[2]
+    assert bound.saved(now, now.untyped_storage()) is None
+    made = []
+    bound.replay(SimpleNamespace(var=7, nbytes=32, name="square"), (3,), {}, made.append)
+    real = torch.view_as_real(now)
+    assert torch.equal(torch.empty(0).set_(made[0], 0, (4, 2), (2, 1)), real * real)
