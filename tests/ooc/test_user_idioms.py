@@ -334,7 +334,9 @@ CHANGES = {"unfreeze": _unfreeze, "replace_data": _replace_data, "load_assigned"
            "reset_optimizer": _reset_optimizer, "eval_step": _eval_step}
 
 
-def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budget: int) -> tuple[dict, dict]:
+def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budget: int,
+                 before: int = 0) -> tuple[dict, dict]:
+    """Six steps with ``change`` made between them, after ``before`` steps more."""
     torch.manual_seed(0)
     model = _cnn()
     if change == "unfreeze":
@@ -343,8 +345,8 @@ def _run_changed(change: str, manage: tuple[str, ...] | None, covers: str, budge
 
     def train(engine: ooc.OutOfCore | None) -> None:
         g = torch.Generator().manual_seed(1)
-        for i in range(6):
-            CHANGES[change](model, opt, i)
+        for i in range(6 + before):
+            CHANGES[change](model, opt, i - before)
             x, y = _images(g)
             torch.manual_seed(100 + i)
             with _step(engine):
@@ -365,6 +367,22 @@ def test_what_a_fine_tuning_loop_changes_between_steps_trains_bitwise(change: st
     ref, _ = _run_changed(change, None, covers, 0)
     got, stats = at_the_least_budget(lambda budget: _run_changed(change, manage, covers, budget), change)
     assert stats["plan.bytes_out"] + stats["plan.bytes_recomputed"] > 0, f"{change}: the budget must make the plan act"
+    assert_same(ref, got, change)
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_what_a_fine_tuning_loop_changes_after_the_template_form_settled_trains_bitwise(
+        change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same changes with activations alone managed, at 10 MiB (of a 24 MiB peak), after the
+    template form settled (forced; four steps more first): its hook-driven steps replay chains
+    with what earlier steps captured, parameters among it. Parameters loaded with
+    ``assign=True`` were replayed as the old ones, and every later step's were wrong."""
+    from ooc.testing.forced_forms import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    ref, _ = _run_changed(change, None, "managed", 0, before=4)
+    got, stats = _run_changed(change, ("activations",), "managed", 10 * MiB, before=4)
+    assert stats["steps.anchored"] >= 2 and stats["bytes_recomputed"] > 0, stats
     assert_same(ref, got, change)
 
 
