@@ -3,8 +3,8 @@ does in its default batch mode (mixup or cutmix, ``switch_prob=0.5``, in place o
 before the model's forward), on Hugging Face's ResNet (BatchNorm, skip connections).
 
 A plan begins with its step's ops, so each way's steps left the other's plan at their first op
-(mixup's ``mul_`` where cutmix's ``slice`` was planned): with every kind managed, 9 of 16 steps
-ran on demand and were planned from again; a timm ResNet-18 with timm's ``Mixup``, 12 of 30
+(mixup's ``mul_`` where cutmix's ``slice`` was planned): here 8 of 16 steps with every kind
+managed (4 with activations alone) ran on demand and were planned from again; a timm ResNet-18 with timm's ``Mixup``, 12 of 30
 (27.5 s against 8.3 in core). Now the ops a step runs before its forward are part of its shape
 (``step_forms.shape_of``): each way keeps a plan, and a step runs the one its ops began with.
 """
