@@ -179,11 +179,9 @@ class PlanCache:
         if form is None or form.shape is not UNSEEN:   # between steps, or not its first forward
             return None
         st = form.st
-        if isinstance(st, Stepper):
-            before = tuple(st.rec.names)
-        else:   # a hook-driven step sees no op: taken to have run its guess's (none holds it to them)
-            guessed = st.start_key[1]
-            before = guessed[3] if guessed is not None else ()
+        ran = tuple(st.rec.names) if isinstance(st, Stepper) else ()   # ops before the forward (x[:, :-1])
+        its_guess = st.start_key[1]   # a hook-driven step sees none: taken to have run its guess's
+        before = ran if isinstance(st, Stepper) or its_guess is None else its_guess[3]
         if len(self._befores) > MAX_ALIASES:
             self._befores.clear()
         before = self._befores.setdefault(before, before)   # one tuple for every key that has it
@@ -201,7 +199,6 @@ class PlanCache:
         schedule, binding = self.plans.get(key, (None, {}))
         if schedule is None:   # recorded, then maybe planned widened against a plan of its size (``alias``)
             self.sibling = self.kin(form.start, shape, varying=False)
-        ran = st.rec.names if isinstance(st, Stepper) else []   # ops before the forward (x[:, :-1])
         if schedule is None and isinstance(st, Stepper) and (not st.planned or ran):
             if st.planned:   # the guess, after ops of its own: left here, the rest recorded on demand
                 st.leave_plan(f"the step's shape {shape[:3]} after {len(before)} op(s) has no plan")

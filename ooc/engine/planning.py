@@ -204,8 +204,8 @@ class Planner:
             templates = st.templates()
             if templates is not None:
                 before = self._templates.get(st.start_key)
-                ready = templates.ready(before) if before is not None else None
                 if before is not None:
+                    ready = templates.ready(before)
                     templates.vary_from(before)
                 self._templates[st.start_key] = templates
         if trace is not None:

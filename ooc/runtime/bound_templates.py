@@ -73,11 +73,11 @@ class BoundTemplates:
             return None
         expected = want if want is not None else self.templates.draws[k]
         looks = View.of(t)._replace(offset=0)
-        if s.nbytes() != expected.nbytes or node_of(t) != expected.node or looks != expected.saved:
-            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}"
-                    f"{'' if looks == expected.saved else f' viewed as {looks}'}, the templates' was "
-                    f"{expected.nbytes} B from {expected.node}"
-                    f"{'' if looks == expected.saved else f' viewed as {expected.saved}'}"
+        moved = looks != expected.saved
+        if s.nbytes() != expected.nbytes or node_of(t) != expected.node or moved:
+            got, had = (f" viewed as {looks}", f" viewed as {expected.saved}") if moved else ("", "")
+            return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}{got}, the templates' "
+                    f"was {expected.nbytes} B from {expected.node}{had}"
                     + (", the generator's state a random op replays from" if draw else ""))
         if draw:
             self.states[k] = _rng_state(self.templates.rng_device)

@@ -121,10 +121,23 @@ def matches(got: tuple, want: tuple) -> int | None:
     if got == want:
         return None
     for at, (a, b) in enumerate(zip(got, want)):
-        if a != b and not (a != "view" and b != "view" and a[0] == b[0] and len(a[1]) == len(b[1])
-                           and all(x == y or y == VARIES for x, y in zip(a[1], b[1]))):
+        if a != b and not (_numbered_alike(a, b) and all(x == y or y == VARIES for x, y in zip(a[1], b[1]))):
             return at
     return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def varied(sig: tuple, old: tuple) -> tuple:
+    """Signature ``sig`` with the numbers that differ from ``old``'s, a capture of the same
+    activation before, as ``VARIES`` (``Templates.vary_from``), where both hold as many nodes."""
+    if sig == old or len(sig) != len(old):
+        return sig
+    return tuple((a[0], tuple(x if x == y else VARIES for x, y in zip(a[1], b[1]))) if _numbered_alike(a, b) else a
+                 for a, b in zip(sig, old))
+
+
+def _numbered_alike(a: Any, b: Any) -> bool:
+    """Whether signature entries ``a`` and ``b`` are nodes of one type with as many numbers."""
+    return a != "view" and b != "view" and a[0] == b[0] and len(a[1]) == len(b[1])
 
 
 def said(sig: tuple, at: int) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.made_by import VARIES, node_of, signature
+from ooc.runtime.made_by import node_of, signature, varied
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
 from ooc.runtime.views import View
 
@@ -196,9 +196,8 @@ class Templates:
         held it differed at every hook-driven step, which then left its plan. A number that
         changes later, once the form settled, is still seen (``BoundTemplates.node_differs``)."""
         for var, sig in self.nodes.items():
-            old = before.nodes.get(var)
-            if old is not None and old != sig and len(old) == len(sig):
-                self.nodes[var] = tuple(_varies(a, b) for a, b in zip(sig, old))
+            if (old := before.nodes.get(var)) is not None:
+                self.nodes[var] = varied(sig, old)
 
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
@@ -212,14 +211,6 @@ class Templates:
             if i in before.calls and before.calls[i].func == c.func and _numbers(before.calls[i]) == _numbers(c)}
         return {i: max([a.gap for a in c.saves] + ([c.rng_at.gap] if c.rng_at else []), default=0)
                 for i, c in self.calls.items() if same is None or i in same}
-
-
-def _varies(node: Any, old: Any) -> Any:
-    """A signature's entry (``made_by.signature``) with the numbers that differ from ``old``'s
-    as ``VARIES``, where both are the same node type."""
-    if node == old or node == "view" or old == "view" or node[0] != old[0] or len(node[1]) != len(old[1]):
-        return node
-    return node[0], tuple(x if x == y else VARIES for x, y in zip(node[1], old[1]))
 
 
 class TemplateCapture:

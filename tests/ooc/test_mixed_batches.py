@@ -25,7 +25,8 @@ STEPS = 16
 MANAGE = {"all": ALL, "activations": ("activations",)}
 
 
-def _resnet() -> nn.Module:
+def hf_resnet() -> nn.Module:
+    """Hugging Face's ``ResNetForImageClassification``, tiny, from seed 0 (also test_templates.py's)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
@@ -79,7 +80,7 @@ def _train(model: nn.Module, kw: dict | None) -> tuple[list[torch.Tensor], dict,
 
 @pytest.mark.parametrize("manage", list(MANAGE))
 def test_a_batch_mixed_one_of_two_ways_in_the_step_keeps_a_plan_for_each(manage: str) -> None:
-    ref = _resnet()
+    ref = hf_resnet()
     losses, state, _ = _train(copy.deepcopy(ref), None)
     got, got_state, stats = _train(copy.deepcopy(ref), {"budget": "256KiB", "manage": MANAGE[manage]})
     for i, (a, b) in enumerate(zip(losses, got)):

@@ -463,14 +463,11 @@ def _resnet(budget: int | None, between: Callable[[int, nn.Module, torch.optim.O
     """Hugging Face's ResNet (BatchNorm, skip connections), SGD with momentum, on batches
     sliced from one tensor made before the loop; ``between(step, model, opt)`` before each
     step. The losses, the forms (``_run``) and the final state."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
-                                       num_labels=10)
+    from test_mixed_batches import hf_resnet
+
     g = torch.Generator().manual_seed(0)
     xs, ys = torch.randn(12, 3, 32, 32, generator=g), torch.randint(0, 10, (12,), generator=g)
-    torch.manual_seed(0)
-    model = transformers.ResNetForImageClassification(config)
+    model = hf_resnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def each() -> Iterator[Callable[[], torch.Tensor]]:
