@@ -29,9 +29,9 @@ from scheduler.ir import Access, Cost, Function, Kind, Use, Variable, VariableSe
 
 
 NOT_REPLAYABLE = (False, False, False)
-# The autograd node whose backward runs now, or None (in PyTorch since 2.1; where it is
-# missing, no op is seen inside a node and ``held_by_nodes`` finds nothing).
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+# The autograd node whose backward runs now, or None (PyTorch 2.1 and later): an op outside
+# every node after a backward's last one tells the engine that the backward is over.
+current_node = torch._C._current_autograd_node
 
 
 @dataclass(eq=False)
@@ -80,7 +80,7 @@ class Recording:
     gone: list[Birth] = field(default_factory=list)
 
     def begin_op(self, name: str) -> int:
-        node = _current_node()
+        node = current_node()
         self.nodes.append(None if node is None else type(node).__name__)
         self.names.append(name)
         self.uses.append([])

@@ -216,10 +216,11 @@ class SavedTensors:
             self.room.write_out(slot)     # on demand: write it out at once
         return Packed(slot, t)
 
-    def op_ran(self, i: int, view: bool) -> None:
+    def op_ran(self, i: int, view: bool, outside: bool) -> None:
         """Op ``i`` begins: it uses what the unpacks right before it unpacked, and, unless it
-        is a view, is the running backward node's work (the ``Stepper`` calls this only when
-        either changes something: after an unpack).
+        is a view, is the running backward node's work; ``outside`` every node after a node's
+        work, it closes that node (the ``Stepper`` calls this only when one of these may
+        change something: after an unpack, while a node's tensors are held).
 
         Why views do not count as a backward node's work: autograd detaches each tensor an
         unpack hook returns (``SavedVariable::unpack``), and a node may take views of one
@@ -228,6 +229,8 @@ class SavedTensors:
         still held them: the plan freed their memory before their last use, and the pool ran
         out of room at a swap-in the plan had proven (issue 40: the attention's ``attn @ v``;
         issue 42: a TransformerEncoder's layer norm, found by PyTorch's module database)."""
+        if outside and self.worked and self.node_vars:   # the backward is over
+            self.close_node(i - 1)
         if self.unpacked:
             for var in self.unpacked:
                 self.rec.use(i, var, Access.READ)
@@ -235,15 +238,20 @@ class SavedTensors:
         if not view:
             self.worked = True
 
-    def close_node(self) -> None:
+    def close_node(self, last: int | None = None) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next
-        node unpacks: autograd held those tensors until then, so they count as used by every
-        op from their unpack to the last op that ran. Used at the last op alone, a tensor the
-        node read early and again late looked free in between, and the plan gave it back and
+        node unpacks, or an op runs outside every node (``last``: the op before it): autograd
+        held those tensors until then, so they count as used by every op from their unpack to
+        ``last``, by default the last op that ran. Used at the last op alone, a tensor the node
+        read early and again late looked free in between, and the plan gave it back and
         brought it in again inside the node: the node still held the old bytes, and the
-        swap-in did not fit the pool (``native_group_norm``'s backward, which reruns a
-        dozen ops on its mean and rstd; PyTorch's op database, every kind managed)."""
-        last = len(self.rec.names) - 1
+        swap-in did not fit the pool (``native_group_norm``'s backward, which reruns a dozen
+        ops on its mean and rstd; PyTorch's op database, every kind managed). Held to the
+        update instead (where the engine closed the last node before), the first backward's
+        last activations sat in every working set of SAM's second forward: 2 MiB where one
+        forward and backward needs 1.5 (test_robust_training.py)."""
+        if last is None:
+            last = len(self.rec.names) - 1
         use = self.rec.use
         for var, first in self.node_vars:
             for i in range(first, last + 1):

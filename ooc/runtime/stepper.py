@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ooc.record.managed import Birth, Recording
+from ooc.record.managed import Birth, Recording, current_node
 from ooc.record.op_schema import _OPS, op_info, split_foreach
 from ooc.record.op_schema import tensors as _tensors
 from ooc.record.storages import storage_of
@@ -164,8 +164,8 @@ class Stepper:
                 return None if outs[0] is None else [t for out in outs for t in out]
         i, course, saved = len(self.rec.names), self.course, self.saved
         if i in self.ctx.quiet_ops and course.planned and not course.waiting and course.names[i] == info.name:
-            if saved.unpacked or not (info.view or saved.worked):   # as _take does
-                saved.op_ran(i, info.view)
+            if saved.unpacked or saved.node_vars or not (info.view or saved.worked):   # as _take does
+                saved.op_ran(i, info.view, current_node() is None)
             return self.recording.quiet_op(info, func, args, kwargs)
         i, uses = self._take(info, args, kwargs)     # 1-2. actions before it; what it uses, usable
         recording, recompute = self.recording, self.recompute   # 3. the op itself, timed
@@ -188,8 +188,8 @@ class Stepper:
         ``i`` and (inputs, their storages' ids, written tensors, theirs, touched slots, kept)."""
         rec, course, book, saved = self.rec, self.course, self.book, self.saved
         course.i = i = rec.begin_op(info.name)
-        if saved.unpacked or not (info.view or saved.worked):   # views are no node's work: see op_ran
-            saved.op_ran(i, info.view)
+        if saved.unpacked or saved.node_vars or not (info.view or saved.worked):   # see op_ran
+            saved.op_ran(i, info.view, rec.nodes[i] is None)
         if course.planned and not course.waiting:   # a step that waits for its shape: binding.py
             expected = course.names[i] if i < len(course.names) else None
             if expected != info.name:
