@@ -68,10 +68,16 @@ class BoundTemplates:
         """The step's next save (every size counts); why it is not what the templates read."""
         k = self.n
         self.n = k + 1
-        want, draw = self.templates.wanted.get(k), k in self.draws
+        templates = self.templates
+        param = templates.at_saves.get(k)
+        if param is not None and s._cdata != param.untyped_storage()._cdata:
+            return self.why_replaced() or (
+                f"saved tensor {k} is not the parameter or buffer {tuple(param.shape)} the templates' step saved "
+                "there (another layer ran: their chains would read this step's tensors with that one's weights)")
+        want, draw = templates.wanted.get(k), k in self.draws
         if want is None and not draw:
             return None
-        expected = want if want is not None else self.templates.draws[k]
+        expected = want if want is not None else templates.draws[k]
         looks = View.of(t)._replace(offset=0)
         moved = looks != expected.saved
         if s.nbytes() != expected.nbytes or node_of(t) != expected.node or moved:
@@ -98,10 +104,16 @@ class BoundTemplates:
         return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
                 f"{said(want, at)}")
 
+    def why_replaced(self) -> str | None:
+        """Why no template replays: the model holds another parameter or buffer than they read."""
+        if self.replaced is None:
+            return None
+        return f"the model's {self.replaced} is another tensor than the one its templates read"
+
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
         if self.replaced is not None:
-            return f"the model's {self.replaced} is another tensor than the one its templates read"
+            return self.why_replaced()
         calls = self.templates.calls
         for w in chain:
             c = calls.get(w)

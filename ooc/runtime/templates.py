@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -151,7 +151,14 @@ class Templates:
     -> its ``signature`` where the step first saved it, ``depth`` nodes deep), ``persistent``
     (those checked), ``rng_device`` (whose generator the random ops draw from), ``owners``
     (each parameter or buffer read, with the module that holds it, its attribute and its
-    name: a step whose model holds another tensor there replays none, ``BoundTemplates``)."""
+    name: a step whose model holds another tensor there replays none, ``BoundTemplates``),
+    ``at_saves`` (pack index -> the parameter or buffer read that the step saved there).
+
+    Why ``at_saves``: a template reads a save by its index and a parameter as itself. A step
+    that skips a layer (LayerDrop: HF's Wav2Vec2 at its default ``layerdrop=0.1``) saves the next
+    layer's tensors where the skipped one's were, of the same sizes from the same nodes, and its
+    chains replayed the next layer's inputs with the skipped layer's weights: wrong gradients.
+    The weights that layer's ops saved are where the step shows which layer it runs."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -161,6 +168,7 @@ class Templates:
     depth: int = 1
     rng_device: torch.device | None = None
     owners: tuple[tuple[torch.Tensor, torch.nn.Module, str, str], ...] = ()
+    at_saves: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def functions(self) -> frozenset[int]:
@@ -238,6 +246,7 @@ class TemplateCapture:
         self.random: set[int] = set()                 # random functions with no template
         self.rng_at: dict[int, PackArg] = {}          # random function -> the save its state is taken at
         self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
+        self.param_saves: dict[int, int] = {}         # pack index -> the parameter's or buffer's storage saved there
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
@@ -251,6 +260,8 @@ class TemplateCapture:
                 self.nodes[var] = signature(t, self.depth)
             return
         c, version = s._cdata, t._version
+        if c in self.persistent:
+            self.param_saves[k] = c
         waiting = self.pending.get(c)
         if waiting:
             for w, x, v in waiting:
@@ -309,8 +320,10 @@ class TemplateCapture:
         persistent = {id(t): t for c in calls.values() for t, _ in c.checked}
         read = {id(x.tensor): x.tensor for c in calls.values() for x in tree_leaves((c.args, c.kwargs))
                 if isinstance(x, Persistent)}
+        at_saves = {k: t for k, c in self.param_saves.items() if id(t := self.persistent[c]) in read}
         self.packed.clear()
         self.pending.clear()
+        self.param_saves.clear()
         self.last = None
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
-                         self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()))
+                         self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves)

@@ -238,10 +238,11 @@ def _run(model: nn.Module, opt: torch.optim.Optimizer, budget: int | None,
     return losses, forms
 
 
-def _steps(model: nn.Module, budget: int | None, acts: list) -> tuple[list, list]:
+def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act") -> tuple[list, list]:
+    """A step per entry of ``acts``, which the model gets as ``attr`` before it (``_run``)."""
     def steps() -> Iterator[Callable[[], torch.Tensor]]:
         for i, act in enumerate(acts):
-            model.act = act
+            setattr(model, attr, act)
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
             yield lambda: nn.functional.cross_entropy(model(x), y)
@@ -549,3 +550,44 @@ def test_a_save_read_as_another_dtype_is_read_from_its_bytes() -> None:
     bound.replay(SimpleNamespace(var=7, nbytes=32, name="square"), (3,), {}, made.append)
     real = torch.view_as_real(now)
     assert torch.equal(torch.empty(0).set_(made[0], 0, (4, 2), (2, 1)), real * real)
+
+
+class _LayerDropNet(Net):
+    """``Net`` whose hidden layers in ``skip`` are left out of the forward (LayerDrop, as
+    Hugging Face's Wav2Vec2, BART and Whisper write it: a Python branch per layer)."""
+
+    skip: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.first(x))
+        for i, layer in enumerate(self.hidden):
+            if i not in self.skip:
+                x = self.act(layer(x))
+        return self.last(x)
+
+
+def test_a_step_that_skips_a_layer_is_not_replayed_with_the_skipped_layers_weights(monkeypatch, caplog) -> None:
+    """After the template form settled, a step leaves out a hidden layer. The next layers'
+    tensors are saved where the skipped one's were, of the same sizes from the same nodes: the
+    templates replayed them with the skipped layer's weights, and every step after it trained
+    wrong (Hugging Face's Wav2Vec2 at its default ``layerdrop=0.1``: losses differed from the
+    step after the first hook-driven step that skipped a layer). The weights a layer's ops save
+    show which layer ran (``Templates.at_saves``): the step leaves its plan there, bitwise."""
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    skips = [frozenset()] * 9 + [frozenset({1}), frozenset(), frozenset({3})]
+    torch.manual_seed(0)
+    ref = _LayerDropNet()
+    model = _LayerDropNet()
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _steps(ref, None, skips, "skip")
+    with caplog.at_level(logging.INFO, logger="ooc"):
+        losses, forms = _steps(model, 6 << 20, skips, "skip")
+    assert forms[8][0] == "anchored" and forms[8][1] == -1 and forms[8][2] > forms[7][2], forms
+    assert forms[9][0] == "anchored" and forms[9][1] != -1, forms
+    assert "is not the parameter or buffer" in caplog.text
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
