@@ -163,6 +163,11 @@ class AnchoredStep(HookStep):
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
         elif slot.state is not State.RESIDENT:
             self._bring_back(slot)
+            if self.diverged_at is not None:   # the node holds the bytes now; the slot, the tier's copy
+                out = p.view.on(slot.storage)
+                slot.drop(self.tier)
+                self._account(-slot.nbytes)
+                return out
         return p.view.on(slot.storage)
 
     def _held(self) -> int:
@@ -261,7 +266,12 @@ class AnchoredStep(HookStep):
 
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
-        plan): synchronously, whatever its state."""
+        plan): synchronously, whatever its state. Such a step runs none of the plan's frees,
+        so ``unpack`` hands the bytes to the node and drops the slot (the tier keeps its copy;
+        the bytes go back to the pool when the node lets go of them). Kept in the slot to the
+        step's end instead, every tensor the backward read back stayed in the pool: a
+        Wav2Vec2 step that skipped a layer (LayerDrop) left its anchored plan at the end of
+        its forward and ran the pool out in its backward (``BudgetExceeded`` at 20 MiB)."""
         self.read_bytes += slot.bring_back(self.tier, self.pool, account=self._account,
                                            wait=lambda name, fn: waited(self, name, fn))
         if slot.storage is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -217,11 +218,11 @@ class Net(nn.Module):
 
 
 def _run(model: nn.Module, opt: torch.optim.Optimizer, budget: int | None,
-         steps: Iterable[Callable[[], torch.Tensor]]) -> tuple[list, list]:
+         steps: Iterable[Callable[[], torch.Tensor]], **options: Any) -> tuple[list, list]:
     """A step per loss of ``steps`` (each made as its step begins: what comes before, outside
     it), under an engine at ``budget`` or in core; the losses and, under the engine, each
     step's form, where it left its plan (-1) and the bytes recomputed so far."""
-    engine = OutOfCore(model, opt, budget=budget) if budget is not None else None
+    engine = OutOfCore(model, opt, budget=budget, **options) if budget is not None else None
     losses, forms = [], []
     for loss_of in steps:
         with engine.step() if engine is not None else torch.enable_grad():
@@ -238,7 +239,7 @@ def _run(model: nn.Module, opt: torch.optim.Optimizer, budget: int | None,
     return losses, forms
 
 
-def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act") -> tuple[list, list]:
+def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act", **options: Any) -> tuple[list, list]:
     """A step per entry of ``acts``, which the model gets as ``attr`` before it (``_run``)."""
     def steps() -> Iterator[Callable[[], torch.Tensor]]:
         for i, act in enumerate(acts):
@@ -246,7 +247,7 @@ def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act") 
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
             yield lambda: nn.functional.cross_entropy(model(x), y)
-    return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
+    return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps(), **options)
 
 
 def _pow(p: float):
@@ -587,6 +588,29 @@ def test_a_step_that_skips_a_layer_is_not_replayed_with_the_skipped_layers_weigh
     assert forms[8][0] == "anchored" and forms[8][1] == -1 and forms[8][2] > forms[7][2], forms
     assert forms[9][0] == "anchored" and forms[9][1] != -1, forms
     assert "is not the parameter or buffer" in caplog.text
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_step_that_left_its_anchored_plan_gives_back_what_its_backward_read_back(monkeypatch) -> None:
+    """A swapping plan run at the hooks; a step skips the last hidden layer and leaves the plan
+    at the end of its forward. Its backward reads every activation back on demand, and each
+    stayed in the pool to the step's end: at 4 MiB the pool ran out (``BudgetExceeded``; a
+    Wav2Vec2 with LayerDrop at 20 MiB, one run in three). Each goes back when its node lets
+    go of it now: the step finishes within the budget, bitwise."""
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    skips = [frozenset()] * 9 + [frozenset({4}), frozenset()]
+    torch.manual_seed(0)
+    ref = _LayerDropNet()
+    model = _LayerDropNet()
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _steps(ref, None, skips, "skip")
+    losses, forms = _steps(model, 4 << 20, skips, "skip", recompute="never")
+    assert forms[8] == ("anchored", -1, 0) and forms[9][0] == "anchored" and forms[9][1] != -1, forms
     for i, (a, b) in enumerate(zip(ref_losses, losses)):
         assert torch.equal(a, b), f"loss of step {i}"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
