@@ -112,8 +112,9 @@ class BoundTemplates:
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
-        if self.replaced is not None:
-            return self.why_replaced()
+        why = self.why_replaced()
+        if why is not None:
+            return why
         calls = self.templates.calls
         for w in chain:
             c = calls.get(w)
