@@ -52,6 +52,7 @@ class BoundTemplates:
         # no longer has. The first discard leaves the plan, and the next step captures anew.
         self.replaced = next((name for t, module, attr, name in self.templates.owners
                               if module._parameters.get(attr) is not t and module._buffers.get(attr) is not t), None)
+        self.renumbered: str | None = None   # a module's number, changed since the capture (why_replaced)
         calls = self.templates.calls
         self.chains = list(self.chains)
         self.draws = frozenset(calls[w].rng_at.k for chain in self.chains for w in chain
@@ -69,6 +70,10 @@ class BoundTemplates:
         k = self.n
         self.n = k + 1
         templates = self.templates
+        if k == 0:   # the modules' numbers, read where the capture read them
+            self.renumbered = next((f"{name} is {getattr(module, attr, None)!r}, the templates' step ran with "
+                                    f"{v!r}" for module, attr, name, v in templates.numbers.values()
+                                    if getattr(module, attr, None) != v), None)
         param = templates.at_saves.get(k)
         if param is not None and s._cdata != param.untyped_storage()._cdata:
             return self.why_replaced() or (
@@ -105,10 +110,11 @@ class BoundTemplates:
                 f"{said(want, at)}")
 
     def why_replaced(self) -> str | None:
-        """Why no template replays: the model holds another parameter or buffer than they read."""
-        if self.replaced is None:
-            return None
-        return f"the model's {self.replaced} is another tensor than the one its templates read"
+        """Why no template replays: the model holds another parameter or buffer than they
+        read, or another number than its modules held when they were captured."""
+        if self.replaced is not None:
+            return f"the model's {self.replaced} is another tensor than the one its templates read"
+        return None if self.renumbered is None else f"the model's {self.renumbered}"
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""

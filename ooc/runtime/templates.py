@@ -158,7 +158,14 @@ class Templates:
     that skips a layer (LayerDrop: HF's Wav2Vec2 at its default ``layerdrop=0.1``) saves the next
     layer's tensors where the skipped one's were, of the same sizes from the same nodes, and its
     chains replayed the next layer's inputs with the skipped layer's weights: wrong gradients.
-    The weights that layer's ops saved are where the step shows which layer it runs."""
+    The weights that layer's ops saved are where the step shows which layer it runs.
+
+    ``numbers``: (id(module), attribute) -> (module, attribute, name, value) of each Python
+    number the model's modules held at the step's first save (``nn.Dropout.p``, a temperature
+    kept as ``self.tau``). A template replays its op's numbers as captured, and no hook sees a number
+    that no autograd node keeps: on the CPU dropout draws its mask with ``bernoulli_(1 - p)``,
+    which no node records, and a probability raised once the form settled was replayed with
+    the old one (every later step wrong). A step whose modules hold another number replays none."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -169,6 +176,7 @@ class Templates:
     rng_device: torch.device | None = None
     owners: tuple[tuple[torch.Tensor, torch.nn.Module, str, str], ...] = ()
     at_saves: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    numbers: dict[tuple[int, str], tuple[torch.nn.Module, str, str, object]] = field(default_factory=dict)
 
     @property
     def functions(self) -> frozenset[int]:
@@ -202,10 +210,15 @@ class Templates:
         Why: a number that changes at every step (a temperature annealed per step) keeps its
         function out of the templates (``ready``), so no replay reads it; but a signature that
         held it differed at every hook-driven step, which then left its plan. A number that
-        changes later, once the form settled, is still seen (``BoundTemplates.node_differs``)."""
+        changes later, once the form settled, is still seen (``BoundTemplates.node_differs``).
+        A module's number that differs from ``before``'s is no longer compared either (a
+        counter the model keeps)."""
         for var, sig in self.nodes.items():
             if (old := before.nodes.get(var)) is not None:
                 self.nodes[var] = varied(sig, old)
+        for key in [key for key, (*_, v) in self.numbers.items()
+                    if key in before.numbers and before.numbers[key][3] != v]:
+            del self.numbers[key]
 
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
@@ -221,6 +234,9 @@ class Templates:
                 for i, c in self.calls.items() if same is None or i in same}
 
 
+_NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its ops (Templates.numbers)
+
+
 class TemplateCapture:
     """The capturing per-op step's side: every tensor autograd saves (``saved``, from the pack
     hook) and every captured recipe (``captured``), matched by storage; ``build`` at the end.
@@ -232,11 +248,15 @@ class TemplateCapture:
         self.rng_device = rng_device   # None: random ops get no template
         self.persistent: dict[int, torch.Tensor] = {}
         self.owner: dict[int, tuple[torch.nn.Module, str, str]] = {}   # id(tensor) -> module, attribute, name
+        self.numbers: dict[tuple[int, str], tuple[torch.nn.Module, str, str, object]] = {}   # Templates.numbers
         for path, module in model.named_modules(remove_duplicate=False):
             for attr, t in (*module._parameters.items(), *module._buffers.items()):
                 if t is not None and t.layout is torch.strided and not t.is_meta:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
                     self.owner.setdefault(id(t), (module, attr, f"{path}.{attr}" if path else attr))
+            for attr, v in vars(module).items():
+                if type(v) in _NUMBERS and attr[0] != "_":   # read at the first save (``saved``)
+                    self.numbers[id(module), attr] = (module, attr, f"{path}.{attr}" if path else attr, v)
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
@@ -253,6 +273,9 @@ class TemplateCapture:
         ``gap``."""
         k = self.n
         self.n = k + 1
+        if k == 0:   # where a hook-driven step compares them: after what the loop set in the step
+            self.numbers = {key: (m, attr, name, getattr(m, attr, None))
+                            for key, (m, attr, name, _) in self.numbers.items()}
         if self.rng_device is not None:
             self.last = (_rng_state(self.rng_device), PackArg.of(k, t, s, gap, t))
         if var is not None:
@@ -326,4 +349,5 @@ class TemplateCapture:
         self.param_saves.clear()
         self.last = None
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
-                         self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves)
+                         self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves,
+                         dict(self.numbers))

@@ -615,3 +615,53 @@ def test_a_step_that_left_its_anchored_plan_gives_back_what_its_backward_read_ba
         assert torch.equal(a, b), f"loss of step {i}"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+class _NumberedNet(Net):
+    """``Net`` with two Python numbers its modules hold: a dropout probability after each
+    hidden layer (on the CPU the mask is drawn by ``bernoulli_(1 - p)``, an op no autograd
+    node records) and a shift added to each (an addition's node keeps no number)."""
+
+    p, shift = 0.1, 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.first(x))
+        for layer in self.hidden:
+            x = nn.functional.dropout(self.act(layer(x) + self.shift), self.p, self.training)
+        return self.last(x)
+
+
+@pytest.mark.parametrize("attr,before,after", [("p", 0.1, 0.3), ("shift", 0.0, 0.5)])
+def test_a_number_a_module_holds_changed_inside_a_step_after_the_form_settled(
+        attr: str, before: float, after: float, monkeypatch, caplog) -> None:
+    """A number the model's module holds (``nn.Dropout.p``, a shift kept as an attribute),
+    changed inside the step once the template form settled. No hook sees it (no autograd node
+    keeps it), and the templates replayed it as captured: every step after it was wrong. The
+    first discard compares the modules' numbers with the capture's (``Templates.numbers``),
+    leaves the plan naming it, and the next step captures anew: bitwise."""
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    values = [before] * 10 + [after] * 3
+
+    def train(model: _NumberedNet, budget: int | None) -> tuple[list, list]:
+        def steps() -> Iterator[Callable[[], torch.Tensor]]:
+            for i, value in enumerate(values):
+                torch.manual_seed(i)
+                x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+                yield lambda: (setattr(model, attr, value), nn.functional.cross_entropy(model(x), y))[1]
+        return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
+
+    torch.manual_seed(0)
+    ref = _NumberedNet()
+    model = _NumberedNet()
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = train(ref, None)
+    with caplog.at_level(logging.INFO, logger="ooc"):
+        losses, forms = train(model, 6 << 20)
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert forms[9][0] == "anchored" and forms[9][1] == -1 and forms[9][2] > forms[8][2], forms
+    assert forms[10][1] != -1 and f"the model's {attr} is {after}, the templates' step ran with {before}" in caplog.text
