@@ -52,7 +52,7 @@ class BoundTemplates:
         # no longer has. The first discard leaves the plan, and the next step captures anew.
         self.replaced = next((name for t, module, attr, name in self.templates.owners
                               if module._parameters.get(attr) is not t and module._buffers.get(attr) is not t), None)
-        self.renumbered: str | None = None   # a module's number, changed since the capture (why_replaced)
+        self.renumbered: str | None = None   # a module's number, changed since the capture (why_stale)
         calls = self.templates.calls
         self.chains = list(self.chains)
         self.draws = frozenset(calls[w].rng_at.k for chain in self.chains for w in chain
@@ -76,7 +76,7 @@ class BoundTemplates:
                                     if getattr(module, attr, None) != v), None)
         param = templates.at_saves.get(k)
         if param is not None and s._cdata != param.untyped_storage()._cdata:
-            return self.why_replaced() or (
+            return self.why_stale() or (
                 f"saved tensor {k} is not the parameter or buffer {tuple(param.shape)} the templates' step saved "
                 "there (another layer ran: their chains would read this step's tensors with that one's weights)")
         want, draw = templates.wanted.get(k), k in self.draws
@@ -109,7 +109,7 @@ class BoundTemplates:
         return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
                 f"{said(want, at)}")
 
-    def why_replaced(self) -> str | None:
+    def why_stale(self) -> str | None:
         """Why no template replays: the model holds another parameter or buffer than they
         read, or another number than its modules held when they were captured."""
         if self.replaced is not None:
@@ -118,7 +118,7 @@ class BoundTemplates:
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
-        why = self.why_replaced()
+        why = self.why_stale()
         if why is not None:
             return why
         calls = self.templates.calls

@@ -162,10 +162,11 @@ class Templates:
 
     ``numbers``: (id(module), attribute) -> (module, attribute, name, value) of each Python
     number the model's modules held at the step's first save (``nn.Dropout.p``, a temperature
-    kept as ``self.tau``). A template replays its op's numbers as captured, and no hook sees a number
-    that no autograd node keeps: on the CPU dropout draws its mask with ``bernoulli_(1 - p)``,
-    which no node records, and a probability raised once the form settled was replayed with
-    the old one (every later step wrong). A step whose modules hold another number replays none."""
+    kept as ``self.tau``). A template replays its op's numbers as captured, and no hook sees a
+    number that no autograd node keeps: on the CPU dropout draws its mask with
+    ``bernoulli_(1 - p)``, which no node records, and a probability raised once the form
+    settled was replayed with the old one (every later step wrong). A step whose modules hold
+    another number replays none."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
