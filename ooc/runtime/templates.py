@@ -251,13 +251,14 @@ class TemplateCapture:
         self.owner: dict[int, tuple[torch.nn.Module, str, str]] = {}   # id(tensor) -> module, attribute, name
         self.numbers: dict[tuple[int, str], tuple[torch.nn.Module, str, str, object]] = {}   # Templates.numbers
         for path, module in model.named_modules(remove_duplicate=False):
+            prefix = f"{path}." if path else ""
             for attr, t in (*module._parameters.items(), *module._buffers.items()):
                 if t is not None and t.layout is torch.strided and not t.is_meta:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
-                    self.owner.setdefault(id(t), (module, attr, f"{path}.{attr}" if path else attr))
+                    self.owner.setdefault(id(t), (module, attr, prefix + attr))
             for attr, v in vars(module).items():
                 if type(v) in _NUMBERS and attr[0] != "_":   # read at the first save (``saved``)
-                    self.numbers[id(module), attr] = (module, attr, f"{path}.{attr}" if path else attr, v)
+                    self.numbers.setdefault((id(module), attr), (module, attr, prefix + attr, v))
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)

@@ -239,14 +239,20 @@ def _run(model: nn.Module, opt: torch.optim.Optimizer, budget: int | None,
     return losses, forms
 
 
-def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act", **options: Any) -> tuple[list, list]:
-    """A step per entry of ``acts``, which the model gets as ``attr`` before it (``_run``)."""
+def _steps(model: nn.Module, budget: int | None, acts: list, attr: str = "act", inside: bool = False,
+           **options: Any) -> tuple[list, list]:
+    """A step per entry of ``acts``, which the model gets as ``attr`` before it, or as it
+    begins (``inside``: set by the loop inside ``engine.step()``) (``_run``)."""
     def steps() -> Iterator[Callable[[], torch.Tensor]]:
         for i, act in enumerate(acts):
-            setattr(model, attr, act)
+            if not inside:
+                setattr(model, attr, act)
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
-            yield lambda: nn.functional.cross_entropy(model(x), y)
+            if inside:
+                yield lambda: (setattr(model, attr, act), nn.functional.cross_entropy(model(x), y))[1]
+            else:
+                yield lambda: nn.functional.cross_entropy(model(x), y)
     return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps(), **options)
 
 
@@ -643,22 +649,13 @@ def test_a_number_a_module_holds_changed_inside_a_step_after_the_form_settled(
 
     templates_forced(monkeypatch.setattr)
     values = [before] * 10 + [after] * 3
-
-    def train(model: _NumberedNet, budget: int | None) -> tuple[list, list]:
-        def steps() -> Iterator[Callable[[], torch.Tensor]]:
-            for i, value in enumerate(values):
-                torch.manual_seed(i)
-                x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
-                yield lambda: (setattr(model, attr, value), nn.functional.cross_entropy(model(x), y))[1]
-        return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
-
     torch.manual_seed(0)
     ref = _NumberedNet()
     model = _NumberedNet()
     model.load_state_dict(ref.state_dict())
-    ref_losses, _ = train(ref, None)
+    ref_losses, _ = _steps(ref, None, values, attr, inside=True)
     with caplog.at_level(logging.INFO, logger="ooc"):
-        losses, forms = train(model, 6 << 20)
+        losses, forms = _steps(model, 6 << 20, values, attr, inside=True)
     for i, (a, b) in enumerate(zip(ref_losses, losses)):
         assert torch.equal(a, b), f"loss of step {i}"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
