@@ -47,6 +47,13 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
             device: str | torch.device, manage: tuple[str, ...] | list[str] | str, recompute: str,
             pin: Any, options: Any) -> Arguments:
     """The arguments of ``OutOfCore(...)``, checked (``OOCError`` naming the one at fault)."""
+    if not isinstance(model, torch.nn.Module):
+        raise OOCError(f"model must be a torch.nn.Module, got {type(model).__name__}: the engine "
+                       f"records and moves what its parameters, buffers and forward hold")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise OOCError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}: "
+                       f"the engine hooks its step(), the update. With several optimizers (a GAN's "
+                       f"two) give none and manage activations only (the default)")
     if not isinstance(options, Options):
         raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
     budget = parse_size(budget, what="budget")

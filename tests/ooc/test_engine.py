@@ -422,6 +422,22 @@ def test_bad_arguments_fail_before_any_work(bad: dict, words: str) -> None:
         OutOfCore(model, opt, options=Options(**options), **bad)
 
 
+class _TwoOptimizers:
+    """What a GAN's loop may hold: two optimizers behind one object, not itself an optimizer."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.g = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_model_or_optimizer_of_another_type_is_refused_by_name() -> None:
+    """Not an ``AttributeError`` from deep inside the engine (``register_step_pre_hook``)."""
+    model, _ = _fresh("cnn", "sgd")
+    with pytest.raises(ooc.OOCError, match="optimizer must be a torch.optim.Optimizer or None, got _TwoOptimizers"):
+        OutOfCore(model, _TwoOptimizers(model), budget="1GiB")
+    with pytest.raises(ooc.OOCError, match="model must be a torch.nn.Module, got function"):
+        OutOfCore(lambda x: model(x), budget="1GiB")
+
+
 def test_a_closed_engine_leaves_none_of_its_step_sequences_alive() -> None:
     """What an engine recorded and planned (sequences, their chains and facts) goes with it:
     a module-level cache of the chains found in them (``scheduler.replay``) kept the last 65
