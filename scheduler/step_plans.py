@@ -27,6 +27,14 @@ engine executes it (``ooc/engine/planning.py``):
   the trial between forms is ``anchoring.judge``'s (a plan whose sizes vary,
   ``widening.sizes_vary``, takes them with each save bounded by its variable's room, the
   anchored one swapping only);
+- a per-op step that left a plan whose anchored steps on trial kept to it ends the trial for
+  them (``hook_wins``): its forward ran other ops and saved the same tensors, which the
+  anchored form, seeing saves only, holds to (a seq2seq decoder fed a column of the targets
+  or its last ``argmax``, chosen per batch). Planned from instead, each such step made a plan
+  the next step of the other kind left, and no form settled. Where no per-op step keeps to
+  any plan (that choice per token), the first re-plan of the streak (``plans_again``) drops
+  the plan instead (``trace``): the next step records with its hook trace, and its plan gets
+  its anchored form at once, at the recording's prices (``at_once``);
 - a hook-driven step that left its plan drops it (the next step records; a plan whose sizes
   vary is unhooked instead: the next step runs it per op and, where it grew, leaves it and is
   planned widened); one that kept to it is timed for its trial, unless it ran an update its
@@ -42,17 +50,16 @@ engine executes it (``ooc/engine/planning.py``):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence, Set
+from typing import Sequence
 
 import scheduler
 from scheduler.anchoring import anchor_within_budget, worth_a_trial
 from scheduler.beside import held_beside_of
 from scheduler.errors import BudgetTooSmall
-from scheduler.hardware import Hardware
 from scheduler.ir import Kind, Variable, VariableSequence
 from scheduler.replay import mark_replayable
 from scheduler.schedule import Schedule
+from scheduler.step_facts import Decision, PlanState, Settings, StepFacts
 from scheduler.widening import marked, sizes_vary, widened
 from vmm.units import format_size
 
@@ -76,100 +83,6 @@ def plans_again(unkept: int) -> bool:
     return k < 0 or k & (k + 1) == 0
 
 
-@dataclass(frozen=True)
-class Settings:
-    """How the engine plans: its budget, chunk, window, policy and recompute mode ("auto",
-    "never", "prefer"); ``pins`` (a sequence -> the user's pin per activation) and
-    ``hardware`` (a sequence -> what it is priced on), None where not given; whether plans
-    are re-priced on planned runs (``reprice``) and may take a hook-driven form
-    (``hook_forms``: ``hook_forms_allowed``); ``gpu``: the plan runs on a GPU, whose per-op
-    steps may be bound by the host (``anchoring.worth_a_trial``)."""
-
-    budget: int
-    chunk: int
-    window: int | None
-    policy: str = "window"
-    recompute: str = "auto"
-    pins: Callable[[VariableSequence], Mapping[int, str]] | None = None
-    hardware: Callable[[VariableSequence], Hardware] | None = None
-    reprice: bool = True
-    hook_forms: bool = True
-    gpu: bool = False
-    device_budget: int = 0   # a budget for the whole step, one arena: recordings with HELD_BESIDE plan bounded by it
-
-
-@dataclass(frozen=True)
-class StepFacts:
-    """What a completed step showed, as data: its ``form`` (``FORMS``), whether it kept to
-    its plan to the end (``kept``; a per-op step: ``ran_whole_plan``, it ran all the plan's
-    ops), its recording (``sequence``, recorded and diverged steps) and measured op times
-    (``seconds``), its hooks (``gaps``, ``first``: each variable's first anchor; ``update``:
-    the gap of the update, None if it ran none; a hook-driven step: that of the trace it ran
-    against), whether it saved what a plain form compares (``signature``), whether it ran an
-    update (``updated``) and its wall time (``step_s``; ``device_timed``: its ops were timed
-    with CUDA events, each behind a sleep queued to keep the device busy, so its wall time is
-    not what an untimed step takes); ``ready``: the functions a hook-driven step can rerun
-    from templates the step captured (``ooc/runtime/templates.py``), each with the gap from
-    which it holds what the template reads (None: no templates); ``unkept``: the steps of its
-    plan key right before it that kept no plan (``plans_again``); ``left``: the plan a diverged
-    step left (or a new shape's recording guessed), where its variables were born and whether
-    the step differs from it in sizes its chunks may not show, with ``born_at``, where the
-    step's were (``widening.widened``); ``founds``: the step is the first of a size among
-    shapes whose plans' sizes vary (``ooc.engine.plan_cache.PlanCache.kin``), and its plan is
-    marked so at once (``widening.marked``): the next step of that size runs it, where it
-    would record again to be widened."""
-
-    form: str
-    kept: bool
-    step_s: float
-    seconds: Sequence[float] = ()
-    sequence: VariableSequence | None = None
-    ran_whole_plan: bool = False
-    gaps: Set[int] | None = None
-    first: Mapping[int, int] | None = None
-    update: int | None = None
-    signature: bool = False
-    updated: bool = False
-    device_timed: bool = False
-    ready: Mapping[int, int] | None = None
-    unkept: int = 0
-    left: tuple[Schedule, Mapping[tuple[int, int], int], bool] | None = None
-    born_at: Mapping[int, tuple[int, int]] | None = None
-    founds: bool = False
-
-
-@dataclass(frozen=True)
-class PlanState:
-    """What was decided for one plan so far: its plan, the runs priced and the sequence at
-    the fastest op times (``repriced``), and its hook-driven form if it was given one
-    (``hook``: "plain", "anchored" or "none" when none is within the budget)."""
-
-    plan: Schedule
-    priced_runs: int = 0
-    fastest: VariableSequence | None = None
-    hook: str | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the engine does after a step: keep ``plan`` (a new plan, or a re-priced one:
-    ``repriced``), note the prices (``priced_runs``, ``fastest``), give the plan a hook form
-    (``plain``, or ``anchored``: its moved plan, None if none fits), time a trial side
-    (``trial``: "per_op" or "hook"), take the plan's hook-driven form away (``unhook``), or
-    ``drop`` the plan."""
-
-    plan: Schedule | None = None
-    repriced: bool = False
-    priced_runs: int | None = None
-    fastest: VariableSequence | None = None
-    plain: bool = False
-    anchored: bool = False
-    moved: Schedule | None = None
-    trial: str | None = None
-    unhook: bool = False
-    drop: bool = False
-
-
 def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) -> Decision:
     """The one planning entry point after a step (the module docstring)."""
     if facts.form in ("plain", "anchored"):
@@ -190,6 +103,13 @@ def after_step(facts: StepFacts, state: PlanState | None, settings: Settings) ->
         if (facts.form == "diverged" and state is not None and state.plan.beside and not held_beside_of(seq)
                 and facts.unkept <= 1):   # the recording step, then this one: not yet in a row
             return Decision(drop=True)   # the next step records whole, to be bounded again (beside.py)
+        if facts.form == "diverged" and state is not None and state.hook_held:
+            return Decision(hook_wins=True)   # its ops differ where its saves do not (hook_wins)
+        if facts.form == "recorded" and facts.gaps is not None:   # asked for: Decision.trace
+            return at_once(facts, plan_recorded(seq, settings), settings)
+        if (facts.form == "diverged" and facts.may_trace and settings.hook_forms and state is not None
+                and facts.unkept >= REPLAN_STREAK and plans_again(facts.unkept)):
+            return Decision(drop=True, trace=True)
         if not plans_again(facts.unkept):
             return Decision()
         return Decision(plan=plan_recorded(marked(seq) if facts.founds else seq, settings))
@@ -317,6 +237,13 @@ def hook_form(facts: StepFacts, state: PlanState, settings: Settings) -> dict:
             and not worth_a_trial(moved, priced, facts.step_s, settings.hardware(priced.sequence))):
         moved = None   # a GPU's form predicted far slower: no trial steps, no pool for them
     return {"anchored": True, "moved": moved}
+
+
+def at_once(facts: StepFacts, schedule: Schedule, settings: Settings) -> Decision:
+    """``schedule``, planned from a recording that noted its hook trace, with its anchored form
+    made at once at the recording's prices (swap only: a recording captures no template)."""
+    return Decision(plan=schedule, **hook_form(dataclasses.replace(facts, ran_whole_plan=True),
+                                               PlanState(schedule, priced_runs=REPRICED_RUNS), settings))
 
 
 def hook_ran(facts: StepFacts) -> Decision:

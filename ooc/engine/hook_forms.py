@@ -56,6 +56,13 @@ class HookPlan:
     kept: bool = False
     rejected: bool = False
 
+    @property
+    def held(self) -> int:
+        """The anchored steps of its trial that kept to the plan (0 once judged, or with no
+        anchored form)."""
+        on_trial = self.moved is not None and self.moved is not self.plan and not (self.kept or self.rejected)
+        return len(self.trial) if on_trial else 0
+
     def judge(self) -> bool:
         """Decide once both sides ran their trial (``scheduler.anchoring.judge``). Returns
         whether it decided now."""
@@ -75,6 +82,9 @@ class HookForms:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._entries: dict[Hashable, HookPlan] = {}
+        # plan key -> a recording asked to note its hook trace (True), or done (False): once
+        # per key (``scheduler.step_plans.Decision.trace``)
+        self._traces: dict[Hashable, bool] = {}
 
     def get(self, key: Hashable) -> HookPlan | None:
         return self._entries.get(key)
@@ -84,6 +94,22 @@ class HookForms:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._traces.clear()
+
+    def may_trace(self, key: Hashable) -> bool:
+        """Whether ``key``'s next recording may yet be asked to note its hook trace."""
+        return self.enabled and key not in self._traces
+
+    def trace_next(self, key: Hashable) -> None:
+        self._traces[key] = True
+
+    def tracing(self, key: Hashable) -> bool:
+        """Whether a recording of ``key`` starting now notes its hook trace (asked, not done):
+        once, the ask is used up."""
+        if not self._traces.get(key):
+            return False
+        self._traces[key] = False
+        return True
 
     def add(self, key: Hashable, entry: HookPlan) -> None:
         self._entries[key] = entry
@@ -133,6 +159,18 @@ class HookForms:
             return
         entry.trial.append(seconds)
         self._log_judged(entry)
+
+    def wins(self, key: Hashable, schedule: Schedule, at: int | None) -> None:
+        """A per-op step of ``key``'s plan ``schedule`` left it at op ``at`` where its anchored
+        steps on trial kept to it (``scheduler.step_plans.Decision.hook_wins``): the anchored
+        form is kept."""
+        entry = self._entries.get(key)
+        if entry is None or entry.plan is not schedule or not entry.held:
+            return
+        entry.kept = True
+        log.info("a per-op step left the plan at op %s where %d anchored step(s) kept to it: anchored steps "
+                 "kept (the forward runs other ops from step to step, and saves the same tensors)", at,
+                 len(entry.trial))
 
     def unhook(self, key: Hashable, schedule: Schedule, why: str) -> None:
         """``key``'s plan ``schedule`` runs per op from now on (``Decision.unhook``), because ``why``."""

@@ -121,13 +121,14 @@ class Planner:
         if st.schedule is not None and cache.plan_of(key) is st.schedule:
             runs, fastest = cache.prices(key)
             hooked = cache.hooked.get(key)
-            state = PlanState(st.schedule, runs, fastest,
-                              None if hooked is None or hooked.plan is not st.schedule else "kept")
+            mine = hooked is not None and hooked.plan is st.schedule
+            held = hooked.held if mine and st.diverged_at is not None else 0   # (only a step that left reads it)
+            state = PlanState(st.schedule, runs, fastest, "kept" if mine else None, held)
         unkept = self._unkept.pop(key, 0)   # re-inserted last: the oldest key goes first
         t0 = time.perf_counter()
         facts = dataclasses.replace(self._facts(st, report, unformed=state is not None and state.hook is None,
                                                family=family, recorded=recorded),
-                                    unkept=unkept)
+                                    unkept=unkept, may_trace=st.diverged_at is not None and cache.hooked.may_trace(key))
         try:
             decision = after_step(facts, state, self.settings())
         except scheduler.BudgetTooSmall as err:
@@ -197,7 +198,7 @@ class Planner:
         seq = None
         if not report.kept_plan:
             seq = recorded if recorded is not None else self._recorded(st)
-        trace = st.hook_trace if st.planned and st.diverged_at is None else None
+        trace = st.hook_trace if (st.planned or st.schedule is None) and st.diverged_at is None else None
         whole = st.schedule is not None and len(st.rec.names) == len(st.schedule.sequence.functions)
         templates = ready = None
         if trace is not None and unformed:   # its chains' templates, each number the same as last step's
@@ -241,6 +242,10 @@ class Planner:
             cache.drop(key)
         if d.trial == "hook":
             cache.hooked.hook_ran(st, seconds)
+        if d.hook_wins:
+            cache.hooked.wins(key, st.schedule, st.diverged_at)
+        if d.trace:
+            cache.hooked.trace_next(key)
         if d.unhook:
             cache.hooked.unhook(key, st.schedule, st.why if isinstance(st, AnchoredStep) and st.diverged_at is not None
                                 else "an anchored step ran an update its plan's step did not")
@@ -268,7 +273,7 @@ class Planner:
             cache.hooked.per_op_ran(key, st.schedule, seconds)
         if d.anchored:   # on a GPU this step's time is its launches: its trial begins next step
             recomputes = d.moved is not None and d.moved.bytes_recomputed > 0
-            cache.hooked.add(key, HookPlan(st.schedule, d.moved, st.hook_trace,
+            cache.hooked.add(key, HookPlan(st.schedule or d.plan, d.moved, st.hook_trace,
                                            per_op=[seconds] if mem.on_cpu else [],
                                            templates=st.templates() if recomputes else None))
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ooc.runtime.hook_step import HookStep, Spilled
-from ooc.runtime.hook_trace import HookTrace
+from ooc.runtime.hook_trace import HookTrace, loose_view
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
 from ooc.runtime.saved_tensors import Packed, _of_parameter
@@ -110,6 +110,9 @@ class AnchoredStep(HookStep):
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
             slot = None   # a dead storage's id, reused
+        if (slot is None and not t.requires_grad and t._is_view() and not self.trace.bounded   # (no call per save)
+                and loose_view(t, self.min_bytes) and not self._binds(nbytes)):
+            return t   # as the trace's step left it out (hook_trace.loose_view)
         k = self.k
         self.k = k + 1
         if self.diverged_at is not None:
@@ -134,6 +137,12 @@ class AnchoredStep(HookStep):
         if self.actions:
             self._reach(gap)
         return Packed(slot, t, var not in self.leaving) if slot is not None and var == slot.var else t
+
+    def _binds(self, nbytes: int) -> bool:
+        """Does the trace bind its next save, of ``nbytes``, to a variable (the trace's step
+        counted a loose view of managed bytes: their first save)?"""
+        packs = self.trace.packs
+        return self.k < len(packs) and packs[self.k][2] is not None and packs[self.k][1] == nbytes
 
     def _sizes_differ(self, k: int, gap: int | None, expected: int | None, nbytes: int) -> None:
         """Save ``k`` is not what the trace has there: the step leaves its plan."""

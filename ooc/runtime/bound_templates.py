@@ -83,9 +83,9 @@ class BoundTemplates:
         if want is None and not draw:
             return None
         expected = want if want is not None else templates.draws[k]
-        looks = View.of(t)._replace(offset=0)
-        moved = looks != expected.saved
-        if s.nbytes() != expected.nbytes or node_of(t) != expected.node or moved:
+        if expected.differs(t, s):
+            looks = View.of(t)._replace(offset=0)
+            moved = looks != expected.saved
             got, had = (f" viewed as {looks}", f" viewed as {expected.saved}") if moved else ("", "")
             return (f"saved tensor {k} (of any size) is {s.nbytes()} B from {node_of(t)}{got}, the templates' "
                     f"was {expected.nbytes} B from {expected.node}{had}"

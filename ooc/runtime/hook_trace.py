@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
 
 @dataclass
 class HookTrace:
@@ -52,3 +54,13 @@ class HookTrace:
     def counted_before(self, k: int) -> int:
         """The budget's bytes of the first ``k`` saves (0 for a trace with variables)."""
         return sum(self.counted[:k])
+
+
+def loose_view(t: torch.Tensor, min_bytes: int) -> bool:
+    """A save that no gradient flows through, a view smaller than ``min_bytes`` itself, however
+    large the storage it views: an unmanaged one is left out of the trace as small, the same in
+    every step. Why: a decoder fed the targets saves a column of them (a view of their storage,
+    9 KiB for 48 sequences of 24 tokens) where, fed its own ``argmax``, it saves a tensor of
+    its own (128 B); counted by their storages, the two steps' saves did not line up, and each
+    step of the other kind left its anchored plan."""
+    return t._is_view() and not t.requires_grad and t.numel() * t.element_size() < min_bytes

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.record.managed import Recording
 from ooc.record.recorder import StepRecorder
-from ooc.runtime.hook_trace import HookTrace
+from ooc.runtime.hook_trace import HookTrace, loose_view
 from ooc.runtime.on_demand_room import OnDemandRoom
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_book import Course, StepBook
@@ -110,10 +110,11 @@ class SavedTensors:
         # if it keeps to the plan, its next steps may run plain (``ooc/runtime/plain_step.py``).
         self.signature: list[tuple[int, int, bool]] | None = [] if planned and ctx.plain_candidate else None
         # A planned step that moves bytes notes where its hooks ran: if it keeps to its plan,
-        # its next steps may run the plan at those hooks alone (``anchored_step.py``).
+        # its next steps may run the plan at those hooks alone (``anchored_step.py``); so does a
+        # recording the engine asks for it (``StepContext.trace_recording``).
+        traced = (planned and not ctx.plain_candidate) or (not planned and ctx.trace_recording)
         self.hook_trace: HookTrace | None = (
-            HookTrace(bounded=course.widened) if planned and not ctx.plain_candidate and ctx.manage == {"activations"}
-            else None)
+            HookTrace(bounded=course.widened) if traced and ctx.manage == {"activations"} else None)
         # With it, the templates of its chains, if its plan recomputes (its anchored form reruns
         # them; one whose sizes vary swaps only: a template holds one step's shapes).
         self.templates: TemplateCapture | None = None
@@ -134,7 +135,8 @@ class SavedTensors:
             s = t.untyped_storage()
             n = s.nbytes()
             var = p.slot.var if isinstance(p, Packed) else None
-            if n >= self.ctx.min_bytes or trace.bounded:   # sizes vary: every save, bounded
+            counted = n >= self.ctx.min_bytes and not (var is None and loose_view(t, self.ctx.min_bytes))
+            if counted or trace.bounded:   # sizes vary: every save, bounded
                 bound = self._bound(self.book.by_storage.get(id(s)), s, n) if trace.bounded else n
                 trace.packs.append((len(self.rec.names), bound, var))
             if self.templates is not None:   # every save, of any size: a template may read it
@@ -150,7 +152,9 @@ class SavedTensors:
             slot = self.book.by_storage.get(id(s))
             if self.signature is not None:   # what a plain step will compare its saves with
                 n = s.nbytes()
-                if n >= self.ctx.min_bytes or widened:   # sizes vary: every save, bounded
+                # (a plain step binds no variable: a loose view is left out whatever it views)
+                counted = n >= self.ctx.min_bytes and not loose_view(t, self.ctx.min_bytes)
+                if counted or widened:   # sizes vary: every save, bounded
                     n = self._bound(slot, s, n) if widened else n
                     self.signature.append((n, len(self.rec.names), not (_of_parameter(t) or t.is_meta)
                                            and n >= self.ctx.min_bytes))

@@ -10,7 +10,7 @@ tensor arguments are slots a later step fills from what its hooks see
 - ``PackArg``: any other tensor autograd saved (of every size: a norm's ``rsqrt``, the
   rotary tables, the batch), as the k-th tensor the step saves, viewed as the op read it
   from where the save starts (a batch sliced from a dataset tensor starts elsewhere in it
-  at every step).
+  at every step), or as it is where the op read it whole.
   The capturing step proves that the bytes saved are the bytes read (same storage, same
   version counter);
 - ``Persistent``: a parameter or buffer, or a view of one, as itself (the same object every
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.runtime.made_by import node_of, signature, varied
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
-from ooc.runtime.views import View
+from ooc.runtime.views import View, bits_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,14 @@ class PackArg:
     tensor made before the step (``x = xs[i:i + b]``) is saved at another offset of the same
     storage at every step; read at the captured step's offset, a ResNet's first convolution
     replayed on the captured step's images, and its parameters came out wrong from the first
-    hook-driven step that recomputed it (``tests/ooc/test_templates.py``)."""
+    hook-driven step that recomputed it (``tests/ooc/test_templates.py``).
+
+    ``whole``: the op read the save itself (the usual case: autograd saves an op's input or
+    output as it is). Then the save is read as it is, wherever its bytes lie: a decoder's next
+    token is a column of the targets under teacher forcing and the last step's ``argmax``
+    without (PyTorch's seq2seq tutorial picks one per batch); the embedding saved a strided
+    view of the targets' storage in one step and a tensor of its own in the next, and every
+    hook-driven step of the other kind left its plan."""
 
     k: int
     nbytes: int
@@ -71,17 +78,36 @@ class PackArg:
     gap: int
     view: View
     saved: View
+    whole: bool = False
 
     @staticmethod
     def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
         """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
         after = x.storage_offset() * x.element_size() - t.storage_offset() * t.element_size()
-        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=after), View.of(t)._replace(offset=0))
+        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=after), View.of(t)._replace(offset=0),
+                       View.of(x) == View.of(t))
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """This argument in a step whose ``k``-th save is ``t``."""
+        if self.whole:
+            return t
         at = t.storage_offset() * t.element_size() + self.view.offset
         return self.view._replace(offset=at // self.view.dtype.itemsize).of_tensor(t)
+
+    def differs(self, t: torch.Tensor, s: torch.UntypedStorage) -> bool:
+        """Is ``t`` (storage ``s``), another step's ``k``-th save, not one this reads alike?
+        A save read whole must look as captured (dtype, shape, conj and neg bits), made by a
+        node of the captured type ("leaf" and "view" alike: no node made either's bytes);
+        strides, storage and offset are free, the replay reads what the step's own op read.
+        Any other must lie in its storage as captured."""
+        if not self.whole:
+            return s.nbytes() != self.nbytes or node_of(t) != self.node or View.of(t)._replace(offset=0) != self.saved
+        was, node = self.saved, node_of(t)
+        return (t.dtype != was.dtype or t.size() != was.size or bits_of(t) != was.bits
+                or (node != self.node and not {node, self.node} <= _NO_NODE))
+
+
+_NO_NODE = frozenset({"leaf", "view"})   # node_of's words for bytes no autograd node made
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,11 +342,18 @@ class TemplateCapture:
                 found[id(x)] = Persistent(base, View.of(x), checked=id(x) not in stats,
                                           writes=base._version - self.start[id(base)])
                 continue
+            # the save that is x itself, else the first of its bytes (several saves may view one
+            # storage: a column of the targets per decoder step)
+            bound = None
             for k, ref, v, gap in self.packed.get(c, ()):
                 t = ref()
                 if t is not None and v == version and t.untyped_storage()._cdata == c:
-                    found[id(x)] = PackArg.of(k, t, s, gap, x)
-                    break
+                    arg = PackArg.of(k, t, s, gap, x)
+                    bound = arg if bound is None or arg.whole else bound
+                    if arg.whole:
+                        break
+            if bound is not None:
+                found[id(x)] = bound
             else:
                 self.pending.setdefault(c, []).append((i, x, version))
 
@@ -341,7 +374,10 @@ class TemplateCapture:
 
             calls[i] = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
                                      r.outputs, self.rng_at.get(i))
-        wanted = {a.k: a for c in calls.values() for a in c.saves}
+        wanted: dict[int, PackArg] = {}
+        for a in (a for c in calls.values() for a in c.saves):   # one save read two ways: checked as the part
+            if wanted.setdefault(a.k, a).whole and not a.whole:
+                wanted[a.k] = a
         persistent = {id(t): t for c in calls.values() for t, _ in c.checked}
         read = {id(x.tensor): x.tensor for c in calls.values() for x in tree_leaves((c.args, c.kwargs))
                 if isinstance(x, Persistent)}

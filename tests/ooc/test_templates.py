@@ -443,7 +443,7 @@ def test_a_save_sliced_from_a_storage_made_before_the_step_is_read_where_this_st
     """A batch sliced from a tensor made before the step (``x = xs[i:i + b]``) is saved at
     another offset of one storage at every step: a replay reads its view from where this
     step's save starts, not where the captured step's did; a save that looks otherwise at its
-    storage (another stride) is refused."""
+    storage (another stride) is refused where the op read a part of it."""
     from types import SimpleNamespace
 
     model = nn.Linear(2, 2)
@@ -462,8 +462,55 @@ def test_a_save_sliced_from_a_storage_made_before_the_step_is_read_where_this_st
     assert torch.equal(torch.empty(0).set_(made[0], 0, (2, 2), (2, 1)), (y * model.weight).detach())
 
     bound = BoundTemplates(templates, chains=[(3,)])
-    y = xs[:, 0]   # the same storage and size, read across it
+    y = xs[:2, 0]   # the same storage and shape, read across it: the op read this save whole
+    assert bound.saved(y, y.untyped_storage()) is None and bound.why_not((3,)) is None
+    made = []
+    bound.replay(SimpleNamespace(var=7, nbytes=16, name="product"), (3,), {}, made.append)
+    assert torch.equal(torch.empty(0).set_(made[0], 0, (2, 2), (2, 1)), (y * model.weight).detach())
+
+    cap = TemplateCapture(model)   # an op that read a part of the save
+    cap.saved(x, x.untyped_storage(), None, gap=1)
+    r = _recipe(aten.mul.Tensor, [x[1], model.weight[0]])
+    cap.captured(3, r)
+    bound = BoundTemplates(cap.build({3: r}, {7: (3, 0)}), chains=[(3,)])
+    assert not bound.templates.wanted[0].whole
     assert "viewed as" in bound.saved(y, y.untyped_storage())
+
+
+def test_a_save_the_op_read_whole_is_read_as_it_is_wherever_its_bytes_lie() -> None:
+    """A decoder's next token is a column of the targets under teacher forcing and the last
+    output's ``argmax`` without: the embedding saves a strided view of the targets' storage in
+    one step and a tensor of its own in the next. The op read the save whole, so a replay reads
+    this step's save as it is: any strides, storage and offset, of the captured dtype and
+    shape, made by no node as before. Of several saves of one storage (a column per decoder
+    step), the capture binds the one that is the tensor the op read."""
+    from types import SimpleNamespace
+
+    model = nn.Embedding(8, 2)
+    tgt = torch.randint(0, 8, (4, 3))
+    cap = TemplateCapture(model)
+    columns = [tgt[:, k] for k in range(3)]   # (a save is held weakly: the step's node holds it)
+    for k, column in enumerate(columns):
+        cap.saved(column, tgt.untyped_storage(), None, gap=k)
+    r = _recipe(aten.embedding.default, [model.weight, tgt[:, 2]])
+    cap.captured(5, r)
+    templates = cap.build({5: r}, {9: (5, 0)})
+    assert templates.wanted[2].whole and set(templates.wanted) == {2}
+
+    def bound_after(token: torch.Tensor) -> tuple[BoundTemplates, str | None]:
+        bound = BoundTemplates(templates, chains=[(5,)])
+        whys = [bound.saved(t, t.untyped_storage()) for t in (tgt[:, 0], tgt[:, 1], token)]
+        return bound, next((w for w in whys if w is not None), None)
+
+    token = torch.randint(0, 8, (4, 2)).argmax(-1)   # a tensor of its own, contiguous
+    bound, why = bound_after(token)
+    assert why is None and bound.why_not((5,)) is None
+    made = []
+    bound.replay(SimpleNamespace(var=9, nbytes=32, name="embedded"), (5,), {}, made.append)
+    assert torch.equal(torch.empty(0).set_(made[0], 0, (4, 2), (2, 1)), model(token).detach())
+    assert "Size([2])" in bound_after(token[:2])[1]                     # another shape
+    assert "int32" in bound_after(token.int())[1]                       # another dtype
+    assert "MulBackward0" in bound_after((token * 1.0).requires_grad_() * 2)[1]   # made by a node
 
 
 def _resnet(budget: int | None, between: Callable[[int, nn.Module, torch.optim.Optimizer], None] = lambda *a: None,
@@ -662,3 +709,106 @@ def test_a_number_a_module_holds_changed_inside_a_step_after_the_form_settled(
         assert torch.equal(a, b), k
     assert forms[9][0] == "anchored" and forms[9][1] == -1 and forms[9][2] > forms[8][2], forms
     assert forms[10][1] != -1 and f"the model's {attr} is {after}, the templates' step ran with {before}" in caplog.text
+
+
+def test_a_loose_view_is_left_out_of_the_trace_whatever_storage_it_views() -> None:
+    """A column of a targets tensor held whole is as small as the ``argmax`` a decoder feeds
+    itself instead; counted by its storage's bytes it was a save of the trace and the
+    ``argmax`` none, and the two kinds of step did not line up. A view that gradients flow
+    through, a tensor of its own and a view as large as the threshold count as before."""
+    from ooc.runtime.hook_trace import loose_view
+
+    targets = torch.randint(0, 32, (64 * 200, 8))
+    column = targets[:64][:, 3]
+    assert loose_view(column, 1 << 16) and not loose_view(column, column.nbytes)
+    assert not loose_view(column.clone(), 1 << 16)                            # its own storage
+    assert not loose_view(torch.randn(8, 8, requires_grad=True)[:, 0], 1 << 16)   # a gradient flows
+
+
+class _Decoder(nn.Module):
+    """A GRU-cell decoder whose next token is a column of the targets (teacher forcing) or its
+    last output's ``argmax``, as the loop chooses per batch (PyTorch's seq2seq tutorial)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.cell, self.out = nn.Embedding(32, 256), nn.GRUCell(256, 256), nn.Linear(256, 32)
+
+    def forward(self, h: torch.Tensor, tgt: torch.Tensor, forcing: bool | list[bool]) -> torch.Tensor:
+        """``forcing``: for the batch, or per time step (scheduled sampling)."""
+        token, logits = torch.zeros(tgt.shape[0], dtype=torch.long), []
+        for t in range(tgt.shape[1]):
+            h = self.cell(torch.sigmoid(self.emb(token)), h)
+            logits.append(self.out(h))
+            token = tgt[:, t] if (forcing[t] if isinstance(forcing, list) else forcing) else logits[-1].argmax(-1)
+        return torch.stack(logits, 1)
+
+
+def _decoded(model: _Decoder, budget: int | None, forcing: list) -> tuple[list, list]:
+    """A step per entry of ``forcing``, its targets sliced from a dataset held whole (its
+    columns are views of 800 KiB: their storage is above the threshold, they are not)."""
+    targets = torch.randint(0, 32, (64 * 200, 8), generator=torch.Generator().manual_seed(0))
+
+    def steps() -> Iterator[Callable[[], torch.Tensor]]:
+        for i, f in enumerate(forcing):
+            h, tgt = torch.randn(64, 256, generator=torch.Generator().manual_seed(i)), targets[64 * i:64 * (i + 1)]
+            yield lambda f=f, h=h, tgt=tgt: nn.functional.cross_entropy(model(h, tgt, f).flatten(0, 1), tgt.flatten())
+    return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
+
+
+def _decoded_alike(forcing: list) -> list:
+    """``_decoded`` in core and under the engine at 1 MiB, from the same weights: each step's
+    loss and every parameter bitwise; the engine's forms."""
+    torch.manual_seed(0)
+    ref = _Decoder()
+    model = _Decoder()
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _decoded(ref, None, forcing)
+    losses, forms = _decoded(model, 1 << 20, forcing)
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+    return forms
+
+
+def test_teacher_forcing_chosen_per_batch_settles_in_the_anchored_form(monkeypatch) -> None:
+    """Teacher forcing on or off per batch: the forward's ops differ (``select`` against
+    ``argmax``), its saves do not. A per-op step of the other kind leaves the plan (here the
+    trial's per-op turn, step 6) while the anchored steps before it held: the trial ends for
+    them (``Decision.hook_wins``), and every later step of either kind runs anchored and
+    recomputes, bitwise. Before, each change of kind left the plan and was planned from (the
+    next change left that plan too), and an anchored step of the other kind left at the
+    embedding's saved tokens: a view of the targets' storage then, a tensor of its own now,
+    read as the captured view (``PackArg.whole``) and counted in the trace by the storage's
+    bytes (``hook_trace.loose_view``)."""
+    from test_anchored_steps import templates_forced
+
+    from ooc.engine.hook_forms import HookPlan
+    from ooc.testing.forced_forms import decided
+
+    templates_forced(monkeypatch.setattr)
+    monkeypatch.setattr(HookPlan, "judge", decided(True, runs=3))   # a trial long enough to be left
+    forms = _decoded_alike([True] * 6 + [False, True, False, False, True, True, False])
+    assert forms[6][0] == "diverged", forms
+    assert all(f == "anchored" and at == -1 for f, at, _ in forms[7:]), forms
+    assert all(b > a for (*_, a), (*_, b) in zip(forms[6:], forms[7:])), forms   # each recomputes
+
+
+def test_teacher_forcing_chosen_per_token_settles_in_the_anchored_form_of_a_traced_recording(monkeypatch) -> None:
+    """Teacher forcing drawn per time step (scheduled sampling, the bentrevett seq2seq
+    tutorials): no two steps run the same ops, no per-op step keeps to any plan, and no
+    anchored form was ever made from one; every step ran on demand from where it left its plan.
+    The streak's first re-plan drops the plan instead (``Decision.trace``): the next step
+    records with its hook trace, and its plan gets its anchored form at once; the steps of any
+    pattern then run anchored, bitwise."""
+    import random
+
+    from test_anchored_steps import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    draw = random.Random(0)
+    forms = _decoded_alike([[draw.random() < 0.5 for _ in range(8)] for _ in range(14)])
+    first = next(i for i, (f, _, _) in enumerate(forms) if f == "anchored")
+    assert forms[first - 1][0] == "recorded" and first <= 8, forms
+    assert sum(f != "anchored" or at != -1 for f, at, _ in forms[first:]) <= 1, forms   # the trial's per-op turn
+    assert all(f == "anchored" and at == -1 for f, at, _ in forms[first + 3:]), forms

@@ -281,3 +281,38 @@ def test_steps_that_keep_no_plan_are_planned_from_at_doubling_intervals() -> Non
 
     assert [n for n in range(40) if plans_again(n)] == [0, 1, 2, 3, 4, 6, 10, 18, 34]
     assert all(plans_again(n) for n in range(REPLAN_STREAK))
+
+
+def test_a_per_op_step_that_leaves_a_plan_whose_anchored_steps_held_ends_the_trial_for_them() -> None:
+    """A forward that runs other ops from step to step but saves the same tensors (a decoder
+    fed the targets or its own argmax, chosen per batch) leaves the per-op plan at every change
+    and holds to its anchored form: planned from again, each such step made a plan the next
+    one left, and no form settled. Before any anchored step held, it is planned from."""
+    state = PlanState(plan_recorded(SEQ, TIGHT), hook="kept", hook_held=1)
+    d = after_step(StepFacts("diverged", False, 1.0, sequence=SEQ), state, TIGHT)
+    assert d == Decision(hook_wins=True)
+    d = after_step(StepFacts("diverged", False, 1.0, sequence=SEQ), dataclasses.replace(state, hook_held=0), TIGHT)
+    assert d.plan is not None and not d.hook_wins
+    d = after_step(StepFacts("recorded", False, 1.0, sequence=SEQ), state, TIGHT)   # not a step of the plan
+    assert d.plan is not None and not d.hook_wins
+
+
+def test_a_streak_of_steps_that_keep_no_plan_records_once_with_its_trace_and_forms_at_once() -> None:
+    """Per-op steps that never keep to a plan (ops drawn per step: teacher forcing per token)
+    never made an anchored form. The streak's first re-plan drops the plan and asks the next
+    step to record with its hook trace (``trace``), once per plan key (``may_trace``); that
+    recording's plan gets its anchored form at once, at the recording's prices."""
+    from scheduler.step_plans import REPLAN_STREAK
+
+    state = PlanState(plan_recorded(SEQ, TIGHT))
+    left = StepFacts("diverged", False, 1.0, sequence=SEQ, unkept=REPLAN_STREAK, may_trace=True)
+    assert after_step(left, state, TIGHT) == Decision(drop=True, trace=True)
+    assert after_step(dataclasses.replace(left, unkept=REPLAN_STREAK - 1), state, TIGHT).plan is not None
+    assert after_step(dataclasses.replace(left, may_trace=False), state, TIGHT).plan is not None   # tried once
+    assert after_step(left, state, dataclasses.replace(TIGHT, hook_forms=False)).plan is not None
+    traced = StepFacts("recorded", False, 1.0, sequence=SEQ, gaps=set(range(len(SEQ.functions) + 1)), first={})
+    d = after_step(traced, None, TIGHT)
+    assert d.plan is not None and d.anchored and d.moved is not None
+    assert d.moved.peak_resident_bytes <= TIGHT.budget
+    d = after_step(dataclasses.replace(traced, gaps=None), None, TIGHT)   # a recording not asked to trace
+    assert d.plan is not None and not d.anchored
