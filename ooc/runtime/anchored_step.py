@@ -170,6 +170,9 @@ class AnchoredStep(HookStep):
             return p.tensor
         if slot.state is State.DISCARDED:   # a step that left its plan after the discard
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
+            out = p.view.on(slot.storage)
+            self._let_go(slot, made=True)   # the node holds the bytes now (as _bring_back's)
+            return out
         elif slot.state is not State.RESIDENT:
             self._bring_back(slot)
             if self.diverged_at is not None:   # the node holds the bytes now; the slot, the tier's copy
@@ -251,7 +254,7 @@ class AnchoredStep(HookStep):
     def _recompute(self, slot: Slot, chain: tuple[int, ...], gap: int | None) -> None:
         """Rerun ``chain`` from the templates (its managed inputs brought back first, where
         the step left its plan) and bind the result to ``slot``."""
-        bound = self.bound
+        bound, fetched = self.bound, []
         for var in bound.inputs(chain, slot.var):
             src = self.slots.get(var)
             if src is None:
@@ -259,10 +262,12 @@ class AnchoredStep(HookStep):
                                    "which the step never saved")
             if src.state is State.DISCARDED:
                 self._recompute(src, self.discarded_for[var], gap)
+                fetched.append((src, True))
             elif src.state is not State.RESIDENT:
                 if self.diverged_at is None:   # the plan brings inputs back first: not this step's plan
                     self._diverge(gap, f"recompute {slot.name}: its input {src.name} is not resident")
                 self._bring_back(src)
+                fetched.append((src, False))
 
         def born(s: torch.UntypedStorage) -> None:
             slot.made_again(s)
@@ -272,6 +277,24 @@ class AnchoredStep(HookStep):
         t0 = time.perf_counter()
         bound.replay(slot, chain, self.slots, born)
         self.events.append(("recompute", f"recompute {slot.name}", t0, time.perf_counter()))
+        if self.diverged_at is not None:   # no plan frees what this replay alone read
+            for src, made in fetched:
+                self._let_go(src, made)
+
+    def _let_go(self, slot: Slot, made: bool) -> None:
+        """A step that left its plan gives back the pool bytes of ``slot``, read back or
+        recomputed (``made``) for one use: the tier keeps its copy, its chain remakes it.
+        Such a step runs none of the plan's frees, and each recompute of its backward kept its
+        result and the inputs it read back in the pool to the step's end: a multi-task model
+        whose head changed (the anchored step left its plan at the head's first save) ran its
+        pool out at 256 KiB (``BudgetExceeded``)."""
+        if self.diverged_at is None or slot.state is not State.RESIDENT:
+            return
+        if made:
+            slot.discard(self.tier)
+        else:
+            slot.drop(self.tier)
+        self._account(-slot.nbytes)
 
     def _bring_back(self, slot: Slot) -> None:
         """A node needs ``slot`` where the plan did not bring it back (a step that left its
@@ -303,6 +326,8 @@ class AnchoredStep(HookStep):
         if self.diverged_at is None:
             self.diverged_at = gap if gap is not None else len(self.schedule.sequence.functions)
             self.why = why
+            if self.bound is not None:
+                self.bound.keep = True
             if saves is not None:
                 self.unbound += self.trace.counted_before(saves)
                 self.peak = max(self.peak, self.resident + self.unbound)

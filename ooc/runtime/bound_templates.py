@@ -32,7 +32,8 @@ class BoundTemplates:
     one per recompute action); a saved tensor is let go after the last (autocast's low-precision
     copies of the weights, which a matmul saves, would otherwise live to the step's end).
     ``states``: save index -> the generator's state at its hook, for the random ops the chains
-    replay (``Template.rng_at``)."""
+    replay (``Template.rng_at``). ``keep``: a step that left its plan lets go of no save to its
+    end: its recomputes are not the plan's, and one may run again (``AnchoredStep._let_go``)."""
 
     templates: Templates
     chains: Iterable[tuple[int, ...]] = ()
@@ -44,6 +45,7 @@ class BoundTemplates:
     recomputed: int = 0
     recompute_s: float = 0.0
     walked: dict[int, tuple] = field(default_factory=dict)   # signature's memo: the nodes the walks read
+    keep: bool = False
 
     def __post_init__(self) -> None:
         self.versions = {id(t): t._version for t in self.templates.persistent}
@@ -185,7 +187,7 @@ class BoundTemplates:
         for k in self._reads(chain):   # let go of what no recompute of the plan reads any more
             left = self.readers.get(k, 0) - 1
             self.readers[k] = left
-            if left == 0:
+            if left == 0 and not self.keep:
                 del self.packs[k]
         self.recomputed += slot.nbytes
         self.recompute_s += time.perf_counter() - t0
