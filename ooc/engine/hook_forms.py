@@ -76,8 +76,10 @@ class HookPlan:
 
 
 class HookForms:
-    """The hook-driven form of each plan key that has one (or was refused one). ``enabled``:
-    whether the engine may run such steps at all (``Options.hook_steps``)."""
+    """The hook-driven form of each plan key that has one (or was refused one), and the keys
+    whose recording was asked to note its hook trace, to make one at once where no per-op step
+    keeps to a plan (``scheduler.step_plans.Decision.trace``). ``enabled``: whether the engine
+    may run such steps at all (``Options.hook_steps``)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -101,6 +103,7 @@ class HookForms:
         return self.enabled and key not in self._traces
 
     def trace_next(self, key: Hashable) -> None:
+        """``key``'s next recording notes its hook trace."""
         self._traces[key] = True
 
     def tracing(self, key: Hashable) -> bool:
