@@ -168,19 +168,16 @@ class AnchoredStep(HookStep):
                 self._reach(gap)
         if p.tensor is not None and slot.state is State.RESIDENT:   # never left: the saved tensor itself
             return p.tensor
-        if slot.state is State.DISCARDED:   # a step that left its plan after the discard
+        if slot.state is State.RESIDENT:
+            return p.view.on(slot.storage)
+        made = slot.state is State.DISCARDED   # a step that left its plan after the discard
+        if made:
             self._recompute(slot, self.discarded_for[slot.var], gap=None)
-            out = p.view.on(slot.storage)
-            self._let_go(slot, made=True)   # the node holds the bytes now (as _bring_back's)
-            return out
-        elif slot.state is not State.RESIDENT:
+        else:
             self._bring_back(slot)
-            if self.diverged_at is not None:   # the node holds the bytes now; the slot, the tier's copy
-                out = p.view.on(slot.storage)
-                slot.drop(self.tier)
-                self._account(-slot.nbytes)
-                return out
-        return p.view.on(slot.storage)
+        out = p.view.on(slot.storage)
+        self._let_go(slot, made)   # off its plan, the node holds the bytes now; the slot lets go
+        return out
 
     def _held(self) -> int:
         return self.resident + self.unbound

@@ -84,8 +84,8 @@ class PackArg:
     def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
         """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
         after = x.storage_offset() * x.element_size() - t.storage_offset() * t.element_size()
-        return PackArg(k, s.nbytes(), node_of(t), gap, View.of(x)._replace(offset=after), View.of(t)._replace(offset=0),
-                       View.of(x) == View.of(t))
+        read, saved = View.of(x), View.of(t)
+        return PackArg(k, s.nbytes(), node_of(t), gap, read._replace(offset=after), saved._replace(offset=0), read == saved)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """This argument in a step whose ``k``-th save is ``t``."""
