@@ -108,6 +108,8 @@ class StepEnd:
         if isinstance(st, Stepper):
             st.close_node()
             st.end_wait()   # a step that waited for a shape no forward showed
+            if st.saved.templates is not None:   # its forward hooks off, the templates built or not
+                st.saved.templates.close()
         if self._mem.on_cpu:
             cpu_allocator.end(self._mem)   # the cache stays for the next step, shrinking between
         settle = self._settle_per_op if isinstance(st, Stepper) else self._settle_hooked

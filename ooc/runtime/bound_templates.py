@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ooc.runtime.made_by import matches, node_of, said, signature
+from ooc.runtime.model_numbers import Forwards, first_change
 from ooc.runtime.recipes import Made, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
@@ -55,6 +56,8 @@ class BoundTemplates:
         self.replaced = next((name for t, module, attr, name in self.templates.owners
                               if module._parameters.get(attr) is not t and module._buffers.get(attr) is not t), None)
         self.renumbered: str | None = None   # a module's number, changed since the capture (why_stale)
+        # the numbers its forwards take, compared call by call (why_stale; off at ``close``)
+        self.forwards = Forwards.comparing(self.templates.arguments)
         calls = self.templates.calls
         self.chains = list(self.chains)
         self.draws = frozenset(calls[w].rng_at.k for chain in self.chains for w in chain
@@ -73,9 +76,7 @@ class BoundTemplates:
         self.n = k + 1
         templates = self.templates
         if k == 0:   # the modules' numbers, read where the capture read them
-            self.renumbered = next((f"{name} is {getattr(module, attr, None)!r}, the templates' step ran with "
-                                    f"{v!r}" for module, attr, name, v in templates.numbers.values()
-                                    if getattr(module, attr, None) != v), None)
+            self.renumbered = first_change(templates.numbers)
         param = templates.at_saves.get(k)
         if param is not None and s._cdata != param.untyped_storage()._cdata:
             return self.why_stale() or (
@@ -113,10 +114,13 @@ class BoundTemplates:
 
     def why_stale(self) -> str | None:
         """Why no template replays: the model holds another parameter or buffer than they
-        read, or another number than its modules held when they were captured."""
+        read, or another number than its modules (or their configs) held when they were
+        captured, or one of its forwards took another (``model_numbers.py``)."""
         if self.replaced is not None:
             return f"the model's {self.replaced} is another tensor than the one its templates read"
-        return None if self.renumbered is None else f"the model's {self.renumbered}"
+        if self.renumbered is not None:
+            return f"the model's {self.renumbered}"
+        return None if self.forwards is None else self.forwards.changed
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
@@ -197,6 +201,8 @@ class BoundTemplates:
         return c if c.rng_at is None else dataclasses.replace(c, rng=self.states[c.rng_at.k])
 
     def close(self) -> None:
+        if self.forwards is not None:
+            self.forwards.close()
         self.packs.clear()
         self.walked.clear()
         self.states.clear()

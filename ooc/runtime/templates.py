@@ -42,6 +42,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.runtime.made_by import node_of, signature, varied
+from ooc.runtime.model_numbers import Forwards, Held, Passed, changed_since, held, loose_numbers, reread
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
 from ooc.runtime.views import View, bits_of
 
@@ -186,13 +187,14 @@ class Templates:
     chains replayed the next layer's inputs with the skipped layer's weights: wrong gradients.
     The weights that layer's ops saved are where the step shows which layer it runs.
 
-    ``numbers``: (id(module), attribute) -> (module, attribute, name, value) of each Python
-    number the model's modules held at the step's first save (``nn.Dropout.p``, a temperature
-    kept as ``self.tau``). A template replays its op's numbers as captured, and no hook sees a
-    number that no autograd node keeps: on the CPU dropout draws its mask with
-    ``bernoulli_(1 - p)``, which no node records, and a probability raised once the form
-    settled was replayed with the old one (every later step wrong). A step whose modules hold
-    another number replays none."""
+    ``numbers``: each Python number the model's modules (and the plain objects they hold, a
+    ``config``) held at the step's first save (``nn.Dropout.p``, a temperature kept as
+    ``self.tau``); ``arguments``: each number passed to a module's forward, call by call
+    (``model(x, tau)``) (``model_numbers.py``). A template replays its op's numbers as
+    captured, and no hook sees a number that no autograd node keeps: on the CPU dropout draws
+    its mask with ``bernoulli_(1 - p)``, which no node records, and a probability raised once
+    the form settled was replayed with the old one (every later step wrong). A step whose
+    modules hold, or whose forwards take, another number replays none."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -203,7 +205,8 @@ class Templates:
     rng_device: torch.device | None = None
     owners: tuple[tuple[torch.Tensor, torch.nn.Module, str, str], ...] = ()
     at_saves: Mapping[int, torch.Tensor] = field(default_factory=dict)
-    numbers: dict[tuple[int, str], tuple[torch.nn.Module, str, str, object]] = field(default_factory=dict)
+    numbers: Held = field(default_factory=dict)
+    arguments: Passed = field(default_factory=dict)
 
     @property
     def functions(self) -> frozenset[int]:
@@ -238,14 +241,15 @@ class Templates:
         function out of the templates (``ready``), so no replay reads it; but a signature that
         held it differed at every hook-driven step, which then left its plan. A number that
         changes later, once the form settled, is still seen (``BoundTemplates.node_differs``).
-        A module's number that differs from ``before``'s is no longer compared either (a
-        counter the model keeps)."""
+        A module's number, or a forward's, that differs from ``before``'s is no longer compared
+        either (a counter the model keeps, a step's index passed to it)."""
         for var, sig in self.nodes.items():
             if (old := before.nodes.get(var)) is not None:
                 self.nodes[var] = varied(sig, old)
-        for key in [key for key, (*_, v) in self.numbers.items()
-                    if key in before.numbers and before.numbers[key][3] != v]:
+        for key in changed_since(self.numbers, before.numbers):
             del self.numbers[key]
+        for key in changed_since(self.arguments, before.arguments):
+            del self.arguments[key]
 
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
@@ -261,9 +265,6 @@ class Templates:
                 for i, c in self.calls.items() if same is None or i in same}
 
 
-_NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its ops (Templates.numbers)
-
-
 class TemplateCapture:
     """The capturing per-op step's side: every tensor autograd saves (``saved``, from the pack
     hook) and every captured recipe (``captured``), matched by storage; ``build`` at the end.
@@ -275,23 +276,21 @@ class TemplateCapture:
         self.rng_device = rng_device   # None: random ops get no template
         self.persistent: dict[int, torch.Tensor] = {}
         self.owner: dict[int, tuple[torch.nn.Module, str, str]] = {}   # id(tensor) -> module, attribute, name
-        self.numbers: dict[tuple[int, str], tuple[torch.nn.Module, str, str, object]] = {}   # Templates.numbers
         for path, module in model.named_modules(remove_duplicate=False):
             prefix = f"{path}." if path else ""
             for attr, t in (*module._parameters.items(), *module._buffers.items()):
                 if t is not None and t.layout is torch.strided and not t.is_meta:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
                     self.owner.setdefault(id(t), (module, attr, prefix + attr))
-            for attr, v in vars(module).items():
-                if type(v) in _NUMBERS and attr[0] != "_":   # read at the first save (``saved``)
-                    self.numbers.setdefault((id(module), attr), (module, attr, prefix + attr, v))
+        self.numbers = held(model)   # Templates.numbers, read again at the first save (``saved``)
+        self.forwards = Forwards.noting(model)   # Templates.arguments: the numbers the forwards took
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
         self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # cdata -> (function, tensor, version)
         self.found: dict[int, dict[int, PackArg | Persistent]] = {}       # function -> id(tensor) -> slot
         self.nodes: dict[int, tuple] = {}
-        self.random: set[int] = set()                 # random functions with no template
+        self.random: set[int] = set()                 # random functions with no template, and loose_numbers'
         self.rng_at: dict[int, PackArg] = {}          # random function -> the save its state is taken at
         self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
         self.param_saves: dict[int, int] = {}         # pack index -> the parameter's or buffer's storage saved there
@@ -302,8 +301,7 @@ class TemplateCapture:
         k = self.n
         self.n = k + 1
         if k == 0:   # where a hook-driven step compares them: after what the loop set in the step
-            self.numbers = {key: (m, attr, name, getattr(m, attr, None))
-                            for key, (m, attr, name, _) in self.numbers.items()}
+            self.numbers = reread(self.numbers)
         if self.rng_device is not None:
             self.last = (_rng_state(self.rng_device), PackArg.of(k, t, s, gap, t))
         if var is not None:
@@ -325,6 +323,9 @@ class TemplateCapture:
         """Function ``i``'s recipe: each tensor it holds bound to a parameter or buffer, to a
         tensor saved already, or left waiting for a save to come."""
         found = self.found.setdefault(i, {})
+        if recipe.outside and loose_numbers(recipe.func, recipe.args, recipe.kwargs):
+            self.random.add(i)   # the training loop's number: no hook sees it change (model_numbers.py)
+            return
         if recipe.rng is not None:   # drawn from the state at the last save, if nothing drew since
             last = self.last
             if last is None or not torch.equal(last[0], recipe.rng):
@@ -386,6 +387,11 @@ class TemplateCapture:
         self.pending.clear()
         self.param_saves.clear()
         self.last = None
+        self.close()
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
                          self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves,
-                         dict(self.numbers))
+                         dict(self.numbers), dict(self.forwards.passed))
+
+    def close(self) -> None:
+        """Take the forward hooks off the model's modules (at the step's end, built or not)."""
+        self.forwards.close()

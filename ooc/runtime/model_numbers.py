@@ -1,0 +1,184 @@
+"""The Python numbers a model's forward reads that no autograd node keeps.
+
+A template replays its op's numbers as captured (``templates.py``), and a hook-driven step sees
+no op: a number that reaches an op no node records (the ``0.5`` of ``x + 0.5``: an addition's
+gradient does not need it; a CPU dropout's ``bernoulli_(1 - p)``) and changes once the form
+settled (at an epoch's end) was replayed stale, and every later step's parameters were wrong.
+Such a number reaches the forward from where the model's code reads it; three of those places
+are watched here, read where the capturing step read them and compared at each hook-driven step:
+
+- ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), and those of
+  the plain objects and dicts they hold, one level down (a ``config`` whose attribute the
+  forward reads, Lightning's ``hparams``);
+- ``Forwards``: the numbers passed to each module's forward, call by call (``model(x, tau)``,
+  ``block(h, scale=s)``): a forward pre-hook on every module in the capturing step, and on the
+  modules that took a number in a hook-driven step. A module's hook runs before any op of its
+  forward, so a step whose call differs leaves its plan before a discard could replay one.
+
+The training loop's own code (a loss's margin) is not watched: an op that ran outside every
+forward and took such a number gives no template (``loose_numbers``). Not seen: a global or a
+closure's variable that a module's forward reads (docs/guide/steps.md says what to do).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its ops
+# those a forward may take or a config hold for an op: a flag passed or kept there (teacher
+# forcing on or off per batch, ``use_cache``) steers the forward's branches, which change the
+# ops and saves that the hooks check, not an op's number (watched, each change of a flag chosen
+# per batch left the plan)
+VALUES = (int, float)
+
+# (id(holder), attribute) -> (holder, attribute, name, value): a number of a module or of a
+# plain object or dict it holds
+Held = dict[tuple[int, Any], tuple[Any, Any, str, object]]
+# (id(module), call, position or keyword) -> (module, name, value)
+Passed = dict[tuple[int, int, Any], tuple[torch.nn.Module, str, object]]
+
+
+def read(holder: Any, attr: Any) -> object:
+    """``holder``'s number at ``attr`` now (an item of a dict; None where it is gone)."""
+    return holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr, None)
+
+
+def held(model: torch.nn.Module) -> Held:
+    """Every number the model's modules hold, and those of the plain objects and dicts they
+    hold (one level: an HF ``config``, Lightning's ``hparams``), each read as it is now."""
+    out: Held = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for attr, v in vars(module).items():
+            if attr[0] == "_":
+                continue
+            if type(v) in NUMBERS:
+                out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
+            else:
+                for sub, x in _plain_numbers(v):
+                    out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
+    return out
+
+
+def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
+    """The numbers of a plain object or dict: not a module, tensor, function or class (whose
+    attributes are not what a forward reads as data)."""
+    if isinstance(v, dict):
+        return [(k, x) for k, x in v.items() if type(k) is str and type(x) in VALUES]
+    if isinstance(v, (torch.nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
+        return ()
+    return [(k, x) for k, x in vars(v).items() if k[0] != "_" and type(x) in VALUES]
+
+
+def reread(numbers: Held) -> Held:
+    """``numbers`` read again (the capturing step reads them at its first save, after what the
+    loop set in the step)."""
+    return {key: (h, attr, name, read(h, attr)) for key, (h, attr, name, _) in numbers.items()}
+
+
+def same(a: object, b: object) -> bool:
+    """Whether two numbers are one (``True`` is not ``1``; a NaN is itself)."""
+    return type(a) is type(b) and (a == b or a != a and b != b)
+
+
+def first_change(numbers: Held) -> str | None:
+    """The first number held elsewhere now than ``numbers`` say, named (None: none). Read at
+    each hook-driven step: a 32-layer Llama's modules and config hold 1,254 (~140 us here)."""
+    for h, attr, name, v in numbers.values():
+        now = h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)
+        if now is not v and not same(now, v):   # (the same object, mostly: no call)
+            return f"{name} is {now!r}, the templates' step ran with {v!r}"
+    return None
+
+
+def changed_since(now: Mapping, before: Mapping) -> list:
+    """The keys of ``now`` whose number ``before`` (a capture of an earlier step) had otherwise:
+    a counter the model keeps, or a step's index passed to it, which are not compared (a
+    function whose op read one is no template: ``Templates.ready``)."""
+    return [key for key, entry in now.items() if key in before and not same(before[key][-1], entry[-1])]
+
+
+class Forwards:
+    """The model's forwards in one step: the numbers each call took, a module's calls
+    counted and a number keyed by (module, call, position or keyword); and how deep in them
+    the step is (``depth``, 0: in the training loop's code). ``want`` None: the numbers are
+    noted (``passed``, the capturing step's); else each is compared with ``want``'s, and the
+    first that differs is named (``changed``). ``close`` takes the hooks off."""
+
+    def __init__(self, modules: Iterable[tuple[str, torch.nn.Module]], want: Passed | None = None,
+                 deep: bool = False) -> None:
+        self.want = want
+        self.passed: Passed = {}
+        self.calls: dict[int, int] = {}
+        self.changed: str | None = None
+        self.depth = 0
+        self.handles = []
+        for name, m in _once(modules):   # first, before a hook that runs ops (a parametrization's)
+            if isinstance(m, torch.jit.ScriptModule):
+                continue   # takes no hook (its ops run inside its parent's forward, counted there)
+            self.handles.append(m.register_forward_pre_hook(functools.partial(self._called, name),
+                                                            with_kwargs=True, prepend=True))
+            if deep:
+                self.handles.append(m.register_forward_hook(self._returned, always_call=True))
+
+    @staticmethod
+    def noting(model: torch.nn.Module) -> Forwards:
+        """Every module's calls noted, and how deep in them each op runs (the capturing step's:
+        a per-op step, which can afford two hooks per module)."""
+        return Forwards(model.named_modules(), deep=True)
+
+    @staticmethod
+    def comparing(want: Passed) -> Forwards | None:
+        """Hooks on the modules that took a number in ``want``'s step only (None: no module
+        did): a hook-driven step makes no Python call per module otherwise."""
+        modules = {id(m): (name, m) for m, name, _ in want.values()}
+        return Forwards(modules.values(), want) if modules else None
+
+    def _called(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.depth += 1
+        n = self.calls.get(id(module), 0)
+        self.calls[id(module)] = n + 1
+        for key, v in (*enumerate(args), *kwargs.items()):
+            if type(v) not in VALUES:
+                continue
+            if self.want is None:
+                self.passed[(id(module), n, key)] = (module, name, v)
+            elif self.changed is None:
+                was = self.want.get((id(module), n, key))
+                if was is not None and not same(was[2], v):
+                    self.changed = (f"the forward of {name or 'the model'} (call {n}) took {v!r} as its argument "
+                                    f"{key!r}, the templates' step {was[2]!r}")
+
+    def _returned(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
+        self.depth -= 1
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def loose_numbers(func: Any, args: tuple, kwargs: dict) -> list:
+    """The numbers ``func`` took where its schema takes a number or a tensor (a value its
+    gradient may not keep: ``x + 0.5``, a ``masked_fill``'s value, a dropout's ``p``), not a
+    dimension, a size or a flag. An op of the training loop's code that took one gives no
+    template (``TemplateCapture.captured``): no hook sees where the number comes from (a
+    margin annealed per epoch in ``relu(margin + d_pos - d_neg)``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return [v for v in (*args, *kwargs.values()) if type(v) in VALUES]
+    return [v for a, v in (*zip(schema.arguments, args), *((a, kwargs[a.name]) for a in schema.arguments
+                                                            if a.name in kwargs))
+            if type(v) in VALUES and "int" not in str(a.type)]
+
+
+def _once(modules: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    """Each module once (a shared one under its first name)."""
+    seen: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, m in modules:
+        seen.setdefault(id(m), (name, m))
+    return list(seen.values())

@@ -1,0 +1,318 @@
+"""The Python numbers a forward reads that no autograd node keeps (``ooc/runtime/model_numbers.py``).
+
+The template form replays each op's numbers as captured. A number held where the engine did
+not look, changed once the form settled (at an epoch's end), was replayed stale: a shift passed
+to the model's forward, to each block's, or kept in a config object the modules share, and a
+margin the training loop subtracts from a distance matrix. Every step after the change trained
+wrong (the losses differed from in core's from the step after it), on the code before.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ooc.runtime.model_numbers import Forwards, changed_since, first_change, held, loose_numbers, same
+from ooc.runtime.recipes import Recipe
+from ooc.runtime.templates import TemplateCapture
+from test_anchored_steps import templates_forced
+from test_templates import _run
+
+aten = torch.ops.aten
+
+
+class _Block(nn.Module):
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        self.layer, self.config = nn.Linear(512, 512), config
+
+    def forward(self, x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
+        if shift is None:
+            c = self.config
+            shift = c["shift"] if isinstance(c, dict) else c.shift
+        return torch.sigmoid(torch.relu(self.layer(x)) + shift)   # an addition's node keeps no number
+
+
+class _Shifted(nn.Module):
+    """Five blocks that add a shift, read from where ``source`` says: the model's forward
+    argument (``model``), each block's (``block``: the model passes it down from a global),
+    or an attribute of a config object (``config``) or a dict (``dict``) the blocks share."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.config = {"shift": 0.0} if source == "dict" else types.SimpleNamespace(shift=0.0)
+        self.first = nn.Linear(64, 512)
+        self.blocks = nn.ModuleList(_Block(self.config) for _ in range(5))
+        self.last = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        x = torch.sigmoid(self.first(x))
+        for b in self.blocks:
+            x = b(x, shift if self.source == "model" else _GLOBAL["shift"] if self.source == "block" else None)
+        return self.last(x)
+
+
+_GLOBAL = {"shift": 0.0}
+
+
+def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> tuple[list, list]:
+    """A step per shift, set as the loop's epoch changes it (``_run``)."""
+    def steps() -> Iterator[Callable[[], torch.Tensor]]:
+        for i, shift in enumerate(shifts):
+            torch.manual_seed(i)
+            x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+            _GLOBAL["shift"] = shift
+            if model.source == "dict":
+                model.config["shift"] = shift
+            elif model.source == "config":
+                model.config.shift = shift
+            args = (x, shift) if model.source == "model" else (x,)
+            yield lambda args=args, y=y: nn.functional.cross_entropy(model(*args), y)
+    return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
+
+
+@pytest.mark.parametrize("source,named", [
+    ("model", "the forward of the model (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
+    ("block", "the forward of blocks.0 (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
+    ("config", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
+    ("dict", "the model's config.shift is 0.5, the templates' step ran with 0.0")])
+def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_plan(
+        source: str, named: str, monkeypatch, caplog) -> None:
+    """The shift changes at step 10, once the template form settled, and stays: the step
+    leaves its plan at its first discard, naming the number, the next captures anew, and every
+    loss and parameter is in-core's bitwise (on the code before: from step 11 on, not)."""
+    templates_forced(monkeypatch.setattr)
+    shifts = [0.0] * 10 + [0.5] * 3
+    torch.manual_seed(0)
+    ref, model = _Shifted(source), _Shifted(source)
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _shifted_steps(ref, None, shifts)
+    with caplog.at_level("INFO", logger="ooc"):
+        losses, forms = _shifted_steps(model, 6 << 20, shifts)
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert forms[9][0] == "anchored" and forms[9][1] == -1 and forms[9][2] > forms[8][2], forms
+    assert forms[10][1] != -1 and named in caplog.text, (forms, caplog.text[-800:])
+    assert _forwards_hooks(model) == 0, "hooks left on"
+
+
+def _margin_steps(model: nn.Module, budget: int | None, margins: list[float]) -> tuple[list, list]:
+    """A metric-learning loss in the loop's code: ``exp(margin - d)`` over the batch's 512 x 512
+    distances (1 MiB, saved by the ``exp``), the margin raised at an epoch's end."""
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(5120, 64, generator=g), torch.randint(0, 8, (5120,), generator=g)
+
+    def steps() -> Iterator[Callable[[], torch.Tensor]]:
+        for i, margin in enumerate(margins):
+            def loss(at=i % 10 * 512, margin=margin) -> torch.Tensor:
+                x, y = xs[at:at + 512], ys[at:at + 512]   # (sliced in the step, as the loops do)
+                z = nn.functional.normalize(model(x), dim=1)
+                d = 2 - 2 * (z @ z.t())
+                same_class = (y[:, None] == y[None, :]).float()
+                hinge = torch.exp(margin - d)   # (held to the step's end: the plan keeps it by then)
+                return (same_class * d).mean() + ((1 - same_class) * hinge).mean()
+            yield loss
+    return _run(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), budget, steps(),
+                **({"manage": ("activations",)} if budget is not None else {}))
+
+
+def test_a_number_of_the_training_loops_own_code_is_never_replayed(monkeypatch) -> None:
+    """The margin reaches ``rsub`` as a Python number outside every forward, where no hook can
+    see it change: the ops of the loop's code that take such a number give no template, and
+    the anchored steps keep (or swap) what their chains would have made. At 4 MiB the code
+    before recomputed ``exp(margin - d)`` from the captured margin after the change: every
+    loss from step 13 on differed. Bitwise now."""
+    templates_forced(monkeypatch.setattr)
+    margins = [0.5] * 12 + [0.75] * 4
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    model.load_state_dict(ref.state_dict())
+    ref_losses, _ = _margin_steps(ref, None, margins)
+    losses, forms = _margin_steps(model, 4 << 20, margins)
+    assert sum(f[0] == "anchored" for f in forms) >= 8, forms
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_an_op_of_the_loops_code_with_a_loose_number_gets_no_template_one_in_a_forward_does() -> None:
+    """Three recipes read one save: ``x + 0.5`` in the loop's code (no template), the same in
+    a forward (one), a ``log_softmax`` in the loop's code, whose numbers are a dimension and a
+    flag (one)."""
+    cap = TemplateCapture(nn.Linear(4, 4))
+    x = torch.randn(8, requires_grad=True) * 2
+    cap.saved(x, x.untyped_storage(), None, gap=1)
+    recipes = {i: Recipe(f, a, {}, [(x, x._version)], None, None, True, 1, outside=o)
+               for i, f, a, o in ((3, aten.add.Tensor, (x, 0.5), True), (4, aten.add.Tensor, (x, 0.5), False),
+                                  (5, aten._log_softmax.default, (x, -1, False), True))}
+    for i, r in recipes.items():
+        cap.captured(i, r)
+    assert set(cap.build(recipes, {}).calls) == {4, 5}
+
+
+def test_loose_numbers_are_the_ones_a_gradient_may_not_keep() -> None:
+    x = torch.randn(4)
+    assert loose_numbers(aten.add.Tensor, (x, 0.5), {}) == [0.5]
+    assert loose_numbers(aten.rsub.Scalar, (x, 1), {}) == [1]
+    assert loose_numbers(aten.masked_fill.Scalar, (x, x > 0, -1e4), {}) == [-1e4]
+    assert loose_numbers(aten.native_layer_norm.default, (x, [4], None, None, 1e-5), {}) == [1e-5]
+    assert loose_numbers(aten._log_softmax.default, (x, -1, False), {}) == []     # a dimension, a flag
+    assert loose_numbers(aten.view.default, (x, [2, 2]), {}) == []                # sizes
+    assert loose_numbers(aten.add.Tensor, (x, x), {"alpha": 2}) == [2]
+
+
+def test_held_reads_the_modules_numbers_and_those_of_the_plain_objects_they_hold() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tau, self._private, self.name = 0.5, 3, "x"
+            self.config = types.SimpleNamespace(dropout=0.1, flag=True, _hidden=2, label="y")
+            self.hparams = {"margin": 1.0, "tags": ["a"], 3: 4.0}
+            self.fn = lambda t: t   # a function: no data
+            self.inner = nn.Dropout(0.2)
+
+    m = M()
+    names = {entry[2]: entry[3] for entry in held(m).values()}
+    assert names["tau"] == 0.5 and names["config.dropout"] == 0.1 and names["inner.training"] is True
+    assert names["hparams.margin"] == 1.0 and names["inner.p"] == 0.2
+    assert not {"_private", "config._hidden", "config.label", "config.flag", "name", "hparams.tags"} & set(names)
+    numbers = held(m)
+    assert first_change(numbers) is None
+    m.config.dropout = 0.3
+    assert first_change(numbers) == "config.dropout is 0.3, the templates' step ran with 0.1"
+    m.config.dropout, m.hparams["margin"] = 0.1, 2.0
+    assert first_change(numbers) == "hparams.margin is 2.0, the templates' step ran with 1.0"
+
+
+def test_same_tells_a_flag_from_a_number_and_a_nan_is_itself() -> None:
+    assert same(0.5, 0.5) and same(math.nan, math.nan) and not same(True, 1) and not same(1, 1.0)
+    assert changed_since({"a": (None, 1), "b": (None, 2.0)}, {"a": (None, 1), "b": (None, 3.0)}) == ["b"]
+
+
+def test_forwards_note_each_call_and_compare_call_by_call_then_take_their_hooks_off() -> None:
+    class Step(nn.Module):
+        def forward(self, x: torch.Tensor, scale: float, clip: bool = False) -> torch.Tensor:
+            return x * scale
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = Step()
+
+        def forward(self, x: torch.Tensor, a: float, b: float) -> torch.Tensor:
+            return self.step(self.step(x, a), scale=b, clip=True)
+
+    model, x = Twice(), torch.ones(2)
+    noted = Forwards.noting(model)
+    depths = []
+    seen = model.step.register_forward_pre_hook(lambda *_: depths.append(noted.depth))   # (runs after ours)
+    model(x, 2.0, 3.0)
+    assert noted.depth == 0 and depths == [2, 2]
+    noted.close()
+    seen.remove()
+    assert {(name, n, key): v for (_, n, key), (_, name, v) in noted.passed.items()} == {
+        ("", 0, 1): 2.0, ("", 0, 2): 3.0, ("step", 0, 1): 2.0, ("step", 1, "scale"): 3.0}   # a flag steers
+    assert not model._forward_pre_hooks and not model.step._forward_pre_hooks and not model._forward_hooks
+    watch = Forwards.comparing(noted.passed)
+    model(x, 2.0, 3.0)
+    assert watch.changed is None
+    watch.close()
+    watch = Forwards.comparing(noted.passed)
+    model(x, 2.0, 4.0)   # the root's second argument, and the step's second call's
+    assert watch.changed == "the forward of the model (call 0) took 4.0 as its argument 2, the templates' step 3.0"
+    watch.close()
+    assert not model._forward_pre_hooks and Forwards.comparing({}) is None
+
+
+class _Doubled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x) * 2.0
+
+
+class _Scripted(nn.Module):
+    """A model with a TorchScript submodule, which takes no forward hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.act = nn.Linear(64, 512), torch.jit.script(_Doubled())
+        self.hidden = nn.ModuleList(nn.Linear(512, 512) for _ in range(3))
+        self.last = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.first(x))
+        for layer in self.hidden:
+            x = self.act(layer(x))
+        return self.last(x)
+
+
+def test_a_torchscript_submodule_is_left_unhooked(monkeypatch) -> None:
+    """``register_forward_pre_hook`` raises on a ``ScriptModule``: the capturing step hooks
+    every other module (the scripted one's ops run inside its parent's forward), and trains
+    bitwise in the template form (at 12 MiB, a third of its peak). The first version of the
+    forward hooks raised there."""
+    templates_forced(monkeypatch.setattr)
+    torch.manual_seed(0)
+    ref, model = _Scripted(), _Scripted()
+    model.load_state_dict(ref.state_dict())
+
+    def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
+        for i in range(8):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(1024, 64, generator=g), torch.randint(0, 10, (1024,), generator=g)
+            yield lambda x=x, y=y: nn.functional.cross_entropy(m(x), y)
+    # (TorchScript's optimizing executor is not bitwise from run to run, in core either: it
+    # specializes the graph after its profiling runs, and its own backward rounds otherwise)
+    with torch.jit.optimized_execution(False):
+        ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
+        losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 12 << 20, steps(model))
+    assert any(f[0] == "anchored" and f[2] > 0 for f in forms), forms
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_step_that_raises_in_its_forward_leaves_no_hook_on_the_model(monkeypatch) -> None:
+    """The capturing steps hook every module; one that raises in the forward (a bad batch the
+    loop skips) takes them off as it ends, as one that completes does."""
+    from ooc import OutOfCore
+
+    templates_forced(monkeypatch.setattr)
+    torch.manual_seed(0)
+    model = _Shifted("model")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine = OutOfCore(model, opt, budget=6 << 20)
+    x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+    during = []
+    for step in range(6):
+        raising = model.blocks[2].register_forward_pre_hook(lambda *_: 1 / 0) if step == 3 else None
+        try:
+            with engine.step():
+                during.append(_forwards_hooks(model))
+                nn.functional.cross_entropy(model(x, 0.1), y).backward()
+                opt.step()
+                opt.zero_grad()
+        except ZeroDivisionError:
+            assert step == 3
+        if raising is not None:
+            raising.remove()
+        assert _forwards_hooks(model) == 0, step
+    engine.close()
+    assert during[3] == 2 * len(list(model.modules())), f"step 3 was not a capturing step: {during}"
+
+
+def _forwards_hooks(model: nn.Module) -> int:
+    """How many of the model's forward hooks are ``Forwards``' (the engine has its own)."""
+    def ours(h: object) -> bool:   # a bound method of one, or a partial of one
+        return isinstance(getattr(getattr(h, "func", h), "__self__", None), Forwards)
+    return sum(ours(h) for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
