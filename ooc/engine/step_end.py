@@ -128,7 +128,7 @@ class StepEnd:
         if exc is None:
             if isinstance(st, AnchoredStep) and st.diverged_at is not None:
                 log.warning("step diverged from its plan near op %d (%s): %s; %s written out and read "
-                            "back on demand, re-planning next step", st.diverged_at,
+                            "back on demand (the planner says what the next step runs)", st.diverged_at,
                             _op_name(st.schedule, st.diverged_at), st.why, format_size(st.spilled_bytes))
             try:
                 self._planner.after_step(st, self._book.last, whole=self._whole)

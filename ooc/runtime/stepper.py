@@ -336,8 +336,8 @@ class Stepper:
             return
         # A fresh plan's first run often meets what its recording could not see: said quietly.
         level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)
-        log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand, "
-                "re-planning next step", i, course.name(i), why)
+        log.log(level, "step diverged from its plan at op %d (%s): %s; finishing on demand (the "
+                "planner says what the next step runs)", i, course.name(i), why)
         course.planned = course.waiting = False   # on demand: nothing waits for a plan
         course.diverged_at = i
         self.recording.left_plan(i)
