@@ -7,22 +7,27 @@ settled (at an epoch's end) was replayed stale, and every later step's parameter
 Such a number reaches the forward from where the model's code reads it; three of those places
 are watched here, read where the capturing step read them and compared at each hook-driven step:
 
-- ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), and those of
+- ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), those of
   the plain objects and dicts they hold, one level down (a ``config`` whose attribute the
-  forward reads, Lightning's ``hparams``);
+  forward reads, Lightning's ``hparams``), and the globals and closed-over variables that the
+  code of the modules' own classes names (``x + NOISE`` in a script's model, annealed with
+  ``global NOISE``);
 - ``Forwards``: the numbers passed to each module's forward, call by call (``model(x, tau)``,
   ``block(h, scale=s)``): a forward pre-hook on every module in the capturing step, and on the
   modules that took a number in a hook-driven step. A module's hook runs before any op of its
   forward, so a step whose call differs leaves its plan before a discard could replay one.
 
 The training loop's own code (a loss's margin) is not watched: an op that ran outside every
-forward and took such a number gives no template (``loose_numbers``). Not seen: a global or a
-closure's variable that a module's forward reads (docs/guide/steps.md says what to do).
+forward and took such a number gives no template (``loose_numbers``). Not seen: a global of
+another Python module that a forward reads through a helper function, or a local the forward
+computes from one (docs/guide/steps.md says what to do).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,6 +39,7 @@ NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its op
 # ops and saves that the hooks check, not an op's number (watched, each change of a flag chosen
 # per batch left the plan)
 VALUES = (int, float)
+SETTINGS = 512   # a plain object or dict with more entries than this is data, not settings
 
 # (id(holder), attribute) -> (holder, attribute, name, value): a number of a module or of a
 # plain object or dict it holds
@@ -61,17 +67,56 @@ def held(model: torch.nn.Module) -> Held:
             else:
                 for sub, x in _plain_numbers(v):
                     out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
+    for holder, attr, name, v in _code_numbers(model):
+        out.setdefault((id(holder), attr), (holder, attr, name, v))
     return out
+
+
+def _code_numbers(model: torch.nn.Module) -> Iterable[tuple[Any, str, str, object]]:
+    """The ints and floats of the globals and closed-over variables that the functions of the
+    modules' own classes name (not PyTorch's classes): (their dict or cell, name, what to
+    call it, value)."""
+    seen: set[int] = set()
+    for cls in {type(m) for m in model.modules()}:
+        for c in cls.__mro__:
+            if (c.__module__ or "").startswith("torch.") or c is object:
+                continue
+            for f in vars(c).values():
+                f = getattr(f, "__func__", f)   # a static or class method
+                if not isinstance(f, types.FunctionType) or id(f) in seen:
+                    continue
+                seen.add(id(f))
+                g = f.__globals__
+                for name in _names(f.__code__):
+                    if type(v := g.get(name)) in VALUES:
+                        yield g, name, f"global {f.__module__}.{name}", v
+                for var, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+                    with contextlib.suppress(ValueError):   # (an empty cell)
+                        if type(v := cell.cell_contents) in VALUES:
+                            yield cell, "cell_contents", f"{f.__qualname__}'s {var}", v
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a function's code reads, its lambdas' and comprehensions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
     """The numbers of a plain object or dict: not a module, tensor, function or class (whose
     attributes are not what a forward reads as data)."""
     if isinstance(v, dict):
-        return [(k, x) for k, x in v.items() if type(k) is str and type(x) in VALUES]
-    if isinstance(v, (torch.nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
+        items = v.items()
+    elif isinstance(v, (torch.nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
         return ()
-    return [(k, x) for k, x in vars(v).items() if k[0] != "_" and type(x) in VALUES]
+    else:
+        items = vars(v).items()
+    if len(items) > SETTINGS:
+        return ()   # a table (a vocabulary), not settings
+    return [(k, x) for k, x in items if type(k) is str and k[0] != "_" and type(x) in VALUES]
 
 
 def reread(numbers: Held) -> Held:

@@ -26,13 +26,18 @@ from test_templates import _run
 aten = torch.ops.aten
 
 
+_SHIFT = 0.0   # the "global" source's (a script's model reads its module's global)
+
+
 class _Block(nn.Module):
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: object, source: str) -> None:
         super().__init__()
-        self.layer, self.config = nn.Linear(512, 512), config
+        self.layer, self.config, self.source = nn.Linear(512, 512), config, source
 
     def forward(self, x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
-        if shift is None:
+        if self.source == "global":
+            shift = _SHIFT
+        elif shift is None:
             c = self.config
             shift = c["shift"] if isinstance(c, dict) else c.shift
         return torch.sigmoid(torch.relu(self.layer(x)) + shift)   # an addition's node keeps no number
@@ -41,14 +46,15 @@ class _Block(nn.Module):
 class _Shifted(nn.Module):
     """Five blocks that add a shift, read from where ``source`` says: the model's forward
     argument (``model``), each block's (``block``: the model passes it down from a global),
-    or an attribute of a config object (``config``) or a dict (``dict``) the blocks share."""
+    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, or a
+    global of the Python module that defines the blocks (``global``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
         self.source = source
         self.config = {"shift": 0.0} if source == "dict" else types.SimpleNamespace(shift=0.0)
         self.first = nn.Linear(64, 512)
-        self.blocks = nn.ModuleList(_Block(self.config) for _ in range(5))
+        self.blocks = nn.ModuleList(_Block(self.config, source) for _ in range(5))
         self.last = nn.Linear(512, 10)
 
     def forward(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
@@ -68,6 +74,9 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
             _GLOBAL["shift"] = shift
+            if model.source == "global":
+                global _SHIFT
+                _SHIFT = shift
             if model.source == "dict":
                 model.config["shift"] = shift
             elif model.source == "config":
@@ -81,7 +90,8 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("model", "the forward of the model (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
     ("block", "the forward of blocks.0 (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
     ("config", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
-    ("dict", "the model's config.shift is 0.5, the templates' step ran with 0.0")])
+    ("dict", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
+    ("global", "the model's global test_model_numbers._SHIFT is 0.5, the templates' step ran with 0.0")])
 def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_plan(
         source: str, named: str, monkeypatch, caplog) -> None:
     """The shift changes at step 10, once the template form settled, and stays: the step
@@ -192,6 +202,27 @@ def test_held_reads_the_modules_numbers_and_those_of_the_plain_objects_they_hold
     assert first_change(numbers) == "config.dropout is 0.3, the templates' step ran with 0.1"
     m.config.dropout, m.hparams["margin"] = 0.1, 2.0
     assert first_change(numbers) == "hparams.margin is 2.0, the templates' step ran with 1.0"
+
+
+_SCALE, _LABEL, _UNREAD = 2.0, "x", 3.0
+
+
+def test_held_reads_the_globals_and_closed_over_numbers_the_modules_classes_name() -> None:
+    """Of the globals: those the classes' own functions name (a lambda's in them too), not a
+    global no function of theirs reads, nor PyTorch's classes' globals; a closure's number."""
+    def make(offset: float) -> nn.Module:
+        class Closed(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return (lambda t: t * _SCALE)(x) + offset
+
+        return Closed()
+
+    model = nn.Sequential(make(0.25), nn.Linear(2, 2))
+    names = {entry[2]: entry[3] for entry in held(model).values()}
+    assert names["global test_model_numbers._SCALE"] == 2.0
+    assert names["test_held_reads_the_globals_and_closed_over_numbers_the_modules_classes_name.<locals>.make."
+                 "<locals>.Closed.forward's offset"] == 0.25
+    assert not [n for n in names if "_UNREAD" in n or "_LABEL" in n or n.startswith("global torch")]
 
 
 def test_same_tells_a_flag_from_a_number_and_a_nan_is_itself() -> None:
