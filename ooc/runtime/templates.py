@@ -167,8 +167,10 @@ _SLOTS = (VarArg, PackArg, Persistent, Made)
 
 
 def _numbers(t: Template) -> list:
-    """A template's arguments that are no tensor (what it replays as captured)."""
-    return [x for x in tree_leaves((t.args, t.kwargs)) if not isinstance(x, _SLOTS)]
+    """What a template replays as captured: its arguments that are no tensor, and how it reads
+    each tensor (a view's offset is a number too: ``pe[start:start + T]`` of a positional
+    table, ``start`` drawn at every step, was replayed at the captured offset)."""
+    return [x.view if isinstance(x, _SLOTS) else x for x in tree_leaves((t.args, t.kwargs))]
 
 
 @dataclass(frozen=True)

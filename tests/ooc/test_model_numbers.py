@@ -347,3 +347,47 @@ def _forwards_hooks(model: nn.Module) -> int:
     def ours(h: object) -> bool:   # a bound method of one, or a partial of one
         return isinstance(getattr(getattr(h, "func", h), "__self__", None), Forwards)
     return sum(ours(h) for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
+
+
+class _Offset(nn.Module):
+    """A positional table (a buffer) read from an offset the loop draws at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.randn(256, 128) * 0.1)
+        self.first = nn.Linear(128, 128)
+        self.hidden = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))
+        self.last = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        h = torch.sigmoid(self.first(x) + self.pe[start:start + x.shape[1]])
+        for layer in self.hidden:
+            h = torch.sigmoid(layer(h))
+        return self.last(h.mean(1))
+
+
+def test_a_view_of_a_table_at_an_offset_drawn_every_step_is_not_replayed(monkeypatch) -> None:
+    """``pe[start:start + T]``, ``start`` drawn at every step: the ``add`` that reads it has the
+    same numbers in every step, and its template replayed the captured step's rows of the
+    table (no hook sees the slice: no node records a buffer's). How a template reads each
+    tensor (its view, the offset with it) is compared between the steps the form is made from
+    as its numbers are (``Templates.ready``): the function is swapped instead, bitwise (on the
+    code before, a later loss differed)."""
+    templates_forced(monkeypatch.setattr)
+    torch.manual_seed(0)
+    ref, model = _Offset(), _Offset()
+    model.load_state_dict(ref.state_dict())
+
+    def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
+        for i in range(16):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(64, 64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)
+            yield lambda x=x, y=y, start=i * 17 % 192: nn.functional.cross_entropy(m(x, start), y)
+    ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
+    losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 4 << 20, steps(model),
+                         manage=("activations",))
+    assert sum(f[0] == "anchored" for f in forms) >= 8, forms
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
