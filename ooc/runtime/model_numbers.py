@@ -4,8 +4,8 @@ A template replays its op's numbers as captured (``templates.py``), and a hook-d
 no op: a number that reaches an op no node records (the ``0.5`` of ``x + 0.5``: an addition's
 gradient does not need it; a CPU dropout's ``bernoulli_(1 - p)``) and changes once the form
 settled (at an epoch's end) was replayed stale, and every later step's parameters were wrong.
-Such a number reaches the forward from where the model's code reads it; three of those places
-are watched here, read where the capturing step read them and compared at each hook-driven step:
+Such a number reaches the forward from where the model's code reads it; these places are
+watched here, read where the capturing step read them and compared at each hook-driven step:
 
 - ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), those of
   the plain objects and dicts they hold, one level down (a ``config`` whose attribute the
@@ -54,8 +54,9 @@ def read(holder: Any, attr: Any) -> object:
 
 
 def held(model: torch.nn.Module) -> Held:
-    """Every number the model's modules hold, and those of the plain objects and dicts they
-    hold (one level: an HF ``config``, Lightning's ``hparams``), each read as it is now."""
+    """Every number the model's modules hold, those of the plain objects and dicts they hold
+    (one level: an HF ``config``, Lightning's ``hparams``), and those of the globals and
+    closed-over variables their classes' code names (``_code_numbers``), each read as it is now."""
     out: Held = {}
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
@@ -160,8 +161,8 @@ class Forwards:
         self.passed: Passed = {}
         self.calls: dict[int, int] = {}
         self.changed: str | None = None
-        self.depth = 0
-        self.handles = []
+        self.deep, self.depth = deep, 0
+        self.handles: list[Any] = []
         for name, m in _once(modules):   # first, before a hook that runs ops (a parametrization's)
             if isinstance(m, torch.jit.ScriptModule):
                 continue   # takes no hook (its ops run inside its parent's forward, counted there)
@@ -184,7 +185,8 @@ class Forwards:
         return Forwards(modules.values(), want) if modules else None
 
     def _called(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.depth += 1
+        if self.deep:
+            self.depth += 1
         n = self.calls.get(id(module), 0)
         self.calls[id(module)] = n + 1
         for key, v in (*enumerate(args), *kwargs.items()):
