@@ -123,9 +123,12 @@ class BoundTemplates:
         return None if self.forwards is None else self.forwards.changed
 
     def why_not(self, chain: tuple[int, ...]) -> str | None:
-        """Why ``chain`` cannot rerun later from what this step saw (None: it can)."""
+        """Why ``chain`` cannot rerun later from what this step saw (None: it can). A number of
+        the model that changed since the capture stops only a chain that replays a number
+        (``Templates.numbered``): a task's index passed to the forward to pick a head left the
+        plan at the step's first discard, where it leaves it at the head's first save now."""
         why = self.why_stale()
-        if why is not None:
+        if why is not None and (self.replaced is not None or not self.templates.numbered.isdisjoint(chain)):
             return why
         calls = self.templates.calls
         for w in chain:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ooc.runtime.views import View
+
 NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its ops
 # those a forward may take or a config hold for an op: a flag passed or kept there (teacher
 # forcing on or off per batch, ``use_cache``) steers the forward's branches, which change the
@@ -221,6 +223,14 @@ def loose_numbers(func: Any, args: tuple, kwargs: dict) -> list:
     return [v for a, v in (*zip(schema.arguments, args), *((a, kwargs[a.name]) for a in schema.arguments
                                                             if a.name in kwargs))
             if type(v) in VALUES and "int" not in str(a.type)]
+
+
+def replays_a_number(values: Iterable[Any]) -> bool:
+    """Whether a template's numbers (``templates._numbers``: its arguments that are no tensor,
+    and its views of tensors) hold one a number of the model could have given: an int or a
+    float (a size, a dimension too), or a view at an offset (``template_slots.part_of`` says
+    which views of the slots are parts)."""
+    return any(type(x) in VALUES or isinstance(x, View) and x.offset != 0 for x in values)
 
 
 def _once(modules: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:

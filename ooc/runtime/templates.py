@@ -3,16 +3,15 @@
 A planned per-op step captures each chain function's call (``recipes.Recipe``), with the
 tensors it read; a hook-driven step sees no op, only what autograd saves. So the per-op step
 that a plan's anchored form is made from also turns each recipe into a *template*, whose
-tensor arguments are slots a later step fills from what its hooks see
+tensor arguments are slots (``template_slots.py``) a later step fills from what its hooks see
 (docs/guide/steps.md, "The template form"):
 
 - ``VarArg``: a managed activation, by its plan variable (the anchored step's slot);
 - ``PackArg``: any other tensor autograd saved (of every size: a norm's ``rsqrt``, the
   rotary tables, the batch), as the k-th tensor the step saves, viewed as the op read it
   from where the save starts (a batch sliced from a dataset tensor starts elsewhere in it
-  at every step), or as it is where the op read it whole.
-  The capturing step proves that the bytes saved are the bytes read (same storage, same
-  version counter);
+  at every step), or as it is where the op read it whole (the capturing step proves that
+  the bytes saved are the bytes read: same storage, same version counter);
 - ``Persistent``: a parameter or buffer, or a view of one, as itself (the same object every
   step; the optimizer writes it after the backward, so a write before a replay is a change
   the hook-driven step refuses to discard under);
@@ -24,10 +23,11 @@ The capturing step proves that (the state at that save equals the recipe's), and
 keeps which save (``Template.rng_at``): a hook-driven step takes the generator's state at that
 save's hook and replays the op from it. A recipe with anything else (a tensor no hook sees, a
 random op after another one with no save between) gives no template, and the plan made for
-the hook-driven form does not replay that function (``scheduler.step_plans.hook_form``). What guards a template
-against a step that differs from the one captured: every tensor it reads is saved at its
-index with its bytes, unwritten since, and each discarded activation's and each saved input's
-autograd node has the captured node's type (the hook trace guards the rest, as for swaps).
+the hook-driven form does not replay that function (``scheduler.step_plans.hook_form``). What
+guards a template against a step that differs from the one captured: every tensor it reads is
+saved at its index with its bytes, unwritten since, each discarded activation's and saved
+input's autograd node has the captured node's type (the hook trace guards the rest, as for
+swaps), and the model's numbers are the captured ones (``model_numbers.py``).
 """
 
 from __future__ import annotations
@@ -41,89 +41,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.made_by import node_of, signature, varied
-from ooc.runtime.model_numbers import Forwards, Held, Passed, changed_since, held, loose_numbers, reread
+from ooc.runtime.made_by import signature, varied
+from ooc.runtime.model_numbers import (Forwards, Held, Passed, changed_since, held, loose_numbers,
+                                       replays_a_number, reread)
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
-from ooc.runtime.views import View, bits_of
-
-
-@dataclass(frozen=True, slots=True)
-class VarArg:
-    """A managed activation: plan variable ``var``, read as ``view``."""
-
-    var: int
-    view: View
-
-
-@dataclass(frozen=True, slots=True)
-class PackArg:
-    """The ``k``-th tensor the step saves (``nbytes`` its storage's; ``saved``, how it looks at
-    it, from where it starts), its node's type ``node``, at ``gap`` (the ops begun before the
-    save), read as ``view`` from where the save starts (its ``offset`` in bytes: the two may
-    differ in dtype, ``view_as_real``). Why from there: a batch sliced from a
-    tensor made before the step (``x = xs[i:i + b]``) is saved at another offset of the same
-    storage at every step; read at the captured step's offset, a ResNet's first convolution
-    replayed on the captured step's images, and its parameters came out wrong from the first
-    hook-driven step that recomputed it (``tests/ooc/test_templates.py``).
-
-    ``whole``: the op read the save itself (the usual case: autograd saves an op's input or
-    output as it is). Then the save is read as it is, wherever its bytes lie: a decoder's next
-    token is a column of the targets under teacher forcing and the last step's ``argmax``
-    without (PyTorch's seq2seq tutorial picks one per batch); the embedding saved a strided
-    view of the targets' storage in one step and a tensor of its own in the next, and every
-    hook-driven step of the other kind left its plan."""
-
-    k: int
-    nbytes: int
-    node: str
-    gap: int
-    view: View
-    saved: View
-    whole: bool = False
-
-    @staticmethod
-    def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
-        """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
-        after = x.storage_offset() * x.element_size() - t.storage_offset() * t.element_size()
-        read, saved = View.of(x), View.of(t)
-        return PackArg(k, s.nbytes(), node_of(t), gap, read._replace(offset=after), saved._replace(offset=0), read == saved)
-
-    def read(self, t: torch.Tensor) -> torch.Tensor:
-        """This argument in a step whose ``k``-th save is ``t``."""
-        if self.whole:
-            return t
-        at = t.storage_offset() * t.element_size() + self.view.offset
-        return self.view._replace(offset=at // self.view.dtype.itemsize).of_tensor(t)
-
-    def differs(self, t: torch.Tensor, s: torch.UntypedStorage) -> bool:
-        """Is ``t`` (storage ``s``), another step's ``k``-th save, not one this reads alike?
-        A save read whole must look as captured (dtype, shape, conj and neg bits), made by a
-        node of the captured type ("leaf" and "view" alike: no node made either's bytes);
-        strides, storage and offset are free, the replay reads what the step's own op read.
-        Any other must lie in its storage as captured."""
-        if not self.whole:
-            return s.nbytes() != self.nbytes or node_of(t) != self.node or View.of(t)._replace(offset=0) != self.saved
-        was, node = self.saved, node_of(t)
-        return (t.dtype != was.dtype or t.size() != was.size or bits_of(t) != was.bits
-                or (node != self.node and not {node, self.node} <= _NO_NODE))
-
-
-_NO_NODE = frozenset({"leaf", "view"})   # node_of's words for bytes no autograd node made
-
-
-@dataclass(frozen=True, slots=True)
-class Persistent:
-    """A parameter or buffer (``tensor``), read as ``view``; ``checked``: a write to it since
-    the op read it refuses a discard (BatchNorm's running statistics are not checked: the
-    replay reads copies, and its output does not depend on them). ``writes``: the writes to it
-    in the step before the op read it (its version counter's steps since the step began): a
-    GAN's generator pass reads the discriminator's weights after the discriminator's update,
-    and a replay then reads what the op read."""
-
-    tensor: torch.Tensor
-    view: View
-    checked: bool
-    writes: int = 0
+from ooc.runtime.template_slots import PackArg, Persistent, VarArg, part_of, whole_of
+from ooc.runtime.views import View
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +91,7 @@ _SLOTS = (VarArg, PackArg, Persistent, Made)
 
 def _numbers(t: Template) -> list:
     """What a template replays as captured: its arguments that are no tensor, and how it reads
-    each tensor (a view's offset is a number too: ``pe[start:start + T]`` of a positional
-    table, ``start`` drawn at every step, was replayed at the captured offset)."""
+    each tensor (``pe[start:start + T]``, ``start`` drawn per step, replayed the captured rows)."""
     return [x.view if isinstance(x, _SLOTS) else x for x in tree_leaves((t.args, t.kwargs))]
 
 
@@ -189,14 +111,12 @@ class Templates:
     chains replayed the next layer's inputs with the skipped layer's weights: wrong gradients.
     The weights that layer's ops saved are where the step shows which layer it runs.
 
-    ``numbers``: each Python number the model's modules (and the plain objects they hold, a
-    ``config``) held at the step's first save (``nn.Dropout.p``, a temperature kept as
-    ``self.tau``); ``arguments``: each number passed to a module's forward, call by call
-    (``model(x, tau)``) (``model_numbers.py``). A template replays its op's numbers as
-    captured, and no hook sees a number that no autograd node keeps: on the CPU dropout draws
-    its mask with ``bernoulli_(1 - p)``, which no node records, and a probability raised once
-    the form settled was replayed with the old one (every later step wrong). A step whose
-    modules hold, or whose forwards take, another number replays none."""
+    ``numbers``: each Python number the model held at the step's first save (its modules',
+    their configs', the globals their code names); ``arguments``: each number passed to a
+    module's forward, call by call (``model_numbers.py``). A template replays its op's numbers
+    as captured, and no hook sees one no autograd node keeps (on the CPU dropout draws its mask
+    with ``bernoulli_(1 - p)``): a step whose model holds or takes another number replays no
+    function that replays a number (``numbered``)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -236,15 +156,20 @@ class Templates:
         (``recipes.lifetimes``): the same at every step of the plan, so found once."""
         return {}
 
+    @cached_property
+    def numbered(self) -> frozenset[int]:
+        """The functions whose templates replay a number (``replays_a_number``): a step whose
+        model holds or takes another number reruns no chain through one (``BoundTemplates.why_not``),
+        and the others still (a task's index that picks a head reaches no op)."""
+        return frozenset(i for i, c in self.calls.items() if replays_a_number(_numbers(c)) or any(
+            part_of(x) for x in tree_leaves((c.args, c.kwargs)) if isinstance(x, (VarArg, PackArg, Persistent))))
+
     def vary_from(self, before: Templates) -> None:
         """Mark in each discarded activation's ``signature`` the numbers that differ from
-        ``before``'s capture as ``VARIES``, which any number matches (``made_by.matches``).
-        Why: a number that changes at every step (a temperature annealed per step) keeps its
-        function out of the templates (``ready``), so no replay reads it; but a signature that
-        held it differed at every hook-driven step, which then left its plan. A number that
-        changes later, once the form settled, is still seen (``BoundTemplates.node_differs``).
-        A module's number, or a forward's, that differs from ``before``'s is no longer compared
-        either (a counter the model keeps, a step's index passed to it)."""
+        ``before``'s capture as ``VARIES``, which any number matches (``made_by.matches``): a
+        number that changes at every step (a temperature annealed per step) keeps its function
+        out of the templates (``ready``), but a signature that held it left the plan at every
+        step. A model's number that differs from ``before``'s is not compared either (a counter)."""
         for var, sig in self.nodes.items():
             if (old := before.nodes.get(var)) is not None:
                 self.nodes[var] = varied(sig, old)
@@ -256,10 +181,9 @@ class Templates:
     def ready(self, before: Templates | None = None) -> dict[int, int]:
         """Function -> the gap from which everything its template reads was saved: a discard
         its chain reruns for waits until then (``scheduler.anchors.anchor``). With ``before``
-        (the templates of an earlier step that started in the same state, with the same shapes),
-        only the functions that ran the same op with the same numbers and flags then: a template replays them as captured, and no hook sees
-        them (``x / tau`` reaches the op as a Python number, and autograd saves it unhooked), so
-        a number that changed between steps (a temperature schedule) rules the function out."""
+        (the templates of an earlier step of the same start and shapes), only the functions
+        that ran the same op with the same numbers, flags and views then: a number that changed
+        between steps (a temperature schedule) rules the function out."""
         same = None if before is None else {
             i for i, c in self.calls.items()
             if i in before.calls and before.calls[i].func == c.func and _numbers(before.calls[i]) == _numbers(c)}
@@ -370,7 +294,7 @@ class TemplateCapture:
 
             def slot(x: Any) -> Any:
                 if isinstance(x, Ref):
-                    return VarArg(x.slot.var, x.view)
+                    return VarArg(x.slot.var, x.view, whole_of(x.view, x.slot.nbytes))
                 if isinstance(x, torch.Tensor):
                     return found[id(x)]
                 return x   # a Made, or no tensor

@@ -366,13 +366,16 @@ class _Offset(nn.Module):
         return self.last(h.mean(1))
 
 
-def test_a_view_of_a_table_at_an_offset_drawn_every_step_is_not_replayed(monkeypatch) -> None:
-    """``pe[start:start + T]``, ``start`` drawn at every step: the ``add`` that reads it has the
-    same numbers in every step, and its template replayed the captured step's rows of the
-    table (no hook sees the slice: no node records a buffer's). How a template reads each
-    tensor (its view, the offset with it) is compared between the steps the form is made from
-    as its numbers are (``Templates.ready``): the function is swapped instead, bitwise (on the
-    code before, a later loss differed)."""
+@pytest.mark.parametrize("starts", ["drawn-every-step", "changed-at-an-epoch"])
+def test_a_view_of_a_table_at_an_offset_the_forward_takes_is_not_replayed_stale(starts: str, monkeypatch) -> None:
+    """``pe[start:start + T]``: the ``add`` that reads it has the same numbers in every step,
+    and its template replayed the captured step's rows of the table (no hook sees the slice:
+    no node records a buffer's). Drawn every step: how a template reads each tensor (its
+    view, the offset with it) is compared between the steps the form is made from as its
+    numbers are (``Templates.ready``), and the function is swapped instead. Changed at an
+    epoch (row 0 in the capturing steps): the forward's argument differs, and a chain that
+    reads a part of a tensor (``template_slots.part_of``) is not rerun. Bitwise (on the code
+    before, a later loss differed in both)."""
     templates_forced(monkeypatch.setattr)
     torch.manual_seed(0)
     ref, model = _Offset(), _Offset()
@@ -382,11 +385,56 @@ def test_a_view_of_a_table_at_an_offset_drawn_every_step_is_not_replayed(monkeyp
         for i in range(16):
             g = torch.Generator().manual_seed(i)
             x, y = torch.randn(64, 64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)
-            yield lambda x=x, y=y, start=i * 17 % 192: nn.functional.cross_entropy(m(x, start), y)
+            start = i * 17 % 192 if starts == "drawn-every-step" else 32 * (i // 10)
+            yield lambda x=x, y=y, start=start: nn.functional.cross_entropy(m(x, start), y)
     ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
     losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 4 << 20, steps(model),
                          manage=("activations",))
     assert sum(f[0] == "anchored" for f in forms) >= 8, forms
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+class _Tasks(nn.Module):
+    """A body and two heads of one shape; the forward takes the task's index (an int)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
+                                  nn.Linear(512, 512), nn.Tanh())
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10))
+                                   for _ in range(2))
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        return self.heads[task](self.body(x))
+
+
+def test_a_tasks_index_that_picks_a_head_does_not_leave_a_plan_that_recomputes_the_body(
+        monkeypatch, caplog) -> None:
+    """The index reaches no op, and the chains (the body's) replay no number
+    (``Templates.numbered``): the step of the other task keeps its anchored plan (its head is
+    kept, not recomputed; the same sizes are saved), where the first comparison of the
+    forwards' numbers left it at its first discard. Bitwise."""
+    templates_forced(monkeypatch.setattr)
+    torch.manual_seed(0)
+    ref, model = _Tasks(), _Tasks()
+    model.load_state_dict(ref.state_dict())
+    tasks = [0] * 9 + [1, 0]
+
+    def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
+        for i, task in enumerate(tasks):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(1024, 64, generator=g), torch.randint(0, 10, (1024,), generator=g)
+            yield lambda x=x, y=y, task=task: nn.functional.cross_entropy(m(x, task), y)
+    ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
+    with caplog.at_level("INFO", logger="ooc"):
+        losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 6 << 20, steps(model))
+    assert forms[8][0] == "anchored" and forms[8][1] == -1 and forms[8][2] > forms[7][2], forms
+    assert all(f[:2] == ("anchored", -1) for f in forms[8:]), forms
+    assert all(b > a for (*_, a), (*_, b) in zip(forms[8:], forms[9:])), forms   # each recomputes
+    assert "as its argument" not in caplog.text
     for i, (a, b) in enumerate(zip(ref_losses, losses)):
         assert torch.equal(a, b), f"loss of step {i}"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
