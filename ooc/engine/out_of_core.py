@@ -338,6 +338,7 @@ class OutOfCore:
                           counters=mem.counters, model=self.model, optimizer=self.optimizer, persistent=persistent,
                           plan_runs=plan_runs, start_key=key, plain_candidate=plain_candidate, quiet_ops=quiet_ops,
                           trace_recording=schedule is None and self._plans.hooked.tracing(key),
+                          unformed=(formed := self._plans.hooked.get(key)) is None or formed.plan is not schedule,
                           time_ops=self._planner.times_ops(key, schedule), device_budget=device_budget,
                           device_live=device_live)
         return Stepper(ctx, schedule, binding, observe_small=self._planner.chunks.pending)

@@ -119,7 +119,7 @@ class Recomputation:
             stats = (pos, pos + 1)   # running_mean, running_var: adjacent in every BatchNorm schema
         recipe = Recipe(func, tree_map(keep, args), tree_map(keep, kwargs), held, rng, stats,
                         torch.is_grad_enabled(), outputs,
-                        outside=self.templates is not None and self.templates.forwards.depth == 0)
+                        outside=self.templates is not None and self.templates.outside())
         self.recipes[i] = recipe
         if self.templates is not None and not self.course.waiting:
             self.templates.captured(i, recipe)

@@ -121,7 +121,8 @@ class SavedTensors:
         if self.hook_trace is not None and room.recompute.recipe_ops and not course.widened:
             depth = max(len(c) for each in room.recompute.chains.values() for _, c in each)
             self.templates = room.recompute.templates = TemplateCapture(ctx.model, depth,
-                                                                        room.recompute.rng_device)
+                                                                        room.recompute.rng_device,
+                                                                        watch=ctx.unformed)
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:

@@ -45,6 +45,7 @@ class StepContext:
     start_key: Any = None           # the state the step starts in (the engine's plan key)
     plain_candidate: bool = False   # the plan moves nothing: note what the step saves (plain_step.py)
     trace_recording: bool = False   # a recording notes its hook trace: its plan gets its anchored form at once
+    unformed: bool = True           # the plan has no hook-driven form yet: its templates watch the model's numbers
     quiet_ops: frozenset[int] = frozenset()   # ops the plan gives no role: run them as they come (stepper.py)
     time_ops: bool = False          # a GPU's planned step times its ops (CUDA events): its plan's prices are open
     # Options(budget_covers="step") with one arena: the step's budget for every tensor (less

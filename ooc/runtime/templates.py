@@ -89,6 +89,13 @@ class Template:
 _SLOTS = (VarArg, PackArg, Persistent, Made)
 
 
+def _numbered(t: Template) -> bool:
+    """Whether ``t`` replays a number the model could have given (``replays_a_number``), or
+    reads a part of a tensor (``part_of``: the rows a number placed)."""
+    return replays_a_number(_numbers(t)) or any(
+        part_of(x) for x in tree_leaves((t.args, t.kwargs)) if isinstance(x, (VarArg, PackArg, Persistent)))
+
+
 def _numbers(t: Template) -> list:
     """What a template replays as captured: its arguments that are no tensor, and how it reads
     each tensor (``pe[start:start + T]``, ``start`` drawn per step, replayed the captured rows)."""
@@ -158,11 +165,10 @@ class Templates:
 
     @cached_property
     def numbered(self) -> frozenset[int]:
-        """The functions whose templates replay a number (``replays_a_number``): a step whose
-        model holds or takes another number reruns no chain through one (``BoundTemplates.why_not``),
+        """The functions whose templates replay a number (``_numbered``): a step whose model
+        holds or takes another number reruns no chain through one (``BoundTemplates.why_not``),
         and the others still (a task's index that picks a head reaches no op)."""
-        return frozenset(i for i, c in self.calls.items() if replays_a_number(_numbers(c)) or any(
-            part_of(x) for x in tree_leaves((c.args, c.kwargs)) if isinstance(x, (VarArg, PackArg, Persistent))))
+        return frozenset(i for i, c in self.calls.items() if _numbered(c))
 
     def vary_from(self, before: Templates) -> None:
         """Mark in each discarded activation's ``signature`` the numbers that differ from
@@ -197,7 +203,8 @@ class TemplateCapture:
     A saved tensor is held weakly (autograd holds it through the forward); a recipe's tensor
     is held by the recipe, so its storage, and the storage's address, stay its own."""
 
-    def __init__(self, model: torch.nn.Module, depth: int = 1, rng_device: torch.device | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, depth: int = 1, rng_device: torch.device | None = None,
+                 watch: bool = True) -> None:
         self.depth = depth   # how far back a managed activation's signature looks: the longest chain
         self.rng_device = rng_device   # None: random ops get no template
         self.persistent: dict[int, torch.Tensor] = {}
@@ -209,7 +216,10 @@ class TemplateCapture:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
                     self.owner.setdefault(id(t), (module, attr, prefix + attr))
         self.numbers = held(model)   # Templates.numbers, read again at the first save (``saved``)
-        self.forwards = Forwards.noting(model)   # Templates.arguments: the numbers the forwards took
+        # Templates.arguments: the numbers the forwards took. Not watched (a plan whose form is
+        # made: a hook per module at every per-op step cost it 3-5%), every op counts as the
+        # loop's and no function that replays a number gets a template (``build``)
+        self.forwards = Forwards.noting(model) if watch else None
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
@@ -299,8 +309,10 @@ class TemplateCapture:
                     return found[id(x)]
                 return x   # a Made, or no tensor
 
-            calls[i] = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
-                                     r.outputs, self.rng_at.get(i))
+            c = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
+                              r.outputs, self.rng_at.get(i))
+            if self.forwards is not None or not _numbered(c):
+                calls[i] = c
         wanted: dict[int, PackArg] = {}
         for a in (a for c in calls.values() for a in c.saves):   # one save read two ways: checked as the part
             if wanted.setdefault(a.k, a).whole and not a.whole:
@@ -316,8 +328,13 @@ class TemplateCapture:
         self.close()
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
                          self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves,
-                         dict(self.numbers), dict(self.forwards.passed))
+                         dict(self.numbers), dict(self.forwards.passed) if self.forwards is not None else {})
+
+    def outside(self) -> bool:
+        """Whether an op running now runs outside every forward of the model (as far as seen)."""
+        return self.forwards is None or self.forwards.depth == 0
 
     def close(self) -> None:
         """Take the forward hooks off the model's modules (at the step's end, built or not)."""
-        self.forwards.close()
+        if self.forwards is not None:
+            self.forwards.close()

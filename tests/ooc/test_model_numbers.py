@@ -439,3 +439,43 @@ def test_a_tasks_index_that_picks_a_head_does_not_leave_a_plan_that_recomputes_t
         assert torch.equal(a, b), f"loss of step {i}"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_a_capture_that_does_not_watch_the_forwards_gives_no_template_that_replays_a_number() -> None:
+    """A per-op step of a plan whose hook-driven form is made hooks no module (a hook per
+    module at every such step cost 3-5% of it): its templates, should a plan be formed from
+    them, hold no function that replays a number, and every op counts as the loop's."""
+    x = torch.randn(8, requires_grad=True) * 2
+    recipes = {3: Recipe(aten.add.Tensor, (x, 0.5), {}, [(x, x._version)], None, None, True, 1),
+               4: Recipe(aten.sigmoid.default, (x,), {}, [(x, x._version)], None, None, True, 1)}
+    for watch, want in ((True, {3, 4}), (False, {4})):
+        model = nn.Linear(4, 4)
+        cap = TemplateCapture(model, watch=watch)
+        assert bool(_forwards_hooks(model)) is watch and cap.outside()
+        cap.saved(x, x.untyped_storage(), None, gap=1)
+        for i, r in recipes.items():
+            cap.captured(i, r)
+        assert set(cap.build(recipes, {}).calls) == want and _forwards_hooks(model) == 0
+
+
+def test_the_per_op_steps_of_a_plan_whose_form_is_made_hook_no_module(monkeypatch) -> None:
+    """The anchored form judged slower (per-op steps kept): the steps after the verdict note no
+    forward's numbers (their capture makes no form), and take no hook. Bitwise."""
+    from ooc.engine.hook_forms import HookPlan
+    from ooc.testing.forced_forms import decided
+
+    templates_forced(monkeypatch.setattr)
+    monkeypatch.setattr(HookPlan, "judge", decided(False))
+    torch.manual_seed(0)
+    ref, model = _Shifted("model"), _Shifted("model")
+    model.load_state_dict(ref.state_dict())
+    shifts = [0.0] * 12
+    ref_losses, _ = _shifted_steps(ref, None, shifts)
+    during = []
+    real = Forwards.noting
+    monkeypatch.setattr(Forwards, "noting", staticmethod(lambda m: during.append(len(during)) or real(m)))
+    losses, forms = _shifted_steps(model, 6 << 20, shifts)
+    assert [f[0] for f in forms[-4:]] == ["planned"] * 4, forms
+    assert len(during) <= 6, (during, forms)   # the steps before the verdict only
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"

@@ -434,7 +434,8 @@ def test_dropout_in_a_chain_reruns_at_the_hooks_bitwise(monkeypatch) -> None:
         assert torch.equal(a, b), k
 
     real = saved_tensors.TemplateCapture
-    monkeypatch.setattr(saved_tensors, "TemplateCapture", lambda model, depth, rng_device: real(model, depth))
+    monkeypatch.setattr(saved_tensors, "TemplateCapture",
+                        lambda model, depth, rng_device, watch=True: real(model, depth, watch=watch))
     _, forms, _ = run()
     assert forms[-1][0] == "anchored" and with_rng > forms[-1][2] - forms[-2][2] >= 0, (with_rng, forms)
 
