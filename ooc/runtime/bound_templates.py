@@ -125,8 +125,8 @@ class BoundTemplates:
     def why_not(self, chain: tuple[int, ...]) -> str | None:
         """Why ``chain`` cannot rerun later from what this step saw (None: it can). A number of
         the model that changed since the capture stops only a chain that replays a number
-        (``Templates.numbered``): a task's index passed to the forward to pick a head left the
-        plan at the step's first discard, where it leaves it at the head's first save now."""
+        (``Templates.numbered``): a task's index passed to the forward to pick a head reaches
+        no op, and stopping every chain left the plan at the step's first discard."""
         why = self.why_stale()
         if why is not None and (self.replaced is not None or not self.templates.numbered.isdisjoint(chain)):
             return why
