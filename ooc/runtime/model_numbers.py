@@ -137,7 +137,7 @@ def first_change(numbers: Held) -> str | None:
     """The first number held elsewhere now than ``numbers`` say, named (None: none). Read at
     each hook-driven step: a 32-layer Llama's modules and config hold 1,254 (~140 us here)."""
     for h, attr, name, v in numbers.values():
-        now = h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)
+        now = h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)   # (``read``, inline)
         if now is not v and not same(now, v):   # (the same object, mostly: no call)
             return f"{name} is {now!r}, the templates' step ran with {v!r}"
     return None

@@ -67,6 +67,28 @@ class _Shifted(nn.Module):
 _GLOBAL = {"shift": 0.0}
 
 
+def _twins(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """Two copies of one model from seed 0: one trained in core, one under the engine."""
+    torch.manual_seed(0)
+    ref, model = build(), build()
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _batch(i: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i``'s inputs of ``shape`` and its labels (10 classes), from a seed of its own."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(*shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
+
+
+def _assert_alike(ref_losses: list, losses: list, ref: nn.Module, model: nn.Module) -> None:
+    """Every loss and every parameter and buffer of the engine's run bitwise in-core's."""
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"loss of step {i}"
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
 def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> tuple[list, list]:
     """A step per shift, set as the loop's epoch changes it (``_run``)."""
     def steps() -> Iterator[Callable[[], torch.Tensor]]:
@@ -99,16 +121,11 @@ def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_pl
     loss and parameter is in-core's bitwise (on the code before: from step 11 on, not)."""
     templates_forced(monkeypatch.setattr)
     shifts = [0.0] * 10 + [0.5] * 3
-    torch.manual_seed(0)
-    ref, model = _Shifted(source), _Shifted(source)
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(lambda: _Shifted(source))
     ref_losses, _ = _shifted_steps(ref, None, shifts)
     with caplog.at_level("INFO", logger="ooc"):
         losses, forms = _shifted_steps(model, 6 << 20, shifts)
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}"
-    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+    _assert_alike(ref_losses, losses, ref, model)
     assert forms[9][0] == "anchored" and forms[9][1] == -1 and forms[9][2] > forms[8][2], forms
     assert forms[10][1] != -1 and named in caplog.text, (forms, caplog.text[-800:])
     assert _forwards_hooks(model) == 0, "hooks left on"
@@ -142,17 +159,11 @@ def test_a_number_of_the_training_loops_own_code_is_never_replayed(monkeypatch) 
     loss from step 13 on differed. Bitwise now."""
     templates_forced(monkeypatch.setattr)
     margins = [0.5] * 12 + [0.75] * 4
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)))
     ref_losses, _ = _margin_steps(ref, None, margins)
     losses, forms = _margin_steps(model, 4 << 20, margins)
     assert sum(f[0] == "anchored" for f in forms) >= 8, forms
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}"
-    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+    _assert_alike(ref_losses, losses, ref, model)
 
 
 def test_an_op_of_the_loops_code_with_a_loose_number_gets_no_template_one_in_a_forward_does() -> None:
@@ -292,14 +303,11 @@ def test_a_torchscript_submodule_is_left_unhooked(monkeypatch) -> None:
     bitwise in the template form (at 12 MiB, a third of its peak). The first version of the
     forward hooks raised there."""
     templates_forced(monkeypatch.setattr)
-    torch.manual_seed(0)
-    ref, model = _Scripted(), _Scripted()
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(_Scripted)
 
     def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
         for i in range(8):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(1024, 64, generator=g), torch.randint(0, 10, (1024,), generator=g)
+            x, y = _batch(i, 1024, 64)
             yield lambda x=x, y=y: nn.functional.cross_entropy(m(x), y)
     # (TorchScript's optimizing executor is not bitwise from run to run, in core either: it
     # specializes the graph after its profiling runs, and its own backward rounds otherwise)
@@ -307,10 +315,7 @@ def test_a_torchscript_submodule_is_left_unhooked(monkeypatch) -> None:
         ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
         losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 12 << 20, steps(model))
     assert any(f[0] == "anchored" and f[2] > 0 for f in forms), forms
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}"
-    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+    _assert_alike(ref_losses, losses, ref, model)
 
 
 def test_a_step_that_raises_in_its_forward_leaves_no_hook_on_the_model(monkeypatch) -> None:
@@ -377,24 +382,18 @@ def test_a_view_of_a_table_at_an_offset_the_forward_takes_is_not_replayed_stale(
     reads a part of a tensor (``template_slots.part_of``) is not rerun. Bitwise (on the code
     before, a later loss differed in both)."""
     templates_forced(monkeypatch.setattr)
-    torch.manual_seed(0)
-    ref, model = _Offset(), _Offset()
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(_Offset)
 
     def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
         for i in range(16):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(64, 64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)
+            x, y = _batch(i, 64, 64, 128)
             start = i * 17 % 192 if starts == "drawn-every-step" else 32 * (i // 10)
             yield lambda x=x, y=y, start=start: nn.functional.cross_entropy(m(x, start), y)
     ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
     losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 4 << 20, steps(model),
                          manage=("activations",))
     assert sum(f[0] == "anchored" for f in forms) >= 8, forms
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}"
-    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+    _assert_alike(ref_losses, losses, ref, model)
 
 
 class _Tasks(nn.Module):
@@ -418,15 +417,12 @@ def test_a_tasks_index_that_picks_a_head_does_not_leave_a_plan_that_recomputes_t
     kept, not recomputed; the same sizes are saved), where the first comparison of the
     forwards' numbers left it at its first discard. Bitwise."""
     templates_forced(monkeypatch.setattr)
-    torch.manual_seed(0)
-    ref, model = _Tasks(), _Tasks()
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(_Tasks)
     tasks = [0] * 9 + [1, 0]
 
     def steps(m: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
         for i, task in enumerate(tasks):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(1024, 64, generator=g), torch.randint(0, 10, (1024,), generator=g)
+            x, y = _batch(i, 1024, 64)
             yield lambda x=x, y=y, task=task: nn.functional.cross_entropy(m(x, task), y)
     ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
     with caplog.at_level("INFO", logger="ooc"):
@@ -435,10 +431,7 @@ def test_a_tasks_index_that_picks_a_head_does_not_leave_a_plan_that_recomputes_t
     assert all(f[:2] == ("anchored", -1) for f in forms[8:]), forms
     assert all(b > a for (*_, a), (*_, b) in zip(forms[8:], forms[9:])), forms   # each recomputes
     assert "as its argument" not in caplog.text
-    for i, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"loss of step {i}"
-    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+    _assert_alike(ref_losses, losses, ref, model)
 
 
 def test_a_capture_that_does_not_watch_the_forwards_gives_no_template_that_replays_a_number() -> None:
@@ -466,9 +459,7 @@ def test_the_per_op_steps_of_a_plan_whose_form_is_made_hook_no_module(monkeypatc
 
     templates_forced(monkeypatch.setattr)
     monkeypatch.setattr(HookPlan, "judge", decided(False))
-    torch.manual_seed(0)
-    ref, model = _Shifted("model"), _Shifted("model")
-    model.load_state_dict(ref.state_dict())
+    ref, model = _twins(lambda: _Shifted("model"))
     shifts = [0.0] * 12
     ref_losses, _ = _shifted_steps(ref, None, shifts)
     during = []
