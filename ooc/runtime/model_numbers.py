@@ -18,9 +18,10 @@ watched here, read where the capturing step read them and compared at each hook-
   forward, so a step whose call differs leaves its plan before a discard could replay one.
 
 The training loop's own code (a loss's margin) is not watched: an op that ran outside every
-forward and took such a number gives no template (``loose_numbers``). Not seen: a global of
-another Python module that a forward reads through a helper function, a local the forward
-computes from one, or a number it reads out of a tensor (docs/guide/steps.md says what to do).
+forward and took such a number gives no template (``loose_numbers``); nor does one after a
+forward read a number out of a tensor (``TemplateCapture.read_out``). Not seen: a global of
+another Python module that a forward reads through a helper function, or a local the forward
+computes from one (docs/guide/steps.md says what to do).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ from vmm.units import format_size
 __all__ = ["Packed", "StepContext", "Stepper"]
 
 log = logging.getLogger(__name__)
+_ITEM = torch.ops.aten._local_scalar_dense.default   # ``.item()``, ``int(t)``, ``float(t)``
 
 
 def _part(part: str, name: str, doc: str) -> property:
@@ -91,8 +92,7 @@ class Stepper:
       fails with it); ``peak``, ``stall_s``, ``events``; ``updating`` (inside ``optimizer.step()``);
       ``signature``, ``hook_trace``, ``templates()`` (for the plain and anchored forms of the next steps).
 
-    Its parts: ``course``, ``book``, ``recording``, ``recompute``, ``plan``, ``fresh``, ``room``,
-    ``binder``, ``saved``, ``rollback``.
+    Its parts: ``course``, ``book``, ``recording``, ``recompute``, ``plan``, ``fresh``, ``room``, ``binder``, ``saved``, ``rollback``.
     """
 
     planned = _part("course", "planned", "Still following the plan.")
@@ -163,6 +163,8 @@ class Stepper:
                 outs = [self.on_op(func, a, k) for a, k in pieces]
                 return None if outs[0] is None else [t for out in outs for t in out]
         i, course, saved = len(self.rec.names), self.course, self.saved
+        if func is _ITEM and self.recompute.templates is not None:   # a number read out of a tensor
+            self.recompute.templates.read_out(i, args[0])
         if i in self.ctx.quiet_ops and course.planned and not course.waiting and course.names[i] == info.name:
             if saved.unpacked or saved.node_vars or not (info.view or saved.worked):   # as _take does
                 saved.op_ran(i, info.view, current_node() is None)
@@ -311,8 +313,7 @@ class Stepper:
         """Run the plan's actions before op ``i`` once (from an unpack, early)."""
         if self.done_before < i:
             self.done_before = i
-            if self.course.planned and i < len(self.course.before) and self.course.before[i]:
-                self.run_actions(self.course.before[i], i)
+            self._act(i, "before")
 
     def run_actions(self, actions, where: int, phase: str = "before") -> None:
         """The plan's ``actions`` around op ``where``; one the step cannot run makes it diverge."""
@@ -331,8 +332,7 @@ class Stepper:
 
     def _diverge(self, i: int, why: str, level: int | None = None) -> None:
         """Stop following the plan: the rest of the step runs on demand, the next re-plans."""
-        course = self.course
-        if not course.planned:
+        if not (course := self.course).planned:
             return
         # A fresh plan's first run often meets what its recording could not see: said quietly.
         level = level or (logging.WARNING if self.ctx.plan_runs else logging.INFO)

@@ -230,6 +230,7 @@ class TemplateCapture:
         self.rng_at: dict[int, PackArg] = {}          # random function -> the save its state is taken at
         self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
         self.param_saves: dict[int, int] = {}         # pack index -> the parameter's or buffer's storage saved there
+        self.read_at: int | None = None               # the first op that read a number out of a tensor in a forward
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
@@ -254,6 +255,15 @@ class TemplateCapture:
                     self.found[w].setdefault(id(x), PackArg.of(k, t, s, gap, x))
             waiting[:] = [p for p in waiting if id(p[1]) not in self.found[p[0]]]
         self.packed.setdefault(c, []).append((k, weakref.ref(t), version, gap))
+
+    def read_out(self, i: int, t: torch.Tensor) -> None:
+        """Op ``i`` reads a number out of ``t`` (``int(t)``, ``t.item()``). Inside a forward, no
+        hook sees where it goes nor whether it changes (an offset into a positional table, kept
+        in a tensor and moved at an epoch's end: replayed stale, the losses differed from the
+        epoch's on): no later function that replays a number gets a template (``build``). A
+        flag (a ``bool`` tensor: ``if mask.any():``) steers branches, which the hooks check."""
+        if self.read_at is None and t.dtype is not torch.bool and not self.outside():
+            self.read_at = i
 
     def captured(self, i: int, recipe: Recipe) -> None:
         """Function ``i``'s recipe: each tensor it holds bound to a parameter or buffer, to a
@@ -311,7 +321,7 @@ class TemplateCapture:
 
             c = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
                               r.outputs, self.rng_at.get(i))
-            if self.forwards is not None or not _numbered(c):
+            if (self.forwards is not None and (self.read_at is None or i < self.read_at)) or not _numbered(c):
                 calls[i] = c
         wanted: dict[int, PackArg] = {}
         for a in (a for c in calls.values() for a in c.saves):   # one save read two ways: checked as the part

@@ -181,6 +181,25 @@ def test_an_op_of_the_loops_code_with_a_loose_number_gets_no_template_one_in_a_f
     assert set(cap.build(recipes, {}).calls) == {4, 5}
 
 
+def test_a_number_read_out_of_a_tensor_in_a_forward_leaves_no_later_template_that_replays_one() -> None:
+    """A read in the loop's code (its ops' numbers are ``loose_numbers``') and a flag's read
+    in a forward stop nothing; a number's read in a forward (op 4) stops the templates after it
+    that replay a number (5), not those before it (3) nor those that replay none (6)."""
+    cap = TemplateCapture(nn.Linear(4, 4))
+    x = torch.randn(8, requires_grad=True) * 2
+    cap.saved(x, x.untyped_storage(), None, gap=1)
+    cap.read_out(1, torch.tensor(3))
+    cap.forwards.depth = 1   # (inside a forward)
+    cap.read_out(2, torch.tensor(True))
+    cap.read_out(4, torch.tensor(3.0))
+    recipes = {i: Recipe(f, a, {}, [(x, x._version)], None, None, True, 1)
+               for i, f, a in ((3, aten.mul.Tensor, (x, 2.0)), (5, aten.mul.Tensor, (x, 2.0)),
+                               (6, aten.sigmoid.default, (x,)))}
+    for i, r in recipes.items():
+        cap.captured(i, r)
+    assert set(cap.build(recipes, {}).calls) == {3, 6}
+
+
 def test_loose_numbers_are_the_ones_a_gradient_may_not_keep() -> None:
     x = torch.randn(4)
     assert loose_numbers(aten.add.Tensor, (x, 0.5), {}) == [0.5]
@@ -364,14 +383,15 @@ class _Offset(nn.Module):
         self.hidden = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))
         self.last = nn.Linear(128, 10)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        start = int(start)   # (a tensor's number: ``_local_scalar_dense``)
         h = torch.sigmoid(self.first(x) + self.pe[start:start + x.shape[1]])
         for layer in self.hidden:
             h = torch.sigmoid(layer(h))
         return self.last(h.mean(1))
 
 
-@pytest.mark.parametrize("starts", ["drawn-every-step", "changed-at-an-epoch"])
+@pytest.mark.parametrize("starts", ["drawn-every-step", "changed-at-an-epoch", "read-out-of-a-tensor"])
 def test_a_view_of_a_table_at_an_offset_the_forward_takes_is_not_replayed_stale(starts: str, monkeypatch) -> None:
     """``pe[start:start + T]``: the ``add`` that reads it has the same numbers in every step,
     and its template replayed the captured step's rows of the table (no hook sees the slice:
@@ -379,8 +399,11 @@ def test_a_view_of_a_table_at_an_offset_the_forward_takes_is_not_replayed_stale(
     view, the offset with it) is compared between the steps the form is made from as its
     numbers are (``Templates.ready``), and the function is swapped instead. Changed at an
     epoch (row 0 in the capturing steps): the forward's argument differs, and a chain that
-    reads a part of a tensor (``template_slots.part_of``) is not rerun. Bitwise (on the code
-    before, a later loss differed in both)."""
+    reads a part of a tensor (``template_slots.part_of``) is not rerun. Passed in a tensor
+    and read out of it (``int(start)``), changed at each epoch: no hook sees that number, and
+    no function after the read that replays a number gets a template
+    (``TemplateCapture.read_out``). Bitwise (on the code before, a later loss differed in each:
+    step 14's in the third)."""
     templates_forced(monkeypatch.setattr)
     ref, model = _twins(_Offset)
 
@@ -388,6 +411,8 @@ def test_a_view_of_a_table_at_an_offset_the_forward_takes_is_not_replayed_stale(
         for i in range(16):
             x, y = _batch(i, 64, 64, 128)
             start = i * 17 % 192 if starts == "drawn-every-step" else 32 * (i // 10)
+            if starts == "read-out-of-a-tensor":
+                start = torch.tensor(start)
             yield lambda x=x, y=y, start=start: nn.functional.cross_entropy(m(x, start), y)
     ref_losses, _ = _run(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), None, steps(ref))
     losses, forms = _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), 4 << 20, steps(model),
