@@ -9,9 +9,10 @@ watched here, read where the capturing step read them and compared at each hook-
 
 - ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), those of
   the plain objects and dicts they hold, one level down (a ``config`` whose attribute the
-  forward reads, Lightning's ``hparams``), and the globals and closed-over variables that the
-  code of the modules' own classes names (``x + NOISE`` in a script's model, annealed with
-  ``global NOISE``);
+  forward reads, Lightning's ``hparams``), and those the code of the modules' own classes
+  reaches by name (``_code_numbers``): a class attribute, a global or closed-over variable
+  (``x + NOISE`` in a script's model, annealed with ``global NOISE``), a global object's or
+  Python module's attribute (``cfg.SCALE``), and those of the helper functions it calls;
 - ``Forwards``: the numbers passed to each module's forward, call by call (``model(x, tau)``,
   ``block(h, scale=s)``): a forward pre-hook on every module in the capturing step, and on the
   modules that took a number in a hook-driven step. A module's hook runs before any op of its
@@ -19,9 +20,9 @@ watched here, read where the capturing step read them and compared at each hook-
 
 The training loop's own code (a loss's margin) is not watched: an op that ran outside every
 forward and took such a number gives no template (``loose_numbers``); nor does one after a
-forward read a number out of a tensor (``TemplateCapture.read_out``). Not seen: a global of
-another Python module that a forward reads through a helper function, or a local the forward
-computes from one (docs/guide/steps.md says what to do).
+forward read a number out of a tensor (``TemplateCapture.read_out``). Not seen: a number
+reached through more than ``HELPERS`` calls, a method of another object, or a list
+(docs/guide/steps.md says what to do).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its op
 # per batch left the plan)
 VALUES = (int, float)
 SETTINGS = 512   # a plain object or dict with more entries than this is data, not settings
+HELPERS = 2      # how many calls deep ``_code_numbers`` follows the functions a forward's code names
 
 # (id(holder), attribute) -> (holder, attribute, name, value): a number of a module or of a
 # plain object or dict it holds
@@ -58,8 +60,8 @@ def read(holder: Any, attr: Any) -> object:
 
 def held(model: torch.nn.Module) -> Held:
     """Every number the model's modules hold, those of the plain objects and dicts they hold
-    (one level: an HF ``config``, Lightning's ``hparams``), and those of the globals and
-    closed-over variables their classes' code names (``_code_numbers``), each read as it is now."""
+    (one level: an HF ``config``, Lightning's ``hparams``), and those their classes' code
+    reaches by name (``_code_numbers``), each read as it is now."""
     out: Held = {}
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
@@ -77,27 +79,69 @@ def held(model: torch.nn.Module) -> Held:
 
 
 def _code_numbers(model: torch.nn.Module) -> Iterable[tuple[Any, str, str, object]]:
-    """The ints and floats of the globals and closed-over variables that the functions of the
-    modules' own classes name (not PyTorch's classes): (their dict or cell, name, what to
-    call it, value)."""
-    seen: set[int] = set()
+    """The ints and floats that the code of the modules' own classes (not PyTorch's) reaches
+    by name (holder, name, what to call it, value): their classes' attributes (``self.scale``
+    set on the class), and the globals and closed-over variables their functions name, and
+    what those hold (``_reached``: a module's attribute, ``cfg.SCALE``; a plain object's, a
+    global ``STATE.shift``), through the helper functions they call, ``HELPERS`` calls deep
+    (``helpers.shift(h)`` adding its module's ``SCALE``)."""
+    todo: list[tuple[types.FunctionType, int]] = []
     for cls in {type(m) for m in model.modules()}:
         for c in cls.__mro__:
-            if (c.__module__ or "").startswith("torch.") or c is object:
+            if _pytorchs(c) or c is object:
                 continue
-            for f in vars(c).values():
-                f = getattr(f, "__func__", f)   # a static or class method
-                if not isinstance(f, types.FunctionType) or id(f) in seen:
-                    continue
-                seen.add(id(f))
-                g = f.__globals__
-                for name in _names(f.__code__):
-                    if type(v := g.get(name)) in VALUES:
-                        yield g, name, f"global {f.__module__}.{name}", v
-                for var, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-                    with contextlib.suppress(ValueError):   # (an empty cell)
-                        if type(v := cell.cell_contents) in VALUES:
-                            yield cell, "cell_contents", f"{f.__qualname__}'s {var}", v
+            for attr, v in vars(c).items():
+                if type(v) in VALUES and attr[0] != "_":
+                    yield c, attr, f"class attribute {c.__qualname__}.{attr}", v
+                elif isinstance(f := getattr(v, "__func__", getattr(v, "fget", v)), types.FunctionType):
+                    todo.append((f, 0))   # (a static or class method's, a property's)
+    seen: set[int] = set()
+    while todo:
+        f, depth = todo.pop()
+        if id(f) in seen or _pytorchs(f):
+            continue
+        seen.add(id(f))
+        names, g, calls = _names(f.__code__), f.__globals__, []
+        for name in names:
+            if name in g:
+                yield from _reached(g, name, names, f"global {f.__module__}.{name}", calls)
+        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            with contextlib.suppress(ValueError):   # (an empty cell)
+                yield from _reached(cell, "cell_contents", names, f"{f.__qualname__}'s {var}", calls)
+        if depth < HELPERS:
+            todo.extend((h, depth + 1) for h in calls)
+
+
+def _reached(holder: Any, attr: str, names: set[str], label: str,
+             calls: list[types.FunctionType]) -> Iterable[tuple[Any, str, str, object]]:
+    """The numbers a function's code reaches through the global or closed-over ``holder[attr]``
+    (the functions it may call go to ``calls``): the value itself, the attributes a module or
+    class holds under a name the code reads (``cfg.SCALE``; read from its ``__dict__``: a lazy
+    module's ``__getattr__`` imports), or a plain object's or dict's (``_plain_numbers``)."""
+    v = holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr)
+    if type(v) in VALUES:
+        yield holder, attr, label, v
+    elif isinstance(v, types.FunctionType):
+        calls.append(v)
+    elif isinstance(v, (types.ModuleType, type)):
+        if _pytorchs(v):
+            return
+        space = vars(v)
+        for name in names:
+            x = space.get(name)
+            if type(x) in VALUES:   # (a module's dict holds it as the globals of its functions do)
+                yield space if isinstance(v, types.ModuleType) else v, name, f"{label}.{name}", x
+            elif isinstance(x, types.FunctionType):
+                calls.append(x)
+    else:
+        for sub, x in _plain_numbers(v):
+            yield v, sub, f"{label}.{sub}", x
+
+
+def _pytorchs(x: Any) -> bool:
+    """Whether ``x`` (a class, function or Python module) is PyTorch's own."""
+    name = x.__name__ if isinstance(x, types.ModuleType) else getattr(x, "__module__", None) or ""
+    return name == "torch" or name.startswith("torch.")
 
 
 def _names(code: types.CodeType) -> set[str]:

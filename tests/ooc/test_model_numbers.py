@@ -27,27 +27,45 @@ aten = torch.ops.aten
 
 
 _SHIFT = 0.0   # the "global" source's (a script's model reads its module's global)
+_STATE = types.SimpleNamespace(shift=0.0)   # the "object" source's: a global object's attribute
+# the "module" and "helper" sources': another Python module's global, read as its attribute or by
+# a function of that module the forward calls
+_helpers = types.ModuleType("_helpers")
+exec("SHIFT = 0.0\ndef shifted(h):\n    return h + SHIFT\n", vars(_helpers))
 
 
 class _Block(nn.Module):
+    lift = 0.0   # the "class" source's: an attribute of the block's class
+
     def __init__(self, config: object, source: str) -> None:
         super().__init__()
         self.layer, self.config, self.source = nn.Linear(512, 512), config, source
 
     def forward(self, x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
+        h = torch.relu(self.layer(x))
+        if self.source == "helper":
+            return torch.sigmoid(_helpers.shifted(h))
         if self.source == "global":
             shift = _SHIFT
+        elif self.source == "object":
+            shift = _STATE.shift
+        elif self.source == "module":
+            shift = _helpers.SHIFT
+        elif self.source == "class":
+            shift = self.lift
         elif shift is None:
             c = self.config
             shift = c["shift"] if isinstance(c, dict) else c.shift
-        return torch.sigmoid(torch.relu(self.layer(x)) + shift)   # an addition's node keeps no number
+        return torch.sigmoid(h + shift)   # an addition's node keeps no number
 
 
 class _Shifted(nn.Module):
     """Five blocks that add a shift, read from where ``source`` says: the model's forward
-    argument (``model``), each block's (``block``: the model passes it down from a global),
-    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, or a
-    global of the Python module that defines the blocks (``global``)."""
+    argument (``model``), each block's (``block``: the model passes it down from a global list),
+    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, a
+    global of the Python module that defines the blocks (``global``), an attribute of a global
+    object (``object``) or of the blocks' class (``class``), or a global of another Python
+    module, read as its attribute (``module``) or by a function of that module (``helper``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -60,11 +78,11 @@ class _Shifted(nn.Module):
     def forward(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
         x = torch.sigmoid(self.first(x))
         for b in self.blocks:
-            x = b(x, shift if self.source == "model" else _GLOBAL["shift"] if self.source == "block" else None)
+            x = b(x, shift if self.source == "model" else _PASSED[0] if self.source == "block" else None)
         return self.last(x)
 
 
-_GLOBAL = {"shift": 0.0}
+_PASSED = [0.0]   # (a list's numbers are not watched: the blocks' forwards take it)
 
 
 def _twins(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
@@ -95,10 +113,16 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
         for i, shift in enumerate(shifts):
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
-            _GLOBAL["shift"] = shift
+            _PASSED[0] = shift
             if model.source == "global":
                 global _SHIFT
                 _SHIFT = shift
+            if model.source == "object":
+                _STATE.shift = shift
+            elif model.source == "class":
+                _Block.lift = shift
+            elif model.source in ("module", "helper"):
+                _helpers.SHIFT = shift
             if model.source == "dict":
                 model.config["shift"] = shift
             elif model.source == "config":
@@ -113,7 +137,11 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("block", "the forward of blocks.0 (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
     ("config", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
     ("dict", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
-    ("global", "the model's global test_model_numbers._SHIFT is 0.5, the templates' step ran with 0.0")])
+    ("global", "the model's global test_model_numbers._SHIFT is 0.5, the templates' step ran with 0.0"),
+    ("object", "the model's global test_model_numbers._STATE.shift is 0.5, the templates' step ran with 0.0"),
+    ("class", "the model's class attribute _Block.lift is 0.5, the templates' step ran with 0.0"),
+    ("module", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
+    ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0")])
 def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_plan(
         source: str, named: str, monkeypatch, caplog) -> None:
     """The shift changes at step 10, once the template form settled, and stays: the step
