@@ -8,7 +8,7 @@ Such a number reaches the forward from where the model's code reads it; these pl
 watched here, read where the capturing step read them and compared at each hook-driven step:
 
 - ``held``: the numbers the model's modules hold (``nn.Dropout.p``, ``self.tau``), those of
-  the plain objects and dicts they hold, one level down (a ``config`` whose attribute the
+  the plain objects, dicts and lists they hold, one level down (a ``config`` whose attribute the
   forward reads, Lightning's ``hparams``), and those the code of the modules' own classes
   reaches by name (``_code_numbers``): a class attribute, a global or closed-over variable
   (``x + NOISE`` in a script's model, annealed with ``global NOISE``), a global object's or
@@ -21,14 +21,15 @@ watched here, read where the capturing step read them and compared at each hook-
 The training loop's own code (a loss's margin) is not watched: an op that ran outside every
 forward and took such a number gives no template (``loose_numbers``); nor does one after a
 forward read a number out of a tensor (``TemplateCapture.read_out``). Not seen: a number
-reached through more than ``HELPERS`` calls, a method of another object, or a list
-(docs/guide/steps.md says what to do).
+reached through more than ``HELPERS`` calls, or held deeper than one plain object, dict or
+list below a module (docs/guide/steps.md says what to do).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -54,12 +55,21 @@ Passed = dict[tuple[int, int, Any], tuple[torch.nn.Module, str, object]]
 
 
 def read(holder: Any, attr: Any) -> object:
-    """``holder``'s number at ``attr`` now (an item of a dict; None where it is gone)."""
+    """``holder``'s number at ``attr`` now (an item of a dict or list; None where it is gone)."""
+    if type(holder) is list:
+        return holder[attr] if attr < len(holder) else None
     return holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr, None)
 
 
+def is_number(v: object) -> bool:
+    """Whether ``v`` is a number an op may take: an int or a float, or NumPy's (a temperature
+    annealed with ``np.exp``, a ``np.float64``: not ``float``'s type, and not seen until
+    2026-12-01), not a flag."""
+    return type(v) in VALUES or type(v).__module__ == "numpy" and isinstance(v, numbers.Real)
+
+
 def held(model: torch.nn.Module) -> Held:
-    """Every number the model's modules hold, those of the plain objects and dicts they hold
+    """Every number the model's modules hold, those of the plain objects, dicts and lists they hold
     (one level: an HF ``config``, Lightning's ``hparams``), and those their classes' code
     reaches by name (``_code_numbers``), each read as it is now."""
     out: Held = {}
@@ -68,8 +78,8 @@ def held(model: torch.nn.Module) -> Held:
         for attr, v in vars(module).items():
             if attr[0] == "_":
                 continue
-            if type(v) in NUMBERS:
-                out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
+            if type(v) is bool or is_number(v) or type(v) is tuple and 0 < len(v) <= SETTINGS and all(map(is_number, v)):
+                out.setdefault((id(module), attr), (module, attr, prefix + attr, v))   # (a tuple: ``rates = (...)``)
             else:
                 for sub, x in _plain_numbers(v):
                     out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
@@ -91,7 +101,7 @@ def _code_numbers(model: torch.nn.Module) -> Iterable[tuple[Any, str, str, objec
             if _pytorchs(c) or c is object:
                 continue
             for attr, v in vars(c).items():
-                if type(v) in VALUES and attr[0] != "_":
+                if is_number(v) and attr[0] != "_":
                     yield c, attr, f"class attribute {c.__qualname__}.{attr}", v
                 elif isinstance(f := getattr(v, "__func__", getattr(v, "fget", v)), types.FunctionType):
                     todo.append((f, 0))   # (a static or class method's, a property's)
@@ -119,7 +129,7 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
     class holds under a name the code reads (``cfg.SCALE``; read from its ``__dict__``: a lazy
     module's ``__getattr__`` imports), or a plain object's or dict's (``_plain_numbers``)."""
     v = holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr)
-    if type(v) in VALUES:
+    if is_number(v):
         yield holder, attr, label, v
     elif isinstance(v, types.FunctionType):
         calls.append(v)
@@ -129,7 +139,7 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
         space = vars(v)
         for name in names:
             x = space.get(name)
-            if type(x) in VALUES:   # (a module's dict holds it as the globals of its functions do)
+            if is_number(x):   # (a module's dict holds it as the globals of its functions do)
                 yield space if isinstance(v, types.ModuleType) else v, name, f"{label}.{name}", x
             elif isinstance(x, types.FunctionType):
                 calls.append(x)
@@ -154,17 +164,20 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
-    """The numbers of a plain object or dict: not a module, tensor, function or class (whose
-    attributes are not what a forward reads as data)."""
+    """The numbers of a plain object, dict or list (by index: per-layer rates ``self.rates[i]``):
+    not a module, tensor, function or class (whose attributes are not what a forward reads as
+    data)."""
     if isinstance(v, dict):
         items = v.items()
+    elif type(v) is list:
+        return list(enumerate(v)) if len(v) <= SETTINGS and all(map(is_number, v)) else ()
     elif isinstance(v, (torch.nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
         return ()
     else:
         items = vars(v).items()
     if len(items) > SETTINGS:
         return ()   # a table (a vocabulary), not settings
-    return [(k, x) for k, x in items if type(k) is str and k[0] != "_" and type(x) in VALUES]
+    return [(k, x) for k, x in items if type(k) is str and k[0] != "_" and is_number(x)]
 
 
 def reread(numbers: Held) -> Held:
@@ -182,7 +195,8 @@ def first_change(numbers: Held) -> str | None:
     """The first number held elsewhere now than ``numbers`` say, named (None: none). Read at
     each hook-driven step: a 32-layer Llama's modules and config hold 1,254 (~140 us here)."""
     for h, attr, name, v in numbers.values():
-        now = h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)   # (``read``, inline)
+        now = ((h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)) if type(attr) is str
+               else read(h, attr))   # (``read``, inline but for a list's)
         if now is not v and not same(now, v):   # (the same object, mostly: no call)
             return f"{name} is {now!r}, the templates' step ran with {v!r}"
     return None
@@ -237,7 +251,7 @@ class Forwards:
         n = self.calls.get(id(module), 0)
         self.calls[id(module)] = n + 1
         for key, v in (*enumerate(args), *kwargs.items()):
-            if type(v) not in VALUES:
+            if not is_number(v):
                 continue
             if self.want is None:
                 self.passed[(id(module), n, key)] = (module, name, v)

@@ -13,6 +13,7 @@ import math
 import types
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -40,6 +41,7 @@ class _Block(nn.Module):
     def __init__(self, config: object, source: str) -> None:
         super().__init__()
         self.layer, self.config, self.source = nn.Linear(512, 512), config, source
+        self.rates = [0.0]   # the "list" source's
 
     def forward(self, x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
         h = torch.relu(self.layer(x))
@@ -53,6 +55,8 @@ class _Block(nn.Module):
             shift = _helpers.SHIFT
         elif self.source == "class":
             shift = self.lift
+        elif self.source == "list":
+            shift = self.rates[0]
         elif shift is None:
             c = self.config
             shift = c["shift"] if isinstance(c, dict) else c.shift
@@ -61,11 +65,13 @@ class _Block(nn.Module):
 
 class _Shifted(nn.Module):
     """Five blocks that add a shift, read from where ``source`` says: the model's forward
-    argument (``model``), each block's (``block``: the model passes it down from a global list),
+    argument (``model``), each block's (``block``: the model passes it down from a dict it takes),
     an attribute of a config object (``config``) or a dict (``dict``) the blocks share, a
     global of the Python module that defines the blocks (``global``), an attribute of a global
-    object (``object``) or of the blocks' class (``class``), or a global of another Python
-    module, read as its attribute (``module``) or by a function of that module (``helper``)."""
+    object (``object``) or of the blocks' class (``class``), a global of another Python
+    module, read as its attribute (``module``) or by a function of that module (``helper``),
+    an item of a list each block holds (``list``), or the model's argument as NumPy's number
+    (``numpy``: an ``np.float64`` is not a ``float``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -75,14 +81,11 @@ class _Shifted(nn.Module):
         self.blocks = nn.ModuleList(_Block(self.config, source) for _ in range(5))
         self.last = nn.Linear(512, 10)
 
-    def forward(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shift: float | dict = 0.0) -> torch.Tensor:
         x = torch.sigmoid(self.first(x))
         for b in self.blocks:
-            x = b(x, shift if self.source == "model" else _PASSED[0] if self.source == "block" else None)
+            x = b(x, shift if self.source in ("model", "numpy") else shift["shift"] if self.source == "block" else None)
         return self.last(x)
-
-
-_PASSED = [0.0]   # (a list's numbers are not watched: the blocks' forwards take it)
 
 
 def _twins(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
@@ -113,7 +116,6 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
         for i, shift in enumerate(shifts):
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
-            _PASSED[0] = shift
             if model.source == "global":
                 global _SHIFT
                 _SHIFT = shift
@@ -123,11 +125,15 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
                 _Block.lift = shift
             elif model.source in ("module", "helper"):
                 _helpers.SHIFT = shift
+            elif model.source == "list":
+                for b in model.blocks:
+                    b.rates[0] = shift
             if model.source == "dict":
                 model.config["shift"] = shift
             elif model.source == "config":
                 model.config.shift = shift
-            args = (x, shift) if model.source == "model" else (x,)
+            args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "block": (x, {"shift": shift})}.get(
+                model.source, (x,))
             yield lambda args=args, y=y: nn.functional.cross_entropy(model(*args), y)
     return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
 
@@ -141,7 +147,10 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("object", "the model's global test_model_numbers._STATE.shift is 0.5, the templates' step ran with 0.0"),
     ("class", "the model's class attribute _Block.lift is 0.5, the templates' step ran with 0.0"),
     ("module", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
-    ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0")])
+    ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
+    ("list", "the model's blocks.0.rates.0 is 0.5, the templates' step ran with 0.0"),
+    ("numpy", "the forward of the model (call 0) took np.float64(0.5) as its argument 1, the templates' step "
+              "np.float64(0.0)")])
 def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_plan(
         source: str, named: str, monkeypatch, caplog) -> None:
     """The shift changes at step 10, once the template form settled, and stays: the step
