@@ -76,7 +76,7 @@ def held(model: torch.nn.Module) -> Held:
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         for attr, v in vars(module).items():
-            if attr[0] == "_":
+            if attr[:1] == "_":
                 continue
             if type(v) is bool or is_number(v) or type(v) is tuple and 0 < len(v) <= SETTINGS and all(map(is_number, v)):
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))   # (a tuple: ``rates = (...)``)
@@ -101,7 +101,7 @@ def _code_numbers(model: torch.nn.Module) -> Iterable[tuple[Any, str, str, objec
             if _pytorchs(c) or c is object:
                 continue
             for attr, v in vars(c).items():
-                if is_number(v) and attr[0] != "_":
+                if is_number(v) and attr[:1] != "_":
                     yield c, attr, f"class attribute {c.__qualname__}.{attr}", v
                 elif isinstance(f := getattr(v, "__func__", getattr(v, "fget", v)), types.FunctionType):
                     todo.append((f, 0))   # (a static or class method's, a property's)
@@ -177,7 +177,7 @@ def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
         items = vars(v).items()
     if len(items) > SETTINGS:
         return ()   # a table (a vocabulary), not settings
-    return [(k, x) for k, x in items if type(k) is str and k[0] != "_" and is_number(x)]
+    return [(k, x) for k, x in items if type(k) is str and k[:1] not in ("_", "") and is_number(x)]
 
 
 def reread(numbers: Held) -> Held:

@@ -32,6 +32,7 @@ swaps), and the model's numbers are the captured ones (``model_numbers.py``).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from ooc.runtime.model_numbers import (Forwards, Held, Passed, changed_since, he
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
 from ooc.runtime.template_slots import PackArg, Persistent, VarArg, part_of, whole_of
 from ooc.runtime.views import View
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +218,8 @@ class TemplateCapture:
                 if t is not None and t.layout is torch.strided and not t.is_meta:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
                     self.owner.setdefault(id(t), (module, attr, prefix + attr))
-        self.numbers = held(model)   # Templates.numbers, read again at the first save (``saved``)
+        self.read_at: int | None = None   # the first op that read a number out of a tensor in a forward
+        self.numbers = self._held(held, model)   # Templates.numbers, read again at the first save (``saved``)
         # Templates.arguments: the numbers the forwards took. Not watched (a plan whose form is
         # made: a hook per module at every per-op step cost it 3-5%), every op counts as the
         # loop's and no function that replays a number gets a template (``build``)
@@ -230,7 +234,6 @@ class TemplateCapture:
         self.rng_at: dict[int, PackArg] = {}          # random function -> the save its state is taken at
         self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
         self.param_saves: dict[int, int] = {}         # pack index -> the parameter's or buffer's storage saved there
-        self.read_at: int | None = None               # the first op that read a number out of a tensor in a forward
 
     def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
@@ -238,7 +241,7 @@ class TemplateCapture:
         k = self.n
         self.n = k + 1
         if k == 0:   # where a hook-driven step compares them: after what the loop set in the step
-            self.numbers = reread(self.numbers)
+            self.numbers = self._held(reread, self.numbers)
         if self.rng_device is not None:
             self.last = (_rng_state(self.rng_device), PackArg.of(k, t, s, gap, t))
         if var is not None:
@@ -255,6 +258,18 @@ class TemplateCapture:
                     self.found[w].setdefault(id(x), PackArg.of(k, t, s, gap, x))
             waiting[:] = [p for p in waiting if id(p[1]) not in self.found[p[0]]]
         self.packed.setdefault(c, []).append((k, weakref.ref(t), version, gap))
+
+    def _held(self, read: Any, of: Any) -> Held:
+        """The model's numbers (``held``, ``reread``): read from the user's objects, which may
+        raise as they like (a property, a lazy module); then none is watched, and no function
+        that replays a number gets a template (as after a read out of a tensor)."""
+        try:
+            return read(of)
+        except Exception as e:   # (a failure to look is never the step's)
+            log.info("the model's numbers could not be read (%s: %s): no template replays a number",
+                     type(e).__name__, e)
+            self.read_at = -1
+            return {}
 
     def read_out(self, i: int, t: torch.Tensor) -> None:
         """Op ``i`` reads a number out of ``t`` (``int(t)``, ``t.item()``). Inside a forward, no

@@ -237,6 +237,40 @@ def test_a_number_read_out_of_a_tensor_in_a_forward_leaves_no_later_template_tha
     assert set(cap.build(recipes, {}).calls) == {3, 6}
 
 
+def test_numbers_that_cannot_be_read_leave_no_template_that_replays_one(monkeypatch, caplog) -> None:
+    """Reading the numbers walks the user's objects, which may raise: the step goes on, says
+    so, and no function that replays a number gets a template."""
+    def unreadable(model: nn.Module) -> dict:
+        raise RuntimeError("a property that raises")
+
+    monkeypatch.setattr("ooc.runtime.templates.held", unreadable)
+    with caplog.at_level("INFO", logger="ooc"):
+        cap = TemplateCapture(nn.Linear(4, 4))
+    assert "could not be read (RuntimeError: a property that raises)" in caplog.text
+    x = torch.randn(8, requires_grad=True) * 2
+    cap.saved(x, x.untyped_storage(), None, gap=1)
+    recipes = {i: Recipe(f, a, {}, [(x, x._version)], None, None, True, 1)
+               for i, f, a in ((3, aten.mul.Tensor, (x, 2.0)), (4, aten.sigmoid.default, (x,)))}
+    for i, r in recipes.items():
+        cap.captured(i, r)
+    assert set(cap.build(recipes, {}).calls) == {4}
+
+
+_TABLE = {"": 1.0, "rate": 0.5, "_private": 2.0}   # (timm has a global dict with an empty key)
+
+
+def test_a_global_dict_with_an_empty_key_is_read() -> None:
+    """An empty key is no name (the first version indexed its first character: the capturing
+    step of a timm ViT raised ``IndexError``)."""
+    class Rated(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * _TABLE["rate"]
+
+    names = {entry[2]: entry[3] for entry in held(Rated(2, 2)).values()}
+    assert names["global test_model_numbers._TABLE.rate"] == 0.5
+    assert not [n for n in names if "_TABLE" in n and not n.endswith(".rate")]
+
+
 def test_loose_numbers_are_the_ones_a_gradient_may_not_keep() -> None:
     x = torch.randn(4)
     assert loose_numbers(aten.add.Tensor, (x, 0.5), {}) == [0.5]
