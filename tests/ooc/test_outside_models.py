@@ -572,3 +572,22 @@ def test_other_architectures_train_bitwise(name: str, manage: str, covers: str) 
         assert named and got["stats"]["step_budget"] == budget
     _assert_bitwise(ref, got, name)
     assert any(got["planned"]), "no step ran its plan"
+
+
+@pytest.mark.parametrize("name", [*CASES, *ARCHITECTURES, "timm-vit_tiny_patch16_224"])
+def test_the_numbers_a_model_reaches_are_read(name: str) -> None:
+    """The template form watches the numbers a model holds and those its classes' code
+    reaches by name (``model_numbers.held``: globals, other Python modules, helper functions,
+    a walk through library code nobody on the project wrote). Reading them must never fail a
+    step, and reading them again must find each unchanged (a first change would leave every
+    hook-driven step's plan). timm's ViT names a global dict with an empty key, which the
+    first version of that walk indexed (``IndexError`` in the capturing step)."""
+    from ooc.runtime.model_numbers import first_change, held
+
+    case = _runnable(name) if name in CASES or name in ARCHITECTURES else None
+    if case is None and _library("timm")[1] is not None:
+        pytest.skip(_library("timm")[1])
+    model = case.build() if case is not None else _timm(name.split("-", 1)[1])()
+    numbers = held(model)
+    assert numbers and first_change(numbers) is None
+    assert first_change(held(model)) is None and held(model).keys() == numbers.keys()
