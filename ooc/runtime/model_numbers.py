@@ -14,7 +14,7 @@ watched here, read where the capturing step read them and compared at each hook-
   (``x + NOISE`` in a script's model, annealed with ``global NOISE``), a global object's or
   Python module's attribute (``cfg.SCALE``), and those of the helper functions it calls;
 - ``Forwards``: the numbers passed to each module's forward, call by call (``model(x, tau)``,
-  ``block(h, scale=s)``): a forward pre-hook on every module in the capturing step, and on the
+  ``block(h, scale=s)``, and one level inside an argument: ``model(x, {"tau": tau})``): a forward pre-hook on every module in the capturing step, and on the
   modules that took a number in a hook-driven step. A module's hook runs before any op of its
   forward, so a step whose call differs leaves its plan before a discard could replay one.
 
@@ -38,9 +38,9 @@ import torch
 
 from ooc.runtime.views import View
 
-NUMBERS = (int, float, bool)   # the Python numbers a module may hold for its ops
-# those a forward may take or a config hold for an op: a flag passed or kept there (teacher
-# forcing on or off per batch, ``use_cache``) steers the forward's branches, which change the
+# the numbers a forward may take or a config hold for an op (``is_number``; a module's own flags,
+# ``training``, are watched too: ``held``): a flag passed or kept there (teacher forcing on or
+# off per batch, ``use_cache``) steers the forward's branches, which change the
 # ops and saves that the hooks check, not an op's number (watched, each change of a flag chosen
 # per batch left the plan)
 VALUES = (int, float)
@@ -180,6 +180,14 @@ def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
     return [(k, x) for k, x in items if type(k) is str and k[:1] not in ("_", "") and is_number(x)]
 
 
+def _inside(v: Any) -> Iterable[tuple[Any, object]]:
+    """The numbers one level inside a forward's argument: a tuple's or list's items, a dict's
+    or a plain object's (``_plain_numbers``)."""
+    if type(v) is tuple or type(v) is list:
+        return [(i, x) for i, x in enumerate(v) if is_number(x)] if len(v) <= SETTINGS else ()
+    return _plain_numbers(v)
+
+
 def reread(numbers: Held) -> Held:
     """``numbers`` read again (the capturing step reads them at its first save, after what the
     loop set in the step)."""
@@ -251,15 +259,23 @@ class Forwards:
         n = self.calls.get(id(module), 0)
         self.calls[id(module)] = n + 1
         for key, v in (*enumerate(args), *kwargs.items()):
-            if not is_number(v):
-                continue
-            if self.want is None:
-                self.passed[(id(module), n, key)] = (module, name, v)
-            elif self.changed is None:
-                was = self.want.get((id(module), n, key))
-                if was is not None and not same(was[2], v):
-                    self.changed = (f"the forward of {name or 'the model'} (call {n}) took {v!r} as its argument "
-                                    f"{key!r}, the templates' step {was[2]!r}")
+            if is_number(v):
+                self._took(module, name, n, key, v)
+            elif v is not None and not isinstance(v, torch.Tensor):
+                for sub, x in _inside(v):   # an options dict, a tuple, a dataclass passed in
+                    self._took(module, name, n, (key, sub), x)
+
+    def _took(self, module: torch.nn.Module, name: str, n: int, key: Any, v: object) -> None:
+        """Call ``n`` of ``module`` took number ``v`` at ``key`` (a position or keyword, or
+        (one, and the key inside it)): noted, or compared with ``want``'s."""
+        if self.want is None:
+            self.passed[(id(module), n, key)] = (module, name, v)
+        elif self.changed is None:
+            was = self.want.get((id(module), n, key))
+            if was is not None and not same(was[2], v):
+                at = f"{key[0]!r}'s {key[1]!r}" if type(key) is tuple else repr(key)
+                self.changed = (f"the forward of {name or 'the model'} (call {n}) took {v!r} as its argument "
+                                f"{at}, the templates' step {was[2]!r}")
 
     def _returned(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         self.depth -= 1

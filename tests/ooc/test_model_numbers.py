@@ -57,6 +57,8 @@ class _Block(nn.Module):
             shift = self.lift
         elif self.source == "list":
             shift = self.rates[0]
+        elif self.source == "options":
+            shift = shift["shift"]
         elif shift is None:
             c = self.config
             shift = c["shift"] if isinstance(c, dict) else c.shift
@@ -65,13 +67,14 @@ class _Block(nn.Module):
 
 class _Shifted(nn.Module):
     """Five blocks that add a shift, read from where ``source`` says: the model's forward
-    argument (``model``), each block's (``block``: the model passes it down from a dict it takes),
+    argument (``model``), each block's (``block``: the model passes it down from a nested dict it takes),
     an attribute of a config object (``config``) or a dict (``dict``) the blocks share, a
     global of the Python module that defines the blocks (``global``), an attribute of a global
     object (``object``) or of the blocks' class (``class``), a global of another Python
     module, read as its attribute (``module``) or by a function of that module (``helper``),
-    an item of a list each block holds (``list``), or the model's argument as NumPy's number
-    (``numpy``: an ``np.float64`` is not a ``float``)."""
+    an item of a list each block holds (``list``), the model's argument as NumPy's number
+    (``numpy``: an ``np.float64`` is not a ``float``), or an entry of a dict of options the
+    model takes and passes to each block (``options``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -84,7 +87,7 @@ class _Shifted(nn.Module):
     def forward(self, x: torch.Tensor, shift: float | dict = 0.0) -> torch.Tensor:
         x = torch.sigmoid(self.first(x))
         for b in self.blocks:
-            x = b(x, shift if self.source in ("model", "numpy") else shift["shift"] if self.source == "block" else None)
+            x = b(x, shift if self.source in ("model", "numpy", "options") else shift["opts"]["shift"] if self.source == "block" else None)
         return self.last(x)
 
 
@@ -132,7 +135,8 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
                 model.config["shift"] = shift
             elif model.source == "config":
                 model.config.shift = shift
-            args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "block": (x, {"shift": shift})}.get(
+            args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "block": (x, {"opts": {"shift": shift}}),
+                    "options": (x, {"shift": shift})}.get(
                 model.source, (x,))
             yield lambda args=args, y=y: nn.functional.cross_entropy(model(*args), y)
     return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
@@ -149,6 +153,7 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("module", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("list", "the model's blocks.0.rates.0 is 0.5, the templates' step ran with 0.0"),
+    ("options", "the forward of the model (call 0) took 0.5 as its argument 1's 'shift', the templates' step 0.0"),
     ("numpy", "the forward of the model (call 0) took np.float64(0.5) as its argument 1, the templates' step "
               "np.float64(0.0)")])
 def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_plan(
