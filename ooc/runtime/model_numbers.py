@@ -44,6 +44,7 @@ from ooc.runtime.views import View
 # ops and saves that the hooks check, not an op's number (watched, each change of a flag chosen
 # per batch left the plan)
 VALUES = (int, float)
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)   # what a module may hold to call
 SETTINGS = 512   # a plain object or dict with more entries than this is data, not settings
 HELPERS = 2      # how many calls deep ``_code_numbers`` follows the functions a forward's code names
 
@@ -71,8 +72,12 @@ def is_number(v: object) -> bool:
 def held(model: torch.nn.Module) -> Held:
     """Every number the model's modules hold, those of the plain objects, dicts and lists they hold
     (one level: an HF ``config``, Lightning's ``hparams``), and those their classes' code
-    reaches by name (``_code_numbers``), each read as it is now."""
+    reaches by name (``_code_numbers``), each read as it is now. A function a module holds
+    (``self.fn = lambda h: h + 0.5``, a ``partial``) is watched as itself: another one put
+    there (at an epoch) runs ops with other numbers (stale until 2026-12-01); its code is
+    walked as the classes' is."""
     out: Held = {}
+    functions: list[Any] = []
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         for attr, v in vars(module).items():
@@ -80,22 +85,26 @@ def held(model: torch.nn.Module) -> Held:
                 continue
             if type(v) is bool or is_number(v) or type(v) is tuple and 0 < len(v) <= SETTINGS and all(map(is_number, v)):
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))   # (a tuple: ``rates = (...)``)
+            elif isinstance(v, _FUNCTIONS):
+                out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
+                functions.append(getattr(v, "__func__", getattr(v, "func", v)))
             else:
                 for sub, x in _plain_numbers(v):
                     out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
-    for holder, attr, name, v in _code_numbers(model):
+    for holder, attr, name, v in _code_numbers(model, functions):
         out.setdefault((id(holder), attr), (holder, attr, name, v))
     return out
 
 
-def _code_numbers(model: torch.nn.Module) -> Iterable[tuple[Any, str, str, object]]:
+def _code_numbers(model: torch.nn.Module, functions: Iterable[Any] = ()) -> Iterable[tuple[Any, str, str, object]]:
     """The ints and floats that the code of the modules' own classes (not PyTorch's) reaches
     by name (holder, name, what to call it, value): their classes' attributes (``self.scale``
     set on the class), and the globals and closed-over variables their functions name, and
     what those hold (``_reached``: a module's attribute, ``cfg.SCALE``; a plain object's, a
     global ``STATE.shift``), through the helper functions they call, ``HELPERS`` calls deep
-    (``helpers.shift(h)`` adding its module's ``SCALE``)."""
-    todo: list[tuple[types.FunctionType, int]] = []
+    (``helpers.shift(h)`` adding its module's ``SCALE``); and so for ``functions`` (those the
+    modules hold)."""
+    todo = [(f, 0) for f in functions if isinstance(f, types.FunctionType)]
     for cls in {type(m) for m in model.modules()}:
         for c in cls.__mro__:
             if _pytorchs(c) or c is object:
@@ -195,8 +204,37 @@ def reread(numbers: Held) -> Held:
 
 
 def same(a: object, b: object) -> bool:
-    """Whether two numbers are one (``True`` is not ``1``; a NaN is itself)."""
-    return type(a) is type(b) and (a == b or a != a and b != b)
+    """Whether two numbers are one (``True`` is not ``1``; a NaN is itself), or two functions
+    a module held do the same: one code closed over the same numbers and objects (a loop that
+    makes ``lambda h: h + s`` at every step), a ``partial`` of one function with the same."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is types.FunctionType:
+        return (a.__code__ is b.__code__ and _alike(a.__defaults__, b.__defaults__)
+                and _alike(_contents(a), _contents(b)))
+    if type(a) is functools.partial:
+        return (a.func is b.func and _alike(a.args, b.args) and a.keywords.keys() == b.keywords.keys()
+                and _alike(tuple(a.keywords.values()), tuple(b.keywords.values())))
+    return a == b or a != a and b != b
+
+
+def _alike(xs: tuple | None, ys: tuple | None) -> bool:
+    """Whether two functions' defaults, closed-over values or bound arguments are the same:
+    each number by value, anything else as itself (a tensor's ``==`` is no answer)."""
+    if xs is None or ys is None:
+        return xs is ys
+    return len(xs) == len(ys) and all(x is y or is_number(x) and same(x, y) for x, y in zip(xs, ys))
+
+
+def _contents(f: types.FunctionType) -> tuple:
+    """What ``f`` closed over (an empty cell as itself)."""
+    out = []
+    for cell in f.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            out.append(cell)
+    return tuple(out)
 
 
 def first_change(numbers: Held) -> str | None:

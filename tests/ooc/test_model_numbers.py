@@ -9,6 +9,7 @@ wrong (the losses differed from in core's from the step after it), on the code b
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from collections.abc import Callable, Iterator
@@ -35,6 +36,10 @@ _helpers = types.ModuleType("_helpers")
 exec("SHIFT = 0.0\ndef shifted(h):\n    return h + SHIFT\n", vars(_helpers))
 
 
+def _adding(shift: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda h: h + shift
+
+
 class _Block(nn.Module):
     lift = 0.0   # the "class" source's: an attribute of the block's class
 
@@ -42,6 +47,7 @@ class _Block(nn.Module):
         super().__init__()
         self.layer, self.config, self.source = nn.Linear(512, 512), config, source
         self.rates = [0.0]   # the "list" source's
+        self.fn = _adding(0.0)   # the "function" source's
 
     def forward(self, x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
         h = torch.relu(self.layer(x))
@@ -57,6 +63,8 @@ class _Block(nn.Module):
             shift = self.lift
         elif self.source == "list":
             shift = self.rates[0]
+        elif self.source == "function":
+            return torch.sigmoid(self.fn(h))
         elif self.source == "options":
             shift = shift["shift"]
         elif shift is None:
@@ -74,7 +82,8 @@ class _Shifted(nn.Module):
     module, read as its attribute (``module``) or by a function of that module (``helper``),
     an item of a list each block holds (``list``), the model's argument as NumPy's number
     (``numpy``: an ``np.float64`` is not a ``float``), or an entry of a dict of options the
-    model takes and passes to each block (``options``)."""
+    model takes and passes to each block (``options``), or a function each block holds and
+    calls, a new one at every step (``function``: ``lambda h: h + shift``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -131,6 +140,9 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
             elif model.source == "list":
                 for b in model.blocks:
                     b.rates[0] = shift
+            elif model.source == "function":   # (a new function at every step, the same until the change)
+                for b in model.blocks:
+                    b.fn = _adding(shift)
             if model.source == "dict":
                 model.config["shift"] = shift
             elif model.source == "config":
@@ -153,6 +165,7 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("module", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("list", "the model's blocks.0.rates.0 is 0.5, the templates' step ran with 0.0"),
+    ("function", "the model's blocks.0.fn is <function _adding.<locals>.<lambda>"),
     ("options", "the forward of the model (call 0) took 0.5 as its argument 1's 'shift', the templates' step 0.0"),
     ("numpy", "the forward of the model (call 0) took np.float64(0.5) as its argument 1, the templates' step "
               "np.float64(0.0)")])
@@ -334,6 +347,19 @@ def test_held_reads_the_globals_and_closed_over_numbers_the_modules_classes_name
 def test_same_tells_a_flag_from_a_number_and_a_nan_is_itself() -> None:
     assert same(0.5, 0.5) and same(math.nan, math.nan) and not same(True, 1) and not same(1, 1.0)
     assert changed_since({"a": (None, 1), "b": (None, 2.0)}, {"a": (None, 1), "b": (None, 3.0)}) == ["b"]
+
+
+def test_same_tells_two_functions_that_do_the_same_from_two_that_do_not() -> None:
+    """One code closed over the same numbers is the same function (a loop that makes it anew
+    at every step); another number, another function; a tensor counts as itself."""
+    def adding(s: object) -> Callable:
+        return lambda h: h + s
+
+    assert same(adding(0.5), adding(0.5)) and not same(adding(0.5), adding(0.75))
+    assert not same(adding(0.5), lambda h: h + 0.5)   # (another code)
+    assert same(functools.partial(max, 1.0, key=abs), functools.partial(max, 1.0, key=abs))
+    assert not same(functools.partial(max, 1.0), functools.partial(max, 2.0))
+    assert not same(adding(torch.ones(2)), adding(torch.ones(2)))
 
 
 def test_forwards_note_each_call_and_compare_call_by_call_then_take_their_hooks_off() -> None:
