@@ -48,8 +48,8 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)   # what 
 SETTINGS = 512   # a plain object or dict with more entries than this is data, not settings
 HELPERS = 2      # how many calls deep ``_code_numbers`` follows the functions a forward's code names
 
-# (id(holder), attribute) -> (holder, attribute, name, value): a number of a module or of a
-# plain object or dict it holds
+# (id(holder), attribute) -> (holder, attribute, name, value): a number of a module, of a plain
+# object, dict or list it holds, or of a global; or such an object, or a function, as itself
 Held = dict[tuple[int, Any], tuple[Any, Any, str, object]]
 # (id(module), call, position or keyword) -> (module, name, value)
 Passed = dict[tuple[int, int, Any], tuple[torch.nn.Module, str, object]]
@@ -58,8 +58,13 @@ Passed = dict[tuple[int, int, Any], tuple[torch.nn.Module, str, object]]
 def read(holder: Any, attr: Any) -> object:
     """``holder``'s number at ``attr`` now (an item of a dict or list; None where it is gone)."""
     if type(holder) is list:
-        return holder[attr] if attr < len(holder) else None
-    return holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr, None)
+        return holder[attr] if type(attr) is int and attr < len(holder) else None
+    if isinstance(holder, dict):
+        return holder.get(attr)
+    try:
+        return getattr(holder, attr, None)
+    except ValueError:   # (an empty cell)
+        return None
 
 
 def is_number(v: object) -> bool:
@@ -89,7 +94,10 @@ def held(model: torch.nn.Module) -> Held:
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
                 functions.append(getattr(v, "__func__", getattr(v, "func", v)))
             else:
-                for sub, x in _plain_numbers(v):
+                inside = _plain_numbers(v)
+                if inside:   # the object too: another one put there (the loop's new config) is compared by its numbers
+                    out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
+                for sub, x in inside:   # (each once: a config every layer holds)
                     out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
     for holder, attr, name, v in _code_numbers(model, functions):
         out.setdefault((id(holder), attr), (holder, attr, name, v))
@@ -153,7 +161,10 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
             elif isinstance(x, types.FunctionType):
                 calls.append(x)
     else:
-        for sub, x in _plain_numbers(v):
+        inside = _plain_numbers(v)
+        if inside:   # the object too (a global the loop rebinds to a new one)
+            yield holder, attr, label, v
+        for sub, x in inside:
             yield v, sub, f"{label}.{sub}", x
 
 
@@ -206,16 +217,36 @@ def reread(numbers: Held) -> Held:
 def same(a: object, b: object) -> bool:
     """Whether two numbers are one (``True`` is not ``1``; a NaN is itself), or two functions
     a module held do the same: one code closed over the same numbers and objects (a loop that
-    makes ``lambda h: h + s`` at every step), a ``partial`` of one function with the same."""
+    makes ``lambda h: h + s`` at every step), a ``partial`` of one function with the same, or
+    two plain objects, dicts or lists of the same numbers (a config the loop makes anew)."""
     if type(a) is not type(b):
         return False
+    if type(a) in VALUES:
+        return a == b or a != a and b != b
     if type(a) is types.FunctionType:
         return (a.__code__ is b.__code__ and _alike(a.__defaults__, b.__defaults__)
                 and _alike(_contents(a), _contents(b)))
     if type(a) is functools.partial:
         return (a.func is b.func and _alike(a.args, b.args) and a.keywords.keys() == b.keywords.keys()
                 and _alike(tuple(a.keywords.values()), tuple(b.keywords.values())))
+    if _plain(a):
+        return _differs(a, b) is None
     return a == b or a != a and b != b
+
+
+def _plain(v: object) -> bool:
+    """Whether ``v`` is a plain object, dict or list (whose numbers ``_plain_numbers`` reads)."""
+    return isinstance(v, (dict, list)) or (hasattr(v, "__dict__") and not callable(v)
+                                           and not isinstance(v, (torch.nn.Module, torch.Tensor, type)))
+
+
+def _differs(a: object, b: object) -> tuple[Any, object, object] | None:
+    """The first number two plain objects hold otherwise: (its key, ``a``'s, ``b``'s)."""
+    x, y = dict(_plain_numbers(a)), dict(_plain_numbers(b))
+    for key in (*x, *(k for k in y if k not in x)):
+        if not same(x.get(key), y.get(key)):
+            return key, x.get(key), y.get(key)
+    return None
 
 
 def _alike(xs: tuple | None, ys: tuple | None) -> bool:
@@ -244,6 +275,8 @@ def first_change(numbers: Held) -> str | None:
         now = ((h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)) if type(attr) is str
                else read(h, attr))   # (``read``, inline but for a list's)
         if now is not v and not same(now, v):   # (the same object, mostly: no call)
+            if _plain(now) and _plain(v) and (d := _differs(now, v)) is not None:   # (another config object)
+                name, now, v = f"{name}.{d[0]}", d[1], d[2]
             return f"{name} is {now!r}, the templates' step ran with {v!r}"
     return None
 

@@ -76,7 +76,8 @@ class _Block(nn.Module):
 class _Shifted(nn.Module):
     """Five blocks that add a shift, read from where ``source`` says: the model's forward
     argument (``model``), each block's (``block``: the model passes it down from a nested dict it takes),
-    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, a
+    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, or of
+    a config object the loop gives each block anew at every step (``replaced``), a
     global of the Python module that defines the blocks (``global``), an attribute of a global
     object (``object``) or of the blocks' class (``class``), a global of another Python
     module, read as its attribute (``module``) or by a function of that module (``helper``),
@@ -147,6 +148,9 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
                 model.config["shift"] = shift
             elif model.source == "config":
                 model.config.shift = shift
+            elif model.source == "replaced":   # (a new config at every step, the same until the change)
+                for b in model.blocks:
+                    b.config = types.SimpleNamespace(shift=shift)
             args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "block": (x, {"opts": {"shift": shift}}),
                     "options": (x, {"shift": shift})}.get(
                 model.source, (x,))
@@ -159,6 +163,7 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("block", "the forward of blocks.0 (call 0) took 0.5 as its argument 1, the templates' step 0.0"),
     ("config", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
     ("dict", "the model's config.shift is 0.5, the templates' step ran with 0.0"),
+    ("replaced", "the model's blocks.0.config.shift is 0.5, the templates' step ran with 0.0"),
     ("global", "the model's global test_model_numbers._SHIFT is 0.5, the templates' step ran with 0.0"),
     ("object", "the model's global test_model_numbers._STATE.shift is 0.5, the templates' step ran with 0.0"),
     ("class", "the model's class attribute _Block.lift is 0.5, the templates' step ran with 0.0"),
@@ -286,7 +291,7 @@ def test_a_global_dict_with_an_empty_key_is_read() -> None:
 
     names = {entry[2]: entry[3] for entry in held(Rated(2, 2)).values()}
     assert names["global test_model_numbers._TABLE.rate"] == 0.5
-    assert not [n for n in names if "_TABLE" in n and not n.endswith(".rate")]
+    assert not [n for n in names if "_TABLE" in n and not n.endswith((".rate", "_TABLE"))]   # (and the dict as itself)
 
 
 def test_loose_numbers_are_the_ones_a_gradient_may_not_keep() -> None:
@@ -360,6 +365,21 @@ def test_same_tells_two_functions_that_do_the_same_from_two_that_do_not() -> Non
     assert same(functools.partial(max, 1.0, key=abs), functools.partial(max, 1.0, key=abs))
     assert not same(functools.partial(max, 1.0), functools.partial(max, 2.0))
     assert not same(adding(torch.ones(2)), adding(torch.ones(2)))
+
+
+def test_same_compares_two_plain_objects_by_their_numbers_and_first_change_names_the_one() -> None:
+    """A config, dict or list made anew is the same as the one before if its numbers are (a
+    tensor in it is not compared: its ``==`` is no answer); the change is named by its key."""
+    assert same(types.SimpleNamespace(a=1.0, s="x"), types.SimpleNamespace(a=1.0, s="y"))
+    assert not same({"a": 1.0}, {"a": 2.0}) and not same({"a": 1.0}, {"a": 1.0, "b": 2}) and not same([1], [2])
+    assert same({"t": torch.ones(2), "a": 1}, {"t": torch.zeros(2), "a": 1})
+    m = nn.Linear(2, 2)
+    m.config = types.SimpleNamespace(scale=1.0, name="x")
+    numbers = held(m)
+    m.config = types.SimpleNamespace(scale=1.0, name="y")
+    assert first_change(numbers) is None
+    m.config = types.SimpleNamespace(scale=2.0, name="y")
+    assert first_change(numbers) == "config.scale is 2.0, the templates' step ran with 1.0"
 
 
 def test_forwards_note_each_call_and_compare_call_by_call_then_take_their_hooks_off() -> None:
