@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ooc.runtime.made_by import matches, node_of, said, signature
-from ooc.runtime.model_numbers import Forwards, first_change
+from ooc.runtime.forward_numbers import Forwards
+from ooc.runtime.model_numbers import first_change
 from ooc.runtime.recipes import Made, _rng_state, lifetimes, rerun
 from ooc.runtime.slots import Slot
 from ooc.runtime.templates import PackArg, Persistent, Template, Templates, VarArg
@@ -115,7 +116,8 @@ class BoundTemplates:
     def why_stale(self) -> str | None:
         """Why no template replays: the model holds another parameter or buffer than they
         read, or another number than its modules (or their configs) held when they were
-        captured, or one of its forwards took another (``model_numbers.py``)."""
+        captured (``model_numbers.py``), or one of its forwards took another
+        (``forward_numbers.py``)."""
         if self.replaced is not None:
             return f"the model's {self.replaced} is another tensor than the one its templates read"
         if self.renumbered is not None:

@@ -13,14 +13,11 @@ watched here, read where the capturing step read them and compared at each hook-
   reaches by name (``_code_numbers``): a class attribute, a global or closed-over variable
   (``x + NOISE`` in a script's model, annealed with ``global NOISE``), a global object's or
   Python module's attribute (``cfg.SCALE``), and those of the helper functions it calls;
-- ``Forwards``: the numbers passed to each module's forward, call by call (``model(x, tau)``,
-  ``block(h, scale=s)``, and one level inside an argument: ``model(x, {"tau": tau})``): a forward pre-hook on every module in the capturing step, and on the
-  modules that took a number in a hook-driven step. A module's hook runs before any op of its
-  forward, so a step whose call differs leaves its plan before a discard could replay one.
+- the numbers passed to each module's forward, call by call (``model(x, tau)``): the hooks of
+  ``forward_numbers.py``, which also keep the training loop's own numbers out of templates.
 
-The training loop's own code (a loss's margin) is not watched: an op that ran outside every
-forward and took such a number gives no template (``loose_numbers``); nor does one after a
-forward read a number out of a tensor (``TemplateCapture.read_out``). Not seen: a number
+No function after a forward read a number out of a tensor gets a template that replays one
+(``TemplateCapture.read_out``). Not seen: a number
 reached through more than ``HELPERS`` calls, or held deeper than one plain object, dict or
 list below a module (docs/guide/steps.md says what to do).
 """
@@ -36,7 +33,6 @@ from typing import Any
 
 import torch
 
-from ooc.runtime.views import View
 
 # the numbers a forward may take or a config hold for an op (``is_number``; a module's own flags,
 # ``training``, are watched too: ``held``): a flag passed or kept there (teacher forcing on or
@@ -51,8 +47,6 @@ HELPERS = 2      # how many calls deep ``_code_numbers`` follows the functions a
 # (id(holder), attribute) -> (holder, attribute, name, value): a number of a module, of a plain
 # object, dict or list it holds, or of a global; or such an object, or a function, as itself
 Held = dict[tuple[int, Any], tuple[Any, Any, str, object]]
-# (id(module), call, position or keyword) -> (module, name, value)
-Passed = dict[tuple[int, int, Any], tuple[torch.nn.Module, str, object]]
 
 
 def read(holder: Any, attr: Any) -> object:
@@ -94,7 +88,7 @@ def held(model: torch.nn.Module) -> Held:
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
                 functions.append(getattr(v, "__func__", getattr(v, "func", v)))
             else:
-                inside = _plain_numbers(v)
+                inside = plain_numbers(v)
                 if inside:   # the object too: another one put there (the loop's new config) is compared by its numbers
                     out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
                 for sub, x in inside:   # (each once: a config every layer holds)
@@ -144,7 +138,7 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
     """The numbers a function's code reaches through the global or closed-over ``holder[attr]``
     (the functions it may call go to ``calls``): the value itself, the attributes a module or
     class holds under a name the code reads (``cfg.SCALE``; read from its ``__dict__``: a lazy
-    module's ``__getattr__`` imports), or a plain object's or dict's (``_plain_numbers``)."""
+    module's ``__getattr__`` imports), or a plain object's or dict's (``plain_numbers``)."""
     v = holder.get(attr) if isinstance(holder, dict) else getattr(holder, attr)
     if is_number(v):
         yield holder, attr, label, v
@@ -161,7 +155,7 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
             elif isinstance(x, types.FunctionType):
                 calls.append(x)
     else:
-        inside = _plain_numbers(v)
+        inside = plain_numbers(v)
         if inside:   # the object too (a global the loop rebinds to a new one)
             yield holder, attr, label, v
         for sub, x in inside:
@@ -183,7 +177,7 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
+def plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
     """The numbers of a plain object, dict or list (by index: per-layer rates ``self.rates[i]``):
     not a module, tensor, function or class (whose attributes are not what a forward reads as
     data)."""
@@ -198,14 +192,6 @@ def _plain_numbers(v: Any) -> Iterable[tuple[Any, object]]:
     if len(items) > SETTINGS:
         return ()   # a table (a vocabulary), not settings
     return [(k, x) for k, x in items if type(k) is str and k[:1] not in ("_", "") and is_number(x)]
-
-
-def _inside(v: Any) -> Iterable[tuple[Any, object]]:
-    """The numbers one level inside a forward's argument: a tuple's or list's items, a dict's
-    or a plain object's (``_plain_numbers``)."""
-    if type(v) is tuple or type(v) is list:
-        return [(i, x) for i, x in enumerate(v) if is_number(x)] if len(v) <= SETTINGS else ()
-    return _plain_numbers(v)
 
 
 def reread(numbers: Held) -> Held:
@@ -235,14 +221,14 @@ def same(a: object, b: object) -> bool:
 
 
 def _plain(v: object) -> bool:
-    """Whether ``v`` is a plain object, dict or list (whose numbers ``_plain_numbers`` reads)."""
+    """Whether ``v`` is a plain object, dict or list (whose numbers ``plain_numbers`` reads)."""
     return isinstance(v, (dict, list)) or (hasattr(v, "__dict__") and not callable(v)
                                            and not isinstance(v, (torch.nn.Module, torch.Tensor, type)))
 
 
 def _differs(a: object, b: object) -> tuple[Any, object, object] | None:
     """The first number two plain objects hold otherwise: (its key, ``a``'s, ``b``'s)."""
-    x, y = dict(_plain_numbers(a)), dict(_plain_numbers(b))
+    x, y = dict(plain_numbers(a)), dict(plain_numbers(b))
     for key in (*x, *(k for k in y if k not in x)):
         if not same(x.get(key), y.get(key)):
             return key, x.get(key), y.get(key)
@@ -286,102 +272,3 @@ def changed_since(now: Mapping, before: Mapping) -> list:
     a counter the model keeps, or a step's index passed to it, which are not compared (a
     function whose op read one is no template: ``Templates.ready``)."""
     return [key for key, entry in now.items() if key in before and not same(before[key][-1], entry[-1])]
-
-
-class Forwards:
-    """The model's forwards in one step: the numbers each call took, a module's calls
-    counted and a number keyed by (module, call, position or keyword); and how deep in them
-    the step is (``depth``, 0: in the training loop's code). ``want`` None: the numbers are
-    noted (``passed``, the capturing step's); else each is compared with ``want``'s, and the
-    first that differs is named (``changed``). ``close`` takes the hooks off."""
-
-    def __init__(self, modules: Iterable[tuple[str, torch.nn.Module]], want: Passed | None = None,
-                 deep: bool = False) -> None:
-        self.want = want
-        self.passed: Passed = {}
-        self.calls: dict[int, int] = {}
-        self.changed: str | None = None
-        self.deep, self.depth = deep, 0
-        self.handles: list[Any] = []
-        for name, m in _once(modules):   # first, before a hook that runs ops (a parametrization's)
-            if isinstance(m, torch.jit.ScriptModule):
-                continue   # takes no hook (its ops run inside its parent's forward, counted there)
-            self.handles.append(m.register_forward_pre_hook(functools.partial(self._called, name),
-                                                            with_kwargs=True, prepend=True))
-            if deep:
-                self.handles.append(m.register_forward_hook(self._returned, always_call=True))
-
-    @staticmethod
-    def noting(model: torch.nn.Module) -> Forwards:
-        """Every module's calls noted, and how deep in them each op runs (the capturing step's:
-        a per-op step, which can afford two hooks per module)."""
-        return Forwards(model.named_modules(), deep=True)
-
-    @staticmethod
-    def comparing(want: Passed) -> Forwards | None:
-        """Hooks on the modules that took a number in ``want``'s step only (None: no module
-        did): a hook-driven step makes no Python call per module otherwise."""
-        modules = {id(m): (name, m) for m, name, _ in want.values()}
-        return Forwards(modules.values(), want) if modules else None
-
-    def _called(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.deep:
-            self.depth += 1
-        n = self.calls.get(id(module), 0)
-        self.calls[id(module)] = n + 1
-        for key, v in (*enumerate(args), *kwargs.items()):
-            if is_number(v):
-                self._took(module, name, n, key, v)
-            elif v is not None and not isinstance(v, torch.Tensor):
-                for sub, x in _inside(v):   # an options dict, a tuple, a dataclass passed in
-                    self._took(module, name, n, (key, sub), x)
-
-    def _took(self, module: torch.nn.Module, name: str, n: int, key: Any, v: object) -> None:
-        """Call ``n`` of ``module`` took number ``v`` at ``key`` (a position or keyword, or
-        (one, and the key inside it)): noted, or compared with ``want``'s."""
-        if self.want is None:
-            self.passed[(id(module), n, key)] = (module, name, v)
-        elif self.changed is None:
-            was = self.want.get((id(module), n, key))
-            if was is not None and not same(was[2], v):
-                at = f"{key[0]!r}'s {key[1]!r}" if type(key) is tuple else repr(key)
-                self.changed = (f"the forward of {name or 'the model'} (call {n}) took {v!r} as its argument "
-                                f"{at}, the templates' step {was[2]!r}")
-
-    def _returned(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
-        self.depth -= 1
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-def loose_numbers(func: Any, args: tuple, kwargs: dict) -> list:
-    """The numbers ``func`` took where its schema takes a number or a tensor (a value its
-    gradient may not keep: ``x + 0.5``, a ``masked_fill``'s value, a dropout's ``p``), not a
-    dimension, a size or a flag. An op of the training loop's code that took one gives no
-    template (``TemplateCapture.captured``): no hook sees where the number comes from (a
-    margin annealed per epoch in ``relu(margin + d_pos - d_neg)``)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return [v for v in (*args, *kwargs.values()) if type(v) in VALUES]
-    return [v for a, v in (*zip(schema.arguments, args), *((a, kwargs[a.name]) for a in schema.arguments
-                                                            if a.name in kwargs))
-            if type(v) in VALUES and "int" not in str(a.type)]
-
-
-def replays_a_number(values: Iterable[Any]) -> bool:
-    """Whether a template's numbers (``templates._numbers``: its arguments that are no tensor,
-    and its views of tensors) hold one a number of the model could have given: an int or a
-    float (a size, a dimension too), or a view at an offset (``template_slots.part_of`` says
-    which views of the slots are parts)."""
-    return any(type(x) in VALUES or isinstance(x, View) and x.offset != 0 for x in values)
-
-
-def _once(modules: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
-    """Each module once (a shared one under its first name)."""
-    seen: dict[int, tuple[str, torch.nn.Module]] = {}
-    for name, m in modules:
-        seen.setdefault(id(m), (name, m))
-    return list(seen.values())

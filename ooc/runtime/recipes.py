@@ -72,7 +72,7 @@ class Recipe:
     stats: tuple[int, int] | None
     grad: bool
     outputs: int
-    outside: bool = False   # ran outside every forward of the model (``model_numbers.loose_numbers``)
+    outside: bool = False   # ran outside every forward of the model (``forward_numbers.loose_numbers``)
 
     def changed(self) -> torch.Tensor | None:
         """A held tensor written since the capture (its bytes are not what the op read)."""

@@ -43,8 +43,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ooc.runtime.made_by import signature, varied
-from ooc.runtime.model_numbers import (Forwards, Held, Passed, changed_since, held, loose_numbers,
-                                       replays_a_number, reread)
+from ooc.runtime.forward_numbers import Forwards, Passed, loose_numbers, replays_a_number
+from ooc.runtime.model_numbers import Held, changed_since, held, reread
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
 from ooc.runtime.template_slots import PackArg, Persistent, VarArg, part_of, whole_of
 from ooc.runtime.views import View
@@ -122,11 +122,11 @@ class Templates:
     The weights that layer's ops saved are where the step shows which layer it runs.
 
     ``numbers``: each Python number the model held at the step's first save (its modules',
-    their configs', the globals their code names); ``arguments``: each number passed to a
-    module's forward, call by call (``model_numbers.py``). A template replays its op's numbers
-    as captured, and no hook sees one no autograd node keeps (on the CPU dropout draws its mask
-    with ``bernoulli_(1 - p)``): a step whose model holds or takes another number replays no
-    function that replays a number (``numbered``)."""
+    their configs', the globals their code names: ``model_numbers.py``); ``arguments``: each
+    number passed to a module's forward, call by call (``forward_numbers.py``). A template
+    replays its op's numbers as captured, and no hook sees one no autograd node keeps (on the
+    CPU dropout draws its mask with ``bernoulli_(1 - p)``): a step whose model holds or takes
+    another number replays no function that replays a number (``numbered``)."""
 
     calls: Mapping[int, Template]
     born_at: Mapping[int, tuple[int, int]]
@@ -285,7 +285,7 @@ class TemplateCapture:
         tensor saved already, or left waiting for a save to come."""
         found = self.found.setdefault(i, {})
         if recipe.outside and loose_numbers(recipe.func, recipe.args, recipe.kwargs):
-            self.random.add(i)   # the training loop's number: no hook sees it change (model_numbers.py)
+            self.random.add(i)   # the training loop's number: no hook sees it change (forward_numbers.py)
             return
         if recipe.rng is not None:   # drawn from the state at the last save, if nothing drew since
             last = self.last

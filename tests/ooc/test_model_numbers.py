@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ooc.runtime.model_numbers import Forwards, changed_since, first_change, held, loose_numbers, same
+from ooc.runtime.forward_numbers import Forwards, loose_numbers
+from ooc.runtime.model_numbers import changed_since, first_change, held, same
 from ooc.runtime.recipes import Recipe
 from ooc.runtime.templates import TemplateCapture
 from test_anchored_steps import templates_forced
