@@ -74,11 +74,14 @@ def held(model: torch.nn.Module) -> Held:
     reaches by name (``_code_numbers``), each read as it is now. A function a module holds
     (``self.fn = lambda h: h + 0.5``, a ``partial``) is watched as itself: another one put
     there (at an epoch) runs ops with other numbers (stale until 2026-12-01); its code is
-    walked as the classes' is."""
+    walked as the classes' is, and so is that of the forward hooks on the modules (a user's
+    ``o + SHIFT``)."""
     out: Held = {}
     functions: list[Any] = []
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            functions.append(getattr(hook, "__func__", getattr(hook, "func", hook)))   # (the user's run ops in the forward)
         for attr, v in vars(module).items():
             if attr[:1] == "_":
                 continue
@@ -163,9 +166,10 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
 
 
 def _pytorchs(x: Any) -> bool:
-    """Whether ``x`` (a class, function or Python module) is PyTorch's own."""
+    """Whether ``x`` (a class, function or Python module) is PyTorch's own, or ooc's (its hooks
+    on the model's modules)."""
     name = x.__name__ if isinstance(x, types.ModuleType) else getattr(x, "__module__", None) or ""
-    return name == "torch" or name.startswith("torch.")
+    return name in ("torch", "ooc") or name.startswith(("torch.", "ooc."))
 
 
 def _names(code: types.CodeType) -> set[str]:

@@ -37,6 +37,13 @@ _helpers = types.ModuleType("_helpers")
 exec("SHIFT = 0.0\ndef shifted(h):\n    return h + SHIFT\n", vars(_helpers))
 
 
+_HOOK_SHIFT = 0.0   # the "hook" source's: a forward hook on each block's layer adds it
+
+
+def _shift_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(out + _HOOK_SHIFT)
+
+
 def _adding(shift: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda h: h + shift
 
@@ -85,7 +92,8 @@ class _Shifted(nn.Module):
     an item of a list each block holds (``list``), the model's argument as NumPy's number
     (``numpy``: an ``np.float64`` is not a ``float``), or an entry of a dict of options the
     model takes and passes to each block (``options``), or a function each block holds and
-    calls, a new one at every step (``function``: ``lambda h: h + shift``)."""
+    calls, a new one at every step (``function``: ``lambda h: h + shift``), or a global that a
+    forward hook on each block's layer adds (``hook``)."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -133,6 +141,9 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
             if model.source == "global":
                 global _SHIFT
                 _SHIFT = shift
+            elif model.source == "hook":
+                global _HOOK_SHIFT
+                _HOOK_SHIFT = shift
             if model.source == "object":
                 _STATE.shift = shift
             elif model.source == "class":
@@ -171,6 +182,7 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
     ("module", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("helper", "_helpers.SHIFT is 0.5, the templates' step ran with 0.0"),
     ("list", "the model's blocks.0.rates.0 is 0.5, the templates' step ran with 0.0"),
+    ("hook", "the model's global test_model_numbers._HOOK_SHIFT is 0.5, the templates' step ran with 0.0"),
     ("function", "the model's blocks.0.fn is <function _adding.<locals>.<lambda>"),
     ("options", "the forward of the model (call 0) took 0.5 as its argument 1's 'shift', the templates' step 0.0"),
     ("numpy", "the forward of the model (call 0) took np.float64(0.5) as its argument 1, the templates' step "
@@ -183,6 +195,9 @@ def test_a_number_the_forward_reads_changed_after_the_form_settled_leaves_the_pl
     templates_forced(monkeypatch.setattr)
     shifts = [0.0] * 10 + [0.5] * 3
     ref, model = _twins(lambda: _Shifted(source))
+    if source == "hook":   # (by the loop: no code of the model's classes names the hook)
+        for b in (*ref.blocks, *model.blocks):
+            b.layer.register_forward_hook(_shift_output)
     ref_losses, _ = _shifted_steps(ref, None, shifts)
     with caplog.at_level("INFO", logger="ooc"):
         losses, forms = _shifted_steps(model, 6 << 20, shifts)
