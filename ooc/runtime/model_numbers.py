@@ -110,7 +110,7 @@ def _code_numbers(model: torch.nn.Module, functions: Iterable[Any] = ()) -> Iter
     (``helpers.shift(h)`` adding its module's ``SCALE``); and so for ``functions`` (those the
     modules hold)."""
     todo = [(f, 0) for f in functions if isinstance(f, types.FunctionType)]
-    for cls in {type(m) for m in model.modules()}:
+    for cls in dict.fromkeys(type(m) for m in model.modules()):   # (in the model's order: the names given)
         for c in cls.__mro__:
             if _pytorchs(c) or c is object:
                 continue
@@ -119,12 +119,12 @@ def _code_numbers(model: torch.nn.Module, functions: Iterable[Any] = ()) -> Iter
                     yield c, attr, f"class attribute {c.__qualname__}.{attr}", v
                 elif isinstance(f := getattr(v, "__func__", getattr(v, "fget", v)), types.FunctionType):
                     todo.append((f, 0))   # (a static or class method's, a property's)
-    seen: set[int] = set()
+    seen: dict[int, int] = {}   # id(function) -> the fewest calls deep it was walked at
     while todo:
         f, depth = todo.pop()
-        if id(f) in seen or _pytorchs(f):
-            continue
-        seen.add(id(f))
+        if seen.get(id(f), HELPERS + 1) <= depth or _pytorchs(f):
+            continue   # (one met deeper first is walked again: its helpers are in reach now)
+        seen[id(f)] = depth
         names, g, calls = _names(f.__code__), f.__globals__, []
         for name in names:
             if name in g:
@@ -262,8 +262,10 @@ def first_change(numbers: Held) -> str | None:
     """The first number held elsewhere now than ``numbers`` say, named (None: none). Read at
     each hook-driven step: a 32-layer Llama's modules and config hold 1,254 (~140 us here)."""
     for h, attr, name, v in numbers.values():
-        now = ((h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)) if type(attr) is str
-               else read(h, attr))   # (``read``, inline but for a list's)
+        try:   # (``read``, inline: a call per number)
+            now = h.get(attr) if isinstance(h, dict) else getattr(h, attr, None)
+        except (TypeError, ValueError):   # a list's item, an emptied cell
+            now = read(h, attr)
         if now is not v and not same(now, v):   # (the same object, mostly: no call)
             if _plain(now) and _plain(v) and (d := _differs(now, v)) is not None:   # (another config object)
                 name, now, v = f"{name}.{d[0]}", d[1], d[2]

@@ -365,6 +365,36 @@ def test_held_reads_the_globals_and_closed_over_numbers_the_modules_classes_name
     assert not [n for n in names if "_UNREAD" in n or "_LABEL" in n or n.startswith("global torch")]
 
 
+_DEEP = 0.25
+
+
+def _deep() -> float:
+    return _DEEP
+
+
+def _middle() -> float:
+    return _deep()
+
+
+def _outer() -> float:
+    return _middle()
+
+
+def test_a_helper_met_deeper_first_is_walked_again_where_it_is_met_less_deep() -> None:
+    """``forward`` (walked first) reaches ``_middle`` two calls deep, where its helpers are out
+    of reach; ``other`` reaches it one call deep, from where ``_deep``'s global is in reach. The
+    first version walked each function once, at the depth met first: which globals were watched
+    hung on the order of the walk."""
+    class Deep(nn.Module):
+        def other(self) -> float:
+            return _middle()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * _outer()
+
+    assert "global test_model_numbers._DEEP" in {entry[2] for entry in held(Deep()).values()}
+
+
 def test_same_tells_a_flag_from_a_number_and_a_nan_is_itself() -> None:
     assert same(0.5, 0.5) and same(math.nan, math.nan) and not same(True, 1) and not same(1, 1.0)
     assert changed_since({"a": (None, 1), "b": (None, 2.0)}, {"a": (None, 1), "b": (None, 3.0)}) == ["b"]
