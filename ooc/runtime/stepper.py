@@ -43,8 +43,7 @@ from typing import Any
 import torch
 
 from ooc.record.managed import Birth, Recording, current_node
-from ooc.record.op_schema import _OPS, op_info, split_foreach
-from ooc.record.op_schema import tensors as _tensors
+from ooc.record.op_schema import _OPS, op_info, split_foreach, tensors as _tensors
 from ooc.record.storages import storage_of
 from ooc.runtime.binding import Binding
 from ooc.runtime.composition import check_hooks_inside, top_saved_tensors_hooks
@@ -92,7 +91,8 @@ class Stepper:
       fails with it); ``peak``, ``stall_s``, ``events``; ``updating`` (inside ``optimizer.step()``);
       ``signature``, ``hook_trace``, ``templates()`` (for the plain and anchored forms of the next steps).
 
-    Its parts: ``course``, ``book``, ``recording``, ``recompute``, ``plan``, ``fresh``, ``room``, ``binder``, ``saved``, ``rollback``.
+    Its parts: ``course``, ``book``, ``recording``, ``recompute``, ``plan``, ``fresh``, ``room``,
+    ``binder``, ``saved``, ``rollback``.
     """
 
     planned = _part("course", "planned", "Still following the plan.")
