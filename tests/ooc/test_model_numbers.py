@@ -82,18 +82,21 @@ class _Block(nn.Module):
 
 
 class _Shifted(nn.Module):
-    """Five blocks that add a shift, read from where ``source`` says: the model's forward
-    argument (``model``), each block's (``block``: the model passes it down from a nested dict it takes),
-    an attribute of a config object (``config``) or a dict (``dict``) the blocks share, or of
-    a config object the loop gives each block anew at every step (``replaced``), a
-    global of the Python module that defines the blocks (``global``), an attribute of a global
-    object (``object``) or of the blocks' class (``class``), a global of another Python
-    module, read as its attribute (``module``) or by a function of that module (``helper``),
-    an item of a list each block holds (``list``), the model's argument as NumPy's number
-    (``numpy``: an ``np.float64`` is not a ``float``), or an entry of a dict of options the
-    model takes and passes to each block (``options``), or a function each block holds and
-    calls, a new one at every step (``function``: ``lambda h: h + shift``), or a global that a
-    forward hook on each block's layer adds (``hook``)."""
+    """Five blocks that add a shift, read from where ``source`` says:
+
+    - passed in: the model's forward argument (``model``; ``numpy``: as NumPy's number, an
+      ``np.float64`` is not a ``float``), each block's (``block``: the model passes it down
+      from a nested dict it takes), an entry of a dict of options the model takes and passes
+      to each block (``options``);
+    - held: an attribute of a config object (``config``) or a dict (``dict``) the blocks
+      share, or of a config object the loop gives each block anew at every step
+      (``replaced``), an item of a list each block holds (``list``), a function each block
+      holds and calls, a new one at every step (``function``: ``lambda h: h + shift``);
+    - named by code: a global of the Python module that defines the blocks (``global``), an
+      attribute of a global object (``object``) or of the blocks' class (``class``), a global
+      of another Python module, read as its attribute (``module``) or by a function of that
+      module (``helper``), a global that a forward hook on each block's layer adds (``hook``).
+    """
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -106,7 +109,8 @@ class _Shifted(nn.Module):
     def forward(self, x: torch.Tensor, shift: float | dict = 0.0) -> torch.Tensor:
         x = torch.sigmoid(self.first(x))
         for b in self.blocks:
-            x = b(x, shift if self.source in ("model", "numpy", "options") else shift["opts"]["shift"] if self.source == "block" else None)
+            passed = shift["opts"]["shift"] if self.source == "block" else shift
+            x = b(x, passed if self.source in ("model", "numpy", "options", "block") else None)
         return self.last(x)
 
 
@@ -138,13 +142,12 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
         for i, shift in enumerate(shifts):
             torch.manual_seed(i)
             x, y = torch.randn(1024, 64), torch.randint(0, 10, (1024,))
+            global _SHIFT, _HOOK_SHIFT
             if model.source == "global":
-                global _SHIFT
                 _SHIFT = shift
             elif model.source == "hook":
-                global _HOOK_SHIFT
                 _HOOK_SHIFT = shift
-            if model.source == "object":
+            elif model.source == "object":
                 _STATE.shift = shift
             elif model.source == "class":
                 _Block.lift = shift
@@ -156,16 +159,15 @@ def _shifted_steps(model: _Shifted, budget: int | None, shifts: list[float]) -> 
             elif model.source == "function":   # (a new function at every step, the same until the change)
                 for b in model.blocks:
                     b.fn = _adding(shift)
-            if model.source == "dict":
+            elif model.source == "dict":
                 model.config["shift"] = shift
             elif model.source == "config":
                 model.config.shift = shift
             elif model.source == "replaced":   # (a new config at every step, the same until the change)
                 for b in model.blocks:
                     b.config = types.SimpleNamespace(shift=shift)
-            args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "block": (x, {"opts": {"shift": shift}}),
-                    "options": (x, {"shift": shift})}.get(
-                model.source, (x,))
+            args = {"model": (x, shift), "numpy": (x, np.float64(shift)), "options": (x, {"shift": shift}),
+                    "block": (x, {"opts": {"shift": shift}})}.get(model.source, (x,))
             yield lambda args=args, y=y: nn.functional.cross_entropy(model(*args), y)
     return _run(model, torch.optim.Adam(model.parameters(), lr=1e-3), budget, steps())
 
