@@ -81,7 +81,7 @@ def held(model: torch.nn.Module) -> Held:
     for path, module in model.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
-            functions.append(getattr(hook, "__func__", getattr(hook, "func", hook)))   # (a user's runs ops)
+            functions.append(_called(hook))   # (a user's runs ops)
         for attr, v in vars(module).items():
             if attr[:1] == "_":
                 continue
@@ -89,16 +89,18 @@ def held(model: torch.nn.Module) -> Held:
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
             elif isinstance(v, _FUNCTIONS):
                 out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
-                functions.append(getattr(v, "__func__", getattr(v, "func", v)))
-            else:
-                inside = plain_numbers(v)
-                if inside:   # the object too: another put there (a new config) is compared by its numbers
-                    out.setdefault((id(module), attr), (module, attr, prefix + attr, v))
-                for sub, x in inside:   # (each once: a config every layer holds)
-                    out.setdefault((id(v), sub), (v, sub, f"{prefix}{attr}.{sub}", x))
+                functions.append(_called(v))
+            else:   # (each number once: a config every layer holds)
+                for h, a, name, x in _plain_entries(module, attr, prefix + attr, v):
+                    out.setdefault((id(h), a), (h, a, name, x))
     for holder, attr, name, v in _code_numbers(model, functions):
         out.setdefault((id(holder), attr), (holder, attr, name, v))
     return out
+
+
+def _called(f: Any) -> Any:
+    """The function a bound method or a ``partial`` calls (``f`` itself else)."""
+    return getattr(f, "__func__", getattr(f, "func", f))
 
 
 def _numbers_tuple(v: object) -> bool:
@@ -164,11 +166,18 @@ def _reached(holder: Any, attr: str, names: set[str], label: str,
             elif isinstance(x, types.FunctionType):
                 calls.append(x)
     else:
-        inside = plain_numbers(v)
-        if inside:   # the object too (a global the loop rebinds to a new one)
-            yield holder, attr, label, v
-        for sub, x in inside:
-            yield v, sub, f"{label}.{sub}", x
+        yield from _plain_entries(holder, attr, label, v)
+
+
+def _plain_entries(holder: Any, attr: Any, label: str, v: Any) -> list[tuple[Any, Any, str, object]]:
+    """The entries a plain object, dict or list ``v`` at ``holder``'s ``attr`` gives: each of its
+    numbers (``plain_numbers``), and the object itself where it holds one: another put in its
+    place (a config the loop makes anew, a global rebound to a new one) is compared by its
+    numbers (``same``)."""
+    inside = plain_numbers(v)
+    if not inside:
+        return []
+    return [(holder, attr, label, v), *((v, sub, f"{label}.{sub}", x) for sub, x in inside)]
 
 
 def _pytorchs(x: Any) -> bool:

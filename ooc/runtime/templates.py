@@ -218,12 +218,15 @@ class TemplateCapture:
                 if t is not None and t.layout is torch.strided and not t.is_meta:
                     self.persistent.setdefault(t.untyped_storage()._cdata, t)
                     self.owner.setdefault(id(t), (module, attr, prefix + attr))
-        self.read_at: int | None = None   # the first op that read a number out of a tensor in a forward
-        self.numbers = self._held(held, model)   # Templates.numbers, read again at the first save (``saved``)
         # Templates.arguments: the numbers the forwards took. Not watched (a plan whose form is
         # made: a hook per module at every per-op step cost it 3-5%), every op counts as the
         # loop's and no function that replays a number gets a template (``build``)
         self.forwards = Forwards.noting(model) if watch else None
+        # the first op from which no function that replays a number gets a template (None: none):
+        # the first that read a number out of a tensor in a forward (``read_out``); every op where
+        # the forwards are not watched or the model's numbers cannot be read (-1)
+        self.read_at: int | None = None if watch else -1
+        self.numbers = self._held(held, model)   # Templates.numbers, read again at the first save (``saved``)
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
         self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
@@ -336,7 +339,7 @@ class TemplateCapture:
 
             c = Template.make(r.func, tree_map(slot, r.args), tree_map(slot, r.kwargs), r.stats, r.grad,
                               r.outputs, self.rng_at.get(i))
-            if (self.forwards is not None and (self.read_at is None or i < self.read_at)) or not _numbered(c):
+            if self.read_at is None or i < self.read_at or not _numbered(c):
                 calls[i] = c
         wanted: dict[int, PackArg] = {}
         for a in (a for c in calls.values() for a in c.saves):   # one save read two ways: checked as the part
