@@ -70,6 +70,7 @@ class AnchoredStep(HookStep):
         self.k = self.m = 0                       # saves and unpacks seen so far
         self.slots: dict[int, Slot] = {}          # var -> slot
         self.by_storage: dict[int, Slot] = {}     # id(storage) -> slot
+        self.made: dict[int, int] = {}            # var -> the storage it was first saved in
         self.resident = self.peak = 0             # managed bytes held now, and their peak
         self.unbound = 0   # bytes saved after the plan ended, kept (counted at each save: an upper bound)
         self.updated = False                      # the optimizer step ran in this step
@@ -132,7 +133,15 @@ class AnchoredStep(HookStep):
                 slot = Slot(var, Kind.ACTIVATION, nbytes, v.name, in_place=False,
                             state=State.RESIDENT, storage=s)
                 self.slots[var] = slot
+                self.made[var] = s._cdata
                 self._account(nbytes)
+            elif self.made[var] != s._cdata:
+                # Another tensor of the size the plan's step saved again here (the step skipped a
+                # layer whose input two layers saved: LayerDrop). Bound to the slot, its node read
+                # the first tensor's bytes back: wrong gradients (HF's Hubert, layerdrop=0.1).
+                self._diverge(gap, f"saved tensor {k} is not {slot.name}, which the plan's step saved "
+                              "there again (another tensor of its size)", saves=k)
+                return self._after_plan(t, nbytes)
             self.by_storage[id(s)] = slot
         if self.actions:
             self._reach(gap)

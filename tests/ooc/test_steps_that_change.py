@@ -9,17 +9,27 @@ plans_again``); the steps between run the last plan to where they leave it, then
 At the streak's first such point the step drops its plan instead, once (``Decision.trace``):
 the next step records with its hook trace, and its plan is made there with its anchored form
 (which the next skipped block leaves). Bitwise as in core throughout.
+
+A step that skips a block its anchored form ran (``anchored_step.py``) saves the next layers'
+tensors where the skipped block's were, of the same sizes. Where the plan's step saved one
+tensor twice (a block's input, read by two layers), this step saved two: the second was bound
+to the first's slot, and its node read the first's bytes back (wrong gradients, silently:
+HF's Hubert at its default ``layerdrop=0.1``). Now a save bound to a variable already seen
+must be the tensor seen there, else the step leaves its plan.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
+from ooc.engine import hook_forms
+from ooc.testing.forced_forms import decided
 from scheduler.step_plans import REPLAN_STREAK, plans_again
 
 STEPS = 16
@@ -76,3 +86,95 @@ def test_a_model_whose_ops_change_at_random_is_planned_from_at_doubling_interval
     # 10 steps in a row unkept (15 before).
     assert made[0] == 0 and made[1:7] == [1, 1, 1, 0, 1, 0], made
     assert made[1:] == [int(plans_again(n) and n != REPLAN_STREAK) for n in range(STEPS - 1)], made
+
+
+class _SkipsItsLast(nn.Module):
+    """Blocks whose input two layers save (``q`` and ``k``), then dropout and a head of the
+    blocks' width; the loop sets ``skip`` to leave the last block out of one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+        self.k = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+        self.norms = nn.ModuleList(nn.LayerNorm(64) for _ in range(3))
+        self.head = nn.Linear(64, 64)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for q, k, norm in list(zip(self.q, self.k, self.norms))[:2 if self.skip else 3]:
+            x = norm(x + torch.tanh(q(x)) * k(x))
+        return self.head(F.dropout(x, 0.1, self.training))
+
+
+def test_a_step_that_skips_a_block_of_its_anchored_form_reads_its_own_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Swap only, the anchored form kept whatever the times; the last block skipped at step 9."""
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", decided(keep=True))
+    ref = _SkipsItsLast()
+    model = copy.deepcopy(ref)
+    runs = []
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        engine = ooc.OutOfCore(m, opt, budget=1 << 20, recompute="never") if m is model else None
+        forms = []
+        for step in range(12):
+            m.skip = step == 9
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 16, 64, generator=g), torch.randn(32, 16, 64, generator=g)
+            torch.manual_seed(100 + step)   # dropout
+            with engine.step() if engine is not None else torch.enable_grad():
+                F.mse_loss(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            if engine is not None:
+                s = engine.stats()
+                forms.append((ooc.FORMS[s["last_form"]], s["last_diverged_at"] != -1))
+        runs.append(forms)
+        if engine is not None:
+            engine.close()
+    assert runs[1][8] == ("anchored", False) and runs[1][9] == ("anchored", True), runs[1]
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's Hubert for CTC as its configuration comes (``layerdrop=0.1``, SpecAugment's time
+    masks drawn with NumPy), templates forced (``templates_forced``): its anchored form's step
+    13 skipped the last layer, and ``lm_head`` read the first layer's output in place of its
+    own input on the code before (its weight alone differed; no loss did)."""
+    import numpy as np
+
+    from ooc.testing.forced_forms import templates_forced
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    templates_forced(monkeypatch.setattr)
+    config = transformers.HubertConfig(
+        vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, mask_time_prob=0.3, mask_time_length=2, pad_token_id=0)
+    runs = []
+    for managed in (False, True):
+        torch.manual_seed(0)
+        model = transformers.HubertForCTC(config).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine = ooc.OutOfCore(model, opt, budget=16 << 20) if managed else None
+        left = []
+        for step in range(14):
+            np.random.seed(step)
+            torch.manual_seed(1000 + step)
+            x, labels = torch.randn(4, 4000), torch.randint(1, 32, (4, 20))
+            with engine.step() if engine is not None else torch.enable_grad():
+                model(input_values=x, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if engine is not None:
+                s = engine.stats()
+                left.append(ooc.FORMS[s["last_form"]] == "anchored" and s["last_diverged_at"] != -1)
+        if engine is not None:
+            engine.close()
+            assert any(left), "no anchored step left its plan: the case no longer skips a layer there"
+        runs.append(model.state_dict())
+    for (name, a), b in zip(runs[0].items(), runs[1].values()):
+        assert torch.equal(a, b), name
