@@ -62,7 +62,7 @@ class Packed:
     unpack (an anchored plan that neither swaps nor discards it: holding it costs no memory,
     and the unpack needs no new view, ~5 us each)."""
 
-    __slots__ = ("slot", "view", "tensor", "__weakref__")
+    __slots__ = ("slot", "view", "tensor")
 
     def __init__(self, slot: Slot, t: torch.Tensor, keep: bool = False) -> None:
         self.slot, self.view = slot, View.of(t)
@@ -95,9 +95,9 @@ class SavedTensors:
         self.node_vars: list[tuple[int, int]] = []
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.full_vars: dict[int, int] = {}
-        self.held: dict[int, list[weakref.ref]] = {}   # var -> its Packed objects, weakly
+        self.packed: set[int] = set()   # vars saved so far
         self.packed_since = False   # a save since the last unpack: the next unpack begins a backward
-        self.reachable: set[int] = set()   # vars autograd held when a backward began
+        self.reachable: set[int] = set()   # vars saved before a backward began
         self.read_back: set[int] = set()   # vars a backward node unpacked
         # A recording step that decides the chunk (the engine's default chunk adapts, see
         # scheduler/chunk_size.py) notes the storages its ops create below the threshold, and
@@ -128,8 +128,8 @@ class SavedTensors:
         if t.layout is not torch.strided:
             return t   # sparse: no storage to move, left to PyTorch
         p = self._pack_saved(t)
-        if isinstance(p, Packed):   # does autograd still hold it when a backward begins? (hold_unread)
-            self.held.setdefault(p.slot.var, []).append(weakref.ref(p))
+        if isinstance(p, Packed):   # saved before a backward begins? (hold_unread)
+            self.packed.add(p.slot.var)
             self.packed_since = True
         trace = self.hook_trace
         if trace is not None:
@@ -266,8 +266,8 @@ class SavedTensors:
         self.room.release_held()
 
     def hold_unread(self) -> None:
-        """At the end of a step that is planned from: an activation autograd held when a
-        backward began and no backward node unpacked (a node the backward did not reach:
+        """At the end of a step that is planned from: an activation saved before a backward
+        began and that no backward node unpacked (a node the backward did not reach:
         ``backward(inputs=...)`` short of it, an output the loss left out) outlives the step
         (``live_out``): the plan never frees it, it keeps it or writes it out.
 
@@ -276,10 +276,15 @@ class SavedTensors:
         output in, ``inputs`` widen) left the plan at an op of its backward, and on demand the
         unpack found nothing to read: the step failed. In core holds those bytes as long as
         autograd does; the plan keeps or writes them out to the step's end (kept as one op's
-        inputs instead, they had to fit the budget at once). A saved tensor whose
-        graph was dropped before any backward is dead, and one read back died with its node
-        unless the graph was kept (``retain_graph``): a second backward in a later step that
-        the recorded step did not run is not provided for (``given_back.freed_error``)."""
+        inputs instead, they had to fit the budget at once). So too where autograd let go of
+        it before the backward: a loss computed in a helper that returns it alone (Hugging
+        Face's ``Trainer.compute_loss``) drops the graph of an output the loss leaves out when
+        the helper returns, and a later step whose loss took that output in ran the same ops
+        up to the loss, past the plan's free (BART with LayerDrop: a step that dropped every
+        decoder layer left the encoder's graph unread). Counted dead, they made the next such
+        step fail. One read back died with its node unless the graph was kept
+        (``retain_graph``): a second backward in a later step that the recorded step did not
+        run is not provided for (``given_back.freed_error``)."""
         for var in self.reachable - self.read_back:
             if var in self.rec.variables:
                 self.rec.set_live_out(var, True)
@@ -321,9 +326,9 @@ class SavedTensors:
         if self.hook_trace is not None:
             self.hook_trace.unpacks.append((nxt, slot.var))
         self.unpacked.append(slot.var)
-        if self.packed_since:   # a backward begins: what autograd holds now, it may unpack
+        if self.packed_since:   # a backward begins: what was saved before it, this step's or a later one's may unpack
             self.packed_since = False
-            self.reachable.update(var for var, refs in self.held.items() if any(r() is not None for r in refs))
+            self.reachable.update(self.packed)
         self.read_back.add(slot.var)
         self.node_vars.append((slot.var, nxt))
         self.room.hold(slot)

@@ -6,12 +6,16 @@ A plan gives an activation's bytes back after its last use in the step it was re
 Saved by a node that backward never reached there, its last use was in the forward, while
 autograd still held it; a later step that reached the node left its plan there, and on
 demand the unpack found no bytes: the step failed with ``AttributeError: 'NoneType' object
-has no attribute 'device'``. Now an activation autograd saved, never unpacked and still holds
-at the end of a step counts as used to the step's end (``SavedTensors.hold_unread``), and a
+has no attribute 'device'``. Now an activation autograd saved before a backward began and no
+node unpacked counts as used to the step's end (``SavedTensors.hold_unread``), and a
 read of bytes the plan did give back (a second backward that the recorded step did not run)
 raises an ``OOCError`` that names the tensor, its bytes and the op, and rolls the step back.
 Each loop trains a residual CNN with BatchNorm and dropout in core and under the engine, with
-SGD and Adam, bitwise.
+SGD and Adam, bitwise. The head's loss may also come from a helper that returns the loss alone
+(Hugging Face's ``Trainer.compute_loss``): then, in a step that leaves the head out, its graph
+is gone before the backward begins. Counted dead, its activations were given back after their
+last use in the forward, and the next step that took the head in (the same ops up to the
+loss, which leaves the plan only there) failed at their unpack (``OOCError``, rolled back).
 """
 
 from __future__ import annotations
@@ -58,7 +62,21 @@ def _aux_now_and_then(model: nn.Module, step: int, x: torch.Tensor, y: torch.Ten
     (loss + 0.3 * F.cross_entropy(aux, y) if step % 3 == 2 else loss).backward()
 
 
-LOOPS = {"inputs": (_model, _inputs_now_and_then), "aux_head": (_WithAux, _aux_now_and_then)}
+def _loss_of(model: nn.Module, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss alone, as Hugging Face's ``Trainer.compute_loss`` returns it: the head's output
+    dies with this frame, so where the loss leaves the head out, autograd lets go of the head's
+    graph before the backward begins."""
+    out, aux = model(x)
+    loss = F.cross_entropy(out, y)
+    return loss + 0.3 * F.cross_entropy(aux, y) if step % 3 == 2 else loss
+
+
+def _aux_from_a_helper(model: nn.Module, step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    _loss_of(model, step, x, y).backward()
+
+
+LOOPS = {"inputs": (_model, _inputs_now_and_then), "aux_head": (_WithAux, _aux_now_and_then),
+         "aux_head_from_a_helper": (_WithAux, _aux_from_a_helper)}
 
 
 def _train(model: nn.Module, loop, optimizer: str, manage: tuple[str, ...] | None,
