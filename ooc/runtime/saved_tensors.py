@@ -95,8 +95,7 @@ class SavedTensors:
         self.node_vars: list[tuple[int, int]] = []
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
         self.full_vars: dict[int, int] = {}
-        self.packed: set[int] = set()   # vars saved so far
-        self.packed_since = False   # a save since the last unpack: the next unpack begins a backward
+        self.packed: set[int] = set()   # vars saved since the last unpack: the next unpack begins a backward
         self.reachable: set[int] = set()   # vars saved before a backward began
         self.read_back: set[int] = set()   # vars a backward node unpacked
         # A recording step that decides the chunk (the engine's default chunk adapts, see
@@ -130,7 +129,6 @@ class SavedTensors:
         p = self._pack_saved(t)
         if isinstance(p, Packed):   # saved before a backward begins? (hold_unread)
             self.packed.add(p.slot.var)
-            self.packed_since = True
         trace = self.hook_trace
         if trace is not None:
             s = t.untyped_storage()
@@ -326,9 +324,9 @@ class SavedTensors:
         if self.hook_trace is not None:
             self.hook_trace.unpacks.append((nxt, slot.var))
         self.unpacked.append(slot.var)
-        if self.packed_since:   # a backward begins: what was saved before it, this step's or a later one's may unpack
-            self.packed_since = False
-            self.reachable.update(self.packed)
+        if self.packed:   # a backward begins: what was saved before it, this step's or a later one's may unpack
+            self.reachable |= self.packed
+            self.packed.clear()
         self.read_back.add(slot.var)
         self.node_vars.append((slot.var, nxt))
         self.room.hold(slot)

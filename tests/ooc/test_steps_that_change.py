@@ -21,6 +21,8 @@ must be the tensor seen there, else the step leaves its plan.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -107,33 +109,44 @@ class _SkipsItsLast(nn.Module):
         return self.head(F.dropout(x, 0.1, self.training))
 
 
+def _forms(opt: torch.optim.Optimizer, engine: ooc.OutOfCore | None, steps: int, batch_of: Callable[[int], Any],
+           loss_of: Callable[[Any], torch.Tensor]) -> list[tuple[str, bool]]:
+    """``steps`` steps, each of ``loss_of(batch)``'s backward and an update, the batch made by
+    ``batch_of(step)`` before the step begins; under ``engine`` (closed after) or in core.
+    Under the engine, each step's form and whether it left its plan."""
+    forms = []
+    for step in range(steps):
+        batch = batch_of(step)
+        with engine.step() if engine is not None else torch.enable_grad():
+            loss_of(batch).backward()
+            opt.step()
+            opt.zero_grad()
+        if engine is not None:
+            s = engine.stats()
+            forms.append((ooc.FORMS[s["last_form"]], s["last_diverged_at"] != -1))
+    if engine is not None:
+        engine.close()
+    return forms
+
+
 def test_a_step_that_skips_a_block_of_its_anchored_form_reads_its_own_tensors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Swap only, the anchored form kept whatever the times; the last block skipped at step 9."""
     monkeypatch.setattr(hook_forms.HookPlan, "judge", decided(keep=True))
     ref = _SkipsItsLast()
     model = copy.deepcopy(ref)
-    runs = []
     for m in (ref, model):
-        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-        engine = ooc.OutOfCore(m, opt, budget=1 << 20, recompute="never") if m is model else None
-        forms = []
-        for step in range(12):
+        def batch_of(step: int, m: nn.Module = m) -> tuple[torch.Tensor, torch.Tensor]:
             m.skip = step == 9
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(32, 16, 64, generator=g), torch.randn(32, 16, 64, generator=g)
             torch.manual_seed(100 + step)   # dropout
-            with engine.step() if engine is not None else torch.enable_grad():
-                F.mse_loss(m(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            if engine is not None:
-                s = engine.stats()
-                forms.append((ooc.FORMS[s["last_form"]], s["last_diverged_at"] != -1))
-        runs.append(forms)
-        if engine is not None:
-            engine.close()
-    assert runs[1][8] == ("anchored", False) and runs[1][9] == ("anchored", True), runs[1]
+            return x, y
+
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        engine = ooc.OutOfCore(m, opt, budget=1 << 20, recompute="never") if m is model else None
+        forms = _forms(opt, engine, 12, batch_of, lambda b, m=m: F.mse_loss(m(b[0]), b[1]))
+    assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -158,23 +171,17 @@ def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatc
     for managed in (False, True):
         torch.manual_seed(0)
         model = transformers.HubertForCTC(config).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        engine = ooc.OutOfCore(model, opt, budget=16 << 20) if managed else None
-        left = []
-        for step in range(14):
+
+        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             np.random.seed(step)
             torch.manual_seed(1000 + step)
-            x, labels = torch.randn(4, 4000), torch.randint(1, 32, (4, 20))
-            with engine.step() if engine is not None else torch.enable_grad():
-                model(input_values=x, labels=labels).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            if engine is not None:
-                s = engine.stats()
-                left.append(ooc.FORMS[s["last_form"]] == "anchored" and s["last_diverged_at"] != -1)
-        if engine is not None:
-            engine.close()
-            assert any(left), "no anchored step left its plan: the case no longer skips a layer there"
+            return torch.randn(4, 4000), torch.randint(1, 32, (4, 20))
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine = ooc.OutOfCore(model, opt, budget=16 << 20) if managed else None
+        forms = _forms(opt, engine, 14, batch_of, lambda b, m=model: m(input_values=b[0], labels=b[1]).loss)
+        if managed:
+            assert ("anchored", True) in forms, "no anchored step left its plan: the case no longer skips a layer there"
         runs.append(model.state_dict())
     for (name, a), b in zip(runs[0].items(), runs[1].values()):
         assert torch.equal(a, b), name
