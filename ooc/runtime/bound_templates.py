@@ -110,8 +110,9 @@ class BoundTemplates:
         at = matches(got, want)
         if at is None:
             return None
-        return (f"variable {var} was made by {said(got, at)} ({at} nodes back), the templates' by "
-                f"{said(want, at)}")
+        names = self.templates.names
+        return (f"variable {var} was made by {said(got, at, names)} ({at} nodes back), the templates' by "
+                f"{said(want, at, names)}")
 
     def why_stale(self) -> str | None:
         """Why no template replays: the model holds another parameter or buffer than they

@@ -8,6 +8,7 @@ from saw, where a discarded activation is saved: another op, or another number, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ _NUMBER_OPS = frozenset({"Mul", "Div", "Sub", "Rsub", "Pow", "Maximum", "Minimum
 # (``_number``). Asked once a type: a step walks the graph at every discard, ~5,000 nodes a
 # step of a 20-layer decoder.
 _KINDS: dict[type, Any] = {}
+_VIEW_HOPS = 4   # how many views deep a node's parameter is looked for (``_parameters``)
 
 
 def _kind(node: Any) -> Any:
@@ -72,8 +74,10 @@ def signature(t: torch.Tensor, depth: int, memo: dict[int, tuple] | None = None)
     """What made ``t``'s bytes as autograd's graph tells it, ``depth`` nodes back from ``t``'s:
     each node's type with the numbers and flags it saved (a ``pow``'s exponent, a
     ``leaky_relu``'s slope, a ``clamp``'s bounds: arguments that are no tensor, which a
-    template replays as captured). View nodes are "view" (which one depends on the dispatch:
-    see ``node_of``). A schedule that changes such a number between steps changes this.
+    template replays as captured), and the parameters it read where it read any
+    (``_parameters``). View nodes are "view" (which one depends on the dispatch: see
+    ``node_of``). A schedule that changes such a number between steps changes this; a step
+    that runs another layer reads other parameters.
 
     ``memo`` (one step's: ``id(node)`` -> the node, what it says, its next nodes) lets the walks
     of one step share what they read: a 20-layer decoder's step (benchmarks/bench_hook_host.py)
@@ -109,10 +113,36 @@ def _described(node: Any) -> tuple[Any, list[Any]]:
     said = _kind(node)
     if said is None:
         return None, []
+    nexts = [f for f, _ in node.next_functions]
     if said == "view":
-        return said, [f for f, _ in node.next_functions]
+        return said, nexts
     numbers = [_value(node, a) for a in said[1]] + [n for a in said[2] if (n := _number(node, a)) is not None]
-    return (said[0], tuple(numbers)), [f for f, _ in node.next_functions]
+    params = _parameters(nexts)
+    return (said[0], tuple(numbers), *((params,) if params else ())), nexts
+
+
+def _parameters(nexts: list[Any]) -> tuple[int, ...]:
+    """The parameters a node read, itself or through views (``id``s, in its inputs' order).
+
+    Why: a template reads a parameter as itself, and one that no node saves (a bias added:
+    ``t + self.b``) left no trace in what the hooks see. A step that skipped a layer
+    (LayerDrop) saved the next layer's tensors where the skipped one's were, of the same
+    sizes from the same nodes, and its chains were replayed with the skipped layer's bias:
+    wrong gradients, the step's plan left or not (``tests/ooc/test_steps_that_change.py``)."""
+    out = []
+    for f in nexts:
+        for _ in range(_VIEW_HOPS):
+            if f is None:
+                break
+            kind = _kind(f)
+            if kind is None:   # a leaf's AccumulateGrad
+                if isinstance(v := f.variable, torch.nn.Parameter):
+                    out.append(id(v))
+                break
+            if kind != "view" or not (up := f.next_functions):
+                break
+            f = up[0][0]
+    return tuple(out)
 
 
 def matches(got: tuple, want: tuple) -> int | None:
@@ -131,20 +161,25 @@ def varied(sig: tuple, old: tuple) -> tuple:
     activation before, as ``VARIES`` (``Templates.vary_from``), where both hold as many nodes."""
     if sig == old or len(sig) != len(old):
         return sig
-    return tuple((a[0], tuple(x if x == y else VARIES for x, y in zip(a[1], b[1]))) if _numbered_alike(a, b) else a
-                 for a, b in zip(sig, old))
+    return tuple((a[0], tuple(x if x == y else VARIES for x, y in zip(a[1], b[1])), *a[2:])
+                 if _numbered_alike(a, b) else a for a, b in zip(sig, old))
 
 
 def _numbered_alike(a: Any, b: Any) -> bool:
-    """Whether signature entries ``a`` and ``b`` are nodes of one type with as many numbers."""
-    return a != "view" and b != "view" and a[0] == b[0] and len(a[1]) == len(b[1])
+    """Whether signature entries ``a`` and ``b`` are nodes of one type with as many numbers
+    that read the same parameters (never ``VARIES``: a step whose layers change reads others)."""
+    return a != "view" and b != "view" and a[0] == b[0] and len(a[1]) == len(b[1]) and a[2:] == b[2:]
 
 
-def said(sig: tuple, at: int) -> str:
+def said(sig: tuple, at: int, names: Mapping[int, str]) -> str:
+    """Node ``at`` of signature ``sig`` in words, each parameter it read by its ``names``."""
     if at >= len(sig):
         return "nothing"
     node = sig[at]
-    return "a view" if node == "view" else f"{node[0]}{list(node[1]) if node[1] else ''}"
+    if node == "view":
+        return "a view"
+    read = f" reading {', '.join(names.get(i, 'a parameter') for i in node[2])}" if len(node) > 2 else ""
+    return f"{node[0]}{list(node[1]) if node[1] else ''}{read}"
 
 
 def node_of(t: torch.Tensor) -> str:

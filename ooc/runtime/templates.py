@@ -139,6 +139,7 @@ class Templates:
     at_saves: Mapping[int, torch.Tensor] = field(default_factory=dict)
     numbers: Held = field(default_factory=dict)
     arguments: Passed = field(default_factory=dict)
+    names: Mapping[int, str] = field(default_factory=dict)   # id(parameter) -> its name, for messages
 
     @property
     def functions(self) -> frozenset[int]:
@@ -356,7 +357,8 @@ class TemplateCapture:
         self.close()
         return Templates(calls, dict(born_at), wanted, dict(self.nodes), tuple(persistent.values()), self.depth,
                          self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves,
-                         dict(self.numbers), dict(self.forwards.passed) if self.forwards is not None else {})
+                         dict(self.numbers), dict(self.forwards.passed) if self.forwards is not None else {},
+                         {i: owner[2] for i, owner in self.owner.items()})
 
     def outside(self) -> bool:
         """Whether an op running now runs outside every forward of the model (as far as seen)."""

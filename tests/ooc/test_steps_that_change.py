@@ -15,7 +15,10 @@ tensors where the skipped block's were, of the same sizes. Where the plan's step
 tensor twice (a block's input, read by two layers), this step saved two: the second was bound
 to the first's slot, and its node read the first's bytes back (wrong gradients, silently:
 HF's Hubert at its default ``layerdrop=0.1``). Now a save bound to a variable already seen
-must be the tensor seen there, else the step leaves its plan.
+must be the tensor seen there, else the step leaves its plan. Where the skipped block's only
+parameter is a bias added (no node saves it), its chains were replayed from the next block's
+saves with the skipped block's bias: what a chain makes is now checked with the parameters its
+nodes read (``made_by.signature``).
 """
 
 from __future__ import annotations
@@ -184,4 +187,51 @@ def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatc
             assert ("anchored", True) in forms, "no anchored step left its plan: the case no longer skips a layer there"
         runs.append(model.state_dict())
     for (name, a), b in zip(runs[0].items(), runs[1].values()):
+        assert torch.equal(a, b), name
+
+
+class _BiasesAdded(nn.Module):
+    """Blocks whose one parameter is a bias added (``t + b``: no node saves it), the second
+    skipped as LayerDrop does (a draw of ``torch.rand`` below 0.1), and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.biases = nn.ParameterList(nn.Parameter(torch.randn(64) / 10) for _ in range(4))
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.biases):
+            if i == 1 and self.training and torch.rand([]).item() < 0.1:
+                continue
+            x = F.gelu(torch.relu(x) + b) * torch.tanh(x)
+        return self.head(x)
+
+
+def test_a_step_that_skips_a_block_whose_bias_no_node_saves_recomputes_with_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templates forced; the second block skipped at step 9 of the anchored form. Its chains
+    (``relu(x) + b`` then ``gelu``) were replayed from the next block's saves with the skipped
+    block's bias on the code before, which no save showed (``at_saves``): wrong gradients,
+    though the step left its plan at a later save. The signature of what a chain makes names
+    the parameters its nodes read (``made_by._parameters``)."""
+    from ooc.testing.forced_forms import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    draws = [(s, torch.rand([], generator=torch.Generator().manual_seed(s)).item() < 0.1) for s in range(100)]
+    kept, skipped = next(s for s, skip in draws if not skip), next(s for s, skip in draws if skip)
+    ref = _BiasesAdded()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 16, 64, generator=g), torch.randn(32, 16, 64, generator=g)
+            torch.manual_seed(skipped if step == 9 else kept)
+            return x, y
+
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        engine = ooc.OutOfCore(m, opt, budget=1 << 20) if m is model else None
+        forms = _forms(opt, engine, 12, batch_of, lambda b, m=m: F.mse_loss(m(b[0]), b[1]))
+    assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
