@@ -235,3 +235,40 @@ def test_a_step_that_skips_a_block_whose_bias_no_node_saves_recomputes_with_its_
     assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+class _PerLanguage(nn.Module):
+    """An embedding table per language, the batch's language passed as a string, and a body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.ModuleDict({"en": nn.Embedding(100, 64), "de": nn.Embedding(100, 64)})
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    def forward(self, ids: torch.Tensor, language: str) -> torch.Tensor:
+        return self.body(F.gelu(self.embed[language](ids) * 2.0))
+
+
+def test_a_step_that_reads_another_embedding_table_recomputes_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templates forced; the German table at steps 9 and 13. The embedding's node saves the
+    ids alone, and the string that picks the table is no number the forms compare: on the
+    code before, the anchored form replayed ``gelu``'s input from the English table at those
+    steps and never left its plan (both tables' gradients wrong, at default settings too)."""
+    from ooc.testing.forced_forms import templates_forced
+
+    templates_forced(monkeypatch.setattr)
+    ref = _PerLanguage()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+            g = torch.Generator().manual_seed(step)
+            return (torch.randint(0, 100, (32, 64), generator=g), torch.randn(32, 64, 64, generator=g),
+                    "de" if step in (9, 13) else "en")
+
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        engine = ooc.OutOfCore(m, opt, budget=1 << 20) if m is model else None
+        forms = _forms(opt, engine, 15, batch_of, lambda b, m=m: F.mse_loss(m(b[0], b[2]), b[1]))
+    assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
