@@ -326,9 +326,10 @@ class TemplateCapture:
     def build(self, recipes: Mapping[int, Recipe], born_at: Mapping[int, tuple[int, int]]) -> Templates:
         """The templates of every recipe all of whose tensors were bound."""
         calls: dict[int, Template] = {}
+        saved = {id(self.persistent[c]) for c in self.param_saves.values()}
         for i, r in recipes.items():
             found = self.found.get(i, {})
-            if i in self.random or any(id(x) not in found for x, _ in r.held):
+            if i in self.random or any(id(x) not in found for x, _ in r.held) or self._unseen(found, saved):
                 continue
 
             def slot(x: Any) -> Any:
@@ -359,6 +360,19 @@ class TemplateCapture:
                          self.rng_device, tuple((t, *self.owner[i]) for i, t in read.items()), at_saves,
                          dict(self.numbers), dict(self.forwards.passed) if self.forwards is not None else {},
                          {i: owner[2] for i, owner in self.owner.items()})
+
+    def _unseen(self, found: Mapping[int, Any], saved: set[int]) -> bool:
+        """Whether a function reads a parameter or buffer that no later step shows it read:
+        neither saved (``Templates.at_saves`` checks it there), nor a parameter autograd
+        accumulates into (``made_by._parameters``), nor held by the module of one that is. A
+        template reads it as itself; a step that ran another layer (LayerDrop) added that
+        layer's buffer where the template adds this one's (wrong gradients, silently)."""
+        reads = [x.tensor for x in found.values() if isinstance(x, Persistent) and x.checked]
+
+        def shown(t: torch.Tensor) -> bool:
+            return id(t) in saved or isinstance(t, torch.nn.Parameter) and t.requires_grad
+        modules = {id(self.owner[id(t)][0]) for t in reads if shown(t)}
+        return any(not shown(t) and id(self.owner[id(t)][0]) not in modules for t in reads)
 
     def outside(self) -> bool:
         """Whether an op running now runs outside every forward of the model (as far as seen)."""

@@ -18,7 +18,7 @@ HF's Hubert at its default ``layerdrop=0.1``). Now a save bound to a variable al
 must be the tensor seen there, else the step leaves its plan. Where the skipped block's only
 parameter is a bias added (no node saves it), its chains were replayed from the next block's
 saves with the skipped block's bias: what a chain makes is now checked with the parameters its
-nodes read (``made_by.signature``).
+nodes read (``made_by.signature``), and a buffer read where no save shows it gets no template.
 """
 
 from __future__ import annotations
@@ -191,36 +191,46 @@ def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatc
 
 
 class _BiasesAdded(nn.Module):
-    """Blocks whose one parameter is a bias added (``t + b``: no node saves it), the second
-    skipped as LayerDrop does (a draw of ``torch.rand`` below 0.1), and a head."""
+    """A linear stem, then blocks whose one tensor is a bias added (``t + b``: no node saves
+    it), a parameter or a buffer, the second block skipped as LayerDrop does (a draw of
+    ``torch.rand`` below 0.1), and a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, held_as: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.biases = nn.ParameterList(nn.Parameter(torch.randn(64) / 10) for _ in range(4))
-        self.head = nn.Linear(64, 64)
+        self.stem, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(4))
+        for block in self.blocks:
+            b = torch.randn(64) / 10
+            if held_as == "parameter":
+                block.b = nn.Parameter(b)
+            else:
+                block.register_buffer("b", b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, b in enumerate(self.biases):
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
             if i == 1 and self.training and torch.rand([]).item() < 0.1:
                 continue
-            x = F.gelu(torch.relu(x) + b) * torch.tanh(x)
+            x = F.gelu(torch.relu(x) + block.b) * torch.tanh(x)
         return self.head(x)
 
 
+@pytest.mark.parametrize("held_as", ["parameter", "buffer"])
 def test_a_step_that_skips_a_block_whose_bias_no_node_saves_recomputes_with_its_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, held_as: str) -> None:
     """Templates forced; the second block skipped at step 9 of the anchored form. Its chains
     (``relu(x) + b`` then ``gelu``) were replayed from the next block's saves with the skipped
     block's bias on the code before, which no save showed (``at_saves``): wrong gradients,
-    though the step left its plan at a later save. The signature of what a chain makes names
-    the parameters its nodes read (``made_by._parameters``)."""
+    though the step left its plan at a later save. A parameter is now named in the signature
+    of what its chain makes (``made_by._parameters``); a buffer no step shows gets no template
+    (``TemplateCapture._unseen``: its chain is swapped)."""
     from ooc.testing.forced_forms import templates_forced
 
     templates_forced(monkeypatch.setattr)
     draws = [(s, torch.rand([], generator=torch.Generator().manual_seed(s)).item() < 0.1) for s in range(100)]
     kept, skipped = next(s for s, skip in draws if not skip), next(s for s, skip in draws if skip)
-    ref = _BiasesAdded()
+    ref = _BiasesAdded(held_as)
     model = copy.deepcopy(ref)
     for m in (ref, model):
         def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
