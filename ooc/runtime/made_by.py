@@ -25,6 +25,13 @@ _NUMBER_OPS = frozenset({"Mul", "Div", "Sub", "Rsub", "Pow", "Maximum", "Minimum
 # step of a 20-layer decoder.
 _KINDS: dict[type, Any] = {}
 _VIEW_HOPS = 4   # how many views deep a node's parameter is looked for (``_parameters``)
+# The nodes of the view ops that a walk counts as nodes of their own (``_kind`` calls "view"
+# only those whose view depends on the dispatch): a template reads any view of a parameter
+# as the parameter (``b.unsqueeze(0)``, ``w.t()``, ``b.expand_as(x)``).
+_VIEW_OPS = frozenset({"Unsqueeze", "Squeeze", "Expand", "Permute", "Transpose", "T", "Select", "Slice",
+                       "Narrow", "AsStrided", "Diagonal", "Unfold", "Split", "SplitWithSizes", "Unbind",
+                       "ViewAsReal", "ViewAsComplex", "Alias", "UnsafeView"})
+_VIEWS: dict[type, bool] = {}
 
 
 def _kind(node: Any) -> Any:
@@ -122,7 +129,8 @@ def _described(node: Any) -> tuple[Any, list[Any]]:
 
 
 def _parameters(nexts: list[Any]) -> tuple[int, ...]:
-    """The parameters a node read, itself or through views (``id``s, in its inputs' order).
+    """The parameters a node read, itself or through views (``id``s, in its inputs' order;
+    ``_VIEW_OPS``).
 
     Why: a template reads a parameter as itself, and one that no node saves (a bias added:
     ``t + self.b``) left no trace in what the hooks see. A step that skipped a layer
@@ -139,10 +147,18 @@ def _parameters(nexts: list[Any]) -> tuple[int, ...]:
                 if isinstance(v := f.variable, torch.nn.Parameter):
                     out.append(id(v))
                 break
-            if kind != "view" or not (up := f.next_functions):
+            if not (kind == "view" or _is_view(f)) or not (up := f.next_functions):
                 break
             f = up[0][0]
     return tuple(out)
+
+
+def _is_view(node: Any) -> bool:
+    kind = type(node)
+    view = _VIEWS.get(kind)
+    if view is None:
+        view = _VIEWS[kind] = kind.__name__.rstrip("0123456789").removesuffix("Backward") in _VIEW_OPS
+    return view
 
 
 def matches(got: tuple, want: tuple) -> int | None:

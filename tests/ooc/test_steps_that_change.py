@@ -192,17 +192,18 @@ def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatc
 
 class _BiasesAdded(nn.Module):
     """A linear stem, then blocks whose one tensor is a bias added (``t + b``: no node saves
-    it), a parameter or a buffer, the second block skipped as LayerDrop does (a draw of
+    it), a parameter (read as itself, or through views: ``b[None, None]``) or a buffer, the second block skipped as LayerDrop does (a draw of
     ``torch.rand`` below 0.1), and a head."""
 
     def __init__(self, held_as: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.stem, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.viewed = held_as == "viewed parameter"
         self.blocks = nn.ModuleList(nn.Module() for _ in range(4))
         for block in self.blocks:
             b = torch.randn(64) / 10
-            if held_as == "parameter":
+            if held_as != "buffer":
                 block.b = nn.Parameter(b)
             else:
                 block.register_buffer("b", b)
@@ -212,19 +213,20 @@ class _BiasesAdded(nn.Module):
         for i, block in enumerate(self.blocks):
             if i == 1 and self.training and torch.rand([]).item() < 0.1:
                 continue
-            x = F.gelu(torch.relu(x) + block.b) * torch.tanh(x)
+            x = F.gelu(torch.relu(x) + (block.b[None, None] if self.viewed else block.b)) * torch.tanh(x)
         return self.head(x)
 
 
-@pytest.mark.parametrize("held_as", ["parameter", "buffer"])
+@pytest.mark.parametrize("held_as", ["parameter", "viewed parameter", "buffer"])
 def test_a_step_that_skips_a_block_whose_bias_no_node_saves_recomputes_with_its_own(
         monkeypatch: pytest.MonkeyPatch, held_as: str) -> None:
     """Templates forced; the second block skipped at step 9 of the anchored form. Its chains
     (``relu(x) + b`` then ``gelu``) were replayed from the next block's saves with the skipped
     block's bias on the code before, which no save showed (``at_saves``): wrong gradients,
     though the step left its plan at a later save. A parameter is now named in the signature
-    of what its chain makes (``made_by._parameters``); a buffer no step shows gets no template
-    (``TemplateCapture._unseen``: its chain is swapped)."""
+    of what its chain makes (``made_by._parameters``, also through view ops: ``b[None, None]``;
+    ``test_templates.py`` has the walk that missed it); a buffer no step shows gets no
+    template (``TemplateCapture._unseen``: its chain is swapped)."""
     from ooc.testing.forced_forms import templates_forced
 
     templates_forced(monkeypatch.setattr)

@@ -813,3 +813,22 @@ def test_teacher_forcing_chosen_per_token_settles_in_the_anchored_form_of_a_trac
     assert forms[first - 1][0] == "recorded" and first <= 8, forms
     assert sum(f != "anchored" or at != -1 for f, at, _ in forms[first:]) <= 1, forms   # the trial's per-op turn
     assert all(f == "anchored" and at == -1 for f, at, _ in forms[first + 3:]), forms
+
+
+def test_a_signature_names_the_parameters_each_node_read_through_views() -> None:
+    """A one-node signature of ``relu(x) + b`` names ``b`` read as itself and through any view
+    op (``b[None, None]`` is two ``unsqueeze``), and ``b2`` where ``b2`` was read instead. A
+    block skipped by LayerDrop whose bias was read as ``b[None, None]`` had its chains replayed
+    with that bias (at default settings, two runs in three): the walk looked through ``view``
+    and ``reshape`` nodes only, and a short plan's walk ended before the ``unsqueeze``."""
+    from ooc.runtime.made_by import matches, signature
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    b, b2 = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    reads = [lambda p: p, lambda p: p[None, None], lambda p: p.unsqueeze(0).expand(3, 4), lambda p: p.view(1, 4)]
+    for read in reads:
+        sig = signature(torch.relu(x) + read(b), 1)
+        assert sig == (("AddBackward0", (1,), (id(b),)),), sig
+        assert matches(signature(torch.relu(x) + read(b2), 1), sig) == 0
+    assert signature(torch.relu(x) + read(b.detach()), 1) == (("AddBackward0", (1,)),)
