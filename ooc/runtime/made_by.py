@@ -29,9 +29,8 @@ _VIEW_HOPS = 4   # how many views deep a node's parameter is looked for (``_para
 # only those whose view depends on the dispatch): a template reads any view of a parameter
 # as the parameter (``b.unsqueeze(0)``, ``w.t()``, ``b.expand_as(x)``).
 _VIEW_OPS = frozenset({"Unsqueeze", "Squeeze", "Expand", "Permute", "Transpose", "T", "Select", "Slice",
-                       "Narrow", "AsStrided", "Diagonal", "Unfold", "Split", "SplitWithSizes", "Unbind",
-                       "ViewAsReal", "ViewAsComplex", "Alias", "UnsafeView"})
-_VIEWS: dict[type, bool] = {}
+                       "Narrow", "AsStrided", "Diagonal", "Unfold", "Split", "SplitWithSizes", "Unbind"})
+_VIEWS: dict[type, bool] = {}   # node type -> whether its op is a view (``_is_view``)
 
 
 def _kind(node: Any) -> Any:
@@ -147,17 +146,19 @@ def _parameters(nexts: list[Any]) -> tuple[int, ...]:
                 if isinstance(v := f.variable, torch.nn.Parameter):
                     out.append(id(v))
                 break
-            if not (kind == "view" or _is_view(f)) or not (up := f.next_functions):
+            if not _is_view(f) or not (up := f.next_functions):
                 break
             f = up[0][0]
     return tuple(out)
 
 
 def _is_view(node: Any) -> bool:
+    """Whether ``node``'s op made a view: one a walk calls "view" (``_kind``), or of ``_VIEW_OPS``."""
     kind = type(node)
     view = _VIEWS.get(kind)
     if view is None:
-        view = _VIEWS[kind] = kind.__name__.rstrip("0123456789").removesuffix("Backward") in _VIEW_OPS
+        view = _VIEWS[kind] = (_kind(node) == "view"
+                               or kind.__name__.rstrip("0123456789").removesuffix("Backward") in _VIEW_OPS)
     return view
 
 

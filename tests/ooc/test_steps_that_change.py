@@ -132,6 +132,22 @@ def _forms(opt: torch.optim.Optimizer, engine: ooc.OutOfCore | None, steps: int,
     return forms
 
 
+def _trained_alike(ref: nn.Module, optimizer: Callable[[nn.Module], torch.optim.Optimizer], steps: int,
+                   batch_of: Callable[[int], Any], loss_of: Callable[[nn.Module, Any], torch.Tensor]
+                   ) -> list[tuple[str, bool]]:
+    """``ref`` and a copy of it trained ``steps`` steps (``_forms``), in core and under an
+    engine with a 1 MiB budget; their parameters and buffers must end bitwise equal. The
+    engine's forms."""
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        opt = optimizer(m)
+        engine = ooc.OutOfCore(m, opt, budget=1 << 20) if m is model else None
+        forms = _forms(opt, engine, steps, batch_of, lambda b, m=m: loss_of(m, b))
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    return forms
+
+
 def test_a_step_that_skips_a_block_of_its_anchored_form_reads_its_own_tensors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Swap only, the anchored form kept whatever the times; the last block skipped at step 9."""
@@ -232,21 +248,16 @@ def test_a_step_that_skips_a_block_whose_bias_no_node_saves_recomputes_with_its_
     templates_forced(monkeypatch.setattr)
     draws = [(s, torch.rand([], generator=torch.Generator().manual_seed(s)).item() < 0.1) for s in range(100)]
     kept, skipped = next(s for s, skip in draws if not skip), next(s for s, skip in draws if skip)
-    ref = _BiasesAdded(held_as)
-    model = copy.deepcopy(ref)
-    for m in (ref, model):
-        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(32, 16, 64, generator=g), torch.randn(32, 16, 64, generator=g)
-            torch.manual_seed(skipped if step == 9 else kept)
-            return x, y
 
-        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-        engine = ooc.OutOfCore(m, opt, budget=1 << 20) if m is model else None
-        forms = _forms(opt, engine, 12, batch_of, lambda b, m=m: F.mse_loss(m(b[0]), b[1]))
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 16, 64, generator=g), torch.randn(32, 16, 64, generator=g)
+        torch.manual_seed(skipped if step == 9 else kept)
+        return x, y
+
+    forms = _trained_alike(_BiasesAdded(held_as), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                           12, batch_of, lambda m, b: F.mse_loss(m(b[0]), b[1]))
     assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), name
 
 
 class _PerLanguage(nn.Module):
@@ -270,17 +281,12 @@ def test_a_step_that_reads_another_embedding_table_recomputes_with_it(monkeypatc
     from ooc.testing.forced_forms import templates_forced
 
     templates_forced(monkeypatch.setattr)
-    ref = _PerLanguage()
-    model = copy.deepcopy(ref)
-    for m in (ref, model):
-        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-            g = torch.Generator().manual_seed(step)
-            return (torch.randint(0, 100, (32, 64), generator=g), torch.randn(32, 64, 64, generator=g),
-                    "de" if step in (9, 13) else "en")
 
-        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        engine = ooc.OutOfCore(m, opt, budget=1 << 20) if m is model else None
-        forms = _forms(opt, engine, 15, batch_of, lambda b, m=m: F.mse_loss(m(b[0], b[2]), b[1]))
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+        g = torch.Generator().manual_seed(step)
+        return (torch.randint(0, 100, (32, 64), generator=g), torch.randn(32, 64, 64, generator=g),
+                "de" if step in (9, 13) else "en")
+
+    forms = _trained_alike(_PerLanguage(), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), 15, batch_of,
+                           lambda m, b: F.mse_loss(m(b[0], b[2]), b[1]))
     assert forms[8] == ("anchored", False) and forms[9] == ("anchored", True), forms
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), name
