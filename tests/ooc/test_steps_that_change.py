@@ -19,6 +19,7 @@ must be the tensor seen there, else the step leaves its plan. Where the skipped 
 parameter is a bias added (no node saves it), its chains were replayed from the next block's
 saves with the skipped block's bias: what a chain makes is now checked with the parameters its
 nodes read (``made_by.signature``), and a buffer read where no save shows it gets no template.
+A mask drawn inside the forward at every step (HF's ViTMAE) changes no op: its anchored form holds.
 """
 
 from __future__ import annotations
@@ -204,6 +205,43 @@ def test_hugging_faces_hubert_at_its_default_layerdrop_trains_bitwise(monkeypatc
         runs.append(model.state_dict())
     for (name, a), b in zip(runs[0].items(), runs[1].values()):
         assert torch.equal(a, b), name
+
+
+def test_hugging_faces_vit_mae_masking_patches_at_random_each_step_trains_bitwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's ViTMAE for pre-training draws its mask inside the forward at every step (noise,
+    argsort, gather: indices no step shares) beside dropout; templates forced, its anchored
+    steps rerun chains from them (bytes recomputed) and train bitwise with AdamW."""
+    from ooc.testing.forced_forms import templates_forced
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    templates_forced(monkeypatch.setattr)
+    config = transformers.ViTMAEConfig(
+        image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=128, decoder_hidden_size=32, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
+        decoder_intermediate_size=64, mask_ratio=0.75, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = transformers.ViTMAEForPreTraining(config).train()
+    recomputed = []
+    close = ooc.OutOfCore.close
+
+    def closed(engine: ooc.OutOfCore) -> None:
+        recomputed.append(engine.stats()["bytes_recomputed"])
+        close(engine)
+
+    monkeypatch.setattr(ooc.OutOfCore, "close", closed)
+
+    def batch_of(step: int) -> torch.Tensor:
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(step))
+        torch.manual_seed(100 + step)   # the mask's noise and dropout
+        return x
+
+    forms = _trained_alike(ref, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 10, batch_of,
+                           lambda m, x: m(pixel_values=x).loss)
+    assert forms[4:] == [("anchored", False)] * 6, forms
+    assert recomputed[0] > 0, "no chain was rerun: the case no longer recomputes"
 
 
 class _BiasesAdded(nn.Module):
