@@ -35,7 +35,7 @@ from ooc.runtime.hook_step import HookStep, Spilled
 from ooc.runtime.hook_trace import HookTrace, loose_view
 from ooc.runtime.pool import DevicePool
 from ooc.runtime.recompute import chains_of, next_chain
-from ooc.runtime.saved_tensors import Packed, _of_parameter
+from ooc.runtime.saved_tensors import Packed, _of_parameter, unlinked
 from ooc.runtime.commit_point import wait_for_transfers
 from ooc.runtime.given_back import freed_error
 from ooc.runtime.slots import Slot, State
@@ -95,7 +95,7 @@ class AnchoredStep(HookStep):
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:   # sparse: PyTorch's, as the planned step left it
-            return t
+            return t if t.grad_fn is None else t.data   # (saved_tensors.unlinked)
         s = t.untyped_storage()
         if self.bound is not None and self.diverged_at is None:   # every save, of any size
             why = self.bound.saved(t, s)
@@ -107,22 +107,22 @@ class AnchoredStep(HookStep):
         # the saves after it; a small one is bound to the plan's variable where it has one.
         small = nbytes < self.min_bytes
         if small and not self.trace.bounded:
-            return t
+            return t if t.grad_fn is None else t.data   # (saved_tensors.unlinked)
         slot = self.by_storage.get(id(s))
         if slot is not None and slot.storage is not s:
             slot = None   # a dead storage's id, reused
         if (slot is None and not t.requires_grad and t._is_view() and not self.trace.bounded   # (no call per save)
                 and loose_view(t, self.min_bytes) and not self._binds(nbytes)):
-            return t   # as the trace's step left it out (hook_trace.loose_view)
+            return t if t.grad_fn is None else t.data   # as the trace's step left it out (hook_trace.loose_view)
         k = self.k
         self.k = k + 1
         if self.diverged_at is not None:
-            return Packed(slot, t) if slot is not None else t if small else self._after_plan(t, nbytes)
+            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes) if not small else unlinked(t, t)
         packs = self.trace.packs
         gap, expected, var = packs[k] if k < len(packs) else (None, None, None)
         if expected != nbytes and not (self.trace.bounded and expected is not None and nbytes < expected):
             self._sizes_differ(k, gap, expected, nbytes)
-            return Packed(slot, t) if slot is not None else t if small else self._after_plan(t, nbytes)
+            return Packed(slot, t) if slot is not None else self._after_plan(t, nbytes) if not small else unlinked(t, t)
         if var is not None and slot is None and not (_of_parameter(t) or t.is_meta):
             slot = self.slots.get(var)
             if slot is None or slot.state is State.ABSENT:   # first seen: bound to its variable
@@ -145,7 +145,9 @@ class AnchoredStep(HookStep):
             self.by_storage[id(s)] = slot
         if self.actions:
             self._reach(gap)
-        return Packed(slot, t, var not in self.leaving) if slot is not None and var == slot.var else t
+        if slot is not None and var == slot.var:
+            return Packed(slot, t, var not in self.leaving)
+        return t if t.grad_fn is None else t.data   # (saved_tensors.unlinked)
 
     def _binds(self, nbytes: int) -> bool:
         """Does the trace bind its next save, of ``nbytes``, to a variable (the trace's step

@@ -22,11 +22,17 @@ from ooc.runtime.step_context import StepContext
 from scheduler.ir import Kind
 
 
-def _use_count(s: torch.UntypedStorage) -> int:
+def storage_users(s: torch.UntypedStorage) -> int | None:
     """How many references hold ``s``'s bytes (tensors and the one of the Python storage);
-    2 when this PyTorch cannot say, which errs towards keeping the bytes."""
+    None when this PyTorch cannot say."""
     count = getattr(torch._C, "_storage_Use_Count", None)
-    return count(s._cdata) if count is not None else 2
+    return count(s._cdata) if count is not None else None
+
+
+def _use_count(s: torch.UntypedStorage) -> int:
+    """``storage_users``, or 2 when this PyTorch cannot say, which errs towards keeping the bytes."""
+    users = storage_users(s)
+    return 2 if users is None else users
 
 
 RECENT = 8   # adopted storages an op of the update looks at (``FreshStorages.let_go``)

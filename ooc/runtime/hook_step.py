@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ooc.runtime.rollback import StepRollback
-from ooc.runtime.saved_tensors import _of_parameter
+from ooc.runtime.saved_tensors import _of_parameter, unlinked
 from ooc.runtime.slots import Slot, State
 from ooc.runtime.step_protocol import waited
 from ooc.runtime.views import View
@@ -82,11 +82,11 @@ class HookStep:
         """A save the plan does not know (the step left it): kept while the step's bytes stay
         within the budget, else written to the tier at once. Parameters are not the budget's."""
         if _of_parameter(t) or t.is_meta:
-            return t
+            return unlinked(t, t)
         if not keeps_saved(self._held(), nbytes, self.budget):   # the scheduler's rule
             return self._spill(t, nbytes)
         self._hold(nbytes)
-        return t
+        return unlinked(t, t)
 
     def _held(self) -> int:
         """The bytes the step counts as held now (the budget's)."""

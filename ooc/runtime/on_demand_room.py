@@ -13,7 +13,7 @@ it, counted as such (``overflow``), and fails its step at the end.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
@@ -192,15 +192,17 @@ class OnDemandRoom:
         """The running backward node unpacked ``slot``: autograd holds it until it returns."""
         self.held[slot] = None
 
-    def release_held(self) -> None:
+    def release_held(self, keep: Collection[Slot] = ()) -> None:
         """The backward node returned. On demand its unpacked activations counted until now
-        (autograd held them); their bytes go back, the slower tier keeps a copy."""
+        (autograd held them); their bytes go back, the slower tier keeps a copy. ``keep``:
+        those something still holds, held on."""
         if not self.course.planned:
             for slot in self.held:
-                if slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current:
+                if (slot.kind is Kind.ACTIVATION and slot.state is State.RESIDENT and slot.host_current
+                        and slot not in keep):
                     slot.drop(self.ctx.tier)
                     self.book.account(-slot.nbytes)
-        self.held.clear()
+        self.held = {slot: None for slot in self.held if slot in keep}
 
     def track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
         """Count a storage the optimizer just created, after making room for it."""

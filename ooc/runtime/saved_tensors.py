@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ooc.record.managed import Recording
 from ooc.record.recorder import StepRecorder
+from ooc.runtime.fresh_storages import storage_users
 from ooc.runtime.hook_trace import HookTrace, loose_view
 from ooc.runtime.on_demand_room import OnDemandRoom
 from ooc.runtime.slots import Slot, State
@@ -66,7 +67,26 @@ class Packed:
 
     def __init__(self, slot: Slot, t: torch.Tensor, keep: bool = False) -> None:
         self.slot, self.view = slot, View.of(t)
-        self.tensor = t if keep else None
+        # (an anchored step's: no mode of the engine's sees ``.data``; see ``unlinked``)
+        self.tensor = (t if t.grad_fn is None else t.data) if keep else None
+
+
+def unlinked(p: Any, t: torch.Tensor) -> Any:
+    """What a pack hook that returned ``p`` for ``t`` gives autograd: ``p``, unless it is ``t``
+    itself and an op made ``t`` (a node that saves its own output), then an alias of ``t``
+    without its ``grad_fn``, as PyTorch saves an output.
+
+    Why: ``t`` held by its own node is a reference cycle that only a backward through that
+    node breaks (it releases what the node saved), and Python's collector does not see it.
+    A graph no backward reached (an output the loss leaves out, a head a step does not
+    train) or one kept by ``backward(retain_graph=True)`` was never freed: three tensors a
+    step of a model with an unused ``tanh`` head, and a 32 KiB range of the pool each
+    anchored step of HF's Reformer, whose reversible layers keep their recomputed graphs
+    until they let go of them, till a swap-in found the pool full (``BudgetExceeded``)."""
+    if p is not t or t.grad_fn is None:
+        return p
+    with torch._C._DisableTorchDispatch():   # below the per-op path's mode, which took it for an op
+        return t.data
 
 
 class SavedTensors:
@@ -125,9 +145,11 @@ class SavedTensors:
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.layout is not torch.strided:
-            return t   # sparse: no storage to move, left to PyTorch
+            return unlinked(t, t)   # sparse: no storage to move, left to PyTorch
         p = self._pack_saved(t)
-        if isinstance(p, Packed):   # saved before a backward begins? (hold_unread)
+        if p is t and t.grad_fn is not None:
+            p = unlinked(t, t)
+        elif isinstance(p, Packed):   # saved before a backward begins? (hold_unread)
             self.packed.add(p.slot.var)
         trace = self.hook_trace
         if trace is not None:
@@ -139,7 +161,7 @@ class SavedTensors:
                 bound = self._bound(self.book.by_storage.get(id(s)), s, n) if trace.bounded else n
                 trace.packs.append((len(self.rec.names), bound, var))
             if self.templates is not None:   # every save, of any size: a template may read it
-                self.templates.saved(t, s, var, len(self.rec.names))
+                self.templates.saved(t, s, var, len(self.rec.names), held=p if var is None else None)
         return p
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
@@ -233,7 +255,7 @@ class SavedTensors:
         out of room at a swap-in the plan had proven (issue 40: the attention's ``attn @ v``;
         issue 42: a TransformerEncoder's layer norm, found by PyTorch's module database)."""
         if outside and self.worked and self.node_vars:   # the backward is over
-            self.close_node(i - 1)
+            self.close_node(i - 1, final=False)
         if self.unpacked:
             for var in self.unpacked:
                 self.rec.use(i, var, Access.READ)
@@ -241,7 +263,7 @@ class SavedTensors:
         if not view:
             self.worked = True
 
-    def close_node(self, last: int | None = None) -> None:
+    def close_node(self, last: int | None = None, final: bool = True) -> None:
         """The backward node that unpacked ``node_vars`` has returned by the time the next
         node unpacks, or an op runs outside every node (``last``: the op before it): autograd
         held those tensors until then, so they count as used by every op from their unpack to
@@ -252,16 +274,38 @@ class SavedTensors:
         ops on its mean and rstd; PyTorch's op database, every kind managed). Held to the
         update instead (where the engine closed the last node before), the first backward's
         last activations sat in every working set of SAM's second forward: 2 MiB where one
-        forward and backward needs 1.5 (test_robust_training.py)."""
+        forward and backward needs 1.5 (test_robust_training.py).
+
+        A tensor something still holds (``_kept``) stays open, counted as used up to the
+        close that finds it let go, unless the close is ``final`` (the engine's: the update
+        begins, or the step ends). Why: a custom ``autograd.Function`` whose backward
+        keeps computing holds what it unpacked while the nodes of a backward it runs inside
+        unpack theirs (HF's Reformer: a reversible layer's backward recomputes its forward
+        and runs ``backward()`` on it, holding ``ctx.saved_tensors`` across). Closed at that
+        first inner unpack, the tensors went back to the plan while their bytes stayed
+        in the pool, and the next swap-in did not fit it (``OutOfBudget`` at a planned step)."""
         if last is None:
             last = len(self.rec.names) - 1
         use = self.rec.use
+        kept: list[tuple[int, int]] = []
         for var, first in self.node_vars:
             for i in range(first, last + 1):
                 use(i, var, Access.READ)
-        self.node_vars.clear()
+            if not final and self._kept(var):
+                kept.append((var, last + 1))
+        self.node_vars = kept
         self.worked = False   # a node's work (an op, not a view) ran since the last unpack
-        self.room.release_held()
+        self.room.release_held(keep={self.book.slots[var] for var, _ in kept})
+
+    def _kept(self, var: int) -> bool:
+        """Whether a tensor outside the engine still holds ``var``'s bytes: its storage has
+        more users than the slot (and a transfer in flight). Where this PyTorch cannot count
+        them, none is assumed."""
+        slot = self.book.slots.get(var)
+        if slot is None or slot.storage is None:
+            return False
+        users = storage_users(slot.storage)
+        return users is not None and users > 1 + sum(isinstance(t, torch.Tensor) for t in slot.pending)
 
     def hold_unread(self) -> None:
         """At the end of a step that is planned from: an activation saved before a backward
@@ -307,7 +351,7 @@ class SavedTensors:
             with _disable_current_modes():
                 nxt = len(self.rec.names)          # the unpacked tensor is used by the next op
                 if self.worked:
-                    self.close_node()
+                    self.close_node(final=False)
                 before(nxt)
                 ensure(p.slot, nxt)
                 return self.rebuild(p, nxt)

@@ -53,11 +53,14 @@ class PackArg:
     whole: bool = False
 
     @staticmethod
-    def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor) -> PackArg:
-        """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``."""
+    def of(k: int, t: torch.Tensor, s: torch.UntypedStorage, gap: int, x: torch.Tensor,
+           node: str | None = None) -> PackArg:
+        """``x``, read from ``t`` (storage ``s``), the ``k``-th save, at ``gap``; ``node``: the
+        save's node where ``t`` is an alias of it (its own is none)."""
         after = x.storage_offset() * x.element_size() - t.storage_offset() * t.element_size()
         read, saved = View.of(x), View.of(t)
-        return PackArg(k, s.nbytes(), node_of(t), gap, read._replace(offset=after), saved._replace(offset=0), read == saved)
+        return PackArg(k, s.nbytes(), node_of(t) if node is None else node, gap, read._replace(offset=after),
+                       saved._replace(offset=0), read == saved)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """This argument in a step whose ``k``-th save is ``t``."""

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ooc.runtime.made_by import signature, varied
+from ooc.runtime.made_by import node_of, signature, varied
 from ooc.runtime.forward_numbers import Forwards, Passed, loose_numbers, replays_a_number
 from ooc.runtime.model_numbers import Held, changed_since, held, reread
 from ooc.runtime.recipes import Lifetimes, Made, Recipe, Ref, _rng_state
@@ -230,7 +230,8 @@ class TemplateCapture:
         self.numbers = self._held(held, model)   # Templates.numbers, read again at the first save (``saved``)
         self.start = {id(t): t._version for t in self.persistent.values()}   # versions as the step began
         self.n = 0
-        self.packed: dict[int, list[tuple[int, weakref.ref, int, int]]] = {}   # cdata -> (k, tensor, version, gap)
+        # cdata -> (k, tensor, version, gap, its node where the tensor is autograd's alias of the save)
+        self.packed: dict[int, list[tuple[int, weakref.ref, int, int, str | None]]] = {}
         self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # cdata -> (function, tensor, version)
         self.found: dict[int, dict[int, PackArg | Persistent]] = {}       # function -> id(tensor) -> slot
         self.nodes: dict[int, tuple] = {}
@@ -239,9 +240,11 @@ class TemplateCapture:
         self.last: tuple[torch.Tensor, PackArg] | None = None   # the generator's state at the last save, and that save
         self.param_saves: dict[int, int] = {}         # pack index -> the parameter's or buffer's storage saved there
 
-    def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int) -> None:
+    def saved(self, t: torch.Tensor, s: torch.UntypedStorage, var: int | None, gap: int,
+              held: torch.Tensor | None = None) -> None:
         """The pack hook saw ``t`` (storage ``s``; ``var``: its plan variable, if managed) at
-        ``gap``."""
+        ``gap``; ``held``: what autograd keeps of it, where not ``t`` (``saved_tensors.unlinked``:
+        an alias without its ``grad_fn``, which lives as long as the graph, where ``t`` may not)."""
         k = self.n
         self.n = k + 1
         if k == 0:   # where a hook-driven step compares them: after what the loop set in the step
@@ -261,7 +264,8 @@ class TemplateCapture:
                 if v == version and x.untyped_storage()._cdata == c:
                     self.found[w].setdefault(id(x), PackArg.of(k, t, s, gap, x))
             waiting[:] = [p for p in waiting if id(p[1]) not in self.found[p[0]]]
-        self.packed.setdefault(c, []).append((k, weakref.ref(t), version, gap))
+        node = None if held is None or held is t else node_of(t)
+        self.packed.setdefault(c, []).append((k, weakref.ref(t if node is None else held), version, gap, node))
 
     def _held(self, read: Any, of: Any) -> Held:
         """The model's numbers (``held``, ``reread``): read from the user's objects, which may
@@ -311,10 +315,10 @@ class TemplateCapture:
             # the save that is x itself, else the first of its bytes (several saves may view one
             # storage: a column of the targets per decoder step)
             bound = None
-            for k, ref, v, gap in self.packed.get(c, ()):
+            for k, ref, v, gap, node in self.packed.get(c, ()):
                 t = ref()
                 if t is not None and v == version and t.untyped_storage()._cdata == c:
-                    arg = PackArg.of(k, t, s, gap, x)
+                    arg = PackArg.of(k, t, s, gap, x, node)
                     bound = arg if bound is None or arg.whole else bound
                     if arg.whole:
                         break

@@ -237,7 +237,7 @@ def _noting_saved(found: dict[int, tuple[torch.Tensor, Owner, Hashable]], call: 
             i = by_storage.get(id(x.untyped_storage()))
             if i is not None and found[i][0].untyped_storage() is x.untyped_storage():
                 pinned.add(i)
-        return x
+        return x.data if x.grad_fn is not None else x   # (its own node's: saved_tensors.unlinked)
 
     hooks = torch._C._autograd
     if hooks._top_saved_tensors_default_hooks(False) is not None or not hooks._saved_tensors_hooks_is_enabled():

@@ -155,7 +155,8 @@ def test_the_default_engine_runs_a_plan_that_recomputes_at_the_hooks_from_templa
 def test_an_anchored_step_keeps_the_saved_tensor_only_where_its_bytes_never_leave(counted_ops, monkeypatch) -> None:
     """Autograd's record of a saved activation holds the tensor itself (its unpack returns it,
     no new view) only where the plan neither swaps nor discards it: holding a swapped one would
-    keep its bytes in memory after the swap-out."""
+    keep its bytes in memory after the swap-out. Itself, or an alias of it without the
+    ``grad_fn`` that would make its node hold itself (``saved_tensors.unlinked``)."""
     from ooc.runtime.anchored_step import AnchoredStep
     from ooc.runtime.saved_tensors import Packed
 
@@ -165,7 +166,9 @@ def test_an_anchored_step_keeps_the_saved_tensor_only_where_its_bytes_never_leav
     def packing(self, t):   # notes no tensor: holding one would hold its bytes
         p = pack(self, t)
         if isinstance(p, Packed) and self.actions:
-            seen.append((p.slot.var in self.leaving, p.tensor is t, p.tensor is None))
+            itself = p.tensor is t or (p.tensor is not None and p.tensor.grad_fn is None and p.tensor.data_ptr() ==
+                                       t.data_ptr() and p.tensor.shape == t.shape and p.tensor.stride() == t.stride())
+            seen.append((p.slot.var in self.leaving, itself, p.tensor is None))
         return p
 
     def unpacking(self, p):

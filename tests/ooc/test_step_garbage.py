@@ -185,3 +185,58 @@ def test_an_engine_let_go_of_is_freed_without_the_cycle_collector(manage: str, h
         if enabled:
             gc.enable()
     assert not alive, "the engine let go of is alive: a reference cycle keeps it"
+
+
+class _TwoHeads(torch.nn.Module):
+    """A body, the head the loss takes, and a ``tanh`` head it leaves out (``tanh`` saves its
+    own output for its backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(*(m for _ in range(6) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())))
+        self.head, self.aux = torch.nn.Linear(128, 10), torch.nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head(h), torch.tanh(self.aux(h))
+
+
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("budget,form", [("1GiB", "plain"), ("768KiB", "anchored")])
+def test_a_graph_no_backward_releases_goes_with_its_outputs(monkeypatch: pytest.MonkeyPatch, budget: str,
+                                                            form: str, retain: bool) -> None:
+    """The graph of the head the loss leaves out, and with ``retain_graph=True`` the whole
+    step's: no backward releases what their nodes saved, and in core they go when their
+    outputs do. A pack hook that gave autograd an op's output itself (a tensor under the
+    threshold, or one an anchored plan keeps where it is) made each a reference cycle through
+    its own node, which no collector frees (``saved_tensors.unlinked``): three tensors a step,
+    or a range of the pool each anchored step of HF's Reformer (its reversible layers keep
+    the graphs they rerun), until a swap-in found the pool full."""
+    from ooc.engine import hook_forms
+    from ooc.testing.forced_forms import decided
+
+    monkeypatch.setattr(hook_forms.HookPlan, "judge", decided(keep=True))   # the anchored form, whatever the times
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = ooc.OutOfCore(model, opt, budget=budget)
+    outputs: list[weakref.ref] = []
+    forms = []
+    try:
+        for step in range(8):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(256, 128, generator=g), torch.randint(0, 10, (256,), generator=g)
+            with engine.step():
+                out, aux = model(x)
+                F.cross_entropy(out, y).backward(retain_graph=retain)
+                opt.step()
+                opt.zero_grad()
+            outputs += [weakref.ref(aux), weakref.ref(out)]
+            del out, aux
+            forms.append(ooc.FORMS[engine.stats()["last_form"]])
+    finally:
+        engine.close()
+    gc.collect()
+    assert form in forms, forms   # the case is what it says
+    alive = [k // 2 for k, ref in enumerate(outputs) if ref() is not None]
+    assert alive == [], f"outputs of steps {alive} ({forms}) are still alive: their graphs hold them"
