@@ -30,7 +30,8 @@ class Arguments(NamedTuple):
     """What the engine is built from: ``budget`` in bytes, ``device`` with its index, the
     kinds it ``manage``s, ``recompute``'s word, ``pin``'s function, the ``chunk`` it starts
     with, ``min_bytes`` (the least managed tensor), whether the chunk is ``adaptive``, and
-    whether it manages tensors kept across steps (``per_parameter``)."""
+    whether it manages tensors kept across steps (``per_parameter``); ``optimizer``, the one
+    whose ``step()`` it hooks (``stepped_optimizer``)."""
 
     budget: int
     device: torch.device
@@ -41,6 +42,7 @@ class Arguments(NamedTuple):
     min_bytes: int
     adaptive: bool
     per_parameter: bool
+    optimizer: torch.optim.Optimizer | None
 
 
 def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, budget: int | str,
@@ -54,6 +56,7 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
         raise OOCError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}: "
                        f"the engine hooks its step(), the update. With several optimizers (a GAN's "
                        f"two) give none and manage activations only (the default)")
+    optimizer = stepped_optimizer(optimizer)
     if not isinstance(options, Options):
         raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
     budget = parse_size(budget, what="budget")
@@ -100,4 +103,25 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
     if per_parameter and any(group.get("fused") for group in optimizer.param_groups):
         raise OOCError("a fused optimizer updates every parameter in one op; "
                        "create it with fused=False to manage params/grads/state")
-    return Arguments(budget, device, kinds, recompute, pin_fn, chunk, min_bytes, adaptive, per_parameter)
+    return Arguments(budget, device, kinds, recompute, pin_fn, chunk, min_bytes, adaptive, per_parameter, optimizer)
+
+
+def stepped_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` the engine hooks: ``optimizer``, or, where its ``__init__``
+    skipped ``Optimizer.__init__`` (no step hooks to register), the optimizer it wraps and steps.
+
+    Why: Accelerate's ``AcceleratedOptimizer`` (what ``accelerator.prepare`` returns, and the
+    Trainer's optimizer) is an ``Optimizer`` that wraps the user's and calls its ``step()``;
+    given to the engine, registering the step hooks raised ``AttributeError:
+    'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'``. Its inner
+    optimizer's ``step()`` is the update, where the hooks must be; one that wraps none is
+    refused, saying so."""
+    inner = optimizer
+    while inner is not None and not hasattr(inner, "_optimizer_step_pre_hooks"):
+        wrapped = getattr(inner, "optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
+            raise OOCError(f"{type(optimizer).__name__} has no step hooks (its __init__ does not run "
+                           "torch.optim.Optimizer.__init__) and wraps no optimizer that has them: the engine "
+                           "hooks optimizer.step(), the update; give it the optimizer whose step() updates")
+        inner = wrapped
+    return inner

@@ -115,6 +115,7 @@ class OutOfCore:
         budget, device, chunk, min_bytes = args.budget, args.device, args.chunk, args.min_bytes
         self._manage = manage = args.manage
         self.model, self.optimizer, self.device = model, optimizer, device
+        self._stepped = optimizer = args.optimizer   # the one whose step() is the update (``stepped_optimizer``)
         # What the steps change outside the engine (PyTorch's CPU allocator, glibc's mmap threshold, the
         # foreach flag): made at the first step, undone by close() or collection (ooc/host/process_effects.py).
         self._effects = ProcessEffects(device.type, optimizer, args.per_parameter,
@@ -241,7 +242,7 @@ class OutOfCore:
 
         A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
         ``with engine.step():`` is recognised as the update by itself."""
-        self._guard.optimizer_step()
+        self._guard.optimizer_step(self.optimizer)
 
     def stats(self) -> dict[str, int | float]:
         """Flat numbers with stable keys, the same on every device, like
@@ -273,7 +274,7 @@ class OutOfCore:
         """Change the budget; the next step records again and re-plans under it. With the
         default chunk, that step also chooses the chunk again (never a larger one)."""
         new, mem = parse_size(budget, what="budget"), self._mem
-        mem.step_start = start_bytes(self.model, self.optimizer, self._manage, mem.min_bytes) if mem.step_budget else 0
+        mem.step_start = start_bytes(self.model, self._stepped, self._manage, mem.min_bytes) if mem.step_budget else 0
         self._planner.set_budget(new)
         self._store.bring_back_if_fits(between_steps=True)   # under the new budget, as a step's end
 
@@ -325,7 +326,7 @@ class OutOfCore:
         """A per-op step of ``schedule`` (None: on demand) for plan key ``key``, with what it
         needs from the engine (``ooc/runtime/step_context.py``)."""
         mem, persistent = self._mem, tuple(self._store.slots.values())
-        device_budget, device_live = on_demand_bound(mem, self.model, self.optimizer, self._manage)   # (a step budget)
+        device_budget, device_live = on_demand_bound(mem, self.model, self._stepped, self._manage)   # (a step budget)
         # On demand, bounded by the device's live bytes: the room beside what the step starts
         # with, as the first recording's, not the share fitted for plans, which counts the
         # update's temporaries beside the managed tensors where on demand they count among them
@@ -335,7 +336,7 @@ class OutOfCore:
             budget = max(budget, recording_room(mem))
         ctx = StepContext(budget=budget, chunk=mem.chunk, min_bytes=mem.min_bytes, manage=self._manage,
                           device=mem.device, tier=mem.tier, pool=mem.pool, new_var=self._store.new_var,
-                          counters=mem.counters, model=self.model, optimizer=self.optimizer, persistent=persistent,
+                          counters=mem.counters, model=self.model, optimizer=self._stepped, persistent=persistent,
                           plan_runs=plan_runs, start_key=key, plain_candidate=plain_candidate, quiet_ops=quiet_ops,
                           trace_recording=schedule is None and self._plans.hooked.tracing(key),
                           unformed=(formed := self._plans.hooked.get(key)) is None or formed.plan is not schedule,

@@ -51,18 +51,20 @@ class UpdateGuard:
         self._nesting: tuple[weakref.ref | None, int] = (None, 0)   # a step, and its updates open
         self.interrupts = DeferredInterrupt()   # Ctrl-C waits for a started update to end
 
-    def optimizer_step(self) -> None:
-        """``optimizer.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step.
+    def optimizer_step(self, given: torch.optim.Optimizer | None) -> None:
+        """``given.step()`` then ``zero_grad(set_to_none=True)``, inside the managed step:
+        the optimizer the user gave (a wrapper's ``step()`` may skip the update: Accelerate's
+        between synchronized micro-batches), whose update the hooked one runs.
 
         A convenience: ``optimizer.step()`` (or ``scaler.step(optimizer)``) inside
         ``with engine.step():`` is recognised as the update by itself (see ``update_starts``).
         """
-        if self._optimizer is None:
+        if given is None:
             raise OOCError("this engine was created without an optimizer")
         if self._cache.form is None:
             raise OOCError("call engine.optimizer_step() inside `with engine.step():`")
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
+        given.step()
+        given.zero_grad(set_to_none=True)
 
     def update_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` pre-hook: the update starts here, whoever calls it (the user,

@@ -51,8 +51,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
+from ooc.engine.arguments import stepped_optimizer
 from ooc.errors import OOCError
 from ooc.integrations.held_step import HeldStep
 
@@ -122,7 +121,7 @@ class OutOfCoreCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise OOCError("the Trainer gave its callbacks no model or optimizer at on_train_begin "
                            "(DeepSpeed creates its own): OutOfCore needs both")
-        inner = _torch_optimizer(optimizer)
+        inner = stepped_optimizer(optimizer)   # Accelerate's AcceleratedOptimizer wraps the Trainer's
         try:
             self._held.start(model, inner)
         except OOCError as exc:
@@ -144,12 +143,3 @@ class OutOfCoreCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._held.finish()
-
-
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (itself an
-    ``Optimizer`` subclass whose ``step()`` calls the inner one's, where the engine's hooks
-    must be)."""
-    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
