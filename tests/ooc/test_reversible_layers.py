@@ -83,3 +83,33 @@ def _copy(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("arena", ["pool", "pytorch"])
+def test_reformer_under_the_least_step_budget_over_the_fake_driver(monkeypatch: pytest.MonkeyPatch, arena: str) -> None:
+    """FAKE driver (``ooc.testing.fake_cuda``): the CUDA path under the least budget for the
+    whole step the engine names, swap-ins in ooc's pool or PyTorch's allocator: bitwise, the
+    driver's contract kept, nothing left outstanding, a planned step among the four updates."""
+    import ooc.testing
+    from test_outside_models import CHUNK, _at_the_least_step_budget, ARCHITECTURES
+
+    _, why = _library("transformers")
+    if why is not None:
+        pytest.skip(why)
+    monkeypatch.setattr(torch, "seed", _seed)
+    case = Case("transformers", _reformer, _tokens, _lm_loss, clip=True)
+    monkeypatch.setitem(ARCHITECTURES, "reformer", case)   # _at_the_least_step_budget builds it by name
+    torch.manual_seed(0)
+    ref = _train(case, _reformer_from_seed(), None)
+    with ooc.testing.fake_cuda(granularity=CHUNK) as driver:
+        got, budget, named = _at_the_least_step_budget(case, "reformer", {"device": "cuda", "options": {"arena": arena}})
+        assert driver.violations == []
+        assert set(driver.outstanding().values()) == {0}, driver.outstanding()
+    _assert_bitwise(ref, got, "reformer")
+    assert named and got["stats"]["step_budget"] == budget and got["stats"]["tier.bytes_written"] > 0
+    assert any(got["planned"]), "no step ran its plan"
+
+
+def _reformer_from_seed() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _reformer()
