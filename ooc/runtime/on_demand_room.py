@@ -202,7 +202,10 @@ class OnDemandRoom:
                         and slot not in keep):
                     slot.drop(self.ctx.tier)
                     self.book.account(-slot.nbytes)
-        self.held = {slot: None for slot in self.held if slot in keep}
+        if keep:
+            self.held = {slot: None for slot in self.held if slot in keep}
+        else:   # (the usual close: no new dict per backward node)
+            self.held.clear()
 
     def track_fresh(self, b: Birth, keep: set, i: int) -> Birth:
         """Count a storage the optimizer just created, after making room for it."""

@@ -24,6 +24,8 @@ be compared bit for bit.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -66,23 +68,16 @@ def test_reformers_reversible_layers_train_bitwise_within_the_budget(monkeypatch
     monkeypatch.setattr(torch, "seed", _seed)
     monkeypatch.setattr(hook_forms.HookPlan, "judge", decided(keep=form == "anchored"))
     case = Case("transformers", _reformer, _tokens, _lm_loss, clip=True)
-    torch.manual_seed(0)
-    model = case.build()
-    ref = _train(case, _copy(model), None, updates=UPDATES)
-    peak = _train(case, _copy(model), {"budget": "4GiB"}, updates=2)["stats"]["plan.in_core_peak_bytes"]
+    model = _reformer_from_seed()
+    ref = _train(case, copy.deepcopy(model), None, updates=UPDATES)
+    peak = _train(case, copy.deepcopy(model), {"budget": "4GiB"}, updates=2)["stats"]["plan.in_core_peak_bytes"]
     budget = peak // fraction
-    got = _train(case, _copy(model), {"budget": budget}, updates=UPDATES)
+    got = _train(case, copy.deepcopy(model), {"budget": budget}, updates=UPDATES)
     _assert_bitwise(ref, got, "reformer")
     stats = got["stats"]
     forms = [FORMS[f] for f, _ in got["steps"]]
     assert form in forms[2:], forms
     assert stats["bytes_out"] > 0 and stats["plan.peak_resident_bytes"] <= budget, stats
-
-
-def _copy(model: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
 
 
 @pytest.mark.parametrize("arena", ["pool", "pytorch"])
@@ -99,7 +94,6 @@ def test_reformer_under_the_least_step_budget_over_the_fake_driver(monkeypatch: 
     monkeypatch.setattr(torch, "seed", _seed)
     case = Case("transformers", _reformer, _tokens, _lm_loss, clip=True)
     monkeypatch.setitem(ARCHITECTURES, "reformer", case)   # _at_the_least_step_budget builds it by name
-    torch.manual_seed(0)
     ref = _train(case, _reformer_from_seed(), None)
     with ooc.testing.fake_cuda(granularity=CHUNK) as driver:
         got, budget, named = _at_the_least_step_budget(case, "reformer", {"device": "cuda", "options": {"arena": arena}})
