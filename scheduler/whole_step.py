@@ -108,12 +108,13 @@ def share_beside(budget: int, held: int, *, reserve: Callable[[int], int] = lamb
 
 def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, *,
                    reserve: Callable[[int], int] = lambda budget: 0, arenas: int = 1,
-                   granule: int = 2 << 20) -> int:
+                   granule: int = 2 << 20, kept: Callable[[int], str] = lambda budget: "") -> int:
     """The managed budget for a step ``budget``: what is left of it, less ``reserve(budget)``
     (bytes the device keeps beside any plan: the CPU allocator's cache), where the step holds the
     most beside its managed tensors (``held``: per function, and one more for an update measured
     before it ran, ``ooc.engine.step_budget.Update``), shared by ``arenas`` (2: ooc's pool beside
     PyTorch's allocator, whose blocks the pool cannot reuse), in whole ``granule``s.
+    ``kept(budget)`` says what the reserve is made of, for the refusal's note.
     ``BudgetTooSmall`` where that is under the step's largest working set: it names the
     function where the step holds the most, and the step budget that leaves that working set.
     Both as the planner counts them: each activation in whole ``granule``s (the pool's chunks,
@@ -144,7 +145,8 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
                      f"managed tensors the step holds up to {format_size(most)} there (weights, gradients, "
                      f"optimizer state, PyTorch's temporaries), and one function needs {format_size(low)} of "
                      f"managed tensors at once" + (" in each of two arenas" if arenas > 1 else "")
-                     + (f"; {format_size(reserve(budget))} is kept back (the CPU allocator's cache, the engine's records)"
+                     + (f"; {format_size(reserve(budget))} is kept back"
+                        + (f": {kept(budget)}" if kept(budget) else " (the CPU allocator's cache, the engine's records)")
                         if reserve(budget) else ""))
         try:
             raise err
