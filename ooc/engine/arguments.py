@@ -108,20 +108,24 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
 
 def stepped_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The optimizer whose ``step()`` the engine hooks: ``optimizer``, or, where its ``__init__``
-    skipped ``Optimizer.__init__`` (no step hooks to register), the optimizer it wraps and steps.
+    skipped ``Optimizer.__init__`` (no step hooks to register), the optimizer it wraps and steps
+    (the one ``Optimizer`` among its attributes).
 
     Why: Accelerate's ``AcceleratedOptimizer`` (what ``accelerator.prepare`` returns, and the
-    Trainer's optimizer) is an ``Optimizer`` that wraps the user's and calls its ``step()``;
-    given to the engine, registering the step hooks raised ``AttributeError:
-    'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'``. Its inner
-    optimizer's ``step()`` is the update, where the hooks must be; one that wraps none is
-    refused, saying so."""
+    Trainer's optimizer) is an ``Optimizer`` that wraps the user's (as ``.optimizer``) and calls
+    its ``step()``; given to the engine, registering the step hooks raised ``AttributeError:
+    'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'``. Opacus's
+    ``DPOptimizer`` wraps it as ``.original_optimizer`` and clips and noises the per-sample
+    gradients before it steps it. The inner optimizer's ``step()`` is the update, where the
+    hooks must be; one that wraps none, or more than one, is refused, saying so."""
     inner = optimizer
     while inner is not None and not hasattr(inner, "_optimizer_step_pre_hooks"):
-        wrapped = getattr(inner, "optimizer", None)
-        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
+        wrapped = {id(v): v for v in vars(inner).values() if isinstance(v, torch.optim.Optimizer) and v is not inner}
+        if len(wrapped) != 1:
             raise OOCError(f"{type(optimizer).__name__} has no step hooks (its __init__ does not run "
-                           "torch.optim.Optimizer.__init__) and wraps no optimizer that has them: the engine "
-                           "hooks optimizer.step(), the update; give it the optimizer whose step() updates")
-        inner = wrapped
+                           "torch.optim.Optimizer.__init__) and wraps " + (
+                               "no optimizer" if not wrapped else f"{len(wrapped)} optimizers, not one")
+                           + ": the engine hooks optimizer.step(), the update; give it the optimizer whose "
+                           "step() updates")
+        inner = next(iter(wrapped.values()))
     return inner
