@@ -52,10 +52,10 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
     if not isinstance(model, torch.nn.Module):
         raise OOCError(f"model must be a torch.nn.Module, got {type(model).__name__}: the engine "
                        f"records and moves what its parameters, buffers and forward hold")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise OOCError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}: "
-                       f"the engine hooks its step(), the update. With several optimizers (a GAN's "
-                       f"two) give none and manage activations only (the default)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and len(_wrapped(optimizer)) != 1:
+        raise OOCError(f"optimizer must be a torch.optim.Optimizer, an object that wraps one, or None, got "
+                       f"{type(optimizer).__name__}: the engine hooks its step(), the update. With several "
+                       f"optimizers (a GAN's two) give none and manage activations only (the default)")
     optimizer = stepped_optimizer(optimizer)
     if not isinstance(options, Options):
         raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
@@ -117,15 +117,24 @@ def stepped_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Op
     'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks'``. Opacus's
     ``DPOptimizer`` wraps it as ``.original_optimizer`` and clips and noises the per-sample
     gradients before it steps it. The inner optimizer's ``step()`` is the update, where the
-    hooks must be; one that wraps none, or more than one, is refused, saying so."""
+    hooks must be; one that wraps none, or more than one, is refused, saying so. The same for a
+    wrapper that is no ``Optimizer`` (schedulefree's ``ScheduleFreeWrapper``, whose ``step()``
+    moves the weights to where the gradient is taken and back around its ``.base``'s)."""
     inner = optimizer
     while inner is not None and not hasattr(inner, "_optimizer_step_pre_hooks"):
-        wrapped = {id(v): v for v in vars(inner).values() if isinstance(v, torch.optim.Optimizer) and v is not inner}
+        wrapped = _wrapped(inner)
         if len(wrapped) != 1:
             raise OOCError(f"{type(optimizer).__name__} has no step hooks (its __init__ does not run "
                            "torch.optim.Optimizer.__init__) and wraps " + (
                                "no optimizer" if not wrapped else f"{len(wrapped)} optimizers, not one")
                            + ": the engine hooks optimizer.step(), the update; give it the optimizer whose "
                            "step() updates")
-        inner = next(iter(wrapped.values()))
+        inner = wrapped[0]
     return inner
+
+
+def _wrapped(wrapper: object) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``wrapper``'s attributes, each once."""
+    found = {id(v): v for v in getattr(wrapper, "__dict__", {}).values()
+             if isinstance(v, torch.optim.Optimizer) and v is not wrapper}
+    return list(found.values())

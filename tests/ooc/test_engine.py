@@ -427,12 +427,13 @@ class _TwoOptimizers:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.g = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.d = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def test_a_model_or_optimizer_of_another_type_is_refused_by_name() -> None:
     """Not an ``AttributeError`` from deep inside the engine (``register_step_pre_hook``)."""
     model, _ = _fresh("cnn", "sgd")
-    with pytest.raises(ooc.OOCError, match="optimizer must be a torch.optim.Optimizer or None, got _TwoOptimizers"):
+    with pytest.raises(ooc.OOCError, match="optimizer must be a torch.optim.Optimizer, an object that wraps one, or None, got _TwoOptimizers"):
         OutOfCore(model, _TwoOptimizers(model), budget="1GiB")
     with pytest.raises(ooc.OOCError, match="model must be a torch.nn.Module, got function"):
         OutOfCore(lambda x: model(x), budget="1GiB")

@@ -1,8 +1,9 @@
 """Optimizers as users and libraries write them: a subclass whose ``step()`` calls
 ``super().step()`` (one update, not two nested ones), one made from another optimizer (as
 timm's ``Lookahead``, with or without ``Optimizer.__init__``), one that keeps a tensor in its
-parameter groups (as timm's ``Lamb``), and ``LBFGS``, whose ``step(closure)`` runs the forward
-and backward inside the update.
+parameter groups (as timm's ``Lamb``), ``LBFGS``, whose ``step(closure)`` runs the forward
+and backward inside the update, and schedulefree's optimizers, which move the weights in place
+between training and evaluation.
 
 PyTorch wraps each optimizer class's ``step`` in its hooks the first time an instance of that
 class is made, so a subclass's ``step()`` that calls the parent's runs the engine's update
@@ -272,3 +273,52 @@ def test_state_that_grows_between_steps_is_fitted_again_under_a_budget_for_the_w
     run(ref, None, 6)
     _assert_bitwise(ref, model)
 
+
+
+def _schedule_free(name: str, model: nn.Module) -> tuple[object, torch.optim.Optimizer]:
+    """(What the user steps, the optimizer holding the state): schedulefree's AdamW, or its
+    wrapper (no ``Optimizer``) around SGD."""
+    import schedulefree
+
+    if name == "adamw":
+        opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-3, warmup_steps=2)
+        return opt, opt
+    wrapper = schedulefree.ScheduleFreeWrapper(torch.optim.SGD(model.parameters(), lr=0.05), momentum=0.9)
+    return wrapper, wrapper.base
+
+
+@pytest.mark.parametrize("name", ["adamw", "wrapper"])
+def test_schedule_free_optimizers_train_and_evaluate_bitwise_with_every_kind_managed(name: str) -> None:
+    """schedulefree's optimizers keep the weights where the gradient is taken (y) in training
+    and move them in place to where they are evaluated (x) at ``opt.eval()``, and back at
+    ``opt.train()``, between steps; its ``ScheduleFreeWrapper`` is no ``Optimizer`` (given to
+    the engine it was refused: "optimizer must be a torch.optim.Optimizer or None") and moves
+    them around its base optimizer's step inside its own. With every kind managed under a
+    budget for the whole step, steps and evaluations between them: bitwise."""
+    pytest.importorskip("schedulefree")
+    runs = []
+    for engine_kw in (None, {"budget": 24 << 20, "manage": ("activations", "params", "grads", "optimizer_state"),
+                             "options": ooc.Options(chunk="64KiB", min_bytes=4096, budget_covers="step")}):
+        model = _model()
+        opt, state = _schedule_free(name, model)
+        opt.train()
+        engine = ooc.OutOfCore(model, opt, **engine_kw) if engine_kw is not None else None
+        seen = []
+        try:
+            for step in range(4):
+                _steps(model, opt, engine, [step])
+                model.eval(), opt.eval()
+                with torch.no_grad():
+                    seen.append(model(torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(9))))
+                model.train(), opt.train()
+            with engine.resident() if engine is not None else contextlib.nullcontext():
+                runs.append((model, {(i, k): v.clone() for i, s in enumerate(state.state.values())
+                                     for k, v in s.items() if torch.is_tensor(v)}, seen, engine.stats() if engine is not None else {}))
+        finally:
+            if engine is not None:
+                engine.close()
+    (ref, ref_state, ref_seen, _), (model, got_state, got_seen, stats) = runs
+    _assert_bitwise(ref, model)
+    assert all(torch.equal(a, b) for a, b in zip(ref_seen, got_seen)), "the evaluations between steps differ"
+    assert ref_state.keys() == got_state.keys() and all(torch.equal(v, got_state[k]) for k, v in ref_state.items())
+    assert stats["bytes_out"] > 0 and stats["steps.planned"] + stats["steps.anchored"] > 0, stats
