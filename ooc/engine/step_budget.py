@@ -97,7 +97,7 @@ def kept_words(budget: int, mem: EngineMemory) -> str:
     """What ``kept_back`` is made of, in a refusal's words. Why: the records grow with the
     step's ops, not its bytes. Hugging Face's RWKV, whose CPU path loops over the tokens in
     Python, runs 9,500 ops a step at 2 layers and 32 tokens: of its least step budget, 77 MiB,
-    67 MiB were the records' (its tensors needed under 4), and the note said only "the
+    65 MiB were the records' (its tensors needed under 4), and the note said only "the
     CPU allocator's cache, the engine's records"."""
     parts, cache = [], cache_reserve(budget, mem.on_cpu)
     if cache:

@@ -328,7 +328,7 @@ class _Unrolled(nn.Module):
 
 def test_a_refusal_says_how_much_of_the_budget_the_records_of_many_small_ops_keep() -> None:
     """Where a step budget goes to the engine's records of its ops, the refusal says so, with
-    the ops counted: HF's RWKV (9,500 ops) was refused at 77 MiB's least, 67 of them for the
+    the ops counted: HF's RWKV (9,500 ops) was refused at 77 MiB's least, 65 of them for the
     records, and the note said "(the CPU allocator's cache, the engine's records)". At the
     least it names, the step trains bitwise."""
     from ooc.engine.step_budget import RECORD_BYTES
