@@ -141,13 +141,14 @@ def managed_budget(managed: VariableSequence, held: Sequence[int], budget: int, 
         name = managed.functions[i].name if i < len(managed.functions) else "the optimizer's update"
         err = BudgetTooSmall(function=i, name=name, working_set=most + low,
                              budget=budget, minimum=minimum)
+        reserved, words = reserve(budget), kept(budget)
         err.add_note(f"ooc: the budget covers the whole step (Options(budget_covers='step')): beside its "
                      f"managed tensors the step holds up to {format_size(most)} there (weights, gradients, "
                      f"optimizer state, PyTorch's temporaries), and one function needs {format_size(low)} of "
                      f"managed tensors at once" + (" in each of two arenas" if arenas > 1 else "")
-                     + (f"; {format_size(reserve(budget))} is kept back"
-                        + (f": {kept(budget)}" if kept(budget) else " (the CPU allocator's cache, the engine's records)")
-                        if reserve(budget) else ""))
+                     + (f"; {format_size(reserved)} is kept back"
+                        + (f": {words}" if words else " (the CPU allocator's cache, the engine's records)")
+                        if reserved else ""))
         try:
             raise err
         finally:   # the frame its traceback keeps must not hold it: a cycle, the caller's frames with it

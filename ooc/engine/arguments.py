@@ -52,10 +52,6 @@ def checked(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bud
     if not isinstance(model, torch.nn.Module):
         raise OOCError(f"model must be a torch.nn.Module, got {type(model).__name__}: the engine "
                        f"records and moves what its parameters, buffers and forward hold")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and len(_wrapped(optimizer)) != 1:
-        raise OOCError(f"optimizer must be a torch.optim.Optimizer, an object that wraps one, or None, got "
-                       f"{type(optimizer).__name__}: the engine hooks its step(), the update. With several "
-                       f"optimizers (a GAN's two) give none and manage activations only (the default)")
     optimizer = stepped_optimizer(optimizer)
     if not isinstance(options, Options):
         raise OOCError(f"options must be an ooc.Options, got {type(options).__name__}")
@@ -123,6 +119,10 @@ def stepped_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Op
     inner = optimizer
     while inner is not None and not hasattr(inner, "_optimizer_step_pre_hooks"):
         wrapped = _wrapped(inner)
+        if len(wrapped) != 1 and inner is optimizer and not isinstance(optimizer, torch.optim.Optimizer):
+            raise OOCError(f"optimizer must be a torch.optim.Optimizer, an object that wraps one, or None, got "
+                           f"{type(optimizer).__name__}: the engine hooks its step(), the update. With several "
+                           f"optimizers (a GAN's two) give none and manage activations only (the default)")
         if len(wrapped) != 1:
             raise OOCError(f"{type(optimizer).__name__} has no step hooks (its __init__ does not run "
                            "torch.optim.Optimizer.__init__) and wraps " + (

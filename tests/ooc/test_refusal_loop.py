@@ -40,6 +40,7 @@ import ooc
 from scheduler.errors import BudgetTooSmall
 from in_child import run_in_child
 from test_budget_covers_step import MiB, peaks_at_the_least_step_budget
+from test_outside_models import least_step_budget
 from test_reliability import _one_torch_thread, assert_same, state_of  # noqa: F401
 from test_second_backward import ALL
 
@@ -352,16 +353,16 @@ def test_a_refusal_says_how_much_of_the_budget_the_records_of_many_small_ops_kee
             if engine is not None:
                 engine.close()
 
-    budget, notes = MiB, []
-    for _ in range(6):   # as a user retries, at what each refusal names
+    notes: list[str] = []
+
+    def refused_saying(budget: int, _: int) -> tuple[dict, dict]:
         try:
-            state, stats = trained(budget)
-            break
+            return trained(budget)
         except BudgetTooSmall as refused:
             notes.append("\n".join(getattr(refused, "__notes__", [])))
-            budget = refused.minimum
-    else:
-        pytest.fail(f"no step budget from 1 MiB trained: {notes}")
+            raise
+
+    (state, stats), budget, _ = least_step_budget(refused_saying, start=MiB)
     records = [re.search(r"for the engine's records of the step's ([\d,]+) ops", note) for note in notes]
     assert records and all(records), notes
     ops = int(records[-1].group(1).replace(",", ""))

@@ -274,7 +274,6 @@ def test_state_that_grows_between_steps_is_fitted_again_under_a_budget_for_the_w
     _assert_bitwise(ref, model)
 
 
-
 def _schedule_free(name: str, model: nn.Module) -> tuple[object, torch.optim.Optimizer]:
     """(What the user steps, the optimizer holding the state): schedulefree's AdamW, or its
     wrapper (no ``Optimizer``) around SGD."""
@@ -312,8 +311,9 @@ def test_schedule_free_optimizers_train_and_evaluate_bitwise_with_every_kind_man
                     seen.append(model(torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(9))))
                 model.train(), opt.train()
             with engine.resident() if engine is not None else contextlib.nullcontext():
-                runs.append((model, {(i, k): v.clone() for i, s in enumerate(state.state.values())
-                                     for k, v in s.items() if torch.is_tensor(v)}, seen, engine.stats() if engine is not None else {}))
+                kept = {(i, k): v.clone() for i, s in enumerate(state.state.values()) for k, v in s.items()
+                        if torch.is_tensor(v)}
+                runs.append((model, kept, seen, engine.stats() if engine is not None else {}))
         finally:
             if engine is not None:
                 engine.close()
