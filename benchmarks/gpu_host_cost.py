@@ -41,6 +41,7 @@ from gpu_cases import GpuCase
 CASE = GpuCase("resnet50", "ResNet-50 b32", 32, "sgd")
 QUICK_CASE = GpuCase("resnet50", "ResNet-50 b4 64x64 (quick)", 4, "sgd", image_size=64)
 WARMUP, STEPS, TOP = 8, 5, 20
+QUICK_WARMUP, QUICK_STEPS = 2, 2   # the dry run's: each row's code runs, its figures mean nothing
 
 
 class _Counting(TorchDispatchMode):
@@ -63,6 +64,7 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
     from ooc.engine import Options, OutOfCore
 
     case = QUICK_CASE if quick else CASE
+    warmup, steps = (QUICK_WARMUP, QUICK_STEPS) if quick else (WARMUP, STEPS)
     model0, x0, y0, loss_fn = case.build()
     x, y = x0.to(gpu_cases.DEVICE), y0.to(gpu_cases.DEVICE)
     mode = _Counting()
@@ -80,7 +82,7 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
                 loss_fn(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        return _timed(step)
+        return _timed(step, warmup, steps)
 
     # in core, and the budget: four times the step's rise above its start (at least 256 MiB),
     # at most half the device: the engine's plan moves nothing
@@ -91,7 +93,7 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
     rise = torch.cuda.max_memory_allocated() - start
     budget = min(max(4 * rise, 256 << 20), torch.cuda.get_device_properties(0).total_memory // 2)
     rows.append(("dispatch mode only", trained(lambda m, o: lambda: mode), ""))
-    ops = mode.ops // (WARMUP + STEPS)
+    ops = mode.ops // (warmup + steps)
     profile: pstats.Stats | None = None
     quiet = 0
     for label, hook_steps in (("ooc per op", False), ("ooc per op, every op looked at", False), ("ooc", True)):
@@ -130,7 +132,7 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
             "hook_host_s": queue_s["ooc"] / max(ops, 1)}   # not the simulator's: a hook-driven step's
     base = step_s["in-core"]
     lines = [f"{case.label}, {ops} ops a step; budget {budget / 2**30:.2f} GiB (the plan moves nothing). "
-             f"Median of {STEPS} steps after {WARMUP}, each between two synchronizations; 'queued' is the "
+             f"Median of {steps} steps after {warmup}, each between two synchronizations; 'queued' is the "
              "host's time until the step's code returned (its ops queued, the device maybe still busy).", "",
              "| run | step | vs in-core | queued | host us per op over in-core | note |",
              "|---|---:|---:|---:|---:|---|"]
@@ -154,17 +156,17 @@ def host_cost(quick: bool) -> tuple[list[str], dict[str, float]]:
     return lines, host
 
 
-def _timed(one_step: Callable[[], None]) -> list[tuple[float, float]]:
-    """(step, queued) seconds of the steps after ``WARMUP``, each step between two
+def _timed(one_step: Callable[[], None], warmup: int, steps: int) -> list[tuple[float, float]]:
+    """(step, queued) seconds of the ``steps`` steps after ``warmup``, each step between two
     synchronizations; queued: until its code returned."""
     times = []
-    for i in range(WARMUP + STEPS):
+    for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         one_step()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        if i >= WARMUP:
+        if i >= warmup:
             times.append((time.perf_counter() - t0, t1 - t0))
     return times
 
