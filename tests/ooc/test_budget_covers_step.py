@@ -567,7 +567,9 @@ def test_over_the_fake_cuda_driver_one_arena_gets_the_budget_less_what_the_step_
 @pytest.mark.slow
 def test_the_process_peak_stays_within_a_budget_for_the_whole_step(tmp_path) -> None:
     """ResNet-18 at batch 32 in a fresh process per case (VmHWM reset once model, optimizer
-    and batch are built, and again after the two steps that record and plan): its peak rise
+    and batch are built, and again after the two steps that record and plan; two steady steps
+    after them, four before: 123 s of the suite's time; at batch 16 in core stays under the
+    budget, so the batch stays): its peak rise
     with the weights it had before (which the budget covers) is within the step budget, at 7/8
     of the step's in-core peak; in core it is not."""
     x, y = ooc.models.example_batch("resnet18", 32, "meta")
@@ -577,7 +579,7 @@ def test_the_process_peak_stays_within_a_budget_for_the_whole_step(tmp_path) -> 
     whole = trace(net, x, targets=y, loss_fn=ooc.models.loss_fn("resnet18"), optimizer="sgd",
                   device="meta").in_core_peak_bytes
     budget = whole * 7 // 8   # 3/4 is under what it holds beside its largest working set
-    common = dict(model="resnet18", batch=32, steps=6, storage=str(tmp_path), steady_from=2)
+    common = dict(model="resnet18", batch=32, steps=4, storage=str(tmp_path), steady_from=2)
     run = measure.run_case(measure.Case(method="ooc", budget=budget, budget_covers="step", **common))
     assert run.stats["step_budget"] == budget
     assert run.steady_peak_rise_bytes + weights <= budget, (run.steady_peak_rise_bytes, weights, budget)
